@@ -1,0 +1,124 @@
+"""Per-head norm modules for queries, keys and values.
+
+Every module normalises over the last dimension, ``head_dim``, and shares its parameters across heads (Wortsman et
+al. 2023: head-dim parameters shared by all heads; Qwen3 uses the same layout). Inputs are ``(..., head_dim)`` -- in
+the patched attention ``(batch, seq, heads, head_dim)`` -- and the norm sits **before** RoPE. Arithmetic runs in
+float32 for half-precision inputs and the result is cast back, as Transformers' own RMSNorm does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class HeadLayerNorm(nn.Module):
+    """LayerNorm over ``head_dim`` with ``weight`` and ``bias`` of shape ``(head_dim,)`` (the paper's QK-norm)."""
+
+    kind = "layernorm"
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.bias = nn.Parameter(torch.zeros(head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over ``head_dim`` with ``weight`` of shape ``(head_dim,)``: the exact arithmetic of ``Qwen3RMSNorm``,
+    so that a Llama with ``rmsnorm`` QK-norm is bit-for-bit a Qwen3 model."""
+
+    kind = "rmsnorm"
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.variance_epsilon = eps
+
+    @property
+    def eps(self) -> float:
+        return self.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+class HeadLpNorm(nn.Module):
+    """``x / max(||x||_p, eps)`` over ``head_dim``, times an optional learnable scale.
+
+    ``scale="logit"``: one scalar ``weight`` -- the learnable logit scale ``g`` that replaces ``1/sqrt(head_dim)``
+    (Henry et al. 2020; López-Rubio et al. 2026). It sits on the query norm, so ``g * q_hat . k_hat`` is computed by
+    any attention backend with ``scaling=1``.
+    ``scale="channel"``: ``weight`` of shape ``(head_dim,)`` (used on values by ``qkv_norm``).
+    ``scale=None``: no parameter (the key norm).
+    """
+
+    kind = "lp"
+
+    def __init__(self, head_dim: int, p: float, eps: float, scale: str | None, init: float = 1.0):
+        super().__init__()
+        if scale not in (None, "logit", "channel"):
+            raise ValueError(f"scale must be None, 'logit' or 'channel', got {scale!r}")
+        self.p = float(p)
+        self.eps = eps
+        self.scale = scale
+        if scale == "logit":
+            self.weight = nn.Parameter(torch.full((1,), float(init)))
+        elif scale == "channel":
+            self.weight = nn.Parameter(torch.full((head_dim,), float(init)))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.normalize(x.float(), p=self.p, dim=-1, eps=self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, eps={self.eps}, scale={self.scale}"
+
+
+def henry_logit_scale(seq_len: int) -> float:
+    """Henry et al. 2020's initial logit scale ``g0 = log2(L^2 - L)`` for training length ``L``."""
+    seq_len = max(int(seq_len), 2)
+    return math.log2(seq_len * seq_len - seq_len)
+
+
+def make_norm(kind: str, role: str, head_dim: int, eps: float, p: float | None = None,
+              logit_scale: float = 1.0) -> nn.Module:
+    """Build the norm for ``role`` in ``("q", "k", "v")``.
+
+    For ``layernorm``/``rmsnorm`` the three roles are the same module type. For ``l2``/``lp`` the query norm holds
+    the learnable logit scale (initialised to ``logit_scale``), the key norm has no parameter and the value norm has
+    a per-channel scale initialised to 1.
+    """
+    if role not in ("q", "k", "v"):
+        raise ValueError(f"role must be 'q', 'k' or 'v', got {role!r}")
+    if kind == "layernorm":
+        return HeadLayerNorm(head_dim, eps)
+    if kind == "rmsnorm":
+        return HeadRMSNorm(head_dim, eps)
+    if kind in ("l2", "lp"):
+        scale = {"q": "logit", "k": None, "v": "channel"}[role]
+        return HeadLpNorm(head_dim, 2.0 if kind == "l2" else p, eps, scale, logit_scale if role == "q" else 1.0)
+    raise ValueError(f"unknown norm {kind!r}; valid norms: 'layernorm', 'rmsnorm', 'l2', 'lp'")
+
+
+NORM_CLASSES = (HeadLayerNorm, HeadRMSNorm, HeadLpNorm)

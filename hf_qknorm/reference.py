@@ -1,0 +1,115 @@
+"""Plain PyTorch math for every scheme, written from the formulas: the tests' oracle.
+
+Nothing here is optimised and nothing here is shared with the code under test: each function is the textbook
+formula, materialising the full ``(seq, seq)`` logits. Run it in float64 to compare against the library.
+
+Shapes: ``q`` is ``(batch, heads, q_len, head_dim)``; ``k`` and ``v`` are ``(batch, kv_heads, kv_len, head_dim)``
+with ``heads % kv_heads == 0`` (GQA: query head ``h`` reads key/value head ``h // (heads // kv_heads)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def norm_reference(x: torch.Tensor, kind: str, weight=None, bias=None, eps: float = 1e-6, p: float = 2.0):
+    """The per-head norm over the last dimension."""
+    if kind == "layernorm":
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        y = (x - mu) / torch.sqrt(var + eps)
+    elif kind == "rmsnorm":
+        y = x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps)
+    elif kind in ("l2", "lp"):
+        p = 2.0 if kind == "l2" else p
+        y = x / (x.abs() ** p).sum(-1, keepdim=True).pow(1.0 / p).clamp_min(eps)
+    else:
+        raise ValueError(kind)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the half-split layout of Llama: ``x * cos + rotate_half(x) * sin``.
+    ``x`` is ``(batch, heads, seq, head_dim)``, ``cos``/``sin`` are ``(batch, seq, head_dim)``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+def allowed_reference(q_len: int, kv_len: int, *, causal: bool, sliding_window: int | None = None,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean ``(batch or 1, 1, q_len, kv_len)`` of the pairs a query may attend to.
+
+    Causality is bottom-right aligned: query ``i`` sits at absolute position ``i + kv_len - q_len``. A sliding
+    window of ``w`` keeps keys with ``pos_q - pos_k < w``. ``mask`` (True = attend) is intersected."""
+    qi = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    kj = torch.arange(kv_len)[None, :]
+    ok = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if causal:
+        ok = ok & (kj <= qi)
+    if sliding_window is not None:
+        ok = ok & (qi - kj < sliding_window)
+    ok = ok[None, None]
+    if mask is not None:
+        ok = ok & mask.to(torch.bool).cpu()
+    return ok
+
+
+def attention_reference(q, k, v, *, scaling: float, softcap: float | None = None, causal: bool = True,
+                        mask: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """``softmax(mask(c * tanh(scaling * q k^T / c))) v``; rows with no allowed key give zeros.
+    Returns ``(batch, heads, q_len, head_dim)``."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    s = scaling * (q @ k.transpose(-1, -2))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    ok = allowed_reference(q.shape[2], k.shape[2], causal=causal, sliding_window=sliding_window, mask=mask)
+    ok = ok.to(q.device)
+    s = s.masked_fill(~ok, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.where(ok, p, torch.zeros((), dtype=p.dtype, device=p.device))  # fully masked rows: 0, not NaN
+    p = torch.nan_to_num(p, nan=0.0)
+    return p @ v
+
+
+def attention_layer_reference(x, *, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, heads: int,
+                              kv_heads: int, head_dim: int, scaling: float, softcap=None, norm=None,
+                              q_norm=None, k_norm=None, v_norm=None, cos=None, sin=None, causal=True, mask=None,
+                              sliding_window=None, eps=1e-6, p=2.0):
+    """One patched attention layer from the formulas, on hidden states ``x`` of shape ``(batch, seq, hidden)``.
+
+    ``w*`` are ``(out, in)`` matrices as in ``nn.Linear``. ``q_norm``/``k_norm``/``v_norm`` are dicts with the norm's
+    ``weight``/``bias`` (or ``None`` for no norm on that input). Order: project -> split heads -> norm -> RoPE ->
+    attention (cap, mask, softmax) -> merge heads -> output projection.
+    """
+    b, t, _ = x.shape
+
+    def proj(w, bias, n):
+        y = x @ w.T + (bias if bias is not None else 0)
+        return y.view(b, t, n, head_dim)
+
+    q, k, v = proj(wq, bq, heads), proj(wk, bk, kv_heads), proj(wv, bv, kv_heads)
+    for name, norm_params in (("q", q_norm), ("k", k_norm), ("v", v_norm)):
+        if norm_params is None:
+            continue
+        t_ = {"q": q, "k": k, "v": v}[name]
+        t_ = norm_reference(t_, norm, norm_params.get("weight"), norm_params.get("bias"), eps=eps, p=p)
+        if name == "q":
+            q = t_
+        elif name == "k":
+            k = t_
+        else:
+            v = t_
+    q, k, v = (a.transpose(1, 2) for a in (q, k, v))
+    if cos is not None:
+        q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    o = attention_reference(q, k, v, scaling=scaling, softcap=softcap, causal=causal, mask=mask,
+                            sliding_window=sliding_window)
+    o = o.transpose(1, 2).reshape(b, t, heads * head_dim)
+    return o @ wo.T + (bo if bo is not None else 0)

@@ -1,0 +1,139 @@
+"""The schemes and their settings: :class:`QKNormConfig` and its validation.
+
+A scheme says what changes in every attention layer (see ``DESIGN.md``):
+
+========== ==========================================================================
+scheme     change
+========== ==========================================================================
+qk_norm     a norm on each head's query and key, before RoPE
+soft_cap    logits ``s = scaling * q.k`` become ``c * tanh(s / c)`` before mask and softmax
+qk_norm_cap both of the above (Rybakov et al. 2024)
+qkv_norm    a norm on each head's query, key and value; the pre-attention norm is removed
+========== ==========================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
+NORMS = ("layernorm", "rmsnorm", "l2", "lp")
+DEFAULT_SOFTCAP = 50.0  # Gemma 2 / Rybakov et al. 2024
+
+_CAPPED = ("soft_cap", "qk_norm_cap")
+_NORMED = ("qk_norm", "qk_norm_cap", "qkv_norm")
+
+
+def _choices(values) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+@dataclass(frozen=True)
+class QKNormConfig:
+    """Validated settings of one patch.
+
+    Args:
+        scheme: one of ``SCHEMES``.
+        norm: one of ``NORMS``; ``None`` means ``"layernorm"`` for the schemes with a norm. ``soft_cap`` has no norm,
+            so giving one is an error.
+        softcap: the cap ``c`` in ``c * tanh(s / c)``; ``None`` means 50.0 for the capped schemes. A cap given to a
+            scheme without one is an error.
+        eps: the norm's epsilon; ``None`` means "the model's own norm epsilon" (resolved by :func:`patch_model`).
+        p: the exponent of the ``lp`` norm (``p >= 1``); ``l2`` is ``lp`` with ``p = 2``.
+    """
+
+    scheme: str = "qk_norm_cap"
+    norm: str | None = None
+    softcap: float | None = None
+    eps: float | None = None
+    p: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown scheme {self.scheme!r}; valid schemes: {_choices(SCHEMES)}")
+        self._check_norm()
+        self._check_softcap()
+        if self.eps is not None and not (isinstance(self.eps, (int, float)) and self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps must be a positive finite number, got {self.eps!r}")
+
+    def _check_norm(self) -> None:
+        norm, p = self.norm, self.p
+        if self.scheme == "soft_cap":
+            if norm is not None:
+                raise ValueError(f"scheme 'soft_cap' has no norm, but norm={norm!r} was given; "
+                                 f"use one of {_choices(_NORMED)} for a norm")
+            if p is not None:
+                raise ValueError(f"scheme 'soft_cap' has no norm, so p={p!r} has no meaning")
+            return
+        if norm is None:
+            norm = "layernorm"
+        if norm not in NORMS:
+            raise ValueError(f"unknown norm {norm!r}; valid norms: {_choices(NORMS)}")
+        if norm == "lp":
+            if p is None:
+                raise ValueError("norm 'lp' needs an exponent p >= 1, e.g. p=4.0")
+            if not (isinstance(p, (int, float)) and math.isfinite(p) and p >= 1):
+                raise ValueError(f"p must be a finite number >= 1 for norm 'lp', got {p!r}")
+            p = float(p)
+        elif norm == "l2":
+            if p not in (None, 2, 2.0):
+                raise ValueError(f"norm 'l2' is the Lp norm with p=2, got p={p!r}; use norm='lp' for other p")
+            p = 2.0
+        elif p is not None:
+            raise ValueError(f"p={p!r} only applies to norm 'lp' (or 'l2'), not {norm!r}")
+        object.__setattr__(self, "norm", norm)
+        object.__setattr__(self, "p", p)
+
+    def _check_softcap(self) -> None:
+        cap = self.softcap
+        if self.scheme not in _CAPPED:
+            if cap is not None:
+                raise ValueError(f"scheme {self.scheme!r} has no cap, but softcap={cap!r} was given; "
+                                 f"capped schemes: {_choices(_CAPPED)}")
+            return
+        if cap is None:
+            cap = DEFAULT_SOFTCAP
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+            raise ValueError(f"softcap must be a positive finite number, got {cap!r}")
+        object.__setattr__(self, "softcap", float(cap))
+
+    # --- what the scheme does -------------------------------------------------------------------------------
+    @property
+    def norms_qk(self) -> bool:
+        """True when q and k get a per-head norm."""
+        return self.scheme in _NORMED
+
+    @property
+    def norms_v(self) -> bool:
+        """True when v gets a per-head norm (``qkv_norm``)."""
+        return self.scheme == "qkv_norm"
+
+    @property
+    def removes_prenorm(self) -> bool:
+        """True when the block's pre-attention norm is removed (``qkv_norm``)."""
+        return self.scheme == "qkv_norm"
+
+    @property
+    def caps(self) -> bool:
+        return self.softcap is not None
+
+    @property
+    def learned_logit_scale(self) -> bool:
+        """True for ``l2``/``lp``: the query norm carries the logit scale that replaces ``1/sqrt(head_dim)``."""
+        return self.norm in ("l2", "lp")
+
+    # --- (de)serialisation ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "QKNormConfig":
+        if not isinstance(d, dict):
+            raise TypeError(f"config.qknorm must be a dict, got {type(d).__name__}")
+        unknown = set(d) - {"scheme", "norm", "softcap", "eps", "p"}
+        if unknown:
+            raise ValueError(f"unknown keys in config.qknorm: {sorted(unknown)}; "
+                             "valid keys: 'scheme', 'norm', 'softcap', 'eps', 'p'")
+        return cls(**d)
