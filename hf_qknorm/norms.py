@@ -3,7 +3,8 @@
 Every module normalises over the last dimension, ``head_dim``, and shares its parameters across heads (Wortsman et
 al. 2023: head-dim parameters shared by all heads; Qwen3 uses the same layout). Inputs are ``(..., head_dim)`` -- in
 the patched attention ``(batch, seq, heads, head_dim)`` -- and the norm sits **before** RoPE. Arithmetic runs in
-float32 for half-precision inputs and the result is cast back, as Transformers' own RMSNorm does.
+float32 for half-precision inputs and the result is cast back, as Transformers' own RMSNorm does (float64 inputs stay
+float64, so the float64 reference tests are exact).
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float32 for half precision and float32, float64 stays float64."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 class HeadLayerNorm(nn.Module):
@@ -27,7 +33,8 @@ class HeadLayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        acc = _acc(x)
+        y = F.layer_norm(x.to(acc), (x.shape[-1],), self.weight.to(acc), self.bias.to(acc), self.eps)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -51,7 +58,7 @@ class HeadRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.to(torch.float32)
+        h = x.to(_acc(x))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(dtype)
 
@@ -86,9 +93,10 @@ class HeadLpNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.normalize(x.float(), p=self.p, dim=-1, eps=self.eps)
+        acc = _acc(x)
+        y = F.normalize(x.to(acc), p=self.p, dim=-1, eps=self.eps)
         if self.weight is not None:
-            y = y * self.weight.float()
+            y = y * self.weight.to(acc)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,149 @@
+"""The ``"qknorm"`` attention implementation for Transformers' ``AttentionInterface``.
+
+Usable by any model: ``AutoModelForCausalLM.from_pretrained(..., attn_implementation="qknorm")`` or
+``model.set_attn_implementation("qknorm")`` once ``hf_qknorm`` is imported. It honours the interface's ``scaling``,
+``dropout``, ``softcap``, ``sliding_window``, ``is_causal`` and packed-sequence (``cu_seq_lens_*``) arguments.
+
+Dispatch: CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``); everything else takes the PyTorch
+path -- ``sdpa`` when there is no cap, and :func:`~hf_qknorm.cpu_attention.chunked_attention` (memory linear in
+sequence length) when there is one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.nn import functional as F
+
+from .cpu_attention import chunk_allowed, chunked_attention
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "qknorm"
+
+# Backends of Transformers that apply the ``softcap`` argument. Anything else would drop the cap.
+CAP_BACKENDS = ("qknorm", "flash_attention_2", "flash_attention_3", "flex_attention")
+# Backends a patched model is moved away from (to "qknorm") when its scheme caps the logits.
+REPLACEABLE_BACKENDS = (None, "eager", "sdpa")
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        logger.warning(msg)
+
+
+def _bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Boolean (True = attend) view of an attention mask; float masks must be 0 / -inf (or dtype-min) only."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool(torch.all(blocked | (mask == 0))):
+        raise ValueError(
+            "qknorm attention takes boolean masks or additive masks of 0 and -inf only; got an additive mask with "
+            "other values (a position bias?). Use attn_implementation='eager' for such masks."
+        )
+    return ~blocked
+
+
+def _varlen_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """Block-diagonal boolean ``(1, 1, q_len, kv_len)`` mask of packed sequences given their cumulative lengths."""
+    def seq_ids(cu, n):
+        ids = torch.zeros(n, dtype=torch.long, device=cu.device)
+        ids[cu[1:-1].long()] = 1
+        return ids.cumsum(0)
+    same = seq_ids(cu_q, q_len)[:, None] == seq_ids(cu_k, kv_len)[None, :]
+    return same[None, None]
+
+
+def _triton_or_reason(query: torch.Tensor):
+    """The Triton entry point for these tensors, or ``(None, reason)`` when it cannot run them."""
+    if not query.is_cuda:
+        return None, "tensors are not on a CUDA device"
+    from . import kernels
+
+    if not kernels.is_available():
+        return None, kernels.unavailable_reason()
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None, f"dtype {query.dtype} is not supported by the Triton kernels (float16, bfloat16, float32)"
+    return kernels.triton_attention, None
+
+
+def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None,
+                             dropout: float = 0.0, softcap: float | None = None, sliding_window: int | None = None,
+                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention with an optional logit cap, in the ``AttentionInterface`` calling convention.
+
+    Args:
+        query: ``(batch, heads, q_len, head_dim)``; key, value: ``(batch, kv_heads, kv_len, head_dim)``.
+        attention_mask: boolean ``(batch, 1, q_len, kv_len)`` from the ``"qknorm"`` mask function (True = attend),
+            or ``None`` for a plain causal (or, with ``is_causal=False``, unmasked) pattern.
+        scaling: logit scale, ``head_dim ** -0.5`` when ``None``. softcap: ``c`` in ``c * tanh(s / c)``.
+    Returns:
+        ``(batch, q_len, heads, head_dim)`` and ``None`` (attention weights are never materialised).
+    """
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap!r}")
+    if kwargs.get("output_attentions"):
+        _warn_once("qknorm attention does not return attention weights (output_attentions=True gives None).")
+    if not module.training:
+        dropout = 0.0
+    mask = _bool_mask(attention_mask)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal) and mask is None and query.shape[2] > 1
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+
+    kernel, reason = _triton_or_reason(query)
+    if kernel is not None:
+        out = kernel(query, key, value, scaling=scaling, softcap=softcap,
+                     causal=causal or (cu_q is not None and bool(getattr(module, "is_causal", True))),
+                     attn_mask=None if cu_q is not None else mask, sliding_window=sliding_window,
+                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=kwargs.get("max_length_q"),
+                     max_seqlen_k=kwargs.get("max_length_k"), dropout_p=dropout)
+        return out.transpose(1, 2).contiguous(), None
+    if query.is_cuda:
+        _warn_once(f"qknorm attention: using the PyTorch path on CUDA because {reason}.")
+
+    if cu_q is not None and query.shape[0] == 1:  # packed sequences without a mask from position_ids
+        packed = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, query.shape[2], key.shape[2])
+        if causal:
+            packed = packed & chunk_allowed(None, 0, query.shape[2], query.shape[2], key.shape[2], True, None,
+                                            query.device)
+            causal = False
+        mask = packed if mask is None else mask & packed
+    if softcap is None:
+        out = _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window)
+    else:
+        out = chunked_attention(query, key, value, scaling=scaling, softcap=softcap, mask=mask, causal=causal,
+                                sliding_window=sliding_window, dropout_p=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window):
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if sliding_window is not None and mask is None and kv_len > sliding_window:
+        mask = chunk_allowed(None, 0, q_len, q_len, kv_len, causal, sliding_window, query.device)[None, None]
+        causal = False
+    if causal and q_len != kv_len:  # sdpa's is_causal is top-left aligned; ours is bottom-right
+        mask = chunk_allowed(None, 0, q_len, q_len, kv_len, True, None, query.device)[None, None]
+        causal = False
+    groups = query.shape[1] // key.shape[1]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                          scale=scaling, enable_gqa=groups > 1)
+
+
+def register() -> None:
+    """Register ``"qknorm"`` with Transformers' attention and attention-mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, qknorm_attention_forward)
+    # Without a mask function Transformers passes no mask at all; the boolean sdpa mask (None when purely causal)
+    # is what both paths consume.
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

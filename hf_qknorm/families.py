@@ -1,0 +1,81 @@
+"""Per-family facts, as data: one row per supported ``model_type``.
+
+Adding a family is one row here plus one case in ``tests/test_families.py``. Nothing else in the package knows a
+model family by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """What :func:`hf_qknorm.patch_model` needs to know about one model family.
+
+    Attributes:
+        model_type: the ``config.model_type`` of the family.
+        attention_class: class name of the attention module (checked before patching).
+        layers: dotted path from the ``*ForCausalLM`` module to the list of decoder blocks.
+        attention: attribute of a decoder block holding the attention module.
+        prenorm: attribute of a decoder block holding the pre-attention norm (removed by ``qkv_norm``).
+        q_proj, k_proj, v_proj: projection attributes of the attention module; ``None`` when fused into ``qkv_proj``.
+        qkv_proj: the fused projection attribute (GPT-2's ``c_attn``), or ``None``.
+        out_proj: the output projection attribute.
+        conv1d: projections are ``transformers.Conv1D`` (weight ``(in, out)``) rather than ``nn.Linear`` (``(out, in)``).
+        rope: the family rotates q and k with RoPE (the norm goes before it).
+        native_qk_norm: the family already has ``q_norm``/``k_norm`` (Qwen3's per-head RMSNorm).
+        eps_attr: config attribute holding the model's own norm epsilon.
+        max_len_attr: config attribute holding the training context length.
+        base_model_attr: attribute of the ``*ForCausalLM`` holding the base model (used to name save classes).
+    """
+
+    model_type: str
+    attention_class: str
+    layers: str
+    attention: str
+    prenorm: str
+    q_proj: str | None
+    k_proj: str | None
+    v_proj: str | None
+    qkv_proj: str | None
+    out_proj: str
+    conv1d: bool
+    rope: bool
+    native_qk_norm: bool
+    eps_attr: str
+    max_len_attr: str
+
+    @property
+    def fused_qkv(self) -> bool:
+        return self.qkv_proj is not None
+
+
+def _rope_family(model_type: str, attention_class: str, native_qk_norm: bool = False) -> Family:
+    return Family(model_type=model_type, attention_class=attention_class, layers="model.layers",
+                  attention="self_attn", prenorm="input_layernorm", q_proj="q_proj", k_proj="k_proj",
+                  v_proj="v_proj", qkv_proj=None, out_proj="o_proj", conv1d=False, rope=True,
+                  native_qk_norm=native_qk_norm, eps_attr="rms_norm_eps", max_len_attr="max_position_embeddings")
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": _rope_family("llama", "LlamaAttention"),
+    "mistral": _rope_family("mistral", "MistralAttention"),
+    "qwen2": _rope_family("qwen2", "Qwen2Attention"),
+    "qwen3": _rope_family("qwen3", "Qwen3Attention", native_qk_norm=True),
+    "gpt2": Family(model_type="gpt2", attention_class="GPT2Attention", layers="transformer.h", attention="attn",
+                   prenorm="ln_1", q_proj=None, k_proj=None, v_proj=None, qkv_proj="c_attn", out_proj="c_proj",
+                   conv1d=True, rope=False, native_qk_norm=False, eps_attr="layer_norm_epsilon",
+                   max_len_attr="n_positions"),
+}
+
+
+def get_family(model_type: str) -> Family:
+    """The row for ``model_type``, or a ``ValueError`` naming the supported families."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model family {model_type!r}; hf_qknorm supports: {', '.join(sorted(FAMILIES))}. "
+            "Adding a family is one row in hf_qknorm/families.py."
+        ) from None

@@ -1,0 +1,45 @@
+"""Tiny models of every supported family, built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+
+
+def tiny_config(family: str, **overrides):
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        cfg = LlamaConfig(**common)
+    elif family == "mistral":
+        cfg = MistralConfig(**common, sliding_window=12)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common)
+    elif family == "qwen3":
+        cfg = Qwen3Config(**{**common, "head_dim": 16})
+    elif family == "gpt2":
+        cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, attn_pdrop=0.0,
+                         resid_pdrop=0.0, embd_pdrop=0.0)
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(family: str, dtype=torch.float32, seed: int = 0, attn_implementation: str | None = None, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **overrides)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_config(cfg, **kwargs).to(dtype)
+    model.eval()
+    return model
+
+
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
