@@ -1,0 +1,67 @@
+"""Triton kernels: capped flash attention and fused per-head norm + RoPE.
+
+Importing this package is always safe: it imports neither triton nor the kernel modules, and never touches CUDA.
+Ask :func:`is_available` before using the kernels; the kernel modules are imported on first attribute access::
+
+    from hf_qknorm import kernels
+    if kernels.is_available():
+        out = kernels.triton_attention(q, k, v, scaling=d ** -0.5, softcap=50.0)
+        qn = kernels.triton_norm_rope(q_proj, kind="rmsnorm", weight=w, bias=None, eps=1e-6, p=2.0,
+                                      cos=cos, sin=sin)
+
+The kernels run on CUDA tensors; on CPU they run under Triton's interpreter when ``TRITON_INTERPRET=1`` is set
+before the first kernel module is imported (that is how the tests run them). Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["is_available", "unavailable_reason", "triton_attention", "triton_norm_rope"]
+
+MIN_TRITON = (3, 2)
+_INSTALL_HINT = "pip install 'hf-qknorm[triton]'"
+
+# public name -> (module, attribute); resolved lazily by __getattr__ below
+_LAZY = {
+    "triton_attention": ("attention", "triton_attention"),
+    "attn_fwd": ("attention", "attn_fwd"),
+    "attn_bwd": ("attention", "attn_bwd"),
+    "triton_norm_rope": ("norm_rope", "norm_rope"),
+}
+
+
+def unavailable_reason() -> str | None:
+    """Why the Triton kernels cannot be used here, or None when they can. Imports triton (not the kernels) and
+    never initialises CUDA."""
+    try:
+        import triton
+    except ModuleNotFoundError as exc:
+        if exc.name == "triton":
+            return f"triton is not installed: {_INSTALL_HINT}"
+        return f"triton failed to import ({exc}); reinstall it: {_INSTALL_HINT}"
+    except Exception as exc:  # a broken install should disable the kernels, not break `import hf_qknorm`
+        return f"triton failed to import ({type(exc).__name__}: {exc}); reinstall it: {_INSTALL_HINT}"
+    try:
+        version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    except ValueError:
+        return None  # a dev build with an odd version string: let it try
+    if version < MIN_TRITON:
+        return f"triton {triton.__version__} is too old (need >= {'.'.join(map(str, MIN_TRITON))}): {_INSTALL_HINT}"
+    return None
+
+
+def is_available() -> bool:
+    """True when triton is importable and recent enough. Whether a tensor can run the kernels is a separate,
+    call-time question: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    return unavailable_reason() is None
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ImportError(f"hf_qknorm.kernels.{name} needs triton: {reason}")
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,344 @@
+"""Capped flash attention in Triton: launchers, ``torch.library`` custom ops and the public entry point.
+
+Ladder (STYLE.md): ``_attn_*_kernel`` (``_attention_kernels.py``) -> ``attn_fwd()`` / ``attn_bwd()`` launchers
+(shape and dtype checks) -> ``torch.ops.hf_qknorm.attn_fwd`` / ``attn_bwd`` custom ops (fake + autograd, so they
+work under ``torch.compile``) -> :func:`triton_attention`.
+
+Layouts
+-------
+* Padded batch: ``q`` ``(batch, heads, q_len, head_dim)``, ``k``/``v`` ``(batch, kv_heads, kv_len, head_dim)``.
+  Any strides with a contiguous last dimension (e.g. the ``transpose(1, 2)`` views Transformers passes) are read
+  in place.
+* Packed (varlen) sequences: ``q`` ``(1, heads, total_q, head_dim)``, ``k``/``v`` ``(1, kv_heads, total_k,
+  head_dim)``, i.e. the padded layout with every sequence concatenated along the sequence axis (what a packed
+  batch with ``position_ids`` looks like inside a Transformers attention layer). ``cu_seqlens_q``/``cu_seqlens_k``
+  are int32 ``(num_seqs + 1,)`` cumulative lengths, as in flash-attn's varlen API; each sequence is attended
+  separately, causality is bottom-right aligned within each sequence.
+* The LSE returned by ``attn_fwd`` is fp32 ``(batch, heads, q_len)`` (``(1, heads, total_q)`` when packed), in
+  natural-log units, ``+inf`` on rows that attend to nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ._attention_kernels import (
+    LOG2E,
+    _attn_bwd_dkdv_kernel,
+    _attn_bwd_dq_kernel,
+    _attn_bwd_preprocess_kernel,
+    _attn_fwd_kernel,
+)
+from ._common import SUPPORTED_DTYPES, block_dim, check_device, dot_precision, is_interpreted, launch_context
+
+__all__ = ["attn_fwd", "attn_bwd", "triton_attention"]
+
+MAX_HEAD_DIM = 256
+
+
+def _fwd_config(head_dim: int, interpreted: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward and dQ kernels.
+
+    Conservative choices that fit Ampere/Hopper shared memory at every head_dim (a 128x256 bf16 Q tile is 64 KiB);
+    not autotuned -- see docs/kernels.md. The interpreter's cost is per block, so small tiles keep CPU tests fast
+    while still exercising the multi-block paths."""
+    if interpreted:
+        return 32, 32, 4, 1
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 2
+    return 64, 32, 4, 2
+
+
+def _bwd_config(head_dim: int, interpreted: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV kernel (BLOCK_N keys resident, BLOCK_M queries
+    streamed) and the dQ kernel (the same pair, roles swapped: BLOCK_N streamed). The backward holds ~2x the
+    forward's tiles, hence the smaller blocks."""
+    if interpreted:
+        return 32, 32, 4, 1
+    if head_dim <= 64:
+        return 64, 64, 4, 2
+    if head_dim <= 128:
+        return 32, 64, 4, 2
+    return 16, 32, 4, 1
+
+
+def _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_device(_attn_fwd_kernel, q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, what="q, k, v and masks")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, heads, _, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch or head_dim")
+    if heads % k.shape[1] != 0:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if not math.isfinite(scaling):
+        raise ValueError(f"scaling must be a finite float, got {scaling}")
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a positive float or None, got {softcap}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("pass both cu_seqlens_q and cu_seqlens_k, or neither")
+    if cu_seqlens_q is not None:
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu.dtype != torch.int32 or cu.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D int32 tensor, got {cu.dtype} of shape {tuple(cu.shape)}")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1)")
+        if batch != 1:
+            raise ValueError(f"with cu_seqlens, q/k/v must be packed as (1, heads, total, head_dim), got batch {batch}")
+        if attn_mask is not None:
+            raise ValueError("attn_mask cannot be combined with cu_seqlens: the packing already defines the mask")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise TypeError(f"attn_mask must be boolean (True = attend), got {attn_mask.dtype}; convert an additive "
+                            "mask with `mask == 0` if it only holds 0 and -inf")
+        want = (batch, heads, q.shape[2], k.shape[2])
+        if attn_mask.dim() != 4 or any(m not in (1, w) for m, w in zip(attn_mask.shape, want)):
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, 1 or "
+                             f"heads, q_len, kv_len) = {want}")
+
+
+def _mask_args(attn_mask, q, k):
+    """A uint8 view of the mask broadcast to (batch, heads, q_len, kv_len) -- stride 0 on broadcast dims, no copy
+    -- and its four strides. Without a mask, a dummy pointer and zero strides."""
+    if attn_mask is None:
+        return q, (0, 0, 0, 0)
+    m = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return m.view(torch.uint8), m.stride()
+
+
+def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+    """(VARLEN, cu_q, cu_k, seqlen_q, seqlen_k, grid length_q, grid length_k)."""
+    if cu_seqlens_q is None:
+        return False, q, q, q.shape[2], k.shape[2], q.shape[2], k.shape[2]
+    if max_seqlen_q is None:  # costs a device sync; pass it when you know it
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_seqlen_k is None:
+        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    return True, cu_seqlens_q, cu_seqlens_k, q.shape[2], k.shape[2], int(max_seqlen_q), int(max_seqlen_k)
+
+
+def _scales(scaling: float, softcap: float | None) -> tuple[float, float]:
+    if softcap is None:
+        return scaling * LOG2E, 1.0
+    return scaling / softcap, softcap * LOG2E
+
+
+def _strides3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, seq) strides; batch stride 0 when packed, so kernels index batch = sequence id safely."""
+    return (0 if varlen else t.stride(0)), t.stride(1), t.stride(2)
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: bool = True, attn_mask=None,
+             sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+             max_seqlen_k=None, block_m: int | None = None, block_n: int | None = None):
+    """Forward launcher. Returns ``(out, lse)``: ``out`` like ``q`` (contiguous, q's dtype), ``lse`` fp32
+    ``q.shape[:3]``. ``block_m``/``block_n`` override the tile sizes (tests use this to stress block edges)."""
+    _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
+    q, k, v = (_last_contiguous(t) for t in (q, k, v))
+    varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, _ = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                     max_seqlen_k, q, k)
+    # Packed rows past cu_seqlens_q[-1] belong to no sequence: zero them rather than leave garbage.
+    out = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or grid_q == 0:
+        return out.zero_(), lse
+    bm, bn, warps, stages = _fwd_config(q.shape[3], is_interpreted(_attn_fwd_kernel))
+    bm, bn = block_m or bm, block_n or bn
+    mask, mask_strides = _mask_args(attn_mask, q, k)
+    qk_scale, cap_log2 = _scales(scaling, softcap)
+    batch = len(cu_q) - 1 if varlen else q.shape[0]
+    grid = (triton.cdiv(grid_q, bm), batch * q.shape[1])
+    with launch_context(q.device):
+        _attn_fwd_kernel[grid](
+            q, k, v, out, lse, mask, cu_q, cu_k,
+            *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
+            0 if varlen else lse.stride(0), lse.stride(1), *mask_strides,
+            q.shape[1], q.shape[1] // k.shape[1], seqlen_q, seqlen_k,
+            qk_scale, cap_log2, sliding_window or 0,
+            HEAD_DIM=q.shape[3], BLOCK_D=block_dim(q.shape[3]), BLOCK_M=bm, BLOCK_N=bn,
+            IS_CAUSAL=causal, HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
+            HAS_MASK=attn_mask is not None, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=warps, num_stages=stages,
+        )
+    return out, lse
+
+
+def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None = None, causal: bool = True,
+             attn_mask=None, sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, dlse=None, block_m: int | None = None,
+             block_n: int | None = None):
+    """Backward launcher: ``(dq, dk, dv)``, contiguous, in the inputs' dtype. ``out``/``lse`` come from
+    :func:`attn_fwd` with the same arguments; ``dlse`` (optional) is a gradient flowing into the LSE output."""
+    _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
+    if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
+        raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)}, lse {tuple(lse.shape)} do not match "
+                         f"q {tuple(q.shape)}")
+    q, k, v, out, dout = (_last_contiguous(t) for t in (q, k, v, out, dout))
+    lse = lse.contiguous()
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, grid_k = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                          max_seqlen_k, q, k)
+    if q.numel() == 0 or k.numel() == 0 or grid_q == 0 or grid_k == 0:
+        return dq, dk, dv
+    interpreted = is_interpreted(_attn_fwd_kernel)
+    head_dim, heads, kv_heads = q.shape[3], q.shape[1], k.shape[1]
+    bm, bn, warps, stages = _bwd_config(head_dim, interpreted)
+    bm, bn = block_m or bm, block_n or bn
+    bd = block_dim(head_dim)
+    mask, mask_strides = _mask_args(attn_mask, q, k)
+    qk_scale, cap_log2 = _scales(scaling, softcap)
+    batch = len(cu_q) - 1 if varlen else q.shape[0]
+    delta = torch.empty_like(lse)
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    flags = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=causal,
+                 HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None, HAS_MASK=attn_mask is not None,
+                 VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    lse_strides = (0 if varlen else lse.stride(0), lse.stride(1))
+    scalars = (q.shape[1] // k.shape[1], seqlen_q, seqlen_k, qk_scale, cap_log2, scaling, sliding_window or 0)
+    with launch_context(q.device):
+        pre_m = 32 if interpreted else 64
+        _attn_bwd_preprocess_kernel[(triton.cdiv(q.shape[2], pre_m), q.shape[0] * heads)](
+            out, dout, dlse if dlse is not None else lse, delta,
+            *out.stride()[:3], *dout.stride()[:3], heads, q.shape[2],
+            HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
+        )
+        # dK/dV: BLOCK_N keys resident, query blocks of every head in the GQA group streamed.
+        _attn_bwd_dkdv_kernel[(triton.cdiv(grid_k, bn), batch * kv_heads)](
+            q, k, v, dout, lse, delta, dk, dv, mask, cu_q, cu_k,
+            *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
+            *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides, *mask_strides, kv_heads, *scalars,
+            **flags,
+        )
+        # dQ: BLOCK_M queries resident, key blocks streamed (the forward's loop).
+        _attn_bwd_dq_kernel[(triton.cdiv(grid_q, bm), batch * heads)](
+            q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
+            *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
+            *_strides3(dq, varlen), *lse_strides, *mask_strides, heads, *scalars,
+            **flags,
+        )
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch.library custom ops: opaque to torch.compile / AOTAutograd, with fake (meta) kernels for tracing and an
+# autograd formula that calls the backward op. Schemas are spelled out so that nothing depends on annotations.
+# --------------------------------------------------------------------------------------------------------------
+
+_ARGS = ("Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+         "float scaling, float? softcap, bool causal, SymInt? sliding_window")
+
+
+def _launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap, causal,
+                     sliding_window) -> dict:
+    return dict(attn_mask=attn_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, scaling=scaling, softcap=softcap, causal=causal,
+                sliding_window=sliding_window)
+
+
+@torch.library.custom_op("hf_qknorm::attn_fwd", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor)")
+def _attn_fwd_op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap,
+                 causal, sliding_window):
+    return attn_fwd(q, k, v, **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                scaling, softcap, causal, sliding_window))
+
+
+@_attn_fwd_op.register_fake
+def _attn_fwd_fake(q, k, v, *args):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("hf_qknorm::attn_bwd", mutates_args=(),
+                         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+                                f"{_ARGS}) -> (Tensor, Tensor, Tensor)")
+def _attn_bwd_op(dout, q, k, v, out, lse, dlse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 scaling, softcap, causal, sliding_window):
+    return attn_bwd(dout, q, k, v, out, lse, dlse=dlse,
+                    **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling,
+                                       softcap, causal, sliding_window))
+
+
+@_attn_bwd_op.register_fake
+def _attn_bwd_fake(dout, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attn_setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, *params = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k)
+    ctx.params = params  # max_seqlen_q, max_seqlen_k, scaling, softcap, causal, sliding_window
+
+
+def _attn_backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.hf_qknorm.attn_bwd(dout, q, k, v, out, lse, dlse, attn_mask, cu_seqlens_q, cu_seqlens_k,
+                                              *ctx.params)
+    return (dq, dk, dv) + (None,) * 9
+
+
+torch.library.register_autograd("hf_qknorm::attn_fwd", _attn_backward, setup_context=_attn_setup_context)
+
+
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float,
+                     softcap: float | None = None, causal: bool = True, attn_mask: torch.Tensor | None = None,
+                     sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                     max_seqlen_k=None, dropout_p: float = 0.0) -> torch.Tensor:
+    """``softmax(mask(softcap * tanh(scaling * q k^T / softcap))) v`` in one fused, differentiable kernel.
+
+    Args:
+        q: ``(batch, heads, q_len, head_dim)``; k, v: ``(batch, kv_heads, kv_len, head_dim)``; float16, bfloat16
+            or float32, one dtype; ``heads % kv_heads == 0`` (GQA reads K/V head ``h // (heads // kv_heads)``);
+            ``head_dim <= 256`` (any value: 80 and 96 are padded inside the kernel). Last dim contiguous is best.
+        scaling: multiplies ``q.k`` (usually ``head_dim ** -0.5``; 1.0 for an ``lp`` norm's learnt scale).
+        softcap: ``c`` in ``c * tanh(s / c)``, applied before the mask; None for no cap.
+        causal: bottom-right aligned: query ``i`` is at position ``i + kv_len - q_len`` (right for a KV cache).
+        attn_mask: boolean, True = attend, broadcastable to ``(batch, 1 or heads, q_len, kv_len)`` (what
+            Transformers' ``sdpa_mask`` returns). Intersected with ``causal`` and ``sliding_window``.
+        sliding_window: keep keys with ``pos_q - pos_k < sliding_window``.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed sequences; then q/k/v are
+            ``(1, heads, total, head_dim)`` and cu_seqlens are int32 ``(num_seqs + 1,)``. Missing max_seqlen values
+            are computed from cu_seqlens (one device sync).
+        dropout_p: must be 0; the kernel has no attention dropout.
+
+    Returns:
+        ``(batch, heads, q_len, head_dim)`` in q's dtype, contiguous. Rows that attend to nothing are 0.
+    """
+    if dropout_p:
+        raise ValueError(f"hf_qknorm's Triton attention has no attention dropout (got dropout_p={dropout_p}); use "
+                         "the PyTorch path (hf_qknorm.attention) or set the model's attention dropout to 0")
+    _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
+    if cu_seqlens_q is not None:
+        _, _, _, _, _, max_seqlen_q, max_seqlen_k = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                 max_seqlen_k, q, k)
+    else:
+        max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
+    out, _ = torch.ops.hf_qknorm.attn_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          float(scaling), None if softcap is None else float(softcap), bool(causal),
+                                          sliding_window)
+    return out
