@@ -25,6 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import to_dtype
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -155,7 +157,7 @@ def _attn_fwd_kernel(
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :],
                     mask=(cols[:, None] < k_len) & d_ok[None, :], other=0.0)
         # P is rounded to the input dtype for the tensor-core product, as in FlashAttention-2.
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = tl.dot(to_dtype(p, v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -163,7 +165,7 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]  # empty rows: acc is 0, so the output is 0
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     o_base = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_start * stride_om
-    tl.store(o_base + rows[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
+    tl.store(o_base + rows[:, None] * stride_om + offs_d[None, :], to_dtype(out, O.dtype.element_ty),
              mask=(rows[:, None] < q_len) & d_ok[None, :])
     lse_base = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start
     tl.store(lse_base + rows, lse, mask=rows < q_len)
@@ -269,17 +271,17 @@ def _attn_bwd_dkdv_kernel(
             if HAS_MASK:
                 ok = ok & _mask_tile(mask_base, rows[None, :], cols[:, None], ok, stride_mm, stride_mn)
             pt = tl.where(ok, tl.math.exp2(st - lse2[None, :]), 0.0)
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dv += tl.dot(to_dtype(pt, do.dtype), do, input_precision=DOT_PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             dst = pt * (dpt - delta[None, :])
             if HAS_CAP:
                 dst = dst * (1.0 - tt * tt)  # d(c*tanh(x/c))/dx = 1 - tanh^2
-            dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+            dk += tl.dot(to_dtype(dst, qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
     dk *= scaling
     dk_off = b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + k_start * stride_dkn
-    tl.store(DK + dk_off + cols[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DK + dk_off + cols[:, None] * stride_dkn + offs_d[None, :], to_dtype(dk, DK.dtype.element_ty), mask=kv_ok)
     dv_off = b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + k_start * stride_dvn
-    tl.store(DV + dv_off + cols[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + dv_off + cols[:, None] * stride_dvn + offs_d[None, :], to_dtype(dv, DV.dtype.element_ty), mask=kv_ok)
 
 
 @triton.jit
@@ -345,7 +347,7 @@ def _attn_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         if HAS_CAP:
             ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
+        dq += tl.dot(to_dtype(ds, kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
     dq *= scaling
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=q_ok)
+             to_dtype(dq, DQ.dtype.element_ty), mask=q_ok)

@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 import triton
+import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -53,3 +54,26 @@ def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get IEEE fp32 products (``tl.dot`` would use TF32 on Ampere+ and lose ~3 digits);
     fp16/bf16 products are exact in the fp32 accumulator, so the default is fine there."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+# Whether this process decorates kernels for the interpreter; a constexpr global, so jit code can branch on it.
+INTERPRETED = tl.constexpr(is_interpreted(_probe))
+
+
+@triton.jit
+def to_dtype(x, dtype: tl.constexpr):
+    """``x.to(dtype)`` for an fp32 ``x``, rounding to nearest even everywhere.
+
+    Compiled kernels already round fp32 -> bf16 to nearest even; Triton's interpreter truncates instead, which
+    would make CPU tests of bf16 paths (and of Qwen3's bit-exact rmsnorm) disagree with the GPU. Under the
+    interpreter only, round by hand on the bit pattern first (Inf and NaN survive it), so the cast is exact."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
