@@ -25,10 +25,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import to_dtype
+from ._common import dot, to_dtype
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# constexpr globals: jit code may only read globals wrapped in tl.constexpr
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -142,7 +143,7 @@ def _attn_fwd_kernel(
         cols = n0 + offs_n
         kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None],
                      mask=(cols[None, :] < k_len) & d_ok[:, None], other=0.0)
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        qk = dot(q, kt, None, DOT_PRECISION)
         s, _t = _logits(qk, qk_scale, cap_log2, HAS_CAP)  # cap before the mask, as in Gemma 2
         ok = _allowed(rows[:, None], cols[None, :], q_len, k_len, diag, window, IS_CAUSAL, HAS_WINDOW)
         if HAS_MASK:
@@ -157,7 +158,7 @@ def _attn_fwd_kernel(
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :],
                     mask=(cols[:, None] < k_len) & d_ok[None, :], other=0.0)
         # P is rounded to the input dtype for the tensor-core product, as in FlashAttention-2.
-        acc = tl.dot(to_dtype(p, v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = dot(to_dtype(p, v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -264,19 +265,19 @@ def _attn_bwd_dkdv_kernel(
                          mask=row_ok[None, :] & d_ok[:, None], other=0.0)
             do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :],
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+            lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
-            st, tt = _logits(tl.dot(k, qt, input_precision=DOT_PRECISION), qk_scale, cap_log2, HAS_CAP)
+            st, tt = _logits(dot(k, qt, None, DOT_PRECISION), qk_scale, cap_log2, HAS_CAP)
             ok = _allowed(rows[None, :], cols[:, None], q_len, k_len, diag, window, IS_CAUSAL, HAS_WINDOW)
             if HAS_MASK:
                 ok = ok & _mask_tile(mask_base, rows[None, :], cols[:, None], ok, stride_mm, stride_mn)
             pt = tl.where(ok, tl.math.exp2(st - lse2[None, :]), 0.0)
-            dv += tl.dot(to_dtype(pt, do.dtype), do, input_precision=DOT_PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            dv = dot(to_dtype(pt, do.dtype), do, dv, DOT_PRECISION)
+            dpt = dot(v, tl.trans(do), None, DOT_PRECISION)
             dst = pt * (dpt - delta[None, :])
             if HAS_CAP:
                 dst = dst * (1.0 - tt * tt)  # d(c*tanh(x/c))/dx = 1 - tanh^2
-            dk += tl.dot(to_dtype(dst, qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+            dk = dot(to_dtype(dst, qt.dtype), tl.trans(qt), dk, DOT_PRECISION)
     dk *= scaling
     dk_off = b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + k_start * stride_dkn
     tl.store(DK + dk_off + cols[:, None] * stride_dkn + offs_d[None, :], to_dtype(dk, DK.dtype.element_ty), mask=kv_ok)
@@ -325,7 +326,7 @@ def _attn_bwd_dq_kernel(
     do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + (q_start + rows[:, None]) * stride_dom
                  + offs_d[None, :], mask=q_ok, other=0.0)
     row_base = b64 * stride_lb + h64 * stride_lh + q_start
-    lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
     k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_start * stride_kn
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_start * stride_vn
@@ -338,16 +339,16 @@ def _attn_bwd_dq_kernel(
         kv_ok = (cols[None, :] < k_len) & d_ok[:, None]
         kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=kv_ok, other=0.0)
         vt = tl.load(v_base + cols[None, :] * stride_vn + offs_d[:, None], mask=kv_ok, other=0.0)
-        s, t = _logits(tl.dot(q, kt, input_precision=DOT_PRECISION), qk_scale, cap_log2, HAS_CAP)
+        s, t = _logits(dot(q, kt, None, DOT_PRECISION), qk_scale, cap_log2, HAS_CAP)
         ok = _allowed(rows[:, None], cols[None, :], q_len, k_len, diag, window, IS_CAUSAL, HAS_WINDOW)
         if HAS_MASK:
             ok = ok & _mask_tile(mask_base, rows[:, None], cols[None, :], ok, stride_mm, stride_mn)
         p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        dp = dot(do, vt, None, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_CAP:
             ds = ds * (1.0 - t * t)
-        dq += tl.dot(to_dtype(ds, kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
+        dq = dot(to_dtype(ds, kt.dtype), tl.trans(kt), dq, DOT_PRECISION)
     dq *= scaling
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :],
              to_dtype(dq, DQ.dtype.element_ty), mask=q_ok)

@@ -77,3 +77,12 @@ def to_dtype(x, dtype: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def dot(a, b, acc, PRECISION: tl.constexpr):
+    """``tl.dot(a, b, acc)`` with fp32 accumulation. Under the interpreter, bf16 operands are widened first: it
+    multiplies bf16's raw uint16 storage otherwise (Triton 3.9). Widening is exact, so results do not change."""
+    if INTERPRETED and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)

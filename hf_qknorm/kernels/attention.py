@@ -26,7 +26,6 @@ import torch
 import triton
 
 from ._attention_kernels import (
-    LOG2E,
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
     _attn_bwd_preprocess_kernel,
@@ -37,6 +36,7 @@ from ._common import SUPPORTED_DTYPES, block_dim, check_device, dot_precision, i
 __all__ = ["attn_fwd", "attn_bwd", "triton_attention"]
 
 MAX_HEAD_DIM = 256
+LOG2E = math.log2(math.e)
 
 
 def _fwd_config(head_dim: int, interpreted: bool) -> tuple[int, int, int, int]:
