@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-# Elements of one (batch, heads, chunk, kv_len) logits tile. 2**23 fp32 elements = 32 MiB per live tile.
-TILE_ELEMENTS = 1 << 23
+# Elements of one (batch, heads, chunk, kv_len) logits tile: 2**21 fp32 elements = 8 MiB per live tile.
+TILE_ELEMENTS = 1 << 21
 
 
 def _chunk_rows(batch: int, heads: int, q_len: int, kv_len: int) -> int:
@@ -19,31 +19,46 @@ def _chunk_rows(batch: int, heads: int, q_len: int, kv_len: int) -> int:
     return int(min(q_len, max(16, rows)))
 
 
-def chunk_allowed(mask, start, end, q_len, kv_len, causal, sliding_window, device):
-    """Boolean (.., end-start, kv_len) tile of allowed pairs for query rows [start, end), or ``None`` (all allowed).
+def _key_range(start, end, q_len, kv_len, causal, sliding_window):
+    """Keys that rows [start, end) can see at all: causal rows never see keys past their diagonal, windowed rows
+    never see keys more than ``sliding_window`` behind -- the rest of the tile is skipped, not masked."""
+    shift = kv_len - q_len
+    lo, hi = 0, kv_len
+    if causal:
+        hi = max(0, min(kv_len, end + shift))
+    if sliding_window is not None:
+        lo = max(0, min(hi, start + shift - sliding_window + 1))
+    return lo, hi
+
+
+def chunk_allowed(mask, start, end, q_len, kv_len, causal, sliding_window, device, lo=0, hi=None):
+    """Boolean (.., end-start, hi-lo) tile of allowed pairs for query rows [start, end) and keys [lo, hi), or
+    ``None`` (all allowed).
 
     ``mask`` is a boolean ``(B|1, 1|H, q_len, kv_len)`` tensor (True = attend) or ``None``. Causality and the
     window are bottom-right aligned: row ``i`` is at absolute position ``i + kv_len - q_len``."""
+    hi = kv_len if hi is None else hi
     ok = None
     if causal or sliding_window is not None:
         qi = torch.arange(start, end, device=device)[:, None] + (kv_len - q_len)
-        kj = torch.arange(kv_len, device=device)[None, :]
+        kj = torch.arange(lo, hi, device=device)[None, :]
         if causal:
             ok = kj <= qi
         if sliding_window is not None:
             win = (qi - kj) < sliding_window
             ok = win if ok is None else ok & win
     if mask is not None:
-        m = mask[..., start:end, :]
+        m = mask[..., start:end, lo:hi]
         ok = m if ok is None else ok & m
     return ok
 
 
-def _scores(qc, k, scaling, softcap):
-    s = torch.matmul(qc, k.transpose(-1, -2)) * scaling
+def _capped_scores(qc, k, scaling, softcap):
+    """``scaling * q k^T`` (capped in place when ``softcap``); also returns tanh(s/c) for backward's chain rule."""
+    s = torch.matmul(qc, k.transpose(-1, -2)).mul_(scaling)
     if softcap is None:
         return s, None
-    t = torch.tanh(s / softcap)
+    t = s.div_(softcap).tanh_()
     return t * softcap, t
 
 
@@ -52,7 +67,8 @@ class ChunkedCappedAttention(torch.autograd.Function):
 
     Inputs: ``q`` ``(B, H, Tq, D)``; ``k``, ``v`` ``(B, H, Tk, D)`` (GQA heads already expanded by the caller);
     ``mask`` boolean broadcastable to ``(B, H, Tq, Tk)`` or ``None``; ``softcap`` a float or ``None``. Accumulates in
-    float32 for half-precision inputs (float64 stays float64). Rows with no allowed key give zeros.
+    float32 for half-precision inputs (float64 stays float64). Rows with no allowed key give zeros. Live memory is
+    a few ``(B, H, chunk, Tk)`` tiles of ``TILE_ELEMENTS`` elements, whatever the sequence length.
     """
 
     @staticmethod
@@ -61,24 +77,27 @@ class ChunkedCappedAttention(torch.autograd.Function):
         b, h, tq, _ = q.shape
         tk = k.shape[2]
         kf, vf = k.to(acc), v.to(acc)
-        out = torch.empty(q.shape, dtype=acc, device=q.device)
-        lse = torch.empty((b, h, tq), dtype=acc, device=q.device)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full((b, h, tq), float("-inf"), dtype=acc, device=q.device)
         rows = _chunk_rows(b, h, tq, tk)
         for start in range(0, tq, rows):
             end = min(start + rows, tq)
-            s, _ = _scores(q[:, :, start:end].to(acc), kf, scaling, softcap)
-            ok = chunk_allowed(mask, start, end, tq, tk, causal, sliding_window, q.device)
+            lo, hi = _key_range(start, end, tq, tk, causal, sliding_window)
+            if hi <= lo:
+                continue
+            s, _ = _capped_scores(q[:, :, start:end].to(acc), kf[:, :, lo:hi], scaling, softcap)
+            ok = chunk_allowed(mask, start, end, tq, tk, causal, sliding_window, q.device, lo, hi)
             if ok is not None:
-                s = s.masked_fill(~ok, float("-inf"))
+                s.masked_fill_(~ok, float("-inf"))
             m = s.amax(-1, keepdim=True)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            p = torch.exp(s - m)
+            p = s.sub_(m).exp_()
             l = p.sum(-1, keepdim=True)
-            p = p / l.clamp_min(torch.finfo(acc).tiny)
+            p.div_(l.clamp_min(torch.finfo(acc).tiny))
             lse[:, :, start:end] = (m + torch.log(l)).squeeze(-1)
             if dropout_p > 0:
-                p = p * _keep(p.shape, dropout_p, seed, start, p.device, acc)
-            out[:, :, start:end] = torch.matmul(p, vf)
+                p.mul_(_keep(p.shape, dropout_p, seed, start, p.device, acc))
+            out[:, :, start:end] = torch.matmul(p, vf[:, :, lo:hi])
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.args = (scaling, softcap, causal, sliding_window, dropout_p, seed, rows)
         return out.to(q.dtype)
@@ -90,30 +109,34 @@ class ChunkedCappedAttention(torch.autograd.Function):
         acc = out.dtype
         tq, tk = q.shape[2], k.shape[2]
         kf, vf, do = k.to(acc), v.to(acc), dout.to(acc)
-        dq = torch.empty(q.shape, dtype=acc, device=q.device)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         delta = (do * out).sum(-1, keepdim=True)  # rowsum(P o dP) = rowsum(dO o O), dropout included
         for start in range(0, tq, rows):
             end = min(start + rows, tq)
-            qc, doc = q[:, :, start:end].to(acc), do[:, :, start:end]
-            s, t = _scores(qc, kf, scaling, softcap)
-            p = torch.exp(s - lse[:, :, start:end, None])
-            ok = chunk_allowed(mask, start, end, tq, tk, causal, sliding_window, q.device)
+            lo, hi = _key_range(start, end, tq, tk, causal, sliding_window)
+            if hi <= lo:
+                continue
+            qc, doc, kc, vc = q[:, :, start:end].to(acc), do[:, :, start:end], kf[:, :, lo:hi], vf[:, :, lo:hi]
+            s, t = _capped_scores(qc, kc, scaling, softcap)
+            lse_c = lse[:, :, start:end, None]
+            p = s.sub_(torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))).exp_()
+            ok = chunk_allowed(mask, start, end, tq, tk, causal, sliding_window, q.device, lo, hi)
             if ok is not None:
-                p = p.masked_fill(~ok, 0.0)
-            dp = torch.matmul(doc, vf.transpose(-1, -2))
+                p.masked_fill_(~ok, 0.0)
+            dp = torch.matmul(doc, vc.transpose(-1, -2))
             if dropout_p > 0:
                 keep = _keep(p.shape, dropout_p, seed, start, p.device, acc)
-                dv += torch.matmul((p * keep).transpose(-1, -2), doc)
-                dp = dp * keep
+                dv[:, :, lo:hi] += torch.matmul((p * keep).transpose(-1, -2), doc)
+                dp.mul_(keep)
             else:
-                dv += torch.matmul(p.transpose(-1, -2), doc)
-            ds = p * (dp - delta[:, :, start:end])
+                dv[:, :, lo:hi] += torch.matmul(p.transpose(-1, -2), doc)
+            ds = dp.sub_(delta[:, :, start:end]).mul_(p)
             if t is not None:
-                ds = ds * (1 - t * t)  # d/ds of c*tanh(s/c)
-            dq[:, :, start:end] = torch.matmul(ds, kf) * scaling
-            dk += torch.matmul(ds.transpose(-1, -2), qc) * scaling
+                ds.mul_(t.mul_(t).neg_().add_(1))  # d/ds of c*tanh(s/c) = 1 - tanh^2
+            dq[:, :, start:end] = torch.matmul(ds, kc).mul_(scaling)
+            dk[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), qc).mul_(scaling)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 

@@ -1,0 +1,82 @@
+"""Bad input gets a clear error naming the value and the valid choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_qknorm
+from hf_qknorm import QKNormConfig
+from tiny_models import VOCAB, tiny_model
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"scheme": "qk_nrom"}, r"unknown scheme 'qk_nrom'.*'qk_norm', 'soft_cap', 'qk_norm_cap', 'qkv_norm'"),
+    ({"scheme": "qk_norm", "norm": "batchnorm"}, r"unknown norm 'batchnorm'.*'layernorm', 'rmsnorm', 'l2', 'lp'"),
+    ({"scheme": "qk_norm_cap", "softcap": 0}, r"softcap must be a positive finite number, got 0"),
+    ({"scheme": "qk_norm_cap", "softcap": -5.0}, r"got -5.0"),
+    ({"scheme": "soft_cap", "softcap": float("inf")}, r"got inf"),
+    ({"scheme": "qk_norm", "softcap": 30.0}, r"scheme 'qk_norm' has no cap.*capped schemes"),
+    ({"scheme": "soft_cap", "norm": "rmsnorm"}, r"'soft_cap' has no norm"),
+    ({"scheme": "qk_norm", "norm": "lp"}, r"norm 'lp' needs an exponent p"),
+    ({"scheme": "qk_norm", "norm": "lp", "p": 0.5}, r"p must be a finite number >= 1.*got 0.5"),
+    ({"scheme": "qk_norm", "norm": "rmsnorm", "p": 3}, r"p=3 only applies to norm 'lp'"),
+    ({"scheme": "qk_norm", "norm": "l2", "p": 3}, r"norm 'l2' is the Lp norm with p=2"),
+    ({"scheme": "qk_norm", "eps": -1e-6}, r"eps must be a positive finite number"),
+])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QKNormConfig(**kwargs)
+
+
+def test_defaults():
+    assert QKNormConfig().softcap == 50.0 and QKNormConfig().norm == "layernorm"
+    assert QKNormConfig("soft_cap").norm is None
+    assert QKNormConfig("qk_norm", norm="l2").p == 2.0
+    with pytest.raises(ValueError, match=r"unknown keys in config.qknorm: \['cap'\]"):
+        QKNormConfig.from_dict({"scheme": "qk_norm", "cap": 3})
+
+
+def test_patch_errors_are_clear():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="unknown scheme"):
+        hf_qknorm.patch_model(model, "qknorm")
+    hf_qknorm.patch_model(model, "qk_norm")
+    with pytest.raises(ValueError, match="already patched"):
+        hf_qknorm.patch_model(model, "qk_norm_cap")
+
+
+def test_unsupported_models():
+    from transformers import BertConfig, BertModel
+
+    bert = BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=64))
+    with pytest.raises(ValueError, match=r"unsupported model family 'bert'.*gpt2, llama, mistral, qwen2, qwen3"):
+        hf_qknorm.patch_model(bert)
+    with pytest.raises(TypeError, match="expects a Transformers model"):
+        hf_qknorm.patch_model(torch.nn.Linear(2, 2))
+
+
+def test_cap_is_never_dropped():
+    """A capped model is moved off sdpa/eager, and refuses to run if moved back."""
+    for impl in ("sdpa", "eager"):
+        model = tiny_model("llama", attn_implementation=impl)
+        hf_qknorm.patch_model(model, "qk_norm_cap")
+        assert model.config._attn_implementation == "qknorm"
+        model.set_attn_implementation(impl)
+        with pytest.raises(ValueError, match=rf"attention implementation '{impl}' cannot apply the softcap"):
+            model(torch.randint(0, VOCAB, (1, 5)))
+    plain = tiny_model("llama")
+    hf_qknorm.patch_model(plain, "qk_norm")
+    assert plain.config._attn_implementation == "sdpa"  # nothing to cap: the fastest backend stays
+
+
+def test_qknorm_attention_rejects_bias_masks():
+    from hf_qknorm.attention import qknorm_attention_forward
+
+    q = torch.randn(1, 2, 4, 8)
+    bias = torch.randn(1, 1, 4, 4)  # a position bias, not a mask: would be dropped
+    with pytest.raises(ValueError, match="additive masks of 0 and -inf only"):
+        qknorm_attention_forward(torch.nn.Module(), q, q, q, bias, softcap=5.0)
+    with pytest.raises(ValueError, match="softcap must be positive, got -1"):
+        qknorm_attention_forward(torch.nn.Module(), q, q, q, None, softcap=-1)
