@@ -220,6 +220,9 @@ def _attend(attn, spec, q, k, v, attention_mask, dropout, sliding_window, kwargs
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, spec.eager_fn)
+    probe = getattr(attn, "_qknorm_probe", None)  # set by monitors (hf_qknorm.training) for the steps they record
+    if probe is not None:
+        probe(attn, q, k, attention_mask=attention_mask, scaling=spec.scaling, softcap=softcap)
     if softcap is not None:
         kwargs = {**kwargs, "softcap": softcap}
     return interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=spec.scaling,
