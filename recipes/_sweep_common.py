@@ -1,0 +1,397 @@
+"""Shared machinery of the evidence recipes (``lr_sweep.py``, ``lp_sweep.py``, ``conversion_recovery.py``).
+
+One training run = one small Llama built from a ``LlamaConfig``, patched with :func:`hf_qknorm.patch_model` (or left
+plain for the baseline and the Q/K learning-rate rule), trained on character-level text with AdamW and a z-loss as
+in Wortsman et al. 2023 (arXiv:2309.14322), and measured along the way:
+
+* validation loss (fixed held-out blocks),
+* the largest attention logit per layer, ``max |scaling * q.k|`` over causal pairs, pre-cap, with ``q``/``k``
+  post-norm and post-RoPE. Patched models report it through the ``_qknorm_probe`` hook of ``hf_qknorm.patch``;
+  the plain model through a forward pre-hook that recomputes ``q``/``k`` from the block input (same formula);
+* the output RMS of the QKV projections, the attention output projection and the second MLP layer (the layers
+  whose outputs grow before divergence in Rybakov et al. 2024).
+
+Each run writes one JSON file; a run whose file exists is skipped, so sweeps resume where they stopped.
+Everything runs in float32 on one CPU thread per process.
+"""
+
+from __future__ import annotations
+
+import os
+
+# oneDNN's AMX bf16 kernels trap on some virtual machines; must be set before torch first uses oneDNN.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+import hf_qknorm  # noqa: E402
+from hf_qknorm.data import read_text, split_text  # noqa: E402
+
+# scheme name in the sweep -> (patch_model scheme or None, patch kwargs, use the Q/K learning-rate rule)
+SCHEMES: dict[str, tuple[str | None, dict, bool]] = {
+    "baseline": (None, {}, False),
+    "soft_cap": ("soft_cap", {}, False),
+    "qk_norm": ("qk_norm", {"norm": "layernorm"}, False),
+    "qk_norm_cap": ("qk_norm_cap", {"norm": "layernorm"}, False),
+    "qkv_norm": ("qkv_norm", {"norm": "layernorm"}, False),
+    "lp4": ("qk_norm", {"norm": "lp", "p": 4.0}, False),
+    "qk_lr": (None, {}, True),
+}
+
+
+@dataclass
+class RunConfig:
+    scheme: str = "baseline"
+    lr: float = 1e-2
+    seed: int = 0
+    steps: int = 200
+    warmup: int = 20
+    batch_size: int = 16
+    context: int = 128
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    min_lr: float = 1e-5  # cosine floor (Wortsman et al.: 1e-5)
+    weight_decay: float = 1e-4  # independent decay: theta -= lambda * theta per step scaled by schedule/peak
+    z_loss: float = 1e-4
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_blocks: int = 32  # held-out blocks for the periodic evaluations
+    final_eval_blocks: int = 256  # held-out blocks for the final evaluation
+    probe_every: int = 25  # steps between logit / RMS measurements
+    text: str = "tinyshakespeare"
+    p: float | None = None  # overrides the Lp exponent of an lp scheme (lp_sweep.py)
+    qk_lr_tau: float = 1.0
+    extra: dict = field(default_factory=dict)
+
+    def tag(self) -> str:
+        p = "" if self.p is None else f"_p{self.p:g}"
+        return f"{self.scheme}{p}_lr{self.lr:.4g}_s{self.seed}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# data: character-level, as in nanoGPT's shakespeare_char and the Lp-QKNorm paper
+# ------------------------------------------------------------------------------------------------------------------
+_DATA_CACHE: dict = {}
+
+
+def char_data(text_name: str, context: int):
+    """``(train_ids, val_blocks, vocab_size)``: char ids of the training 90% and ``(n, context)`` held-out blocks."""
+    key = (text_name, context)
+    if key not in _DATA_CACHE:
+        text = read_text(text_name)
+        chars = sorted(set(text))
+        stoi = {c: i for i, c in enumerate(chars)}
+        train, val = split_text(text, 0.1)
+        train_ids = torch.tensor([stoi[c] for c in train], dtype=torch.long)
+        val_ids = torch.tensor([stoi[c] for c in val], dtype=torch.long)
+        n = (len(val_ids) - 1) // context
+        val_blocks = val_ids[: n * context].view(n, context)
+        _DATA_CACHE[key] = (train_ids, val_blocks, len(chars))
+    return _DATA_CACHE[key]
+
+
+def random_batch(train_ids: torch.Tensor, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(train_ids) - context, (batch,), generator=gen)
+    return torch.stack([train_ids[s : s + context] for s in starts.tolist()])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# model
+# ------------------------------------------------------------------------------------------------------------------
+def build_model(cfg: RunConfig, vocab: int):
+    """A small Llama from config (MHA, untied embeddings, no biases), patched per ``cfg.scheme``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=cfg.hidden, intermediate_size=4 * cfg.hidden,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+        head_dim=cfg.hidden // cfg.heads, max_position_embeddings=cfg.context, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    apply_scheme(model, cfg.scheme, cfg.p)
+    return model
+
+
+def apply_scheme(model, scheme: str, p: float | None = None):
+    patch_scheme, kwargs, _ = SCHEMES[scheme]
+    if patch_scheme is not None:
+        kwargs = dict(kwargs)
+        if p is not None:
+            kwargs["p"] = float(p)
+        hf_qknorm.patch_model(model, patch_scheme, **kwargs)
+    return model
+
+
+def attention_modules(model):
+    return [layer.self_attn for layer in model.model.layers]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# measurements
+# ------------------------------------------------------------------------------------------------------------------
+def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scaling: float) -> float:
+    """``max |scaling * q.k|`` over causal pairs; q ``(B, H, T, D)``, k ``(B, Hkv, T, D)``."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (q.float() @ k.float().transpose(-1, -2)).abs() * scaling
+    t_q, t_k = s.shape[-2], s.shape[-1]
+    allowed = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
+    return float(s.masked_fill(~allowed, 0.0).amax())
+
+
+class Monitor:
+    """Records, on demand, the largest attention logit per layer and output RMS of QKV / o_proj / down_proj."""
+
+    def __init__(self, model):
+        self.model = model
+        self.logits: dict[int, float] = {}
+        self.rms: dict[str, dict[int, float]] = {"qkv": {}, "proj": {}, "fc2": {}}
+        self._handles = []
+        self._sq: dict[int, list] = {}
+
+    # -- logit probes -------------------------------------------------------------------------------------------
+    def _probe(self, attn, q, k, attention_mask=None, scaling=1.0, softcap=None):
+        self.logits[attn.layer_idx] = max_causal_logit(q.detach(), k.detach(), scaling)
+
+    @torch.no_grad()
+    def _plain_hook(self, attn, args, kwargs):
+        """The unpatched Llama attention: recompute q, k exactly as its forward does."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        h = kwargs.get("hidden_states", args[0] if args else None).detach()
+        cos, sin = kwargs["position_embeddings"]
+        shape = (*h.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(h).view(shape).transpose(1, 2)
+        k = attn.k_proj(h).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        self.logits[attn.layer_idx] = max_causal_logit(q, k, attn.scaling)
+
+    # -- RMS hooks ----------------------------------------------------------------------------------------------
+    def _rms_hook(self, kind, idx):
+        def hook(module, inputs, output):
+            o = output.detach().float()
+            if kind == "qkv":  # q, k, v outputs pooled: the RMS of the concatenated QKV output
+                acc = self._sq.setdefault(idx, [0.0, 0])
+                acc[0] += float(o.pow(2).sum())
+                acc[1] += o.numel()
+                self.rms["qkv"][idx] = math.sqrt(acc[0] / acc[1])
+            else:
+                self.rms[kind][idx] = float(o.pow(2).mean().sqrt())
+        return hook
+
+    def __enter__(self):
+        self.logits, self._sq = {}, {}
+        self.rms = {"qkv": {}, "proj": {}, "fc2": {}}
+        patched = hf_qknorm.is_patched(self.model)
+        for i, layer in enumerate(self.model.model.layers):
+            attn = layer.self_attn
+            if patched:
+                attn._qknorm_probe = self._probe
+            else:
+                self._handles.append(attn.register_forward_pre_hook(self._plain_hook, with_kwargs=True))
+            for name in ("q_proj", "k_proj", "v_proj"):
+                self._handles.append(getattr(attn, name).register_forward_hook(self._rms_hook("qkv", i)))
+            self._handles.append(attn.o_proj.register_forward_hook(self._rms_hook("proj", i)))
+            self._handles.append(layer.mlp.down_proj.register_forward_hook(self._rms_hook("fc2", i)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for attn in attention_modules(self.model):
+            if hasattr(attn, "_qknorm_probe"):
+                del attn._qknorm_probe
+
+    def snapshot(self) -> dict:
+        n = len(self.model.model.layers)
+        return {"max_logit": [self.logits.get(i) for i in range(n)],
+                **{f"rms_{k}": [v.get(i) for i in range(n)] for k, v in self.rms.items()}}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# optimisation
+# ------------------------------------------------------------------------------------------------------------------
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup to ``cfg.lr``, then cosine to ``min(cfg.min_lr, cfg.lr)`` (Wortsman et al.)."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    floor = min(cfg.min_lr, cfg.lr)
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model, cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW (0.9, 0.95), eps 1e-8. Decay on matrices only, *independent* of the LR as in Wortsman et al.:
+    torch's decoupled decay multiplies by lr, so ``weight_decay = lambda / peak_lr`` gives ``lambda * schedule``."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay / cfg.lr}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+class QKLearningRateRule:
+    """Anson & Aitchison 2025 (arXiv:2511.21377), Alg. 1, per layer and head, recomputed every step:
+    ``lr(W_Q^h) = tau * eta * ||W_K^h||_0 / ||W_K^h||`` and ``lr(W_K^h) = tau * eta * ||W_Q^h||_0 / ||W_Q^h||``
+    (Frobenius norms of the head's rows). AdamW's update, decay included, is proportional to the LR, so scaling
+    each head's rows of the update made at ``eta`` by the factor is exactly a step at the rule's LR."""
+
+    def __init__(self, model, tau: float = 1.0):
+        self.tau = tau
+        self.attns = attention_modules(model)
+        self.init = [(self._head_norms(a.q_proj.weight, a), self._head_norms(a.k_proj.weight, a)) for a in self.attns]
+        self._before = None
+
+    @staticmethod
+    def _head_norms(w: torch.Tensor, attn) -> torch.Tensor:
+        return w.detach().view(-1, attn.head_dim, w.shape[-1]).pow(2).sum((1, 2)).sqrt()
+
+    def before_step(self):
+        self._before = [(a.q_proj.weight.detach().clone(), a.k_proj.weight.detach().clone()) for a in self.attns]
+
+    @torch.no_grad()
+    def after_step(self):
+        for a, (q0, k0), (nq0, nk0) in zip(self.attns, self._before, self.init):
+            nq, nk = self._head_norms(q0, a), self._head_norms(k0, a)  # norms at the start of this step
+            fq = self.tau * nk0 / nk  # lr(W_Q) uses ||W_K||
+            fk = self.tau * nq0 / nq
+            for w, w0, f in ((a.q_proj.weight, q0, fq), (a.k_proj.weight, k0, fk)):
+                d = a.head_dim
+                delta = (w - w0).view(-1, d, w.shape[-1]) * f.view(-1, 1, 1)
+                w.copy_(w0 + delta.view_as(w))
+        self._before = None
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy and ``ce + z_loss * mean(logsumexp^2)`` (Wortsman et al.'s output z-loss)."""
+    logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    targets = ids[:, 1:].reshape(-1)
+    ce = F.cross_entropy(logits, targets)
+    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    return ce, ce + z_loss * z
+
+
+@torch.no_grad()
+def evaluate(model, blocks: torch.Tensor, batch: int = 32) -> float:
+    model.eval()
+    total, n = 0.0, 0
+    for s in range(0, blocks.shape[0], batch):
+        ids = blocks[s : s + batch]
+        ce, _ = lm_loss(model(input_ids=ids).logits, ids, 0.0)
+        total += float(ce) * ids.shape[0]
+        n += ids.shape[0]
+    model.train()
+    return total / n
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def train_run(cfg: RunConfig, model=None, log=None) -> dict:
+    """Train one run and return its record (config, curves, final validation loss, wall time)."""
+    torch.set_num_threads(1)
+    train_ids, val_blocks, vocab = char_data(cfg.text, cfg.context)
+    model = build_model(cfg, vocab) if model is None else model
+    model.train()
+    opt = make_optimizer(model, cfg)
+    rule = QKLearningRateRule(model, cfg.qk_lr_tau) if SCHEMES[cfg.scheme][2] else None
+    gen = torch.Generator().manual_seed(1000 + cfg.seed)
+    eval_set = val_blocks[: cfg.eval_blocks]
+    rec = {"config": asdict(cfg), "train": [], "val": [], "probe": []}
+    rec["val"].append([0, evaluate(model, eval_set)])
+    t0, nonfinite = time.time(), False
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        ids = random_batch(train_ids, cfg.batch_size, cfg.context, gen)
+        measure = step % cfg.probe_every == 0 or step == cfg.steps - 1
+        if measure:
+            with Monitor(model) as mon:
+                logits = model(input_ids=ids).logits
+            rec["probe"].append({"step": step, **mon.snapshot()})
+        else:
+            logits = model(input_ids=ids).logits
+        ce, loss = lm_loss(logits, ids, cfg.z_loss)
+        if not torch.isfinite(loss):
+            nonfinite = True
+            rec["train"].append([step, None])
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if rule is not None:
+            rule.before_step()
+        opt.step()
+        if rule is not None:
+            rule.after_step()
+        if step % 10 == 0:
+            rec["train"].append([step, float(ce.detach()), _finite(float(gnorm))])
+        if (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            v = evaluate(model, eval_set)
+            rec["val"].append([step + 1, _finite(v)])
+            if log:
+                log(f"{cfg.tag()} step {step + 1} val {v:.4f} ({time.time() - t0:.0f}s)")
+    final = float("nan") if nonfinite else evaluate(model, val_blocks[: cfg.final_eval_blocks])
+    rec["val"].append([cfg.steps, _finite(final)])
+    rec.update(final_val=_finite(final), init_val=rec["val"][0][1], nonfinite=nonfinite,
+               wall_s=round(time.time() - t0, 1), versions={"torch": torch.__version__, "hf_qknorm":
+                                                            getattr(hf_qknorm, "__version__", "?")})
+    return rec
+
+
+def run_job(cfg: RunConfig, out_dir: str | Path) -> str:
+    """Run ``cfg`` unless its result file exists; write it atomically. Returns the file path."""
+    out = Path(out_dir) / f"{cfg.tag()}.json"
+    if out.exists():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rec = train_run(cfg)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, allow_nan=False))
+    os.replace(tmp, out)
+    return str(out)
+
+
+def _worker_init():
+    torch.set_num_threads(1)
+
+
+def run_jobs(cfgs: list[RunConfig], out_dir: str | Path, workers: int = 2) -> None:
+    """Run the jobs whose results are missing, ``workers`` processes with one thread each."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    todo = [c for c in cfgs if not (Path(out_dir) / f"{c.tag()}.json").exists()]
+    print(f"{len(cfgs) - len(todo)} of {len(cfgs)} runs done; running {len(todo)} on {workers} workers", flush=True)
+    if workers <= 1:
+        for c in todo:
+            t = time.time()
+            run_job(c, out_dir)
+            print(f"done {c.tag()} {time.time() - t:.0f}s", flush=True)
+        return
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) as ex:
+        futs = {ex.submit(run_job, c, out_dir): c for c in todo}
+        for f in cf.as_completed(futs):
+            c = futs[f]
+            try:
+                f.result()
+                print(f"done {c.tag()}", flush=True)
+            except Exception as err:  # one failed run must not stop the sweep
+                print(f"FAILED {c.tag()}: {err!r}", flush=True)
+
+
+def load_runs(out_dir: str | Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("*.json"))]

@@ -1,0 +1,111 @@
+"""The evidence recipes' machinery on a few steps: runs, probes, the Q/K LR rule, resume, divergence rule, summary."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+import _sweep_common as sc  # noqa: E402
+import lr_sweep  # noqa: E402
+
+TINY = dict(steps=4, warmup=2, layers=2, hidden=32, heads=2, context=32, batch_size=4, eval_every=2,
+            eval_blocks=4, final_eval_blocks=8, probe_every=2)
+
+
+@pytest.mark.parametrize("scheme", list(sc.SCHEMES))
+def test_run_records_everything(scheme):
+    rec = sc.train_run(sc.RunConfig(scheme=scheme, lr=1e-2, **TINY))
+    assert math.isfinite(rec["final_val"]) and rec["init_val"] > rec["final_val"] - 1.0
+    probe = rec["probe"][-1]
+    for key in ("max_logit", "rms_qkv", "rms_proj", "rms_fc2"):
+        assert len(probe[key]) == 2 and all(v is not None and v > 0 for v in probe[key])
+
+
+def _qk(model):
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 7, attn.config.hidden_size)
+    shape = (2, 7, -1, attn.head_dim)
+    q = attn.q_proj(x).view(shape).transpose(1, 2)
+    k = attn.k_proj(x).view(shape).transpose(1, 2)
+    return attn, x, q, k
+
+
+def test_plain_and_patched_probes_agree():
+    """An identity-initialised qk_norm model's probe and the plain hook measure the same formula."""
+    cfg = sc.RunConfig(scheme="baseline", **TINY)
+    plain = sc.build_model(cfg, 10)
+    patched = sc.build_model(sc.RunConfig(scheme="soft_cap", **TINY), 10)  # same seed -> same weights
+    ids = torch.randint(0, 10, (2, 16))
+    with sc.Monitor(plain) as m1, torch.no_grad():
+        plain(input_ids=ids)
+    with sc.Monitor(patched) as m2, torch.no_grad():
+        patched(input_ids=ids)
+    assert m1.snapshot()["max_logit"] == pytest.approx(m2.snapshot()["max_logit"], rel=1e-5)
+    assert not hasattr(patched.model.layers[0].self_attn, "_qknorm_probe")  # removed on exit
+
+
+def test_max_causal_logit_ignores_future():
+    q = torch.zeros(1, 1, 3, 2)
+    k = torch.zeros(1, 1, 3, 2)
+    q[..., 0, 0] = 1.0
+    k[..., 2, 0] = 100.0  # only reachable from a later query
+    assert sc.max_causal_logit(q, k, 1.0) == 0.0
+
+
+def test_qk_lr_rule_scales_update_per_head():
+    cfg = sc.RunConfig(scheme="qk_lr", **TINY)
+    model = sc.build_model(cfg, 10)
+    rule = sc.QKLearningRateRule(model, tau=1.0)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight[: attn.head_dim] *= 2.0  # head 0 of W_K doubled -> W_Q head 0 gets half the step
+    rule.before_step()
+    w0 = attn.q_proj.weight.detach().clone()
+    with torch.no_grad():
+        attn.q_proj.weight += 1.0  # a stand-in optimizer update
+    rule.after_step()
+    d = attn.head_dim
+    delta = attn.q_proj.weight.detach() - w0
+    assert torch.allclose(delta[:d], torch.full_like(delta[:d], 0.5))
+    assert torch.allclose(delta[d:], torch.ones_like(delta[d:]))
+
+
+def test_resume_skips_finished_runs(tmp_path):
+    cfg = sc.RunConfig(scheme="qk_norm", lr=1e-2, **TINY)
+    path = Path(sc.run_job(cfg, tmp_path))
+    stamp = path.stat().st_mtime_ns
+    sc.run_jobs([cfg], tmp_path, workers=1)
+    assert path.stat().st_mtime_ns == stamp
+    assert len(sc.load_runs(tmp_path)) == 1
+
+
+def test_divergence_rule_and_summary():
+    def rec(lr, final, vals=(3.0,), nonfinite=False):
+        return {"config": {"scheme": "baseline", "lr": lr, "seed": 0, "p": None}, "final_val": final,
+                "init_val": 4.2, "nonfinite": nonfinite, "val": [[0, 4.2], *[[1, v] for v in vals], [2, final]],
+                "probe": [{"max_logit": [1.0, 2.0]}], "wall_s": 1.0}
+    assert not lr_sweep.diverged(rec(1e-3, 2.0), unigram=3.3)
+    assert lr_sweep.diverged(rec(1e-3, None, nonfinite=True), unigram=3.3)
+    assert lr_sweep.diverged(rec(1e-3, 3.4, vals=(3.5,)), unigram=3.3)  # no better than unigram
+    assert lr_sweep.diverged(rec(1e-3, 2.5, vals=(2.0,)), unigram=3.3)  # blew up, did not recover
+    assert lr_sweep.max_stable_lr({1e-3: False, 1e-2: False, 1e-1: True, 1.0: False}) == (1e-2, 1e-1)
+    grid = [1e-3, 1e-2, 1e-1]
+    assert lr_sweep.lr_sensitivity({1e-3: 2.0, 1e-2: 1.5, 1e-1: None}, 4.0, grid) == pytest.approx((0.5 + 2.5) / 3)
+
+
+def test_lp_sweep_jobs_set_the_exponent():
+    import lp_sweep
+
+    args = lp_sweep.parse_args(["run", "--ps", "2.5", "--seeds", "0", "1", "--steps", "4"])
+    cfgs = lp_sweep.jobs(args)
+    assert [(c.p, c.seed) for c in cfgs] == [(2.5, 0), (2.5, 1)] and len({c.tag() for c in cfgs}) == 2
+    model = sc.build_model(sc.RunConfig(scheme="lp4", p=2.5, **TINY), 10)
+    assert model.config.qknorm["norm"] == "lp" and model.config.qknorm["p"] == 2.5
+    fake = [{"config": {"p": 2.5}, "final_val": v} for v in (1.0, 1.2)]
+    s = lp_sweep.summarise(fake)["2.5"]
+    assert s["mean"] == pytest.approx(1.1) and s["std"] == pytest.approx(0.1414, abs=1e-3)
