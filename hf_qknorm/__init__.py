@@ -8,7 +8,10 @@ from .attention import ATTN_IMPLEMENTATION, qknorm_attention_forward
 from .attention import register as _register_attention
 from .families import FAMILIES, Family, get_family
 from .modeling import register_auto_classes as _register_auto_classes
+from .monitor import QKMonitor, QKMonitorCallback, attention_stats
 from .patch import is_patched, patch_model, qknorm_config
+from .peft_utils import lora_config, prepare_lora
+from .qk_lr import QKLearningRate, QKLearningRateCallback, qk_param_groups
 from .schemes import DEFAULT_SOFTCAP, NORMS, SCHEMES, QKNormConfig
 
 __version__ = "0.1.0"
@@ -19,11 +22,19 @@ __all__ = [
     "FAMILIES",
     "Family",
     "NORMS",
+    "QKLearningRate",
+    "QKLearningRateCallback",
+    "QKMonitor",
+    "QKMonitorCallback",
     "QKNormConfig",
     "SCHEMES",
+    "attention_stats",
     "get_family",
     "is_patched",
+    "lora_config",
     "patch_model",
+    "prepare_lora",
+    "qk_param_groups",
     "qknorm_attention_forward",
     "qknorm_config",
 ]

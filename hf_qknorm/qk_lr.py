@@ -1,0 +1,267 @@
+"""Q/K learning-rate control: Anson & Aitchison 2025 (arXiv:2511.21377, "QuacK") and a plain constant factor.
+
+The rule, per layer ``l`` and head ``h``, recomputed before every step (Frobenius norms, ``||.||_0`` at the start):
+
+    lr(W_Q^{l,h}) = tau * eta * ||W_K^{l,h}||_0 / ||W_K^{l,h}||
+    lr(W_K^{l,h}) = tau * eta * ||W_Q^{l,h}||_0 / ||W_Q^{l,h}||
+
+where ``eta`` is the optimizer's own (scheduled) learning rate. Their Lemma 1: a step of bounded size on ``W_Q``
+changes a logit ``x^T W_Q^T W_K y`` by at most ``||dW_Q|| ||W_K||``, so shrinking ``W_Q``'s step as ``W_K`` grows
+(and vice versa) bounds the logit change per step.
+
+How it is applied exactly: all heads of a layer share one ``nn.Linear`` weight (GPT-2: one fused ``Conv1D``), so
+per-head rates cannot be parameter groups. Instead the controller snapshots the Q and K rows before
+``optimizer.step()`` and afterwards rescales each head's rows of the update: ``W <- W_old + f_h * (W_new - W_old)``.
+For every optimizer whose whole update is proportional to its learning rate -- SGD (with momentum), Adam with L2
+decay, AdamW with its decoupled decay, Lion, Muon -- this is exactly a per-head learning rate ``f_h * eta``: the
+optimizer's state (moments) does not depend on the learning rate. It is not exact for optimizers whose state does
+(Adafactor's relative step, schedule-free methods). Q/K biases (Qwen2) take their head's factor; the norms are of
+the weights only. Memory: one copy of the Q and K weights, held during the step.
+
+GQA: key head ``g`` is read by query heads ``h`` with ``h // (heads // kv_heads) == g`` (Transformers' ``repeat_kv``
+layout). A query head uses its key head's norm ratio; a key head uses the ratio of the largest norm among its query
+heads (``max_h ||W_Q^h||_0 / max_h ||W_Q^h||``), the worst case Lemma 1 bounds. With ``kv_heads == heads`` this is the
+paper's rule. ``per_head=False`` uses whole-layer norms instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .training import attention_sites, num_heads, unwrap_model
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+except ImportError:  # pragma: no cover
+    TrainerCallback, ExportableState = object, object
+
+logger = logging.getLogger(__name__)
+
+RULES = ("norm_ratio", "constant")
+
+
+class _HeadRows:
+    """The output channels ``[offset, offset + heads * head_dim)`` of a projection, viewed per head.
+
+    ``nn.Linear`` weights are ``(out, in)``; ``transformers.Conv1D`` weights are ``(in, out)`` (GPT-2's fused
+    ``c_attn``, whose Q, K and V are consecutive blocks of ``out``)."""
+
+    def __init__(self, proj: nn.Module, offset: int, heads: int, head_dim: int, conv1d: bool, where: str):
+        proj = getattr(proj, "base_layer", proj)  # peft wrapper: the base weight is what we control
+        self.weight, self.bias = proj.weight, getattr(proj, "bias", None)
+        self.offset, self.heads, self.head_dim, self.conv1d = offset, heads, head_dim, conv1d
+        if not self.weight.requires_grad:
+            raise ValueError(f"{where} is frozen (a LoRA base weight?): Q/K learning-rate control needs trainable "
+                             "W_Q and W_K")
+        out_dim = self.weight.shape[1] if conv1d else self.weight.shape[0]
+        if type(self.weight).__name__ == "DTensor" or out_dim < offset + heads * head_dim:
+            raise NotImplementedError(f"{where}: sharded weights (FSDP) are not supported by Q/K learning-rate "
+                                      "control; use DDP, or apply it per layer through parameter groups")
+        self.snapshot: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def w(self, t: torch.Tensor | None = None) -> torch.Tensor:
+        """``(heads, head_dim, in)`` view of the weight (or of a tensor shaped like it)."""
+        t = self.weight if t is None else t
+        end = self.offset + self.heads * self.head_dim
+        if self.conv1d:
+            return t[:, self.offset:end].unflatten(1, (self.heads, self.head_dim)).permute(1, 2, 0)
+        return t[self.offset:end].unflatten(0, (self.heads, self.head_dim))
+
+    def b(self) -> torch.Tensor | None:
+        if self.bias is None:
+            return None
+        return self.bias[self.offset:self.offset + self.heads * self.head_dim].view(self.heads, self.head_dim)
+
+    @torch.no_grad()
+    def norms(self) -> torch.Tensor:
+        """Per-head Frobenius norms of the weight, float64 ``(heads,)``."""
+        return torch.linalg.vector_norm(self.w(), dim=(1, 2), dtype=torch.float64)
+
+    @torch.no_grad()
+    def save(self) -> None:
+        bias = self.b()
+        self.snapshot = (self.w().clone(), None if bias is None else bias.clone())
+
+    @torch.no_grad()
+    def rescale(self, factor: torch.Tensor) -> None:
+        """``W <- W_old + factor_h * (W - W_old)`` per head, for the weight and the bias."""
+        old_w, old_b = self.snapshot
+        self.snapshot = None
+        for now, old, shape in ((self.w(), old_w, (-1, 1, 1)), (self.b(), old_b, (-1, 1))):
+            if now is not None:
+                acc = torch.promote_types(now.dtype, torch.float32)
+                f = factor.to(device=now.device, dtype=acc).view(shape)
+                now.copy_(old.to(acc) + (now.to(acc) - old.to(acc)) * f)
+
+
+def _layer_rows(site, config) -> tuple[_HeadRows, _HeadRows]:
+    attn, fam = site.module, site.family
+    heads, kv_heads = num_heads(attn, config)
+    d = attn.head_dim
+    where = f"layer {site.index}"
+    if fam.fused_qkv:
+        proj = getattr(attn, fam.qkv_proj)
+        return (_HeadRows(proj, 0, heads, d, fam.conv1d, where + " W_Q"),
+                _HeadRows(proj, heads * d, kv_heads, d, fam.conv1d, where + " W_K"))
+    return (_HeadRows(getattr(attn, fam.q_proj), 0, heads, d, fam.conv1d, where + " W_Q"),
+            _HeadRows(getattr(attn, fam.k_proj), 0, kv_heads, d, fam.conv1d, where + " W_K"))
+
+
+class QKLearningRate:
+    """Per-head (or per-layer) learning-rate factors for ``W_Q`` and ``W_K``, applied around ``optimizer.step()``.
+
+    Args:
+        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped is fine) whose
+            ``W_Q``/``W_K`` are trainable.
+        tau: Anson & Aitchison's relative initial learning rate (``rule="norm_ratio"``), or the constant factor
+            (``rule="constant"``: ``lr(W_Q) = lr(W_K) = tau * eta``, their "ablation").
+        per_head: per-head norms (the paper) or whole-layer norms.
+        initial_norms: ``||.||_0`` from :meth:`state_dict` when resuming; ``None`` takes the current weights.
+
+    Plain loop::
+
+        qk = QKLearningRate(model, tau=1.0)
+        ...
+        loss.backward()
+        qk.step(optimizer)          # = qk.pre_step(); optimizer.step(); qk.post_step()
+    """
+
+    def __init__(self, model: nn.Module, *, tau: float = 1.0, rule: str = "norm_ratio", per_head: bool = True,
+                 initial_norms: dict | None = None):
+        if rule not in RULES:
+            raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
+        if not tau > 0:
+            raise ValueError(f"tau must be positive, got {tau!r}")
+        self.tau, self.rule, self.per_head = float(tau), rule, bool(per_head)
+        config = unwrap_model(model).config
+        self.layers = [_layer_rows(site, config) for site in attention_sites(model)]
+        self.initial_norms = initial_norms if initial_norms is not None else self._current_norms()
+        if len(self.initial_norms["q"]) != len(self.layers):
+            raise ValueError(f"initial_norms cover {len(self.initial_norms['q'])} layers, the model has "
+                             f"{len(self.layers)}")
+        self.last_factors: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _current_norms(self) -> dict:
+        return {"q": [q.norms().tolist() for q, _ in self.layers], "k": [k.norms().tolist() for _, k in self.layers]}
+
+    # -- the rule ----------------------------------------------------------------------------------------------------
+    def factors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, ``(f_Q (heads,), f_K (kv_heads,))``: the multipliers of ``eta`` for this step (float64)."""
+        out = []
+        for i, (q, k) in enumerate(self.layers):
+            if self.rule == "constant":
+                out.append((torch.full((q.heads,), self.tau, dtype=torch.float64),
+                            torch.full((k.heads,), self.tau, dtype=torch.float64)))
+                continue
+            nq, nk = q.norms().cpu(), k.norms().cpu()
+            nq0 = torch.tensor(self.initial_norms["q"][i], dtype=torch.float64)
+            nk0 = torch.tensor(self.initial_norms["k"][i], dtype=torch.float64)
+            if not self.per_head:
+                fq = torch.full((q.heads,), float(nk0.norm() / nk.norm()), dtype=torch.float64)
+                fk = torch.full((k.heads,), float(nq0.norm() / nq.norm()), dtype=torch.float64)
+            else:
+                groups = q.heads // k.heads
+                fq = (nk0 / nk).repeat_interleave(groups)  # query head h reads key head h // groups
+                fk = nq0.view(k.heads, groups).amax(1) / nq.view(k.heads, groups).amax(1)
+            out.append((self.tau * fq, self.tau * fk))
+        return out
+
+    # -- around the optimizer step -----------------------------------------------------------------------------------
+    def pre_step(self) -> None:
+        """Compute this step's factors from the current weights and snapshot W_Q, W_K (call before the step)."""
+        self.last_factors = self.factors()
+        for q, k in self.layers:
+            q.save()
+            k.save()
+
+    def post_step(self) -> None:
+        """Rescale each head's update by its factor (call right after ``optimizer.step()``)."""
+        if not self.last_factors or self.layers[0][0].snapshot is None:
+            raise RuntimeError("post_step() without pre_step(): call pre_step() before optimizer.step()")
+        for (q, k), (fq, fk) in zip(self.layers, self.last_factors):
+            q.rescale(fq)
+            k.rescale(fk)
+
+    def step(self, optimizer: torch.optim.Optimizer, closure=None):
+        """``pre_step(); optimizer.step(closure); post_step()``; returns what the optimizer returns."""
+        self.pre_step()
+        result = optimizer.step(closure) if closure is not None else optimizer.step()
+        self.post_step()
+        return result
+
+    # -- checkpointing -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"tau": self.tau, "rule": self.rule, "per_head": self.per_head, "initial_norms": self.initial_norms}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tau, self.rule, self.per_head = float(state["tau"]), state["rule"], bool(state["per_head"])
+        self.initial_norms = state["initial_norms"]
+
+
+class QKLearningRateCallback(TrainerCallback, ExportableState):
+    """``transformers.Trainer`` callback applying :class:`QKLearningRate` around every optimizer step.
+
+    ``Trainer(..., callbacks=[QKLearningRateCallback(tau=1.0)])``. The initial norms ``||.||_0`` are saved with
+    every checkpoint (``trainer_state.json``, as an ``ExportableState``) and taken back on
+    ``trainer.train(resume_from_checkpoint=...)``, so a resumed run continues identically. Not for FSDP-sharded
+    weights (refused with a clear error); DDP is fine (every rank computes the same factors).
+    """
+
+    def __init__(self, tau: float = 1.0, rule: str = "norm_ratio", per_head: bool = True,
+                 initial_norms: dict | None = None):
+        self.tau, self.rule, self.per_head, self.initial_norms = tau, rule, per_head, initial_norms
+        self.controller: QKLearningRate | None = None
+
+    def state(self) -> dict:
+        norms = self.controller.initial_norms if self.controller is not None else self.initial_norms
+        return {"args": {"tau": self.tau, "rule": self.rule, "per_head": self.per_head},
+                "attributes": {"initial_norms": norms}}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.initial_norms is None:  # resuming: our own saved state, whether or not the Trainer restores it
+            saved = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
+            saved = saved[0] if isinstance(saved, list) and saved else saved
+            if isinstance(saved, dict):
+                self.initial_norms = saved.get("attributes", {}).get("initial_norms")
+        self.controller = QKLearningRate(model, tau=self.tau, rule=self.rule, per_head=self.per_head,
+                                         initial_norms=self.initial_norms)
+        self.initial_norms = self.controller.initial_norms
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.controller.pre_step()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.controller.post_step()
+
+
+def qk_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0,
+                    qk_lr_factor: float = 1.0) -> list[dict]:
+    """Optimizer parameter groups: matrices with ``weight_decay``; vectors (norms, biases, the lp logit scale)
+    without; and ``W_Q``/``W_K`` of every layer in their own group at ``lr * qk_lr_factor`` (with decay).
+
+    A constant Q/K factor through parameter groups costs nothing per step and works with any optimizer and
+    scheduler (schedulers scale each group's own ``lr``). GPT-2's fused ``c_attn`` cannot be split into groups:
+    use ``QKLearningRate(model, tau=factor, rule="constant")`` there. Use with ``Trainer(optimizers=(
+    torch.optim.AdamW(qk_param_groups(model, lr), lr=lr), None))``.
+    """
+    sites = attention_sites(model)
+    if sites and sites[0].family.fused_qkv:
+        raise ValueError(f"{sites[0].family.model_type} fuses Q, K and V in one weight ({sites[0].family.qkv_proj}); "
+                         "use QKLearningRate(model, tau=factor, rule='constant') for a Q/K factor")
+    qk_ids = set()
+    for site in sites:
+        for name in (site.family.q_proj, site.family.k_proj):
+            proj = getattr(site.module, name)
+            qk_ids.add(id(getattr(proj, "base_layer", proj).weight))
+    decay, no_decay, qk = [], [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (qk if id(param) in qk_ids else decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0},
+              {"params": qk, "weight_decay": weight_decay, "lr": lr * qk_lr_factor}]
+    return [g for g in groups if g["params"]]

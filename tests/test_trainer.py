@@ -1,0 +1,74 @@
+"""A patched model trains with transformers.Trainer (gradient checkpointing on), and a run resumed from a checkpoint
+continues exactly like the uninterrupted run -- Q/K learning-rate control and its saved initial norms included."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import hf_qknorm
+from tiny_models import VOCAB, tiny_model
+
+
+class CountingText(torch.utils.data.Dataset):
+    """Learnable synthetic text: each row counts upward from a random start with stride 1 or 2."""
+
+    def __init__(self, n=48, seq=24, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (n, 1), generator=g)
+        stride = torch.randint(1, 3, (n, 1), generator=g)
+        self.rows = (start + stride * torch.arange(seq)[None]) % VOCAB
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _args(out, max_steps=6, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=3e-3,
+                lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0, logging_steps=1,
+                save_strategy="steps", save_steps=3, activation_checkpointing=True,
+                activation_checkpointing_kwargs={"use_reentrant": False}, report_to="none", use_cpu=True, seed=0,
+                data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    return TrainingArguments(**{**base, **kw})
+
+
+def _trainer(out, **kw):
+    from transformers import Trainer
+
+    model = tiny_model("llama", seed=3)
+    hf_qknorm.patch_model(model, "qk_norm_cap", softcap=20.0)
+    return Trainer(model=model, args=_args(out, **kw), train_dataset=CountingText(),
+                   callbacks=[hf_qknorm.QKLearningRateCallback(tau=0.5)])
+
+
+def test_trains_with_checkpointing_and_resumes_identically(tmp_path):
+    full = _trainer(tmp_path / "full")
+    assert full.model.config._attn_implementation == "qknorm"
+    full.train()
+    assert full.model.is_activation_checkpointing
+    losses = [r["loss"] for r in full.state.log_history if "loss" in r]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+    ckpt = tmp_path / "full" / "checkpoint-3"
+    saved = json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"]["QKLearningRateCallback"]
+    assert len(saved["attributes"]["initial_norms"]["q"]) == 2  # ||W||_0 travels with the checkpoint
+    assert json.loads((ckpt / "config.json").read_text())["model_type"] == "qknorm_llama"
+
+    resumed = _trainer(tmp_path / "resumed")  # a fresh process's view: new model, new callback
+    with torch.no_grad():  # the resumed run's initial weights differ from the checkpoint's: they must be loaded
+        for p in resumed.model.parameters():
+            p.add_(0.01)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    resumed_losses = [r["loss"] for r in resumed.state.log_history if "loss" in r and r["step"] > 3]
+    torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses[3:]), rtol=1e-6, atol=1e-6)
+    cb = [c for c in resumed.callback_handler.callbacks if isinstance(c, hf_qknorm.QKLearningRateCallback)][0]
+    assert cb.controller.initial_norms == saved["attributes"]["initial_norms"]
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
