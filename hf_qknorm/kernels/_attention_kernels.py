@@ -76,8 +76,9 @@ def _allowed(qpos, kpos, q_len, k_len, diag, window, IS_CAUSAL: tl.constexpr, HA
 
 @triton.jit
 def _mask_tile(mask_base, qpos, kpos, ok, stride_mm, stride_mn):
-    """The user's boolean mask (stored as uint8, True = attend) for one tile; not read where ``ok`` is False."""
-    return tl.load(mask_base + qpos * stride_mm + kpos * stride_mn, mask=ok, other=0) != 0
+    """The user's boolean mask (stored as uint8, True = attend) for one tile; not read where ``ok`` is False.
+    Row offsets in int64: a dense (q_len, kv_len) mask passes 2**31 elements at 46k x 46k."""
+    return tl.load(mask_base + qpos.to(tl.int64) * stride_mm + kpos * stride_mn, mask=ok, other=0) != 0
 
 
 @triton.jit

@@ -39,32 +39,30 @@ MAX_HEAD_DIM = 256
 LOG2E = math.log2(math.e)
 
 
-def _fwd_config(head_dim: int, interpreted: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward and dQ kernels.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head_dim bucket, for 2-byte inputs. Chosen with
+# `python -m hf_qknorm.kernels.compile_check` (no register spills, shared memory within sm_80/sm_86/sm_90 limits)
+# and FlashAttention-2's shapes: the forward and dQ keep many query rows resident and stream keys; dK/dV keeps
+# many keys resident and streams queries. Not autotuned on hardware yet -- see docs/kernels.md.
+_CONFIGS = {
+    "fwd": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    "dkdv": {64: (32, 128, 8, 2), 128: (32, 64, 4, 2), 256: (16, 32, 4, 2)},
+    "dq": {64: (128, 32, 8, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)},
+}
 
-    Conservative choices that fit Ampere/Hopper shared memory at every head_dim (a 128x256 bf16 Q tile is 64 KiB);
-    not autotuned -- see docs/kernels.md. The interpreter's cost is per block, so small tiles keep CPU tests fast
-    while still exercising the multi-block paths."""
+
+def _config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool) -> tuple[int, int, int, int]:
+    """Tile sizes and launch options for ``kernel`` in ("fwd", "dkdv", "dq").
+
+    Under the interpreter the cost is per tile, and 32x32 tiles keep CPU tests fast while still exercising the
+    multi-block paths at the test lengths. fp32 tiles take twice the shared memory: halve the long side."""
     if interpreted:
         return 32, 32, 4, 1
-    if head_dim <= 64:
-        return 128, 64, 4, 3
-    if head_dim <= 128:
-        return 128, 64, 8, 2
-    return 64, 32, 4, 2
-
-
-def _bwd_config(head_dim: int, interpreted: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV kernel (BLOCK_N keys resident, BLOCK_M queries
-    streamed) and the dQ kernel (the same pair, roles swapped: BLOCK_N streamed). The backward holds ~2x the
-    forward's tiles, hence the smaller blocks."""
-    if interpreted:
-        return 32, 32, 4, 1
-    if head_dim <= 64:
-        return 64, 64, 4, 2
-    if head_dim <= 128:
-        return 32, 64, 4, 2
-    return 16, 32, 4, 1
+    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    bm, bn, warps, stages = _CONFIGS[kernel][bucket]
+    if dtype == torch.float32:
+        bm, bn = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
+        bm, bn, stages = max(bm, 16), max(bn, 16), min(stages, 2)
+    return bm, bn, warps, stages
 
 
 def _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window):
@@ -162,7 +160,7 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
     lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or grid_q == 0:
         return out.zero_(), lse
-    bm, bn, warps, stages = _fwd_config(q.shape[3], is_interpreted(_attn_fwd_kernel))
+    bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, is_interpreted(_attn_fwd_kernel))
     bm, bn = block_m or bm, block_n or bn
     mask, mask_strides = _mask_args(attn_mask, q, k)
     qk_scale, cap_log2 = _scales(scaling, softcap)
@@ -204,8 +202,6 @@ def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None =
         return dq, dk, dv
     interpreted = is_interpreted(_attn_fwd_kernel)
     head_dim, heads, kv_heads = q.shape[3], q.shape[1], k.shape[1]
-    bm, bn, warps, stages = _bwd_config(head_dim, interpreted)
-    bm, bn = block_m or bm, block_n or bn
     bd = block_dim(head_dim)
     mask, mask_strides = _mask_args(attn_mask, q, k)
     qk_scale, cap_log2 = _scales(scaling, softcap)
@@ -213,31 +209,35 @@ def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None =
     delta = torch.empty_like(lse)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    flags = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=causal,
-                 HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None, HAS_MASK=attn_mask is not None,
-                 VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    flags = dict(HEAD_DIM=head_dim, BLOCK_D=bd, IS_CAUSAL=causal, HAS_CAP=softcap is not None,
+                 HAS_WINDOW=sliding_window is not None, HAS_MASK=attn_mask is not None, VARLEN=varlen,
+                 DOT_PRECISION=dot_precision(q.dtype))
     lse_strides = (0 if varlen else lse.stride(0), lse.stride(1))
     scalars = (q.shape[1] // k.shape[1], seqlen_q, seqlen_k, qk_scale, cap_log2, scaling, sliding_window or 0)
     with launch_context(q.device):
-        pre_m = 32 if interpreted else 64
+        pre_m = 32 if interpreted else max(16, 8192 // bd)
         _attn_bwd_preprocess_kernel[(triton.cdiv(q.shape[2], pre_m), q.shape[0] * heads)](
             out, dout, dlse if dlse is not None else lse, delta,
             *out.stride()[:3], *dout.stride()[:3], heads, q.shape[2],
             HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
         )
         # dK/dV: BLOCK_N keys resident, query blocks of every head in the GQA group streamed.
+        bm, bn, warps, stages = _config("dkdv", head_dim, q.dtype, interpreted)
+        bm, bn = block_m or bm, block_n or bn
         _attn_bwd_dkdv_kernel[(triton.cdiv(grid_k, bn), batch * kv_heads)](
             q, k, v, dout, lse, delta, dk, dv, mask, cu_q, cu_k,
             *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
             *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides, *mask_strides, kv_heads, *scalars,
-            **flags,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
         )
         # dQ: BLOCK_M queries resident, key blocks streamed (the forward's loop).
+        bm, bn, warps, stages = _config("dq", head_dim, q.dtype, interpreted)
+        bm, bn = block_m or bm, block_n or bn
         _attn_bwd_dq_kernel[(triton.cdiv(grid_q, bm), batch * heads)](
             q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
             *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
             *_strides3(dq, varlen), *lse_strides, *mask_strides, heads, *scalars,
-            **flags,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
         )
     return dq, dk, dv
 

@@ -1,0 +1,194 @@
+"""Compile every kernel variant for a GPU architecture without a GPU, and report its resources.
+
+    python -m hf_qknorm.kernels.compile_check --arch 80 90 [--quick]
+
+Why: the CPU tests run the kernels under Triton's interpreter, which accepts code that the compiler rejects
+(non-constexpr globals, unsupported casts) and knows nothing of shared memory or registers. This tool drives the
+real launchers with small CPU tensors, records each launch instead of running it, then compiles exactly those
+arguments through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin, with the ptxas Triton ships)
+for the requested architecture, and prints shared memory, registers and spills (local memory) per kernel. A
+kernel whose shared memory exceeds the architecture's limit, or that fails to compile, is a failure.
+
+Must run in a process where ``TRITON_INTERPRET`` is unset (the kernels must be decorated for compilation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import torch
+
+# Largest dynamic shared memory per block: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB, sm_86/89 99 KiB.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+_TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+                 torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records instead of launching."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
+
+
+def _signature(fn, args, kwargs):
+    names = [p.name for p in fn.params]
+    values = dict(zip(names, args), **kwargs)
+    signature, constexprs = {}, {}
+    for p in fn.params:
+        v = values[p.name]
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = "*" + _TRITON_TYPES[v.dtype]
+        elif isinstance(v, bool):
+            signature[p.name] = "i1"
+        elif isinstance(v, int):
+            signature[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+        else:
+            signature[p.name] = "fp32"
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    return signature, constexprs, options
+
+
+def record_launches(scenario: dict) -> list:
+    """Run the launchers for one scenario with tiny CPU tensors and return the recorded kernel launches."""
+    from . import _attention_kernels as ak
+    from . import _norm_rope_kernels as nk
+    from . import attention, norm_rope
+
+    calls: list = []
+    patches = [mock.patch.object(attention, "check_device", lambda *a, **k: None),
+               mock.patch.object(norm_rope, "check_device", lambda *a, **k: None)]
+    for mod, names in ((attention, ["_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel",
+                                    "_attn_bwd_dq_kernel"]), (norm_rope, ["_norm_rope_fwd_kernel",
+                                                                          "_norm_rope_bwd_kernel"])):
+        for name in names:
+            src = getattr(ak if mod is attention else nk, name)
+            patches.append(mock.patch.object(mod, name, _Recorder(src, calls)))
+    dtype, d = scenario["dtype"], scenario["head_dim"]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        if scenario["op"] == "attention":
+            q = torch.zeros(1, 4, 8, d, dtype=dtype)
+            k = torch.zeros(1, 2, 8, d, dtype=dtype)
+            kw = dict(scaling=0.1, softcap=scenario.get("softcap"), causal=True,
+                      sliding_window=scenario.get("window"))
+            if scenario.get("mask"):
+                kw["attn_mask"] = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+            if scenario.get("varlen"):
+                cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+                kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+            out = torch.zeros_like(q)
+            lse = torch.zeros(q.shape[:3])
+            attention.attn_fwd(q, k, k, **kw)
+            attention.attn_bwd(out, q, k, k, out, lse, **kw)
+        else:
+            x = torch.zeros(1, 8, 2, d, dtype=dtype)
+            w = torch.ones(d)
+            cos = torch.ones(1, 8, d)
+            kw = dict(kind=scenario["kind"], weight=w, bias=w if scenario["kind"] == "layernorm" else None,
+                      eps=1e-6, p=2.0, cos=cos, sin=cos)
+            norm_rope.norm_rope_fwd(x, **kw)
+            norm_rope.norm_rope_bwd(x, x, **kw)
+    return calls
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers, spill (local) bytes and static shared memory from the cubin, via the cuobjdump Triton ships."""
+    from triton.backends.nvidia.compiler import knobs
+
+    tool = getattr(knobs.nvidia, "cuobjdump", None)
+    if tool is None:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([tool.path, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    found = dict(re.findall(r"(REG|LOCAL|STACK):(\d+)", text))
+    return {"regs": int(found.get("REG", -1)), "local_bytes": int(found.get("LOCAL", 0)),
+            "stack_bytes": int(found.get("STACK", 0))}
+
+
+def compile_launch(fn, args, kwargs, arch: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, options = _signature(fn, args, kwargs)
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", arch, 32), options=options)
+    row = {"kernel": fn.__name__, "arch": arch, "shared": kernel.metadata.shared, **options,
+           **{k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "HEAD_DIM", "D"))}}
+    row.update(_resource_usage(kernel.asm["cubin"]))
+    limit = SHARED_LIMIT.get(arch)
+    row["ok"] = limit is None or kernel.metadata.shared <= limit
+    return row
+
+
+def scenarios(quick: bool) -> list[dict]:
+    dtypes = [torch.bfloat16, torch.float32] if quick else [torch.bfloat16, torch.float16, torch.float32]
+    dims = [64, 256] if quick else [64, 80, 96, 128, 256]
+    out = []
+    for dtype, d in itertools.product(dtypes, dims):
+        out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, mask=True, window=None))
+        if not quick or d == 64:
+            out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=None, varlen=True, window=128))
+    for kind in (["layernorm"] if quick else ["layernorm", "rmsnorm", "lp"]):
+        out.append(dict(op="norm_rope", dtype=torch.bfloat16, head_dim=128, kind=kind))
+    return out
+
+
+def run(archs, quick: bool) -> list[dict]:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
+        raise SystemExit("unset TRITON_INTERPRET: compile_check needs kernels decorated for compilation")
+    rows = []
+    for scenario, arch in itertools.product(scenarios(quick), archs):
+        label = {k: (str(v).replace("torch.", "") if k == "dtype" else v) for k, v in scenario.items()}
+        for fn, args, kwargs in record_launches(scenario):
+            try:
+                row = compile_launch(fn, args, kwargs, arch)
+            except Exception as exc:  # report every failure, not just the first
+                row = {"kernel": fn.__name__, "arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            rows.append({**label, **row})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities, e.g. 80 90")
+    parser.add_argument("--quick", action="store_true", help="a representative subset (what the test runs)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per line")
+    args = parser.parse_args(argv)
+    rows = run(args.arch, args.quick)
+    for row in rows:
+        if args.json:
+            print(json.dumps(row))
+        else:
+            keys = ("op", "dtype", "head_dim", "arch", "kernel", "BLOCK_M", "BLOCK_N", "BLOCK_R", "num_warps",
+                    "num_stages", "shared", "regs", "local_bytes", "ok", "error")
+            print("  ".join(f"{k}={row[k]}" for k in keys if k in row))
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)}/{len(rows)} kernel variants compiled within limits", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
