@@ -155,6 +155,8 @@ class QKMonitor:
         self._handles: list = []
         self._results: dict[int, tuple[torch.Tensor, float | None]] = {}
         self._pending: dict[int, dict] = {}
+        # one probe per layer, made once: a compiled model then has one graph with the probe and one without
+        self._probes = {site.index: _bound_probe(self, site.index) for site in self.sites if site.patched}
         self.active = False
 
     # -- attach / detach ---------------------------------------------------------------------------------------------
@@ -166,7 +168,7 @@ class QKMonitor:
         self._pending.clear()
         for site in self.sites:
             if site.patched:
-                site.module._qknorm_probe = _bound_probe(self, site.index)
+                site.module._qknorm_probe = self._probes[site.index]
             else:
                 self._hook(site)
         self.active = True
@@ -300,10 +302,9 @@ def _rebuild_qk(attn: nn.Module, fam, ctx: dict):
 
 
 def _bound_probe(monitor: QKMonitor, index: int):
-    """The ``_qknorm_probe`` callable for layer ``index`` (kept out of compiled graphs: it only runs on the steps
-    the monitor records)."""
+    """The ``_qknorm_probe`` callable for layer ``index``. Traceable by torch.compile (``fullgraph=True`` too): a
+    compiled model gets a second graph that includes the statistics, used on the recorded steps only."""
 
-    @torch.compiler.disable
     def probe(attn, q, k, attention_mask=None, scaling=1.0, softcap=None):
         monitor._measure(index, attn, q, k, attention_mask, scaling, softcap)
 

@@ -1,0 +1,211 @@
+"""What the training recipes share: arguments, data, the Trainer with the hf_qknorm callbacks, and the report.
+
+Every recipe runs on a CPU in minutes with its defaults (bundled text, the bundled tiny Llama) and scales up
+unchanged under ``accelerate launch`` (DDP; one process per GPU, or gloo processes on a CPU-only machine)::
+
+    python recipes/train_scratch.py
+    accelerate launch --multi_gpu --num_processes 2 recipes/train_scratch.py   # on CPU: 2 gloo processes
+
+On a machine without a GPU, ``--multi_gpu`` only selects accelerate's torchrun launcher; the recipe sees no CUDA,
+sets ``use_cpu`` and accelerate picks gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # CPUs that advertise AMX but trap on it
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+import hf_qknorm  # noqa: E402
+from hf_qknorm.data import bundled_model_dir, perplexity, read_text, split_text, tokenize_blocks  # noqa: E402
+
+
+class Blocks(torch.utils.data.Dataset):
+    """Fixed-length token blocks as ``{"input_ids", "labels"}`` rows (the model shifts the labels)."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self):
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i):
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+def parser(doc: str, *, text: str, steps: int, lr: float, batch_size: int = 16, context: int = 128,
+           qk_lr: bool = True) -> argparse.ArgumentParser:
+    """The arguments every recipe takes; a recipe adds its own."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = p.add_argument_group("data")
+    d.add_argument("--text", default=text, help="UTF-8 text file, or a bundled text name (tinyshakespeare, "
+                   "wikitext2); the last --val-fraction is held out")
+    d.add_argument("--val-fraction", type=float, default=0.1)
+    d.add_argument("--context", type=int, default=context, help="tokens per training block, BOS included")
+    d.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks for the perplexity report")
+    t = p.add_argument_group("training")
+    t.add_argument("--out", default=None, help="output folder (default runs/<recipe>)")
+    t.add_argument("--max-steps", type=int, default=steps, help="optimizer steps")
+    t.add_argument("--batch-size", type=int, default=batch_size, help="blocks per device per step")
+    t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    t.add_argument("--lr", type=float, default=lr, help="peak learning rate (cosine schedule)")
+    t.add_argument("--warmup-steps", type=int, default=max(1, steps // 20))
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--grad-clip", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    t.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
+    t.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only the final model)")
+    t.add_argument("--resume", default=None, help="checkpoint folder to resume from, or 'latest' in --out")
+    t.add_argument("--logging-steps", type=int, default=10)
+    t.add_argument("--report-to", default="none", help="Trainer reporters: none, tensorboard, wandb, all ...")
+    t.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
+    t.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (full shard) instead of DDP; runs on CPU "
+                   "(gloo) too. Q/K learning-rate control refuses sharded weights")
+    q = p.add_argument_group("hf_qknorm")
+    q.add_argument("--monitor-every", type=int, default=10, help="attention-logit monitor period (0: off)")
+    if qk_lr:
+        q.add_argument("--qk-lr-tau", type=float, default=None,
+                       help="Anson & Aitchison Q/K learning-rate control with this tau (default: off)")
+        q.add_argument("--qk-lr-rule", choices=("norm_ratio", "constant"), default="norm_ratio",
+                       help="norm_ratio: lr(W_Q) = tau*lr*||W_K||_0/||W_K||, per head; constant: tau*lr")
+    q.add_argument("--dump-rank-state", default=None, metavar="DIR",
+                   help="write every rank's final parameters to DIR/rank<r>.safetensors (replica check)")
+    return p
+
+
+def setup(args, recipe: str) -> None:
+    from transformers.utils import logging as hf_logging
+
+    if args.out is None:
+        args.out = str(Path("runs") / recipe)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_warning()
+    hf_logging.disable_progress_bar()
+
+
+def load_tokenizer(path=None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path or bundled_model_dir())
+
+
+def text_blocks(args, tokenizer) -> tuple[Blocks, torch.Tensor]:
+    """Training blocks (back to back) and held-out blocks of ``--text``."""
+    train, val = split_text(read_text(args.text), args.val_fraction)
+    train_blocks = tokenize_blocks(train, tokenizer, args.context)
+    val_blocks = tokenize_blocks(val, tokenizer, args.context, max_blocks=args.eval_blocks)
+    return Blocks(train_blocks), val_blocks
+
+
+def training_arguments(args, **overrides):
+    from transformers import TrainingArguments
+
+    kw = dict(output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+              gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
+              warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip,
+              adam_beta2=0.95, seed=args.seed, data_seed=args.seed, logging_steps=args.logging_steps,
+              save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+              report_to=args.report_to, use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
+              activation_checkpointing=args.gradient_checkpointing,
+              activation_checkpointing_kwargs={"use_reentrant": False}, dataloader_num_workers=0,
+              disable_tqdm=True, ddp_find_unused_parameters=False)
+    if args.fsdp:
+        if not torch.cuda.is_available():
+            raise SystemExit("--fsdp needs GPUs: accelerate (and so Trainer) enables FSDP only for multi-GPU "
+                             "runs; on CPU the recipes use DDP over gloo (FSDP2's fully_shard itself does run on "
+                             "CPU: see tests/test_distributed.py)")
+        kw.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
+    kw.update(overrides)
+    return TrainingArguments(**kw)
+
+
+def make_trainer(model, args, train_ds, **arg_overrides):
+    """A ``Trainer`` with the Q/K learning-rate callback (when asked) and the attention-logit monitor."""
+    from transformers import Trainer
+
+    callbacks = []
+    if getattr(args, "qk_lr_tau", None) is not None:
+        callbacks.append(hf_qknorm.QKLearningRateCallback(tau=args.qk_lr_tau, rule=args.qk_lr_rule))
+    trainer = Trainer(model=model, args=training_arguments(args, **arg_overrides), train_dataset=train_ds,
+                      callbacks=callbacks)
+    trainer.qk_monitor = None
+    if args.monitor_every:
+        trainer.qk_monitor = hf_qknorm.QKMonitorCallback.attach(trainer, every=args.monitor_every)
+    return trainer
+
+
+def resume_path(args):
+    if args.resume != "latest":
+        return args.resume
+    ckpts = sorted(Path(args.out).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    return str(ckpts[-1]) if ckpts else None
+
+
+def train(trainer, args) -> dict:
+    """Train (resuming when asked); returns the wall time and the mean training loss."""
+    start = time.time()
+    out = trainer.train(resume_from_checkpoint=resume_path(args))
+    return {"train_seconds": round(time.time() - start, 1), "train_loss": out.training_loss}
+
+
+def log(trainer, *msg) -> None:
+    if trainer.is_world_process_zero():
+        print(*msg, flush=True)
+
+
+def ppl(model, val_blocks) -> float:
+    return perplexity(model, val_blocks.to(next(model.parameters()).device))
+
+
+def finish(trainer, args, results: dict, save_model=None, tokenizer=None) -> dict:
+    """Save the final model (main process), the replica dump (every rank) and ``results.json``."""
+    state = trainer.state
+    monitor = getattr(trainer, "qk_monitor", None)
+    history = monitor.history if monitor else []
+    results.update(steps=state.global_step, world_size=trainer.args.world_size,
+                   last_logged_loss=next((r["loss"] for r in reversed(state.log_history) if "loss" in r), None),
+                   monitor_last=history[-1] if history else None, monitor_alerts=monitor.alerts if monitor else [])
+    if args.dump_rank_state:
+        dump_rank_state(trainer.model, args.dump_rank_state, trainer.args.process_index, trainer.args.world_size,
+                        {"monitor": history})
+    out = Path(args.out)
+    if save_model is trainer.model:
+        trainer.save_model(str(out / "final"))  # every rank joins: gathers FSDP shards where there are any
+    if trainer.is_world_process_zero():
+        out.mkdir(parents=True, exist_ok=True)
+        if save_model is not None and save_model is not trainer.model:
+            save_model.save_pretrained(out / "final")
+        if save_model is not None and tokenizer is not None:
+            tokenizer.save_pretrained(out / "final")
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        print(json.dumps({k: v for k, v in results.items() if k not in ("monitor_last", "monitor_alerts")}),
+              flush=True)
+    return results
+
+
+def dump_rank_state(model, folder, rank: int, world_size: int, extra: dict | None = None) -> None:
+    """Every parameter of this rank's replica (norm weights included), for comparing ranks after training."""
+    from safetensors.torch import save_file
+
+    def full(p):  # FSDP2 parameters are DTensor shards: gather them (a collective every rank joins)
+        return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    tensors = {n: full(p.detach()).cpu().clone().contiguous() for n, p in model.named_parameters()}
+    meta = {"world_size": str(world_size), "extra": json.dumps(extra or {})}
+    save_file(tensors, str(Path(folder) / f"rank{rank}.safetensors"), metadata=meta)
+
+
+def fmt(x: float) -> str:
+    return "nan" if x is None or not math.isfinite(x) else f"{x:.3f}"
