@@ -6,6 +6,7 @@ Importing the package registers the ``"qknorm"`` attention implementation (atten
 
 from .attention import ATTN_IMPLEMENTATION, qknorm_attention_forward
 from .attention import register as _register_attention
+from .convert import convert
 from .families import FAMILIES, Family, get_family
 from .modeling import register_auto_classes as _register_auto_classes
 from .monitor import QKMonitor, QKMonitorCallback, attention_stats
@@ -29,6 +30,7 @@ __all__ = [
     "QKNormConfig",
     "SCHEMES",
     "attention_stats",
+    "convert",
     "get_family",
     "is_patched",
     "lora_config",

@@ -1,0 +1,361 @@
+"""Checkpoint conversion: ``hf_qknorm.convert`` and ``hf-qknorm convert``.
+
+Takes a pretrained checkpoint, adds the scheme's norm weights initialised by calibration
+(:mod:`hf_qknorm.calibrate`), and writes a folder that loads anywhere (:mod:`hf_qknorm.export`) with a model card
+(:mod:`hf_qknorm.hub`). Safe by construction:
+
+- the source is only read, never written;
+- every safetensors header is checked before any work starts, so a corrupt or truncated file is a clear error;
+- the output is written into a temporary folder beside the destination and renamed into place when complete; on any
+  error the temporary folder is removed, so nothing is left half-written; an existing destination is refused unless
+  ``overwrite=True``;
+- weights are written shard by shard from the source files (read one shard, add or transform its tensors, write
+  it, update the index), so writing needs about one shard of memory. Calibration itself needs the model in memory
+  (in float32); ``calibrate=False`` skips it and never loads the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .calibrate import CalibrationReport, CalibrationSettings, calibrate as run_calibration, new_norm_parameters
+from .families import Family, get_family
+from .schemes import QKNormConfig
+from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
+
+__all__ = ["ConversionResult", "convert", "default_destination"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+REPORT_FILE = "qknorm_conversion.json"
+
+
+@dataclass
+class ConversionResult:
+    """What :func:`convert` wrote: the folder, its format (``"qwen3"`` or ``"qknorm"``, with the reason a
+    ``qwen3`` export was not possible), the scheme, the calibration report and the files."""
+
+    path: Path
+    export: str
+    export_note: str | None
+    scheme: QKNormConfig
+    report: CalibrationReport | None
+    files: list[str] = field(default_factory=list)
+    pushed_url: str | None = None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the source
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Source:
+    path: Path
+    name: str  # Hub id or folder name, for the model card's base_model
+    config: object
+    family: Family
+    weights: SourceWeights
+
+
+def resolve_source(src) -> tuple[Path, str]:
+    """A local folder, or a Hub id downloaded with ``huggingface_hub`` where the Hub is reachable."""
+    if src is None:
+        from .data import bundled_model_dir
+
+        path = bundled_model_dir()
+        return path, "hf_qknorm/tiny-llama (bundled)"
+    path = Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"source {str(src)!r} is a file; give the folder that holds config.json")
+        return path.resolve(), path.resolve().name
+    if isinstance(src, str) and _HUB_ID.match(src) and not src.startswith((".", "/")):
+        return _download(src), src
+    raise FileNotFoundError(f"source folder not found: {str(src)!r}")
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "tokenizer*", "README.md", "LICENSE*"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as exc:  # offline, unknown repo, gated...: say which and why
+        raise FileNotFoundError(f"source {repo_id!r} is not a local folder and could not be downloaded from the "
+                                f"Hugging Face Hub ({type(exc).__name__}: {exc})") from exc
+
+
+def inspect_source(src) -> Source:
+    """Load and check the source's config and weight files (nothing heavy is read)."""
+    from transformers import AutoConfig
+
+    path, name = resolve_source(src)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Transformers model folder")
+    raw = json.loads((path / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type.startswith("qknorm_") or raw.get("qknorm") is not None:
+        raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")
+    family = get_family(model_type)
+    archs = raw.get("architectures") or []
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise ValueError(f"{path} is not a causal language model (architectures {archs}); "
+                         "hf_qknorm converts *ForCausalLM / *LMHeadModel checkpoints")
+    config = AutoConfig.from_pretrained(path)
+    return Source(path=path, name=name, config=config, family=family, weights=read_source_weights(path, family))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# texts
+# --------------------------------------------------------------------------------------------------------------------
+_TEXT_SUFFIXES = (".txt", ".md", ".raw", ".text")
+
+
+def load_text(value, what: str) -> str | None:
+    """``value`` is a path, a bundled text name (``"tinyshakespeare"``, ``"wikitext2"``) or the text itself."""
+    from .data import BUNDLED_TEXTS, read_text
+
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        return read_text(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str or a path, got {type(value).__name__}")
+    if "\n" not in value and len(value) < 4096 and (
+            value in BUNDLED_TEXTS or os.path.exists(value) or value.lower().endswith(_TEXT_SUFFIXES)):
+        return read_text(value)
+    if not value.strip():
+        raise ValueError(f"{what} is empty; give text (or a file of text) to run through the model")
+    return value
+
+
+def _blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str) -> torch.Tensor:
+    """Up to ``max_blocks`` blocks of ``block_len`` tokens spread evenly over ``text``, each led by BOS when the
+    tokenizer has one (the layout of :func:`hf_qknorm.data.tokenize_blocks`, which held-out perplexities in
+    ``TRAINING.md`` use)."""
+    from .data import tokenize_stream
+
+    bos = getattr(tokenizer, "bos_token_id", None)
+    n_text = block_len - int(bos is not None)
+    stream = tokenize_stream(text, tokenizer)  # tokenised once: a whole corpus can take seconds
+    if len(stream) < n_text:
+        raise ValueError(f"{what} has {len(stream)} tokens, fewer than one block of {block_len}; give more text "
+                         "(or a smaller block length)")
+    n_blocks = min(max_blocks, len(stream) // n_text)
+    stride = (len(stream) - n_text) // max(1, n_blocks - 1) if n_blocks > 1 else n_text
+    blocks = stream.unfold(0, n_text, max(stride, n_text))[:n_blocks]
+    if bos is not None:
+        blocks = torch.cat([torch.full((len(blocks), 1), bos, dtype=torch.long), blocks], dim=1)
+    return blocks.contiguous()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# destination and atomic writes
+# --------------------------------------------------------------------------------------------------------------------
+def default_destination(source_name: str, cfg: QKNormConfig) -> Path:
+    """``converted/<source>-<scheme>[-<norm>]`` under the current folder."""
+    stem = source_name.split(" ")[0].rstrip("/").split("/")[-1]
+    suffix = cfg.scheme + (f"-{cfg.norm}" if cfg.norms_qk else "")
+    return Path("converted") / f"{stem}-{suffix}"
+
+
+def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
+    dst = Path(dst).expanduser().resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise ValueError(f"destination {dst} overlaps the source {src}; the source is never modified")
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"destination {dst} already exists; pass overwrite=True (--overwrite) to replace it")
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"destination {dst} exists and is not a folder")
+    return dst
+
+
+@contextmanager
+def staging(dst: Path):
+    """Yield a temporary folder beside ``dst``; on success it is renamed to ``dst`` (replacing an existing one),
+    on any error it is removed together with any parent folders this created."""
+    created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.replace(dst, old / "previous")
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:  # innermost first
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# conversion
+# --------------------------------------------------------------------------------------------------------------------
+def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None = None,
+            softcap: float | None = None, eps: float | None = None, p: float | None = None,
+            calibration_text=None, eval_text=None, calibrate: bool = True,
+            settings: CalibrationSettings | None = None, export: str = "auto", overwrite: bool = False,
+            push_to_hub: str | None = None, private: bool | None = None, revision: str | None = None,
+            commit_message: str | None = None, token: str | None = None, progress: bool = True,
+            log=print) -> ConversionResult:
+    """Convert a pretrained checkpoint to ``scheme`` and write it to ``dst``.
+
+    Args:
+        src: a local model folder or a Hub id; ``None`` converts the bundled tiny Llama.
+        dst: output folder; ``None`` means ``converted/<source>-<scheme>-<norm>``. An existing folder is refused
+            unless ``overwrite``.
+        scheme, norm, softcap, eps, p: as for :func:`hf_qknorm.patch_model`.
+        calibration_text: text run through the original model to initialise the new norms: a path, a bundled text
+            name or the text itself; ``None`` means the bundled Tiny Shakespeare.
+        eval_text: held-out text for the perplexity report; ``None`` holds out the last 10% of
+            ``calibration_text`` (which calibration then never sees).
+        calibrate: ``False`` keeps identity init and never loads the model (no report).
+        settings: block length, number of blocks, distillation steps (:class:`CalibrationSettings`).
+        export: ``"auto"`` (plain ``qwen3`` when the result is a Qwen3 model, else ``qknorm_<base>`` with remote
+            code), ``"qwen3"`` (an error when impossible) or ``"qknorm"``.
+        push_to_hub: a repo id to upload the folder to once written (``private``, ``revision``,
+            ``commit_message``, ``token`` as for :func:`hf_qknorm.hub.push`).
+    """
+    from .export import resolve_export
+
+    cfg = QKNormConfig(scheme=scheme, norm=norm, softcap=softcap, eps=eps, p=p)
+    settings = settings or CalibrationSettings()
+    source = inspect_source(src)
+    config, family = source.config, source.family
+    cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None
+                          else float(getattr(config, family.eps_attr, 1e-6))})
+    dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path,
+                             overwrite)
+    kind, note = resolve_export(export, config, cfg, family)
+    if push_to_hub:
+        from .hub import resolve_token
+
+        token = resolve_token(token)  # no token: fail now, before hours of work
+    texts = _texts(calibration_text, eval_text) if calibrate else None
+
+    log(f"converting {source.name} ({family.model_type}, {source.weights.dtype}, "
+        f"{len(source.weights.files)} weight file(s)) to {cfg.scheme}"
+        f"{'' if not cfg.norms_qk else ' / ' + cfg.norm} -> {dst} as {kind}")
+    if calibrate:
+        patched_config, new_values, report = _calibrated(source, cfg, texts, settings, progress)
+    else:
+        patched_config, new_values, report = *_identity(source, cfg), None
+    result = ConversionResult(path=dst, export=kind, export_note=note, scheme=cfg, report=report)
+    with staging(dst) as tmp:
+        _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress)
+    result.files = sorted(str(f.relative_to(dst)) for f in dst.rglob("*") if f.is_file())
+    if report is not None:
+        log(report.summary())
+    if note and kind == "qknorm" and export == "auto" and family.model_type in ("llama", "mistral"):
+        log(f"note: written as qknorm_{family.model_type} (trust_remote_code) rather than qwen3: {note}")
+    log(f"wrote {dst} ({kind}): {', '.join(result.files)}")
+    if push_to_hub:
+        from .hub import push
+
+        result.pushed_url = push(dst, push_to_hub, private=private, revision=revision,
+                                 commit_message=commit_message, token=token)
+        log(f"pushed to {result.pushed_url}")
+    return result
+
+
+def _texts(calibration_text, eval_text) -> tuple[str, str]:
+    from .data import split_text
+
+    calib = load_text(calibration_text if calibration_text is not None else "tinyshakespeare", "calibration text")
+    if not calib.strip():
+        raise ValueError("calibration text is empty; give text (or a file of text) to run through the model")
+    held = load_text(eval_text, "eval text")
+    if held is None:
+        calib, held = split_text(calib, 0.1)
+    return calib, held
+
+
+def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progress: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+    except Exception as exc:
+        raise ValueError(f"calibration needs the source's tokenizer, which could not be loaded from "
+                         f"{source.path} ({type(exc).__name__}: {exc}); add it, or pass calibrate=False "
+                         "(--no-calibration)") from exc
+    max_len = int(getattr(source.config, source.family.max_len_attr, settings.block_len))
+    block_len = min(settings.block_len, max_len)
+    calib_blocks = _blocks(texts[0], tokenizer, block_len, settings.calibration_blocks, "calibration text")
+    eval_blocks = _blocks(texts[1], tokenizer, block_len, settings.eval_blocks, "held-out text")
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    torch.manual_seed(settings.seed)
+    report = run_calibration(model, source.family, cfg, calib_blocks, eval_blocks, settings, progress)
+    values = {k: v.detach().clone() for k, v in new_norm_parameters(model).items()}
+    config = model.config
+    del model
+    return config, values, report
+
+
+def _identity(source: Source, cfg):
+    """The patched config and identity-initialised norm values, from a model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from .norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm, henry_logit_scale
+    from .patch import patch_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(source.config)
+    patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps,
+                p=cfg.p)
+    scale = henry_logit_scale(getattr(source.config, source.family.max_len_attr, 2048))
+    values = {}
+    for name, prm in new_norm_parameters(model).items():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(owner, HeadLpNorm) and owner.scale == "logit":
+            values[name] = torch.full(prm.shape, scale)
+        elif name.endswith(".bias"):
+            values[name] = torch.zeros(prm.shape)
+        else:
+            assert isinstance(owner, (HeadLayerNorm, HeadRMSNorm, HeadLpNorm))
+            values[name] = torch.ones(prm.shape)
+    return model.config, values
+
+
+def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_values, result, progress) -> None:
+    from .export import copy_side_files, write_config
+    from .hub import write_model_card
+
+    plan: WeightPlan = plan_weights(source.weights, source.family, cfg, new_values,
+                                    source.config.get_text_config().num_hidden_layers,
+                                    carry_native=result.report is None)
+    write_weights(source.weights, plan, tmp, progress)
+    write_config(tmp, kind, patched_config, source.weights.dtype)
+    copy_side_files(source.path, tmp)
+    report = {"source": source.name, "export": kind, "export_note": result.export_note, "scheme": cfg.to_dict(),
+              "calibration": None if result.report is None else result.report.to_dict(),
+              "versions": _versions()}
+    (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    write_model_card(tmp, model_name=result.path.name, source_dir=source.path, base_model=source.name, cfg=cfg, export=kind,
+                     report=result.report, export_note=result.export_note)
+
+
+def _versions() -> dict:
+    import transformers
+
+    from . import __version__
+
+    return {"hf_qknorm": __version__, "transformers": transformers.__version__, "torch": torch.__version__,
+            "python": sys.version.split()[0]}

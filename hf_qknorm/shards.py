@@ -1,0 +1,239 @@
+"""Safetensors checkpoints read and written shard by shard, for :mod:`hf_qknorm.convert`.
+
+:func:`read_source_weights` checks every header up front (so a corrupt or truncated file fails before any work);
+:func:`plan_weights` says what changes (new norm tensors, the ``qkv_norm`` fold of the removed pre-norm into the
+projections, the dropped pre-norm tensors); :func:`write_weights` applies the plan one shard at a time -- read a
+shard, transform and add its tensors, write it, record its keys in the index -- so peak memory is about one shard.
+Tensor names follow the source (``transformer.h.0...`` or ``h.0...`` alike); dtypes are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .families import Family
+from .schemes import QKNormConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
+           "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4), "I16": (torch.int16, 2),
+           "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
+           "F8_E4M3": (None, 1), "F8_E5M2": (None, 1)}
+_MAX_HEADER = 100 * 2**20
+
+
+@dataclass
+class SourceWeights:
+    """The safetensors files of a source folder (validated) and where each tensor lives."""
+
+    folder: Path
+    files: list[str]
+    key_file: dict[str, str]
+    shapes: dict[str, list[int]]
+    index: dict | None
+    dtype: torch.dtype
+    strip: str = ""  # base-model prefix that the source's tensor names lack (e.g. "transformer." for GPT-2)
+
+    def source_key(self, canonical: str) -> str:
+        """The source's name of a tensor named ``canonical`` in the loaded model's state dict."""
+        return canonical[len(self.strip):] if self.strip and canonical.startswith(self.strip) else canonical
+
+    def read(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.folder / self.key_file[key], framework="pt") as f:
+            return f.get_tensor(key)
+
+
+def check_safetensors(path: Path) -> dict:
+    """The header of a safetensors file, after checking that it is whole: a readable header whose tensors all lie
+    inside the file with the byte size their dtype and shape need. Raises ``ValueError`` naming the file."""
+    path = Path(path)
+    size = path.stat().st_size
+    bad = f"{path} is not a valid safetensors file"
+    if size < 8:
+        raise ValueError(f"{bad}: truncated ({size} bytes, shorter than the 8-byte header length)")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n == 0 or n > _MAX_HEADER or 8 + n > size:
+            raise ValueError(f"{bad}: corrupt or truncated (header length {n} for a file of {size} bytes)")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{bad}: corrupt header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{bad}: corrupt header (not a JSON object)")
+    data = size - 8 - n
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            begin, end = info["data_offsets"]
+            dtype, shape = info["dtype"], info["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{bad}: corrupt entry for tensor {key!r}") from None
+        if end > data:
+            raise ValueError(f"{bad}: truncated (tensor {key!r} ends at byte {end} of a {data}-byte data section)")
+        width = _DTYPES.get(dtype, (None, None))[1]
+        if not 0 <= begin <= end or (width is not None and end - begin != width * math.prod(shape)):
+            raise ValueError(f"{bad}: corrupt entry for tensor {key!r} (offsets {begin}..{end}, {dtype} {shape})")
+    return header
+
+
+def read_source_weights(folder: Path, family: Family) -> SourceWeights:
+    """Find and validate the safetensors weights of ``folder`` (single file or sharded with an index)."""
+    folder = Path(folder)
+    index = None
+    if (folder / INDEX_FILE).is_file():
+        try:
+            index = json.loads((folder / INDEX_FILE).read_text())
+            weight_map = dict(index["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{folder / INDEX_FILE} is not a valid safetensors index ({exc})") from None
+        files = sorted(set(weight_map.values()))
+    elif (folder / SINGLE_FILE).is_file():
+        files, weight_map = [SINGLE_FILE], None
+    elif any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth")):
+        raise ValueError(f"{folder} holds PyTorch pickle weights only; hf_qknorm converts safetensors checkpoints. "
+                         "Re-save it with model.save_pretrained(folder, safe_serialization=True)")
+    else:
+        raise FileNotFoundError(f"{folder} has no model weights ({SINGLE_FILE} or {INDEX_FILE})")
+    key_file, shapes, dtypes = {}, {}, {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder / INDEX_FILE} lists {name}, which is missing")
+        header = check_safetensors(path)
+        for key, info in header.items():
+            if key != "__metadata__":
+                key_file[key], shapes[key], dtypes[key] = name, info["shape"], info["dtype"]
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if key_file.get(key) != name:
+                raise ValueError(f"{folder / INDEX_FILE} maps {key!r} to {name}, which does not contain it")
+    weights = SourceWeights(folder, files, key_file, shapes, index, torch.float32)
+    weights.strip = _missing_prefix(weights, family)
+    probe = weights.source_key(_proj_key(family, 0, family.qkv_proj or family.q_proj, "weight"))
+    weights.dtype = _DTYPES.get(dtypes[probe], (torch.float32,))[0] or torch.float32
+    return weights
+
+
+def _proj_key(family: Family, layer: int, proj: str, param: str) -> str:
+    return f"{family.layers}.{layer}.{family.attention}.{proj}.{param}"
+
+
+def _missing_prefix(weights: SourceWeights, family: Family) -> str:
+    canonical = _proj_key(family, 0, family.qkv_proj or family.q_proj, "weight")
+    if canonical in weights.key_file:
+        return ""
+    head = canonical.split(".", 1)[0] + "."
+    if canonical[len(head):] in weights.key_file:
+        return head
+    raise ValueError(f"{weights.folder}: unexpected tensor names for a {family.model_type} checkpoint "
+                     f"(no {canonical!r}); is it a {family.model_type} causal LM?")
+
+
+@dataclass
+class WeightPlan:
+    """What changes, by source tensor name: tensors to add or replace (``new``, with the file each goes to),
+    tensors to drop, per-projection gains to fold (``folds``) and bias shifts to add (``shifts``)."""
+
+    new: dict[str, torch.Tensor] = field(default_factory=dict)
+    new_file: dict[str, str] = field(default_factory=dict)
+    drop: set[str] = field(default_factory=set)
+    folds: dict[str, torch.Tensor] = field(default_factory=dict)
+    shifts: dict[str, torch.Tensor] = field(default_factory=dict)
+    conv1d: bool = False
+
+
+def plan_weights(weights: SourceWeights, family: Family, cfg: QKNormConfig, new_values: dict[str, torch.Tensor],
+                 num_layers: int, carry_native: bool = False) -> WeightPlan:
+    """Plan the new tensors ``new_values`` (state-dict names) and, for ``qkv_norm``, the pre-norm fold.
+
+    ``carry_native``: a new norm weight that the source already has with the same shape (Qwen3's own q/k norms)
+    keeps the source's values, as :func:`hf_qknorm.patch_model` does (used with identity init)."""
+    plan = WeightPlan(conv1d=family.conv1d)
+    anchor_proj = family.qkv_proj or family.q_proj
+    for canonical, value in new_values.items():
+        key = weights.source_key(canonical)
+        if carry_native and key in weights.key_file and list(weights.shapes[key]) == list(value.shape):
+            value = weights.read(key)
+        plan.new[key] = value.detach().to(weights.dtype).contiguous()
+        anchor = weights.source_key(f"{canonical.rsplit('.', 2)[0]}.{anchor_proj}.weight")
+        plan.new_file[key] = weights.key_file.get(key) or weights.key_file.get(anchor) or weights.files[-1]
+    if cfg.removes_prenorm:
+        for layer in range(num_layers):
+            _plan_fold(plan, weights, family, layer)
+    return plan
+
+
+def _plan_fold(plan: WeightPlan, weights: SourceWeights, family: Family, layer: int) -> None:
+    """``W (g * n + b) + c == (W diag(g)) n + (W b + c)``: the gain multiplies the projections' input channels and
+    the bias becomes a shift of the projections' biases (computed here, one projection weight in memory at a time)."""
+    norm = f"{family.layers}.{layer}.{family.prenorm}"
+    gain_key, bias_key = (weights.source_key(f"{norm}.{p}") for p in ("weight", "bias"))
+    gain = weights.read(gain_key).float() if gain_key in weights.key_file else None
+    bias = weights.read(bias_key).float() if bias_key in weights.key_file else None
+    plan.drop.update(k for k in (gain_key, bias_key) if k in weights.key_file)
+    for proj in [family.qkv_proj] if family.fused_qkv else [family.q_proj, family.k_proj, family.v_proj]:
+        w_key = weights.source_key(_proj_key(family, layer, proj, "weight"))
+        b_key = weights.source_key(_proj_key(family, layer, proj, "bias"))
+        if gain is not None:
+            plan.folds[w_key] = gain
+        if bias is not None:
+            w = weights.read(w_key).float()
+            shift = bias @ w if family.conv1d else w @ bias
+            if b_key not in weights.key_file:
+                raise ValueError(f"cannot fold the bias of {norm} into {w_key}: the projection has no bias")
+            plan.shifts[b_key] = shift
+
+
+def _transform(key: str, tensor: torch.Tensor, plan: WeightPlan) -> torch.Tensor:
+    if key in plan.folds:
+        g = plan.folds[key]
+        g = g[:, None] if plan.conv1d else g[None, :]  # Conv1D weights are (in, out), Linear (out, in)
+        tensor = (tensor.float() * g).to(tensor.dtype)
+    if key in plan.shifts:
+        tensor = (tensor.float() + plan.shifts[key]).to(tensor.dtype)
+    return tensor
+
+
+def write_weights(weights: SourceWeights, plan: WeightPlan, out: Path, progress: bool = True) -> list[str]:
+    """Write the planned checkpoint into ``out`` shard by shard; returns the written file names."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    weight_map, total = {}, 0
+    files = weights.files
+    if progress and len(files) > 1:
+        from tqdm.auto import tqdm
+
+        files = tqdm(files, desc="writing shards", unit="shard", leave=False, file=sys.stderr, disable=None)
+    for name in files:
+        tensors = {}
+        with safe_open(weights.folder / name, framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            for key in f.keys():
+                if key in plan.drop:
+                    continue
+                tensors[key] = plan.new[key] if key in plan.new else _transform(key, f.get_tensor(key), plan)
+        tensors.update({k: v for k, v in plan.new.items() if plan.new_file[k] == name and k not in tensors})
+        metadata.setdefault("format", "pt")
+        save_file(tensors, str(Path(out) / name), metadata=metadata)
+        for key, t in tensors.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+        del tensors
+    if weights.index is None:
+        return list(weights.files)
+    index = {**weights.index, "metadata": {**weights.index.get("metadata", {}), "total_size": total},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (Path(out) / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [*weights.files, INDEX_FILE]

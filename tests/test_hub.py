@@ -1,0 +1,149 @@
+"""Model cards and Hub push, tested up to the network boundary (``HfApi`` is a mock; no token is ever real)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from huggingface_hub import ModelCard
+
+import hf_qknorm
+from hf_qknorm.cli import main as cli_main
+from hf_qknorm.hub import build_model_card, push, template_path, upload_files
+from hf_qknorm.schemes import QKNormConfig
+from test_convert_support import leftovers, one_thread, quiet, save_source  # noqa: F401
+
+LICENSED_README = "---\nlicense: apache-2.0\nlanguage: en\n---\n# a source model\n"
+
+
+@pytest.fixture
+def no_token(monkeypatch, tmp_path):
+    """No token anywhere: no HF_TOKEN, an empty HF_HOME (no cached login)."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
+
+
+@pytest.fixture
+def converted(tmp_path):
+    save_source(tmp_path / "src", "llama")
+    (tmp_path / "src" / "README.md").write_text(LICENSED_README)
+    (tmp_path / "src" / "LICENSE").write_text("Apache License 2.0\n")
+    return hf_qknorm.convert(tmp_path / "src", tmp_path / "my-model", scheme="qk_norm_cap", calibrate=False,
+                             progress=False, log=quiet)
+
+
+def test_card_metadata_and_content(converted):
+    card = ModelCard.load(converted.path / "README.md")
+    data = card.data.to_dict()
+    assert data["license"] == "apache-2.0"  # inherited from the source's card
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert {"hf-qknorm", "qk-norm-cap", "layernorm-qk-norm", "softcap", "custom_code"} <= set(data["tags"])
+    assert "base_model" not in data  # a local folder is not a Hub id
+    assert "trust_remote_code=True" in card.text and "`qk_norm_cap`" in card.text and "| softcap | 50.0 |" in card.text
+    assert "no calibration was run" in card.text
+    assert (converted.path / "LICENSE").is_file()
+
+
+def test_card_with_report_and_hub_base_model(tmp_path):
+    from hf_qknorm.calibrate import CalibrationReport, LayerStats
+
+    report = CalibrationReport(scheme={}, ppl_original=10.0, ppl_identity=30.0, ppl_least_squares=12.0,
+                               ppl_calibrated=10.5, calibration_tokens=1000, eval_tokens=500, steps=50,
+                               kl_start=0.2, kl_end=0.01, seconds=1.0,
+                               layers=[LayerStats(0, [1.0], [1.0], [0.5], 40.0, 30.0)], cap=50.0,
+                               warnings=["layer 0: largest logit 30.00 ..."])
+    card = build_model_card(base_model="meta-llama/Llama-3.2-1B", cfg=QKNormConfig("qk_norm", norm="rmsnorm"),
+                            export="qwen3", report=report, model_name="me/llama-qk")
+    assert card.data.base_model == "meta-llama/Llama-3.2-1B" and "qwen3" in card.data.tags
+    assert "| converted, calibrated init (least squares + KL distillation) | 10.500 |" in card.text
+    assert "removes **97.5%**" in card.text and "**Warning:** layer 0" in card.text
+    assert 'from_pretrained("me/llama-qk")  # a plain Qwen3ForCausalLM' in card.text
+
+
+def test_template_is_shipped_and_mirrored_at_the_repo_root():
+    root = Path(__file__).resolve().parents[1] / "model_cards" / template_path().name
+    assert template_path().is_file() and root.resolve() == template_path().resolve()
+
+
+def test_push_uploads_the_folder(converted, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_token")
+    api = mock.Mock()
+    api.upload_folder.return_value = mock.Mock(commit_url="https://huggingface.co/me/m/commit/abc")
+    url = push(converted.path, "me/my-model", private=True, revision="v1", commit_message="first", api=api)
+    assert url.endswith("/commit/abc")
+    api.create_repo.assert_called_once_with("me/my-model", token="hf_fake_token", private=True, repo_type="model",
+                                            exist_ok=True)
+    api.create_branch.assert_called_once_with("me/my-model", branch="v1", token="hf_fake_token",
+                                              repo_type="model", exist_ok=True)
+    kwargs = api.upload_folder.call_args.kwargs
+    assert kwargs["folder_path"] == str(converted.path) and kwargs["revision"] == "v1"
+    assert kwargs["commit_message"] == "first" and kwargs["token"] == "hf_fake_token"
+    assert upload_files(converted.path) == sorted(converted.files) == sorted(
+        ["LICENSE", "README.md", "config.json", "configuration_qknorm.py", "generation_config.json",
+         "model.safetensors", "modeling_qknorm.py", "qknorm_conversion.json"])
+
+
+def test_push_without_a_token_fails_before_the_network(converted, no_token):
+    api = mock.Mock()
+    with pytest.raises(ValueError, match="no Hugging Face token.*HF_TOKEN"):
+        push(converted.path, "me/my-model", api=api)
+    assert not api.method_calls
+    with pytest.raises(ValueError, match="invalid Hub repo id"):
+        push(converted.path, "not a repo id", token="x", api=api)
+    (converted.path.parent / "src" / "README.md").unlink()
+    with pytest.raises(ValueError, match="not a converted model folder .missing README.md"):
+        push(converted.path.parent / "src", "me/x", token="x", api=api)
+    assert not api.method_calls
+
+
+def test_convert_with_push_and_no_token_writes_nothing(tmp_path, no_token):
+    save_source(tmp_path / "src")
+    with pytest.raises(ValueError, match="no Hugging Face token"):
+        hf_qknorm.convert(tmp_path / "src", tmp_path / "out", calibrate=False, push_to_hub="me/x", progress=False,
+                          log=quiet)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------------------------------------------------
+def test_cli_push_dry_run_and_errors(converted, no_token, capsys):
+    assert cli_main(["push", str(converted.path), "me/my-model", "--dry-run", "--private"]) == 0
+    out = capsys.readouterr().out
+    assert "would upload to me/my-model as a private repo" in out and "  model.safetensors" in out
+    assert '"license": "apache-2.0"' in out
+    assert cli_main(["push", str(converted.path), "me/my-model"]) == 2
+    assert "error: no Hugging Face token" in capsys.readouterr().err
+
+
+def test_cli_convert_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["convert", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--scheme", "--norm", "--softcap", "--eps", "--p", "--calibration-text", "--eval-text",
+                   "--no-calibration", "--steps", "--export", "--overwrite", "--push-to-hub", "--private",
+                   "--revision", "--commit-message", "--token", "examples:"):
+        assert option in text
+
+
+def test_cli_convert_errors_and_success(tmp_path, capsys, monkeypatch):
+    save_source(tmp_path / "src")
+    assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "o"), "--softcap", "0"]) == 2
+    assert "softcap must be a positive" in capsys.readouterr().err
+    assert cli_main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "o")]) == 2
+    assert "source folder not found" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["convert", str(tmp_path / "src"), "--no-calibration", "--quiet", "--scheme", "qk_norm",
+                     "--norm", "rmsnorm"]) == 0
+    assert "as qwen3" in capsys.readouterr().out
+    assert (tmp_path / "converted" / "src-qk_norm-rmsnorm" / "config.json").is_file()
+    assert cli_main(["convert", str(tmp_path / "src"), "--no-calibration", "--quiet", "--scheme", "qk_norm",
+                     "--norm", "rmsnorm"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "converted") == ["src-qk_norm-rmsnorm"]
