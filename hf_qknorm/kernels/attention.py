@@ -54,14 +54,14 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool) -
     """Tile sizes and launch options for ``kernel`` in ("fwd", "dkdv", "dq").
 
     Under the interpreter the cost is per tile, and 32x32 tiles keep CPU tests fast while still exercising the
-    multi-block paths at the test lengths. fp32 tiles take twice the shared memory: halve the long side."""
+    multi-block paths at the test lengths. fp32 tiles take twice the bytes: halve both sides and do not pipeline
+    (fp32 is for exactness, not speed; this keeps every head_dim under sm_86's 99 KiB of shared memory)."""
     if interpreted:
         return 32, 32, 4, 1
     bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     bm, bn, warps, stages = _CONFIGS[kernel][bucket]
     if dtype == torch.float32:
-        bm, bn = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
-        bm, bn, stages = max(bm, 16), max(bn, 16), min(stages, 2)
+        bm, bn, stages = max(bm // 2, 16), max(bn // 2, 16), 1
     return bm, bn, warps, stages
 
 
@@ -142,6 +142,11 @@ def _strides3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return (0 if varlen else t.stride(0)), t.stride(1), t.stride(2)
 
 
+def _empty_full(shape, fill_value, **kwargs) -> torch.Tensor:
+    """``torch.full``'s signature, ``torch.empty``'s cost: for outputs that the kernel writes entirely."""
+    return torch.empty(shape, **kwargs)
+
+
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -157,9 +162,9 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
                                                                      max_seqlen_k, q, k)
     # Packed rows past cu_seqlens_q[-1] belong to no sequence: zero them rather than leave garbage.
     out = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or grid_q == 0:
-        return out.zero_(), lse
+    lse = (torch.full if varlen else _empty_full)(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or grid_q == 0 or k.shape[2] == 0:
+        return out.zero_(), lse.fill_(float("inf"))
     bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, is_interpreted(_attn_fwd_kernel))
     bm, bn = block_m or bm, block_n or bn
     mask, mask_strides = _mask_args(attn_mask, q, k)
@@ -193,13 +198,13 @@ def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None =
                          f"q {tuple(q.shape)}")
     q, k, v, out, dout = (_last_contiguous(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, grid_k = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                           max_seqlen_k, q, k)
+    # Every row of a padded batch is written by the kernels; packed rows past cu_seqlens[-1] are not.
+    alloc = torch.zeros if varlen else torch.empty
+    dq, dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if q.numel() == 0 or k.numel() == 0 or grid_q == 0 or grid_k == 0:
-        return dq, dk, dv
+        return dq.zero_(), dk.zero_(), dv.zero_()
     interpreted = is_interpreted(_attn_fwd_kernel)
     head_dim, heads, kv_heads = q.shape[3], q.shape[1], k.shape[1]
     bd = block_dim(head_dim)

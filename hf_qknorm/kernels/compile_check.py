@@ -143,8 +143,13 @@ def compile_launch(fn, args, kwargs, arch: int) -> dict:
     return row
 
 
-def scenarios(quick: bool) -> list[dict]:
-    dtypes = [torch.bfloat16, torch.float32] if quick else [torch.bfloat16, torch.float16, torch.float32]
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def scenarios(quick: bool, dtypes=None) -> list[dict]:
+    if dtypes is None:
+        dtypes = ["bf16", "fp32"] if quick else list(_DTYPES)
+    dtypes = [_DTYPES[d] for d in dtypes]
     dims = [64, 256] if quick else [64, 80, 96, 128, 256]
     out = []
     for dtype, d in itertools.product(dtypes, dims):
@@ -156,37 +161,34 @@ def scenarios(quick: bool) -> list[dict]:
     return out
 
 
-def run(archs, quick: bool) -> list[dict]:
+def run(archs, quick: bool, dtypes=None):
+    """Yield one result row per compiled kernel variant."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
         raise SystemExit("unset TRITON_INTERPRET: compile_check needs kernels decorated for compilation")
-    rows = []
-    for scenario, arch in itertools.product(scenarios(quick), archs):
+    for scenario, arch in itertools.product(scenarios(quick, dtypes), archs):
         label = {k: (str(v).replace("torch.", "") if k == "dtype" else v) for k, v in scenario.items()}
         for fn, args, kwargs in record_launches(scenario):
             try:
                 row = compile_launch(fn, args, kwargs, arch)
             except Exception as exc:  # report every failure, not just the first
                 row = {"kernel": fn.__name__, "arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            rows.append({**label, **row})
-    return rows
+            yield {**label, **row}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities, e.g. 80 90")
     parser.add_argument("--quick", action="store_true", help="a representative subset (what the test runs)")
+    parser.add_argument("--dtype", nargs="+", choices=list(_DTYPES), help="only these input dtypes")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
     args = parser.parse_args(argv)
-    rows = run(args.arch, args.quick)
-    for row in rows:
-        if args.json:
-            print(json.dumps(row))
-        else:
-            keys = ("op", "dtype", "head_dim", "arch", "kernel", "BLOCK_M", "BLOCK_N", "BLOCK_R", "num_warps",
-                    "num_stages", "shared", "regs", "local_bytes", "ok", "error")
-            print("  ".join(f"{k}={row[k]}" for k in keys if k in row))
-    bad = [r for r in rows if not r["ok"]]
-    print(f"{len(rows) - len(bad)}/{len(rows)} kernel variants compiled within limits", file=sys.stderr)
+    keys = ("op", "dtype", "head_dim", "arch", "kernel", "BLOCK_M", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages",
+            "shared", "regs", "local_bytes", "ok", "error")
+    total = bad = 0
+    for row in run(args.arch, args.quick, args.dtype):
+        total, bad = total + 1, bad + (not row["ok"])
+        print(json.dumps(row) if args.json else "  ".join(f"{k}={row[k]}" for k in keys if k in row), flush=True)
+    print(f"{total - bad}/{total} kernel variants compiled within limits", file=sys.stderr)
     return 1 if bad else 0
 
 
