@@ -27,18 +27,20 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .calib_stats import ActivationRecorder, CalibrationReport, LayerStats, converted_max_logits
 from .families import Family
-from .norms import NORM_CLASSES, HeadLayerNorm, HeadLpNorm, HeadRMSNorm, make_norm
+from .norms import NORM_CLASSES, HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from .patch import _find_layers, patch_model
 from .schemes import QKNormConfig
 
-CAP_WARN_FRACTION = 0.5
+__all__ = ["CalibrationReport", "CalibrationSettings", "LayerStats", "calibrate", "closed_form_init", "distill",
+           "new_norm_parameters"]
 
 
 @dataclass
@@ -54,6 +56,12 @@ class CalibrationSettings:
     lr: float = 0.3               # relative step size: each tensor moves by about lr * its initial RMS per step
     teacher_budget_mb: int = 1024  # memory for the cached teacher log-probs (float16); fewer blocks if exceeded
     seed: int = 0
+    device: str = "auto"          # where calibration runs: "auto" (CUDA when available), "cpu", "cuda:1", ...
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     def __post_init__(self):
         for name in ("block_len", "calibration_blocks", "eval_blocks", "batch_size"):
@@ -67,211 +75,10 @@ class CalibrationSettings:
             raise ValueError(f"lr must be positive, got {self.lr}")
 
 
-@dataclass
-class LayerStats:
-    """Statistics of one attention layer on the calibration text (per head: RMS over tokens and channels)."""
-
-    layer: int
-    q_rms: list[float]
-    k_rms: list[float]
-    v_rms: list[float]
-    max_logit_original: float           # largest |scaling * q.k| over causal pairs, original model
-    max_logit_converted: float | None = None  # the same in the converted model (before any cap)
-
-
-@dataclass
-class CalibrationReport:
-    """What calibration measured. Perplexities are on held-out text; ``recovered`` is the fraction of identity
-    init's perplexity increase that calibrated init removes."""
-
-    scheme: dict
-    ppl_original: float
-    ppl_identity: float
-    ppl_least_squares: float
-    ppl_calibrated: float
-    calibration_tokens: int
-    eval_tokens: int
-    steps: int
-    kl_start: float | None
-    kl_end: float | None
-    seconds: float
-    layers: list[LayerStats] = field(default_factory=list)
-    cap: float | None = None
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def recovered(self) -> float:
-        gap = self.ppl_identity - self.ppl_original
-        return float("nan") if gap <= 0 else (self.ppl_identity - self.ppl_calibrated) / gap
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["recovered"] = self.recovered
-        return d
-
-    def perplexity_table(self) -> str:
-        """Markdown table of the four perplexities."""
-        rows = [("original model", self.ppl_original), ("converted, identity init", self.ppl_identity),
-                ("converted, per-channel least-squares init", self.ppl_least_squares),
-                ("converted, calibrated init (least squares + KL distillation)", self.ppl_calibrated)]
-        lines = ["| model | held-out perplexity |", "|---|---|"]
-        lines += [f"| {name} | {value:.3f} |" for name, value in rows]
-        return "\n".join(lines)
-
-    def layer_table(self) -> str:
-        """Markdown table of per-layer statistics (RMS averaged over heads, largest logit)."""
-        lines = ["| layer | q RMS | k RMS | v RMS | max logit (original) | max logit (converted) |",
-                 "|---|---|---|---|---|---|"]
-        for s in self.layers:
-            conv = "-" if s.max_logit_converted is None else f"{s.max_logit_converted:.2f}"
-            lines.append(f"| {s.layer} | {_mean(s.q_rms):.3f} | {_mean(s.k_rms):.3f} | {_mean(s.v_rms):.3f} | "
-                         f"{s.max_logit_original:.2f} | {conv} |")
-        return "\n".join(lines)
-
-    def summary(self) -> str:
-        """The report printed by ``hf-qknorm convert``."""
-        out = [f"perplexity on {self.eval_tokens:,} held-out tokens (calibration used {self.calibration_tokens:,} "
-               f"other tokens, {self.steps} distillation steps, {self.seconds:.0f} s):", self.perplexity_table(),
-               f"calibrated init removes {100 * self.recovered:.1f}% of identity init's perplexity increase "
-               f"(KL to the original: {_fmt(self.kl_start)} -> {_fmt(self.kl_end)} nats/token)", "",
-               "per-layer statistics on the calibration text (per-head RMS before RoPE, averaged over heads):",
-               self.layer_table()]
-        if self.cap is not None:
-            out.append(f"cap c = {self.cap:g}: largest converted logit "
-                       f"{max((s.max_logit_converted or 0.0) for s in self.layers):.2f}")
-        out += [f"WARNING: {w}" for w in self.warnings]
-        return "\n".join(out)
-
-
-def _mean(values) -> float:
-    return sum(values) / max(1, len(values))
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.4f}"
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# statistics of the original model
-# --------------------------------------------------------------------------------------------------------------------
-class _Moments:
-    """Per-channel sums for the least-squares fit ``y ~ w * n + b`` (pooled over tokens and heads), per-head
-    sums of squares of ``y`` for the report, and the mean ``||y||_p`` for the ``lp`` logit scale."""
-
-    def __init__(self):
-        self.count = 0
-        self.sn = self.sy = self.snn = self.sny = self.head_sq = None
-        self.norm_p_sum = 0.0
-
-    def add(self, n: torch.Tensor, y: torch.Tensor, p: float | None) -> None:
-        n2, y2 = n.reshape(-1, n.shape[-1]).double(), y.reshape(-1, y.shape[-1]).double()
-        sums = (n2.sum(0), y2.sum(0), (n2 * n2).sum(0), (n2 * y2).sum(0))
-        head_sq = y.double().pow(2).mean(-1).reshape(-1, y.shape[-2]).sum(0)  # (heads,)
-        if self.sn is None:
-            self.sn, self.sy, self.snn, self.sny, self.head_sq = (*sums, head_sq)
-        else:
-            for name, value in zip(("sn", "sy", "snn", "sny"), sums):
-                setattr(self, name, getattr(self, name) + value)
-            self.head_sq = self.head_sq + head_sq
-        if p is not None:
-            self.norm_p_sum += torch.linalg.vector_norm(y2, ord=p, dim=-1).sum().item()
-        self.count += n2.shape[0]
-
-    def head_rms(self) -> list[float]:
-        tokens = self.count // self.head_sq.numel()
-        return [math.sqrt(v / max(1, tokens)) for v in self.head_sq.tolist()]
-
-    def fit(self, intercept: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Least-squares ``w`` (and ``b``) per channel."""
-        c = self.count
-        if not intercept:
-            return self.sny / self.snn.clamp_min(1e-12), None
-        mean_n, mean_y = self.sn / c, self.sy / c
-        var_n = (self.snn / c - mean_n**2).clamp_min(1e-12)
-        w = (self.sny / c - mean_n * mean_y) / var_n
-        return w, mean_y - w * mean_n
-
-
-def _parameter_free(cfg: QKNormConfig, head_dim: int) -> nn.Module:
-    """``n(x)``: the new norm without its parameters (identity-initialised layernorm/rmsnorm, plain ``x/||x||_p``)."""
-    if cfg.learned_logit_scale:
-        return HeadLpNorm(head_dim, cfg.p, cfg.eps, None)
-    return make_norm(cfg.norm, "q", head_dim, cfg.eps).double()
-
-
-def _heads(attn, family: Family, hidden: torch.Tensor):
-    """Projections ``x`` (what the new norms will read) and targets ``y`` (what the original model feeds RoPE)
-    of one attention module, each ``(batch, seq, heads, head_dim)``."""
-    if family.fused_qkv:
-        q, k, v = getattr(attn, family.qkv_proj)(hidden).split(attn.split_size, dim=2)
-    else:
-        q, k, v = (getattr(attn, name)(hidden) for name in (family.q_proj, family.k_proj, family.v_proj))
-    xq, xk, xv = (t.view(*t.shape[:-1], -1, attn.head_dim) for t in (q, k, v))
-    yq, yk = xq, xk
-    if family.native_qk_norm:  # Qwen3: the original model normalises q and k itself
-        yq, yk = attn.q_norm(xq), attn.k_norm(xk)
-    return (xq, xk, xv), (yq, yk, xv)
-
-
-def _max_logit(q: torch.Tensor, k: torch.Tensor, scaling: float) -> float:
-    """Largest ``|scaling * q.k|`` over causal pairs; ``q`` ``(b, h, s, d)``, ``k`` ``(b, kv_heads, s, d)``."""
-    q, k = q.float(), k.float()
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling).abs_()
-    t = s.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=s.device).tril_()
-    return s.masked_fill_(~causal, 0.0).amax().item()
-
-
-class _Recorder:
-    """Forward pre-hooks on every attention module of the original model, accumulating :class:`_Moments` for q, k
-    and v and the largest logit per layer."""
-
-    def __init__(self, model: nn.Module, family: Family, cfg: QKNormConfig):
-        self.family, self.cfg = family, cfg
-        self.attns = [getattr(block, family.attention) for block in _find_layers(model, family)]
-        self.moments = [{r: _Moments() for r in "qkv"} for _ in self.attns]
-        self.max_logit = [0.0 for _ in self.attns]
-        self.norm = _parameter_free(cfg, self.attns[0].head_dim) if cfg.norms_qk else None
-        self._handles = []
-
-    def __enter__(self):
-        for i, attn in enumerate(self.attns):
-            self._handles.append(attn.register_forward_pre_hook(self._hook(i), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-
-    def _hook(self, i):
-        def hook(attn, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            with torch.no_grad():
-                xs, ys = _heads(attn, self.family, hidden)
-                if self.norm is not None:
-                    p = self.cfg.p if self.cfg.learned_logit_scale else None
-                    for role, x, y in zip("qkv", xs, ys):
-                        self.moments[i][role].add(self.norm(x.double()), y, p)
-                q, k = (t.transpose(1, 2) for t in ys[:2])
-                if self.family.rope:
-                    rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
-                    q, k = rope(q, k, *kwargs["position_embeddings"])
-                self.max_logit[i] = max(self.max_logit[i], _max_logit(q, k, float(attn.scaling)))
-        return hook
-
-    def layer_stats(self) -> list[LayerStats]:
-        out = []
-        for i, m in enumerate(self.moments):
-            rms = {r: (m[r].head_rms() if m[r].count else []) for r in "qkv"}
-            out.append(LayerStats(i, rms["q"], rms["k"], rms["v"], self.max_logit[i]))
-        return out
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # closed-form init and distillation of the patched model
 # --------------------------------------------------------------------------------------------------------------------
-def closed_form_init(model: nn.Module, family: Family, cfg: QKNormConfig, recorder: _Recorder) -> None:
+def closed_form_init(model: nn.Module, family: Family, cfg: QKNormConfig, recorder: ActivationRecorder) -> None:
     """Set every new norm of the patched ``model`` from the recorded least-squares statistics."""
     with torch.no_grad():
         for attn, moments in zip((getattr(b, family.attention) for b in _find_layers(model, family)),
@@ -352,10 +159,15 @@ def distill(model: nn.Module, blocks: torch.Tensor, teacher: torch.Tensor, setti
             p.requires_grad_(True)
 
 
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _kl(model, ids, teacher, grad: bool = False):
+    device = _device(model)
     with torch.set_grad_enabled(grad):
-        logq = F.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
-        logp = teacher.float()
+        logq = F.log_softmax(model(input_ids=ids.to(device)).logits.float(), dim=-1)
+        logp = teacher.to(device).float()
         kl = (logp.exp() * (logp - logq)).sum(-1).mean()
     return kl if grad else kl.item()
 
@@ -374,8 +186,8 @@ def teacher_log_probs(model: nn.Module, blocks: torch.Tensor, batch_size: int, p
     """Float16 next-token log-probabilities ``(n_blocks, seq, vocab)`` of ``model`` on ``blocks``."""
     out = []
     for start in _progress(range(0, len(blocks), batch_size), desc, progress):
-        logits = model(input_ids=blocks[start:start + batch_size]).logits.float()
-        out.append(F.log_softmax(logits, dim=-1).to(torch.float16))
+        logits = model(input_ids=blocks[start:start + batch_size].to(_device(model))).logits.float()
+        out.append(F.log_softmax(logits, dim=-1).to(torch.float16).cpu())  # the cache lives in host memory
     return torch.cat(out)
 
 
@@ -405,7 +217,7 @@ def calibrate(model: nn.Module, family: Family, cfg: QKNormConfig, calib_blocks:
     per_block = calib_blocks.shape[1] * model.config.get_text_config().vocab_size * 2
     n_teacher = max(1, min(len(calib_blocks), settings.teacher_budget_mb * 2**20 // per_block))
     ppl_original = perplexity(model, eval_blocks, bs)
-    recorder = _Recorder(model, family, cfg)
+    recorder = ActivationRecorder(model, family, cfg)
     with recorder:
         teacher = teacher_log_probs(model, calib_blocks[:n_teacher], bs, progress)
         if n_teacher < len(calib_blocks):  # statistics see every block, the cached teacher only the first ones
@@ -426,36 +238,6 @@ def calibrate(model: nn.Module, family: Family, cfg: QKNormConfig, calib_blocks:
         ppl_calibrated=ppl_cal, calibration_tokens=calib_blocks.numel(), eval_tokens=eval_blocks[:, 1:].numel(),
         steps=settings.steps if cfg.norms_qk else 0, kl_start=kl_start, kl_end=kl_end, seconds=0.0,
         layers=layers, cap=cfg.softcap)
-    _converted_max_logits(model, family, calib_blocks, report, bs)
+    converted_max_logits(model, family, calib_blocks, report, bs)
     report.seconds = time.time() - t0
     return report
-
-
-@torch.no_grad()
-def _converted_max_logits(model, family, blocks, report: CalibrationReport, batch_size: int) -> None:
-    """Largest pre-cap logit of every layer of the patched model (through the patch's probe hook); with a cap,
-    a warning for each layer where it reaches ``CAP_WARN_FRACTION`` of the cap."""
-    attns = [getattr(b, family.attention) for b in _find_layers(model, family)]
-    seen = [0.0] * len(attns)
-
-    def probe_for(i):
-        def probe(attn, q, k, attention_mask=None, scaling=1.0, softcap=None):
-            seen[i] = max(seen[i], _max_logit(q, k, scaling))
-        return probe
-
-    for i, attn in enumerate(attns):
-        attn._qknorm_probe = probe_for(i)
-    try:
-        for start in range(0, len(blocks), batch_size):
-            model(input_ids=blocks[start:start + batch_size])
-    finally:
-        for attn in attns:
-            del attn._qknorm_probe
-    for stats, value in zip(report.layers, seen):
-        stats.max_logit_converted = value
-        if report.cap is not None and value >= CAP_WARN_FRACTION * report.cap:
-            report.warnings.append(
-                f"layer {stats.layer}: largest logit {value:.2f} on the calibration text is "
-                f">= {CAP_WARN_FRACTION:g} x cap {report.cap:g}; the cap bends these logits "
-                f"(c*tanh(s/c) = {report.cap * math.tanh(value / report.cap):.2f} for s = {value:.2f}), so the "
-                f"converted model departs from the original there")

@@ -150,8 +150,9 @@ def _blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str) ->
         raise ValueError(f"{what} has {len(stream)} tokens, fewer than one block of {block_len}; give more text "
                          "(or a smaller block length)")
     n_blocks = min(max_blocks, len(stream) // n_text)
-    stride = (len(stream) - n_text) // max(1, n_blocks - 1) if n_blocks > 1 else n_text
-    blocks = stream.unfold(0, n_text, max(stride, n_text))[:n_blocks]
+    spread = n_blocks < len(stream) // n_text and n_blocks > 1  # else back to back, as tokenize_blocks does
+    stride = max(n_text, (len(stream) - n_text) // (n_blocks - 1)) if spread else n_text
+    blocks = stream.unfold(0, n_text, stride)[:n_blocks]
     if bos is not None:
         blocks = torch.cat([torch.full((len(blocks), 1), bos, dtype=torch.long), blocks], dim=1)
     return blocks.contiguous()
@@ -300,10 +301,10 @@ def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progr
     block_len = min(settings.block_len, max_len)
     calib_blocks = _blocks(texts[0], tokenizer, block_len, settings.calibration_blocks, "calibration text")
     eval_blocks = _blocks(texts[1], tokenizer, block_len, settings.eval_blocks, "held-out text")
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).to(settings.resolved_device())
     torch.manual_seed(settings.seed)
     report = run_calibration(model, source.family, cfg, calib_blocks, eval_blocks, settings, progress)
-    values = {k: v.detach().clone() for k, v in new_norm_parameters(model).items()}
+    values = {k: v.detach().cpu().clone() for k, v in new_norm_parameters(model).items()}
     config = model.config
     del model
     return config, values, report
@@ -348,8 +349,8 @@ def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_valu
               "calibration": None if result.report is None else result.report.to_dict(),
               "versions": _versions()}
     (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    write_model_card(tmp, model_name=result.path.name, source_dir=source.path, base_model=source.name, cfg=cfg, export=kind,
-                     report=result.report, export_note=result.export_note)
+    write_model_card(tmp, model_name=result.path.name, source_dir=source.path, base_model=source.name, cfg=cfg,
+                     export=kind, report=result.report, export_note=result.export_note)
 
 
 def _versions() -> dict:

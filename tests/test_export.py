@@ -14,7 +14,6 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import hf_qknorm
 from hf_qknorm.export import add_remote_code, qwen3_blocker, resolve_export
