@@ -32,6 +32,7 @@ from ._attention_kernels import (
     _attn_fwd_kernel,
 )
 from ._common import SUPPORTED_DTYPES, block_dim, check_device, dot_precision, is_interpreted, launch_context
+from ._decode_kernels import _attn_combine_kernel, _attn_fwd_split_kernel
 
 __all__ = ["attn_fwd", "attn_bwd", "triton_attention"]
 
@@ -151,11 +152,19 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# The decoding-shaped forward (_decode_kernels.py) handles calls with at most this many (query, head) rows per
+# KV head: decoding, speculative verification, short chunks against a long cache.
+DECODE_MAX_ROWS = 64
+
+
 def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: bool = True, attn_mask=None,
              sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None, block_m: int | None = None, block_n: int | None = None):
+             max_seqlen_k=None, block_m: int | None = None, block_n: int | None = None,
+             decode: bool | None = None, num_splits: int | None = None):
     """Forward launcher. Returns ``(out, lse)``: ``out`` like ``q`` (contiguous, q's dtype), ``lse`` fp32
-    ``q.shape[:3]``. ``block_m``/``block_n`` override the tile sizes (tests use this to stress block edges)."""
+    ``q.shape[:3]``. ``block_m``/``block_n`` override the tile sizes (tests use this to stress block edges).
+    ``decode`` picks the GQA-packed split-KV forward (None: when ``q_len * heads / kv_heads <= 64`` and not
+    packed); ``num_splits`` overrides its number of KV splits."""
     _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
     q, k, v = (_last_contiguous(t) for t in (q, k, v))
     varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, _ = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -165,10 +174,17 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
     lse = (torch.full if varlen else _empty_full)(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or grid_q == 0 or k.shape[2] == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, is_interpreted(_attn_fwd_kernel))
-    bm, bn = block_m or bm, block_n or bn
     mask, mask_strides = _mask_args(attn_mask, q, k)
     qk_scale, cap_log2 = _scales(scaling, softcap)
+    if decode is None:
+        decode = not varlen and block_m is None and q.shape[2] * (q.shape[1] // k.shape[1]) <= DECODE_MAX_ROWS
+    if decode:
+        if varlen:
+            raise ValueError("the decoding forward does not take packed sequences")
+        _decode_fwd(q, k, v, out, lse, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window, num_splits)
+        return out, lse
+    bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, is_interpreted(_attn_fwd_kernel))
+    bm, bn = block_m or bm, block_n or bn
     batch = len(cu_q) - 1 if varlen else q.shape[0]
     grid = (triton.cdiv(grid_q, bm), batch * q.shape[1])
     with launch_context(q.device):
@@ -184,6 +200,53 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
             num_warps=warps, num_stages=stages,
         )
     return out, lse
+
+
+def _auto_splits(programs: int, kv_len: int, block_n: int, device: torch.device, interpreted: bool) -> int:
+    """Enough KV splits to give the GPU ~2 waves of programs, but at least 4 key blocks per split (below that the
+    combine costs more than the parallelism brings)."""
+    most = max(1, triton.cdiv(kv_len, 4 * block_n))
+    if interpreted:  # CPU tests: split whenever there is more than one key block, to exercise the combine
+        return min(4, triton.cdiv(kv_len, block_n))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(2 * sms, programs), most, 128))
+
+
+def _decode_fwd(q, k, v, out, lse, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window, num_splits):
+    """GQA-packed split-KV forward into ``out``/``lse`` (see _decode_kernels.py)."""
+    mask, mask_strides = _mask_args(attn_mask, q, k)
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    interpreted = is_interpreted(_attn_fwd_split_kernel)
+    bm = min(DECODE_MAX_ROWS, max(16, triton.next_power_of_2(q_len * groups)))
+    if interpreted:
+        bn, warps, stages = 32, 4, 1
+    elif q.dtype == torch.float32:
+        bn, warps, stages = 32 if head_dim <= 128 else 16, 4, 1
+    else:
+        bn, warps, stages = (64, 4, 3) if head_dim <= 128 else (32, 4, 2)
+    m_blocks = triton.cdiv(q_len * groups, bm)
+    if num_splits is None:
+        num_splits = _auto_splits(batch * kv_heads * m_blocks, kv_len, bn, q.device, interpreted)
+    split_len = triton.cdiv(triton.cdiv(kv_len, num_splits), bn) * bn
+    num_splits = triton.cdiv(kv_len, split_len)  # no empty trailing split
+    o_part = torch.empty((num_splits, batch, heads, q_len, head_dim), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((num_splits, batch, heads, q_len), dtype=torch.float32, device=q.device)
+    with launch_context(q.device):
+        _attn_fwd_split_kernel[(num_splits, batch * kv_heads, m_blocks)](
+            q, k, v, o_part, lse_part, mask,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_strides,
+            batch, heads, kv_heads, groups, q_len, kv_len, split_len, qk_scale, cap_log2, sliding_window or 0,
+            HEAD_DIM=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=causal,
+            HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None, HAS_MASK=attn_mask is not None,
+            DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        )
+        cm = min(64, max(16, triton.next_power_of_2(q_len)))
+        _attn_combine_kernel[(triton.cdiv(q_len, cm), batch * heads)](
+            o_part, lse_part, out, lse, *out.stride()[:3], num_splits, batch * heads * q_len, heads, q_len,
+            HEAD_DIM=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_M=cm,
+        )
 
 
 def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None = None, causal: bool = True,

@@ -57,6 +57,9 @@ def _signature(fn, args, kwargs):
             signature[p.name] = "*" + _TRITON_TYPES[v.dtype]
         elif isinstance(v, bool):
             signature[p.name] = "i1"
+        elif isinstance(v, int) and v == 1:  # Triton's launcher specialises ints equal to 1 into constants
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = 1
         elif isinstance(v, int):
             signature[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
         else:
@@ -67,19 +70,16 @@ def _signature(fn, args, kwargs):
 
 def record_launches(scenario: dict) -> list:
     """Run the launchers for one scenario with tiny CPU tensors and return the recorded kernel launches."""
-    from . import _attention_kernels as ak
-    from . import _norm_rope_kernels as nk
     from . import attention, norm_rope
 
     calls: list = []
     patches = [mock.patch.object(attention, "check_device", lambda *a, **k: None),
                mock.patch.object(norm_rope, "check_device", lambda *a, **k: None)]
     for mod, names in ((attention, ["_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel",
-                                    "_attn_bwd_dq_kernel"]), (norm_rope, ["_norm_rope_fwd_kernel",
-                                                                          "_norm_rope_bwd_kernel"])):
+                                    "_attn_bwd_dq_kernel", "_attn_fwd_split_kernel", "_attn_combine_kernel"]),
+                       (norm_rope, ["_norm_rope_fwd_kernel", "_norm_rope_bwd_kernel"])):
         for name in names:
-            src = getattr(ak if mod is attention else nk, name)
-            patches.append(mock.patch.object(mod, name, _Recorder(src, calls)))
+            patches.append(mock.patch.object(mod, name, _Recorder(getattr(mod, name), calls)))
     dtype, d = scenario["dtype"], scenario["head_dim"]
     with contextlib.ExitStack() as stack:
         for p in patches:
@@ -90,14 +90,17 @@ def record_launches(scenario: dict) -> list:
             kw = dict(scaling=0.1, softcap=scenario.get("softcap"), causal=True,
                       sliding_window=scenario.get("window"))
             if scenario.get("mask"):
-                kw["attn_mask"] = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+                kw["attn_mask"] = torch.ones(1, 1, 1, 8, dtype=torch.bool)  # key padding, any q_len
             if scenario.get("varlen"):
                 cu = torch.tensor([0, 3, 8], dtype=torch.int32)
                 kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
             out = torch.zeros_like(q)
             lse = torch.zeros(q.shape[:3])
-            attention.attn_fwd(q, k, k, **kw)
-            attention.attn_bwd(out, q, k, k, out, lse, **kw)
+            if scenario.get("decode"):
+                attention.attn_fwd(q[:, :, :1], k, k, **kw, decode=True, num_splits=2)
+            else:
+                attention.attn_fwd(q, k, k, **kw, decode=False)
+                attention.attn_bwd(out, q, k, k, out, lse, **kw)
         else:
             x = torch.zeros(1, 8, 2, d, dtype=dtype)
             w = torch.ones(d)
@@ -156,6 +159,7 @@ def scenarios(quick: bool, dtypes=None) -> list[dict]:
         out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, mask=True, window=None))
         if not quick or d == 64:
             out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=None, varlen=True, window=128))
+        out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, mask=True, decode=True))
     for kind in (["layernorm"] if quick else ["layernorm", "rmsnorm", "lp"]):
         out.append(dict(op="norm_rope", dtype=torch.bfloat16, head_dim=128, kind=kind))
     return out
