@@ -66,10 +66,12 @@ class CalibrationReport:
         return d
 
     def perplexity_table(self) -> str:
-        """Markdown table of the four perplexities."""
+        """Markdown table of the perplexities (original, identity, least-squares and calibrated init)."""
         rows = [("original model", self.ppl_original), ("converted, identity init", self.ppl_identity),
                 ("converted, per-channel least-squares init", self.ppl_least_squares),
                 ("converted, calibrated init (least squares + KL distillation)", self.ppl_calibrated)]
+        if not self.adds_weights:
+            rows = [rows[0], ("converted (capped; no weights to initialise)", self.ppl_calibrated)]
         lines = ["| model | held-out perplexity |", "|---|---|"]
         lines += [f"| {name} | {value:.3f} |" for name, value in rows]
         return "\n".join(lines)
@@ -84,12 +86,23 @@ class CalibrationReport:
                          f"{s.max_logit_original:.2f} | {conv} |")
         return "\n".join(lines)
 
+    @property
+    def adds_weights(self) -> bool:
+        return self.scheme.get("scheme") != "soft_cap"
+
+    def verdict(self) -> str:
+        """One sentence on what calibration achieved."""
+        if not self.adds_weights:
+            return (f"soft_cap adds no weights, so there is nothing to calibrate: the cap alone moves held-out "
+                    f"perplexity from {self.ppl_original:.3f} to {self.ppl_calibrated:.3f}")
+        return (f"calibrated init removes {100 * self.recovered:.1f}% of identity init's perplexity increase "
+                f"(KL to the original: {_fmt(self.kl_start)} -> {_fmt(self.kl_end)} nats/token)")
+
     def summary(self) -> str:
         """The report printed by ``hf-qknorm convert``."""
-        out = [f"perplexity on {self.eval_tokens:,} held-out tokens (calibration used {self.calibration_tokens:,} "
-               f"other tokens, {self.steps} distillation steps, {self.seconds:.0f} s):", self.perplexity_table(),
-               f"calibrated init removes {100 * self.recovered:.1f}% of identity init's perplexity increase "
-               f"(KL to the original: {_fmt(self.kl_start)} -> {_fmt(self.kl_end)} nats/token)", "",
+        out = [f"perplexity on {self.eval_tokens:,} held-out tokens, in float32 (calibration used "
+               f"{self.calibration_tokens:,} other tokens, {self.steps} distillation steps, {self.seconds:.0f} s):",
+               self.perplexity_table(), self.verdict(), "",
                "per-layer statistics on the calibration text (per-head RMS before RoPE, averaged over heads):",
                self.layer_table()]
         if self.cap is not None:

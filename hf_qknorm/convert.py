@@ -100,7 +100,10 @@ def inspect_source(src) -> Source:
     path, name = resolve_source(src)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Transformers model folder")
-    raw = json.loads((path / "config.json").read_text())
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({exc})") from None
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type.startswith("qknorm_") or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")
@@ -147,8 +150,10 @@ def _blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str) ->
     n_text = block_len - int(bos is not None)
     stream = tokenize_stream(text, tokenizer)  # tokenised once: a whole corpus can take seconds
     if len(stream) < n_text:
+        short = len(text) < 200 and "\n" not in text.strip()
+        hint = f" (no file named {text!r} was found, so it was read as text)" if short else ""
         raise ValueError(f"{what} has {len(stream)} tokens, fewer than one block of {block_len}; give more text "
-                         "(or a smaller block length)")
+                         f"(or a smaller block length){hint}")
     n_blocks = min(max_blocks, len(stream) // n_text)
     spread = n_blocks < len(stream) // n_text and n_blocks > 1  # else back to back, as tokenize_blocks does
     stride = max(n_text, (len(stream) - n_text) // (n_blocks - 1)) if spread else n_text
