@@ -97,29 +97,35 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
     qg = q.reshape(batch, kv_heads, groups, q_len, head_dim)
     kt = k.to(acc).transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, Tk)
     rows = int(max(1, min(q_len, tile_elements // max(1, batch * heads * kv_len))))
+    if causal:
+        rows = min(rows, 64)  # small row chunks skip the keys above the diagonal (about half the work)
     best = torch.full((), float("-inf"), dtype=acc, device=q.device)
     ent_sum = torch.zeros((), dtype=acc, device=q.device)
     n_rows = torch.zeros((), dtype=acc, device=q.device)
     for start in range(0, q_len, rows):
         end = min(start + rows, q_len)
-        s = torch.matmul(qg[:, :, :, start:end].to(acc), kt).mul_(scaling)  # (B, Hkv, G, rows, Tk)
-        ok = _per_group(chunk_allowed(mask, start, end, q_len, kv_len, causal, None, q.device), kv_heads, groups)
+        hi = min(kv_len, end + kv_len - q_len) if causal else kv_len  # causal rows never see keys past `hi`
+        if hi <= 0:
+            continue
+        s = torch.matmul(qg[:, :, :, start:end].to(acc), kt[..., :hi]).mul_(scaling)  # (B, Hkv, G, rows, hi)
+        ok = _per_group(chunk_allowed(mask, start, end, q_len, kv_len, causal, None, q.device, 0, hi), kv_heads,
+                        groups)
         if ok is not None:
             s.masked_fill_(~ok, float("-inf"))
         best = torch.maximum(best, s.amax())
         if softcap is not None:
-            s = s.div_(softcap).tanh_().mul_(softcap)
+            s.div_(softcap).tanh_().mul_(softcap)
             if ok is not None:
                 s.masked_fill_(~ok, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1, keepdim=True)
-        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-        p = (s - lse).exp_()
-        finite = s if ok is None else s.masked_fill(~ok, 0.0)
-        ent_sum += (lse.squeeze(-1) - (p * finite).sum(-1)).sum()  # rows with no allowed key contribute 0
-        if ok is None:
-            n_rows += batch * heads * (end - start)
-        else:
-            n_rows += ok.any(-1).expand(batch, kv_heads, groups, end - start).sum()
+        # entropy of softmax(s) per row, one exp: with t = s - max and e = exp(t), H = log(sum e) - sum(e t) / sum e
+        m = s.amax(-1, keepdim=True)
+        t = s.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+        e = t.exp()
+        z = e.sum(-1)
+        et = torch.nansum(e.mul_(t), -1)  # masked keys: 0 * -inf = nan, dropped by nansum
+        valid = z > 0  # rows with at least one allowed key
+        ent_sum += torch.where(valid, torch.log(z) - et / z.clamp_min(torch.finfo(acc).tiny), 0.0).sum()
+        n_rows += valid.sum()
     rms_q = torch.linalg.vector_norm(q, dtype=acc) / math.sqrt(max(1, q.numel()))
     rms_k = torch.linalg.vector_norm(k, dtype=acc) / math.sqrt(max(1, k.numel()))
     return torch.stack([best, ent_sum / n_rows.clamp_min(1), rms_q, rms_k])

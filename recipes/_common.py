@@ -103,6 +103,7 @@ def load_tokenizer(path=None):
 def text_blocks(args, tokenizer) -> tuple[Blocks, torch.Tensor]:
     """Training blocks (back to back) and held-out blocks of ``--text``."""
     train, val = split_text(read_text(args.text), args.val_fraction)
+    args.train_text, args.val_text = train, val  # conversion calibrates on the training part only
     train_blocks = tokenize_blocks(train, tokenizer, args.context)
     val_blocks = tokenize_blocks(val, tokenizer, args.context, max_blocks=args.eval_blocks)
     return Blocks(train_blocks), val_blocks
@@ -130,19 +131,78 @@ def training_arguments(args, **overrides):
     return TrainingArguments(**kw)
 
 
-def make_trainer(model, args, train_ds, **arg_overrides):
+def make_trainer(model, args, train_ds, targs=None):
     """A ``Trainer`` with the Q/K learning-rate callback (when asked) and the attention-logit monitor."""
     from transformers import Trainer
 
     callbacks = []
     if getattr(args, "qk_lr_tau", None) is not None:
         callbacks.append(hf_qknorm.QKLearningRateCallback(tau=args.qk_lr_tau, rule=args.qk_lr_rule))
-    trainer = Trainer(model=model, args=training_arguments(args, **arg_overrides), train_dataset=train_ds,
+    trainer = Trainer(model=model, args=targs or training_arguments(args), train_dataset=train_ds,
                       callbacks=callbacks)
     trainer.qk_monitor = None
     if args.monitor_every:
         trainer.qk_monitor = hf_qknorm.QKMonitorCallback.attach(trainer, every=args.monitor_every)
     return trainer
+
+
+def add_model_args(p, *, scheme: str = "qk_norm_cap") -> None:
+    """``--model`` and the conversion settings (continued pretraining and LoRA start from a converted model)."""
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="model folder (default: the bundled tiny Llama). A plain model "
+                   "is converted first (hf_qknorm.convert, calibrated on the training text) into <out>/converted; "
+                   "a patched one (qknorm_* or a converted qwen3 folder) is used as it is")
+    m.add_argument("--scheme", choices=tuple(hf_qknorm.SCHEMES), default=scheme)
+    m.add_argument("--norm", choices=hf_qknorm.NORMS, default=None, help="default layernorm")
+    m.add_argument("--softcap", type=float, default=None, help="default 50 for capped schemes")
+    m.add_argument("--calib-steps", type=int, default=100, help="distillation steps of the calibration "
+                   "(0: closed-form fit only; -1: no calibration, identity init)")
+    m.add_argument("--calib-blocks", type=int, default=32, help="calibration blocks of --context tokens")
+
+
+def _already_patched(folder: Path) -> bool:
+    raw = json.loads((folder / "config.json").read_text())
+    return str(raw.get("model_type", "")).startswith("qknorm_") or raw.get("qknorm") is not None or \
+        (folder / "qknorm_conversion.json").is_file()
+
+
+def _convert(src: Path, dst: Path, args) -> None:
+    try:
+        from hf_qknorm.calibrate import CalibrationSettings
+        from hf_qknorm.convert import convert
+    except ImportError:  # conversion not installed: identity init through patch_model
+        convert = None
+    if convert is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(src)
+        hf_qknorm.patch_model(model, args.scheme, norm=args.norm, softcap=args.softcap)
+        model.save_pretrained(dst)
+        load_tokenizer(src).save_pretrained(dst)
+        return
+    settings = CalibrationSettings(block_len=args.context, calibration_blocks=args.calib_blocks,
+                                   eval_blocks=args.eval_blocks, steps=max(0, args.calib_steps), seed=args.seed)
+    convert(src, dst, scheme=args.scheme, norm=args.norm, softcap=args.softcap, calibrate=args.calib_steps >= 0,
+            calibration_text=args.train_text, eval_text=args.val_text, settings=settings, overwrite=True,
+            progress=False)
+
+
+def source_and_converted(args, targs):
+    """``(source folder, folder of the patched model to train)``; converts on the main process when needed
+    (the other processes wait for it, then read the same folder)."""
+    src = Path(args.model) if args.model else bundled_model_dir()
+    if _already_patched(src):
+        return src, src
+    dst = Path(args.out) / "converted"
+    with targs.main_process_first(local=False, desc="conversion"):
+        if not (dst / "config.json").is_file():
+            _convert(src, dst, args)
+    return src, dst
+
+
+def conversion_report(folder: Path) -> dict | None:
+    path = Path(folder) / "qknorm_conversion.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def resume_path(args):
@@ -189,8 +249,7 @@ def finish(trainer, args, results: dict, save_model=None, tokenizer=None) -> dic
         if save_model is not None and tokenizer is not None:
             tokenizer.save_pretrained(out / "final")
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-        print(json.dumps({k: v for k, v in results.items() if k not in ("monitor_last", "monitor_alerts")}),
-              flush=True)
+        print(json.dumps({k: v for k, v in results.items() if not isinstance(v, (dict, list))}), flush=True)
     return results
 
 

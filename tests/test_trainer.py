@@ -84,3 +84,40 @@ def test_trains_with_checkpointing_and_resumes_identically(tmp_path):
     assert cb.controller.initial_norms == saved["attributes"]["initial_norms"]
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _recipe(name):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    return importlib.import_module(name)
+
+
+def test_recipes_help_and_tiny_runs(tmp_path, capsys):
+    """Every recipe answers --help; continued pretraining converts the bundled tiny Llama and trains it, and LoRA
+    fine-tunes the result and merges it (from-scratch pretraining runs in tests/test_distributed.py)."""
+    import pytest
+
+    from hf_qknorm.data import bundled_text
+
+    for name in ("train_scratch", "continue_pretraining", "finetune_lora"):
+        with pytest.raises(SystemExit) as exit_info:
+            _recipe(name).parse_args(["--help"])
+        assert exit_info.value.code == 0 and "--text" in capsys.readouterr().out
+    text = tmp_path / "text.txt"
+    text.write_text(bundled_text("wikitext2")[:30_000], encoding="utf-8")
+    tiny = ["--text", str(text), "--max-steps", "2", "--batch-size", "2", "--context", "64", "--eval-blocks", "2",
+            "--monitor-every", "1", "--logging-steps", "1"]
+    _recipe("continue_pretraining").main(tiny + ["--out", str(tmp_path / "cpt"), "--calib-steps", "0",
+                                                 "--calib-blocks", "2", "--qk-lr-tau", "1.0"])
+    cpt = json.loads((tmp_path / "cpt" / "results.json").read_text())
+    assert cpt["steps"] == 2 and cpt["monitor_last"]["qk/layer3/q_rms"] > 0
+    assert abs(cpt["ppl_converted"] / cpt["ppl_source"] - 1) < 0.5  # calibrated: close to the original
+    _recipe("finetune_lora").main(tiny + ["--out", str(tmp_path / "lora"), "--model", str(tmp_path / "cpt" / "final")])
+    lora = json.loads((tmp_path / "lora" / "results.json").read_text())
+    assert lora["ppl_merged"] == pytest.approx(lora["ppl_lora"], rel=1e-4) and lora["ppl_lora"] < lora["ppl_base"]
+    assert (tmp_path / "lora" / "adapter" / "adapter_model.safetensors").is_file()
+    merged = json.loads((tmp_path / "lora" / "final" / "config.json").read_text())
+    assert merged["model_type"] == "qknorm_llama"
