@@ -428,7 +428,7 @@ def test_package_imports_without_triton():
             "assert not k.is_available() and 'pip install' in k.unavailable_reason()\n"
             "try:\n    k.triton_attention\nexcept ImportError as e:\n    print('ok', e)\n")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("ok") and "triton is not installed" in res.stdout
 

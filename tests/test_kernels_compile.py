@@ -24,7 +24,7 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's notice; fusion is the default
     res = subprocess.run([sys.executable, "-m", "hf_qknorm.kernels.compile_check", "--arch", "90", "--quick",
-                          "--json"], capture_output=True, text=True, env=env, timeout=900)
+                          "--json"], capture_output=True, text=True, env=env, timeout=900, check=False)
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     bad = [r for r in rows if not r["ok"]]
     assert res.returncode == 0 and rows and not bad, (bad or res.stderr[-3000:])
