@@ -267,3 +267,17 @@ def test_settings_are_validated():
         CalibrationSettings(steps=-1)
     with pytest.raises(ValueError, match="lr"):
         CalibrationSettings(lr=0.0)
+
+
+def test_calibrated_qwen3_export_is_the_calibrated_model(tmp_path):
+    """Llama + rmsnorm qk_norm, calibrated, written as plain qwen3: Qwen3ForCausalLM reproduces the report."""
+    from transformers import Qwen3ForCausalLM
+
+    result = convert(None, tmp_path / "q3", scheme="qk_norm", norm="rmsnorm", calibration_text=SHORT_TEXT,
+                     settings=SMALL, progress=False, log=quiet)
+    assert result.export == "qwen3"
+    model = Qwen3ForCausalLM.from_pretrained(result.path)
+    blocks = _blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), SMALL.block_len,
+                     SMALL.eval_blocks, "held-out")
+    assert hf_qknorm.data.perplexity(model, blocks) == pytest.approx(result.report.ppl_calibrated, rel=1e-5)
+    assert result.report.ppl_calibrated < result.report.ppl_identity

@@ -147,3 +147,15 @@ def test_cli_convert_errors_and_success(tmp_path, capsys, monkeypatch):
                      "--norm", "rmsnorm"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert os.listdir(tmp_path / "converted") == ["src-qk_norm-rmsnorm"]
+
+
+def test_soft_cap_card_says_there_is_nothing_to_initialise():
+    from hf_qknorm.calibrate import CalibrationReport, LayerStats
+
+    report = CalibrationReport(scheme={"scheme": "soft_cap"}, ppl_original=10.0, ppl_identity=10.2,
+                               ppl_least_squares=10.2, ppl_calibrated=10.2, calibration_tokens=100, eval_tokens=50,
+                               steps=0, kl_start=None, kl_end=None, seconds=0.1,
+                               layers=[LayerStats(0, [1.0], [1.0], [1.0], 30.0, 30.0)], cap=50.0)
+    card = build_model_card(base_model=None, cfg=QKNormConfig("soft_cap"), export="qknorm", report=report)
+    assert "adds no weights" in card.text and "10.000" in card.text and "least-squares" not in card.text
+    assert "nothing to calibrate" in report.summary() and "identity init" not in report.summary()
