@@ -11,6 +11,7 @@ sequence length) when there is one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -59,17 +60,47 @@ def _varlen_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int
     return same[None, None]
 
 
-def _triton_or_reason(query: torch.Tensor):
-    """The Triton entry point for these tensors, or ``(None, reason)`` when it cannot run them."""
-    if not query.is_cuda:
+_TRITON_ON_CPU = False  # tests: run the Triton kernels on CPU tensors through Triton's interpreter
+
+
+@contextlib.contextmanager
+def triton_on_cpu(enabled: bool = True):
+    """Send CPU tensors to the Triton kernels too (they must run under ``TRITON_INTERPRET=1``, set before the
+    kernels are imported). For tests: CI has no GPU, and this checks the whole model wiring of the kernels."""
+    global _TRITON_ON_CPU
+    previous, _TRITON_ON_CPU = _TRITON_ON_CPU, enabled
+    try:
+        yield
+    finally:
+        _TRITON_ON_CPU = previous
+
+
+def _kernels_or_reason(x: torch.Tensor):
+    """The kernels package when it can run on ``x``, else ``(None, why not)``."""
+    if not (x.is_cuda or _TRITON_ON_CPU):
         return None, "tensors are not on a CUDA device"
     from . import kernels
 
-    if not kernels.is_available():
-        return None, kernels.unavailable_reason()
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return None, f"dtype {query.dtype} is not supported by the Triton kernels (float16, bfloat16, float32)"
-    return kernels.triton_attention, None
+    reason = kernels.unavailable_reason()
+    if reason is not None:
+        return None, reason
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None, f"dtype {x.dtype} is not supported by the Triton kernels (float16, bfloat16, float32)"
+    return kernels, None
+
+
+def fused_norm_rope(norm: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Per-head norm + RoPE of ``x`` ``(batch, seq, heads, head_dim)`` in one Triton kernel, or ``None`` when the
+    kernels cannot run here (then the caller takes the unfused PyTorch path)."""
+    from .norms import NORM_CLASSES
+
+    if not isinstance(norm, NORM_CLASSES) or cos.dim() != 3 or cos.shape[-1] != x.shape[-1]:
+        return None
+    kernels, _ = _kernels_or_reason(x)
+    if kernels is None:
+        return None
+    return kernels.triton_norm_rope(x, kind=norm.kind, weight=norm.weight, bias=getattr(norm, "bias", None),
+                                    eps=norm.eps, p=getattr(norm, "p", 2.0), cos=cos, sin=sin)
 
 
 def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -99,13 +130,17 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     causal = bool(causal) and mask is None and query.shape[2] > 1
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
 
-    kernel, reason = _triton_or_reason(query)
-    if kernel is not None:
-        out = kernel(query, key, value, scaling=scaling, softcap=softcap,
-                     causal=causal or (cu_q is not None and bool(getattr(module, "is_causal", True))),
-                     attn_mask=None if cu_q is not None else mask, sliding_window=sliding_window,
-                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=kwargs.get("max_length_q"),
-                     max_seqlen_k=kwargs.get("max_length_k"), dropout_p=dropout)
+    kernels, reason = _kernels_or_reason(query)
+    if kernels is not None and dropout > 0:
+        kernels, reason = None, f"the Triton kernels have no attention dropout (dropout={dropout})"
+    if kernels is not None:
+        key, value = key.to(query.dtype), value.to(query.dtype)
+        varlen_causal = cu_q is not None and bool(getattr(module, "is_causal", True) if is_causal is None
+                                                  else is_causal)
+        out = kernels.triton_attention(
+            query, key, value, scaling=scaling, softcap=softcap, causal=causal or varlen_causal,
+            attn_mask=None if cu_q is not None else mask, sliding_window=sliding_window, cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k, max_seqlen_q=kwargs.get("max_length_q"), max_seqlen_k=kwargs.get("max_length_k"))
         return out.transpose(1, 2).contiguous(), None
     if query.is_cuda:
         _warn_once(f"qknorm attention: using the PyTorch path on CUDA because {reason}.")

@@ -15,7 +15,7 @@ import types
 import torch
 from torch import nn
 
-from .attention import ATTN_IMPLEMENTATION, CAP_BACKENDS, REPLACEABLE_BACKENDS
+from .attention import ATTN_IMPLEMENTATION, CAP_BACKENDS, REPLACEABLE_BACKENDS, fused_norm_rope
 from .families import FAMILIES, Family, get_family
 from .norms import henry_logit_scale, make_norm
 from .schemes import QKNormConfig
@@ -231,16 +231,23 @@ def _attend(attn, spec, q, k, v, attention_mask, dropout, sliding_window, kwargs
 
 def _rope_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                   **kwargs):
-    """Llama-style attention (Llama, Mistral, Qwen2, Qwen3) with per-head norms before RoPE and an optional cap."""
+    """Llama-style attention (Llama, Mistral, Qwen2, Qwen3) with per-head norms before RoPE and an optional cap.
+    On CUDA the norm and RoPE of q and k run as one fused Triton kernel each."""
     spec = self._qknorm
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     q = self.q_proj(hidden_states).view(hidden_shape)
     k = self.k_proj(hidden_states).view(hidden_shape)
     v = self.v_proj(hidden_states).view(hidden_shape)
-    q, k, v = (t.transpose(1, 2) for t in _norm_heads(self, q, k, v))
     cos, sin = position_embeddings
-    q, k = spec.rope_fn(q, k, cos, sin)
+    fused_q = fused_norm_rope(self.q_norm, q, cos, sin) if getattr(self, "q_norm", None) is not None else None
+    fused_k = fused_norm_rope(self.k_norm, k, cos, sin) if fused_q is not None else None
+    if fused_k is not None:
+        v = self.v_norm(v) if getattr(self, "v_norm", None) is not None else v
+        q, k, v = fused_q.transpose(1, 2), fused_k.transpose(1, 2), v.transpose(1, 2)
+    else:
+        q, k, v = (t.transpose(1, 2) for t in _norm_heads(self, q, k, v))
+        q, k = spec.rope_fn(q, k, cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
     window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
