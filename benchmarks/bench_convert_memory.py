@@ -7,7 +7,7 @@ subprocess so that the peak is its own:
 * ``stream_qkv``: the same with ``qkv_norm`` (the removed pre-norm is folded into q/k/v shard by shard);
 * ``full_load``: the naive way -- ``from_pretrained``, ``patch_model``, ``save_pretrained``.
 
-Peak memory is max RSS above the RSS just before the work (after imports). Rows are appended to
+Peak memory is the process's peak RSS (VmHWM) above its RSS just before the work (after imports). Rows are appended to
 ``benchmarks/results/convert_memory.jsonl``.
 
     python benchmarks/bench_convert_memory.py
@@ -21,7 +21,6 @@ import datetime as dt
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -35,6 +34,13 @@ RESULTS = Path(__file__).parent / "results" / "convert_memory.jsonl"
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    """VmHWM: this process's own peak RSS. (``ru_maxrss`` would not do: a child inherits its parent's high-water
+    mark across fork and exec, and the parent has just built the whole model.)"""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def _child(mode: str, src: str, dst: str) -> None:
@@ -56,7 +62,7 @@ def _child(mode: str, src: str, dst: str) -> None:
     else:
         scheme = "qkv_norm" if mode == "stream_qkv" else "qk_norm_cap"
         hf_qknorm.convert(src, dst, scheme=scheme, calibrate=False, progress=False, log=lambda *a: None)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = _peak_rss_mib()
     print(json.dumps({"peak_mib": peak - base, "seconds": time.time() - t0}))
 
 
