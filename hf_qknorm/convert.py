@@ -194,10 +194,15 @@ def staging(dst: Path):
     try:
         yield tmp
         os.chmod(tmp, 0o755)
-        if dst.exists():
+        if dst.exists():  # --overwrite: swap the old folder out only now that the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
             os.replace(dst, old / "previous")
-            os.replace(tmp, dst)
+            try:
+                os.replace(tmp, dst)
+            except BaseException:
+                os.replace(old / "previous", dst)
+                shutil.rmtree(old, ignore_errors=True)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, dst)
@@ -265,7 +270,8 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
         patched_config, new_values, report = *_identity(source, cfg), None
     result = ConversionResult(path=dst, export=kind, export_note=note, scheme=cfg, report=report)
     with staging(dst) as tmp:
-        _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress)
+        _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress,
+                      model_name=push_to_hub or dst.name)
     result.files = sorted(str(f.relative_to(dst)) for f in dst.rglob("*") if f.is_file())
     if report is not None:
         log(report.summary())
@@ -340,7 +346,8 @@ def _identity(source: Source, cfg):
     return model.config, values
 
 
-def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_values, result, progress) -> None:
+def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_values, result, progress,
+                  model_name: str) -> None:
     from .export import copy_side_files, write_config
     from .hub import write_model_card
 
@@ -354,7 +361,7 @@ def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_valu
               "calibration": None if result.report is None else result.report.to_dict(),
               "versions": _versions()}
     (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    write_model_card(tmp, model_name=result.path.name, source_dir=source.path, base_model=source.name, cfg=cfg,
+    write_model_card(tmp, model_name=model_name, source_dir=source.path, base_model=source.name, cfg=cfg,
                      export=kind, report=result.report, export_note=result.export_note)
 
 

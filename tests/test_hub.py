@@ -159,3 +159,18 @@ def test_soft_cap_card_says_there_is_nothing_to_initialise():
     card = build_model_card(base_model=None, cfg=QKNormConfig("soft_cap"), export="qknorm", report=report)
     assert "adds no weights" in card.text and "10.000" in card.text and "least-squares" not in card.text
     assert "nothing to calibrate" in report.summary() and "identity init" not in report.summary()
+
+
+def test_convert_push_to_hub_uploads_the_written_folder(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    save_source(tmp_path / "src")
+    api = mock.Mock()
+    api.upload_folder.return_value = mock.Mock(commit_url="https://huggingface.co/me/x/commit/1")
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: api)
+    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", calibrate=False, push_to_hub="me/x",
+                               token="hf_tok", private=True, progress=False, log=quiet)
+    assert result.pushed_url.endswith("/commit/1")
+    assert api.upload_folder.call_args.kwargs["folder_path"] == str(result.path)
+    assert api.create_repo.call_args.kwargs["private"] is True
+    assert 'from_pretrained("me/x", trust_remote_code=True)' in (result.path / "README.md").read_text()
