@@ -260,9 +260,11 @@ def converted_max_logits(model, family, blocks, report: CalibrationReport, batch
             del attn._qknorm_probe
     for stats, value in zip(report.layers, seen):
         stats.max_logit_converted = value
-        if report.cap is not None and value >= CAP_WARN_FRACTION * report.cap:
+        top = max(value, stats.max_logit_original)
+        if report.cap is not None and top >= CAP_WARN_FRACTION * report.cap:
+            c = report.cap
             report.warnings.append(
-                f"layer {stats.layer}: largest logit {value:.2f} on the calibration text is "
-                f">= {CAP_WARN_FRACTION:g} x cap {report.cap:g}; the cap bends these logits "
-                f"(c*tanh(s/c) = {report.cap * math.tanh(value / report.cap):.2f} for s = {value:.2f}), so the "
-                f"converted model departs from the original there")
+                f"layer {stats.layer}: the cap bites -- the largest logit on the calibration text is "
+                f"{stats.max_logit_original:.2f} in the original model and {value:.2f} in the converted one before "
+                f"the cap, and c*tanh(s/c) bends logits above c/2 = {c / 2:g} (s = {top:.2f} becomes "
+                f"{c * math.tanh(top / c):.2f}); --softcap {math.ceil(2 * top)} or more keeps them nearly unchanged")

@@ -71,6 +71,9 @@ def _add_convert(sub):
     g.add_argument("--seed", type=int, default=0, help="random seed of the distillation batches (default 0)")
     g.add_argument("--device", default="auto",
                    help="where calibration runs: auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ...")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for calibration (default: 1 for models under 20M parameters, whose matrices "
+                        "gain nothing from more; torch's default otherwise)")
     g = p.add_argument_group("output")
     g.add_argument("--export", choices=("auto", "qwen3", "qknorm"), default="auto",
                    help="auto: plain qwen3 when the result is a Qwen3 model (Llama/Mistral + rmsnorm qk_norm), else "
@@ -103,7 +106,8 @@ def _cmd_convert(args) -> int:
         raise ValueError("give the output folder once: as DST or as --output, not both")
     settings = CalibrationSettings(block_len=args.block_len, calibration_blocks=args.calibration_blocks,
                                    eval_blocks=args.eval_blocks, steps=args.steps, batch_size=args.batch_size,
-                                   lr=args.lr, seed=args.seed, device=args.device)
+                                   lr=args.lr, seed=args.seed, device=args.device,
+                                   threads=args.threads)
     result = convert(args.src, args.dst or args.output, scheme=args.scheme, norm=args.norm, softcap=args.softcap,
                      eps=args.eps, p=args.p, calibration_text=args.calibration_text, eval_text=args.eval_text,
                      calibrate=not args.no_calibration, settings=settings, export=args.export,
