@@ -22,7 +22,6 @@ import datetime as dt
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -31,9 +30,22 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results" / "cpu.jsonl"
 
 
+def _status_mib(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process in MiB. VmHWM starts afresh at exec, unlike ru_maxrss,
+    which a child inherits from its parent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return _status_mib("VmRSS")
+
+
+def _peak_mib() -> float:
+    return _status_mib("VmHWM")
 
 
 def _eager_cap(q, k, v, scaling, softcap):
@@ -69,7 +81,7 @@ def run_attention_case(provider: str, seq: int, repeats: int) -> dict:
         fn().sum().backward()
         times.append(time.perf_counter() - t0)
         q.grad = k.grad = v.grad = None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    peak = _peak_mib() - base
     return {"table": "attention", "provider": provider, "batch": b, "heads": h, "head_dim": d, "seq": seq,
             "fwd_bwd_s": min(times[1:]), "peak_mib": round(peak, 1)}
 
@@ -94,7 +106,7 @@ def run_model_case(provider: str, seq: int, repeats: int) -> dict:
         model(ids, labels=ids).loss.backward()
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    peak = _peak_mib() - base
     return {"table": "model", "provider": provider, "batch": 4, "seq": seq, "layers": 4, "hidden": 512,
             "attn_impl": model.config._attn_implementation, "fwd_bwd_s": min(times[1:]),
             "peak_mib": round(peak, 1)}
