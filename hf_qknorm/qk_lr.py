@@ -60,7 +60,7 @@ class _HeadRows:
         out_dim = self.weight.shape[1] if conv1d else self.weight.shape[0]
         if type(self.weight).__name__ == "DTensor" or out_dim < offset + heads * head_dim:
             raise NotImplementedError(f"{where}: sharded weights (FSDP) are not supported by Q/K learning-rate "
-                                      "control; use DDP, or apply it per layer through parameter groups")
+                                      "control; use DDP (or a constant factor through qk_param_groups)")
         self.snapshot: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def w(self, t: torch.Tensor | None = None) -> torch.Tensor:

@@ -79,6 +79,11 @@ def _worker(out: Path) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     sharded = type(model.model.layers[0].self_attn.q_norm.weight).__name__
+    try:
+        hf_qknorm.QKLearningRate(model)
+        qk_lr_refused = ""
+    except NotImplementedError as err:  # sharded W_Q / W_K: refused clearly rather than applied wrongly
+        qk_lr_refused = str(err)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     monitor = hf_qknorm.QKMonitor(model)
     logits = []
@@ -91,7 +96,8 @@ def _worker(out: Path) -> None:
         opt.zero_grad()
         logits.append(stats["qk/max_logit"])
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    torch.save({"params": full, "sharded": sharded, "logits": logits}, out / f"fsdp_rank{rank}.pt")
+    torch.save({"params": full, "sharded": sharded, "logits": logits, "qk_lr_refused": qk_lr_refused},
+               out / f"fsdp_rank{rank}.pt")
 
 
 def _free_port() -> int:
@@ -136,6 +142,7 @@ def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
     # FSDP2 over the same two gloo processes: equal to one process training on the whole batch
     f0, f1 = (torch.load(tmp_path / f"fsdp_rank{r}.pt") for r in range(2))
     assert f0["sharded"] == "DTensor" and f0["logits"] != f1["logits"]
+    assert "sharded weights (FSDP)" in f0["qk_lr_refused"]
     sys.path.insert(0, str(ROOT / "tests"))
     ref = _fsdp_model()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)

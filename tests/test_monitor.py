@@ -93,7 +93,7 @@ def test_instance_level_and_gradient_checkpointing():
     a, b = tiny_model("llama"), tiny_model("llama")
     hf_qknorm.patch_model(a, "qk_norm")
     monitor = QKMonitor(a)
-    a.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    a.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     a.train()
     calls = []
     measure = monitor._measure
