@@ -370,7 +370,9 @@ class QKMonitorCallback(TrainerCallback):
             return
         self.history.append({"step": state.global_step, **stats})
         if self.trainer is not None:
+            should_log = control.should_log  # Trainer.log clears it: keep this step's own (loss) log due
             self.trainer.log(dict(stats))
+            control.should_log = should_log
             return
         if not self._warned:
             self._warned = True

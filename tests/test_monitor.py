@@ -167,7 +167,7 @@ def test_trainer_logs_reach_reporters(tmp_path):
     hf_qknorm.patch_model(model, "qk_norm_cap")
     reporter = _Reporter()
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=4,
-                             logging_steps=100, save_strategy="no", report_to="none", use_cpu=True,
+                             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
                              disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=CountingText(n=24), callbacks=[reporter])
     monitor = hf_qknorm.QKMonitorCallback.attach(trainer, every=2)
@@ -176,6 +176,7 @@ def test_trainer_logs_reach_reporters(tmp_path):
     seen = [log for log in reporter.logs if "qk/max_logit" in log]
     assert len(seen) == 3 and all("qk/layer1/k_rms" in log for log in seen)
     assert sum("qk/max_logit" in r for r in trainer.state.log_history) == 3
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [1, 2, 3, 4, 5]  # loss logs kept
     assert all("_qknorm_probe" not in s.module.__dict__ for s in monitor.monitor.sites)
 
     fallback = hf_qknorm.QKMonitorCallback(every=3)  # added without the trainer: history and log_history only
