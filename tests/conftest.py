@@ -15,7 +15,8 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tiny models: thread start-up costs more than the work, and a second thread contends badly on small machines.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
