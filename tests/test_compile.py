@@ -18,16 +18,6 @@ import hf_qknorm
 from tiny_models import VOCAB, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared, loaded CPU two threads run up to 20x slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 CASES = [("llama", "qk_norm_cap", "layernorm"), ("gpt2", "qkv_norm", "layernorm"), ("mistral", "qk_norm", "lp")]
 
 

@@ -18,16 +18,6 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared, loaded CPU two threads run up to 20x slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 ROOT = Path(__file__).resolve().parents[1]
 FSDP_STEPS, FSDP_BATCH = 3, 4
 

@@ -13,16 +13,6 @@ from hf_qknorm.monitor import QKMonitor, attention_stats
 from tiny_models import VOCAB, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared, loaded CPU two threads run up to 20x slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _brute_force(q, k, allowed, scaling, softcap):
     groups = q.shape[1] // k.shape[1]

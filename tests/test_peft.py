@@ -11,16 +11,6 @@ from hf_qknorm.peft_utils import lora_target_modules, trainable_norm_modules
 from tiny_models import VOCAB, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared, loaded CPU two threads run up to 20x slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _ids(seed=0, batch=2, seq=12):
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))

@@ -11,16 +11,6 @@ from hf_qknorm.qk_lr import QKLearningRate
 from tiny_models import VOCAB, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared, loaded CPU two threads run up to 20x slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _batch(seed, batch=4, seq=16):
     g = torch.Generator().manual_seed(seed)

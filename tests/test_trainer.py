@@ -12,16 +12,6 @@ import hf_qknorm
 from tiny_models import VOCAB, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared, loaded CPU two threads run up to 20x slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class CountingText(torch.utils.data.Dataset):
     """Learnable synthetic text: each row counts upward from a random start with stride 1 or 2."""
