@@ -1,7 +1,9 @@
 """CPU benchmark: patched vs unpatched models and the capped attention paths, side by side in one run.
 
-Two tables, each case in a fresh subprocess so that peak memory (max RSS above the process's RSS just before the
-timed work) is its own:
+Two tables. Time: every provider of a table runs in one process, in rounds (one step of each provider per round),
+and the median per provider is reported with its ratio to the first provider -- load from other processes hits all
+providers alike. Memory: each provider again alone in a fresh subprocess, peak RSS (VmHWM) above the RSS just
+before its first step.
 
 * ``attention``: one attention call, forward+backward, B=4, H=8, D=64, causal, fp32 --
   ``sdpa`` (no cap) | ``eager_cap`` (plain PyTorch with a tanh cap, as Gemma 2's eager path) | ``qknorm_cap``
@@ -12,7 +14,7 @@ timed work) is its own:
 Rows are appended to ``benchmarks/results/cpu.jsonl`` with the machine, versions and the command.
 
     python benchmarks/bench_cpu.py                       # both tables, T = 256, 1024, 2048
-    python benchmarks/bench_cpu.py --table attention --seq 2048 --repeats 3
+    python benchmarks/bench_cpu.py --table attention --seq 2048 --repeats 5
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -59,7 +62,12 @@ def _eager_cap(q, k, v, scaling, softcap):
     return torch.softmax(s, dim=-1) @ v
 
 
-def run_attention_case(provider: str, seq: int, repeats: int) -> dict:
+ATTENTION_PROVIDERS = ("sdpa", "eager_cap", "qknorm_cap")
+MODEL_PROVIDERS = ("sdpa", "qk_norm", "qk_norm_cap", "qkv_norm")
+
+
+def _attention_step(provider: str, seq: int):
+    """One forward+backward of attention alone, B=4, H=8, D=64, causal, fp32."""
     import torch
     import torch.nn.functional as F
 
@@ -68,25 +76,21 @@ def run_attention_case(provider: str, seq: int, repeats: int) -> dict:
     torch.manual_seed(0)
     b, h, d = 4, 8, 64
     q, k, v = (torch.randn(b, h, seq, d, requires_grad=True) for _ in range(3))
-    fns = {
+    fn = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "eager_cap": lambda: _eager_cap(q, k, v, d**-0.5, 50.0),
         "qknorm_cap": lambda: chunked_attention(q, k, v, scaling=d**-0.5, softcap=50.0, causal=True),
-    }
-    fn = fns[provider]
-    base = _rss_mib()
-    times = []
-    for _ in range(repeats + 1):  # first run warms up
-        t0 = time.perf_counter()
+    }[provider]
+
+    def step():
         fn().sum().backward()
-        times.append(time.perf_counter() - t0)
         q.grad = k.grad = v.grad = None
-    peak = _peak_mib() - base
-    return {"table": "attention", "provider": provider, "batch": b, "heads": h, "head_dim": d, "seq": seq,
-            "fwd_bwd_s": min(times[1:]), "peak_mib": round(peak, 1)}
+
+    return step, {"batch": b, "heads": h, "head_dim": d}
 
 
-def run_model_case(provider: str, seq: int, repeats: int) -> dict:
+def _model_step(provider: str, seq: int):
+    """One training step (forward+backward) of a 4-layer width-512 Llama, B=4; same weights for every provider."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -99,17 +103,44 @@ def run_model_case(provider: str, seq: int, repeats: int) -> dict:
     if provider != "sdpa":
         hf_qknorm.patch_model(model, provider)
     ids = torch.randint(0, cfg.vocab_size, (4, seq))
+
+    def step():
+        model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, {"batch": 4, "layers": 4, "hidden": 512, "attn_impl": model.config._attn_implementation}
+
+
+STEPS = {"attention": _attention_step, "model": _model_step}
+
+
+def run_case(table: str, provider: str, seq: int, repeats: int) -> dict:
+    """Peak memory (and a first timing) of one provider alone in this process."""
+    step, info = STEPS[table](provider, seq)
     base = _rss_mib()
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + 1):  # the first run warms up
         t0 = time.perf_counter()
-        model(ids, labels=ids).loss.backward()
+        step()
         times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-    peak = _peak_mib() - base
-    return {"table": "model", "provider": provider, "batch": 4, "seq": seq, "layers": 4, "hidden": 512,
-            "attn_impl": model.config._attn_implementation, "fwd_bwd_s": min(times[1:]),
-            "peak_mib": round(peak, 1)}
+    return {"table": table, "provider": provider, "seq": seq, **info, "alone_s": min(times[1:]),
+            "peak_mib": round(_peak_mib() - base, 1)}
+
+
+def run_interleaved(table: str, seq: int, repeats: int) -> dict:
+    """Median step time of every provider, measured in rounds that run each provider once: load from other
+    processes then hits all providers alike, so the ratios are trustworthy on a shared machine."""
+    providers = ATTENTION_PROVIDERS if table == "attention" else MODEL_PROVIDERS
+    steps = {p: STEPS[table](p, seq)[0] for p in providers}
+    for step in steps.values():
+        step()  # warm-up
+    times = {p: [] for p in providers}
+    for _ in range(repeats):
+        for p, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[p].append(time.perf_counter() - t0)
+    return {p: statistics.median(t) for p, t in times.items()}
 
 
 def _environment() -> dict:
@@ -121,41 +152,67 @@ def _environment() -> dict:
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
 
+def _child(args_list: list[str]) -> dict:
+    res = subprocess.run([sys.executable, __file__, *args_list], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--table", choices=["attention", "model", "both"], default="both")
     ap.add_argument("--seq", type=int, nargs="+", default=[256, 1024, 2048])
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (min is reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up (median is reported)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's own)")
     ap.add_argument("--case", nargs=3, metavar=("TABLE", "PROVIDER", "SEQ"), help=argparse.SUPPRESS)
+    ap.add_argument("--interleaved", nargs=2, metavar=("TABLE", "SEQ"), help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    if args.case:  # child process: one case, JSON on stdout
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.case:  # child process: one provider alone (memory)
         table, provider, seq = args.case
-        runner = run_attention_case if table == "attention" else run_model_case
-        print(json.dumps(runner(provider, int(seq), args.repeats)))
+        print(json.dumps(run_case(table, provider, int(seq), 1)))
+        return
+    if args.interleaved:  # child process: all providers of a table in rounds (time)
+        table, seq = args.interleaved
+        print(json.dumps(run_interleaved(table, int(seq), args.repeats)))
         return
 
-    plan = []
-    if args.table in ("attention", "both"):
-        plan += [("attention", p) for p in ("sdpa", "eager_cap", "qknorm_cap")]
-    if args.table in ("model", "both"):
-        plan += [("model", p) for p in ("sdpa", "qk_norm", "qk_norm_cap", "qkv_norm")]
+    tables = ["attention", "model"] if args.table == "both" else [args.table]
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     env = _environment()
     command = "python " + " ".join(sys.argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{'table':9} {'provider':12} {'seq':>5} {'fwd+bwd s':>10} {'peak MiB':>9}")
+    print(f"{'table':9} {'provider':12} {'seq':>5} {'fwd+bwd s':>10} {'vs first':>8} {'peak MiB':>9}")
     for seq in args.seq:
-        for table, provider in plan:
-            res = subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--case", table,
-                                  provider, str(seq)], capture_output=True, text=True)
-            if res.returncode != 0:
-                print(f"{table:9} {provider:12} {seq:>5} FAILED: {res.stderr.strip().splitlines()[-1:]}")
+        for table in tables:
+            providers = ATTENTION_PROVIDERS if table == "attention" else MODEL_PROVIDERS
+            try:
+                threads = ["--threads", str(args.threads)] if args.threads else []
+                medians = _child([*threads, "--repeats", str(args.repeats), "--interleaved", table, str(seq)])
+            except RuntimeError as exc:
+                print(f"{table:9} {'(all)':12} {seq:>5} FAILED: {exc}")
                 continue
-            row = json.loads(res.stdout.strip().splitlines()[-1])
-            print(f"{table:9} {provider:12} {seq:>5} {row['fwd_bwd_s']:>10.3f} {row['peak_mib']:>9.1f}", flush=True)
-            with args.out.open("a") as f:
-                f.write(json.dumps({**row, **env, "command": command}) + "\n")
+            for provider in providers:
+                try:
+                    row = _child([*threads, "--case", table, provider, str(seq)])
+                except RuntimeError as exc:
+                    print(f"{table:9} {provider:12} {seq:>5} FAILED: {exc}")
+                    continue
+                row["fwd_bwd_s"] = medians[provider]
+                row["vs_first"] = medians[provider] / medians[providers[0]]
+                print(f"{table:9} {provider:12} {seq:>5} {row['fwd_bwd_s']:>10.3f} {row['vs_first']:>8.3f} "
+                      f"{row['peak_mib']:>9.1f}", flush=True)
+                with args.out.open("a") as f:
+                    f.write(json.dumps({**row, **env, "repeats": args.repeats, "command": command}) + "\n")
 
 
 if __name__ == "__main__":
