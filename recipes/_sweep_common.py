@@ -22,19 +22,19 @@ import os
 # oneDNN's AMX bf16 kernels trap on some virtual machines; must be set before torch first uses oneDNN.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
-import json  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
-import hf_qknorm  # noqa: E402
-from hf_qknorm.data import read_text, split_text  # noqa: E402
+import hf_qknorm
+from hf_qknorm.data import read_text, split_text
 
 # scheme name in the sweep -> (patch_model scheme or None, patch kwargs, use the Q/K learning-rate rule)
 SCHEMES: dict[str, tuple[str | None, dict, bool]] = {

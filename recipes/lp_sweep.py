@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _sweep_common import RunConfig, load_runs, run_jobs  # noqa: E402
+from _sweep_common import RunConfig, load_runs, run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "lr_sweep"

@@ -10,8 +10,9 @@ attention logit per layer and the output RMS of the QKV, output-projection and s
 ``run`` first trains the coarse grid (seed 0) and the extra seeds at the ordinary LR, then adds one refining LR
 per scheme between its largest stable and smallest diverged grid LR. Divergence rule (applied mechanically, see
 :func:`diverged`): a run diverged when its loss became non-finite, or its final validation loss is at or above the
-unigram loss of the validation text (it learned nothing beyond character frequencies), or its final validation
-loss is more than ``SPIKE`` nats above the lowest validation loss it reached earlier (it blew up and did not recover).
+character-bigram loss of the validation text (2.48 nats: it does no better than a model without attention; Wortsman
+et al. compare diverged runs with a 0-layer bigram model), or its final validation loss is more than ``SPIKE`` nats
+above the lowest validation loss it reached earlier (it blew up and did not recover).
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ import argparse
 import json
 import math
 import sys
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _sweep_common import SCHEMES, RunConfig, char_data, load_runs, run_jobs  # noqa: E402
+from _sweep_common import SCHEMES, RunConfig, char_data, load_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "lr_sweep"
 GRID = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]  # half-decades, Wortsman et al.'s grid extended to 1
+SENS_GRID = [3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]  # the LR range [a, b] of the sensitivity metric
 ORDINARY_LR = 3e-3
 SEEDS = (0, 1, 2)
 SPIKE = 0.2  # nats
@@ -61,21 +62,27 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------------------------------------
 # the divergence rule and the summaries
 # ------------------------------------------------------------------------------------------------------------------
-def unigram_loss(text: str = "tinyshakespeare", context: int = 128) -> float:
-    """Cross-entropy of the validation blocks under the training text's character frequencies (nats)."""
+def bigram_loss(text: str = "tinyshakespeare", context: int = 128) -> float:
+    """Cross-entropy (nats/char) of the validation blocks under the training text's character-bigram frequencies
+    (add-0.5 smoothing): the loss of a model that uses only the previous character, i.e. no attention at all."""
+    import torch
+
     train_ids, val_blocks, vocab = char_data(text, context)
-    counts = Counter(train_ids.tolist())
-    total = sum(counts.values())
-    val = Counter(val_blocks[:, 1:].reshape(-1).tolist())
-    n = sum(val.values())
-    return -sum(c * math.log(counts.get(t, 0.5) / total) for t, c in val.items()) / n
+    counts = torch.full((vocab, vocab), 0.5, dtype=torch.float64)
+    counts.index_put_((train_ids[:-1], train_ids[1:]), torch.ones(len(train_ids) - 1, dtype=torch.float64),
+                      accumulate=True)
+    probs = counts / counts.sum(1, keepdim=True)
+    x, y = val_blocks[:, :-1].reshape(-1), val_blocks[:, 1:].reshape(-1)
+    return float(-probs[x, y].log().mean())
 
 
-def diverged(rec: dict, unigram: float) -> bool:
+def diverged(rec: dict, bigram: float) -> bool:
+    """The divergence rule: non-finite loss, or a final validation loss no better than the bigram loss, or a final
+    validation loss more than ``SPIKE`` nats above the lowest one the run reached earlier."""
     final = rec["final_val"]
     if rec["nonfinite"] or final is None or not math.isfinite(final):
         return True
-    if final >= unigram:
+    if final >= bigram:
         return True
     earlier = [v for _, v in rec["val"][1:-1] if v is not None]
     return bool(earlier) and final > min(earlier) + SPIKE
@@ -98,16 +105,16 @@ def lr_sensitivity(losses: dict[float, float | None], init: float, grid) -> floa
     return sum(v - min(vals) for v in vals) / len(vals)
 
 
-def summarise(runs: list[dict], unigram: float) -> dict:
+def summarise(runs: list[dict], bigram: float) -> dict:
     out = {}
     for scheme in SCHEMES:
         rs = [r for r in runs if r["config"]["scheme"] == scheme and r["config"].get("p") is None]
         if not rs:
             continue
         seed0 = {r["config"]["lr"]: r for r in rs if r["config"]["seed"] == 0}
-        points = {lr: diverged(r, unigram) for lr, r in seed0.items()}
+        points = {lr: diverged(r, bigram) for lr, r in seed0.items()}
         stable, first_div = max_stable_lr(points)
-        grid = [lr for lr in GRID if lr in seed0]
+        grid = [lr for lr in SENS_GRID if lr in seed0 or (first_div is not None and lr > first_div)]
         losses = {lr: r["final_val"] for lr, r in seed0.items()}
         init = sum(r["init_val"] for r in seed0.values()) / len(seed0)
         finite = {lr: v for lr, v in losses.items() if v is not None}
@@ -115,7 +122,8 @@ def summarise(runs: list[dict], unigram: float) -> dict:
         ordinary = [r["final_val"] for r in rs if r["config"]["lr"] == ORDINARY_LR and r["final_val"] is not None]
         out[scheme] = {
             "max_stable_lr": stable, "first_diverged_lr": first_div,
-            "lr_sensitivity": lr_sensitivity(losses, init, grid) if len(grid) == len(GRID) else None,
+            # LRs above the first diverged one that were not run count as l0 (they are assumed to diverge)
+            "lr_sensitivity": lr_sensitivity(losses, init, grid) if len(grid) == len(SENS_GRID) else None,
             "best_loss": finite.get(best_lr), "best_lr": best_lr, "init_loss": init,
             "ordinary_lr": ORDINARY_LR, "ordinary_losses": ordinary,
             "ordinary_mean": sum(ordinary) / len(ordinary) if ordinary else None,
@@ -142,7 +150,7 @@ def _peak_logit(rec: dict) -> float | None:
 # ------------------------------------------------------------------------------------------------------------------
 # run
 # ------------------------------------------------------------------------------------------------------------------
-def coarse_jobs(args) -> list[RunConfig]:
+def coarse_jobs(args) -> list[RunConfig]:  # the whole fixed grid (used by tests and for reference)
     base = dict(steps=args.steps, warmup=args.warmup, text=args.text)
     # ordinary LR first (all seeds), then outward: the edge-defining high LRs before the slow low-LR end
     order = sorted(args.grid, key=lambda lr: (lr != args.ordinary_lr, -lr if lr > args.ordinary_lr else 10 - lr))
@@ -153,28 +161,96 @@ def coarse_jobs(args) -> list[RunConfig]:
     return jobs[:lowest] + seeds + jobs[lowest:]  # the extra seeds before the lowest (least telling) LR
 
 
-def refine_jobs(args, unigram: float) -> list[RunConfig]:
-    runs = load_runs(args.out)
-    jobs = []
-    for scheme in args.schemes:
-        seed0 = {r["config"]["lr"]: r for r in runs if r["config"]["scheme"] == scheme and r["config"]["seed"] == 0}
-        stable, first_div = max_stable_lr({lr: diverged(r, unigram) for lr, r in seed0.items()})
-        if stable is not None and first_div is not None and first_div / stable > 1.5:
-            lr = float(f"{math.sqrt(stable * first_div):.2g}")
-            jobs.append(RunConfig(scheme=scheme, lr=lr, seed=0, steps=args.steps, warmup=args.warmup,
-                                  text=args.text))
-    return jobs
+def _known(runs: list[dict], scheme: str, bigram: float) -> dict[float, bool]:
+    return {r["config"]["lr"]: diverged(r, bigram) for r in runs
+            if r["config"]["scheme"] == scheme and r["config"]["seed"] == 0}
+
+
+def _edge_job(points: dict[float, bool], grid: list[float], start: float) -> float | None:
+    """Next grid LR of a scheme's edge search (assumes a run stable at LR ``a`` is stable below ``a``, and one
+    diverged at ``a`` diverges above it): start at ``start``, go up while stable, down while diverged."""
+    stable = [lr for lr in grid if points.get(lr) is False]
+    div = [lr for lr in grid if points.get(lr) is True]
+    if start not in points:
+        return start
+    hi_s = max(stable, default=0.0)
+    lo_d = min(div, default=None)
+    if lo_d is None:  # stable so far: one grid step up
+        above = [lr for lr in grid if lr > hi_s]
+        return above[0] if above else None
+    below = [lr for lr in grid if hi_s < lr < lo_d]  # diverged: one grid step down, until the edge is bracketed
+    return below[-1] if below else None
+
+
+def next_jobs(args, runs: list[dict], bigram: float) -> list[RunConfig]:
+    """All runs still wanted, most telling first: ordinary LR (seed 0) -> each scheme's stability edge on the
+    grid -> extra seeds at the ordinary LR -> the grid LRs below each edge (for the LR sensitivity) -> one refining
+    LR inside each edge -> the rest of the grid."""
+    base = dict(steps=args.steps, warmup=args.warmup, text=args.text)
+    mk = lambda s, lr, seed=0: RunConfig(scheme=s, lr=lr, seed=seed, **base)
+    grid = sorted(args.grid)
+    wanted = [mk(s, args.ordinary_lr) for s in args.schemes]
+    for s in args.schemes:
+        lr = _edge_job(_known(runs, s, bigram), grid, 0.1 if 0.1 in grid else grid[len(grid) // 2])
+        if lr is not None:
+            wanted.append(mk(s, lr))
+    paper_first = sorted(args.schemes, key=lambda s: s not in PAPER)
+    wanted += [mk(s, args.ordinary_lr, seed) for s in paper_first for seed in args.seeds if seed != 0]
+    for lr in sorted(SENS_GRID, reverse=True):  # grid LRs below each edge: the LR-sensitivity metric needs them
+        for s in args.schemes:
+            stable, first_div = max_stable_lr(_known(runs, s, bigram))
+            if lr in grid and (first_div is None or lr < first_div):
+                wanted.append(mk(s, lr))
+    if not args.no_refine:
+        for s in args.schemes:
+            stable, first_div = max_stable_lr(_known(runs, s, bigram))
+            if stable is not None and first_div is not None and first_div / stable > 1.5:
+                wanted.append(mk(s, float(f"{math.sqrt(stable * first_div):.2g}")))
+    wanted += [mk(s, lr) for lr in sorted(grid, key=lambda x: abs(math.log(x / args.ordinary_lr)))
+               for s in args.schemes]
+    seen, out = set(), []
+    for c in wanted:
+        if c.tag() not in seen:
+            seen.add(c.tag())
+            out.append(c)
+    return out
 
 
 def cmd_run(args) -> None:
-    run_jobs(coarse_jobs(args), args.out, args.workers)
-    if not args.no_refine:
-        unigram = unigram_loss(args.text)
-        for _ in range(2):  # two bisections: the edge to within a factor ~1.35
-            jobs = refine_jobs(args, unigram)
-            if not jobs:
+    """Schedule runs one at a time as workers free up, re-planning from the results so far (the edge search of
+    a scheme waits for its previous edge run). Finished runs are skipped, so it resumes after an interruption."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from _sweep_common import _worker_init, run_job
+
+    bigram = bigram_loss(args.text)
+    out = Path(args.out)
+    inflight: dict = {}
+    with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) as ex:
+        while True:
+            runs = load_runs(out) if out.exists() else []
+            done = {RunConfig(**{k: v for k, v in r["config"].items()}).tag() for r in runs}
+            busy = {c.scheme for c in inflight.values() if c.lr not in (args.ordinary_lr, 1e-2)}
+            for c in next_jobs(args, runs, bigram):
+                if len(inflight) >= args.workers:
+                    break
+                if c.tag() in done or c.tag() in {x.tag() for x in inflight.values()}:
+                    continue
+                if c.scheme in busy and c.lr not in (args.ordinary_lr, 1e-2) and c.seed == 0:
+                    continue  # its edge search depends on the run in flight
+                inflight[ex.submit(run_job, c, out)] = c
+                busy.add(c.scheme) if c.lr not in (args.ordinary_lr, 1e-2) else None
+                print(f"start {c.tag()}", flush=True)
+            if not inflight:
                 break
-            run_jobs(jobs, args.out, args.workers)
+            finished, _ = cf.wait(list(inflight), return_when=cf.FIRST_COMPLETED)
+            for f in finished:
+                c = inflight.pop(f)
+                err = f.exception()
+                print(f"{'FAILED' if err else 'done'} {c.tag()} {err or ''}", flush=True)
+                if err:
+                    return
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -192,7 +268,8 @@ def table_md(summary: dict) -> str:
         paper = PAPER.get(scheme, (None, None))
         ordinary = (f"{s['ordinary_mean']:.3f} ± {_fmt(s['ordinary_std'])} ({len(s['ordinary_losses'])})"
                     if s["ordinary_mean"] is not None else "–")
-        rows.append(f"| {scheme} | {_fmt(s['max_stable_lr'], 'g')} | {_fmt(s['first_diverged_lr'], 'g')} | "
+        edge = ("≥ " if s["first_diverged_lr"] is None else "") + _fmt(s["max_stable_lr"], "g")  # not bracketed
+        rows.append(f"| {scheme} | {edge} | {_fmt(s['first_diverged_lr'], 'g')} | "
                     f"{_fmt(s['lr_sensitivity'])} | {_fmt(s['best_loss'])} ({_fmt(s['best_lr'], 'g')}) | "
                     f"{ordinary} | {_fmt(paper[0], 'g')} | {_fmt(paper[1], '.2f')} |")
     return "\n".join(rows) + "\n"
@@ -224,7 +301,23 @@ def peak_logit_md(summary: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-def plot_loss_vs_lr(summary: dict, path: Path, unigram: float) -> None:
+def rms_md(runs: list[dict], lrs=(ORDINARY_LR, 1e-1)) -> str:
+    """Final-step output RMS (max over layers) of the QKV / out-proj / FC2 layers and the largest logit, seed 0."""
+    rows = ["| scheme | LR | QKV out RMS | out-proj RMS | FC2 out RMS | largest logit |", "|---|---|---|---|---|---|"]
+    for lr in lrs:
+        for scheme in SCHEMES:
+            rec = next((r for r in runs if r["config"]["scheme"] == scheme and r["config"]["lr"] == lr
+                        and r["config"]["seed"] == 0), None)
+            if rec is None:
+                continue
+            last = rec["probe"][-1]
+            cells = [max((v for v in last[k] if v is not None), default=None)
+                     for k in ("rms_qkv", "rms_proj", "rms_fc2", "max_logit")]
+            rows.append(f"| {scheme} | {lr:g} | " + " | ".join(_fmt(c, ".3g") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def plot_loss_vs_lr(summary: dict, path: Path, bigram: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -236,7 +329,7 @@ def plot_loss_vs_lr(summary: dict, path: Path, unigram: float) -> None:
         xs = [lr for lr, _ in pts]
         ys = [min(v, top) if v is not None else top for _, v in pts]
         ax.plot(xs, ys, marker="o", label=scheme)
-    ax.axhline(unigram, color="grey", ls=":", lw=1, label="unigram loss (divergence line)")
+    ax.axhline(bigram, color="grey", ls=":", lw=1, label="character-bigram loss (divergence line)")
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel("final validation loss (nats/char), capped at init loss")
@@ -278,12 +371,13 @@ def plot_logits_vs_step(runs: list[dict], lr: float, path: Path, key: str = "max
 
 def cmd_report(args) -> None:
     runs = [r for r in load_runs(args.runs) if r["config"].get("p") is None]
-    unigram = unigram_loss(args.text)
-    summary = summarise(runs, unigram)
+    bigram = bigram_loss(args.text)
+    summary = summarise(runs, bigram)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = runs[0]["config"] if runs else {}
-    meta = {"grid": GRID, "ordinary_lr": ORDINARY_LR, "spike_nats": SPIKE, "unigram_loss": unigram,
+    meta = {"grid": GRID, "sensitivity_grid": SENS_GRID, "ordinary_lr": ORDINARY_LR, "spike_nats": SPIKE,
+            "bigram_loss": bigram,
             "steps": cfg.get("steps"), "warmup": cfg.get("warmup"), "n_runs": len(runs),
             "total_wall_s": round(sum(r["wall_s"] for r in runs)), "paper": PAPER}
     (out / "results.json").write_text(json.dumps({"meta": meta, "schemes": summary}, indent=1))
@@ -291,8 +385,9 @@ def cmd_report(args) -> None:
         "## LR sweep summary\n\n" + table_md(summary)
         + "\n## Final validation loss per LR (seed 0; † = diverged)\n\n" + per_lr_md(summary)
         + "\n## Largest attention logit seen during the run (max over layers and probe steps; seed 0)\n\n"
-        + peak_logit_md(summary))
-    plot_loss_vs_lr(summary, out / "loss_vs_lr.png", unigram)
+        + peak_logit_md(summary)
+        + "\n## Output RMS and largest logit at the last step (max over layers; seed 0)\n\n" + rms_md(runs))
+    plot_loss_vs_lr(summary, out / "loss_vs_lr.png", bigram)
     for lr in (1e-1, 3e-2):
         plot_logits_vs_step(runs, lr, out / f"max_logit_vs_step_lr{lr:g}.png")
     for key in ("rms_qkv", "rms_proj", "rms_fc2"):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import _sweep_common as sc  # noqa: E402
-import lr_sweep  # noqa: E402
+import _sweep_common as sc
+import lr_sweep
 
 TINY = dict(steps=4, warmup=2, layers=2, hidden=32, heads=2, context=32, batch_size=4, eval_every=2,
             eval_blocks=4, final_eval_blocks=8, probe_every=2)
@@ -89,10 +89,10 @@ def test_divergence_rule_and_summary():
         return {"config": {"scheme": "baseline", "lr": lr, "seed": 0, "p": None}, "final_val": final,
                 "init_val": 4.2, "nonfinite": nonfinite, "val": [[0, 4.2], *[[1, v] for v in vals], [2, final]],
                 "probe": [{"max_logit": [1.0, 2.0]}], "wall_s": 1.0}
-    assert not lr_sweep.diverged(rec(1e-3, 2.0), unigram=3.3)
-    assert lr_sweep.diverged(rec(1e-3, None, nonfinite=True), unigram=3.3)
-    assert lr_sweep.diverged(rec(1e-3, 3.4, vals=(3.5,)), unigram=3.3)  # no better than unigram
-    assert lr_sweep.diverged(rec(1e-3, 2.5, vals=(2.0,)), unigram=3.3)  # blew up, did not recover
+    assert not lr_sweep.diverged(rec(1e-3, 2.0), bigram=3.3)
+    assert lr_sweep.diverged(rec(1e-3, None, nonfinite=True), bigram=3.3)
+    assert lr_sweep.diverged(rec(1e-3, 3.4, vals=(3.5,)), bigram=3.3)  # no better than bigram
+    assert lr_sweep.diverged(rec(1e-3, 2.5, vals=(2.0,)), bigram=3.3)  # blew up, did not recover
     assert lr_sweep.max_stable_lr({1e-3: False, 1e-2: False, 1e-1: True, 1.0: False}) == (1e-2, 1e-1)
     grid = [1e-3, 1e-2, 1e-1]
     assert lr_sweep.lr_sensitivity({1e-3: 2.0, 1e-2: 1.5, 1e-1: None}, 4.0, grid) == pytest.approx((0.5 + 2.5) / 3)
