@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .attention import ATTN_IMPLEMENTATION, CAP_BACKENDS, REPLACEABLE_BACKENDS, fused_norm_rope
-from .families import FAMILIES, Family, get_family
+from .families import Family, get_family
 from .norms import henry_logit_scale, make_norm
 from .schemes import QKNormConfig
 
@@ -54,7 +54,7 @@ def patch_model(model: nn.Module, scheme: str = "qk_norm_cap", *, norm: str | No
     """
     cfg = QKNormConfig(scheme=scheme, norm=norm, softcap=softcap, eps=eps, p=p)
     target = _unwrap(model)
-    config = _config_of(target)
+    config = target.config
     if getattr(config, "qknorm", None) is not None or str(getattr(config, "model_type", "")).startswith("qknorm_"):
         raise ValueError(f"model is already patched with {getattr(config, 'qknorm', None)!r}; "
                          "patching twice is not supported: patch the original model once")
@@ -73,10 +73,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     if not isinstance(inner, nn.Module) or not hasattr(inner, "config"):
         raise TypeError(f"patch_model expects a Transformers model, got {type(model).__name__}")
     return inner
-
-
-def _config_of(model: nn.Module):
-    return model.config
 
 
 def _find_layers(model: nn.Module, family: Family) -> nn.ModuleList:
@@ -298,6 +294,3 @@ def qknorm_config(model: nn.Module) -> QKNormConfig | None:
     """The :class:`QKNormConfig` a model was patched with, or ``None``."""
     d = getattr(_unwrap(model).config, "qknorm", None)
     return None if d is None else QKNormConfig.from_dict(d)
-
-
-SUPPORTED_FAMILIES = tuple(sorted(FAMILIES))

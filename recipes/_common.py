@@ -187,6 +187,18 @@ def _convert(src: Path, dst: Path, args) -> None:
             progress=False)
 
 
+def prepare_converted_run(args, recipe: str):
+    """The shared start of the recipes that train a converted checkpoint: set up, tokenise the text with the
+    source's tokenizer, build the training arguments and convert (once, on the main process).
+    Returns ``(tokenizer, train_ds, val_blocks, targs, source folder, converted folder)``."""
+    setup(args, recipe)
+    tokenizer = load_tokenizer(Path(args.model) if args.model else bundled_model_dir())
+    train_ds, val_blocks = text_blocks(args, tokenizer)
+    targs = training_arguments(args)
+    src, folder = source_and_converted(args, targs)
+    return tokenizer, train_ds, val_blocks, targs, src, folder
+
+
 def source_and_converted(args, targs):
     """``(source folder, folder of the patched model to train)``; converts on the main process when needed
     (the other processes wait for it, then read the same folder)."""

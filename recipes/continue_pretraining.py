@@ -31,12 +31,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     args = parse_args(argv)
-    C.setup(args, "continue_pretraining")
-    src = Path(args.model) if args.model else C.bundled_model_dir()
-    tokenizer = C.load_tokenizer(src)
-    train_ds, val_blocks = C.text_blocks(args, tokenizer)
-    targs = C.training_arguments(args)
-    src, folder = C.source_and_converted(args, targs)
+    tokenizer, train_ds, val_blocks, targs, src, folder = C.prepare_converted_run(args, "continue_pretraining")
     results = {"recipe": "continue_pretraining", "source": str(src), "converted": str(folder),
                "ppl_source": C.ppl(AutoModelForCausalLM.from_pretrained(src), val_blocks)}
     model = AutoModelForCausalLM.from_pretrained(folder)

@@ -40,12 +40,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     args = parse_args(argv)
-    C.setup(args, "finetune_lora")
-    src = Path(args.model) if args.model else C.bundled_model_dir()
-    tokenizer = C.load_tokenizer(src)
-    train_ds, val_blocks = C.text_blocks(args, tokenizer)
-    targs = C.training_arguments(args)
-    src, folder = C.source_and_converted(args, targs)
+    tokenizer, train_ds, val_blocks, targs, src, folder = C.prepare_converted_run(args, "finetune_lora")
     results = {"recipe": "finetune_lora", "base": str(folder)}
     if src != folder:
         results["ppl_source"] = C.ppl(AutoModelForCausalLM.from_pretrained(src), val_blocks)
