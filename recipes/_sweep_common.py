@@ -1,13 +1,12 @@
 """Shared machinery of the evidence recipes (``lr_sweep.py``, ``lp_sweep.py``, ``conversion_recovery.py``).
 
 One training run = one small Llama built from a ``LlamaConfig``, patched with :func:`hf_qknorm.patch_model` (or left
-plain for the baseline and the Q/K learning-rate rule), trained on character-level text with AdamW and a z-loss as
+plain for the baseline and the Q/K learning-rate rule, which is :class:`hf_qknorm.QKLearningRate`), trained on character-level text with AdamW and a z-loss as
 in Wortsman et al. 2023 (arXiv:2309.14322), and measured along the way:
 
 * validation loss (fixed held-out blocks),
-* the largest attention logit per layer, ``max |scaling * q.k|`` over causal pairs, pre-cap, with ``q``/``k``
-  post-norm and post-RoPE. Patched models report it through the ``_qknorm_probe`` hook of ``hf_qknorm.patch``;
-  the plain model through a forward pre-hook that recomputes ``q``/``k`` from the block input (same formula);
+* the largest attention logit per layer, ``max scaling * q.k`` over causal pairs, pre-cap, with ``q``/``k``
+  post-norm and post-RoPE, and the attention entropy, both measured by :class:`hf_qknorm.QKMonitor`;
 * the output RMS of the QKV projections, the attention output projection and the second MLP layer (the layers
   whose outputs grow before divergence in Rybakov et al. 2024).
 
@@ -53,8 +52,8 @@ class RunConfig:
     scheme: str = "baseline"
     lr: float = 1e-2
     seed: int = 0
-    steps: int = 200
-    warmup: int = 20
+    steps: int = 500
+    warmup: int = 50
     batch_size: int = 16
     context: int = 128
     layers: int = 4
@@ -141,44 +140,18 @@ def attention_modules(model):
 # ------------------------------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------------------------------
-def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scaling: float) -> float:
-    """``max |scaling * q.k|`` over causal pairs; q ``(B, H, T, D)``, k ``(B, Hkv, T, D)``."""
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = (q.float() @ k.float().transpose(-1, -2)).abs() * scaling
-    t_q, t_k = s.shape[-2], s.shape[-1]
-    allowed = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
-    return float(s.masked_fill(~allowed, 0.0).amax())
-
-
 class Monitor:
-    """Records, on demand, the largest attention logit per layer and output RMS of QKV / o_proj / down_proj."""
+    """Records, on demand, per layer: the largest attention logit and attention entropy (measured by the library's
+    :class:`hf_qknorm.QKMonitor`, pre-cap, post-norm, post-RoPE) and the output RMS of QKV / o_proj / down_proj."""
 
     def __init__(self, model):
         self.model = model
-        self.logits: dict[int, float] = {}
+        self.qk = hf_qknorm.QKMonitor(model)  # its alerts (logit growth, saturated cap) are kept in the run record
+        self.stats: dict[str, float] = {}
         self.rms: dict[str, dict[int, float]] = {"qkv": {}, "proj": {}, "fc2": {}}
         self._handles = []
         self._sq: dict[int, list] = {}
 
-    # -- logit probes -------------------------------------------------------------------------------------------
-    def _probe(self, attn, q, k, attention_mask=None, scaling=1.0, softcap=None):
-        self.logits[attn.layer_idx] = max_causal_logit(q.detach(), k.detach(), scaling)
-
-    @torch.no_grad()
-    def _plain_hook(self, attn, args, kwargs):
-        """The unpatched Llama attention: recompute q, k exactly as its forward does."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        h = kwargs.get("hidden_states", args[0] if args else None).detach()
-        cos, sin = kwargs["position_embeddings"]
-        shape = (*h.shape[:-1], -1, attn.head_dim)
-        q = attn.q_proj(h).view(shape).transpose(1, 2)
-        k = attn.k_proj(h).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        self.logits[attn.layer_idx] = max_causal_logit(q, k, attn.scaling)
-
-    # -- RMS hooks ----------------------------------------------------------------------------------------------
     def _rms_hook(self, kind, idx):
         def hook(module, inputs, output):
             o = output.detach().float()
@@ -191,16 +164,17 @@ class Monitor:
                 self.rms[kind][idx] = float(o.pow(2).mean().sqrt())
         return hook
 
+    def at(self, step: int) -> "Monitor":
+        """Use as ``with monitor.at(step):`` so alerts name the step."""
+        self.step = step
+        return self
+
     def __enter__(self):
-        self.logits, self._sq = {}, {}
+        self.stats, self._sq = {}, {}
         self.rms = {"qkv": {}, "proj": {}, "fc2": {}}
-        patched = hf_qknorm.is_patched(self.model)
+        self.qk.start()
         for i, layer in enumerate(self.model.model.layers):
             attn = layer.self_attn
-            if patched:
-                attn._qknorm_probe = self._probe
-            else:
-                self._handles.append(attn.register_forward_pre_hook(self._plain_hook, with_kwargs=True))
             for name in ("q_proj", "k_proj", "v_proj"):
                 self._handles.append(getattr(attn, name).register_forward_hook(self._rms_hook("qkv", i)))
             self._handles.append(attn.o_proj.register_forward_hook(self._rms_hook("proj", i)))
@@ -211,13 +185,13 @@ class Monitor:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for attn in attention_modules(self.model):
-            if hasattr(attn, "_qknorm_probe"):
-                del attn._qknorm_probe
+        self.stats = self.qk.stop(getattr(self, "step", None))
 
     def snapshot(self) -> dict:
         n = len(self.model.model.layers)
-        return {"max_logit": [self.logits.get(i) for i in range(n)],
+        layer = lambda i, name: self.stats.get(f"qk/layer{i}/{name}")
+        return {"max_logit": [layer(i, "max_logit") for i in range(n)],
+                "entropy": [layer(i, "entropy") for i in range(n)],
                 **{f"rms_{k}": [v.get(i) for i in range(n)] for k, v in self.rms.items()}}
 
 
@@ -240,38 +214,6 @@ def make_optimizer(model, cfg: RunConfig) -> torch.optim.AdamW:
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay / cfg.lr}, {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-class QKLearningRateRule:
-    """Anson & Aitchison 2025 (arXiv:2511.21377), Alg. 1, per layer and head, recomputed every step:
-    ``lr(W_Q^h) = tau * eta * ||W_K^h||_0 / ||W_K^h||`` and ``lr(W_K^h) = tau * eta * ||W_Q^h||_0 / ||W_Q^h||``
-    (Frobenius norms of the head's rows). AdamW's update, decay included, is proportional to the LR, so scaling
-    each head's rows of the update made at ``eta`` by the factor is exactly a step at the rule's LR."""
-
-    def __init__(self, model, tau: float = 1.0):
-        self.tau = tau
-        self.attns = attention_modules(model)
-        self.init = [(self._head_norms(a.q_proj.weight, a), self._head_norms(a.k_proj.weight, a)) for a in self.attns]
-        self._before = None
-
-    @staticmethod
-    def _head_norms(w: torch.Tensor, attn) -> torch.Tensor:
-        return w.detach().view(-1, attn.head_dim, w.shape[-1]).pow(2).sum((1, 2)).sqrt()
-
-    def before_step(self):
-        self._before = [(a.q_proj.weight.detach().clone(), a.k_proj.weight.detach().clone()) for a in self.attns]
-
-    @torch.no_grad()
-    def after_step(self):
-        for a, (q0, k0), (nq0, nk0) in zip(self.attns, self._before, self.init):
-            nq, nk = self._head_norms(q0, a), self._head_norms(k0, a)  # norms at the start of this step
-            fq = self.tau * nk0 / nk  # lr(W_Q) uses ||W_K||
-            fk = self.tau * nq0 / nq
-            for w, w0, f in ((a.q_proj.weight, q0, fq), (a.k_proj.weight, k0, fk)):
-                d = a.head_dim
-                delta = (w - w0).view(-1, d, w.shape[-1]) * f.view(-1, 1, 1)
-                w.copy_(w0 + delta.view_as(w))
-        self._before = None
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,10 +249,11 @@ def train_run(cfg: RunConfig, model=None, log=None) -> dict:
     model = build_model(cfg, vocab) if model is None else model
     model.train()
     opt = make_optimizer(model, cfg)
-    rule = QKLearningRateRule(model, cfg.qk_lr_tau) if SCHEMES[cfg.scheme][2] else None
+    rule = hf_qknorm.QKLearningRate(model, tau=cfg.qk_lr_tau) if SCHEMES[cfg.scheme][2] else None
     gen = torch.Generator().manual_seed(1000 + cfg.seed)
     eval_set = val_blocks[: cfg.eval_blocks]
     rec = {"config": asdict(cfg), "train": [], "val": [], "probe": []}
+    mon = Monitor(model)
     rec["val"].append([0, evaluate(model, eval_set)])
     t0, nonfinite = time.time(), False
     for step in range(cfg.steps):
@@ -319,7 +262,7 @@ def train_run(cfg: RunConfig, model=None, log=None) -> dict:
         ids = random_batch(train_ids, cfg.batch_size, cfg.context, gen)
         measure = step % cfg.probe_every == 0 or step == cfg.steps - 1
         if measure:
-            with Monitor(model) as mon:
+            with mon.at(step):
                 logits = model(input_ids=ids).logits
             rec["probe"].append({"step": step, **mon.snapshot()})
         else:
@@ -333,10 +276,9 @@ def train_run(cfg: RunConfig, model=None, log=None) -> dict:
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if rule is not None:
-            rule.before_step()
-        opt.step()
-        if rule is not None:
-            rule.after_step()
+            rule.step(opt)  # Anson & Aitchison's per-head W_Q / W_K learning rates around AdamW's step
+        else:
+            opt.step()
         if step % 10 == 0:
             rec["train"].append([step, float(ce.detach()), _finite(float(gnorm))])
         if (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
@@ -346,6 +288,7 @@ def train_run(cfg: RunConfig, model=None, log=None) -> dict:
                 log(f"{cfg.tag()} step {step + 1} val {v:.4f} ({time.time() - t0:.0f}s)")
     final = float("nan") if nonfinite else evaluate(model, val_blocks[: cfg.final_eval_blocks])
     rec["val"].append([cfg.steps, _finite(final)])
+    rec["alerts"] = [{k: a[k] for k in ("step", "layer", "kind", "max_logit")} for a in mon.qk.alerts]
     rec.update(final_val=_finite(final), init_val=rec["val"][0][1], nonfinite=nonfinite,
                wall_s=round(time.time() - t0, 1), versions={"torch": torch.__version__, "hf_qknorm":
                                                             getattr(hf_qknorm, "__version__", "?")})
