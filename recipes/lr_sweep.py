@@ -353,11 +353,12 @@ def plot_logits_vs_step(runs: list[dict], lr: float, path: Path, key: str = "max
         if rec is None:
             continue
         steps = [p["step"] for p in rec["probe"]]
-        vals = [max((v for v in p[key] if v is not None), default=float("nan")) for p in rec["probe"]]
+        pick = min if key == "entropy" else max  # collapse shows in the lowest-entropy layer
+        vals = [pick((v for v in p.get(key, []) if v is not None), default=float("nan")) for p in rec["probe"]]
         ax.plot(steps, vals, label=scheme)
-    ax.set_yscale("log")
+    ax.set_yscale("linear" if key == "entropy" else "log")
     ax.set_xlabel("step")
-    label = {"max_logit": "largest attention logit (max over layers)", "rms_qkv": "QKV output RMS (max over layers)",
+    label = {"entropy": "attention entropy, nats (min over layers)","max_logit": "largest attention logit (max over layers)", "rms_qkv": "QKV output RMS (max over layers)",
              "rms_proj": "attention out-proj output RMS (max over layers)",
              "rms_fc2": "second MLP layer output RMS (max over layers)"}[key]
     ax.set_ylabel(label)
@@ -390,7 +391,7 @@ def cmd_report(args) -> None:
     plot_loss_vs_lr(summary, out / "loss_vs_lr.png", bigram)
     for lr in (1e-1, 3e-2):
         plot_logits_vs_step(runs, lr, out / f"max_logit_vs_step_lr{lr:g}.png")
-    for key in ("rms_qkv", "rms_proj", "rms_fc2"):
+    for key in ("rms_qkv", "rms_proj", "rms_fc2", "entropy"):
         plot_logits_vs_step(runs, 1e-1, out / f"{key}_vs_step_lr0.1.png", key)
     print((out / "table.md").read_text())
 
