@@ -3,7 +3,7 @@
 The same small Llama as ``lr_sweep.py`` patched with ``patch_model(model, "qk_norm", norm="lp", p=p)`` -- q/||q||_p,
 k/||k||_p with a learnable logit scale -- for p in {2, 2.5, 3, 3.5, 4}, several seeds, at one LR::
 
-    python recipes/lp_sweep.py run --workers 2 --steps 1000 --lr 3e-3
+    python recipes/lp_sweep.py run --workers 2        # 500 steps at LR 3e-3, as the LR sweep
     python recipes/lp_sweep.py report
 
 The paper trains a 6-layer, 6-head nanoGPT and reports validation losses from 1.405 (p=2) to 1.357 (p=4); our
@@ -36,8 +36,8 @@ def parse_args(argv=None):
     r.add_argument("--ps", nargs="+", type=float, default=list(PS))
     r.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     r.add_argument("--lr", type=float, default=3e-3)
-    r.add_argument("--steps", type=int, default=1000)
-    r.add_argument("--warmup", type=int, default=100)
+    r.add_argument("--steps", type=int, default=RunConfig.steps)
+    r.add_argument("--warmup", type=int, default=RunConfig.warmup)
     r.add_argument("--text", default="tinyshakespeare", help="UTF-8 text file, or a bundled text name")
     r.add_argument("--out", default=str(OUT / "lp_runs"))
     rep = sub.add_parser("report")
