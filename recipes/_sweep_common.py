@@ -133,10 +133,6 @@ def apply_scheme(model, scheme: str, p: float | None = None):
     return model
 
 
-def attention_modules(model):
-    return [layer.self_attn for layer in model.model.layers]
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------------------------------
