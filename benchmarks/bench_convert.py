@@ -40,7 +40,7 @@ def parse_args(argv=None):
 
 def run_case(args, scheme: str, norm: str | None, steps: int) -> dict:
     import hf_qknorm
-    from hf_qknorm.calibrate import CalibrationSettings
+    from hf_qknorm.conversion.calibrate import CalibrationSettings
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()

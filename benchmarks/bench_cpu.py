@@ -71,7 +71,7 @@ def _attention_step(provider: str, seq: int):
     import torch
     import torch.nn.functional as F
 
-    from hf_qknorm.cpu_attention import chunked_attention
+    from hf_qknorm.attention.chunked import chunked_attention
 
     torch.manual_seed(0)
     b, h, d = 4, 8, 64

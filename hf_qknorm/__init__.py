@@ -4,16 +4,16 @@ Importing the package registers the ``"qknorm"`` attention implementation (atten
 ``qknorm_<base>`` model types with Transformers' Auto classes.
 """
 
-from .attention import ATTN_IMPLEMENTATION, qknorm_attention_forward
-from .attention import register as _register_attention
-from .convert import convert
-from .families import FAMILIES, Family, get_family
-from .modeling import register_auto_classes as _register_auto_classes
-from .monitor import QKMonitor, QKMonitorCallback, attention_stats
-from .patch import is_patched, patch_model, qknorm_config
-from .peft_utils import lora_config, prepare_lora
-from .qk_lr import QKLearningRate, QKLearningRateCallback, qk_param_groups
-from .schemes import DEFAULT_SOFTCAP, NORMS, SCHEMES, QKNormConfig
+from .attention.interface import ATTN_IMPLEMENTATION, qknorm_attention_forward
+from .attention.interface import register as _register_attention
+from .conversion.converter import convert
+from .modeling.families import FAMILIES, Family, get_family
+from .modeling.classes import register_auto_classes as _register_auto_classes
+from .training.monitor import QKMonitor, QKMonitorCallback, attention_stats
+from .modeling.patch import is_patched, patch_model, qknorm_config
+from .training.lora import lora_config, prepare_lora
+from .training.qk_lr import QKLearningRate, QKLearningRateCallback, qk_param_groups
+from .modeling.schemes import DEFAULT_SOFTCAP, NORMS, SCHEMES, QKNormConfig
 
 __version__ = "0.1.0"
 

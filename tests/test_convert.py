@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_qknorm
 from hf_qknorm import convert
-from hf_qknorm.calibrate import CalibrationSettings
-from hf_qknorm.convert import _blocks
+from hf_qknorm.conversion.calibrate import CalibrationSettings
+from hf_qknorm.conversion.converter import _blocks
 from hf_qknorm.data import bundled_model_dir, split_text
 from test_convert_support import (SHORT_TEXT, SMALL, bundled_copy, leftovers, one_thread, quiet,  # noqa: F401
                                   save_source, tree_hash)
@@ -177,7 +177,7 @@ def test_existing_destination_refused_then_overwritten(tmp_path):
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
-    import hf_qknorm.export as export
+    import hf_qknorm.conversion.export as export
 
     save_source(tmp_path / "src")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_qknorm.calibrate import CalibrationSettings
+from hf_qknorm.conversion.calibrate import CalibrationSettings
 from hf_qknorm.data import bundled_model_dir, bundled_text
-from hf_qknorm.shards import check_safetensors
+from hf_qknorm.conversion.shards import check_safetensors
 from tiny_models import tiny_model
 
 # Calibration small enough for tests (a few seconds on a CPU): 8 blocks of 64 tokens, 10 distillation steps.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_qknorm.attention import qknorm_attention_forward
-from hf_qknorm.cpu_attention import chunked_attention
+from hf_qknorm.attention.interface import qknorm_attention_forward
+from hf_qknorm.attention.chunked import chunked_attention
 from hf_qknorm.reference import allowed_reference, attention_reference
 
 
@@ -26,7 +26,7 @@ def _qkv(b, h, hkv, tq, tk, d, scale=1.0, seed=0):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
 def test_chunked_matches_reference(tq, tk, causal, window, monkeypatch):
-    import hf_qknorm.cpu_attention as ca
+    import hf_qknorm.attention.chunked as ca
 
     monkeypatch.setattr(ca, "TILE_ELEMENTS", 2 * 4 * 16 * tk)  # force several chunks
     q, k, v = _qkv(2, 4, 2, tq, tk, 16, scale=3.0)

@@ -72,7 +72,7 @@ def test_cap_is_never_dropped():
 
 
 def test_qknorm_attention_rejects_bias_masks():
-    from hf_qknorm.attention import qknorm_attention_forward
+    from hf_qknorm.attention.interface import qknorm_attention_forward
 
     q = torch.randn(1, 2, 4, 8)
     bias = torch.randn(1, 1, 4, 4)  # a position bias, not a mask: would be dropped

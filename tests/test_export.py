@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm.export import add_remote_code, qwen3_blocker, resolve_export
-from hf_qknorm.families import get_family
-from hf_qknorm.remote import modeling_qknorm as remote
-from hf_qknorm.schemes import QKNormConfig
+from hf_qknorm.conversion.export import add_remote_code, qwen3_blocker, resolve_export
+from hf_qknorm.modeling.families import get_family
+from hf_qknorm.conversion.remote import modeling_qknorm as remote
+from hf_qknorm.modeling.schemes import QKNormConfig
 from test_convert_support import leftovers, one_thread, quiet, save_source  # noqa: F401
 from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
 

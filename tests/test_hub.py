@@ -10,9 +10,9 @@ import pytest
 from huggingface_hub import ModelCard
 
 import hf_qknorm
-from hf_qknorm.cli import main as cli_main
-from hf_qknorm.hub import build_model_card, push, template_path, upload_files
-from hf_qknorm.schemes import QKNormConfig
+from hf_qknorm.cli.main import main as cli_main
+from hf_qknorm.conversion.hub import build_model_card, push, template_path, upload_files
+from hf_qknorm.modeling.schemes import QKNormConfig
 from test_convert_support import leftovers, one_thread, quiet, save_source  # noqa: F401
 
 LICENSED_README = "---\nlicense: apache-2.0\nlanguage: en\n---\n# a source model\n"
@@ -51,7 +51,7 @@ def test_card_metadata_and_content(converted):
 
 
 def test_card_with_report_and_hub_base_model(tmp_path):
-    from hf_qknorm.calibrate import CalibrationReport, LayerStats
+    from hf_qknorm.conversion.calibrate import CalibrationReport, LayerStats
 
     report = CalibrationReport(scheme={}, ppl_original=10.0, ppl_identity=30.0, ppl_least_squares=12.0,
                                ppl_calibrated=10.5, calibration_tokens=1000, eval_tokens=500, steps=50,
@@ -66,9 +66,8 @@ def test_card_with_report_and_hub_base_model(tmp_path):
     assert 'from_pretrained("me/llama-qk")  # a plain Qwen3ForCausalLM' in card.text
 
 
-def test_template_is_shipped_and_mirrored_at_the_repo_root():
-    root = Path(__file__).resolve().parents[1] / "model_cards" / template_path().name
-    assert template_path().is_file() and root.resolve() == template_path().resolve()
+def test_template_is_shipped_with_the_package():
+    assert template_path().is_file() and template_path().parent.name == "templates"
 
 
 def test_push_uploads_the_folder(converted, monkeypatch):
@@ -150,7 +149,7 @@ def test_cli_convert_errors_and_success(tmp_path, capsys, monkeypatch):
 
 
 def test_soft_cap_card_says_there_is_nothing_to_initialise():
-    from hf_qknorm.calibrate import CalibrationReport, LayerStats
+    from hf_qknorm.conversion.calibrate import CalibrationReport, LayerStats
 
     report = CalibrationReport(scheme={"scheme": "soft_cap"}, ppl_original=10.0, ppl_identity=10.2,
                                ppl_least_squares=10.2, ppl_calibrated=10.2, calibration_tokens=100, eval_tokens=50,

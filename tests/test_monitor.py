@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm.monitor import QKMonitor, attention_stats
+from hf_qknorm.training.monitor import QKMonitor, attention_stats
 from tiny_models import VOCAB, tiny_model
 
 
@@ -109,7 +109,7 @@ def test_warnings_near_the_cap_and_toward_divergence(caplog):
     capped = tiny_model("llama")
     hf_qknorm.patch_model(capped, "soft_cap", softcap=0.05)
     monitor = QKMonitor(capped)
-    with caplog.at_level(logging.WARNING, logger="hf_qknorm.monitor"):
+    with caplog.at_level(logging.WARNING, logger="hf_qknorm.training.monitor"):
         for step in range(2):
             with monitor.record(step):
                 capped(_ids())

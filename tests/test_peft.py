@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm.peft_utils import lora_target_modules, trainable_norm_modules
+from hf_qknorm.training.lora import lora_target_modules, trainable_norm_modules
 from tiny_models import VOCAB, tiny_model
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm.qk_lr import QKLearningRate
+from hf_qknorm.training.qk_lr import QKLearningRate
 from tiny_models import VOCAB, tiny_model
 
 

@@ -56,7 +56,7 @@ def test_fast_path_trains_like_reference(monkeypatch):
     final parameters (Liger-Kernel's convergence-test idea)."""
     from transformers import AttentionInterface
 
-    import hf_qknorm.patch as patch_mod
+    import hf_qknorm.modeling.patch as patch_mod
 
     AttentionInterface.register("qknorm_test_reference", _reference_attention)
     monkeypatch.setattr(patch_mod, "CAP_BACKENDS", patch_mod.CAP_BACKENDS + ("qknorm_test_reference",))

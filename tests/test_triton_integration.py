@@ -13,7 +13,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm import kernels
-from hf_qknorm.attention import triton_on_cpu
+from hf_qknorm.attention.interface import triton_on_cpu
 from tiny_models import VOCAB, tiny_model
 
 pytestmark = pytest.mark.skipif(

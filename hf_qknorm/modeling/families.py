@@ -77,5 +77,5 @@ def get_family(model_type: str) -> Family:
     except KeyError:
         raise ValueError(
             f"unsupported model family {model_type!r}; hf_qknorm supports: {', '.join(sorted(FAMILIES))}. "
-            "Adding a family is one row in hf_qknorm/families.py."
+            "Adding a family is one row in hf_qknorm/modeling/families.py."
         ) from None

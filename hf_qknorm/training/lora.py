@@ -18,7 +18,7 @@ import re
 
 from torch import nn
 
-from .training import attention_sites
+from .sites import attention_sites
 
 NORM_NAMES = ("q_norm", "k_norm", "v_norm")
 

@@ -7,7 +7,7 @@ Two formats:
   with identical logits. :func:`qwen3_blocker` says why a model cannot be written this way (an ``mlp_bias``, a
   norm epsilon that differs from the model's, another scheme...).
 - ``qknorm``: everything else is written as ``model_type: qknorm_<base>`` with ``auto_map`` pointing at the
-  self-contained modelling code in ``hf_qknorm/remote`` (copied into the folder), so that
+  self-contained modelling code in ``hf_qknorm/conversion/remote`` (copied into the folder), so that
   ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works without the plugin, and
   ``from_pretrained(folder)`` works after ``import hf_qknorm``.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .families import Family
-from .schemes import QKNormConfig
+from ..modeling.families import Family
+from ..modeling.schemes import QKNormConfig
 
 EXPORTS = ("auto", "qwen3", "qknorm")
 REMOTE_DIR = Path(__file__).resolve().parent / "remote"

@@ -30,8 +30,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .cpu_attention import chunk_allowed
-from .training import attention_sites
+from ..attention.chunked import chunk_allowed
+from .sites import attention_sites
 
 try:  # a plain-loop user needs no transformers Trainer machinery
     from transformers import TrainerCallback

@@ -1,6 +1,6 @@
 """``patch_model``: add QK-norm / softmax capping / QKV-norm to a loaded Transformers model, in place.
 
-Instance-level and table-driven: every supported family is a row of :mod:`hf_qknorm.families`; this module walks the
+Instance-level and table-driven: every supported family is a row of :mod:`hf_qknorm.modeling.families`; this module walks the
 model's decoder blocks, adds ``q_norm``/``k_norm``/(``v_norm``) to each attention module, binds a patched
 ``forward`` to that module instance only, and records the scheme on ``model.config.qknorm``. A patched and an
 unpatched model can live in the same process.
@@ -15,7 +15,7 @@ import types
 import torch
 from torch import nn
 
-from .attention import ATTN_IMPLEMENTATION, CAP_BACKENDS, REPLACEABLE_BACKENDS, fused_norm_rope
+from ..attention.interface import ATTN_IMPLEMENTATION, CAP_BACKENDS, REPLACEABLE_BACKENDS, fused_norm_rope
 from .families import Family, get_family
 from .norms import henry_logit_scale, make_norm
 from .schemes import QKNormConfig
@@ -275,7 +275,7 @@ def _gpt2_forward(self, hidden_states, past_key_values=None, attention_mask=None
 # bookkeeping: the config and class that save/load as ``qknorm_<base>``
 # --------------------------------------------------------------------------------------------------------------------
 def _mark_patched(model: nn.Module, cfg: QKNormConfig, family: Family) -> None:
-    from .modeling import patched_classes
+    from .classes import patched_classes
 
     config_cls, model_cls = patched_classes(family.model_type, type(model))
     model.config.__class__ = config_cls

@@ -1,8 +1,8 @@
 """Checkpoint conversion: ``hf_qknorm.convert`` and ``hf-qknorm convert``.
 
 Takes a pretrained checkpoint, adds the scheme's norm weights initialised by calibration
-(:mod:`hf_qknorm.calibrate`), and writes a folder that loads anywhere (:mod:`hf_qknorm.export`) with a model card
-(:mod:`hf_qknorm.hub`). Safe by construction:
+(:mod:`hf_qknorm.conversion.calibrate`), and writes a folder that loads anywhere (:mod:`hf_qknorm.conversion.export`) with a model card
+(:mod:`hf_qknorm.conversion.hub`). Safe by construction:
 
 - the source is only read, never written;
 - every safetensors header is checked before any work starts, so a corrupt or truncated file is a clear error;
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from .calibrate import CalibrationReport, CalibrationSettings, calibrate as run_calibration, new_norm_parameters
-from .families import Family, get_family
-from .schemes import QKNormConfig
+from ..modeling.families import Family, get_family
+from ..modeling.schemes import QKNormConfig
 from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
 
 __all__ = ["ConversionResult", "convert", "default_destination"]
@@ -68,7 +68,7 @@ class Source:
 def resolve_source(src) -> tuple[Path, str]:
     """A local folder, or a Hub id downloaded with ``huggingface_hub`` where the Hub is reachable."""
     if src is None:
-        from .data import bundled_model_dir
+        from ..data import bundled_model_dir
 
         path = bundled_model_dir()
         return path, "hf_qknorm/tiny-llama (bundled)"
@@ -124,7 +124,7 @@ _TEXT_SUFFIXES = (".txt", ".md", ".raw", ".text")
 
 def load_text(value, what: str) -> str | None:
     """``value`` is a path, a bundled text name (``"tinyshakespeare"``, ``"wikitext2"``) or the text itself."""
-    from .data import BUNDLED_TEXTS, read_text
+    from ..data import BUNDLED_TEXTS, read_text
 
     if value is None:
         return None
@@ -144,7 +144,7 @@ def _blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str) ->
     """Up to ``max_blocks`` blocks of ``block_len`` tokens spread evenly over ``text``, each led by BOS when the
     tokenizer has one (the layout of :func:`hf_qknorm.data.tokenize_blocks`, which held-out perplexities in
     ``TRAINING.md`` use)."""
-    from .data import tokenize_stream
+    from ..data import tokenize_stream
 
     bos = getattr(tokenizer, "bos_token_id", None)
     n_text = block_len - int(bos is not None)
@@ -242,7 +242,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
         export: ``"auto"`` (plain ``qwen3`` when the result is a Qwen3 model, else ``qknorm_<base>`` with remote
             code), ``"qwen3"`` (an error when impossible) or ``"qknorm"``.
         push_to_hub: a repo id to upload the folder to once written (``private``, ``revision``,
-            ``commit_message``, ``token`` as for :func:`hf_qknorm.hub.push`).
+            ``commit_message``, ``token`` as for :func:`hf_qknorm.conversion.hub.push`).
     """
     from .export import resolve_export
 
@@ -288,7 +288,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
 
 
 def _texts(calibration_text, eval_text) -> tuple[str, str]:
-    from .data import split_text
+    from ..data import split_text
 
     calib = load_text(calibration_text if calibration_text is not None else "tinyshakespeare", "calibration text")
     if not calib.strip():
@@ -325,8 +325,8 @@ def _identity(source: Source, cfg):
     """The patched config and identity-initialised norm values, from a model built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from .norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm, henry_logit_scale
-    from .patch import patch_model
+    from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm, henry_logit_scale
+    from ..modeling.patch import patch_model
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(source.config)
@@ -368,7 +368,7 @@ def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_valu
 def _versions() -> dict:
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     return {"hf_qknorm": __version__, "transformers": transformers.__version__, "torch": torch.__version__,
             "python": sys.version.split()[0]}

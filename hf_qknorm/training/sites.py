@@ -1,8 +1,8 @@
 """Training integration: the attention-logit monitor, Q/K learning-rate control and LoRA helpers, in one place.
 
-The pieces live in their own modules -- :mod:`hf_qknorm.monitor` (``QKMonitor``, ``QKMonitorCallback``),
-:mod:`hf_qknorm.qk_lr` (``QKLearningRate``, ``QKLearningRateCallback``, ``qk_param_groups``) and
-:mod:`hf_qknorm.peft_utils` (``lora_config``, ``prepare_lora``) -- and share the helpers below, which find the
+The pieces live in their own modules -- :mod:`hf_qknorm.training.monitor` (``QKMonitor``, ``QKMonitorCallback``),
+:mod:`hf_qknorm.training.qk_lr` (``QKLearningRate``, ``QKLearningRateCallback``, ``qk_param_groups``) and
+:mod:`hf_qknorm.training.lora` (``lora_config``, ``prepare_lora``) -- and share the helpers below, which find the
 attention modules of any supported model (patched or not, wrapped by ``peft``, DDP or ``torch.compile``) through the
 family table, never by model class.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .families import Family, get_family
-from .modeling import PREFIX
+from ..modeling.families import Family, get_family
+from ..modeling.classes import PREFIX
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -51,8 +51,8 @@ class AttentionSite:
 
 
 def attention_sites(model: nn.Module) -> list[AttentionSite]:
-    """Every attention module of ``model``, in layer order, found through :mod:`hf_qknorm.families`."""
-    from .patch import _find_layers
+    """Every attention module of ``model``, in layer order, found through :mod:`hf_qknorm.modeling.families`."""
+    from ..modeling.patch import _find_layers
 
     inner = unwrap_model(model)
     family = family_of(inner)

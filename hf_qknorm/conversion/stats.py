@@ -1,7 +1,7 @@
 """What calibration measures: activation statistics of the original model and the report of a calibration.
 
 :class:`ActivationRecorder` puts forward pre-hooks on every attention module of an (unpatched) model and accumulates,
-per layer, the least-squares sums that :func:`hf_qknorm.calibrate.closed_form_init` needs (per channel, pooled over
+per layer, the least-squares sums that :func:`hf_qknorm.conversion.calibrate.closed_form_init` needs (per channel, pooled over
 heads and tokens), the per-head RMS of q, k and v before RoPE, and the largest logit. :class:`CalibrationReport`
 holds the perplexities and per-layer statistics and formats them for the command line and the model card.
 """
@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .families import Family
-from .norms import HeadLpNorm, make_norm
-from .patch import _find_layers
-from .schemes import QKNormConfig
+from ..modeling.families import Family
+from ..modeling.norms import HeadLpNorm, make_norm
+from ..modeling.patch import _find_layers
+from ..modeling.schemes import QKNormConfig
 
 CAP_WARN_FRACTION = 0.5
 

@@ -34,11 +34,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .calib_stats import ActivationRecorder, CalibrationReport, LayerStats, converted_max_logits
-from .families import Family
-from .norms import NORM_CLASSES, HeadLayerNorm, HeadLpNorm, HeadRMSNorm
-from .patch import _find_layers, patch_model
-from .schemes import QKNormConfig
+from .stats import ActivationRecorder, CalibrationReport, LayerStats, converted_max_logits
+from ..modeling.families import Family
+from ..modeling.norms import NORM_CLASSES, HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+from ..modeling.patch import _find_layers, patch_model
+from ..modeling.schemes import QKNormConfig
 
 __all__ = ["CalibrationReport", "CalibrationSettings", "LayerStats", "calibrate", "closed_form_init", "distill",
            "new_norm_parameters"]
@@ -196,7 +196,7 @@ def teacher_log_probs(model: nn.Module, blocks: torch.Tensor, batch_size: int, p
 @torch.no_grad()
 def perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> float:
     """Token perplexity on ``blocks`` (every position but the first of each block is a target)."""
-    from .data import perplexity as _ppl
+    from ..data import perplexity as _ppl
 
     return _ppl(model, blocks, batch_size=batch_size)
 

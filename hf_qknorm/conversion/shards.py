@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .families import Family
-from .schemes import QKNormConfig
+from ..modeling.families import Family
+from ..modeling.schemes import QKNormConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

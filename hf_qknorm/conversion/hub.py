@@ -1,6 +1,6 @@
 """Model cards and Hub uploads for converted folders.
 
-:func:`write_model_card` fills ``model_cards/qknorm_model_card.md`` (shipped as package data) through
+:func:`write_model_card` fills ``conversion/templates/qknorm_model_card.md`` (shipped as package data) through
 ``huggingface_hub``'s ``ModelCard``/``ModelCardData``: metadata (base_model, the licence inherited from the source's
 card, library_name, tags), the scheme, how to load the folder, and the calibration report. :func:`push` creates the
 repo and uploads the folder with ``huggingface_hub.HfApi`` (token from the argument, ``HF_TOKEN`` or the cached
@@ -28,7 +28,7 @@ _SCHEMES = {
 
 
 def template_path() -> Path:
-    return Path(str(resources.files("hf_qknorm").joinpath("model_cards", TEMPLATE)))
+    return Path(str(resources.files("hf_qknorm.conversion").joinpath("templates", TEMPLATE)))
 
 
 def source_licence(source_dir: Path | None) -> dict:
@@ -70,7 +70,7 @@ def build_model_card(*, base_model: str | None, cfg, export: str, report=None, d
     """The filled :class:`huggingface_hub.ModelCard` of a converted folder."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from .convert import _versions
+    from .converter import _versions
 
     scheme = cfg.to_dict()
     hub_base = base_model if base_model and "/" in base_model and " " not in base_model \

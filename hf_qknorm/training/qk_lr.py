@@ -31,7 +31,7 @@ import logging
 import torch
 from torch import nn
 
-from .training import attention_sites, num_heads, unwrap_model
+from .sites import attention_sites, num_heads, unwrap_model
 
 try:
     from transformers import TrainerCallback

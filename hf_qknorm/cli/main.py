@@ -109,7 +109,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def _extra_commands():
     import importlib
 
-    for module in ("hf_qknorm.convert_cli",):  # feature modules that add subcommands
+    for module in ("hf_qknorm.cli.convert",):  # feature modules that add subcommands
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -7,7 +7,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from .cli import EXTRA_COMMANDS
+from .main import EXTRA_COMMANDS
 
 _CONVERT_EPILOG = """\
 examples:
@@ -99,8 +99,8 @@ def _add_hub_options(p, convert: bool):
 
 
 def _cmd_convert(args) -> int:
-    from .calibrate import CalibrationSettings
-    from .convert import convert
+    from ..conversion.calibrate import CalibrationSettings
+    from ..conversion.converter import convert
 
     if args.output is not None and args.dst is not None:
         raise ValueError("give the output folder once: as DST or as --output, not both")
@@ -136,7 +136,7 @@ def _add_push(sub):
 
 
 def _cmd_push(args) -> int:
-    from .hub import card_metadata, check_folder, push, upload_files
+    from ..conversion.hub import card_metadata, check_folder, push, upload_files
 
     if args.dry_run:
         check_folder(args.dir)

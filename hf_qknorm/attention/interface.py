@@ -5,7 +5,7 @@ Usable by any model: ``AutoModelForCausalLM.from_pretrained(..., attn_implementa
 ``dropout``, ``softcap``, ``sliding_window``, ``is_causal`` and packed-sequence (``cu_seq_lens_*``) arguments.
 
 Dispatch: CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``); everything else takes the PyTorch
-path -- ``sdpa`` when there is no cap, and :func:`~hf_qknorm.cpu_attention.chunked_attention` (memory linear in
+path -- ``sdpa`` when there is no cap, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in
 sequence length) when there is one.
 """
 
@@ -17,7 +17,7 @@ import logging
 import torch
 from torch.nn import functional as F
 
-from .cpu_attention import chunk_allowed, chunked_attention
+from .chunked import chunk_allowed, chunked_attention
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _kernels_or_reason(x: torch.Tensor):
     """The kernels package when it can run on ``x``, else ``(None, why not)``."""
     if not (x.is_cuda or _TRITON_ON_CPU):
         return None, "tensors are not on a CUDA device"
-    from . import kernels
+    from .. import kernels
 
     reason = kernels.unavailable_reason()
     if reason is not None:
@@ -92,7 +92,7 @@ def _kernels_or_reason(x: torch.Tensor):
 def fused_norm_rope(norm: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Per-head norm + RoPE of ``x`` ``(batch, seq, heads, head_dim)`` in one Triton kernel, or ``None`` when the
     kernels cannot run here (then the caller takes the unfused PyTorch path)."""
-    from .norms import NORM_CLASSES
+    from ..modeling.norms import NORM_CLASSES
 
     if not isinstance(norm, NORM_CLASSES) or cos.dim() != 3 or cos.shape[-1] != x.shape[-1]:
         return None
