@@ -1,45 +1,78 @@
 """hf_qknorm: QK-norm, softmax capping and QKV-norm for Hugging Face Transformers.
 
-Importing the package registers the ``"qknorm"`` attention implementation (attention and mask functions) and the
-``qknorm_<base>`` model types with Transformers' Auto classes.
+Importing the package checks the Transformers version, registers the ``"qknorm"`` attention implementation
+(attention and mask functions) and the ``qknorm_<base>`` model types with the Auto classes. Everything else is
+imported on first use (module-level ``__getattr__``), so ``import hf_qknorm`` stays cheap.
+
+Layout: :mod:`hf_qknorm.modeling` (schemes, norms, families, patching, the ``qknorm_<base>`` classes),
+:mod:`hf_qknorm.attention` (the backend) and :mod:`hf_qknorm.kernels` (Triton) are the runtime;
+:mod:`hf_qknorm.conversion` (checkpoint conversion) and :mod:`hf_qknorm.training` (monitor, Q/K learning rates,
+QK-Clip, LoRA) build on it; :mod:`hf_qknorm.cli` on everything.
 """
 
-from .attention.interface import ATTN_IMPLEMENTATION, qknorm_attention_forward
-from .attention.interface import register as _register_attention
-from .conversion.converter import convert
-from .modeling.families import FAMILIES, Family, get_family
-from .modeling.classes import register_auto_classes as _register_auto_classes
-from .training.monitor import QKMonitor, QKMonitorCallback, attention_stats
-from .modeling.patch import is_patched, patch_model, qknorm_config
-from .training.lora import lora_config, prepare_lora
-from .training.qk_lr import QKLearningRate, QKLearningRateCallback, qk_param_groups
-from .modeling.schemes import DEFAULT_SOFTCAP, NORMS, SCHEMES, QKNormConfig
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "DEFAULT_SOFTCAP",
-    "FAMILIES",
-    "Family",
-    "NORMS",
-    "QKLearningRate",
-    "QKLearningRateCallback",
-    "QKMonitor",
-    "QKMonitorCallback",
-    "QKNormConfig",
-    "SCHEMES",
-    "attention_stats",
-    "convert",
-    "get_family",
-    "is_patched",
-    "lora_config",
-    "patch_model",
-    "prepare_lora",
-    "qk_param_groups",
-    "qknorm_attention_forward",
-    "qknorm_config",
-]
+from .upstream import check_transformers_version
 
-_register_attention()
-_register_auto_classes()
+__version__ = "0.2.0"
+
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    "ATTN_IMPLEMENTATION": "attention.interface",
+    "qknorm_attention_forward": "attention.interface",
+    "DEFAULT_SOFTCAP": "modeling.schemes",
+    "NORMS": "modeling.schemes",
+    "SCHEMES": "modeling.schemes",
+    "QKNormConfig": "modeling.schemes",
+    "Scheme": "modeling.schemes",
+    "Norm": "modeling.schemes",
+    "FAMILIES": "modeling.families",
+    "Family": "modeling.families",
+    "get_family": "modeling.families",
+    "patch_model": "modeling.patch",
+    "is_patched": "modeling.patch",
+    "qknorm_config": "modeling.patch",
+    "unwrap": "modeling.layout",
+    "add_remote_code": "modeling.remote",
+    "convert": "conversion.converter",
+    "ConversionResult": "conversion.converter",
+    "CalibrationSettings": "conversion.calibrate",
+    "CalibrationReport": "conversion.stats",
+    "QKMonitor": "training.monitor",
+    "QKMonitorCallback": "training.monitor",
+    "attention_stats": "training.monitor",
+    "QKLearningRate": "training.qk_lr",
+    "QKLearningRateCallback": "training.qk_lr",
+    "qk_param_groups": "training.qk_lr",
+    "lora_config": "training.lora",
+    "prepare_lora": "training.lora",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _register() -> None:
+    from .attention.interface import register
+    from .modeling.classes import register_auto_classes
+
+    register()
+    register_auto_classes()
+
+
+check_transformers_version()
+_register()

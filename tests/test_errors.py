@@ -53,7 +53,7 @@ def test_unsupported_models():
                                 intermediate_size=64))
     with pytest.raises(ValueError, match=r"unsupported model family 'bert'.*gpt2, llama, mistral, qwen2, qwen3"):
         hf_qknorm.patch_model(bert)
-    with pytest.raises(TypeError, match="expects a Transformers model"):
+    with pytest.raises(TypeError, match="expected a Transformers model"):
         hf_qknorm.patch_model(torch.nn.Linear(2, 2))
 
 

@@ -1,13 +1,17 @@
-"""Exports that load anywhere: plain ``qwen3`` folders and ``qknorm_<base>`` folders with remote code.
+"""Folders that load anywhere: plain ``qwen3`` exports, and ``qknorm_<base>`` folders with remote code.
 
-The remote modelling code (``hf_qknorm/remote``) is kept in sync with the plugin by comparing logits of the same
-weights under both, for every family and scheme; a subprocess in which ``hf_qknorm`` cannot be imported loads the
-exported folders through plain Transformers.
+Every folder a patched model saves carries the remote code (:mod:`hf_qknorm.modeling.remote`: the plugin's own
+modules). A subprocess in which ``hf_qknorm`` cannot be imported loads saved and exported folders through plain
+Transformers (``trust_remote_code=True``) and must give the plugin's logits, generations and gradients, for every
+family and scheme. ``HF_QKNORM_PYTHON`` names another interpreter for that subprocess (CI runs it at both ends of
+the supported Transformers range).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,9 +20,9 @@ import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm.conversion.export import add_remote_code, qwen3_blocker, resolve_export
+from hf_qknorm.conversion.export import qwen3_blocker, resolve_export
 from hf_qknorm.modeling.families import get_family
-from hf_qknorm.conversion.remote import modeling_qknorm as remote
+from hf_qknorm.modeling.remote import add_remote_code, remote_files
 from hf_qknorm.modeling.schemes import QKNormConfig
 from test_convert_support import leftovers, one_thread, quiet, save_source  # noqa: F401
 from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
@@ -39,52 +43,100 @@ def _patched(family, scheme, norm, dtype=torch.float32, seed=0):
     return model
 
 
-def _remote_twin(model):
-    """The same weights in the remote code's classes (built from the saved config dict, loaded strictly)."""
-    arch = model.config.architectures[0]
-    cls = getattr(remote, arch)
-    twin = cls(cls.config_class(**model.config.to_dict())).to(model.dtype).eval()
-    twin.load_state_dict(model.state_dict(), strict=True)
-    return twin
+# --------------------------------------------------------------------------------------------------------------------
+# a process where hf_qknorm cannot be imported
+# --------------------------------------------------------------------------------------------------------------------
+_LOADER = textwrap.dedent("""
+    import json, sys
+    sys.modules["hf_qknorm"] = None  # any import of the plugin now fails
+    import torch
+    from transformers import AutoModelForCausalLM
+    jobs = json.load(open(sys.argv[1]))
+    out = {}
+    for job in jobs:
+        model = AutoModelForCausalLM.from_pretrained(job["path"], trust_remote_code=job["remote"]).eval()
+        ids, mask = torch.tensor(job["ids"]), torch.tensor(job["mask"])
+        row = {"cls": type(model).__name__, "module": type(model).__module__, "dtype": str(model.dtype),
+               "backend": model.config._attn_implementation}
+        with torch.no_grad():
+            row["logits"] = model(ids, attention_mask=mask).logits
+        if job.get("generate"):
+            row["generated"] = model.generate(ids[1:], max_new_tokens=8, do_sample=False)
+        if job.get("grads"):
+            model.train()
+            model(ids[1:], labels=ids[1:]).loss.backward()
+            row["grads"] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        out[job["name"]] = row
+    assert not any(name.startswith("hf_qknorm") for name in sys.modules if sys.modules[name] is not None)
+    torch.save(out, sys.argv[2])
+""")
 
 
-@pytest.mark.parametrize("family,scheme,norm", CASES)
-def test_remote_code_matches_plugin(family, scheme, norm):
-    model = _patched(family, scheme, norm)
-    twin = _remote_twin(model)
-    assert type(twin).__module__ == remote.__name__
-    ids = torch.randint(0, VOCAB, (2, 30))  # longer than Mistral's window of 12
+def _inputs():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 30), generator=g)  # longer than Mistral's window of 12
     mask = torch.ones_like(ids)
     mask[0, :6] = 0  # left padding
-    expected, got = model(ids, attention_mask=mask).logits, twin(ids, attention_mask=mask).logits
-    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[0, 6:], expected[0, 6:], rtol=1e-5, atol=1e-5)
+    return ids, mask
 
 
-def test_remote_code_generation_and_training_match_plugin():
-    model = _patched("llama", "qk_norm_cap", "layernorm")
-    twin = _remote_twin(model)
-    ids = torch.randint(0, VOCAB, (1, 7))
-    a = model.generate(ids, max_new_tokens=8, do_sample=False)
-    b = twin.generate(ids, max_new_tokens=8, do_sample=False)
-    assert torch.equal(a, b)
-    for m in (model, twin):
-        m.train()
-        m(ids, labels=ids).loss.backward()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+def run_without_plugin(tmp_path, jobs: list[dict]) -> dict:
+    """Run the loader over ``jobs`` in a fresh interpreter that cannot import hf_qknorm."""
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    script = tmp_path / "load.py"
+    script.write_text(_LOADER)
+    python = os.environ.get("HF_QKNORM_PYTHON", sys.executable)
+    res = subprocess.run([python, str(script), str(tmp_path / "jobs.json"), str(tmp_path / "out.pt")],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return torch.load(tmp_path / "out.pt")
 
 
-def test_remote_code_imports_only_torch_and_transformers():
-    from pathlib import Path
+def test_saved_folders_load_without_the_plugin(tmp_path):
+    """model.save_pretrained of a patched model, every family and scheme: same logits without the plugin;
+    generation and gradients too for a capped Llama."""
+    ids, mask = _inputs()
+    jobs, models = [], {}
+    for family, scheme, norm in CASES:
+        name = f"{family}-{scheme}-{norm}"
+        model = _patched(family, scheme, norm).eval()
+        model.save_pretrained(tmp_path / name)
+        models[name] = model
+        extra = dict(generate=True, grads=True) if name == "llama-qk_norm_cap-layernorm" else {}
+        jobs.append({"name": name, "path": str(tmp_path / name), "remote": True, "ids": ids.tolist(),
+                     "mask": mask.tolist(), **extra})
+    got = run_without_plugin(tmp_path, jobs)
+    for name, model in models.items():
+        row = got[name]
+        assert row["module"].startswith("transformers_modules") and row["cls"] == f"QKNorm{type(model).__name__}"
+        with torch.no_grad():
+            expected = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(row["logits"][1], expected[1], rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(row["logits"][0, 6:], expected[0, 6:], rtol=1e-5, atol=1e-5, msg=name)
+        if "generated" in row:
+            assert torch.equal(row["generated"], model.generate(ids[1:], max_new_tokens=8, do_sample=False))
+            model.train()
+            model(ids[1:], labels=ids[1:]).loss.backward()
+            for n, prm in model.named_parameters():
+                torch.testing.assert_close(row["grads"][n], prm.grad, rtol=1e-4, atol=1e-5, msg=n)
 
-    import ast
 
-    for name in ("modeling_qknorm.py", "configuration_qknorm.py"):
-        tree = ast.parse((Path(remote.__file__).parent / name).read_text())
+def test_remote_code_imports_only_torch_transformers_and_itself():
+    allowed = {"__future__", "copy", "dataclasses", "logging", "math", "sys", "typing", "torch", "transformers"}
+    files = remote_files()
+    for name, text in files.items():
+        tree = ast.parse(text)
         roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
-        assert roots <= {"__future__", "math", "sys", "types", "torch", "transformers"}, (name, roots)
+        assert roots <= allowed, (name, roots - allowed)
+        relative = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0}
+        assert {f"{m}.py" for m in relative} <= set(files), (name, relative)
+
+
+def test_add_remote_code_refuses_unpatched_folders(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not saved from a model patched by hf_qknorm"):
+        add_remote_code(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -119,28 +171,6 @@ def test_add_remote_code_refuses_unpatched_folders(tmp_path):
         add_remote_code(tmp_path)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# the real thing: a process where hf_qknorm cannot be imported
-# --------------------------------------------------------------------------------------------------------------------
-_LOADER = textwrap.dedent("""
-    import json, sys
-    sys.modules["hf_qknorm"] = None  # any import of the plugin now fails
-    import torch
-    from transformers import AutoModelForCausalLM
-    jobs = json.load(open(sys.argv[1]))
-    out = {}
-    for job in jobs:
-        model = AutoModelForCausalLM.from_pretrained(job["path"], trust_remote_code=job["remote"]).eval()
-        ids = torch.tensor(job["ids"])
-        with torch.no_grad():
-            logits = model(ids).logits
-        out[job["name"]] = {"logits": logits, "cls": type(model).__name__, "module": type(model).__module__,
-                            "dtype": str(model.dtype)}
-    assert not any(name.startswith("hf_qknorm.") for name in sys.modules)
-    torch.save(out, sys.argv[2])
-""")
-
-
 def _source(tmp_path, name, family, dtype=torch.float32, **overrides):
     return save_source(tmp_path / name, family, dtype=dtype, **overrides)
 
@@ -165,14 +195,9 @@ def test_exports_load_without_the_plugin(tmp_path):
         hf_qknorm.patch_model(model, scheme, norm=norm, p=3.0 if norm == "lp" else None)
         with torch.no_grad():
             expected[name] = model(ids).logits
-        jobs.append({"name": name, "path": str(result.path), "remote": fmt == "qknorm", "ids": ids.tolist()})
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    script = tmp_path / "load.py"
-    script.write_text(_LOADER)
-    res = subprocess.run([sys.executable, str(script), str(tmp_path / "jobs.json"), str(tmp_path / "out.pt")],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
-    got = torch.load(tmp_path / "out.pt")
+        jobs.append({"name": name, "path": str(result.path), "remote": fmt == "qknorm", "ids": ids.tolist(),
+                     "mask": torch.ones_like(ids).tolist()})
+    got = run_without_plugin(tmp_path, jobs)
     for name, (family, scheme, norm, fmt, dtype, _) in cases.items():
         row = got[name]
         if fmt == "qwen3":

@@ -12,6 +12,7 @@ from huggingface_hub import ModelCard
 import hf_qknorm
 from hf_qknorm.cli.main import main as cli_main
 from hf_qknorm.conversion.hub import build_model_card, push, template_path, upload_files
+from hf_qknorm.modeling.remote import remote_files
 from hf_qknorm.modeling.schemes import QKNormConfig
 from test_convert_support import leftovers, one_thread, quiet, save_source  # noqa: F401
 
@@ -83,9 +84,10 @@ def test_push_uploads_the_folder(converted, monkeypatch):
     kwargs = api.upload_folder.call_args.kwargs
     assert kwargs["folder_path"] == str(converted.path) and kwargs["revision"] == "v1"
     assert kwargs["commit_message"] == "first" and kwargs["token"] == "hf_fake_token"
+    remote = set(remote_files())  # the remote code every patched folder carries
     assert upload_files(converted.path) == sorted(converted.files) == sorted(
-        ["LICENSE", "README.md", "config.json", "configuration_qknorm.py", "generation_config.json",
-         "model.safetensors", "modeling_qknorm.py", "qknorm_conversion.json"])
+        ["LICENSE", "README.md", "config.json", "generation_config.json", "model.safetensors",
+         "qknorm_conversion.json", *remote])
 
 
 def test_push_without_a_token_fails_before_the_network(converted, no_token):

@@ -79,9 +79,13 @@ def test_unpatched_hooks_agree_with_patched_probe(family):
     assert stats_a["qk/max_logit"] == max(stats_a[f"qk/layer{i}/max_logit"] for i in range(2))
 
 
-def test_instance_level_and_gradient_checkpointing():
+@pytest.mark.parametrize("backend,calls_per_layer", [("qknorm", 2), ("sdpa", 1)])
+def test_instance_level_and_gradient_checkpointing(backend, calls_per_layer):
+    """On "qknorm" the backend's probe fires in the forward and again in checkpointing's recomputation (only the
+    first is measured); on sdpa the projection hooks measure the first forward only."""
     a, b = tiny_model("llama"), tiny_model("llama")
     hf_qknorm.patch_model(a, "qk_norm")
+    a.set_attn_implementation(backend)
     monitor = QKMonitor(a)
     a.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     a.train()
@@ -94,7 +98,7 @@ def test_instance_level_and_gradient_checkpointing():
         b(_ids())
         ids = _ids(1)
         a(ids, labels=ids).loss.backward()  # checkpointing re-runs each layer's forward in backward
-    assert len(calls) == 4 and len(stats) == 10  # the probe fires twice per layer; only the first is measured
+    assert len(calls) == 2 * calls_per_layer and len(stats) == 10
     assert all("_qknorm_probe" not in s.module.__dict__ for s in monitor.sites)
     a.eval()
     with torch.no_grad(), monitor.record() as again:
@@ -102,7 +106,8 @@ def test_instance_level_and_gradient_checkpointing():
     for key in stats:
         assert stats[key] == pytest.approx(again[key], rel=1e-5), key
     a(ids)  # not recording: nothing measured, nothing attached
-    assert len(calls) == 6
+    assert len(calls) == 2 * calls_per_layer + 2
+    assert len(a.model.layers[0].self_attn.q_proj._forward_hooks) == 1  # the patch's norm hook only
 
 
 def test_warnings_near_the_cap_and_toward_divergence(caplog):

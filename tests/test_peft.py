@@ -40,11 +40,13 @@ def test_lora_delta_passes_through_the_norm():
     """A LoRA-adapted query is normalised: q_norm sees base(x) + scale * B A x, and every query head the backend
     receives has unit RMS (rmsnorm, weight 1; RoPE is a rotation) however large the delta."""
     model = hf_qknorm.prepare_lora(_patched("llama", norm="rmsnorm", dtype=torch.float64), r=4, lora_alpha=8)
+    model.set_attn_implementation("qknorm")  # the backend that calls the probe below
     attn = model.base_model.model.model.layers[0].self_attn
     with torch.no_grad():
         attn.q_proj.lora_B["default"].weight.normal_(0, 5.0)
     seen = {}
-    attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(x=args[0], y=out))
+    # prepend: run before the patch's norm hook, which moved onto the LoRA layer when peft replaced q_proj
+    attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(x=args[0], y=out), prepend=True)
     attn.q_norm.register_forward_hook(lambda m, args, out: seen.update(norm_in=args[0]))
     attn._qknorm_probe = lambda a, q, k, **kw: seen.update(q=q)
     model(_ids())
@@ -87,7 +89,7 @@ def test_norms_train_and_merge_gives_a_plain_patched_model(family, tmp_path):
     with torch.no_grad():
         expected = model(ids).logits
     merged = model.merge_and_unload()
-    assert type(merged).__name__.startswith("QKNorm") and hf_qknorm.is_patched(merged)
+    assert hf_qknorm.is_patched(merged) and type(merged.config).__name__.startswith("QKNorm")
     assert not any("lora_" in n or "modules_to_save" in n for n, _ in merged.named_parameters())
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)

@@ -44,12 +44,15 @@ def test_round_trip_keeps_bf16(tmp_path):
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
 
 
-def test_without_plugin_loading_fails_loudly(tmp_path):
+def test_without_plugin_loading_asks_for_the_shipped_code(tmp_path):
+    """Without the plugin, a saved folder never loads as a plain Llama: Transformers refuses it until the user
+    trusts the remote code saved in it (which ``tests/test_export.py`` loads and checks)."""
     model = tiny_model("llama")
     hf_qknorm.patch_model(model, "qk_norm")
     model.save_pretrained(tmp_path)
     code = textwrap.dedent(f"""
         import sys
+        sys.modules["hf_qknorm"] = None  # the plugin is not installed
         from transformers import AutoModelForCausalLM
         try:
             AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})
@@ -59,6 +62,7 @@ def test_without_plugin_loading_fails_loudly(tmp_path):
         print("LOADED SILENTLY")
         sys.exit(1)
     """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "REFUSED" in res.stdout and "qknorm_llama" in res.stdout
+    assert "REFUSED" in res.stdout and "trust_remote_code=True" in res.stdout

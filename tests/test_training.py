@@ -46,6 +46,7 @@ def test_loss_falls(family, scheme, norm):
 
 def _reference_attention(module, q, k, v, mask, scaling=None, dropout=0.0, softcap=None, sliding_window=None,
                          **kwargs):
+    softcap = softcap if softcap is not None else module._qknorm_softcap  # a patched module carries its cap
     out = attention_reference(q, k, v, scaling=scaling, softcap=softcap, causal=mask is None, mask=mask,
                               sliding_window=sliding_window)
     return out.transpose(1, 2), None
@@ -56,10 +57,10 @@ def test_fast_path_trains_like_reference(monkeypatch):
     final parameters (Liger-Kernel's convergence-test idea)."""
     from transformers import AttentionInterface
 
-    import hf_qknorm.modeling.patch as patch_mod
+    import hf_qknorm.modeling.hooks as hooks
 
     AttentionInterface.register("qknorm_test_reference", _reference_attention)
-    monkeypatch.setattr(patch_mod, "CAP_BACKENDS", patch_mod.CAP_BACKENDS + ("qknorm_test_reference",))
+    monkeypatch.setattr(hooks, "CAP_READING_BACKENDS", hooks.CAP_READING_BACKENDS + ("qknorm_test_reference",))
     runs = []
     for backend in ("qknorm", "qknorm_test_reference"):
         model = tiny_model("llama", dtype=torch.float64)

@@ -18,15 +18,11 @@ import torch
 from torch.nn import functional as F
 
 from .chunked import chunk_allowed, chunked_attention
+from .masks import bool_mask
 
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "qknorm"
-
-# Backends of Transformers that apply the ``softcap`` argument. Anything else would drop the cap.
-CAP_BACKENDS = ("qknorm", "flash_attention_2", "flash_attention_3", "flex_attention")
-# Backends a patched model is moved away from (to "qknorm") when its scheme caps the logits.
-REPLACEABLE_BACKENDS = (None, "eager", "sdpa")
 
 _warned: set[str] = set()
 
@@ -35,19 +31,6 @@ def _warn_once(msg: str) -> None:
     if msg not in _warned:
         _warned.add(msg)
         logger.warning(msg)
-
-
-def _bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean (True = attend) view of an attention mask; float masks must be 0 / -inf (or dtype-min) only."""
-    if mask is None or mask.dtype == torch.bool:
-        return mask
-    blocked = mask <= torch.finfo(mask.dtype).min / 2
-    if not bool(torch.all(blocked | (mask == 0))):
-        raise ValueError(
-            "qknorm attention takes boolean masks or additive masks of 0 and -inf only; got an additive mask with "
-            "other values (a position bias?). Use attn_implementation='eager' for such masks."
-        )
-    return ~blocked
 
 
 def _varlen_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
@@ -89,20 +72,6 @@ def _kernels_or_reason(x: torch.Tensor):
     return kernels, None
 
 
-def fused_norm_rope(norm: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Per-head norm + RoPE of ``x`` ``(batch, seq, heads, head_dim)`` in one Triton kernel, or ``None`` when the
-    kernels cannot run here (then the caller takes the unfused PyTorch path)."""
-    from ..modeling.norms import NORM_CLASSES
-
-    if not isinstance(norm, NORM_CLASSES) or cos.dim() != 3 or cos.shape[-1] != x.shape[-1]:
-        return None
-    kernels, _ = _kernels_or_reason(x)
-    if kernels is None:
-        return None
-    return kernels.triton_norm_rope(x, kind=norm.kind, weight=norm.weight, bias=getattr(norm, "bias", None),
-                                    eps=norm.eps, p=getattr(norm, "p", 2.0), cos=cos, sin=sin)
-
-
 def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              dropout: float = 0.0, softcap: float | None = None, sliding_window: int | None = None,
@@ -119,13 +88,18 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if softcap is None:  # a patched module carries its cap (its upstream forward passes none)
+        softcap = getattr(module, "_qknorm_softcap", None)
+    probe = getattr(module, "_qknorm_probe", None)  # set by hf_qknorm.QKMonitor for the steps it records
+    if probe is not None:
+        probe(module, query, key, attention_mask=attention_mask, scaling=scaling, softcap=softcap)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap!r}")
     if kwargs.get("output_attentions"):
         _warn_once("qknorm attention does not return attention weights (output_attentions=True gives None).")
     if not module.training:
         dropout = 0.0
-    mask = _bool_mask(attention_mask)
+    mask = bool_mask(attention_mask)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and mask is None and query.shape[2] > 1
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

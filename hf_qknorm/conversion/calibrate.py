@@ -37,7 +37,8 @@ from torch.nn import functional as F
 from .stats import ActivationRecorder, CalibrationReport, LayerStats, converted_max_logits
 from ..modeling.families import Family
 from ..modeling.norms import NORM_CLASSES, HeadLayerNorm, HeadLpNorm, HeadRMSNorm
-from ..modeling.patch import _find_layers, patch_model
+from ..modeling.layout import find_layers
+from ..modeling.patch import patch_model
 from ..modeling.schemes import QKNormConfig
 
 __all__ = ["CalibrationReport", "CalibrationSettings", "LayerStats", "calibrate", "closed_form_init", "distill",
@@ -83,7 +84,7 @@ class CalibrationSettings:
 def closed_form_init(model: nn.Module, family: Family, cfg: QKNormConfig, recorder: ActivationRecorder) -> None:
     """Set every new norm of the patched ``model`` from the recorded least-squares statistics."""
     with torch.no_grad():
-        for attn, moments in zip((getattr(b, family.attention) for b in _find_layers(model, family)),
+        for attn, moments in zip((getattr(b, family.attention) for b in find_layers(model, family)),
                                  recorder.moments):
             for role in "qkv":
                 norm = getattr(attn, f"{role}_norm", None)

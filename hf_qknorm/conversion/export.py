@@ -6,9 +6,9 @@ Two formats:
   before RoPE, same state-dict names), so it is written as a plain ``qwen3`` folder that vanilla Transformers loads
   with identical logits. :func:`qwen3_blocker` says why a model cannot be written this way (an ``mlp_bias``, a
   norm epsilon that differs from the model's, another scheme...).
-- ``qknorm``: everything else is written as ``model_type: qknorm_<base>`` with ``auto_map`` pointing at the
-  self-contained modelling code in ``hf_qknorm/conversion/remote`` (copied into the folder), so that
-  ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works without the plugin, and
+- ``qknorm``: everything else is written as ``model_type: qknorm_<base>`` with ``auto_map`` pointing at the remote
+  code every patched config saves beside itself (:mod:`hf_qknorm.modeling.remote`: the plugin's own modules), so
+  that ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works without the plugin, and
   ``from_pretrained(folder)`` works after ``import hf_qknorm``.
 """
 
@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ..modeling.families import Family
+from ..modeling.families import Family, base_model_type
 from ..modeling.schemes import QKNormConfig
 
 EXPORTS = ("auto", "qwen3", "qknorm")
-REMOTE_DIR = Path(__file__).resolve().parent / "remote"
-REMOTE_FILES = ("configuration_qknorm.py", "modeling_qknorm.py")
 
 # Files carried over from the source folder besides the weights and config (tokenizer, generation config, licence).
 SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
@@ -55,7 +53,7 @@ def qwen3_config(config, dtype: torch.dtype):
     from transformers import Qwen3Config
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    window = getattr(config, "sliding_window", None) if family_of(config) == "mistral" else None
+    window = getattr(config, "sliding_window", None) if base_model_type(config.model_type) == "mistral" else None
     layers = config.num_hidden_layers
     return Qwen3Config(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -73,11 +71,6 @@ def qwen3_config(config, dtype: torch.dtype):
     )
 
 
-def family_of(config) -> str:
-    model_type = config.model_type
-    return model_type[len("qknorm_"):] if model_type.startswith("qknorm_") else model_type
-
-
 def resolve_export(export: str, config, cfg: QKNormConfig, family: Family) -> tuple[str, str | None]:
     """``(kind, reason)``: the format to write (``"qwen3"`` or ``"qknorm"``) and, when ``qwen3`` was possible
     in principle but not taken, why. ``export="qwen3"`` on a model that is not a Qwen3 model is an error."""
@@ -93,34 +86,6 @@ def resolve_export(export: str, config, cfg: QKNormConfig, family: Family) -> tu
     return "qknorm", blocker
 
 
-def remote_auto_map(model_type: str, architecture: str) -> dict:
-    """``auto_map`` of a ``qknorm_<base>`` folder: config, base model and causal-LM classes in the shipped code."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    base_config = CONFIG_MAPPING[model_type[len("qknorm_"):]].__name__
-    base_model = architecture.replace("ForCausalLM", "Model").replace("LMHeadModel", "Model")
-    return {
-        "AutoConfig": f"configuration_qknorm.QKNorm{base_config}",
-        "AutoModel": f"modeling_qknorm.{base_model}",
-        "AutoModelForCausalLM": f"modeling_qknorm.{architecture}",
-    }
-
-
-def add_remote_code(folder) -> dict:
-    """Make a folder saved by a patched model's ``save_pretrained`` loadable without the plugin: copy the
-    self-contained modelling code into it and point ``config.json``'s ``auto_map`` at it. Returns the config."""
-    folder = Path(folder)
-    data = json.loads((folder / "config.json").read_text())
-    model_type, archs = data.get("model_type", ""), data.get("architectures") or []
-    if not str(model_type).startswith("qknorm_") or not archs:
-        raise ValueError(f"{folder} was not saved from a model patched by hf_qknorm (model_type {model_type!r})")
-    data["auto_map"] = remote_auto_map(model_type, archs[0])
-    (folder / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    for name in REMOTE_FILES:
-        shutil.copyfile(REMOTE_DIR / name, folder / name)
-    return data
-
-
 def write_config(folder: Path, kind: str, patched_config, dtype: torch.dtype) -> dict:
     """Write ``config.json`` for ``kind`` (``qknorm`` also gets the remote code). Returns the written dict."""
     folder = Path(folder)
@@ -128,8 +93,8 @@ def write_config(folder: Path, kind: str, patched_config, dtype: torch.dtype) ->
         qwen3_config(patched_config, dtype).save_pretrained(folder)
         return json.loads((folder / "config.json").read_text())
     patched_config.dtype = dtype
-    patched_config.save_pretrained(folder)
-    return add_remote_code(folder)
+    patched_config.save_pretrained(folder)  # a QKNorm<Base>Config: writes the remote code and auto_map too
+    return json.loads((folder / "config.json").read_text())
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

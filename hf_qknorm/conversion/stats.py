@@ -9,7 +9,6 @@ holds the perplexities and per-layer statistics and formats them for the command
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 
 from ..modeling.families import Family
 from ..modeling.norms import HeadLpNorm, make_norm
-from ..modeling.patch import _find_layers
+from ..modeling.layout import find_layers, rotary_function
 from ..modeling.schemes import QKNormConfig
 
 CAP_WARN_FRACTION = 0.5
@@ -198,7 +197,7 @@ class ActivationRecorder:
 
     def __init__(self, model: nn.Module, family: Family, cfg: QKNormConfig):
         self.family, self.cfg = family, cfg
-        self.attns = [getattr(block, family.attention) for block in _find_layers(model, family)]
+        self.attns = [getattr(block, family.attention) for block in find_layers(model, family)]
         self.moments = [{r: _Moments() for r in "qkv"} for _ in self.attns]
         self.max_logit = [0.0 for _ in self.attns]
         device = next(model.parameters()).device
@@ -225,7 +224,7 @@ class ActivationRecorder:
                         self.moments[i][role].add(self.norm(x.double()), y, p)
                 q, k = (t.transpose(1, 2) for t in ys[:2])
                 if self.family.rope:
-                    rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
+                    rope = rotary_function(attn)
                     q, k = rope(q, k, *kwargs["position_embeddings"])
                 self.max_logit[i] = max(self.max_logit[i], max_logit(q, k, float(attn.scaling)))
         return hook
@@ -242,7 +241,7 @@ class ActivationRecorder:
 def converted_max_logits(model, family, blocks, report: CalibrationReport, batch_size: int) -> None:
     """Largest pre-cap logit of every layer of the patched model (through the patch's probe hook); with a cap,
     a warning for each layer where it reaches ``CAP_WARN_FRACTION`` of the cap."""
-    attns = [getattr(b, family.attention) for b in _find_layers(model, family)]
+    attns = [getattr(b, family.attention) for b in find_layers(model, family)]
     seen = [0.0] * len(attns)
 
     def probe_for(i):

@@ -1,45 +1,40 @@
-"""Save/load support: ``qknorm_<base>`` config and model classes registered with the Auto classes.
+"""The ``qknorm_<base>`` config and model classes of the plugin, registered with the Auto classes.
 
-A patched model's config becomes ``QKNorm<Base>Config`` (``model_type = "qknorm_<base>"``) carrying the scheme as
-``config.qknorm``; ``save_pretrained`` writes both to ``config.json``. After ``import hf_qknorm``,
-``AutoModelForCausalLM.from_pretrained(folder)`` builds ``QKNorm<Base>ForCausalLM``, which is the base class patched
-in ``__init__`` from ``config.qknorm`` -- so the saved norm weights have somewhere to load into. Without the plugin,
-Transformers does not know ``qknorm_<base>`` and refuses the folder loudly instead of dropping the norm weights.
+A patched model's config becomes ``QKNorm<Base>Config`` (``model_type`` ``qknorm_<base>``) carrying the scheme as
+``config.qknorm``; ``save_pretrained`` writes both to ``config.json`` together with the remote code that loads the
+folder without the plugin (:mod:`.remote`). After ``import hf_qknorm``, ``AutoModelFor*.from_pretrained(folder)``
+builds ``QKNorm<Head>`` -- the base head class, patched in ``__init__`` from ``config.qknorm`` -- for every head class
+the family has (causal LM, base model, sequence and token classification, question answering). Without the plugin
+Transformers asks for ``trust_remote_code=True`` and then loads the shipped code; it never loads the folder as the
+unpatched base model.
 """
 
 from __future__ import annotations
 
-from torch import nn
-
-from .families import FAMILIES
-
-PREFIX = "qknorm_"
+from .families import FAMILIES, family_of_config
+from .schemes import QKNormConfig
+from .structure import AUTO_HEADS, make_config_class, make_model_class
 
 _CONFIGS: dict[str, type] = {}
 _MODELS: dict[type, type] = {}  # base model class -> patched subclass
 
 
-def _make_init(base_cls):
-    def __init__(self, config, *args, **kwargs):
-        base_cls.__init__(self, config, *args, **kwargs)
-        _patch_from_config(self)
+def _saving_remote_code(cls: type):
+    """``cls.save_pretrained``: ``config.json`` (through ``to_dict``: patched architectures and ``auto_map``) plus
+    the remote code files beside it. ``model.save_pretrained(..., push_to_hub=True)`` and ``model.push_to_hub``
+    upload the whole folder, remote code included."""
 
-    return __init__
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        from .remote import add_remote_code
 
+        if push_to_hub:
+            raise ValueError("push a patched model's folder with model.push_to_hub(repo_id), "
+                             "model.save_pretrained(dir, push_to_hub=True) or `hf-qknorm push DIR REPO_ID`, which "
+                             "upload the remote code with the config")
+        super(cls, self).save_pretrained(save_directory, **kwargs)
+        add_remote_code(save_directory)
 
-def _patch_from_config(model: nn.Module) -> None:
-    from .patch import _apply, _mark_patched
-    from .families import get_family
-    from .schemes import QKNormConfig
-
-    config = model.config
-    cfg_dict = getattr(config, "qknorm", None)
-    if cfg_dict is None:
-        raise ValueError(f"{type(config).__name__} has no 'qknorm' entry: this config was not saved by hf_qknorm")
-    cfg = QKNormConfig.from_dict(cfg_dict)
-    family = get_family(config.model_type[len(PREFIX):])
-    _apply(model, cfg, family)
-    _mark_patched(model, cfg, family)
+    return save_pretrained
 
 
 def config_class(model_type: str) -> type:
@@ -48,46 +43,39 @@ def config_class(model_type: str) -> type:
         from transformers import AutoConfig
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        base = CONFIG_MAPPING[model_type]
-        cls = type(f"QKNorm{base.__name__}", (base,), {"model_type": PREFIX + model_type, "__module__": __name__})
+        cls = make_config_class(CONFIG_MAPPING[model_type], model_type, __name__)
+        cls.save_pretrained = _saving_remote_code(cls)
         globals()[cls.__name__] = cls  # importable by name, so pickling and copying work
-        AutoConfig.register(PREFIX + model_type, cls, exist_ok=True)
+        AutoConfig.register(cls.model_type, cls, exist_ok=True)
         _CONFIGS[model_type] = cls
     return _CONFIGS[model_type]
 
 
 def model_class(base_cls: type, model_type: str) -> type:
-    """``QKNorm<Base>`` subclass of a model class: ``__init__`` builds the base model, then patches it."""
-    if base_cls in _MODELS:
-        return _MODELS[base_cls]
-    cfg_cls = config_class(model_type)
-    cls = type(f"QKNorm{base_cls.__name__}", (base_cls,),
-               {"__init__": _make_init(base_cls), "config_class": cfg_cls, "__module__": __name__})
-    globals()[cls.__name__] = cls
-    _MODELS[base_cls] = cls
-    _MODELS[cls] = cls
-    return cls
+    """``QKNorm<Base>`` twin of a model class (created once)."""
+    if base_cls not in _MODELS:
+        cls = make_model_class(base_cls, config_class(model_type), __name__)
+        globals()[cls.__name__] = cls
+        _MODELS[base_cls] = cls
+    return _MODELS[base_cls]
 
 
-def patched_classes(model_type: str, current_cls: type) -> tuple[type, type | None]:
-    """The config class and model class a freshly patched model of ``current_cls`` takes on."""
-    cfg_cls = config_class(model_type)
-    if current_cls in _MODELS:
-        return cfg_cls, _MODELS[current_cls]
-    if getattr(current_cls, "config_class", None) is None:
-        return cfg_cls, None
-    return cfg_cls, model_class(current_cls, model_type)
+def mark_patched(config, cfg: QKNormConfig) -> None:
+    """Record the scheme on a model's (own) config and make it a ``QKNorm<Base>Config``."""
+    config.__class__ = config_class(family_of_config(config).model_type)
+    config.qknorm = cfg.to_dict()
 
 
 def register_auto_classes() -> None:
-    """Register ``qknorm_<base>`` with ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM`` for every family."""
-    from transformers import AutoModel, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
-
+    """Register ``qknorm_<base>`` with ``AutoConfig`` and every Auto model class of :data:`AUTO_HEADS`."""
+    import transformers
+    from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     for model_type in FAMILIES:
-        cfg_cls = config_class(model_type)
-        base_cfg = CONFIG_MAPPING[model_type]
-        for auto, mapping in ((AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING), (AutoModel, MODEL_MAPPING)):
-            auto.register(cfg_cls, model_class(mapping[base_cfg], model_type), exist_ok=True)
+        cfg_cls, base_cfg = config_class(model_type), CONFIG_MAPPING[model_type]
+        for auto_name, mapping_name in AUTO_HEADS:
+            mapping = getattr(modeling_auto, mapping_name)
+            if base_cfg in mapping:
+                getattr(transformers, auto_name).register(cfg_cls, model_class(mapping[base_cfg], model_type),
+                                                          exist_ok=True)

@@ -1,12 +1,14 @@
 """Per-family facts, as data: one row per supported ``model_type``.
 
-Adding a family is one row here plus one case in ``tests/test_families.py``. Nothing else in the package knows a
-model family by name.
+Adding a family is one row here plus one case in ``tests/tiny_models.py``. Nothing else in the package knows a
+model family by name. This module imports nothing but the standard library: it is also copied into exported folders.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+PREFIX = "qknorm_"  # the model_type of a patched model is PREFIX + its base model_type (``qknorm_llama``)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,17 @@ class Family:
     def fused_qkv(self) -> bool:
         return self.qkv_proj is not None
 
+    @property
+    def projections(self) -> dict[str, str]:
+        """Role (``"q"``, ``"k"``, ``"v"``) -> projection attribute, for separate projections (empty when fused)."""
+        if self.fused_qkv:
+            return {}
+        return {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}
+
+    @property
+    def patched_model_type(self) -> str:
+        return PREFIX + self.model_type
+
 
 def _rope_family(model_type: str, attention_class: str, native_qk_norm: bool = False) -> Family:
     return Family(model_type=model_type, attention_class=attention_class, layers="model.layers",
@@ -68,6 +81,17 @@ FAMILIES: dict[str, Family] = {
                    conv1d=True, rope=False, native_qk_norm=False, eps_attr="layer_norm_epsilon",
                    max_len_attr="n_positions"),
 }
+
+
+def base_model_type(model_type) -> str:
+    """``llama`` for ``llama`` and for ``qknorm_llama``."""
+    model_type = str(model_type)
+    return model_type[len(PREFIX):] if model_type.startswith(PREFIX) else model_type
+
+
+def family_of_config(config) -> Family:
+    """The row of a (possibly patched) model's config."""
+    return get_family(base_model_type(getattr(config, "model_type", None)))
 
 
 def get_family(model_type: str) -> Family:

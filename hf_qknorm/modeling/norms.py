@@ -56,6 +56,10 @@ class HeadRMSNorm(nn.Module):
     def eps(self) -> float:
         return self.variance_epsilon
 
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self.variance_epsilon = value
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(_acc(x))
@@ -94,7 +98,13 @@ class HeadLpNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         acc = _acc(x)
-        y = F.normalize(x.to(acc), p=self.p, dim=-1, eps=self.eps)
+        x = x.to(acc)
+        # ``||x||_p`` overflows for large p (|x|^64 passes float32's range at |x| > 4): scale by max|x| first, as the
+        # Triton kernel does. ``x / max(||x||_p, eps) == u / max(||u||_p, eps / m)`` with ``u = x / m`` for any m > 0,
+        # so the result does not depend on m and m carries no gradient.
+        m = x.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny).detach()
+        u = x / m
+        y = u / torch.maximum(torch.linalg.vector_norm(u, ord=self.p, dim=-1, keepdim=True), self.eps / m)
         if self.weight is not None:
             y = y * self.weight.to(acc)
         return y.to(x.dtype)

@@ -7,13 +7,14 @@ model whose pre-cap logits sit at the cap has a saturated ``tanh``. The monitor 
 How: only on the steps it records, the monitor attaches itself to each attention module *instance* and detaches
 afterwards, so other steps pay nothing and two models in one process stay independent.
 
-- Patched models: the patched attention calls ``attn._qknorm_probe(attn, q, k, attention_mask=, scaling=,
-  softcap=)`` right before the attention backend, with ``q`` ``(batch, heads, seq, head_dim)`` and ``k``
+- Models on the ``"qknorm"`` attention backend: the backend calls ``attn._qknorm_probe(attn, q, k,
+  attention_mask=, scaling=, softcap=)`` before attending, with ``q`` ``(batch, heads, seq, head_dim)`` and ``k``
   ``(batch, kv_heads, seq, head_dim)`` after the norm and after RoPE. The monitor sets that attribute.
-- Unpatched models (the baseline of a learning-rate sweep): forward hooks on the projections named by the family
-  table (``q_proj``/``k_proj``, Qwen3's own ``q_norm``/``k_norm``, GPT-2's fused ``c_attn``) capture q and k, and a
-  pre-hook on the attention module captures the mask and RoPE's ``(cos, sin)``; q and k are rotated with the
-  family's own ``apply_rotary_pos_emb``, as its forward does.
+- Models on any other backend (the unpatched baseline of a learning-rate sweep, an uncapped patched model on
+  ``sdpa``): forward hooks on the projections named by the family table (``q_proj``/``k_proj``, Qwen3's own
+  ``q_norm``/``k_norm``, GPT-2's fused ``c_attn``) capture q and k -- after a patched model's norms, whose hooks run
+  first -- and a pre-hook on the attention module captures the mask and RoPE's ``(cos, sin)``; q and k are rotated
+  with the family's own ``apply_rotary_pos_emb``, as its forward does.
 
 Statistics are computed without grad, in float32 (float64 stays float64), in query chunks of at most
 ``tile_elements`` logits -- never a whole ``(batch, heads, seq, seq)`` tensor. Under gradient checkpointing or
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from ..attention.chunked import chunk_allowed
+from ..attention.masks import bool_mask
+from ..modeling.layout import rotary_function
 from .sites import attention_sites
 
 try:  # a plain-loop user needs no transformers Trainer machinery
@@ -43,20 +45,17 @@ logger = logging.getLogger(__name__)
 TILE_ELEMENTS = 1 << 21  # logits per chunk: 8 MiB in float32
 STATS = ("max_logit", "entropy", "q_rms", "k_rms")
 DIVERGENCE_LOGIT = 1e4  # Wortsman et al. 2023: a largest attention logit above 1e4 always diverged
+PROBING_BACKEND = "qknorm"  # the attention implementation that calls ``module._qknorm_probe``
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # the statistics
 # --------------------------------------------------------------------------------------------------------------------
 def _allowed_mask(mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
-    """Boolean (True = attend) view of a boolean or additive (0 / large negative) attention mask."""
-    if mask is None:
-        return None
-    if mask.shape[-1] > kv_len:  # a mask over cached + new keys, with only the new keys seen
+    """Boolean (True = attend) view of an attention mask (the backend's rule, :func:`bool_mask`)."""
+    if mask is not None and mask.shape[-1] > kv_len:  # a mask over cached + new keys, with only the new keys seen
         mask = mask[..., -kv_len:]
-    if mask.dtype == torch.bool:
-        return mask
-    return mask > torch.finfo(mask.dtype).min / 2
+    return bool_mask(mask)
 
 
 def _per_group(ok: torch.Tensor | None, kv_heads: int, groups: int) -> torch.Tensor | None:
@@ -81,7 +80,8 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
             backend sees them (after any norm and RoPE). GQA: query head ``h`` reads key head ``h // (heads //
             kv_heads)``, Transformers' ``repeat_kv`` layout.
         attention_mask: boolean (True = attend) or additive ``(batch|1, 1|heads, q_len, kv_len)``, or ``None``
-            for a causal pattern (bottom-right aligned) when ``causal``, else no mask.
+            for the causal pattern a missing mask stands for (:mod:`hf_qknorm.attention.masks`: top-left aligned)
+            when ``causal``, else no mask.
         scaling: the logit scale; the logit is ``scaling * q.k`` (the value the cap, if any, is applied to).
         softcap: the cap ``c``: the entropy is that of ``softmax(c * tanh(logit / c))``, the distribution used.
     Returns:
@@ -94,6 +94,8 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
     groups = heads // kv_heads
     mask = _allowed_mask(attention_mask, kv_len)
     causal = bool(causal) and mask is None and q_len > 1
+    if causal and kv_len > q_len:  # top-left causal: keys past the last query row are never seen
+        k, kv_len = k[:, :, :q_len], q_len
     qg = q.reshape(batch, kv_heads, groups, q_len, head_dim)
     kt = k.to(acc).transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, Tk)
     rows = int(max(1, min(q_len, tile_elements // max(1, batch * heads * kv_len))))
@@ -162,7 +164,8 @@ class QKMonitor:
         self._results: dict[int, tuple[torch.Tensor, float | None]] = {}
         self._pending: dict[int, dict] = {}
         # one probe per layer, made once: a compiled model then has one graph with the probe and one without
-        self._probes = {site.index: _bound_probe(self, site.index) for site in self.sites if site.patched}
+        self._probes = {site.index: _bound_probe(self, site.index) for site in self.sites}
+        self._probed: list = []
         self.active = False
 
     # -- attach / detach ---------------------------------------------------------------------------------------------
@@ -173,17 +176,18 @@ class QKMonitor:
         self._results.clear()
         self._pending.clear()
         for site in self.sites:
-            if site.patched:
+            if site.backend == PROBING_BACKEND:
                 site.module._qknorm_probe = self._probes[site.index]
+                self._probed.append(site.module)
             else:
                 self._hook(site)
         self.active = True
 
     def stop(self, step: int | None = None) -> dict[str, float]:
         """Detach, and return the statistics of the layers measured since :meth:`start` (empty if none)."""
-        for site in self.sites:
-            if site.patched and "_qknorm_probe" in site.module.__dict__:
-                del site.module._qknorm_probe
+        for module in self._probed:
+            module.__dict__.pop("_qknorm_probe", None)
+        self._probed.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -226,15 +230,16 @@ class QKMonitor:
         def capture(name):
             def hook(module, args, output):
                 if index not in self._results:
-                    ctx[name] = output
+                    ctx[name] = output.detach()  # nothing here may join the autograd graph (checkpointing)
             return hook
 
         def post(module, args, kwargs, output):
             captured = "qkv" in ctx or ("q" in ctx and "k" in ctx)
             if index in self._results or not captured:
                 return
-            q, k = _rebuild_qk(attn, fam, ctx)
-            self._measure(index, attn, q, k, ctx.get("mask"), attn.scaling, None)
+            with torch.no_grad():
+                q, k = _rebuild_qk(attn, fam, ctx)
+            self._measure(index, attn, q, k, ctx.get("mask"), attn.scaling, attn.__dict__.get("_qknorm_softcap"))
             ctx.clear()
 
         self._handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
@@ -302,7 +307,7 @@ def _rebuild_qk(attn: nn.Module, fam, ctx: dict):
     q = q.reshape(*q.shape[:2], -1, d).transpose(1, 2)
     k = k.reshape(*k.shape[:2], -1, d).transpose(1, 2)
     if fam.rope and ctx.get("rope") is not None:
-        rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
+        rope = rotary_function(attn)
         q, k = rope(q, k, *ctx["rope"])
     return q, k
 

@@ -31,7 +31,7 @@ import logging
 import torch
 from torch import nn
 
-from .sites import attention_sites, num_heads, unwrap_model
+from .sites import attention_sites, num_heads, unwrap
 
 try:
     from transformers import TrainerCallback
@@ -137,7 +137,7 @@ class QKLearningRate:
         if not tau > 0:
             raise ValueError(f"tau must be positive, got {tau!r}")
         self.tau, self.rule, self.per_head = float(tau), rule, bool(per_head)
-        config = unwrap_model(model).config
+        config = unwrap(model).config
         self.layers = [_layer_rows(site, config) for site in attention_sites(model)]
         self.initial_norms = initial_norms if initial_norms is not None else self._current_norms()
         if len(self.initial_norms["q"]) != len(self.layers):

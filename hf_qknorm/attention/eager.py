@@ -1,0 +1,44 @@
+"""Capped attention that materialises the ``(q_len, kv_len)`` logits and returns the attention weights.
+
+The simple, exact form of the ``"qknorm"`` backend: the attention function of exported folders loaded without the
+plugin (``trust_remote_code``), and the path that returns attention weights when a caller asks for them. Memory is
+quadratic in sequence length; the plugin's backend is the efficient way to train.
+
+This module imports nothing but ``torch`` and :mod:`.masks`: it is also copied into exported folders.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from .masks import allowed_pairs
+
+
+def capped_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                           is_causal=None, **kwargs):
+    """``softmax(mask(c * tanh(scaling * q k^T / c))) v`` in the ``AttentionInterface`` calling convention.
+
+    ``query`` ``(batch, heads, q_len, head_dim)``; ``key``/``value`` ``(batch, kv_heads, kv_len, head_dim)``.
+    ``softcap`` defaults to the cap a patched module carries. The mask rule is :mod:`.masks` (a missing mask is
+    top-left causal). Rows with no allowed key give zeros. Returns ``(batch, q_len, heads, head_dim)`` and the
+    weights ``(batch, heads, q_len, kv_len)`` in the query's dtype."""
+    if softcap is None:
+        softcap = getattr(module, "_qknorm_softcap", None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    groups = query.shape[1] // key.shape[1]
+    k = key.to(acc).repeat_interleave(groups, dim=1)
+    v = value.to(acc).repeat_interleave(groups, dim=1)
+    s = torch.matmul(query.to(acc), k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    ok = allowed_pairs(attention_mask, query.shape[2], key.shape[2], bool(causal), query.device)
+    if ok is not None:
+        s = s.masked_fill(~ok, float("-inf"))
+    probs = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no allowed key: zeros, not NaN
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(probs, v).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), probs.to(query.dtype)

@@ -1,0 +1,269 @@
+"""The structural change of a scheme: checked first, then applied -- by :func:`hf_qknorm.patch_model` and by the
+``qknorm_<base>`` classes when a saved folder is loaded.
+
+1. :func:`plan_scheme` checks everything a patch is about to do (family, blocks, attention classes, attention
+   backend, the pre-norm fold) before the model is touched, so a refused patch leaves the model exactly as it was.
+2. :func:`apply_scheme` adds ``q_norm``/``k_norm``/(``v_norm``) to every attention module and applies them through
+   hooks on the projections (:mod:`.hooks`); ``l2``/``lp`` set the module's ``scaling`` to 1 (the query norm carries
+   the learnable logit scale); a cap is read by the ``"qknorm"`` attention backend from the module; ``qkv_norm``
+   removes the pre-attention norm and folds its gain (and bias) into the projections (:mod:`.fold`, the rule the
+   converter uses too).
+
+This module imports nothing but ``torch`` and its siblings: it is also copied into exported folders.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .families import PREFIX, Family, family_of_config, get_family
+from .fold import bias_shift, fold_gain, shifted_bias
+from .hooks import hook_slots, install, is_installed
+from .layout import find_layers
+from .norms import henry_logit_scale, make_norm
+from .schemes import QKNormConfig
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "qknorm"
+# Backends a patched model with a cap is moved away from (to "qknorm"): they cannot apply a cap.
+REPLACEABLE_BACKENDS = (None, "eager", "sdpa")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the plan: everything checked before the model is touched
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    cfg: QKNormConfig           # eps resolved
+    family: Family
+    blocks: nn.ModuleList
+    attentions: list[nn.Module]
+    logit_scale: float          # l2/lp initial logit scale
+    switch_backend: bool        # a capped scheme on eager/sdpa moves to "qknorm"
+
+
+def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -> Plan:
+    """Check that ``cfg`` can be applied to ``model`` and say how; raises ``ValueError`` naming the problem.
+    ``loading``: the model is being built from a saved ``qknorm_<base>`` config (already marked)."""
+    config = model.config
+    if not loading and (getattr(config, "qknorm", None) is not None
+                        or str(getattr(config, "model_type", "")).startswith(PREFIX)):
+        raise ValueError(f"model is already patched with {getattr(config, 'qknorm', None)!r}; "
+                         "patching twice is not supported: patch the original model once")
+    family = get_family(getattr(config, "model_type", None)) if not loading else family_of_config(config)
+    if cfg.eps is None:
+        cfg = QKNormConfig(**{**cfg.to_dict(), "eps": float(getattr(config, family.eps_attr, 1e-6))})
+    if family.fused_qkv and getattr(config, "add_cross_attention", False):
+        raise ValueError(f"this {family.model_type} model has cross-attention layers; hf_qknorm patches "
+                         "self-attention only")
+    blocks = find_layers(model, family)
+    attentions = []
+    for i, block in enumerate(blocks):
+        attn = getattr(block, family.attention, None)
+        names = [c.__name__ for c in type(attn).__mro__] if attn is not None else []
+        if family.attention_class not in names:
+            raise ValueError(f"expected {family.attention_class} at .{family.attention} of each "
+                             f"{family.model_type} block, found {names[0] if names else 'nothing'} (block {i})")
+        if cfg.removes_prenorm:
+            _check_fold(block, attn, family, i)
+        attentions.append(attn)
+    switch = False
+    if cfg.caps:
+        impl = getattr(config, "_attn_implementation", None)
+        if impl not in (ATTN_IMPLEMENTATION, *REPLACEABLE_BACKENDS):
+            raise ValueError(f"attention implementation {impl!r} would drop the softcap of scheme {cfg.scheme!r}; "
+                             f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r} (or 'sdpa'/'eager', "
+                             f"which patch_model switches to {ATTN_IMPLEMENTATION!r})")
+        switch = impl != ATTN_IMPLEMENTATION
+    if family.native_qk_norm and cfg.norms_qk and cfg.learned_logit_scale and not loading:
+        _warn_dropped_native_gain(attentions[0], cfg)
+    scale = henry_logit_scale(getattr(config, family.max_len_attr, 2048))
+    return Plan(cfg, family, blocks, attentions, scale, switch)
+
+
+def _check_fold(block, attn, family: Family, index: int) -> None:
+    prenorm = getattr(block, family.prenorm, None)
+    if prenorm is None:
+        raise ValueError(f"qkv_norm removes the pre-attention norm .{family.prenorm}, which block {index} lacks")
+    if getattr(prenorm, "bias", None) is not None:
+        for name in _prenorm_readers(family):
+            if _base(getattr(attn, name)).bias is None:
+                raise ValueError(f"cannot fold the bias of .{family.prenorm} (block {index}) into .{name}: the "
+                                 "projection has no bias")
+
+
+def _warn_dropped_native_gain(attn, cfg: QKNormConfig) -> None:
+    native = getattr(attn, "q_norm", None)
+    weight = getattr(native, "weight", None)
+    if weight is not None and not torch.all(weight == 1):
+        logger.warning("Qwen3's own per-channel q/k norm gains cannot be carried into norm %r (one scalar logit "
+                       "scale): they are replaced, so the patched model starts from different attention. Use "
+                       "norm='rmsnorm' or 'layernorm' to keep them.", cfg.norm)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the structural change (also run by the qknorm_<base> classes when a saved folder is loaded)
+# --------------------------------------------------------------------------------------------------------------------
+def apply_scheme(model: nn.Module, plan: Plan) -> None:
+    """Install the scheme of ``plan`` on every attention module of ``model`` (checked by :func:`plan_scheme`)."""
+    cfg, family = plan.cfg, plan.family
+    hooked_roles = set()
+    if cfg.norms_qk and not family.native_qk_norm:
+        hooked_roles |= {"q", "k"}  # Qwen3's forward calls its own q_norm / k_norm: no hook needed
+    if cfg.norms_v:
+        hooked_roles.add("v")
+    slots = hook_slots(family.qkv_proj, family.projections, hooked_roles)
+    for block, attn in zip(plan.blocks, plan.attentions):
+        ref = _base(getattr(attn, family.qkv_proj or family.q_proj)).weight
+        factory = dict(device=ref.device, dtype=ref.dtype if ref.dtype.is_floating_point else torch.float32)
+        for role in ("q", "k", "v"):
+            if role == "v" and not cfg.norms_v or role != "v" and not cfg.norms_qk:
+                continue
+            _install_norm(attn, role, cfg, family, plan.logit_scale, factory)
+        if cfg.removes_prenorm:
+            _remove_prenorm(block, attn, family)
+        install(attn, slots, cfg.softcap, 1.0 if cfg.learned_logit_scale else None)
+
+
+def _base(proj: nn.Module) -> nn.Module:
+    return getattr(proj, "base_layer", proj)  # peft LoRA wrapper
+
+
+def _install_norm(attn, role, cfg, family, logit_scale, factory) -> None:
+    name = f"{role}_norm"
+    # Qwen3's own q/k RMSNorm: its pretrained gain is carried over to a new norm with a per-channel weight
+    # (rmsnorm: the same arithmetic with the same weight, i.e. the norm is kept).
+    existing = getattr(attn, name, None) if family.native_qk_norm else None
+    new = make_norm(cfg.norm, role, attn.head_dim, cfg.eps, cfg.p, logit_scale).to(**factory)
+    old_weight = getattr(existing, "weight", None)
+    if old_weight is not None and getattr(new, "weight", None) is not None and new.weight.shape == old_weight.shape:
+        with torch.no_grad():
+            new.weight.copy_(old_weight)
+    setattr(attn, name, new)
+
+
+def _prenorm_readers(family: Family) -> list[str]:
+    return [family.qkv_proj] if family.fused_qkv else [family.q_proj, family.k_proj, family.v_proj]
+
+
+def _remove_prenorm(block: nn.Module, attn: nn.Module, family: Family) -> None:
+    """Drop the pre-attention norm and fold its gain (and bias) into the projections reading it (the rule of
+    :mod:`hf_qknorm.modeling.fold`). A ``peft`` LoRA A matrix reads the same input, so it takes the gain too."""
+    prenorm = getattr(block, family.prenorm)
+    gain, bias = getattr(prenorm, "weight", None), getattr(prenorm, "bias", None)
+    with torch.no_grad():
+        for name in _prenorm_readers(family):
+            proj = getattr(attn, name)
+            base = _base(proj)
+            lora = [(a, proj.lora_B[k], proj.scaling[k]) for k, a in getattr(proj, "lora_A", {}).items()]
+            if bias is not None:  # from the unfolded weights: W (g*n + b) = (W diag g) n + W b, LoRA's B A b too
+                shift = bias_shift(base.weight, bias, family.conv1d)
+                for lora_a, lora_b, scale in lora:
+                    shift = shift + scale * bias_shift(lora_b.weight, bias_shift(lora_a.weight, bias, False), False)
+                base.bias.copy_(shifted_bias(base.bias, shift))
+            if gain is not None:
+                base.weight.copy_(fold_gain(base.weight, gain, family.conv1d))
+                for lora_a, _, _ in lora:  # LoRA's A reads the same input as the base weight
+                    lora_a.weight.copy_(fold_gain(lora_a.weight, gain, conv1d=False))
+    setattr(block, family.prenorm, nn.Identity())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the config: the model's own copy
+# --------------------------------------------------------------------------------------------------------------------
+def own_config(model: nn.Module) -> None:
+    """Give ``model`` (and every submodule that shares it) a private copy of its config, so patching never changes
+    a config object the caller may reuse for another model."""
+    old = model.config
+    new = copy.deepcopy(old)
+    for module in model.modules():
+        if module.__dict__.get("config") is old:
+            module.config = new
+
+
+def patch_on_init(model: nn.Module) -> None:
+    """Build the patched structure of a model constructed from a saved ``qknorm_<base>`` config (its weights are
+    then loaded into it). The scheme is validated with the same rules as :class:`QKNormConfig`."""
+    settings = getattr(model.config, "qknorm", None)
+    if settings is None:
+        raise ValueError(f"{type(model.config).__name__} has no 'qknorm' entry: this config was not saved by "
+                         "hf_qknorm")
+    plan = plan_scheme(model, QKNormConfig.from_dict(settings), loading=True)
+    if all(is_installed(attn) for attn in plan.attentions):
+        return  # built from already-patched parts (a head class whose base model is made by AutoModel)
+    apply_scheme(model, plan)
+    if plan.switch_backend:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the qknorm_<base> classes: one factory for the plugin and for the exported remote code
+# --------------------------------------------------------------------------------------------------------------------
+# Auto class -> Transformers' mapping (in ``transformers.models.auto.modeling_auto``) from config class to model
+# class. Every head class a family has in these mappings gets a ``QKNorm`` twin that loads a saved folder patched.
+AUTO_HEADS = (
+    ("AutoModel", "MODEL_MAPPING"),
+    ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING"),
+    ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING"),
+    ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING"),
+    ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING"),
+)
+REMOTE_CONFIG_MODULE, REMOTE_MODELING_MODULE = "configuration_qknorm", "modeling_qknorm"
+
+
+class PatchedConfigMixin:
+    """Mixed into every ``QKNorm<Base>Config``. What it saves: ``architectures`` naming the patched classes (so no tool
+    that dispatches on them -- vLLM, pipelines -- loads the folder as the unpatched base model), and an ``auto_map``
+    pointing at the remote code saved beside it (so the folder loads without the plugin, with
+    ``trust_remote_code=True``)."""
+
+    def to_dict(self):
+        out = super().to_dict()
+        archs = out.get("architectures") or []
+        out["architectures"] = [patched_architecture(a) for a in archs] or None
+        out["auto_map"] = auto_map(type(self).__name__, out["architectures"])
+        return out
+
+
+def patched_architecture(name: str) -> str:
+    """``QKNormLlamaForCausalLM`` for ``LlamaForCausalLM`` (and for itself)."""
+    return name if name.startswith("QKNorm") else "QKNorm" + name
+
+
+def auto_map(config_class_name: str, architectures) -> dict:
+    """``auto_map`` of a saved folder: the config class and the saved architecture in the remote code."""
+    out = {"AutoConfig": f"{REMOTE_CONFIG_MODULE}.{config_class_name}"}
+    for arch in architectures or []:
+        head = next((h for h in _HEAD_SUFFIXES if arch.endswith(h)), None)
+        auto = "AutoModelForCausalLM" if head in ("ForCausalLM", "LMHeadModel") else f"AutoModel{head or ''}"
+        out[auto] = f"{REMOTE_MODELING_MODULE}.{arch}"
+        if head is not None:  # the base model loads from any head's folder
+            out.setdefault("AutoModel", f"{REMOTE_MODELING_MODULE}.{arch[:-len(head)]}Model")
+    return out
+
+
+_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForSequenceClassification", "ForTokenClassification",
+                  "ForQuestionAnswering")
+
+
+def make_config_class(base_config: type, model_type: str, module: str) -> type:
+    """``QKNorm<Base>Config``: ``base_config`` with ``model_type`` ``qknorm_<model_type>``, defined in ``module``."""
+    return type(f"QKNorm{base_config.__name__}", (PatchedConfigMixin, base_config),
+                {"model_type": PREFIX + model_type, "__module__": module})
+
+
+def make_model_class(base_model: type, config_class: type, module: str) -> type:
+    """``QKNorm<Base>``: builds ``base_model``, then its patched structure from ``config.qknorm``, so a saved
+    folder's norm weights have somewhere to load into."""
+    def __init__(self, config, *args, **kwargs):
+        base_model.__init__(self, config, *args, **kwargs)
+        patch_on_init(self)
+
+    return type(patched_architecture(base_model.__name__), (base_model,),
+                {"__init__": __init__, "config_class": config_class, "__module__": module})

@@ -1,0 +1,99 @@
+"""Everything hf_qknorm takes from Transformers, in one place: the tested version range and every upstream symbol
+the package relies on, with what it relies on and the test that re-checks it.
+
+The patch copies no upstream code: a patched model runs Transformers' own attention forward, with the norms applied
+by hooks on the projections and the cap read by the ``"qknorm"`` backend. What remains are the reliances listed in
+:data:`RELIANCES`; ``tests/test_upstream.py`` checks each of them and names what to re-check when one changes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+# The Transformers versions the test suite runs on (CI: the whole suite on the newest, the core subset on the
+# oldest). Keep in step with pyproject.toml's dependency range and .ci/run.
+OLDEST_TESTED = "5.0.0"
+NEWEST_TESTED = "5.23.0"
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    parts = []
+    for piece in v.split("+")[0].split("."):
+        digits = "".join(c for c in piece if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != piece:  # 5.24.0rc1, 5.24.0.dev0: stop at the pre-release tag
+            break
+    return tuple(parts)
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Refuse a Transformers older than :data:`OLDEST_TESTED`; warn (once) for one newer than
+    :data:`NEWEST_TESTED` minor series, which the package was not tested with."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    have = _version_tuple(version)
+    if have < _version_tuple(OLDEST_TESTED):
+        raise ImportError(f"hf_qknorm needs transformers>={OLDEST_TESTED} (tested {OLDEST_TESTED} to "
+                          f"{NEWEST_TESTED}); found {version}. Upgrade: pip install -U 'transformers>={OLDEST_TESTED}'")
+    if have[:2] > _version_tuple(NEWEST_TESTED)[:2]:
+        warnings.warn(f"hf_qknorm {_own_version()} was tested with transformers {OLDEST_TESTED} to {NEWEST_TESTED}; "
+                      f"found {version}. It may work; run `hf-qknorm verify` on your model to check that the "
+                      "scheme is computed exactly.", UserWarning, stacklevel=3)
+
+
+def _own_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+@dataclass(frozen=True)
+class Reliance:
+    """One thing hf_qknorm relies on in Transformers."""
+
+    symbol: str        # dotted path, importable
+    used_by: str       # our module that relies on it
+    what: str          # the behaviour relied on
+    checked_by: str    # the test that fails when it changes
+
+
+RELIANCES: tuple[Reliance, ...] = (
+    Reliance("transformers.models.llama.modeling_llama.LlamaAttention.forward", "modeling/hooks.py",
+             "calls self.q_proj/k_proj/v_proj(hidden_states) and views the result as (..., heads, head_dim) before "
+             "RoPE; passes scaling=self.scaling and **kwargs to the attention interface with the module first "
+             "(same for Mistral, Qwen2)",
+             "tests/test_reference.py::test_layer_matches_reference"),
+    Reliance("transformers.models.qwen3.modeling_qwen3.Qwen3Attention.forward", "modeling/hooks.py",
+             "calls self.q_norm / self.k_norm on the (..., heads, head_dim) projections before RoPE",
+             "tests/test_reference.py::test_layer_matches_reference"),
+    Reliance("transformers.models.gpt2.modeling_gpt2.GPT2Attention.forward", "modeling/hooks.py",
+             "calls self.c_attn(hidden_states) whose output is [q | k | v] (split_size each) viewed as "
+             "(..., heads, head_dim); passes scaling=self.scaling to the attention interface",
+             "tests/test_reference.py::test_layer_matches_reference"),
+    Reliance("transformers.AttentionInterface.register", "attention/interface.py",
+             "registers 'qknorm' so that set_attn_implementation('qknorm') dispatches to it",
+             "tests/test_upstream.py::test_backend_is_registered"),
+    Reliance("transformers.masking_utils.AttentionMaskInterface.register", "attention/interface.py",
+             "registers sdpa_mask for 'qknorm': boolean masks, None only where top-left causal is exact",
+             "tests/test_generation_caches.py"),
+    Reliance("transformers.masking_utils.sdpa_mask", "attention/masks.py",
+             "the mask convention the backend follows (see attention/masks.py)",
+             "tests/test_generation_caches.py"),
+    Reliance("transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS.valid_keys", "modeling/_remote/modeling_qknorm.py",
+             "lists registered attention implementations (the remote code registers 'qknorm' only if missing)",
+             "tests/test_export.py::test_saved_folders_load_without_the_plugin"),
+    Reliance("transformers.models.auto.modeling_auto.MODEL_MAPPING", "modeling/structure.py (AUTO_HEADS)",
+             "config class -> head class mappings (MODEL_FOR_CAUSAL_LM_MAPPING and the classification / QA ones)",
+             "tests/test_save_load.py::test_every_head_class_round_trips"),
+    Reliance("transformers.PreTrainedModel.set_attn_implementation", "modeling/patch.py",
+             "switches a model (and its sub-configs) to a registered attention implementation",
+             "tests/test_errors.py::test_cap_is_never_dropped"),
+    Reliance("transformers.PretrainedConfig.to_dict", "modeling/structure.py (PatchedConfigMixin)",
+             "the dict save_pretrained writes as config.json (architectures and auto_map rewritten)",
+             "tests/test_save_load.py::test_round_trip"),
+)
