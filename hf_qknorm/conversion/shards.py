@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..modeling.families import Family
+from ..modeling.fold import bias_shift, fold_gain, shifted_bias
 from ..modeling.schemes import QKNormConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -175,12 +176,13 @@ def plan_weights(weights: SourceWeights, family: Family, cfg: QKNormConfig, new_
 
 
 def _plan_fold(plan: WeightPlan, weights: SourceWeights, family: Family, layer: int) -> None:
-    """``W (g * n + b) + c == (W diag(g)) n + (W b + c)``: the gain multiplies the projections' input channels and
-    the bias becomes a shift of the projections' biases (computed here, one projection weight in memory at a time)."""
+    """The ``qkv_norm`` fold of one layer's removed pre-norm (:mod:`hf_qknorm.modeling.fold`, the rule
+    :func:`hf_qknorm.patch_model` applies too): its gain scales the projections' input channels and its bias
+    shifts their biases, computed here from the unfolded weights, one projection weight in memory at a time."""
     norm = f"{family.layers}.{layer}.{family.prenorm}"
     gain_key, bias_key = (weights.source_key(f"{norm}.{p}") for p in ("weight", "bias"))
-    gain = weights.read(gain_key).float() if gain_key in weights.key_file else None
-    bias = weights.read(bias_key).float() if bias_key in weights.key_file else None
+    gain = weights.read(gain_key) if gain_key in weights.key_file else None
+    bias = weights.read(bias_key) if bias_key in weights.key_file else None
     plan.drop.update(k for k in (gain_key, bias_key) if k in weights.key_file)
     for proj in [family.qkv_proj] if family.fused_qkv else [family.q_proj, family.k_proj, family.v_proj]:
         w_key = weights.source_key(_proj_key(family, layer, proj, "weight"))
@@ -188,20 +190,16 @@ def _plan_fold(plan: WeightPlan, weights: SourceWeights, family: Family, layer: 
         if gain is not None:
             plan.folds[w_key] = gain
         if bias is not None:
-            w = weights.read(w_key).float()
-            shift = bias @ w if family.conv1d else w @ bias
             if b_key not in weights.key_file:
                 raise ValueError(f"cannot fold the bias of {norm} into {w_key}: the projection has no bias")
-            plan.shifts[b_key] = shift
+            plan.shifts[b_key] = bias_shift(weights.read(w_key), bias, family.conv1d)
 
 
 def _transform(key: str, tensor: torch.Tensor, plan: WeightPlan) -> torch.Tensor:
     if key in plan.folds:
-        g = plan.folds[key]
-        g = g[:, None] if plan.conv1d else g[None, :]  # Conv1D weights are (in, out), Linear (out, in)
-        tensor = (tensor.float() * g).to(tensor.dtype)
+        tensor = fold_gain(tensor, plan.folds[key], plan.conv1d)
     if key in plan.shifts:
-        tensor = (tensor.float() + plan.shifts[key]).to(tensor.dtype)
+        tensor = shifted_bias(tensor, plan.shifts[key])
     return tensor
 
 
