@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # The Transformers versions the test suite runs on (CI: the whole suite on the newest, the core subset on the
 # oldest). Keep in step with pyproject.toml's dependency range and .ci/run.
-OLDEST_TESTED = "5.0.0"
+OLDEST_TESTED = "5.4.0"
 NEWEST_TESTED = "5.23.0"
 
 
@@ -80,19 +80,23 @@ RELIANCES: tuple[Reliance, ...] = (
              "tests/test_upstream.py::test_backend_is_registered"),
     Reliance("transformers.masking_utils.AttentionMaskInterface.register", "attention/interface.py",
              "registers sdpa_mask for 'qknorm': boolean masks, None only where top-left causal is exact",
-             "tests/test_generation_caches.py"),
+             "tests/test_models.py::test_generate_with_cache_matches_uncached"),
     Reliance("transformers.masking_utils.sdpa_mask", "attention/masks.py",
              "the mask convention the backend follows (see attention/masks.py)",
-             "tests/test_generation_caches.py"),
+             "tests/test_models.py::test_padded_batch_matches_unbatched"),
     Reliance("transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS.valid_keys", "modeling/_remote/modeling_qknorm.py",
              "lists registered attention implementations (the remote code registers 'qknorm' only if missing)",
              "tests/test_export.py::test_saved_folders_load_without_the_plugin"),
     Reliance("transformers.models.auto.modeling_auto.MODEL_MAPPING", "modeling/structure.py (AUTO_HEADS)",
              "config class -> head class mappings (MODEL_FOR_CAUSAL_LM_MAPPING and the classification / QA ones)",
-             "tests/test_save_load.py::test_every_head_class_round_trips"),
+             "tests/test_patching.py::test_every_head_class_round_trips"),
     Reliance("transformers.PreTrainedModel.set_attn_implementation", "modeling/patch.py",
              "switches a model (and its sub-configs) to a registered attention implementation",
              "tests/test_errors.py::test_cap_is_never_dropped"),
+    Reliance("transformers.models.llama.modeling_llama.apply_rotary_pos_emb", "modeling/layout.py (rotary_function)",
+             "each RoPE family's modelling file has apply_rotary_pos_emb(q, k, cos, sin) -> (q, k), the rotation its "
+             "forward applies (the monitor and calibration statistics rebuild the backend's q and k with it)",
+             "tests/test_upstream.py::test_rotary_function_is_the_forwards_rotation"),
     Reliance("transformers.PretrainedConfig.to_dict", "modeling/structure.py (PatchedConfigMixin)",
              "the dict save_pretrained writes as config.json (architectures and auto_map rewritten)",
              "tests/test_save_load.py::test_round_trip"),

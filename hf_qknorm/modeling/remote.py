@@ -61,8 +61,11 @@ def remote_files() -> dict[str, str]:
     stamp = f"# Written by hf_qknorm {__version__} from hf_qknorm/{{}}; it is regenerated on every save.\n"
     files = {name: stamp.format(path) + _flatten((_PACKAGE / path).read_text(), path)
              for path, name in SHIPPED.items()}
+    # Older Transformers (5.4 at least) copy only the files an entry file imports itself: name every shipped module.
+    direct = "".join(f"from .{n[:-3]} import __name__ as _{n[:-3]}  # noqa: F401\n" for n in SHIPPED.values())
     for name in ENTRY_FILES:
-        files[name] = stamp.format(f"modeling/_remote/{name}") + (_PACKAGE / "modeling" / "_remote" / name).read_text()
+        entry = (_PACKAGE / "modeling" / "_remote" / name).read_text().replace("# {SHIPPED_IMPORTS}\n", direct)
+        files[name] = stamp.format(f"modeling/_remote/{name}") + entry
     return files
 
 

@@ -19,6 +19,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+# {SHIPPED_IMPORTS}
+
 from .configuration_qknorm import CONFIG_CLASSES
 from .qknorm_eager import capped_eager_attention
 from .qknorm_families import FAMILIES

@@ -1,0 +1,93 @@
+"""The tested Transformers range is enforced, and every reliance on Transformers listed in hf_qknorm/upstream.py
+resolves and names a test that exists (the tests that fail when upstream behaviour changes)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_qknorm import upstream
+from tiny_models import tiny_model
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_version_gate():
+    with pytest.raises(ImportError, match=rf"needs transformers>={upstream.OLDEST_TESTED} .* found 5\.3\.9"):
+        upstream.check_transformers_version("5.3.9")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        upstream.check_transformers_version(upstream.OLDEST_TESTED)
+        upstream.check_transformers_version(upstream.NEWEST_TESTED)
+        upstream.check_transformers_version(upstream.NEWEST_TESTED.rsplit(".", 1)[0] + ".9")  # a patch release
+    for newer in ("5.99.0", "6.0.0", "5.99.0.dev0", "5.99.0rc1"):
+        with pytest.warns(UserWarning, match=f"tested with transformers .* found {newer}"):
+            upstream.check_transformers_version(newer)
+
+
+def test_installed_version_is_in_the_declared_range():
+    import tomllib
+
+    import transformers
+
+    spec = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = next(d for d in spec if d.startswith("transformers"))
+    assert f">={upstream.OLDEST_TESTED.rsplit('.', 1)[0]}" in declared, declared
+    version = upstream._version_tuple(transformers.__version__)
+    assert upstream._version_tuple(upstream.OLDEST_TESTED) <= version
+    assert version[:2] <= upstream._version_tuple(upstream.NEWEST_TESTED)[:2]
+
+
+def _resolve(dotted: str):
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+@pytest.mark.parametrize("reliance", upstream.RELIANCES, ids=lambda r: r.symbol)
+def test_every_reliance_resolves_and_names_a_real_test(reliance):
+    assert _resolve(reliance.symbol) is not None, f"{reliance.symbol} is gone: re-check {reliance.used_by}"
+    path, _, name = reliance.checked_by.partition("::")
+    file = TESTS.parent / path
+    assert file.is_file(), reliance.checked_by
+    if name:
+        tree = ast.parse(file.read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body), reliance.checked_by
+
+
+def test_backend_is_registered():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import hf_qknorm  # noqa: F401  (registers)
+
+    assert "qknorm" in ALL_ATTENTION_FUNCTIONS.valid_keys() and "qknorm" in ALL_MASK_ATTENTION_FUNCTIONS.valid_keys()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_rotary_function_is_the_forwards_rotation(family):
+    """The function the monitor and calibration use to rebuild post-RoPE q and k is the half-split rotation the
+    family's forward applies (the formula in hf_qknorm.reference)."""
+    from hf_qknorm.modeling.layout import rotary_function
+    from hf_qknorm.reference import rope_reference
+
+    model = tiny_model(family, dtype=torch.float64)
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(2, 4, 9, attn.head_dim, dtype=torch.float64)
+    k = torch.randn(2, 2, 9, attn.head_dim, dtype=torch.float64)
+    cos, sin = model.model.rotary_emb(q, torch.arange(9)[None].expand(2, -1))
+    q_rot, k_rot = rotary_function(attn)(q, k, cos, sin)
+    torch.testing.assert_close(q_rot, rope_reference(q, cos, sin))
+    torch.testing.assert_close(k_rot, rope_reference(k, cos, sin))
