@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import importlib
 
+from ._version import __version__
 from .upstream import check_transformers_version
-
-__version__ = "0.2.0"
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {

@@ -47,9 +47,20 @@ def check_transformers_version(version: str | None = None) -> None:
 
 
 def _own_version() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return __version__
+
+
+def installed_versions() -> dict[str, str]:
+    """hf_qknorm, Transformers, torch and Python versions, for reports and model cards."""
+    import platform
+
+    import torch
+    import transformers
+
+    return {"hf_qknorm": _own_version(), "transformers": transformers.__version__, "torch": torch.__version__,
+            "python": platform.python_version()}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import torch
 from .calibrate import CalibrationReport, CalibrationSettings, calibrate as run_calibration, new_norm_parameters
 from ..modeling.families import Family, get_family
 from ..modeling.schemes import QKNormConfig
+from ..upstream import installed_versions
 from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
 
 __all__ = ["ConversionResult", "convert", "default_destination"]
@@ -359,16 +359,7 @@ def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_valu
     copy_side_files(source.path, tmp)
     report = {"source": source.name, "export": kind, "export_note": result.export_note, "scheme": cfg.to_dict(),
               "calibration": None if result.report is None else result.report.to_dict(),
-              "versions": _versions()}
+              "versions": installed_versions()}
     (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     write_model_card(tmp, model_name=model_name, source_dir=source.path, base_model=source.name, cfg=cfg,
                      export=kind, report=result.report, export_note=result.export_note)
-
-
-def _versions() -> dict:
-    import transformers
-
-    from .. import __version__
-
-    return {"hf_qknorm": __version__, "transformers": transformers.__version__, "torch": torch.__version__,
-            "python": sys.version.split()[0]}

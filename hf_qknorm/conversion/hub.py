@@ -70,7 +70,7 @@ def build_model_card(*, base_model: str | None, cfg, export: str, report=None, d
     """The filled :class:`huggingface_hub.ModelCard` of a converted folder."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from .converter import _versions
+    from ..upstream import installed_versions
 
     scheme = cfg.to_dict()
     hub_base = base_model if base_model and "/" in base_model and " " not in base_model \
@@ -96,7 +96,7 @@ def build_model_card(*, base_model: str | None, cfg, export: str, report=None, d
         perplexity_table=report.perplexity_table() if report else "",
         layer_table=report.layer_table() if report else "",
         recovered=f"{100 * report.recovered:.1f}%" if report else "",
-        versions=versions or _versions(),
+        versions=versions or installed_versions(),
         licence_note=(f"Licence: `{licence['license']}`, inherited from the source model." if licence
                       else "The source model's card gave no licence; check its terms before sharing."))
 

@@ -56,7 +56,7 @@ def _flatten(source: str, where: str) -> str:
 
 def remote_files() -> dict[str, str]:
     """File name -> text of everything a saved folder carries besides ``config.json`` and the weights."""
-    from .. import __version__
+    from .._version import __version__
 
     stamp = f"# Written by hf_qknorm {__version__} from hf_qknorm/{{}}; it is regenerated on every save.\n"
     files = {name: stamp.format(path) + _flatten((_PACKAGE / path).read_text(), path)
