@@ -103,7 +103,7 @@ def attention_class(base: type) -> type:
                 check_cap_backend(self.config._attn_implementation)
             return base.forward(self, *args, **kwargs)  # the upstream forward, unmodified
 
-        cls = type(f"QKNorm{base.__name__}", (base,),
+        cls = type(f"QKNorm{base.__name__}", (base,),  # the CLASS_PREFIX of .structure (hooks imports nothing)
                    {"__setattr__": _setattr, "forward": forward, "__module__": __name__})
         globals()[cls.__name__] = cls  # importable by name: pickling and copying work
         _ATTENTION_CLASSES[base] = cls

@@ -95,7 +95,9 @@ def _config_class_name(data: dict) -> str:
 
     from .families import base_model_type
 
-    return "QKNorm" + CONFIG_MAPPING[base_model_type(data.get("model_type", ""))].__name__
+    from .structure import CLASS_PREFIX
+
+    return CLASS_PREFIX + CONFIG_MAPPING[base_model_type(data.get("model_type", ""))].__name__
 
 
 def _write_atomic(path: Path, text: str) -> None:

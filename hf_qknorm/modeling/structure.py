@@ -215,6 +215,7 @@ AUTO_HEADS = (
     ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING"),
 )
 REMOTE_CONFIG_MODULE, REMOTE_MODELING_MODULE = "configuration_qknorm", "modeling_qknorm"
+CLASS_PREFIX = "QKNorm"  # QKNormLlamaConfig, QKNormLlamaForCausalLM, QKNormLlamaAttention
 
 
 class PatchedConfigMixin:
@@ -233,7 +234,7 @@ class PatchedConfigMixin:
 
 def patched_architecture(name: str) -> str:
     """``QKNormLlamaForCausalLM`` for ``LlamaForCausalLM`` (and for itself)."""
-    return name if name.startswith("QKNorm") else "QKNorm" + name
+    return name if name.startswith(CLASS_PREFIX) else CLASS_PREFIX + name
 
 
 def auto_map(config_class_name: str, architectures) -> dict:
@@ -254,7 +255,7 @@ _HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForSequenceClassification", "Fo
 
 def make_config_class(base_config: type, model_type: str, module: str) -> type:
     """``QKNorm<Base>Config``: ``base_config`` with ``model_type`` ``qknorm_<model_type>``, defined in ``module``."""
-    return type(f"QKNorm{base_config.__name__}", (PatchedConfigMixin, base_config),
+    return type(CLASS_PREFIX + base_config.__name__, (PatchedConfigMixin, base_config),
                 {"model_type": PREFIX + model_type, "__module__": module})
 
 
