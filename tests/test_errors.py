@@ -13,7 +13,11 @@ from tiny_models import VOCAB, tiny_model
 @pytest.mark.parametrize("kwargs,match", [
     ({"scheme": "qk_nrom"}, r"unknown scheme 'qk_nrom'.*'qk_norm', 'soft_cap', 'qk_norm_cap', 'qkv_norm'"),
     ({"scheme": "qk_norm", "norm": "batchnorm"}, r"unknown norm 'batchnorm'.*'layernorm', 'rmsnorm', 'l2', 'lp'"),
-    ({"scheme": "qk_norm_cap", "softcap": 0}, r"softcap must be a positive finite number, got 0"),
+    ({"scheme": "qk_norm_cap", "softcap": 0}, r"softcap must be a positive finite number up to 1e\+06, got 0"),
+    ({"scheme": "qk_norm_cap", "softcap": 1e39}, r"got 1e\+39"),  # inf in float32: every logit would be NaN
+    ({"scheme": "qk_norm_cap", "softcap": True}, r"got True"),
+    ({"scheme": "qk_norm", "eps": True}, r"eps must be a positive finite number, got True"),
+    ({"scheme": "qk_norm", "norm": "lp", "p": True}, r"p must be a finite number >= 1 for norm 'lp', got True"),
     ({"scheme": "qk_norm_cap", "softcap": -5.0}, r"got -5.0"),
     ({"scheme": "soft_cap", "softcap": float("inf")}, r"got inf"),
     ({"scheme": "qk_norm", "softcap": 30.0}, r"scheme 'qk_norm' has no cap.*capped schemes"),
@@ -78,5 +82,36 @@ def test_qknorm_attention_rejects_bias_masks():
     bias = torch.randn(1, 1, 4, 4)  # a position bias, not a mask: would be dropped
     with pytest.raises(ValueError, match="additive masks of 0 and -inf only"):
         qknorm_attention_forward(torch.nn.Module(), q, q, q, bias, softcap=5.0)
-    with pytest.raises(ValueError, match="softcap must be positive, got -1"):
-        qknorm_attention_forward(torch.nn.Module(), q, q, q, None, softcap=-1)
+    for cap in (-1, 0.0, 1e39, float("nan"), True):  # any model may hand the backend a cap: Gemma 2's config does
+        with pytest.raises(ValueError, match=r"softcap must be a positive finite number up to 1e\+06"):
+            qknorm_attention_forward(torch.nn.Module(), q, q, q, None, softcap=cap)
+
+
+@pytest.mark.parametrize("entry,match", [
+    ({}, r"lacks \['scheme', 'norm', 'softcap', 'eps', 'p'\]"),
+    ({"scheme": "qk_norm_cap", "norm": "layernorm", "eps": 1e-6, "p": None}, r"lacks \['softcap'\]"),
+    ({"scheme": "qk_norm_cap", "norm": "layernorm", "softcap": None, "eps": 1e-6, "p": None},
+     r"softcap=None, but scheme 'qk_norm_cap' .* means softcap=50.0"),
+    ({"scheme": "qk_norm", "norm": "layernorm", "softcap": None, "eps": None, "p": None}, r"eps null"),
+    ({"scheme": "soft_cap", "norm": None, "softcap": 0, "eps": 1e-6, "p": None}, r"softcap must be .* got 0"),
+    ({"scheme": "qk_norm_capp", "norm": None, "softcap": 5.0, "eps": 1e-6, "p": None}, r"unknown scheme"),
+    ({"scheme": "qk_norm", "norm": "layernorm", "softcap": None, "eps": 1e-6, "p": None, "gain": 2}, r"'gain'"),
+    ([("scheme", "qk_norm")], r"config.qknorm must be a dict"),
+])
+def test_saved_scheme_entries_are_not_trusted(entry, match, tmp_path):
+    """A saved config.qknorm is validated with the same rules, and nothing is filled in from defaults: a missing
+    softcap must not load with cap 50. The same check runs in the remote code (it is the same module)."""
+    with pytest.raises(ValueError, match=match):
+        QKNormConfig.from_dict(entry)
+    model = tiny_model("llama")
+    hf_qknorm.patch_model(model, "qk_norm_cap")
+    model.save_pretrained(tmp_path)
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["qknorm"] = entry
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match):
+        AutoModelForCausalLM.from_pretrained(tmp_path)

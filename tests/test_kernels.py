@@ -433,6 +433,23 @@ def test_package_imports_without_triton():
     assert res.stdout.startswith("ok") and "triton is not installed" in res.stdout
 
 
+def test_no_gpu_means_unavailable():
+    """Without a CUDA device (and without the interpreter that tests use), the kernels say they cannot run and why:
+    `hf-qknorm info` and `kernels.is_available()` must not claim them on a CPU-only machine."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code = ("import hf_qknorm.kernels as k\n"
+            "assert not k.is_available(), 'claims the kernels on a machine with no GPU'\n"
+            "print(k.unavailable_reason())\n")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("no CUDA device")
+    res = subprocess.run([sys.executable, "-m", "hf_qknorm.cli", "info"], capture_output=True, text=True, env=env,
+                         timeout=120, check=False)
+    assert res.returncode == 0 and "triton kernels: unavailable (no CUDA device" in res.stdout, res.stdout + res.stderr
+
+
 # ------------------------------------------------------------------------------------------------ GPU only
 
 CUDA_CASES = [  # (batch, heads, kv_heads, q_len, kv_len, head_dim, causal, softcap, extra)

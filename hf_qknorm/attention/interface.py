@@ -2,7 +2,9 @@
 
 Usable by any model: ``AutoModelForCausalLM.from_pretrained(..., attn_implementation="qknorm")`` or
 ``model.set_attn_implementation("qknorm")`` once ``hf_qknorm`` is imported. It honours the interface's ``scaling``,
-``dropout``, ``softcap``, ``sliding_window``, ``is_causal`` and packed-sequence (``cu_seq_lens_*``) arguments.
+``dropout``, ``softcap`` (or the cap a patched module carries), ``sliding_window``, ``is_causal``, packed sequences
+(``cu_seq_lens_*``, or ``position_ids`` that restart -- also with ``use_cache`` on, where Transformers builds no
+packing mask) and ``output_attentions``. The mask rule is :mod:`hf_qknorm.attention.masks`.
 
 Dispatch: CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``); everything else takes the PyTorch
 path -- ``sdpa`` when there is no cap, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in
@@ -18,7 +20,9 @@ import torch
 from torch.nn import functional as F
 
 from .chunked import chunk_allowed, chunked_attention
-from .masks import bool_mask
+from ..modeling.schemes import check_softcap
+from .eager import capped_eager_attention
+from .masks import bool_mask, implicit_causal
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +37,19 @@ def _warn_once(msg: str) -> None:
         logger.warning(msg)
 
 
-def _varlen_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
-    """Block-diagonal boolean ``(1, 1, q_len, kv_len)`` mask of packed sequences given their cumulative lengths."""
+def _varlen_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int, causal: bool,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    """Block-diagonal boolean ``(1, 1, q_len, kv_len)`` mask of packed sequences given their cumulative lengths,
+    causal within each sequence (bottom-right aligned, as the kernels' varlen mode) when ``causal``, intersected with
+    ``mask``."""
     def seq_ids(cu, n):
         ids = torch.zeros(n, dtype=torch.long, device=cu.device)
         ids[cu[1:-1].long()] = 1
         return ids.cumsum(0)
-    same = seq_ids(cu_q, q_len)[:, None] == seq_ids(cu_k, kv_len)[None, :]
-    return same[None, None]
+    same = (seq_ids(cu_q, q_len)[:, None] == seq_ids(cu_k, kv_len)[None, :])[None, None]
+    if causal:
+        same = same & chunk_allowed(None, 0, q_len, q_len, kv_len, True, None, cu_q.device)
+    return same if mask is None else same & mask
 
 
 _TRITON_ON_CPU = False  # tests: run the Triton kernels on CPU tensors through Triton's interpreter
@@ -75,34 +84,60 @@ def _kernels_or_reason(x: torch.Tensor):
 def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              dropout: float = 0.0, softcap: float | None = None, sliding_window: int | None = None,
-                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with an optional logit cap, in the ``AttentionInterface`` calling convention.
 
     Args:
         query: ``(batch, heads, q_len, head_dim)``; key, value: ``(batch, kv_heads, kv_len, head_dim)``.
-        attention_mask: boolean ``(batch, 1, q_len, kv_len)`` from the ``"qknorm"`` mask function (True = attend),
-            or ``None`` for a plain causal (or, with ``is_causal=False``, unmasked) pattern.
-        scaling: logit scale, ``head_dim ** -0.5`` when ``None``. softcap: ``c`` in ``c * tanh(s / c)``.
+        attention_mask: boolean ``(batch, 1, q_len, kv_len)`` from the ``"qknorm"`` mask function (True = attend)
+            or an additive 0/-inf mask -- complete: causality, padding, packing and any sliding window -- or
+            ``None``, which means what it means for sdpa (:mod:`.masks`): top-left causal, nothing masked for a
+            single query or with ``is_causal=False``.
+        scaling: logit scale, ``head_dim ** -0.5`` when ``None``. softcap: ``c`` in ``c * tanh(s / c)``; ``None``
+            takes the cap a patched module carries.
+        sliding_window: applied only when there is no mask (a mask already holds the window).
+        kwargs: ``position_ids`` (packed sequences are recognised where they restart), ``cu_seq_lens_q/k`` and
+            ``max_length_q/k`` (packed sequences in one row), ``output_attentions``.
     Returns:
-        ``(batch, q_len, heads, head_dim)`` and ``None`` (attention weights are never materialised).
+        ``(batch, q_len, heads, head_dim)`` and the attention weights ``(batch, heads, q_len, kv_len)`` when
+        ``output_attentions`` is set (computed by :func:`.eager.capped_eager_attention`), else ``None``.
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if softcap is None:  # a patched module carries its cap (its upstream forward passes none)
         softcap = getattr(module, "_qknorm_softcap", None)
+    if softcap is not None:
+        softcap = check_softcap(softcap)
     probe = getattr(module, "_qknorm_probe", None)  # set by hf_qknorm.QKMonitor for the steps it records
     if probe is not None:
         probe(module, query, key, attention_mask=attention_mask, scaling=scaling, softcap=softcap)
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap!r}")
-    if kwargs.get("output_attentions"):
-        _warn_once("qknorm attention does not return attention weights (output_attentions=True gives None).")
     if not module.training:
         dropout = 0.0
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     mask = bool_mask(attention_mask)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal) and mask is None and query.shape[2] > 1
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and query.shape[0] != 1:
+        raise ValueError(f"packed sequences (cu_seq_lens_q) must come as one row of concatenated sequences, batch 1; "
+                         f"got a batch of {query.shape[0]} (query {tuple(query.shape)})")
+    packed = None if cu_q is not None or not causal else \
+        packed_sequence_mask(kwargs.get("position_ids"), q_len, kv_len, mask)
+    if mask is not None:
+        sliding_window, causal = None, False  # the mask is complete...
+        if packed is not None:  # ...except for packing with the cache on: Transformers leaves it out then
+            combined = mask & packed
+            mask = torch.where(combined.any(-1, keepdim=True), combined, mask)  # never empty a row it left open
+    elif cu_q is not None:
+        pass  # `causal` now means: causal within each packed sequence
+    elif causal and q_len > 1:
+        if packed is not None:
+            mask, causal, sliding_window = packed, False, None  # causal within each packed sequence
+        if kv_len > q_len:  # top-left causal: keys past the last query row are never seen (an empty static cache)
+            key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+    else:
+        causal = False  # a single query sees every key; is_causal=False sees everything
+    if kwargs.get("output_attentions"):
+        return _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal)
 
     kernels, reason = _kernels_or_reason(query)
     if kernels is not None and dropout > 0:
@@ -112,20 +147,16 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         varlen_causal = cu_q is not None and bool(getattr(module, "is_causal", True) if is_causal is None
                                                   else is_causal)
         out = kernels.triton_attention(
-            query, key, value, scaling=scaling, softcap=softcap, causal=causal or varlen_causal,
-            attn_mask=None if cu_q is not None else mask, sliding_window=sliding_window, cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k, max_seqlen_q=kwargs.get("max_length_q"), max_seqlen_k=kwargs.get("max_length_k"))
+            query, key.contiguous(), value.contiguous(), scaling=scaling, softcap=softcap,
+            causal=causal or varlen_causal, attn_mask=None if cu_q is not None else mask,
+            sliding_window=sliding_window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            max_seqlen_q=kwargs.get("max_length_q"), max_seqlen_k=kwargs.get("max_length_k"))
         return out.transpose(1, 2).contiguous(), None
     if query.is_cuda:
         _warn_once(f"qknorm attention: using the PyTorch path on CUDA because {reason}.")
 
-    if cu_q is not None and query.shape[0] == 1:  # packed sequences without a mask from position_ids
-        packed = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, query.shape[2], key.shape[2])
-        if causal:
-            packed = packed & chunk_allowed(None, 0, query.shape[2], query.shape[2], key.shape[2], True, None,
-                                            query.device)
-            causal = False
-        mask = packed if mask is None else mask & packed
+    if cu_q is not None:  # packed sequences in one row, described by their cumulative lengths
+        mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, q_len, kv_len, causal, mask), False
     if softcap is None:
         out = _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window)
     else:
@@ -134,13 +165,63 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.transpose(1, 2).contiguous(), None
 
 
+def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal):
+    """The call that asked for attention weights: the materialising path, which returns them."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if cu_q is not None:
+        mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, q_len, kv_len, causal, mask), False
+    if mask is None and causal:
+        mask = implicit_causal(q_len, kv_len, query.device)[None, None]
+    return capped_eager_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout,
+                                  softcap=softcap, is_causal=False)
+
+
+# position_ids tensor (by identity and version) -> whether it restarts: every layer of a forward gets the same tensor,
+# so the host sync that answers it happens once per forward, not once per layer.
+_RESTART_CACHE: list = [None, None, None]
+
+
+def _restarts(position_ids: torch.Tensor) -> torch.Tensor:
+    return position_ids[..., 1:] != position_ids[..., :-1] + 1
+
+
+def packed_sequence_mask(position_ids: torch.Tensor | None, q_len: int, kv_len: int,
+                         mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The block-diagonal causal ``(batch, 1, q_len, kv_len)`` mask of sequences packed into a row, recognised where
+    ``position_ids`` restart (``DataCollatorWithFlattening``), or ``None`` when they do not.
+
+    Transformers builds this mask itself only without a cache; with ``use_cache`` on (a ``Trainer`` run's default
+    config) it leaves the packing out -- no mask, or a plain sliding-window mask -- and plain sdpa then lets the
+    sequences attend to each other. Keys beyond the queries are a static cache's empty slots when the boolean
+    ``mask`` (if any) lets no query see them (a prefill); otherwise the cache holds tokens, and which of them belong
+    to which packed sequence cannot be known: refused. Under ``torch.compile`` (no data-dependent checks) the mask is
+    built whenever keys and queries match, and left to Transformers otherwise."""
+    if position_ids is None or q_len < 2 or position_ids.shape[-1] != q_len:
+        return None
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # eager: skip all of this when nothing restarts (one sync per forward)
+        key = (id(position_ids), position_ids._version)
+        if _RESTART_CACHE[0] != key or _RESTART_CACHE[1] is not position_ids:
+            _RESTART_CACHE[:] = [key, position_ids, bool(_restarts(position_ids).any())]
+        if not _RESTART_CACHE[2]:
+            return None
+        if kv_len != q_len and mask is not None and bool(mask[..., q_len:].any()):
+            raise ValueError(f"packed sequences (position_ids restart within a row) appended to a cache that holds "
+                             f"{kv_len - q_len} earlier tokens: hf_qknorm cannot tell which cached keys belong to "
+                             "which sequence; run packed batches with use_cache=False")
+    elif kv_len != q_len:
+        return None
+    seq = torch.nn.functional.pad(_restarts(position_ids).long().cumsum(-1), (1, 0))  # (B, T) sequence index
+    same = (seq[:, :, None] == seq[:, None, :]) & implicit_causal(q_len, q_len, position_ids.device)
+    return torch.nn.functional.pad(same, (0, kv_len - q_len))[:, None]  # a static cache's empty slots: never seen
+
+
 def _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window):
+    """sdpa without a cap. ``causal`` (no mask) is square here: the caller dropped the keys a top-left causal
+    pattern never sees."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if sliding_window is not None and mask is None and kv_len > sliding_window:
         mask = chunk_allowed(None, 0, q_len, q_len, kv_len, causal, sliding_window, query.device)[None, None]
-        causal = False
-    if causal and q_len != kv_len:  # sdpa's is_causal is top-left aligned; ours is bottom-right
-        mask = chunk_allowed(None, 0, q_len, q_len, kv_len, True, None, query.device)[None, None]
         causal = False
     groups = query.shape[1] // key.shape[1]
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,

@@ -16,6 +16,7 @@ before the first kernel module is imported (that is how the tests run them). Not
 from __future__ import annotations
 
 import importlib
+import os
 
 __all__ = ["is_available", "unavailable_reason", "triton_attention", "triton_norm_rope"]
 
@@ -48,12 +49,18 @@ def unavailable_reason() -> str | None:
         return None  # a dev build with an odd version string: let it try
     if version < MIN_TRITON:
         return f"triton {triton.__version__} is too old (need >= {'.'.join(map(str, MIN_TRITON))}): {_INSTALL_HINT}"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        if not torch.cuda.is_available():  # asks the driver; does not initialise a CUDA context
+            return ("no CUDA device: the kernels run on NVIDIA GPUs (on CPU, tests run them through Triton's "
+                    "interpreter with TRITON_INTERPRET=1)")
     return None
 
 
 def is_available() -> bool:
-    """True when triton is importable and recent enough. Whether a tensor can run the kernels is a separate,
-    call-time question: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    """True when the kernels can run here: triton is importable and recent enough, and there is a CUDA device (or
+    Triton's interpreter is on, ``TRITON_INTERPRET=1``, as in the tests)."""
     return unavailable_reason() is None
 
 

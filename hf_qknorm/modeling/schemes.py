@@ -15,12 +15,30 @@ qkv_norm    a norm on each head's query, key and value; the pre-attention norm i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, get_args
 
-SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
-NORMS = ("layernorm", "rmsnorm", "l2", "lp")
+Scheme = Literal["qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm"]
+Norm = Literal["layernorm", "rmsnorm", "l2", "lp"]
+SCHEMES: tuple[str, ...] = get_args(Scheme)
+NORMS: tuple[str, ...] = get_args(Norm)
 DEFAULT_SOFTCAP = 50.0  # Gemma 2 / Rybakov et al. 2024
+# The largest cap accepted. c*tanh(s/c) with c this large never bends a logit (s < 1e3 changes by < 1e-9 relative),
+# and beyond it s/c underflows float32's precision for ordinary logits; 1e39 is not even a float32 (it is inf, and
+# c*tanh(s/c) = inf*0 = NaN). This module imports only the standard library: it is also copied into saved folders.
+MAX_SOFTCAP = 1e6
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_softcap(value, what: str = "softcap") -> float:
+    """``value`` as a float if it is a usable cap (a positive finite number up to :data:`MAX_SOFTCAP`), else a
+    ``ValueError`` naming it and the valid range. The one rule for configs, the attention backend and saved folders."""
+    if not _is_number(value) or not math.isfinite(value) or not 0 < value <= MAX_SOFTCAP:
+        raise ValueError(f"{what} must be a positive finite number up to {MAX_SOFTCAP:g}, got {value!r}")
+    return float(value)
 
 _CAPPED = ("soft_cap", "qk_norm_cap")
 _NORMED = ("qk_norm", "qk_norm_cap", "qkv_norm")
@@ -44,8 +62,8 @@ class QKNormConfig:
         p: the exponent of the ``lp`` norm (``p >= 1``); ``l2`` is ``lp`` with ``p = 2``.
     """
 
-    scheme: str = "qk_norm_cap"
-    norm: str | None = None
+    scheme: Scheme = "qk_norm_cap"
+    norm: Norm | None = None
     softcap: float | None = None
     eps: float | None = None
     p: float | None = None
@@ -55,7 +73,7 @@ class QKNormConfig:
             raise ValueError(f"unknown scheme {self.scheme!r}; valid schemes: {_choices(SCHEMES)}")
         self._check_norm()
         self._check_softcap()
-        if self.eps is not None and not (isinstance(self.eps, (int, float)) and self.eps > 0 and math.isfinite(self.eps)):
+        if self.eps is not None and not (_is_number(self.eps) and self.eps > 0 and math.isfinite(self.eps)):
             raise ValueError(f"eps must be a positive finite number, got {self.eps!r}")
 
     def _check_norm(self) -> None:
@@ -74,7 +92,7 @@ class QKNormConfig:
         if norm == "lp":
             if p is None:
                 raise ValueError("norm 'lp' needs an exponent p >= 1, e.g. p=4.0")
-            if not (isinstance(p, (int, float)) and math.isfinite(p) and p >= 1):
+            if not (_is_number(p) and math.isfinite(p) and p >= 1):
                 raise ValueError(f"p must be a finite number >= 1 for norm 'lp', got {p!r}")
             p = float(p)
         elif norm == "l2":
@@ -93,11 +111,7 @@ class QKNormConfig:
                 raise ValueError(f"scheme {self.scheme!r} has no cap, but softcap={cap!r} was given; "
                                  f"capped schemes: {_choices(_CAPPED)}")
             return
-        if cap is None:
-            cap = DEFAULT_SOFTCAP
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
-            raise ValueError(f"softcap must be a positive finite number, got {cap!r}")
-        object.__setattr__(self, "softcap", float(cap))
+        object.__setattr__(self, "softcap", check_softcap(DEFAULT_SOFTCAP if cap is None else cap))
 
     # --- what the scheme does -------------------------------------------------------------------------------
     @property
@@ -130,10 +144,28 @@ class QKNormConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "QKNormConfig":
+        """The config a saved ``config.qknorm`` describes. A saved config states every field exactly as
+        :meth:`to_dict` writes it (``eps`` resolved, ``softcap`` present for capped schemes, ``p`` for ``lp``/``l2``):
+        nothing is filled in from defaults, so a hand-edited or truncated entry fails here, naming the field,
+        instead of loading with a cap or epsilon the model was not trained with."""
         if not isinstance(d, dict):
-            raise TypeError(f"config.qknorm must be a dict, got {type(d).__name__}")
-        unknown = set(d) - {"scheme", "norm", "softcap", "eps", "p"}
+            raise ValueError(f"config.qknorm must be a dict with keys {_choices(_FIELDS)}, got {type(d).__name__}")
+        unknown, missing = sorted(set(d) - set(_FIELDS)), [k for k in _FIELDS if k not in d]
         if unknown:
-            raise ValueError(f"unknown keys in config.qknorm: {sorted(unknown)}; "
-                             "valid keys: 'scheme', 'norm', 'softcap', 'eps', 'p'")
-        return cls(**d)
+            raise ValueError(f"unknown keys in config.qknorm: {unknown}; valid keys: {_choices(_FIELDS)}")
+        if missing:
+            raise ValueError(f"config.qknorm lacks {missing}: a saved scheme states every field "
+                             f"({_choices(_FIELDS)}; null where it does not apply)")
+        cfg = cls(**d)
+        stated = {k: d[k] for k in _FIELDS}
+        resolved = cfg.to_dict()
+        if stated["eps"] is None:
+            raise ValueError("config.qknorm has eps null: a saved scheme states the epsilon its norms use")
+        for key in ("norm", "softcap", "p"):  # what the constructor would otherwise fill in from defaults
+            if stated[key] != resolved[key]:
+                raise ValueError(f"config.qknorm has {key}={stated[key]!r}, but scheme {cfg.scheme!r} with these "
+                                 f"settings means {key}={resolved[key]!r}; write it explicitly")
+        return cfg
+
+
+_FIELDS = tuple(f.name for f in fields(QKNormConfig))
