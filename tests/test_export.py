@@ -62,6 +62,12 @@ _LOADER = textwrap.dedent("""
             row["logits"] = model(ids, attention_mask=mask).logits
         if job.get("generate"):
             row["generated"] = model.generate(ids[1:], max_new_tokens=8, do_sample=False)
+            static = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True, cache_implementation="static", pad_token_id=0)
+            row["static_logits"] = torch.stack(static.logits)
+            packed = torch.tensor([job["packed_ids"]])
+            row["packed"] = model(packed, position_ids=torch.tensor([job["packed_positions"]]),
+                                  use_cache=True).logits
         if job.get("grads"):
             model.train()
             model(ids[1:], labels=ids[1:]).loss.backward()
@@ -102,7 +108,8 @@ def test_saved_folders_load_without_the_plugin(tmp_path):
         model = _patched(family, scheme, norm).eval()
         model.save_pretrained(tmp_path / name)
         models[name] = model
-        extra = dict(generate=True, grads=True) if name == "llama-qk_norm_cap-layernorm" else {}
+        extra = dict(generate=True, grads=True, packed_ids=ids[1, :16].tolist(),
+                     packed_positions=list(range(9)) + list(range(7))) if name == "llama-qk_norm_cap-layernorm" else {}
         jobs.append({"name": name, "path": str(tmp_path / name), "remote": True, "ids": ids.tolist(),
                      "mask": mask.tolist(), **extra})
     got = run_without_plugin(tmp_path, jobs)
@@ -115,6 +122,16 @@ def test_saved_folders_load_without_the_plugin(tmp_path):
         torch.testing.assert_close(row["logits"][0, 6:], expected[0, 6:], rtol=1e-5, atol=1e-5, msg=name)
         if "generated" in row:
             assert torch.equal(row["generated"], model.generate(ids[1:], max_new_tokens=8, do_sample=False))
+            # static cache (prefill without a mask: top-left causal) against the plugin's uncached forward
+            with torch.no_grad():
+                ref = model(ids, attention_mask=mask).logits[:, -1]
+            torch.testing.assert_close(row["static_logits"][0], ref, rtol=1e-5, atol=1e-5)
+            # packed sequences with the cache on: each its own
+            packed = ids[1, :16]
+            for a, b in ((0, 9), (9, 16)):
+                with torch.no_grad():
+                    alone = model(packed[None, a:b]).logits[0]
+                torch.testing.assert_close(row["packed"][0, a:b], alone, rtol=1e-5, atol=1e-5)
             model.train()
             model(ids[1:], labels=ids[1:]).loss.backward()
             for n, prm in model.named_parameters():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .masks import allowed_pairs
+from .masks import allowed_pairs, bool_mask, packed_sequence_mask
 
 
 def capped_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
@@ -34,8 +34,11 @@ def capped_eager_attention(module, query, key, value, attention_mask, scaling=No
     s = torch.matmul(query.to(acc), k.transpose(-1, -2)) * scaling
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    ok = allowed_pairs(attention_mask, query.shape[2], key.shape[2], bool(causal), query.device)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    ok = allowed_pairs(attention_mask, query.shape[2], key.shape[2], causal, query.device)
+    packed = packed_sequence_mask(kwargs.get("position_ids"), query.shape[2], key.shape[2], bool_mask(attention_mask))
+    if causal and packed is not None:  # sequences packed into a row with the cache on: see masks.py
+        ok = packed if ok is None else ok & packed
     if ok is not None:
         s = s.masked_fill(~ok, float("-inf"))
     probs = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no allowed key: zeros, not NaN

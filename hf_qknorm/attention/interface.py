@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from .chunked import chunk_allowed, chunked_attention
 from ..modeling.schemes import check_softcap
 from .eager import capped_eager_attention
-from .masks import bool_mask, implicit_causal
+from .masks import bool_mask, implicit_causal, packed_sequence_mask
 
 logger = logging.getLogger(__name__)
 
@@ -174,46 +174,6 @@ def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout,
         mask = implicit_causal(q_len, kv_len, query.device)[None, None]
     return capped_eager_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout,
                                   softcap=softcap, is_causal=False)
-
-
-# position_ids tensor (by identity and version) -> whether it restarts: every layer of a forward gets the same tensor,
-# so the host sync that answers it happens once per forward, not once per layer.
-_RESTART_CACHE: list = [None, None, None]
-
-
-def _restarts(position_ids: torch.Tensor) -> torch.Tensor:
-    return position_ids[..., 1:] != position_ids[..., :-1] + 1
-
-
-def packed_sequence_mask(position_ids: torch.Tensor | None, q_len: int, kv_len: int,
-                         mask: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The block-diagonal causal ``(batch, 1, q_len, kv_len)`` mask of sequences packed into a row, recognised where
-    ``position_ids`` restart (``DataCollatorWithFlattening``), or ``None`` when they do not.
-
-    Transformers builds this mask itself only without a cache; with ``use_cache`` on (a ``Trainer`` run's default
-    config) it leaves the packing out -- no mask, or a plain sliding-window mask -- and plain sdpa then lets the
-    sequences attend to each other. Keys beyond the queries are a static cache's empty slots when the boolean
-    ``mask`` (if any) lets no query see them (a prefill); otherwise the cache holds tokens, and which of them belong
-    to which packed sequence cannot be known: refused. Under ``torch.compile`` (no data-dependent checks) the mask is
-    built whenever keys and queries match, and left to Transformers otherwise."""
-    if position_ids is None or q_len < 2 or position_ids.shape[-1] != q_len:
-        return None
-    compiling = torch.compiler.is_compiling()
-    if not compiling:  # eager: skip all of this when nothing restarts (one sync per forward)
-        key = (id(position_ids), position_ids._version)
-        if _RESTART_CACHE[0] != key or _RESTART_CACHE[1] is not position_ids:
-            _RESTART_CACHE[:] = [key, position_ids, bool(_restarts(position_ids).any())]
-        if not _RESTART_CACHE[2]:
-            return None
-        if kv_len != q_len and mask is not None and bool(mask[..., q_len:].any()):
-            raise ValueError(f"packed sequences (position_ids restart within a row) appended to a cache that holds "
-                             f"{kv_len - q_len} earlier tokens: hf_qknorm cannot tell which cached keys belong to "
-                             "which sequence; run packed batches with use_cache=False")
-    elif kv_len != q_len:
-        return None
-    seq = torch.nn.functional.pad(_restarts(position_ids).long().cumsum(-1), (1, 0))  # (B, T) sequence index
-    same = (seq[:, :, None] == seq[:, None, :]) & implicit_causal(q_len, q_len, position_ids.device)
-    return torch.nn.functional.pad(same, (0, kv_len - q_len))[:, None]  # a static cache's empty slots: never seen
 
 
 def _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window):
