@@ -46,7 +46,7 @@ def test_plain_and_patched_probes_agree():
     with sc.Monitor(patched) as m2, torch.no_grad():
         patched(input_ids=ids)
     assert m1.snapshot()["max_logit"] == pytest.approx(m2.snapshot()["max_logit"], rel=1e-5)
-    assert not hasattr(patched.model.layers[0].self_attn, "_qknorm_probe")  # removed on exit
+    assert not hasattr(patched.model.layers[0].self_attn, "_qknorm_probes")  # removed on exit
 
 
 def test_qk_lr_scheme_uses_the_library_rule(monkeypatch):

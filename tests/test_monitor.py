@@ -24,7 +24,10 @@ def _brute_force(q, k, allowed, scaling, softcap):
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
     ent = -(p * torch.log(p.where(allowed, torch.ones_like(p)))).sum(-1)
     rows = allowed.any(-1)
-    return torch.stack([best, ent[rows].mean(), q.pow(2).mean().sqrt(), k.pow(2).mean().sqrt()])
+    raw = scaling * q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2)
+    per_head = raw.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))  # each head over batch and pairs
+    return torch.cat([torch.stack([best, ent[rows].mean(), q.pow(2).mean().sqrt(), k.pow(2).mean().sqrt()]),
+                      per_head])
 
 
 @pytest.mark.parametrize("mask_kind", ["causal", "bool_padding", "additive_per_head"])
@@ -79,10 +82,11 @@ def test_unpatched_hooks_agree_with_patched_probe(family):
     assert stats_a["qk/max_logit"] == max(stats_a[f"qk/layer{i}/max_logit"] for i in range(2))
 
 
-@pytest.mark.parametrize("backend,calls_per_layer", [("qknorm", 2), ("sdpa", 1)])
-def test_instance_level_and_gradient_checkpointing(backend, calls_per_layer):
-    """On "qknorm" the backend's probe fires in the forward and again in checkpointing's recomputation (only the
-    first is measured); on sdpa the projection hooks measure the first forward only."""
+@pytest.mark.parametrize("backend", ["qknorm", "sdpa"])
+def test_instance_level_and_gradient_checkpointing(backend):
+    """The tap fires in the forward and again in checkpointing's recomputation, on "qknorm" (the backend's probe)
+    and on sdpa (projection hooks) alike; only the first is measured."""
+    calls_per_layer = 2
     a, b = tiny_model("llama"), tiny_model("llama")
     hf_qknorm.patch_model(a, "qk_norm")
     a.set_attn_implementation(backend)
@@ -94,12 +98,12 @@ def test_instance_level_and_gradient_checkpointing(backend, calls_per_layer):
     monitor._measure = lambda i, *args: (calls.append(i), measure(i, *args))
     with monitor.record() as stats:
         attn_b = b.model.layers[0].self_attn
-        assert not hasattr(attn_b, "_qknorm_probe") and not attn_b._forward_hooks  # the other model is untouched
+        assert not hasattr(attn_b, "_qknorm_probes") and not attn_b._forward_hooks  # the other model is untouched
         b(_ids())
         ids = _ids(1)
         a(ids, labels=ids).loss.backward()  # checkpointing re-runs each layer's forward in backward
     assert len(calls) == 2 * calls_per_layer and len(stats) == 10
-    assert all("_qknorm_probe" not in s.module.__dict__ for s in monitor.sites)
+    assert all("_qknorm_probes" not in s.module.__dict__ for s in monitor.sites)
     a.eval()
     with torch.no_grad(), monitor.record() as again:
         a(ids)
@@ -172,7 +176,7 @@ def test_trainer_logs_reach_reporters(tmp_path):
     assert len(seen) == 3 and all("qk/layer1/k_rms" in log for log in seen)
     assert sum("qk/max_logit" in r for r in trainer.state.log_history) == 3
     assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [1, 2, 3, 4, 5]  # loss logs kept
-    assert all("_qknorm_probe" not in s.module.__dict__ for s in monitor.monitor.sites)
+    assert all("_qknorm_probes" not in s.module.__dict__ for s in monitor.monitor.sites)
 
     fallback = hf_qknorm.QKMonitorCallback(every=3)  # added without the trainer: history and log_history only
     trainer2 = Trainer(model=model, args=args, train_dataset=CountingText(n=24), callbacks=[fallback])

@@ -48,7 +48,7 @@ def test_lora_delta_passes_through_the_norm():
     # prepend: run before the patch's norm hook, which moved onto the LoRA layer when peft replaced q_proj
     attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(x=args[0], y=out), prepend=True)
     attn.q_norm.register_forward_hook(lambda m, args, out: seen.update(norm_in=args[0]))
-    attn._qknorm_probe = lambda a, q, k, **kw: seen.update(q=q)
+    attn._qknorm_probes = {"test": lambda a, q, k, **kw: seen.update(q=q)}
     model(_ids())
     base = attn.q_proj.base_layer.weight
     a, b = attn.q_proj.lora_A["default"].weight, attn.q_proj.lora_B["default"].weight

@@ -108,8 +108,7 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         softcap = getattr(module, "_qknorm_softcap", None)
     if softcap is not None:
         softcap = check_softcap(softcap)
-    probe = getattr(module, "_qknorm_probe", None)  # set by hf_qknorm.QKMonitor for the steps it records
-    if probe is not None:
+    for probe in getattr(module, "_qknorm_probes", {}).values():  # hf_qknorm.modeling.telemetry.LogitTap
         probe(module, query, key, attention_mask=attention_mask, scaling=scaling, softcap=softcap)
     if not module.training:
         dropout = 0.0

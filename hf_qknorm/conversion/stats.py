@@ -17,6 +17,7 @@ from torch import nn
 from ..modeling.families import Family
 from ..modeling.norms import HeadLpNorm, make_norm
 from ..modeling.layout import find_layers, rotary_function
+from ..modeling.telemetry import LogitTap, head_max_logits
 from ..modeling.schemes import QKNormConfig
 
 CAP_WARN_FRACTION = 0.5
@@ -239,24 +240,22 @@ class ActivationRecorder:
 
 @torch.no_grad()
 def converted_max_logits(model, family, blocks, report: CalibrationReport, batch_size: int) -> None:
-    """Largest pre-cap logit of every layer of the patched model (through the patch's probe hook); with a cap,
-    a warning for each layer where it reaches ``CAP_WARN_FRACTION`` of the cap."""
-    attns = [getattr(b, family.attention) for b in find_layers(model, family)]
-    seen = [0.0] * len(attns)
+    """Largest pre-cap logit of every layer of the patched model (as its attention backend sees q and k:
+    :class:`~hf_qknorm.modeling.telemetry.LogitTap`); with a cap, a warning for each layer where it reaches
+    ``CAP_WARN_FRACTION`` of the cap."""
+    seen = [0.0] * len(find_layers(model, family))
 
-    def probe_for(i):
-        def probe(attn, q, k, attention_mask=None, scaling=1.0, softcap=None):
-            seen[i] = max(seen[i], max_logit(q, k, scaling))
-        return probe
+    def consume(index, attn, q, k, mask, scaling, softcap):
+        top = head_max_logits(q, k, mask, scaling=float(scaling), causal=getattr(attn, "is_causal", True)).max()
+        seen[index] = max(seen[index], float(top))
 
-    for i, attn in enumerate(attns):
-        attn._qknorm_probe = probe_for(i)
+    tap = LogitTap(model, consume)
+    tap.attach()
     try:
         for start in range(0, len(blocks), batch_size):
             model(input_ids=blocks[start:start + batch_size].to(next(model.parameters()).device))
     finally:
-        for attn in attns:
-            del attn._qknorm_probe
+        tap.detach()
     for stats, value in zip(report.layers, seen):
         stats.max_logit_converted = value
         top = max(value, stats.max_logit_original)

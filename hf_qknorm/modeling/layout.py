@@ -7,6 +7,8 @@ everywhere.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from .families import Family, family_of_config
@@ -62,6 +64,31 @@ def attention_modules(model: nn.Module) -> tuple[Family, list[nn.Module]]:
     inner = unwrap(model)
     family = family_of_config(inner.config)
     return family, [getattr(block, family.attention) for block in find_layers(inner, family)]
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention module of a model: its layer index, the module and the family facts that describe it."""
+
+    index: int
+    module: nn.Module
+    family: Family
+
+    @property
+    def patched(self) -> bool:
+        """The module carries a scheme (norms and/or a cap) installed by :func:`hf_qknorm.patch_model`."""
+        return "_qknorm_slots" in self.module.__dict__
+
+    @property
+    def backend(self) -> str | None:
+        """The attention implementation the module runs on now."""
+        return getattr(self.module.config, "_attn_implementation", None)
+
+
+def attention_sites(model: nn.Module) -> list[AttentionSite]:
+    """Every attention module of ``model`` (wrapped or not), in layer order, found through the family table."""
+    family, modules = attention_modules(model)
+    return [AttentionSite(i, module, family) for i, module in enumerate(modules)]
 
 
 def upstream_class(attn: nn.Module) -> type:

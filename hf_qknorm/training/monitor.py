@@ -4,17 +4,11 @@ Why: attention logits that grow without bound are the failure QK-norm and cappin
 2023 (arXiv:2309.14322) found that runs whose largest attention logit passed about 1e4 always diverged; a capped
 model whose pre-cap logits sit at the cap has a saturated ``tanh``. The monitor measures both on real training steps.
 
-How: only on the steps it records, the monitor attaches itself to each attention module *instance* and detaches
-afterwards, so other steps pay nothing and two models in one process stay independent.
-
-- Models on the ``"qknorm"`` attention backend: the backend calls ``attn._qknorm_probe(attn, q, k,
-  attention_mask=, scaling=, softcap=)`` before attending, with ``q`` ``(batch, heads, seq, head_dim)`` and ``k``
-  ``(batch, kv_heads, seq, head_dim)`` after the norm and after RoPE. The monitor sets that attribute.
-- Models on any other backend (the unpatched baseline of a learning-rate sweep, an uncapped patched model on
-  ``sdpa``): forward hooks on the projections named by the family table (``q_proj``/``k_proj``, Qwen3's own
-  ``q_norm``/``k_norm``, GPT-2's fused ``c_attn``) capture q and k -- after a patched model's norms, whose hooks run
-  first -- and a pre-hook on the attention module captures the mask and RoPE's ``(cos, sin)``; q and k are rotated
-  with the family's own ``apply_rotary_pos_emb``, as its forward does.
+How: only on the steps it records, the monitor attaches a :class:`~hf_qknorm.modeling.telemetry.LogitTap` to each
+attention module *instance* and detaches afterwards, so other steps pay nothing and two models in one process stay
+independent. The tap hands over q and k as the attention backend sees them -- from the ``"qknorm"`` backend itself,
+or rebuilt from projection hooks and the family's RoPE on any other backend (see
+:mod:`hf_qknorm.modeling.telemetry`).
 
 Statistics are computed without grad, in float32 (float64 stays float64), in query chunks of at most
 ``tile_elements`` logits -- never a whole ``(batch, heads, seq, seq)`` tensor. Under gradient checkpointing or
@@ -31,9 +25,7 @@ import torch
 from torch import nn
 
 from ..attention.chunked import chunk_allowed
-from ..attention.masks import bool_mask
-from ..modeling.layout import rotary_function
-from .sites import attention_sites
+from ..modeling.telemetry import TILE_ELEMENTS, LogitTap, allowed_mask, causal_rows, per_group
 
 try:  # a plain-loop user needs no transformers Trainer machinery
     from transformers import TrainerCallback
@@ -42,38 +34,19 @@ except ImportError:  # pragma: no cover - transformers is a dependency
 
 logger = logging.getLogger(__name__)
 
-TILE_ELEMENTS = 1 << 21  # logits per chunk: 8 MiB in float32
 STATS = ("max_logit", "entropy", "q_rms", "k_rms")
 DIVERGENCE_LOGIT = 1e4  # Wortsman et al. 2023: a largest attention logit above 1e4 always diverged
-PROBING_BACKEND = "qknorm"  # the attention implementation that calls ``module._qknorm_probe``
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # the statistics
 # --------------------------------------------------------------------------------------------------------------------
-def _allowed_mask(mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
-    """Boolean (True = attend) view of an attention mask (the backend's rule, :func:`bool_mask`)."""
-    if mask is not None and mask.shape[-1] > kv_len:  # a mask over cached + new keys, with only the new keys seen
-        mask = mask[..., -kv_len:]
-    return bool_mask(mask)
-
-
-def _per_group(ok: torch.Tensor | None, kv_heads: int, groups: int) -> torch.Tensor | None:
-    """A ``(.., rows, kv_len)`` allowed-tile reshaped to broadcast against ``(B, kv_heads, groups, rows, kv_len)``."""
-    if ok is None:
-        return None
-    if ok.dim() == 2:
-        return ok[None, None, None]
-    if ok.shape[1] == 1:
-        return ok[:, :, None]
-    return ok.reshape(ok.shape[0], kv_heads, groups, *ok.shape[-2:])
-
-
 @torch.no_grad()
 def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                     scaling: float, softcap: float | None = None, causal: bool = True,
                     tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
-    """``[largest pre-cap logit, mean attention entropy (nats), rms(q), rms(k)]`` of one attention call.
+    """``[largest pre-cap logit, mean attention entropy (nats), rms(q), rms(k), max logit of head 0, 1, ...]`` of one
+    attention call.
 
     Args:
         q: ``(batch, heads, q_len, head_dim)``; k: ``(batch, kv_heads, kv_len, head_dim)`` -- as the attention
@@ -85,23 +58,22 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
         scaling: the logit scale; the logit is ``scaling * q.k`` (the value the cap, if any, is applied to).
         softcap: the cap ``c``: the entropy is that of ``softmax(c * tanh(logit / c))``, the distribution used.
     Returns:
-        a float tensor of 4 values (float64 for float64 inputs, else float32), on ``q``'s device. The maximum is
-        over allowed positions; the entropy is averaged over query rows with at least one allowed key.
+        a float tensor of ``4 + heads`` values (float64 for float64 inputs, else float32), on ``q``'s device. The
+        maxima are over allowed positions; the entropy is averaged over query rows with at least one allowed key.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     groups = heads // kv_heads
-    mask = _allowed_mask(attention_mask, kv_len)
-    causal = bool(causal) and mask is None and q_len > 1
-    if causal and kv_len > q_len:  # top-left causal: keys past the last query row are never seen
-        k, kv_len = k[:, :, :q_len], q_len
+    mask = allowed_mask(attention_mask, kv_len)
+    causal, kv_len = causal_rows(mask, causal, q_len, kv_len)
+    k = k[:, :, :kv_len]
     qg = q.reshape(batch, kv_heads, groups, q_len, head_dim)
     kt = k.to(acc).transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, Tk)
     rows = int(max(1, min(q_len, tile_elements // max(1, batch * heads * kv_len))))
     if causal:
         rows = min(rows, 64)  # small row chunks skip the keys above the diagonal (about half the work)
-    best = torch.full((), float("-inf"), dtype=acc, device=q.device)
+    best = torch.full((kv_heads, groups), float("-inf"), dtype=acc, device=q.device)
     ent_sum = torch.zeros((), dtype=acc, device=q.device)
     n_rows = torch.zeros((), dtype=acc, device=q.device)
     for start in range(0, q_len, rows):
@@ -110,11 +82,11 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
         if hi <= 0:
             continue
         s = torch.matmul(qg[:, :, :, start:end].to(acc), kt[..., :hi]).mul_(scaling)  # (B, Hkv, G, rows, hi)
-        ok = _per_group(chunk_allowed(mask, start, end, q_len, kv_len, causal, None, q.device, 0, hi), kv_heads,
+        ok = per_group(chunk_allowed(mask, start, end, q_len, kv_len, causal, None, q.device, 0, hi), kv_heads,
                         groups)
         if ok is not None:
             s.masked_fill_(~ok, float("-inf"))
-        best = torch.maximum(best, s.amax())
+        best = torch.maximum(best, s.amax(dim=(0, 3, 4)))
         if softcap is not None:
             s.div_(softcap).tanh_().mul_(softcap)
             if ok is not None:
@@ -130,7 +102,7 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
         n_rows += valid.sum()
     rms_q = torch.linalg.vector_norm(q, dtype=acc) / math.sqrt(max(1, q.numel()))
     rms_k = torch.linalg.vector_norm(k, dtype=acc) / math.sqrt(max(1, k.numel()))
-    return torch.stack([best, ent_sum / n_rows.clamp_min(1), rms_q, rms_k])
+    return torch.cat([torch.stack([best.max(), ent_sum / n_rows.clamp_min(1), rms_q, rms_k]), best.reshape(heads)])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -147,7 +119,9 @@ class QKMonitor:
         print(stats["qk/max_logit"])
 
     ``stats`` maps ``{prefix}max_logit`` (over layers), ``{prefix}min_entropy`` and, per layer ``i``,
-    ``{prefix}layer{i}/max_logit``, ``/entropy``, ``/q_rms``, ``/k_rms`` to floats. Warnings (``logging`` and
+    ``{prefix}layer{i}/max_logit``, ``/entropy``, ``/q_rms``, ``/k_rms`` to floats; :attr:`head_max_logits` holds
+    the largest logit of each query head of each layer measured last (kept out of the logged dict, which would grow
+    by layers x heads entries). Warnings (``logging`` and
     :attr:`alerts`) fire when a layer's largest pre-cap logit reaches ``cap_warn_fraction`` of its cap, or passes
     ``warn_logit`` (default 1e3, a tenth of the 1e4 at which Wortsman et al. 2023's runs diverged) or
     ``diverge_logit`` (1e4); each fires once until the condition clears.
@@ -155,18 +129,18 @@ class QKMonitor:
 
     def __init__(self, model: nn.Module, *, prefix: str = "qk/", tile_elements: int = TILE_ELEMENTS,
                  cap_warn_fraction: float = 0.8, warn_logit: float = 1e3, diverge_logit: float = DIVERGENCE_LOGIT):
-        self.sites = attention_sites(model)
+        self.tap = LogitTap(model, lambda *args: self._measure(*args))
+        self.sites = self.tap.sites
         self.prefix, self.tile_elements = prefix, int(tile_elements)
         self.cap_warn_fraction, self.warn_logit, self.diverge_logit = cap_warn_fraction, warn_logit, diverge_logit
         self.alerts: list[dict] = []
+        self.head_max_logits: dict[int, list[float]] = {}  # per layer, the largest logit of each query head
         self._firing: set[tuple[int, str]] = set()
-        self._handles: list = []
         self._results: dict[int, tuple[torch.Tensor, float | None]] = {}
-        self._pending: dict[int, dict] = {}
-        # one probe per layer, made once: a compiled model then has one graph with the probe and one without
-        self._probes = {site.index: _bound_probe(self, site.index) for site in self.sites}
-        self._probed: list = []
-        self.active = False
+
+    @property
+    def active(self) -> bool:
+        return self.tap.attached
 
     # -- attach / detach ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -174,25 +148,11 @@ class QKMonitor:
         if self.active:
             return
         self._results.clear()
-        self._pending.clear()
-        for site in self.sites:
-            if site.backend == PROBING_BACKEND:
-                site.module._qknorm_probe = self._probes[site.index]
-                self._probed.append(site.module)
-            else:
-                self._hook(site)
-        self.active = True
+        self.tap.attach()
 
     def stop(self, step: int | None = None) -> dict[str, float]:
         """Detach, and return the statistics of the layers measured since :meth:`start` (empty if none)."""
-        for module in self._probed:
-            module.__dict__.pop("_qknorm_probe", None)
-        self._probed.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._pending.clear()
-        self.active = False
+        self.tap.detach()
         stats = self._collect()
         if stats:
             self._check(stats, step)
@@ -216,53 +176,17 @@ class QKMonitor:
                                causal=getattr(attn, "is_causal", True), tile_elements=self.tile_elements)
         self._results[index] = (vals, softcap)
 
-    def _hook(self, site) -> None:
-        """Hooks that rebuild the q and k an unpatched attention module hands its backend (see module doc)."""
-        attn, fam, index = site.module, site.family, site.index
-        ctx = self._pending.setdefault(index, {})
-
-        def pre(module, args, kwargs):
-            if index not in self._results:
-                ctx.clear()
-                ctx["mask"] = kwargs.get("attention_mask")
-                ctx["rope"] = kwargs.get("position_embeddings")
-
-        def capture(name):
-            def hook(module, args, output):
-                if index not in self._results:
-                    ctx[name] = output.detach()  # nothing here may join the autograd graph (checkpointing)
-            return hook
-
-        def post(module, args, kwargs, output):
-            captured = "qkv" in ctx or ("q" in ctx and "k" in ctx)
-            if index in self._results or not captured:
-                return
-            with torch.no_grad():
-                q, k = _rebuild_qk(attn, fam, ctx)
-            self._measure(index, attn, q, k, ctx.get("mask"), attn.scaling, attn.__dict__.get("_qknorm_softcap"))
-            ctx.clear()
-
-        self._handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
-        if fam.fused_qkv:
-            self._handles.append(getattr(attn, fam.qkv_proj).register_forward_hook(capture("qkv")))
-        else:
-            native = fam.native_qk_norm and isinstance(getattr(attn, "q_norm", None), nn.Module)
-            q_src = attn.q_norm if native else getattr(attn, fam.q_proj)
-            k_src = attn.k_norm if native else getattr(attn, fam.k_proj)
-            self._handles.append(q_src.register_forward_hook(capture("q")))
-            self._handles.append(k_src.register_forward_hook(capture("k")))
-        self._handles.append(attn.register_forward_hook(post, with_kwargs=True))
-
     # -- reporting ---------------------------------------------------------------------------------------------------
     def _collect(self) -> dict[str, float]:
         if not self._results:
             return {}
         order = sorted(self._results)
         table = torch.stack([self._results[i][0].to(torch.float64).cpu() for i in order]).tolist()  # one sync
+        self.head_max_logits = {i: row[len(STATS):] for i, row in zip(order, table)}
         p = self.prefix
         stats = {f"{p}max_logit": max(row[0] for row in table), f"{p}min_entropy": min(row[1] for row in table)}
         for i, row in zip(order, table):
-            stats.update({f"{p}layer{i}/{name}": value for name, value in zip(STATS, row)})
+            stats.update({f"{p}layer{i}/{name}": value for name, value in zip(STATS, row[:len(STATS)])})
         self._softcaps = {i: self._results[i][1] for i in order}
         self._results.clear()
         return stats
@@ -295,31 +219,6 @@ class QKMonitor:
                    f"(runs diverged above {self.diverge_logit:g}, Wortsman et al. 2023)")
         logger.warning(msg)
         self.alerts.append({"step": step, "layer": layer, "kind": kind, "max_logit": logit, "message": msg})
-
-
-def _rebuild_qk(attn: nn.Module, fam, ctx: dict):
-    """``(B, H, T, D)`` queries and ``(B, Hkv, T, D)`` keys from captured projection outputs, RoPE applied."""
-    d = attn.head_dim
-    if fam.fused_qkv:
-        q, k, _ = ctx["qkv"].split(attn.split_size, dim=-1)
-    else:
-        q, k = ctx["q"], ctx["k"]
-    q = q.reshape(*q.shape[:2], -1, d).transpose(1, 2)
-    k = k.reshape(*k.shape[:2], -1, d).transpose(1, 2)
-    if fam.rope and ctx.get("rope") is not None:
-        rope = rotary_function(attn)
-        q, k = rope(q, k, *ctx["rope"])
-    return q, k
-
-
-def _bound_probe(monitor: QKMonitor, index: int):
-    """The ``_qknorm_probe`` callable for layer ``index``. Traceable by torch.compile (``fullgraph=True`` too): a
-    compiled model gets a second graph that includes the statistics, used on the recorded steps only."""
-
-    def probe(attn, q, k, attention_mask=None, scaling=1.0, softcap=None):
-        monitor._measure(index, attn, q, k, attention_mask, scaling, softcap)
-
-    return probe
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ import logging
 import torch
 from torch import nn
 
-from .sites import attention_sites, num_heads, unwrap
+from .heads import HeadRows, layer_rows
+from .sites import attention_sites, unwrap
 
 try:
     from transformers import TrainerCallback
@@ -44,71 +45,39 @@ logger = logging.getLogger(__name__)
 RULES = ("norm_ratio", "constant")
 
 
-class _HeadRows:
-    """The output channels ``[offset, offset + heads * head_dim)`` of a projection, viewed per head.
+class _Snapshot:
+    """W_Q or W_K rows of a layer (:class:`HeadRows`) with the snapshot taken before ``optimizer.step()``."""
 
-    ``nn.Linear`` weights are ``(out, in)``; ``transformers.Conv1D`` weights are ``(in, out)`` (GPT-2's fused
-    ``c_attn``, whose Q, K and V are consecutive blocks of ``out``)."""
-
-    def __init__(self, proj: nn.Module, offset: int, heads: int, head_dim: int, conv1d: bool, where: str):
-        proj = getattr(proj, "base_layer", proj)  # peft wrapper: the base weight is what we control
-        self.weight, self.bias = proj.weight, getattr(proj, "bias", None)
-        self.offset, self.heads, self.head_dim, self.conv1d = offset, heads, head_dim, conv1d
-        if not self.weight.requires_grad:
-            raise ValueError(f"{where} is frozen (a LoRA base weight?): Q/K learning-rate control needs trainable "
-                             "W_Q and W_K")
-        out_dim = self.weight.shape[1] if conv1d else self.weight.shape[0]
-        if type(self.weight).__name__ == "DTensor" or out_dim < offset + heads * head_dim:
-            raise NotImplementedError(f"{where}: sharded weights (FSDP) are not supported by Q/K learning-rate "
-                                      "control; use DDP (or a constant factor through qk_param_groups)")
+    def __init__(self, rows: HeadRows):
+        if not rows.weight.requires_grad:
+            raise ValueError(f"{rows.where} is frozen (a LoRA base weight?): Q/K learning-rate control needs "
+                             "trainable W_Q and W_K")
+        self.rows, self.heads = rows, rows.heads
         self.snapshot: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def w(self, t: torch.Tensor | None = None) -> torch.Tensor:
-        """``(heads, head_dim, in)`` view of the weight (or of a tensor shaped like it)."""
-        t = self.weight if t is None else t
-        end = self.offset + self.heads * self.head_dim
-        if self.conv1d:
-            return t[:, self.offset:end].unflatten(1, (self.heads, self.head_dim)).permute(1, 2, 0)
-        return t[self.offset:end].unflatten(0, (self.heads, self.head_dim))
-
-    def b(self) -> torch.Tensor | None:
-        if self.bias is None:
-            return None
-        return self.bias[self.offset:self.offset + self.heads * self.head_dim].view(self.heads, self.head_dim)
-
-    @torch.no_grad()
     def norms(self) -> torch.Tensor:
-        """Per-head Frobenius norms of the weight, float64 ``(heads,)``."""
-        return torch.linalg.vector_norm(self.w(), dim=(1, 2), dtype=torch.float64)
+        return self.rows.norms()
 
     @torch.no_grad()
     def save(self) -> None:
-        bias = self.b()
-        self.snapshot = (self.w().clone(), None if bias is None else bias.clone())
+        bias = self.rows.b()
+        self.snapshot = (self.rows.w().clone(), None if bias is None else bias.clone())
 
     @torch.no_grad()
     def rescale(self, factor: torch.Tensor) -> None:
         """``W <- W_old + factor_h * (W - W_old)`` per head, for the weight and the bias."""
         old_w, old_b = self.snapshot
         self.snapshot = None
-        for now, old, shape in ((self.w(), old_w, (-1, 1, 1)), (self.b(), old_b, (-1, 1))):
+        for now, old, shape in ((self.rows.w(), old_w, (-1, 1, 1)), (self.rows.b(), old_b, (-1, 1))):
             if now is not None:
                 acc = torch.promote_types(now.dtype, torch.float32)
                 f = factor.to(device=now.device, dtype=acc).view(shape)
                 now.copy_(old.to(acc) + (now.to(acc) - old.to(acc)) * f)
 
 
-def _layer_rows(site, config) -> tuple[_HeadRows, _HeadRows]:
-    attn, fam = site.module, site.family
-    heads, kv_heads = num_heads(attn, config)
-    d = attn.head_dim
-    where = f"layer {site.index}"
-    if fam.fused_qkv:
-        proj = getattr(attn, fam.qkv_proj)
-        return (_HeadRows(proj, 0, heads, d, fam.conv1d, where + " W_Q"),
-                _HeadRows(proj, heads * d, kv_heads, d, fam.conv1d, where + " W_K"))
-    return (_HeadRows(getattr(attn, fam.q_proj), 0, heads, d, fam.conv1d, where + " W_Q"),
-            _HeadRows(getattr(attn, fam.k_proj), 0, kv_heads, d, fam.conv1d, where + " W_K"))
+def _layer_rows(site, config) -> tuple[_Snapshot, _Snapshot]:
+    q, k = layer_rows(site, config)
+    return _Snapshot(q), _Snapshot(k)
 
 
 class QKLearningRate:

@@ -1,0 +1,184 @@
+"""What the attention backend sees, delivered to whoever asks: the q and k of every attention call, and the largest
+pre-cap logit of every head.
+
+:class:`LogitTap` attaches to the attention modules of a model (any supported family, patched or not, wrapped or not)
+and hands each call's ``q`` ``(batch, heads, q_len, head_dim)`` and ``k`` ``(batch, kv_heads, kv_len, head_dim)`` --
+after the norms and after RoPE -- with the mask, the scaling and the cap to a consumer:
+
+- on the ``"qknorm"`` backend the backend itself calls the tap (``module._qknorm_probes``) with the tensors it is
+  about to attend over: nothing is recomputed, and it works under ``torch.compile`` (the probe is traced in);
+- on any other backend (the unpatched baseline on ``sdpa``, an uncapped patched model on ``sdpa``/``eager``) forward
+  hooks capture the projection outputs -- after a patched model's norm hooks, which run first -- and the attention
+  module's ``position_embeddings``, and q and k are rotated with the family's own ``apply_rotary_pos_emb`` as its
+  forward does (:func:`hf_qknorm.modeling.layout.rotary_function`). Here the keys are the current call's only
+  (no cached keys).
+
+:func:`head_max_logits` reduces one call to the per-head maximum of ``scaling * q.k`` over the pairs the mask allows,
+in query chunks (never a ``(q_len, kv_len)`` tensor per head for the whole sequence).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from ..attention.masks import bool_mask
+from .layout import attention_sites, rotary_function
+
+TILE_ELEMENTS = 1 << 21  # logits per chunk: 8 MiB in float32
+PROBING_BACKEND = "qknorm"  # the attention implementation that calls ``module._qknorm_probes``
+_TAP_IDS = itertools.count()
+
+
+def allowed_mask(mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
+    """Boolean (True = attend) view of an attention mask over ``kv_len`` keys (the backend's rule)."""
+    if mask is not None and mask.shape[-1] > kv_len:  # a mask over cached + new keys, with only the new keys seen
+        mask = mask[..., -kv_len:]
+    return bool_mask(mask)
+
+
+def per_group(ok: torch.Tensor | None, kv_heads: int, groups: int) -> torch.Tensor | None:
+    """A ``(.., rows, kv_len)`` allowed-tile reshaped to broadcast against ``(B, kv_heads, groups, rows, kv_len)``."""
+    if ok is None:
+        return None
+    if ok.dim() == 2:
+        return ok[None, None, None]
+    if ok.shape[1] == 1:
+        return ok[:, :, None]
+    return ok.reshape(ok.shape[0], kv_heads, groups, *ok.shape[-2:])
+
+
+def causal_rows(mask, causal: bool, q_len: int, kv_len: int):
+    """``(causal, kv_len)`` after the backend's rule for a missing mask: top-left causal, so keys past the last
+    query row are never seen (:mod:`hf_qknorm.attention.masks`)."""
+    causal = bool(causal) and mask is None and q_len > 1
+    return causal, (min(kv_len, q_len) if causal else kv_len)
+
+
+@torch.no_grad()
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                    scaling: float, causal: bool = True, tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+    """The largest pre-cap logit ``scaling * q.k`` of each query head, over the batch and the allowed pairs.
+
+    ``q`` ``(batch, heads, q_len, head_dim)``, ``k`` ``(batch, kv_heads, kv_len, head_dim)`` (GQA: query head ``h``
+    reads key head ``h // (heads // kv_heads)``); ``attention_mask`` boolean or additive, or ``None`` (causal when
+    ``causal``). Returns ``(heads,)`` in float32 (float64 for float64 inputs); ``-inf`` for a head with no allowed
+    pair."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    mask = allowed_mask(attention_mask, kv_len)
+    causal, kv_len = causal_rows(mask, causal, q_len, kv_len)
+    qg = q.reshape(batch, kv_heads, groups, q_len, head_dim)
+    kt = k[:, :, :kv_len].to(acc).transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, Tk)
+    rows = int(max(1, min(q_len, tile_elements // max(1, batch * heads * kv_len))))
+    if causal:
+        rows = min(rows, 64)  # small row chunks skip the keys above the diagonal (about half the work)
+    best = torch.full((kv_heads, groups), float("-inf"), dtype=acc, device=q.device)
+    for start in range(0, q_len, rows):
+        end = min(start + rows, q_len)
+        hi = min(kv_len, end) if causal else kv_len
+        s = torch.matmul(qg[:, :, :, start:end].to(acc), kt[..., :hi]).mul_(scaling)  # (B, Hkv, G, rows, hi)
+        if causal:
+            ok = torch.arange(hi, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+            s.masked_fill_(~ok, float("-inf"))
+        elif mask is not None:
+            s.masked_fill_(~per_group(mask[..., start:end, :hi], kv_heads, groups), float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(0, 3, 4)))
+    return best.reshape(heads)
+
+
+class LogitTap:
+    """Calls ``consumer(index, module, q, k, attention_mask, scaling, softcap)`` for every attention call of
+    ``model`` while attached (see the module docstring for how q and k are obtained on each backend).
+
+    Several taps may be attached to one model at once (a monitor and QK-Clip); each is independent. ``attach`` and
+    ``detach`` are cheap: the monitor attaches only on the steps it records."""
+
+    def __init__(self, model: nn.Module, consumer):
+        self.sites = attention_sites(model)
+        self.consumer = consumer
+        self.key = next(_TAP_IDS)
+        self._probes = {site.index: self._probe_for(site.index) for site in self.sites}  # made once: compile-stable
+        self._handles: list = []
+        self._probed: list[nn.Module] = []
+        self.attached = False
+
+    def _probe_for(self, index: int):
+        def probe(attn, q, k, attention_mask=None, scaling=1.0, softcap=None):
+            self.consumer(index, attn, q, k, attention_mask, scaling, softcap)
+        return probe
+
+    def attach(self) -> None:
+        if self.attached:
+            return
+        for site in self.sites:
+            if site.backend == PROBING_BACKEND:
+                site.module.__dict__.setdefault("_qknorm_probes", {})[self.key] = self._probes[site.index]
+                self._probed.append(site.module)
+            else:
+                self._hook(site)
+        self.attached = True
+
+    def detach(self) -> None:
+        for module in self._probed:
+            probes = module.__dict__.get("_qknorm_probes", {})
+            probes.pop(self.key, None)
+            if not probes:
+                module.__dict__.pop("_qknorm_probes", None)
+        self._probed.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.attached = False
+
+    def _hook(self, site) -> None:
+        """Hooks that rebuild the q and k a module on another backend hands it (see the module docstring)."""
+        attn, fam, index = site.module, site.family, site.index
+        ctx: dict = {}
+
+        def pre(module, args, kwargs):
+            ctx.clear()
+            ctx["mask"] = kwargs.get("attention_mask")
+            ctx["rope"] = kwargs.get("position_embeddings")
+
+        def capture(name):
+            def hook(module, args, output):
+                ctx[name] = output.detach()  # nothing here may join the autograd graph (checkpointing)
+            return hook
+
+        def post(module, args, kwargs, output):
+            if not ("qkv" in ctx or ("q" in ctx and "k" in ctx)):
+                return
+            with torch.no_grad():
+                q, k = _rebuild_qk(attn, fam, ctx)
+            self.consumer(index, attn, q, k, ctx.get("mask"), attn.scaling, attn.__dict__.get("_qknorm_softcap"))
+            ctx.clear()
+
+        self._handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
+        if fam.fused_qkv:
+            self._handles.append(getattr(attn, fam.qkv_proj).register_forward_hook(capture("qkv")))
+        else:
+            native = fam.native_qk_norm and isinstance(getattr(attn, "q_norm", None), nn.Module)
+            q_src = attn.q_norm if native else getattr(attn, fam.q_proj)
+            k_src = attn.k_norm if native else getattr(attn, fam.k_proj)
+            self._handles.append(q_src.register_forward_hook(capture("q")))
+            self._handles.append(k_src.register_forward_hook(capture("k")))
+        self._handles.append(attn.register_forward_hook(post, with_kwargs=True))
+
+
+def _rebuild_qk(attn: nn.Module, fam, ctx: dict):
+    """``(B, H, T, D)`` queries and ``(B, Hkv, T, D)`` keys from captured projection outputs, RoPE applied."""
+    d = attn.head_dim
+    if fam.fused_qkv:
+        q, k, _ = ctx["qkv"].split(attn.split_size, dim=-1)
+    else:
+        q, k = ctx["q"], ctx["k"]
+    q = q.reshape(*q.shape[:2], -1, d).transpose(1, 2)
+    k = k.reshape(*k.shape[:2], -1, d).transpose(1, 2)
+    if fam.rope and ctx.get("rope") is not None:
+        q, k = rotary_function(attn)(q, k, *ctx["rope"])
+    return q, k
