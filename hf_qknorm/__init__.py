@@ -45,6 +45,8 @@ _LAZY = {
     "QKLearningRate": "training.qk_lr",
     "QKLearningRateCallback": "training.qk_lr",
     "qk_param_groups": "training.qk_lr",
+    "QKClip": "training.qk_clip",
+    "QKClipCallback": "training.qk_clip",
     "lora_config": "training.lora",
     "prepare_lora": "training.lora",
 }

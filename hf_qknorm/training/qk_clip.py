@@ -1,0 +1,233 @@
+"""QK-Clip (Kimi K2, arXiv:2507.20534, "MuonClip"): bound every head's largest attention logit by rescaling its
+query and key weights after the optimizer step -- the architecture stays as it is.
+
+Rule. During the forward passes of a step, record ``S_h``, the largest pre-cap logit ``scaling * q.k`` of head ``h``
+(over the batch, the allowed pairs, gradient-accumulation micro-batches and checkpoint recomputations; all-reduced
+with MAX across data-parallel ranks). After ``optimizer.step()``, for every head with ``S_h > tau``,
+``gamma_h = tau / S_h``; the head's query rows are scaled by ``gamma_h ** alpha`` and its key rows by
+``gamma_h ** (1 - alpha)``, so its logits scale by ``gamma_h`` and the largest one becomes ``tau``. Heads below
+``tau`` are left alone.
+
+Where the rows are and what else scales with them:
+
+- separate projections (Llama, Mistral, Qwen2/3): rows ``[h*d, (h+1)*d)`` of ``q_proj``/``k_proj``; GPT-2's fused
+  ``c_attn`` (``Conv1D``, ``(in, 3E)``): only the Q and K columns of that head;
+- biases (Qwen2's q/k biases) scale with their rows: ``q = W x + b`` then scales exactly by the factor;
+- RoPE rotates each head's ``(head_dim,)`` vector: a scalar factor per head commutes with it;
+- GQA: a key head is read by several query heads. Query head ``h`` takes ``gamma_h ** alpha``; key head ``g`` takes
+  ``(min over its query heads of gamma_h) ** (1 - alpha)``. Every query head's logits then scale by at most
+  ``gamma_h``, so every head ends at or below ``tau`` (heads sharing a clipped key head may shrink a little more
+  than they need); with one query head per key head this is the paper's rule;
+- ``peft`` LoRA on a projection: the base rows, the bias and the adapter's ``B`` rows all scale, so the adapted
+  output (base + delta) scales exactly;
+- a model whose q and k are normalised (Qwen3's own q/k RMSNorm, or a model patched with QK-norm): scaling the
+  projections changes nothing, since the norm divides it out; the logits are bounded by the norm's gains instead.
+  Those gains are shared by all heads, so the clip scales them by the worst head's factor: ``q_norm``'s weight (and
+  bias) by ``(min_h gamma_h) ** alpha``, ``k_norm``'s by ``(min_h gamma_h) ** (1 - alpha)``; ``l2``/``lp`` norms
+  carry one logit scale on ``q_norm``, which takes the whole ``min_h gamma_h``. Every head ends at or below
+  ``tau``; heads that were below it shrink too;
+- FSDP with sharded weights holds only part of each head's rows: refused (use DDP); DDP: every rank sees the same
+  all-reduced maxima and weights, so every rank clips identically.
+
+Recording costs one chunked ``q k^T`` per layer and forward on backends other than ``"qknorm"`` (no ``T x T``
+tensor per head); see ``benchmarks/bench_qk_clip.py`` for the measured overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+from ..modeling.telemetry import LogitTap, head_max_logits
+from .heads import layer_rows
+from .sites import attention_sites, unwrap
+
+try:
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - transformers is a dependency
+    TrainerCallback = object
+
+logger = logging.getLogger(__name__)
+
+
+class QKClip:
+    """Per-head logit bound by weight rescaling. Create it once, before training; it records every forward pass (in
+    training mode) from then on, and :meth:`step` -- after each ``optimizer.step()`` -- rescales and clears.
+
+    Args:
+        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped is fine).
+        tau: the largest logit a head may keep (Kimi K2: 100).
+        alpha: the query's share of the rescaling (0.5: split evenly between query and key).
+
+    Plain loop::
+
+        clip = QKClip(model, tau=100.0)
+        ...
+        loss.backward()
+        optimizer.step()
+        clip.step()            # or once: clip.attach(optimizer)
+
+    :attr:`last_clipped` lists ``(layer, head, S_h, gamma_h)`` of the last step that clipped anything.
+    """
+
+    def __init__(self, model: nn.Module, *, tau: float = 100.0, alpha: float = 0.5):
+        self.tau, self.alpha = _checked(tau, alpha)
+        self.model = model
+        config = unwrap(model).config
+        self.sites = attention_sites(model)
+        self.rows = [layer_rows(site, config) for site in self.sites]  # refuses sharded (FSDP) weights
+        self.norms = [_normed_gains(site) for site in self.sites]
+        self.heads = [q.heads for q, _ in self.rows]
+        self.maxima: list[torch.Tensor | None] = [None] * len(self.sites)
+        self.last_clipped: list[tuple[int, int, float, float]] = []
+        self.steps = self.clipped_steps = 0
+        self._tap = LogitTap(model, self._record)
+        self._tap.attach()
+
+    # -- recording ---------------------------------------------------------------------------------------------------
+    def _record(self, index, attn, q, k, mask, scaling, softcap):
+        if not attn.training:
+            return
+        top = head_max_logits(q.detach(), k.detach(), mask, scaling=float(scaling),
+                              causal=getattr(attn, "is_causal", True))
+        seen = self.maxima[index]
+        self.maxima[index] = top if seen is None else torch.maximum(seen, top)
+
+    def close(self) -> None:
+        """Stop recording (detach from the model)."""
+        self._tap.detach()
+
+    def attach(self, optimizer: torch.optim.Optimizer):
+        """Run :meth:`step` after every ``optimizer.step()`` (a post-step hook); returns the hook's handle."""
+        return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
+
+    # -- the clip ----------------------------------------------------------------------------------------------------
+    def gathered_maxima(self) -> list[torch.Tensor | None]:
+        """The recorded per-head maxima, all-reduced (MAX) across ranks when ``torch.distributed`` is initialised.
+        Layers no forward reached stay ``None`` (on every rank: a rank that saw a layer sends its maxima, the others
+        ``-inf``)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return list(self.maxima)
+        device = next(unwrap(self.model).parameters()).device
+        if dist.get_backend() == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        flat = torch.cat([(m.float().to(device) if m is not None else torch.full((h,), float("-inf"), device=device))
+                          for m, h in zip(self.maxima, self.heads)])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        out, start = [], 0
+        for h in self.heads:
+            part = flat[start:start + h]
+            out.append(part if bool(torch.isfinite(part).any()) else None)
+            start += h
+        return out
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, int, float, float]]:
+        """Rescale every head whose recorded maximum exceeds ``tau``, then clear the record. Returns (and keeps in
+        :attr:`last_clipped`) ``(layer, head, S_h, gamma_h)`` for each clipped head."""
+        maxima = self.gathered_maxima()
+        self.maxima = [None] * len(self.sites)
+        self.steps += 1
+        clipped = []
+        for index, (top, (q_rows, k_rows), norms) in enumerate(zip(maxima, self.rows, self.norms)):
+            if top is None:
+                continue
+            top = top.to(torch.float64).cpu()
+            gamma = torch.where(top > self.tau, self.tau / top, torch.ones_like(top))
+            if bool((gamma >= 1).all()):
+                continue
+            clipped += [(index, h, float(top[h]), float(gamma[h])) for h in range(len(top)) if gamma[h] < 1]
+            if norms is not None:
+                _scale_norm_gains(norms, float(gamma.min()), self.alpha)
+                continue
+            groups = q_rows.heads // k_rows.heads
+            q_rows.scale(gamma.pow(self.alpha))
+            k_rows.scale(gamma.view(k_rows.heads, groups).amin(1).pow(1.0 - self.alpha))
+        if clipped:
+            self.clipped_steps += 1
+            self.last_clipped = clipped
+            logger.info("QK-Clip (tau %g): %s", self.tau,
+                        ", ".join(f"layer {i} head {h}: {s:.4g} -> x{g:.4f}" for i, h, s, g in clipped))
+        return clipped
+
+    # -- checkpointing -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"tau": self.tau, "alpha": self.alpha, "steps": self.steps, "clipped_steps": self.clipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tau, self.alpha = float(state["tau"]), float(state["alpha"])
+        self.steps, self.clipped_steps = int(state["steps"]), int(state["clipped_steps"])
+
+
+def _checked(tau, alpha) -> tuple[float, float]:
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < float("inf"):
+        raise ValueError(f"tau must be a positive finite number, got {tau!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    return float(tau), float(alpha)
+
+
+_GAINED_NORMS = (HeadLayerNorm, HeadRMSNorm, HeadLpNorm)
+
+
+def _normed_gains(site):
+    """``(q_norm, k_norm)`` when the module normalises q and k (then the projections' scale does not reach the
+    logits and the norms' gains are what to clip), else ``None``."""
+    attn = site.module
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is None or k_norm is None:
+        return None
+    q_norm, k_norm = (getattr(n, "original_module", n) for n in (q_norm, k_norm))  # peft modules_to_save
+    if not (isinstance(q_norm, _GAINED_NORMS) or type(q_norm).__name__.endswith("RMSNorm")):
+        raise NotImplementedError(f"layer {site.index}: q/k norm {type(q_norm).__name__} is not one QK-Clip knows "
+                                  "how to scale")
+    return attn, q_norm, k_norm
+
+
+def _scale_norm_gains(norms, gamma: float, alpha: float) -> None:
+    """Scale the shared q/k norm gains so that every head's logits scale by at most ``gamma``."""
+    attn = norms[0]
+    q_norm, k_norm = getattr(attn, "q_norm"), getattr(attn, "k_norm")
+    if isinstance(getattr(k_norm, "original_module", k_norm), HeadLpNorm):  # one logit scale, on q_norm
+        q_factor, k_factor = gamma, 1.0
+    else:
+        q_factor, k_factor = gamma ** alpha, gamma ** (1.0 - alpha)
+    for norm, factor in ((q_norm, q_factor), (k_norm, k_factor)):
+        for module in _norm_copies(norm):
+            for name in ("weight", "bias"):
+                param = getattr(module, name, None)
+                if param is not None:
+                    param.mul_(factor)
+
+
+def _norm_copies(norm: nn.Module) -> list[nn.Module]:
+    """The norm, or every copy of it a ``peft`` ``ModulesToSaveWrapper`` holds (the trained one included)."""
+    if hasattr(norm, "original_module"):
+        return [norm.original_module, *getattr(norm, "modules_to_save", {}).values()]
+    return [norm]
+
+
+class QKClipCallback(TrainerCallback):
+    """``transformers.Trainer`` callback: QK-Clip after every optimizer step.
+
+    ``Trainer(..., callbacks=[QKClipCallback(tau=100.0)])``. The clip is created when training begins and records
+    every training forward from then on. :attr:`clip` is the :class:`QKClip`; ``clip.clipped_steps`` counts the steps
+    that clipped something (also logged as ``qk_clip/clipped_heads`` when a step clipped)."""
+
+    def __init__(self, tau: float = 100.0, alpha: float = 0.5):
+        self.tau, self.alpha = _checked(tau, alpha)
+        self.clip: QKClip | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.clip = QKClip(model, tau=self.tau, alpha=self.alpha)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.clip.step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.clip is not None:
+            self.clip.close()  # stops recording; the clip and its counters stay readable
