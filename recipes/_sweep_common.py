@@ -1,8 +1,10 @@
 """Shared machinery of the evidence recipes (``lr_sweep.py``, ``lp_sweep.py``, ``conversion_recovery.py``).
 
 One training run = one small Llama built from a ``LlamaConfig``, patched with :func:`hf_qknorm.patch_model` (or left
-plain for the baseline and the Q/K learning-rate rule, which is :class:`hf_qknorm.QKLearningRate`), trained on character-level text with AdamW and a z-loss as
-in Wortsman et al. 2023 (arXiv:2309.14322), and measured along the way:
+plain for the baseline and the architecture-preserving arms: the Q/K learning-rate rule, :class:`hf_qknorm.QKLearningRate`,
+and QK-Clip, :class:`hf_qknorm.QKClip`), trained on character-level text with AdamW (or Muon on the hidden matrices,
+:class:`hf_qknorm.training.muon.MuonAdamW`) and a z-loss as in Wortsman et al. 2023 (arXiv:2309.14322), and measured
+along the way:
 
 * validation loss (fixed held-out blocks),
 * the largest attention logit per layer, ``max scaling * q.k`` over causal pairs, pre-cap, with ``q``/``k``
@@ -27,6 +29,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +38,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 import hf_qknorm
 from hf_qknorm.data import read_text, split_text
 
-# scheme name in the sweep -> (patch_model scheme or None, patch kwargs, use the Q/K learning-rate rule)
-SCHEMES: dict[str, tuple[str | None, dict, bool]] = {
-    "baseline": (None, {}, False),
-    "soft_cap": ("soft_cap", {}, False),
-    "qk_norm": ("qk_norm", {"norm": "layernorm"}, False),
-    "qk_norm_cap": ("qk_norm_cap", {"norm": "layernorm"}, False),
-    "qkv_norm": ("qkv_norm", {"norm": "layernorm"}, False),
-    "lp4": ("qk_norm", {"norm": "lp", "p": 4.0}, False),
-    "qk_lr": (None, {}, True),
+class Arm(NamedTuple):
+    """One arm of the sweep: what is patched and how the model is optimised."""
+
+    scheme: str | None            # patch_model scheme, or None (the architecture stays as it is)
+    patch: dict                   # patch_model settings
+    qk_lr: bool = False           # Anson & Aitchison's per-head Q/K learning rates (QKLearningRate)
+    qk_clip: bool = False         # Kimi K2's QK-Clip after every step (QKClip)
+    optimizer: str = "adamw"      # "adamw", or "muon" (Muon on the hidden matrices, AdamW on the rest)
+
+
+SCHEMES: dict[str, Arm] = {
+    "baseline": Arm(None, {}),
+    "soft_cap": Arm("soft_cap", {}),
+    "qk_norm": Arm("qk_norm", {"norm": "layernorm"}),
+    "qk_norm_cap": Arm("qk_norm_cap", {"norm": "layernorm"}),
+    "qkv_norm": Arm("qkv_norm", {"norm": "layernorm"}),
+    "lp4": Arm("qk_norm", {"norm": "lp", "p": 4.0}),
+    "qk_lr": Arm(None, {}, qk_lr=True),
+    "qk_clip": Arm(None, {}, qk_clip=True),
+    "muon": Arm(None, {}, optimizer="muon"),
+    "muon_qk_clip": Arm(None, {}, qk_clip=True, optimizer="muon"),
+    "muon_qk_lr": Arm(None, {}, qk_lr=True, optimizer="muon"),
 }
 
 
@@ -70,6 +86,7 @@ class RunConfig:
     text: str = "tinyshakespeare"
     p: float | None = None  # overrides the Lp exponent of an lp scheme (lp_sweep.py)
     qk_lr_tau: float = 1.0
+    qk_clip_tau: float = 100.0  # Kimi K2's threshold
     extra: dict = field(default_factory=dict)
 
     def tag(self) -> str:
@@ -124,7 +141,7 @@ def build_model(cfg: RunConfig, vocab: int):
 
 
 def apply_scheme(model, scheme: str, p: float | None = None):
-    patch_scheme, kwargs, _ = SCHEMES[scheme]
+    patch_scheme, kwargs = SCHEMES[scheme].scheme, SCHEMES[scheme].patch
     if patch_scheme is not None:
         kwargs = dict(kwargs)
         if p is not None:
@@ -203,9 +220,19 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model, cfg: RunConfig) -> torch.optim.AdamW:
+def make_optimizer(model, cfg: RunConfig) -> torch.optim.Optimizer:
     """AdamW (0.9, 0.95), eps 1e-8. Decay on matrices only, *independent* of the LR as in Wortsman et al.:
-    torch's decoupled decay multiplies by lr, so ``weight_decay = lambda / peak_lr`` gives ``lambda * schedule``."""
+    torch's decoupled decay multiplies by lr, so ``weight_decay = lambda / peak_lr`` gives ``lambda * schedule``.
+
+    Muon arms: ``torch.optim.Muon`` on the hidden matrices with ``adjust_lr_fn="match_rms_adamw"`` (Moonlight /
+    Kimi K2: each update's RMS matches AdamW's, so one LR grid serves both optimizers; momentum 0.95, Nesterov), and
+    the same AdamW on embeddings, output head and vectors; the same independent decay."""
+    if SCHEMES[cfg.scheme].optimizer == "muon":
+        from hf_qknorm.training.muon import MuonAdamW
+
+        return MuonAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay / cfg.lr,
+                         muon_kwargs={"adjust_lr_fn": "match_rms_adamw"},
+                         adamw_kwargs={"betas": (0.9, 0.95), "eps": 1e-8})
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay / cfg.lr}, {"params": rest, "weight_decay": 0.0}]
@@ -245,7 +272,9 @@ def train_run(cfg: RunConfig, model=None, log=None) -> dict:
     model = build_model(cfg, vocab) if model is None else model
     model.train()
     opt = make_optimizer(model, cfg)
-    rule = hf_qknorm.QKLearningRate(model, tau=cfg.qk_lr_tau) if SCHEMES[cfg.scheme][2] else None
+    arm = SCHEMES[cfg.scheme]
+    rule = hf_qknorm.QKLearningRate(model, tau=cfg.qk_lr_tau) if arm.qk_lr else None
+    clip = hf_qknorm.QKClip(model, tau=cfg.qk_clip_tau) if arm.qk_clip else None
     gen = torch.Generator().manual_seed(1000 + cfg.seed)
     eval_set = val_blocks[: cfg.eval_blocks]
     rec = {"config": asdict(cfg), "train": [], "val": [], "probe": []}
@@ -272,9 +301,11 @@ def train_run(cfg: RunConfig, model=None, log=None) -> dict:
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if rule is not None:
-            rule.step(opt)  # Anson & Aitchison's per-head W_Q / W_K learning rates around AdamW's step
+            rule.step(opt)  # Anson & Aitchison's per-head W_Q / W_K learning rates around the optimizer's step
         else:
             opt.step()
+        if clip is not None:
+            clip.step()  # QK-Clip: heads whose largest logit passed tau are rescaled after the step
         if step % 10 == 0:
             rec["train"].append([step, float(ce.detach()), _finite(float(gnorm))])
         if (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
@@ -285,6 +316,8 @@ def train_run(cfg: RunConfig, model=None, log=None) -> dict:
     final = float("nan") if nonfinite else evaluate(model, val_blocks[: cfg.final_eval_blocks])
     rec["val"].append([cfg.steps, _finite(final)])
     rec["alerts"] = [{k: a[k] for k in ("step", "layer", "kind", "max_logit")} for a in mon.qk.alerts]
+    if clip is not None:
+        rec["qk_clip"] = {"tau": clip.tau, "clipped_steps": clip.clipped_steps, "steps": clip.steps}
     rec.update(final_val=_finite(final), init_val=rec["val"][0][1], nonfinite=nonfinite,
                wall_s=round(time.time() - t0, 1), versions={"torch": torch.__version__, "hf_qknorm":
                                                             getattr(hf_qknorm, "__version__", "?")})

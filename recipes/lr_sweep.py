@@ -8,7 +8,13 @@ attention logit per layer and the output RMS of the QKV, output-projection and s
     python recipes/lr_sweep.py report                 # tables, results.json and plots under docs/lr_sweep/
 
 ``run`` first trains the coarse grid (seed 0) and the extra seeds at the ordinary LR, then adds one refining LR
-per scheme between its largest stable and smallest diverged grid LR. Divergence rule (applied mechanically, see
+per scheme between its largest stable and smallest diverged grid LR, then (once a scheme's edge is bracketed within
+a factor 1.5) the extra seeds at its largest stable and first diverged LR, which tell whether a difference in max
+stable LR between schemes is real or one seed's luck.
+
+Arms: the patched schemes, the plain baseline, and the architecture-preserving controls on the unpatched model --
+Anson & Aitchison's Q/K learning rates (``qk_lr``), Kimi K2's QK-Clip (``qk_clip``, tau 100), Muon on the hidden
+matrices (``muon``), and Muon with QK-Clip (``muon_qk_clip``, MuonClip) or with the Q/K rule (``muon_qk_lr``). Divergence rule (applied mechanically, see
 :func:`diverged`): a run diverged when its loss became non-finite, or its final validation loss is at or above the
 character-bigram loss of the validation text (2.48 nats: it does no better than a model without attention; Wortsman
 et al. compare diverged runs with a 0-layer bigram model), or its final validation loss is more than ``SPIKE`` nats
@@ -50,6 +56,8 @@ def parse_args(argv=None):
     r.add_argument("--steps", type=int, default=RunConfig.steps)
     r.add_argument("--warmup", type=int, default=RunConfig.warmup)
     r.add_argument("--no-refine", action="store_true", help="skip the refining LR between stable and diverged")
+    r.add_argument("--edge-seeds", nargs="*", type=int, default=[1, 2],
+                   help="extra seeds at each scheme's max stable and first diverged LR (none: skip)")
     r.add_argument("--text", default="tinyshakespeare", help="UTF-8 text file, or a bundled text name")
     r.add_argument("--out", default=str(OUT / "runs"))
     rep = sub.add_parser("report", help="summarise the runs into tables, results.json and plots")
@@ -120,6 +128,10 @@ def summarise(runs: list[dict], bigram: float) -> dict:
         finite = {lr: v for lr, v in losses.items() if v is not None}
         best_lr = min(finite, key=finite.get) if finite else None
         ordinary = [r["final_val"] for r in rs if r["config"]["lr"] == ORDINARY_LR and r["final_val"] is not None]
+        edge = {}  # every seed's verdict at the seed-0 edge LRs
+        for lr in (stable, first_div):
+            if lr is not None and lr != ORDINARY_LR:
+                edge[f"{lr:g}"] = {r["config"]["seed"]: diverged(r, bigram) for r in rs if r["config"]["lr"] == lr}
         out[scheme] = {
             "max_stable_lr": stable, "first_diverged_lr": first_div,
             # LRs above the first diverged one that were not run count as l0 (they are assumed to diverge)
@@ -128,6 +140,8 @@ def summarise(runs: list[dict], bigram: float) -> dict:
             "ordinary_lr": ORDINARY_LR, "ordinary_losses": ordinary,
             "ordinary_mean": sum(ordinary) / len(ordinary) if ordinary else None,
             "ordinary_std": _std(ordinary),
+            "edge_seeds": edge,
+            "peak_logit_all": _peak_logit_all(rs),
             "per_lr": {f"{lr:g}": {"final_val": r["final_val"], "diverged": points[lr],
                                    "max_logit_peak": _peak_logit(r), "wall_s": r["wall_s"]}
                        for lr, r in sorted(seed0.items())},
@@ -140,6 +154,11 @@ def _std(xs):
         return None
     m = sum(xs) / len(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _peak_logit_all(rs: list[dict]) -> float | None:
+    vals = [v for v in (_peak_logit(r) for r in rs) if v is not None]
+    return max(vals) if vals else None
 
 
 def _peak_logit(rec: dict) -> float | None:
@@ -206,6 +225,10 @@ def next_jobs(args, runs: list[dict], bigram: float) -> list[RunConfig]:
             stable, first_div = max_stable_lr(_known(runs, s, bigram))
             if stable is not None and first_div is not None and first_div / stable > 1.5:
                 wanted.append(mk(s, float(f"{math.sqrt(stable * first_div):.2g}")))
+    for s in args.schemes:  # extra seeds at the edge, once it is bracketed (refined)
+        stable, first_div = max_stable_lr(_known(runs, s, bigram))
+        if stable is not None and first_div is not None and (args.no_refine or first_div / stable <= 1.5):
+            wanted += [mk(s, lr, seed) for lr in (stable, first_div) for seed in args.edge_seeds if seed != 0]
     wanted += [mk(s, lr) for lr in sorted(grid, key=lambda x: abs(math.log(x / args.ordinary_lr)))
                for s in args.schemes]
     seen, out = set(), []
@@ -272,6 +295,28 @@ def table_md(summary: dict) -> str:
         rows.append(f"| {scheme} | {edge} | {_fmt(s['first_diverged_lr'], 'g')} | "
                     f"{_fmt(s['lr_sensitivity'])} | {_fmt(s['best_loss'])} ({_fmt(s['best_lr'], 'g')}) | "
                     f"{ordinary} | {_fmt(paper[0], 'g')} | {_fmt(paper[1], '.2f')} |")
+    return "\n".join(rows) + "\n"
+
+
+def edge_md(summary: dict) -> str:
+    """Seeds that diverged at each scheme's seed-0 edge: a max stable LR is established when every seed is stable
+    there and every seed diverges at the next LR."""
+    rows = ["| scheme | max stable LR (seeds diverged) | first diverged LR (seeds diverged) | established |",
+            "|---|---|---|---|"]
+    for scheme, s in summary.items():
+        cells = []
+        for lr in (s["max_stable_lr"], s["first_diverged_lr"]):
+            seeds = s["edge_seeds"].get(f"{lr:g}", {}) if lr is not None else {}
+            cells.append("–" if lr is None else f"{lr:g} ({sum(seeds.values())}/{len(seeds)})")
+        stable_ok = all(not d for d in s["edge_seeds"].get(f"{s['max_stable_lr']:g}", {0: True}).values()) \
+            if s["max_stable_lr"] is not None else False
+        div_ok = all(s["edge_seeds"].get(f"{s['first_diverged_lr']:g}", {0: False}).values()) \
+            if s["first_diverged_lr"] is not None else False
+        n = [len(s["edge_seeds"].get(f"{lr:g}", {})) for lr in (s["max_stable_lr"], s["first_diverged_lr"])
+             if lr is not None]
+        verdict = "yes" if stable_ok and div_ok and min(n, default=0) >= 3 else \
+            ("not yet (fewer than 3 seeds)" if min(n, default=0) < 3 else "no: seeds disagree")
+        rows.append(f"| {scheme} | {cells[0]} | {cells[1]} | {verdict} |")
     return "\n".join(rows) + "\n"
 
 
@@ -384,6 +429,7 @@ def cmd_report(args) -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "schemes": summary}, indent=1))
     (out / "table.md").write_text(
         "## LR sweep summary\n\n" + table_md(summary)
+        + "\n## Seeds at each scheme's edge (diverged/run)\n\n" + edge_md(summary)
         + "\n## Final validation loss per LR (seed 0; † = diverged)\n\n" + per_lr_md(summary)
         + "\n## Largest attention logit seen during the run (max over layers and probe steps; seed 0)\n\n"
         + peak_logit_md(summary)

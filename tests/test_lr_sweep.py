@@ -97,3 +97,36 @@ def test_lp_sweep_jobs_set_the_exponent():
     fake = [{"config": {"p": 2.5}, "final_val": v} for v in (1.0, 1.2)]
     s = lp_sweep.summarise(fake)["2.5"]
     assert s["mean"] == pytest.approx(1.1) and s["std"] == pytest.approx(0.1414, abs=1e-3)
+
+
+def test_qk_clip_and_muon_arms(monkeypatch):
+    """qk_clip arms clip with hf_qknorm.QKClip after every step (tau set low here so it bites); muon arms optimise
+    with MuonAdamW (Muon on the hidden matrices)."""
+    from hf_qknorm.training.muon import MuonAdamW
+
+    steps = []
+    real = MuonAdamW.step
+    monkeypatch.setattr(MuonAdamW, "step", lambda self, closure=None: steps.append(1) or real(self, closure))
+    rec = sc.train_run(sc.RunConfig(scheme="muon_qk_clip", lr=1e-2, qk_clip_tau=0.05, **TINY))
+    assert rec["qk_clip"]["steps"] == TINY["steps"] and rec["qk_clip"]["clipped_steps"] >= 1
+    assert len(steps) == TINY["steps"]
+    rec = sc.train_run(sc.RunConfig(scheme="qk_clip", lr=1e-2, qk_clip_tau=1e6, **TINY))
+    assert rec["qk_clip"]["clipped_steps"] == 0 and len(steps) == TINY["steps"]  # AdamW here
+
+
+def test_edge_seeds_once_the_edge_is_bracketed():
+    args = lr_sweep.parse_args(["run", "--schemes", "baseline"])
+
+    def rec(lr, seed, final):
+        return {"config": {"scheme": "baseline", "lr": lr, "seed": seed, "p": None}, "final_val": final,
+                "nonfinite": False, "val": [[0, 4.0], [10, 2.0], [20, final]]}
+
+    runs = [rec(3e-3, 0, 1.8), rec(3e-2, 0, 1.9), rec(1e-1, 0, 3.0)]  # edge 0.03 / 0.1: not yet refined
+    tags = {c.tag() for c in lr_sweep.next_jobs(args, runs, bigram=2.48)}
+    assert "baseline_lr0.055_s0" in tags and not any("_s1" in t and "0.03" in t for t in tags)
+    runs.append(rec(0.055, 0, 3.0))  # refined once: edge 0.03 / 0.055, still more than a factor 1.5
+    tags = {c.tag() for c in lr_sweep.next_jobs(args, runs, bigram=2.48)}
+    assert "baseline_lr0.041_s0" in tags and not any("_s1" in t for t in tags)
+    runs.append(rec(0.041, 0, 1.9))  # edge 0.041 / 0.055: bracketed
+    tags = {c.tag() for c in lr_sweep.next_jobs(args, runs, bigram=2.48)}
+    assert {"baseline_lr0.041_s1", "baseline_lr0.041_s2", "baseline_lr0.055_s1", "baseline_lr0.055_s2"} <= tags
