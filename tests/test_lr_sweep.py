@@ -123,10 +123,10 @@ def test_edge_seeds_once_the_edge_is_bracketed():
 
     runs = [rec(3e-3, 0, 1.8), rec(3e-2, 0, 1.9), rec(1e-1, 0, 3.0)]  # edge 0.03 / 0.1: not yet refined
     tags = {c.tag() for c in lr_sweep.next_jobs(args, runs, bigram=2.48)}
-    assert "baseline_lr0.055_s0" in tags and not any("_s1" in t and "0.03" in t for t in tags)
+    assert "baseline_lr0.055_s0" in tags and not {"baseline_lr0.03_s1", "baseline_lr0.1_s1"} & tags
     runs.append(rec(0.055, 0, 3.0))  # refined once: edge 0.03 / 0.055, still more than a factor 1.5
     tags = {c.tag() for c in lr_sweep.next_jobs(args, runs, bigram=2.48)}
-    assert "baseline_lr0.041_s0" in tags and not any("_s1" in t for t in tags)
+    assert "baseline_lr0.041_s0" in tags and not {"baseline_lr0.03_s1", "baseline_lr0.055_s1"} & tags
     runs.append(rec(0.041, 0, 1.9))  # edge 0.041 / 0.055: bracketed
     tags = {c.tag() for c in lr_sweep.next_jobs(args, runs, bigram=2.48)}
     assert {"baseline_lr0.041_s1", "baseline_lr0.041_s2", "baseline_lr0.055_s1", "baseline_lr0.055_s2"} <= tags
