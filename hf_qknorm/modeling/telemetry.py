@@ -57,15 +57,14 @@ def causal_rows(mask, causal: bool, q_len: int, kv_len: int):
     return causal, (min(kv_len, q_len) if causal else kv_len)
 
 
-@torch.no_grad()
-def head_max_logits(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                    scaling: float, causal: bool = True, tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
-    """The largest pre-cap logit ``scaling * q.k`` of each query head, over the batch and the allowed pairs.
+def logit_tiles(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None, *, scaling: float,
+                causal: bool, tile_elements: int = TILE_ELEMENTS):
+    """The pre-cap logits ``scaling * q.k`` of one attention call in query-row chunks, for statistics.
 
-    ``q`` ``(batch, heads, q_len, head_dim)``, ``k`` ``(batch, kv_heads, kv_len, head_dim)`` (GQA: query head ``h``
-    reads key head ``h // (heads // kv_heads)``); ``attention_mask`` boolean or additive, or ``None`` (causal when
-    ``causal``). Returns ``(heads,)`` in float32 (float64 for float64 inputs); ``-inf`` for a head with no allowed
-    pair."""
+    Yields ``(s, ok)``: ``s`` ``(batch, kv_heads, groups, rows, keys)`` in float32 (float64 for float64 inputs) with
+    disallowed pairs set to ``-inf``, and ``ok`` the allowed pattern broadcastable to it (``None``: all allowed).
+    Causal rows skip the keys past their diagonal (a missing mask is top-left causal, as in the backend). Only a few
+    ``tile_elements``-sized tiles are ever live."""
     acc = torch.promote_types(q.dtype, torch.float32)
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -77,18 +76,35 @@ def head_max_logits(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
     rows = int(max(1, min(q_len, tile_elements // max(1, batch * heads * kv_len))))
     if causal:
         rows = min(rows, 64)  # small row chunks skip the keys above the diagonal (about half the work)
-    best = torch.full((kv_heads, groups), float("-inf"), dtype=acc, device=q.device)
     for start in range(0, q_len, rows):
         end = min(start + rows, q_len)
         hi = min(kv_len, end) if causal else kv_len
         s = torch.matmul(qg[:, :, :, start:end].to(acc), kt[..., :hi]).mul_(scaling)  # (B, Hkv, G, rows, hi)
         if causal:
             ok = torch.arange(hi, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
-            s.masked_fill_(~ok, float("-inf"))
         elif mask is not None:
-            s.masked_fill_(~per_group(mask[..., start:end, :hi], kv_heads, groups), float("-inf"))
+            ok = per_group(mask[..., start:end, :hi], kv_heads, groups)
+        else:
+            ok = None
+        if ok is not None:
+            s.masked_fill_(~ok, float("-inf"))
+        yield s, ok
+
+
+@torch.no_grad()
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                    scaling: float, causal: bool = True, tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+    """The largest pre-cap logit ``scaling * q.k`` of each query head, over the batch and the allowed pairs.
+
+    ``q`` ``(batch, heads, q_len, head_dim)``, ``k`` ``(batch, kv_heads, kv_len, head_dim)`` (GQA: query head ``h``
+    reads key head ``h // (heads // kv_heads)``); ``attention_mask`` boolean or additive, or ``None`` (causal when
+    ``causal``). Returns ``(heads,)`` in float32 (float64 for float64 inputs); ``-inf`` for a head with no allowed
+    pair."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    best = torch.full((k.shape[1], q.shape[1] // k.shape[1]), float("-inf"), dtype=acc, device=q.device)
+    for s, _ in logit_tiles(q, k, attention_mask, scaling=scaling, causal=causal, tile_elements=tile_elements):
         best = torch.maximum(best, s.amax(dim=(0, 3, 4)))
-    return best.reshape(heads)
+    return best.reshape(q.shape[1])
 
 
 class LogitTap:

@@ -24,8 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..attention.chunked import chunk_allowed
-from ..modeling.telemetry import TILE_ELEMENTS, LogitTap, allowed_mask, causal_rows, per_group
+from ..modeling.telemetry import TILE_ELEMENTS, LogitTap, logit_tiles
 
 try:  # a plain-loop user needs no transformers Trainer machinery
     from transformers import TrainerCallback
@@ -62,30 +61,11 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
         maxima are over allowed positions; the entropy is averaged over query rows with at least one allowed key.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
-    batch, heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    groups = heads // kv_heads
-    mask = allowed_mask(attention_mask, kv_len)
-    causal, kv_len = causal_rows(mask, causal, q_len, kv_len)
-    k = k[:, :, :kv_len]
-    qg = q.reshape(batch, kv_heads, groups, q_len, head_dim)
-    kt = k.to(acc).transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, Tk)
-    rows = int(max(1, min(q_len, tile_elements // max(1, batch * heads * kv_len))))
-    if causal:
-        rows = min(rows, 64)  # small row chunks skip the keys above the diagonal (about half the work)
-    best = torch.full((kv_heads, groups), float("-inf"), dtype=acc, device=q.device)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    best = torch.full((kv_heads, heads // kv_heads), float("-inf"), dtype=acc, device=q.device)
     ent_sum = torch.zeros((), dtype=acc, device=q.device)
     n_rows = torch.zeros((), dtype=acc, device=q.device)
-    for start in range(0, q_len, rows):
-        end = min(start + rows, q_len)
-        hi = min(kv_len, end + kv_len - q_len) if causal else kv_len  # causal rows never see keys past `hi`
-        if hi <= 0:
-            continue
-        s = torch.matmul(qg[:, :, :, start:end].to(acc), kt[..., :hi]).mul_(scaling)  # (B, Hkv, G, rows, hi)
-        ok = per_group(chunk_allowed(mask, start, end, q_len, kv_len, causal, None, q.device, 0, hi), kv_heads,
-                        groups)
-        if ok is not None:
-            s.masked_fill_(~ok, float("-inf"))
+    for s, ok in logit_tiles(q, k, attention_mask, scaling=scaling, causal=causal, tile_elements=tile_elements):
         best = torch.maximum(best, s.amax(dim=(0, 3, 4)))
         if softcap is not None:
             s.div_(softcap).tanh_().mul_(softcap)
