@@ -175,6 +175,18 @@ def test_lp_norm_with_a_large_exponent_stays_finite_and_exact():
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", ["l2", "lp"])
+def test_half_precision_models_keep_their_dtype_through_every_norm(norm, dtype):
+    """Each norm returns its input's dtype (it computes in float32): a bf16 lp model runs and trains."""
+    model = tiny_model("llama", dtype=dtype)
+    hf_qknorm.patch_model(model, "qk_norm_cap", norm=norm, p=3.0 if norm == "lp" else None)
+    ids = _ids()
+    out = model(ids, labels=ids)
+    assert out.logits.dtype == dtype and torch.isfinite(out.loss)
+    out.loss.backward()
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # one rule for the qkv_norm fold: patch and conversion write the same bits
 # --------------------------------------------------------------------------------------------------------------------

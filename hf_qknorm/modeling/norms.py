@@ -97,7 +97,7 @@ class HeadLpNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = _acc(x)
+        dtype, acc = x.dtype, _acc(x)
         x = x.to(acc)
         # ``||x||_p`` overflows for large p (|x|^64 passes float32's range at |x| > 4): scale by max|x| first, as the
         # Triton kernel does. ``x / max(||x||_p, eps) == u / max(||u||_p, eps / m)`` with ``u = x / m`` for any m > 0,
@@ -107,7 +107,7 @@ class HeadLpNorm(nn.Module):
         y = u / torch.maximum(torch.linalg.vector_norm(u, ord=self.p, dim=-1, keepdim=True), self.eps / m)
         if self.weight is not None:
             y = y * self.weight.to(acc)
-        return y.to(x.dtype)
+        return y.to(dtype)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, eps={self.eps}, scale={self.scale}"
