@@ -1,0 +1,172 @@
+"""``verify(model)`` and ``verify_folder(path, no_plugin=...)``: probe a model as it is configured and judge every
+attention layer against the float64 formula reference (see :mod:`.probe` and :mod:`.checks`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..modeling.families import PREFIX
+from .checks import build_report
+from .layers import ReferenceModel
+from .probe import run_probes
+from .report import VerifyReport
+
+logger = logging.getLogger(__name__)
+
+
+def verify(model: nn.Module, *, tolerance: float | None = None, generate: bool = True) -> VerifyReport:
+    """Check that ``model`` -- as configured: its attention backend, its generation cache -- computes its scheme.
+
+    Runs the probes of :mod:`hf_qknorm.verify.probe` through ``model`` (a supported model, patched or not, possibly
+    wrapped by ``peft`` or ``torch.compile``) and compares every attention layer's output with
+    :func:`hf_qknorm.reference.attention_layer_reference` in float64. ``tolerance`` overrides the per-dtype relative
+    tolerance (:data:`hf_qknorm.verify.checks.TOLERANCE`); ``generate=False`` skips the cached-generation probes.
+    The model is left as it was (training mode restored, no hooks left behind).
+
+    Returns a :class:`VerifyReport`; ``report.ok`` is False, and ``str(report)`` ends with ``FAILED: ...``, when an
+    error exceeds the tolerance or a cap, norm or mask is not applied."""
+    ref = ReferenceModel(model)
+    captured = run_probes(model, ref.plan(generate=generate))
+    return _log(build_report(ref, captured, tolerance=tolerance, source="in process"))
+
+
+@dataclass
+class FolderResult:
+    """One folder of :func:`verify_folders`: its report, or the one-line reason it could not be verified."""
+
+    path: Path
+    report: VerifyReport | None = None
+    error: str | None = None
+
+
+def verify_folder(path, *, no_plugin: bool = False, device: str = "cpu", tolerance: float | None = None,
+                  generate: bool = True, timeout: float = 1800) -> VerifyReport:
+    """Verify a saved model folder.
+
+    ``no_plugin=False``: load it with the plugin (``AutoModelForCausalLM.from_pretrained``) and :func:`verify` it.
+    ``no_plugin=True``: load it as a user without the package would -- a ``qknorm_<base>`` folder through its
+    shipped remote code (``trust_remote_code=True``), any other folder (e.g. a plain ``qwen3`` export) through plain
+    Transformers -- in a subprocess in which ``hf_qknorm`` cannot be imported. That subprocess runs the probes and
+    saves what each layer saw and returned; the reference is computed here from the same folder's weights (loaded
+    with the plugin). Raises ``FileNotFoundError``/``ValueError``/``RuntimeError`` when the folder cannot be
+    verified at all."""
+    result = verify_folders([path], no_plugin=no_plugin, device=device, tolerance=tolerance, generate=generate,
+                            timeout=timeout)[0]
+    if result.report is None:
+        raise RuntimeError(result.error)
+    return result.report
+
+
+def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", tolerance: float | None = None,
+                   generate: bool = True, timeout: float = 1800) -> list[FolderResult]:
+    """:func:`verify_folder` for several folders; with ``no_plugin`` they share one subprocess. One folder's error
+    is recorded in its :class:`FolderResult` and does not stop the others."""
+    from transformers import AutoModelForCausalLM
+
+    results = [FolderResult(Path(p)) for p in paths]
+    refs: dict[int, ReferenceModel] = {}
+    jobs = []
+    for i, res in enumerate(results):
+        try:
+            config_file = res.path / "config.json"
+            if not config_file.is_file():
+                raise FileNotFoundError(f"{res.path} has no config.json: not a saved model folder")
+            model = AutoModelForCausalLM.from_pretrained(res.path).to(device)
+            if not no_plugin:
+                res.report = verify(model, tolerance=tolerance, generate=generate)
+                res.report.source = f"{res.path}, loaded with hf_qknorm"
+                continue
+            refs[i] = ReferenceModel(model)
+            model_type = str(json.loads(config_file.read_text()).get("model_type", ""))
+            jobs.append({"key": str(i), "path": str(res.path.resolve()), "remote": model_type.startswith(PREFIX),
+                         "device": device, "plan": refs[i].plan(generate=generate)})
+        except Exception as exc:  # reported per folder, in one line
+            res.error = _one_line(exc)
+    if jobs:
+        try:
+            captured = capture_without_plugin(jobs, timeout=timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            captured = {job["key"]: {"error": _one_line(exc)} for job in jobs}
+        for job in jobs:
+            i, got = int(job["key"]), captured.get(job["key"], {"error": "the subprocess returned nothing"})
+            if "error" in got:
+                results[i].error = f"loading without hf_qknorm failed: {got['error']}"
+                continue
+            how = "remote code, trust_remote_code=True" if job["remote"] else "plain Transformers"
+            results[i].report = _log(build_report(refs[i], got, tolerance=tolerance,
+                                                  source=f"{results[i].path}, loaded without hf_qknorm ({how})"))
+    return results
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _log(report: VerifyReport) -> VerifyReport:
+    logger.debug("%s", report)
+    if report.ok:
+        logger.info("hf_qknorm verify: %s OK (%s)", report.model, report.summary())
+    else:
+        logger.warning("hf_qknorm verify: %s FAILED: %s", report.model, "; ".join(report.problems()[:4]))
+    return report
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# the subprocess that cannot import hf_qknorm
+# -------------------------------------------------------------------------------------------------------------------
+_RUNNER = textwrap.dedent("""
+    import importlib.util, json, sys
+    sys.modules["hf_qknorm"] = None  # any import of the plugin now fails: the folder must stand on its own
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    jobs = json.load(open(sys.argv[1]))
+    torch.set_num_threads(int(sys.argv[4]))  # the caller's setting: extra threads on tiny models only contend
+    spec = importlib.util.spec_from_file_location("qknorm_verify_probe", sys.argv[3])
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)  # the probe module imports nothing but torch
+    out = {}
+    for job in jobs:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(job["path"], trust_remote_code=job["remote"])
+            out[job["key"]] = probe.run_probes(model.to(job["device"]), job["plan"])
+            del model
+        except Exception as exc:
+            out[job["key"]] = {"error": (type(exc).__name__ + ": " + str(exc)).strip().splitlines()[0]}
+    loaded = [n for n, m in sys.modules.items() if n.startswith("hf_qknorm") and m is not None]
+    assert not loaded, f"hf_qknorm was imported: {loaded}"
+    torch.save(out, sys.argv[2])
+""")
+
+
+def capture_without_plugin(jobs: list[dict], *, timeout: float = 1800) -> dict:
+    """Run :func:`.probe.run_probes` for each job (``key``, folder ``path``, ``remote``: trust_remote_code,
+    ``device``, ``plan``) in one fresh interpreter where ``hf_qknorm`` cannot be imported; returns key -> what it
+    recorded (or ``{"error": ...}``). Transformers' remote-code module cache is private to the run, so the code
+    executed is each folder's own, as it is now. The subprocess uses as many intra-op threads as this process.
+    ``HF_QKNORM_PYTHON`` names another interpreter to use."""
+    with tempfile.TemporaryDirectory(prefix="hf_qknorm_verify_") as tmp:
+        tmp = Path(tmp)
+        (tmp / "jobs.json").write_text(json.dumps(jobs))
+        (tmp / "runner.py").write_text(_RUNNER)
+        env = {**os.environ, "HF_MODULES_CACHE": str(tmp / "modules")}
+        python = os.environ.get("HF_QKNORM_PYTHON", sys.executable)
+        cmd = [python, str(tmp / "runner.py"), str(tmp / "jobs.json"), str(tmp / "out.pt"),
+               str(Path(__file__).with_name("probe.py")), str(torch.get_num_threads())]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp, env=env)
+        if res.returncode != 0:
+            tail = [line for line in (res.stderr or res.stdout).strip().splitlines() if line.strip()]
+            raise RuntimeError(f"the subprocess without hf_qknorm failed: {tail[-1] if tail else res.returncode}")
+        return torch.load(tmp / "out.pt", weights_only=True)

@@ -1,0 +1,198 @@
+"""Judge the probes against the float64 formula reference, layer by layer, and say which mechanism is applied.
+
+For each layer and probe the reference output is :func:`hf_qknorm.reference.attention_layer_reference` on the
+recorded layer input, with the layer's weights (:mod:`.layers`), RoPE from the recorded ``cos``/``sin``, the cap, and
+the mask by absolute position (causal, the probe's padding, the sliding window). The error is
+``max|out - ref| / max|ref|`` over the real query rows (padded rows have no defined output).
+
+A mechanism ``m`` (norms, cap, padding, causal, window) is judged with a second reference without ``m``: with
+``e`` the error against the reference, ``e_m`` against the one without ``m`` and ``d_m`` the distance between the
+two references (all relative to ``max|ref|``), ``m`` is *not exercised* when ``d_m <= 3 * tol`` (this probe cannot
+tell), *applied* when ``e <= tol``, *DROPPED* when ``e_m <= tol`` (the model computed the scheme without ``m``), and
+``?`` otherwise (the layer is off, but not by leaving out ``m`` alone). ``d_m > 2 tol`` keeps the verdicts exclusive
+(``e + e_m >= d_m``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..reference import attention_layer_reference, norm_reference
+from .layers import LayerSpec, ReferenceModel
+from .report import APPLIED, DROPPED, REMOVED, UNCLEAR, UNEXERCISED, Check, VerifyReport
+
+# Tolerance on the relative error, by the dtype the model computes in. float64: the formula to 1e-6 (DESIGN.md);
+# Qwen3's own q/k RMSNorm computes in float32 whatever the input, which costs ~1e-7. float32: unit roundoff 6e-8
+# grown by sums over up to a few thousand products and by a softmax over logits up to a few caps (~1e-5 measured on
+# the probes), with a margin. bfloat16 (unit roundoff 3.9e-3) and float16 (4.9e-4): every projection output and
+# the attention output are rounded once or twice, and logits of a few tens amplify the rounding of q and k; the
+# stress probe's logits (a few caps) are the worst case. A dropped cap, norm or mask errs by 0.1 to 1.
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+EXERCISED = 3.0  # a mechanism is exercised when the references with and without it differ by 3 tolerances
+
+# Which mechanisms each probe judges (each costs one more reference per layer).
+PROBE_MECHANISMS = {"unpadded": ("norms", "cap", "causal", "window"), "padded": ("padding", "window"),
+                    "cache-unpadded": ("window",), "cache-padded": ("padding", "window"), "stress": ("cap", "norms")}
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    return TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
+
+
+def _f64(t):
+    return None if t is None else t.to(torch.float64)
+
+
+def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: float = 1.0) -> torch.Tensor:
+    """Reference output ``(batch, seq, hidden)`` of one layer on input ``x`` ``(batch, seq, hidden)``.
+
+    ``cos``/``sin`` ``(batch, seq, rope_dim)`` or ``None``; ``tokens`` ``(batch, seq)`` bool (False = padding).
+    ``drop``: mechanisms to leave out (``norms``, ``cap``, ``padding``, ``causal``, ``window``). ``q_gain``
+    multiplies the final pre-RoPE query (the stress probe's gain): folded into the query norm's gain and bias, or
+    into the query projection when the layer has no query norm."""
+    w = dict(spec.weights)
+    norms = {r: (None if "norms" in drop else getattr(spec, f"{r}_norm")) for r in ("q", "k", "v")}
+    if q_gain != 1.0:
+        if norms["q"] is not None:
+            qn = norms["q"]
+            weight = qn["weight"] if qn["weight"] is not None else torch.ones((), dtype=torch.float64)
+            norms["q"] = {"weight": q_gain * weight, "bias": None if qn["bias"] is None else q_gain * qn["bias"]}
+        else:
+            w["wq"] = q_gain * w["wq"]
+            w["bq"] = None if w["bq"] is None else q_gain * w["bq"]
+    mask = None if "padding" in drop else tokens[:, None, None, :]
+    return attention_layer_reference(
+        x, **w, heads=spec.heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim, scaling=spec.scaling,
+        softcap=None if "cap" in drop else spec.softcap, norm=spec.norm or "rmsnorm", q_norm=norms["q"],
+        k_norm=norms["k"], v_norm=norms["v"], cos=cos, sin=sin, causal="causal" not in drop, mask=mask,
+        sliding_window=None if "window" in drop else spec.window, eps=spec.eps, p=spec.p)
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None):
+    """``max|got - ref| / max|scale|`` over ``rows`` ``(batch, seq)`` bool (``scale`` defaults to ``ref``)."""
+    scale = ref if scale is None else scale
+    denom = float(scale[rows].abs().max()) if rows.any() else 0.0
+    num = float((got - ref)[rows].abs().max()) if rows.any() else 0.0
+    return num / denom if denom > 0 else num
+
+
+def mechanism_status(e: float, e_m: float, d_m: float, tol: float) -> str:
+    if not d_m > EXERCISED * tol:
+        return UNEXERCISED
+    if e <= tol:
+        return APPLIED
+    return DROPPED if e_m <= tol else UNCLEAR
+
+
+def applicable(spec: LayerSpec, tokens: torch.Tensor) -> set[str]:
+    out = {"causal"}
+    if spec.has_norms:
+        out.add("norms")
+    if spec.softcap is not None:
+        out.add("cap")
+    if not bool(tokens.all()):
+        out.add("padding")
+    if spec.window is not None:
+        out.add("window")
+    return out
+
+
+def check_layer(spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, tol: float) -> Check:
+    """Compare one layer's recorded output on one probe with the reference (and the references without each
+    mechanism the probe judges). ``rec``: ``x``, ``out``, ``cos``, ``sin`` (and ``alpha`` for the stress probe)."""
+    x, out = _f64(rec["x"]), _f64(rec["out"])
+    cos, sin = _f64(rec["cos"]), _f64(rec["sin"])
+    tokens = tokens.to(torch.bool)
+    if x.shape[:2] != tokens.shape:
+        return Check(spec.index, probe, math.nan, tol, note=f"recorded {tuple(x.shape[:2])} positions for a "
+                                                           f"{tuple(tokens.shape)} probe")
+    gain = float(rec.get("alpha", 1.0))
+    ref = layer_reference(spec, x, cos, sin, tokens, q_gain=gain)
+    e = relative_error(out, ref, tokens)
+    mechanisms = {}
+    for m in PROBE_MECHANISMS.get(probe, ()):
+        if m not in applicable(spec, tokens):
+            continue
+        ref_m = layer_reference(spec, x, cos, sin, tokens, drop=(m,), q_gain=gain)
+        mechanisms[m] = mechanism_status(e, relative_error(out, ref_m, tokens, ref),
+                                         relative_error(ref_m, ref, tokens), tol)
+    return Check(spec.index, probe, e, tol, mechanisms)
+
+
+def check_prenorm(spec: LayerSpec, rec: dict, tol: float) -> Check:
+    """The attention's input against the block's input through the pre-attention norm -- or, for ``qkv_norm``, the
+    block's input itself (the norm removed). The other case (no norm; a unit-gain norm) is the ablation."""
+    block, got = _f64(rec["block"]), _f64(rec["attn"])
+    rows = torch.ones(got.shape[:2], dtype=torch.bool)
+    pn = spec.prenorm
+    if pn is None:
+        ref, other = block, norm_reference(block, "rmsnorm", eps=spec.eps)
+    else:
+        ref, other = norm_reference(block, pn["kind"], pn["weight"], pn["bias"], eps=pn["eps"]), block
+    e = relative_error(got, ref, rows)
+    status = mechanism_status(e, relative_error(got, other, rows, ref), relative_error(other, ref, rows), tol)
+    return Check(spec.index, "prenorm", e, tol, {"prenorm": status if pn is not None else
+                                                 {APPLIED: REMOVED}.get(status, status)})
+
+
+def build_report(ref: ReferenceModel, captured: dict, *, tolerance: float | None = None,
+                 source: str = "") -> VerifyReport:
+    """The report of ``captured`` (from :func:`.probe.run_probes`) against ``ref``'s layers."""
+    meta = captured["meta"]
+    dtype = getattr(torch, meta["dtype"], torch.float32)
+    tol = tolerance if tolerance is not None else tolerance_for(dtype)
+    checks: list[Check] = []
+    probes = captured["probes"]
+    for name, probe in probes.items():
+        if "error" in probe:
+            checks.append(Check(None, name, math.nan, tol, note=f"the probe failed: {probe['error']}"))
+    expected = {"causal", "padding", "prenorm"}
+    for i in range(len(ref)):
+        spec = ref.spec(i)
+        expected |= applicable(spec, torch.zeros(1, 1, dtype=torch.bool))
+        for name, probe in probes.items():
+            if "error" not in probe:
+                checks.append(check_layer(spec, name, probe["layers"][i], probe["mask"], tol))
+        if i in captured["prenorm"]:
+            checks.append(check_prenorm(spec, captured["prenorm"][i], tol))
+        if i in captured["stress"]:
+            rec = captured["stress"][i]
+            if "error" in rec:
+                checks.append(Check(i, "stress", math.nan, tol, note=f"the stress probe failed: {rec['error']}"))
+            else:  # a half-precision model's stress probe runs in float32 (see .probe): float32's tolerance
+                stress_tokens = torch.ones(rec["x"].shape[:2], dtype=torch.bool)
+                stress_tol = tolerance if tolerance is not None else tolerance_for(rec["x"].dtype)
+                checks.append(check_layer(spec, "stress", rec, stress_tokens, stress_tol))
+    for name, logits in captured["logits"].items():
+        if "error" in logits:
+            checks.append(Check(None, f"logits {name}", math.nan, tol, note=f"uncached forward failed: "
+                                                                             f"{logits['error']}"))
+            continue
+        cached, uncached = _f64(logits["cached"]), _f64(logits["uncached"])
+        rows = torch.ones(cached.shape[:2], dtype=torch.bool)
+        checks.append(Check(None, f"logits {name}", relative_error(cached, uncached, rows), tol,
+                            note="cached generation vs uncached forward"))
+    required = tuple(m for m in ("norms", "cap", "padding", "causal") if m in expected)
+    return VerifyReport(model=meta["class"], scheme=_scheme(ref), backend=meta["backend"],
+                        cache=_cache(meta, probes), dtype=meta["dtype"], checks=checks,
+                        expected=tuple(sorted(expected)), required=required, source=source)
+
+
+def _scheme(ref: ReferenceModel) -> str:
+    s = ref.scheme
+    if s is None:
+        own = " with its own q/k RMSNorm" if ref.family.native_qk_norm else ""
+        return f"none (unpatched {ref.family.model_type}{own})"
+    parts = [f"norm {s.norm}" + (f" p={s.p:g}" if s.norm == "lp" else "") + f", eps {s.eps:g}"] if s.norms_qk else []
+    parts += [f"cap {s.softcap:g}"] if s.caps else []
+    return f"{s.scheme} ({', '.join(parts)})"
+
+
+def _cache(meta: dict, probes: dict) -> str:
+    kinds = {layer.get("cache") for name, p in probes.items() if name.startswith("cache") and "layers" in p
+             for layer in p["layers"]}
+    kinds.discard(None)
+    impl = meta.get("cache_implementation") or "default"
+    return impl + (" (" + ", ".join(sorted(kinds)) + ")" if kinds else "")

@@ -1,0 +1,333 @@
+"""The probes of the verifier: run a model as it is configured and record what every attention layer saw and returned.
+
+A *plan* (a JSON-able dict, made by :mod:`.layers` from the reference side) names the modules to watch and the probe
+tokens; :func:`run_probes` runs the model through
+
+- ``unpadded``: one forward of an unpadded batch, no cache;
+- ``padded``: one forward of a left-padded batch, no cache;
+- ``cache-unpadded`` / ``cache-padded``: greedy ``generate`` with the model's own generation settings -- so with its
+  configured cache (``generation_config.cache_implementation``, e.g. ``"static"``; dynamic otherwise) --
+  recording every step's layer inputs and outputs, so the whole sequence's layer input can be reassembled; plus the
+  generated logits and those of an uncached forward over the same tokens;
+- ``stress`` (layers with a cap): each attention module called again on the ``unpadded`` probe's own inputs, with
+  its query scaled by a gain ``alpha`` chosen so that the largest logit bound is a few caps. A model's logits on
+  probe text sit far below a cap of 50 (a normalised query and key bound them by ``sqrt(head_dim)`` times the norm
+  gains), so without this a backend that drops the cap would look right. The gain is applied by a forward hook on
+  the module that produces the final pre-RoPE query (the query norm when there is one, else the projection): the
+  same as multiplying that module's gain (and bias) by ``alpha``, which the reference side does to its weights.
+  A half-precision module runs this probe in float32 (its weights upcast, then restored bit for bit; same backend,
+  same cap): in bfloat16 the rounding of q and k at logits of a few caps moves the output about as much as the cap
+  does (measured: relative error 0.02-0.06 against a capped-vs-uncapped difference of 0.01-0.05), so no tolerance
+  could tell a dropped cap from rounding.
+
+Nothing here computes a reference or judges a result: that is done from the formulas on the other side.
+
+This module imports nothing but ``torch`` (and reaches Transformers only through the model): it is also loaded from
+its file in a process where ``hf_qknorm`` cannot be imported (``hf-qknorm verify --no-plugin``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BATCH = 2
+PROBE_LEN = 20       # longer than the tiny test models' sliding window (12)
+PAD = 5              # left padding of row 0 in the padded probes
+PROMPT_LEN = 8
+NEW_TOKENS = 6
+STRESS_TARGET = 3.0  # bound on the largest stressed logit, in caps: c*tanh(3) is 0.995 c, far from 3 c
+
+
+def probe_tokens(vocab_size: int, seed: int = 0) -> dict:
+    """The probe batches as lists: ``ids`` ``(BATCH, PROBE_LEN)`` and ``prompt`` ``(BATCH, PROMPT_LEN)``."""
+    gen = torch.Generator().manual_seed(seed)
+    # below 32000: the top ids of large vocabularies are often added tokens whose embeddings were never trained
+    high = max(2, min(int(vocab_size), 32000))
+    return {"ids": torch.randint(1, high, (BATCH, PROBE_LEN), generator=gen).tolist(),
+            "prompt": torch.randint(1, high, (BATCH, PROMPT_LEN), generator=gen).tolist(),
+            "pad": PAD, "new_tokens": NEW_TOKENS}
+
+
+def left_padding(batch: int, length: int, pad: int) -> torch.Tensor:
+    """``(batch, length)`` 0/1 mask: row 0 starts with ``pad`` padding positions, the other rows have none."""
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, :pad] = 0
+    return mask
+
+
+def _cpu(t):
+    return None if t is None else t.detach().to("cpu")
+
+
+def _hidden(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class _Recorder:
+    """Forward hooks on the watched attention modules (and their blocks); one list of calls per layer."""
+
+    def __init__(self, modules: dict, plan: dict):
+        self.attns = [_module(modules, layer["attn"]) for layer in plan["layers"]]
+        self.blocks = [modules.get(layer["block"]) if layer.get("block") else None for layer in plan["layers"]]
+        self.calls: list[list[dict]] = []
+        self.block_inputs: list[list[torch.Tensor]] = []
+        self.keep_call = False
+        self._handles = []
+
+    def start(self, keep_call: bool = False):
+        self.calls = [[] for _ in self.attns]
+        self.block_inputs = [[] for _ in self.attns]
+        self.keep_call = keep_call
+        for i, attn in enumerate(self.attns):
+            self._handles.append(attn.register_forward_hook(self._attn_hook(i), with_kwargs=True))
+            if self.blocks[i] is not None:
+                self._handles.append(self.blocks[i].register_forward_hook(self._block_hook(i), with_kwargs=True))
+        return self
+
+    def stop(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _attn_hook(self, i):
+        def hook(module, args, kwargs, output):
+            rope = kwargs.get("position_embeddings")
+            cache = kwargs.get("past_key_values")
+            call = {"x": _cpu(_hidden(args, kwargs)), "out": _cpu(_first(output)),
+                    "cos": _cpu(rope[0]) if rope is not None else None,
+                    "sin": _cpu(rope[1]) if rope is not None else None,
+                    "cache": None if cache is None else type(cache).__name__}
+            if self.keep_call:
+                call["call"] = (args, dict(kwargs))
+            self.calls[i].append(call)
+        return hook
+
+    def _block_hook(self, i):
+        def hook(module, args, kwargs, output):
+            self.block_inputs[i].append(_cpu(_hidden(args, kwargs)))
+        return hook
+
+    def layers(self) -> list[dict]:
+        """Per layer: the calls' inputs and outputs joined along the sequence (a cached run's steps in order)."""
+        return [_join(calls) for calls in self.calls]
+
+
+def _join(calls: list[dict]) -> dict:
+    """One layer's calls joined along the sequence: ``x``/``out`` ``(batch, seq, hidden)``, ``cos``/``sin``."""
+    if not calls:
+        raise RuntimeError("an attention module was never called")
+    join = {k: (torch.cat([c[k] for c in calls], dim=1) if calls[0][k] is not None else None)
+            for k in ("x", "out", "cos", "sin")}
+    join["steps"] = len(calls)
+    join["cache"] = calls[-1]["cache"]
+    return join
+
+
+def _module(modules: dict, name: str):
+    if name not in modules:
+        raise KeyError(f"the model has no module {name!r}: its structure differs from the reference model")
+    return modules[name]
+
+
+def _part(output, part, parts):
+    """The ``part``-th of ``parts`` equal slices of the last dim (GPT-2's fused q|k|v), or the whole output."""
+    out = _first(output)
+    if parts == 1:
+        return out
+    size = out.shape[-1] // parts
+    return out[..., part * size:(part + 1) * size]
+
+
+def _norm_hook(store: list, part: int, parts: int, head_dim: int):
+    """Record the largest per-head vector norm of a query (or key) producing module's output."""
+    def hook(module, args, output):
+        t = _part(output, part, parts).detach().float()
+        store.append(float(t.reshape(-1, head_dim).norm(dim=-1).max()))
+    return hook
+
+
+def _gain_hook(alpha: float, part: int, parts: int):
+    """Multiply the query part of the output by ``alpha`` (a new tensor: the module's own output is not changed)."""
+    def hook(module, args, output):
+        out = _first(output)
+        if parts == 1:
+            scaled = out * alpha
+        else:
+            size = out.shape[-1] // parts
+            pieces = list(out.split(size, dim=-1))
+            pieces[part] = pieces[part] * alpha
+            scaled = torch.cat(pieces, dim=-1)
+        return (scaled, *output[1:]) if isinstance(output, tuple) else scaled
+    return hook
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _upcast_module(module) -> list:
+    """Give every half-precision parameter and buffer of ``module`` float32 data; returns what to restore."""
+    saved = []
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for t in store.values():
+                if t is not None and t.dtype in _HALF:
+                    saved.append((t, t.data))
+                    t.data = t.data.float()
+    return saved
+
+
+def _restore(saved: list) -> None:
+    for t, data in saved:
+        t.data = data
+
+
+def _upcast(obj):
+    """``obj`` (tensors, tuples, lists, dicts of them) with half-precision tensors as float32."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in _HALF else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_upcast(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _upcast(v) for k, v in obj.items()}
+    return obj
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+
+
+def run_probes(model, plan: dict) -> dict:
+    """Run every probe of ``plan`` through ``model`` (as configured: its backend, its generation settings).
+
+    Returns a dict of CPU tensors in the model's dtype: ``meta``; ``probes[name]`` with ``mask`` ``(batch, seq)``
+    (1 = token, 0 = padding) and ``layers`` (per layer ``x``/``out`` ``(batch, seq, hidden)``, ``cos``/``sin``
+    ``(batch, seq, rope_dim)`` or ``None``) or ``error``; ``stress[i]`` likewise (``alpha`` added);
+    ``prenorm[i]`` (``block`` and ``attn`` inputs of the unpadded probe); ``logits[name]`` (``cached`` and
+    ``uncached``, ``(batch, new_tokens, vocab)``)."""
+    modules = dict(model.named_modules())
+    recorder = _Recorder(modules, plan)
+    device = next(p.device for p in model.parameters())
+    ids = torch.tensor(plan["ids"], device=device)
+    prompt = torch.tensor(plan["prompt"], device=device)
+    pad, new = plan["pad"], plan["new_tokens"]
+    result = {"meta": _meta(model), "probes": {}, "stress": {}, "prenorm": {}, "logits": {}}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            norms = _forward_probes(model, plan, recorder, modules, ids, pad, result)
+            if plan.get("generate", True):
+                for name, mask in (("cache-unpadded", torch.ones_like(prompt)),
+                                   ("cache-padded", left_padding(*prompt.shape, pad).to(device))):
+                    _cache_probe(model, plan, recorder, name, prompt, mask, new, result)
+            _stress(plan, recorder, modules, norms, result)
+    finally:
+        recorder.stop()
+        model.train(was_training)
+    return result
+
+
+def _meta(model) -> dict:
+    config = model.config
+    gen = getattr(model, "generation_config", None)
+    param = next(model.parameters())
+    return {"class": type(model).__name__, "module": type(model).__module__,
+            "backend": getattr(config, "_attn_implementation", None), "dtype": str(param.dtype).replace("torch.", ""),
+            "device": str(param.device), "cache_implementation": getattr(gen, "cache_implementation", None)}
+
+
+def _forward_probes(model, plan, recorder, modules, ids, pad, result) -> dict:
+    """The two uncached forwards; returns the largest query and key norms per layer (for the stress gain)."""
+    norms = {}
+    for name, mask in (("unpadded", torch.ones_like(ids)), ("padded", left_padding(*ids.shape, pad).to(ids.device))):
+        hooks = []
+        if name == "unpadded":
+            for i, layer in enumerate(plan["layers"]):
+                norms[i] = {"q": [], "k": []}
+                for role in ("q", "k"):
+                    mod, part, parts = layer[role]
+                    hooks.append(_module(modules, mod).register_forward_hook(
+                        _norm_hook(norms[i][role], part, parts, layer["head_dim"])))
+        recorder.start(keep_call=name == "unpadded")
+        try:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+            result["probes"][name] = {"mask": _cpu(mask), "layers": recorder.layers()}
+            if name == "unpadded":
+                result["prenorm"] = {i: {"block": b[0], "attn": c[0]["x"]}
+                                     for i, (b, c) in enumerate(zip(recorder.block_inputs, recorder.calls)) if b}
+                result["_calls"] = [c[0]["call"] for c in recorder.calls]
+        except Exception as exc:  # a model that cannot run the probe fails verification; say why
+            result["probes"][name] = {"error": _error(exc)}
+        finally:
+            recorder.stop()
+            for h in hooks:
+                h.remove()
+    return norms
+
+
+def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
+    """Greedy generation with the model's configured cache; then the same tokens through an uncached forward."""
+    gen = getattr(model, "generation_config", None)
+    pad_id = plan.get("pad_token_id")
+    if pad_id is None:
+        pad_id = getattr(gen, "pad_token_id", None)
+        pad_id = getattr(gen, "eos_token_id", None) if pad_id is None else pad_id
+        pad_id = (pad_id[0] if isinstance(pad_id, (list, tuple)) else pad_id) or 0
+    recorder.start()
+    try:
+        out = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id)
+        layers = recorder.layers()
+    except Exception as exc:
+        result["probes"][name] = {"error": _error(exc)}
+        return
+    finally:
+        recorder.stop()
+    seq = out.sequences
+    steps = seq.shape[1] - prompt.shape[1]
+    full = torch.cat([mask, torch.ones(mask.shape[0], steps, dtype=mask.dtype, device=mask.device)], dim=1)
+    fed = seq.shape[1] - 1  # the last generated token is never fed back
+    result["probes"][name] = {"mask": _cpu(full[:, :fed]), "layers": layers, "tokens": _cpu(seq)}
+    try:
+        # the positions generate gives left-padded rows: count of real tokens so far, minus one
+        pos = (full[:, :fed].long().cumsum(-1) - 1).masked_fill(full[:, :fed] == 0, 0)
+        logits = model(input_ids=seq[:, :fed], attention_mask=full[:, :fed], position_ids=pos, use_cache=False).logits
+        result["logits"][name] = {"cached": _cpu(torch.stack(list(out.logits), dim=1)),
+                                  "uncached": _cpu(logits[:, prompt.shape[1] - 1:])}
+    except Exception as exc:
+        result["logits"][name] = {"error": _error(exc)}
+
+
+def _stress(plan, recorder, modules, norms, result):
+    """Call each capped attention module again on the unpadded probe's inputs with its query scaled by ``alpha``."""
+    calls = result.pop("_calls", None)
+    for i, layer in enumerate(plan["layers"]):
+        cap = layer.get("cap")
+        if cap is None:
+            continue
+        if calls is None:
+            result["stress"][i] = {"error": "the unpadded probe did not run"}
+            continue
+        bound = layer["scaling"] * max(norms[i]["q"], default=0.0) * max(norms[i]["k"], default=0.0)
+        alpha = STRESS_TARGET * cap / bound if bound > 0 and math.isfinite(bound) else 1.0
+        mod, part, parts = layer["q"]
+        handle = _module(modules, mod).register_forward_hook(_gain_hook(alpha, part, parts))
+        attn = recorder.attns[i]
+        saved = _upcast_module(attn)
+        recorder.start()
+        try:
+            args, kwargs = calls[i]
+            attn(*_upcast(args), **_upcast(kwargs))
+            result["stress"][i] = {"alpha": alpha, "upcast": bool(saved), **_join(recorder.calls[i])}
+        except Exception as exc:
+            result["stress"][i] = {"error": _error(exc)}
+        finally:
+            recorder.stop()
+            handle.remove()
+            _restore(saved)
