@@ -35,6 +35,8 @@ _LAZY = {
     "qknorm_config": "modeling.patch",
     "unwrap": "modeling.layout",
     "add_remote_code": "modeling.remote",
+    "verify": "verification.api",
+    "VerifyReport": "verification.report",
     "convert": "conversion.converter",
     "ConversionResult": "conversion.converter",
     "CalibrationSettings": "conversion.calibrate",

@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_qknorm"
-SUBPACKAGES = ("modeling", "attention", "kernels", "conversion", "training", "cli")
+SUBPACKAGES = ("modeling", "attention", "kernels", "conversion", "training", "verification", "cli")
 # what each part may import from the package (besides itself and the top-level modules listed)
 ALLOWED = {
     "kernels": set(),
     "attention": {"kernels", "modeling.schemes"},
     "modeling": {"attention"},
-    "conversion": {"modeling", "attention", "data", "upstream"},
+    "conversion": {"modeling", "attention", "data", "upstream", "verification"},
     "training": {"modeling", "attention"},
-    "cli": {"modeling", "attention", "kernels", "conversion", "training", "data", "upstream", "verify"},
+    "verification": {"modeling", "attention", "reference"},
+    "cli": {"modeling", "attention", "kernels", "conversion", "training", "data", "upstream", "verification"},
 }
 
 

@@ -99,8 +99,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                                      "Hugging Face Transformers models.")
     sub = parser.add_subparsers(dest="command", required=True)
     runners = {}
+    from ..verification import command as verify_command
+
     for name, add, run in [("demo", _add_demo, _cmd_demo), ("inspect", _add_inspect, _cmd_inspect),
-                           ("info", _add_info, _cmd_info), *_extra_commands()]:
+                           ("info", _add_info, _cmd_info), (verify_command.NAME, verify_command.add_parser,
+                                                            verify_command.run), *_extra_commands()]:
         add(sub)
         runners[name] = run
     return parser, runners

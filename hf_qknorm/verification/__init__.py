@@ -3,14 +3,11 @@
 The probes (:mod:`.probe`) run the model through its live attention backend and its generation cache and record
 what every attention layer saw and returned; the checks (:mod:`.checks`) recompute each layer from its weights with
 the float64 formula reference (:mod:`hf_qknorm.reference`) and say whether the cap, the norms and the mask are
-applied. ``hf-qknorm verify DIR [--no-plugin]`` (:mod:`.command`) does the same for a saved folder, optionally
+applied. ``hf-qknorm verify DIR [--no-plugin]`` (:mod:`.command`; also ``python -m hf_qknorm.verification``) does the same for a saved folder, optionally
 loaded the way a user without the plugin would load it.
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 from .api import FolderResult, capture_without_plugin, verify, verify_folder, verify_folders
 from .checks import TOLERANCE
@@ -18,14 +15,3 @@ from .report import Check, VerifyReport
 
 __all__ = ["Check", "FolderResult", "TOLERANCE", "VerifyReport", "capture_without_plugin", "verify", "verify_folder",
            "verify_folders"]
-
-
-class _CallableModule(types.ModuleType):
-    """Importing ``hf_qknorm.verify.<anything>`` makes Python set the attribute ``hf_qknorm.verify`` to this
-    subpackage, hiding the function of the same name; so the subpackage itself can be called like it."""
-
-    def __call__(self, model, **kwargs) -> VerifyReport:
-        return verify(model, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -17,7 +17,7 @@ class Check:
     """One comparison: ``error`` = max|got - reference| / max|reference| over the real (unpadded) query rows.
 
     ``layer`` is ``None`` for model-level checks (cached vs uncached logits). ``mechanisms`` maps a mechanism to
-    its status on this check (see :func:`hf_qknorm.verify.checks.mechanism_status`). ``note`` says why a check
+    its status on this check (see :func:`hf_qknorm.verification.checks.mechanism_status`). ``note`` says why a check
     could not run (then ``error`` is NaN)."""
 
     layer: int | None

@@ -1,4 +1,4 @@
-"""``hf-qknorm verify DIR [DIR ...] [--no-plugin]`` (also ``python -m hf_qknorm.verify``).
+"""``hf-qknorm verify DIR [DIR ...] [--no-plugin]`` (also ``python -m hf_qknorm.verification``).
 
 Prints each folder's report (a table of layer, probe, error, tolerance, ok) and exits 0 when every folder verifies,
 1 when one does not (its report says FAILED), 2 on an error that stopped verification (one line on stderr).
@@ -64,5 +64,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = fill_parser(argparse.ArgumentParser(prog="python -m hf_qknorm.verify", description=HELP))
+    parser = fill_parser(argparse.ArgumentParser(prog="python -m hf_qknorm.verification", description=HELP))
     return run(parser.parse_args(argv))

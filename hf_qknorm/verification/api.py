@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 def verify(model: nn.Module, *, tolerance: float | None = None, generate: bool = True) -> VerifyReport:
     """Check that ``model`` -- as configured: its attention backend, its generation cache -- computes its scheme.
 
-    Runs the probes of :mod:`hf_qknorm.verify.probe` through ``model`` (a supported model, patched or not, possibly
+    Runs the probes of :mod:`hf_qknorm.verification.probe` through ``model`` (a supported model, patched or not, possibly
     wrapped by ``peft`` or ``torch.compile``) and compares every attention layer's output with
     :func:`hf_qknorm.reference.attention_layer_reference` in float64. ``tolerance`` overrides the per-dtype relative
-    tolerance (:data:`hf_qknorm.verify.checks.TOLERANCE`); ``generate=False`` skips the cached-generation probes.
+    tolerance (:data:`hf_qknorm.verification.checks.TOLERANCE`); ``generate=False`` skips the cached-generation probes.
     The model is left as it was (training mode restored, no hooks left behind).
 
     Returns a :class:`VerifyReport`; ``report.ok`` is False, and ``str(report)`` ends with ``FAILED: ...``, when an
