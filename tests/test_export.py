@@ -182,12 +182,6 @@ def test_auto_export_falls_back_with_a_reason(tmp_path):
     assert json.loads((result.path / "config.json").read_text())["model_type"] == "qknorm_llama"
 
 
-def test_add_remote_code_refuses_unpatched_folders(tmp_path):
-    tiny_model("llama").save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="not saved from a model patched by hf_qknorm"):
-        add_remote_code(tmp_path)
-
-
 def _source(tmp_path, name, family, dtype=torch.float32, **overrides):
     return save_source(tmp_path / name, family, dtype=dtype, **overrides)
 
