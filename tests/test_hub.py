@@ -36,7 +36,7 @@ def converted(tmp_path):
     (tmp_path / "src" / "README.md").write_text(LICENSED_README)
     (tmp_path / "src" / "LICENSE").write_text("Apache License 2.0\n")
     return hf_qknorm.convert(tmp_path / "src", tmp_path / "my-model", scheme="qk_norm_cap", calibrate=False,
-                             progress=False, log=quiet)
+                             progress=False, log=quiet, verify="plugin")
 
 
 def test_card_metadata_and_content(converted):
@@ -71,23 +71,42 @@ def test_template_is_shipped_with_the_package():
     assert template_path().is_file() and template_path().parent.name == "templates"
 
 
+def _commit(api) -> dict:
+    """What the mocked ``HfApi.create_commit`` was asked to upload: path in repo -> bytes."""
+    ops = api.create_commit.call_args.kwargs["operations"]
+    out = {}
+    for op in ops:
+        data = op.path_or_fileobj
+        out[op.path_in_repo] = data if isinstance(data, bytes) else Path(data).read_bytes()
+    return out
+
+
 def test_push_uploads_the_folder(converted, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_fake_token")
     api = mock.Mock()
-    api.upload_folder.return_value = mock.Mock(commit_url="https://huggingface.co/me/m/commit/abc")
+    api.create_commit.return_value = mock.Mock(commit_url="https://huggingface.co/me/m/commit/abc")
+    before = {p.name: p.read_bytes() for p in converted.path.iterdir()}
     url = push(converted.path, "me/my-model", private=True, revision="v1", commit_message="first", api=api)
     assert url.endswith("/commit/abc")
     api.create_repo.assert_called_once_with("me/my-model", token="hf_fake_token", private=True, repo_type="model",
                                             exist_ok=True)
     api.create_branch.assert_called_once_with("me/my-model", branch="v1", token="hf_fake_token",
                                               repo_type="model", exist_ok=True)
-    kwargs = api.upload_folder.call_args.kwargs
-    assert kwargs["folder_path"] == str(converted.path) and kwargs["revision"] == "v1"
+    kwargs = api.create_commit.call_args.kwargs
+    assert api.create_commit.call_args.args == ("me/my-model",) and kwargs["revision"] == "v1"
     assert kwargs["commit_message"] == "first" and kwargs["token"] == "hf_fake_token"
     remote = set(remote_files())  # the remote code every patched folder carries
-    assert upload_files(converted.path) == sorted(converted.files) == sorted(
+    uploaded = _commit(api)
+    assert sorted(uploaded) == upload_files(converted.path) == sorted(converted.files) == sorted(
         ["LICENSE", "README.md", "config.json", "generation_config.json", "model.safetensors",
          "qknorm_conversion.json", *remote])
+    # the card on the Hub loads from the repo, not from the local folder name; the folder is not modified
+    card = uploaded["README.md"].decode()
+    assert 'from_pretrained("me/my-model", trust_remote_code=True)' in card
+    assert '"my-model"' not in card and "\n# me/my-model\n" in card and "\n# my-model\n" not in card
+    assert all(uploaded[name] == before[name] for name in uploaded if name != "README.md")
+    assert {p.name: p.read_bytes() for p in converted.path.iterdir()} == before
+    assert 'from_pretrained("my-model", trust_remote_code=True)' in (converted.path / "README.md").read_text()
 
 
 def test_push_without_a_token_fails_before_the_network(converted, no_token):
@@ -107,7 +126,7 @@ def test_convert_with_push_and_no_token_writes_nothing(tmp_path, no_token):
     save_source(tmp_path / "src")
     with pytest.raises(ValueError, match="no Hugging Face token"):
         hf_qknorm.convert(tmp_path / "src", tmp_path / "out", calibrate=False, push_to_hub="me/x", progress=False,
-                          log=quiet)
+                          log=quiet, verify="plugin")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -167,11 +186,12 @@ def test_convert_push_to_hub_uploads_the_written_folder(tmp_path, monkeypatch):
 
     save_source(tmp_path / "src")
     api = mock.Mock()
-    api.upload_folder.return_value = mock.Mock(commit_url="https://huggingface.co/me/x/commit/1")
+    api.create_commit.return_value = mock.Mock(commit_url="https://huggingface.co/me/x/commit/1")
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda: api)
     result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", calibrate=False, push_to_hub="me/x",
-                               token="hf_tok", private=True, progress=False, log=quiet)
+                               token="hf_tok", private=True, progress=False, log=quiet, verify="plugin")
     assert result.pushed_url.endswith("/commit/1")
-    assert api.upload_folder.call_args.kwargs["folder_path"] == str(result.path)
+    assert sorted(_commit(api)) == sorted(result.files)
     assert api.create_repo.call_args.kwargs["private"] is True
-    assert 'from_pretrained("me/x", trust_remote_code=True)' in (result.path / "README.md").read_text()
+    card = (result.path / "README.md").read_text()
+    assert 'from_pretrained("me/x", trust_remote_code=True)' in card and _commit(api)["README.md"] == card.encode()

@@ -16,11 +16,11 @@ Takes a pretrained checkpoint, adds the scheme's norm weights initialised by cal
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 
 from .calibrate import CalibrationReport, CalibrationSettings, calibrate as run_calibration, new_norm_parameters
+from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from ..modeling.families import Family, get_family
 from ..modeling.schemes import QKNormConfig
 from ..upstream import installed_versions
 from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
+from .tempdirs import make_temp, remove_stale, stop_signals_raise
 
 __all__ = ["ConversionResult", "convert", "default_destination"]
 
@@ -104,6 +106,8 @@ def inspect_source(src) -> Source:
         raw = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path / 'config.json'} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path / 'config.json'} is not a model config: a JSON {type(raw).__name__}, not an object")
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type.startswith("qknorm_") or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")
@@ -185,35 +189,57 @@ def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
 
 
 @contextmanager
-def staging(dst: Path):
-    """Yield a temporary folder beside ``dst``; on success it is renamed to ``dst`` (replacing an existing one),
-    on any error it is removed together with any parent folders this created."""
+def staging(dst: Path, overwrite: bool = True, log=None):
+    """Yield a temporary folder beside ``dst``; on success it is renamed to ``dst`` (replacing an existing one only
+    with ``overwrite``), on any error -- SIGINT and SIGTERM included -- it is removed together with any parent
+    folders this created. Temporary folders of earlier conversions that were killed are removed first (said in
+    ``log``); see :mod:`hf_qknorm.conversion.tempdirs`. A write error names ``dst`` and says it is unchanged."""
     created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        yield tmp
-        os.chmod(tmp, 0o755)
-        if dst.exists():  # --overwrite: swap the old folder out only now that the new one is complete
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / "previous")
-            try:
-                os.replace(tmp, dst)
-            except BaseException:
-                os.replace(old / "previous", dst)
-                shutil.rmtree(old, ignore_errors=True)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in created:  # innermost first
-            try:
-                p.rmdir()
-            except OSError:
-                break
-        raise
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _write_error(exc, dst) from None
+    remove_stale(dst.parent, log)
+    with stop_signals_raise() as guard:
+        tmp = make_temp(dst)
+        try:
+            yield tmp
+            os.chmod(tmp, 0o755)
+            with guard.critical():  # no signal between the renames
+                if dst.exists() and not overwrite:
+                    raise FileExistsError(f"destination {dst} appeared while converting; nothing was replaced "
+                                          "(pass overwrite=True / --overwrite to replace it)")
+                if dst.exists():  # --overwrite: swap the old folder out only now that the new one is complete
+                    old = make_temp(dst, "old")
+                    os.replace(dst, old / "previous")
+                    try:
+                        os.replace(tmp, dst)
+                    except BaseException:
+                        os.replace(old / "previous", dst)
+                        shutil.rmtree(old, ignore_errors=True)
+                        raise
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(tmp, dst)
+        except BaseException as exc:
+            with guard.critical():  # a second signal must not cut the cleanup short
+                shutil.rmtree(tmp, ignore_errors=True)
+                for p in created:  # innermost first
+                    try:
+                        p.rmdir()
+                    except OSError:
+                        break
+            if isinstance(exc, OSError) and exc.errno is not None and (
+                    exc.filename is None or str(exc.filename).startswith((str(tmp), str(dst)))):
+                raise _write_error(exc, dst) from exc
+            raise
+
+
+def _write_error(exc: OSError, dst: Path) -> OSError:
+    """``exc`` (a full disk, a read-only file system...) as one line that names the destination."""
+    name = errno.errorcode.get(exc.errno, str(exc.errno))
+    return OSError(exc.errno, f"cannot write {dst}: {exc.strerror or exc} ({name}); nothing was left behind and "
+                              f"{dst} is unchanged")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -225,7 +251,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
             settings: CalibrationSettings | None = None, export: str = "auto", overwrite: bool = False,
             push_to_hub: str | None = None, private: bool | None = None, revision: str | None = None,
             commit_message: str | None = None, token: str | None = None, progress: bool = True,
-            log=print) -> ConversionResult:
+            verify: str = "full", log=print) -> ConversionResult:
     """Convert a pretrained checkpoint to ``scheme`` and write it to ``dst``.
 
     Args:
@@ -242,12 +268,24 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
         export: ``"auto"`` (plain ``qwen3`` when the result is a Qwen3 model, else ``qknorm_<base>`` with remote
             code), ``"qwen3"`` (an error when impossible) or ``"qknorm"``.
         push_to_hub: a repo id to upload the folder to once written (``private``, ``revision``,
-            ``commit_message``, ``token`` as for :func:`hf_qknorm.conversion.hub.push`).
+            ``commit_message``, ``token`` as for :func:`hf_qknorm.conversion.hub.push`). The repo id and the
+            token are checked before any work.
+        verify: how the written folder is verified before it is renamed into place
+            (:func:`hf_qknorm.conversion.checks.verify_output`): ``"full"`` (with the plugin, and a ``qknorm_<base>``
+            folder also through its remote code in a process without the plugin), ``"plugin"`` or ``"off"``. The
+            added tensors are always checked, and a report that is not finite always fails.
+
+    Raises ``ValueError``/``OSError`` for bad input or a failed write, and
+    :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
+    is left at ``dst`` (or an existing ``dst`` is unchanged).
     """
     from .export import resolve_export
 
     cfg = QKNormConfig(scheme=scheme, norm=norm, softcap=softcap, eps=eps, p=p)
     settings = settings or CalibrationSettings()
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"unknown verify mode {verify!r}; choose one of {', '.join(VERIFY_MODES)}")
+    token = check_request(settings, push_to_hub, token)  # a bad repo id or no token: fail now, before hours of work
     source = inspect_source(src)
     config, family = source.config, source.family
     cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None
@@ -255,10 +293,6 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path,
                              overwrite)
     kind, note = resolve_export(export, config, cfg, family)
-    if push_to_hub:
-        from .hub import resolve_token
-
-        token = resolve_token(token)  # no token: fail now, before hours of work
     texts = _texts(calibration_text, eval_text) if calibrate else None
 
     log(f"converting {source.name} ({family.model_type}, {source.weights.dtype}, "
@@ -268,10 +302,14 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
         patched_config, new_values, report = _calibrated(source, cfg, texts, settings, progress)
     else:
         patched_config, new_values, report = *_identity(source, cfg), None
+    if report is not None:
+        check_report_finite(report)
     result = ConversionResult(path=dst, export=kind, export_note=note, scheme=cfg, report=report)
-    with staging(dst) as tmp:
-        _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress,
-                      model_name=push_to_hub or dst.name)
+    with staging(dst, overwrite, log) as tmp:
+        plan = _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress,
+                             model_name=push_to_hub or dst.name)
+        check_written(tmp, plan)
+        verify_output(tmp, cfg, kind, verify, log)
     result.files = sorted(str(f.relative_to(dst)) for f in dst.rglob("*") if f.is_file())
     if report is not None:
         log(report.summary())
@@ -281,8 +319,12 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     if push_to_hub:
         from .hub import push
 
-        result.pushed_url = push(dst, push_to_hub, private=private, revision=revision,
-                                 commit_message=commit_message, token=token)
+        try:
+            result.pushed_url = push(dst, push_to_hub, private=private, revision=revision,
+                                     commit_message=commit_message, token=token)
+        except OSError as exc:
+            raise OSError(f"{exc}; the converted model is complete in {dst}: upload it later with "
+                          f"`hf-qknorm push {dst} {push_to_hub}`") from exc
         log(f"pushed to {result.pushed_url}")
     return result
 
@@ -347,7 +389,7 @@ def _identity(source: Source, cfg):
 
 
 def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_values, result, progress,
-                  model_name: str) -> None:
+                  model_name: str) -> WeightPlan:
     from .export import copy_side_files, write_config
     from .hub import write_model_card
 
@@ -359,7 +401,8 @@ def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_valu
     copy_side_files(source.path, tmp)
     report = {"source": source.name, "export": kind, "export_note": result.export_note, "scheme": cfg.to_dict(),
               "calibration": None if result.report is None else result.report.to_dict(),
-              "versions": installed_versions()}
+              "versions": installed_versions(), "card_model_name": model_name}
     (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     write_model_card(tmp, model_name=model_name, source_dir=source.path, base_model=source.name, cfg=cfg,
                      export=kind, report=result.report, export_note=result.export_note)
+    return plan
