@@ -249,7 +249,8 @@ def test_calibration_needs_a_tokenizer_and_enough_text(tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         convert(tmp_path / "src", tmp_path / "o", settings=SMALL, progress=False, log=quiet, verify="plugin")
     bundled_copy(tmp_path / "tiny")
-    with pytest.raises(ValueError, match="fewer than one block"):
+    with pytest.raises(ValueError, match=r"calibration text \(the 31-character string given\) is too short: 10 "
+                                         r"tokens, and one block of 64 tokens \(63 of text \+ BOS\) is needed"):
         convert(tmp_path / "tiny", tmp_path / "o", calibration_text="To be or not to be.\nThat is it.",
                 settings=SMALL, progress=False, log=quiet, verify="plugin")
     with pytest.raises(FileNotFoundError, match="text file not found"):

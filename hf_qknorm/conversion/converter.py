@@ -128,20 +128,37 @@ _TEXT_SUFFIXES = (".txt", ".md", ".raw", ".text")
 
 def load_text(value, what: str) -> str | None:
     """``value`` is a path, a bundled text name (``"tinyshakespeare"``, ``"wikitext2"``) or the text itself."""
-    from ..data import BUNDLED_TEXTS, read_text
+    from ..data import read_text
 
     if value is None:
         return None
-    if isinstance(value, os.PathLike):
-        return read_text(value)
-    if not isinstance(value, str):
+    if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{what} must be a str or a path, got {type(value).__name__}")
-    if "\n" not in value and len(value) < 4096 and (
-            value in BUNDLED_TEXTS or os.path.exists(value) or value.lower().endswith(_TEXT_SUFFIXES)):
-        return read_text(value)
+    if _names_a_file(value):
+        try:
+            return read_text(value)
+        except (OSError, ValueError) as exc:  # say which of the texts it was
+            raise type(exc)(f"{what}: {exc}") from None
     if not value.strip():
         raise ValueError(f"{what} is empty; give text (or a file of text) to run through the model")
     return value
+
+
+def _names_a_file(value) -> bool:
+    """Whether :func:`load_text` reads ``value`` as a file (or bundled text) name rather than as the text itself."""
+    from ..data import BUNDLED_TEXTS
+
+    return isinstance(value, os.PathLike) or "\n" not in value and len(value) < 4096 and (
+        value in BUNDLED_TEXTS or os.path.exists(value) or value.lower().endswith(_TEXT_SUFFIXES))
+
+
+def _text_label(value, what: str) -> str:
+    """How errors name a text the user gave: the file (or bundled) name, or the string given as text."""
+    if _names_a_file(value):
+        return f"{what} {str(value)!r}"
+    if "\n" in value or len(value) >= 4096:
+        return f"{what} (the {len(value):,}-character string given)"
+    return f"{what} {value!r} (read as the text itself: no file of that name exists)"
 
 
 def _blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str) -> torch.Tensor:
@@ -154,10 +171,9 @@ def _blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str) ->
     n_text = block_len - int(bos is not None)
     stream = tokenize_stream(text, tokenizer)  # tokenised once: a whole corpus can take seconds
     if len(stream) < n_text:
-        short = len(text) < 200 and "\n" not in text.strip()
-        hint = f" (no file named {text!r} was found, so it was read as text)" if short else ""
-        raise ValueError(f"{what} has {len(stream)} tokens, fewer than one block of {block_len}; give more text "
-                         f"(or a smaller block length){hint}")
+        raise ValueError(f"{what} is too short: {len(stream):,} tokens, and one block of {block_len} tokens "
+                         f"({n_text} of text{' + BOS' if bos is not None else ''}) is needed; give more text or a "
+                         "smaller block length (--block-len)")
     n_blocks = min(max_blocks, len(stream) // n_text)
     spread = n_blocks < len(stream) // n_text and n_blocks > 1  # else back to back, as tokenize_blocks does
     stride = max(n_text, (len(stream) - n_text) // (n_blocks - 1)) if spread else n_text
@@ -329,16 +345,22 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     return result
 
 
-def _texts(calibration_text, eval_text) -> tuple[str, str]:
+def _texts(calibration_text, eval_text) -> tuple[str, str, str, str]:
+    """``(calibration text, held-out text, and how errors name each)``."""
     from ..data import split_text
 
-    calib = load_text(calibration_text if calibration_text is not None else "tinyshakespeare", "calibration text")
+    value = calibration_text if calibration_text is not None else "tinyshakespeare"
+    calib = load_text(value, "calibration text")
     if not calib.strip():
         raise ValueError("calibration text is empty; give text (or a file of text) to run through the model")
     held = load_text(eval_text, "eval text")
+    labels = [_text_label(value, "calibration text")]
     if held is None:
         calib, held = split_text(calib, 0.1)
-    return calib, held
+        labels.append(f"the held-out last 10% of the {labels[0]} (no eval text was given)")
+    else:
+        labels.append(_text_label(eval_text, "eval text"))
+    return calib, held, *labels
 
 
 def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progress: bool):
@@ -352,8 +374,8 @@ def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progr
                          "(--no-calibration)") from exc
     max_len = int(getattr(source.config, source.family.max_len_attr, settings.block_len))
     block_len = min(settings.block_len, max_len)
-    calib_blocks = _blocks(texts[0], tokenizer, block_len, settings.calibration_blocks, "calibration text")
-    eval_blocks = _blocks(texts[1], tokenizer, block_len, settings.eval_blocks, "held-out text")
+    calib_blocks = _blocks(texts[0], tokenizer, block_len, settings.calibration_blocks, texts[2])
+    eval_blocks = _blocks(texts[1], tokenizer, block_len, settings.eval_blocks, texts[3])
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).to(settings.resolved_device())
     torch.manual_seed(settings.seed)
     report = run_calibration(model, source.family, cfg, calib_blocks, eval_blocks, settings, progress)

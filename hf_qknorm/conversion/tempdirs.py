@@ -164,18 +164,28 @@ class SignalGuard:
             raise Terminated(signum) if signum != signal.SIGINT else KeyboardInterrupt()
 
 
+_ACTIVE: SignalGuard | None = None
+
+
 @contextmanager
 def stop_signals_raise():
     """Yield a :class:`SignalGuard`. Handlers are installed only in the main thread and only over the defaults
-    (SIGTERM's ``SIG_DFL``, SIGINT's ``default_int_handler``): a program with its own handlers keeps them. The
-    previous handlers are restored on exit."""
+    (SIGTERM's ``SIG_DFL``, SIGINT's ``default_int_handler``): a program with its own handlers keeps them. Nested
+    uses share the outer guard (the command line installs one for a whole run, the converter one for its writing).
+    The previous handlers are restored on exit."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        yield _ACTIVE
+        return
     guard = SignalGuard()
     if threading.current_thread() is threading.main_thread():
         for signum, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler)):
             if signal.getsignal(signum) is default:
                 guard.saved[signum] = signal.signal(signum, guard._handle)
+    _ACTIVE = guard if guard.saved else None
     try:
         yield guard
     finally:
+        _ACTIVE = None if _ACTIVE is guard else _ACTIVE
         for signum, previous in guard.saved.items():
             signal.signal(signum, previous)
