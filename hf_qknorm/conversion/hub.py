@@ -43,14 +43,15 @@ _SCHEMES = {
 _MD_PUNCT = re.compile(r"([\\`*_{}\[\]()!|~])")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][\w./ ()-]*")
 _LICENCE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
-_LICENCE_LINK = re.compile(r"(https?://)?[^\s<>\"'`\\]{1,500}")
+_LICENCE_LINK = re.compile(r"https?://[^\s<>\"'`\\]{1,500}|[A-Za-z0-9._/-]{1,200}")  # a URL or a file here
 
 
 def md_text(value) -> str:
     """``value`` as Markdown text that renders literally: control and format characters (newlines, bidi overrides)
-    shown as ``\\uXXXX``, Markdown punctuation backslash-escaped, then ``& < > " '`` as HTML entities."""
+    shown as ``\\uXXXX``, Markdown punctuation backslash-escaped, then ``& < >`` as HTML entities (with no ``<``
+    no tag, and so no attribute, can open: quotes need no escaping)."""
     text = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c)[0] == "C" else c for c in str(value))
-    return html.escape(_MD_PUNCT.sub(r"\\\1", text), quote=True)
+    return html.escape(_MD_PUNCT.sub(r"\\\1", text), quote=False)
 
 
 def md_name(value) -> str:
@@ -267,8 +268,8 @@ def push(folder, repo_id: str, *, private: bool | None = None, revision: str | N
     from huggingface_hub import CommitOperationAdd, HfApi
 
     folder = Path(folder)
-    check_folder(folder)
     check_repo_id(repo_id)
+    check_folder(folder)
     token = resolve_token(token)
     card = card_for_repo(folder, repo_id)
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name))

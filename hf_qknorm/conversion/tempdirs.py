@@ -98,8 +98,7 @@ def make_temp(dst: Path, kind: str = "tmp") -> Path:
     try:
         return Path(tempfile.mkdtemp(prefix=f".{dst.name}.{kind}-{_owner_tag()}-", dir=dst.parent))
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot create a folder in {dst.parent}: {exc.strerror}", str(dst.parent)) \
-            from None
+        raise OSError(exc.errno, f"cannot create a folder in {dst.parent}: {exc.strerror}") from None
 
 
 def remove_stale(parent: Path, log=None) -> list[str]:
