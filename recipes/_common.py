@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 import hf_qknorm  # noqa: E402
+from hf_qknorm.cli.help import DefaultsFormatter  # noqa: E402
 from hf_qknorm.data import bundled_model_dir, perplexity, read_text, split_text, tokenize_blocks  # noqa: E402
 
 
@@ -45,7 +46,7 @@ class Blocks(torch.utils.data.Dataset):
 def parser(doc: str, *, text: str, steps: int, lr: float, batch_size: int = 16, context: int = 128,
            qk_lr: bool = True) -> argparse.ArgumentParser:
     """The arguments every recipe takes; a recipe adds its own."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=doc, formatter_class=DefaultsFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--text", default=text, help="UTF-8 text file, or a bundled text name (tinyshakespeare, "
                    "wikitext2); the last --val-fraction is held out")
