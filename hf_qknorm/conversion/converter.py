@@ -6,9 +6,11 @@ Takes a pretrained checkpoint, adds the scheme's norm weights initialised by cal
 
 - the source is only read, never written;
 - every safetensors header is checked before any work starts, so a corrupt or truncated file is a clear error;
-- the output is written into a temporary folder beside the destination and renamed into place when complete; on any
-  error the temporary folder is removed, so nothing is left half-written; an existing destination is refused unless
-  ``overwrite=True``;
+- the output is written into a temporary folder beside the destination and renamed into place when complete and
+  checked (:mod:`hf_qknorm.conversion.checks`: a finite report, the added tensors as computed, the verifier on the
+  written folder); on any error, SIGINT or SIGTERM the temporary folder is removed, so nothing is left half-written,
+  and one left by a killed run is removed by the next (:mod:`hf_qknorm.conversion.tempdirs`); an existing
+  destination is refused unless ``overwrite=True``;
 - weights are written shard by shard from the source files (read one shard, add or transform its tensors, write
   it, update the index), so writing needs about one shard of memory. Calibration itself needs the model in memory
   (in float32); ``calibrate=False`` skips it and never loads the model.
@@ -16,12 +18,9 @@ Takes a pretrained checkpoint, adds the scheme's norm weights initialised by cal
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
-import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from ..modeling.families import Family, get_family
 from ..modeling.schemes import QKNormConfig
 from ..upstream import installed_versions
 from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
-from .tempdirs import make_temp, remove_stale, stop_signals_raise
+from .tempdirs import staging
 
 __all__ = ["ConversionResult", "convert", "default_destination"]
 
@@ -202,60 +201,6 @@ def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
     if dst.exists() and not dst.is_dir():
         raise FileExistsError(f"destination {dst} exists and is not a folder")
     return dst
-
-
-@contextmanager
-def staging(dst: Path, overwrite: bool = True, log=None):
-    """Yield a temporary folder beside ``dst``; on success it is renamed to ``dst`` (replacing an existing one only
-    with ``overwrite``), on any error -- SIGINT and SIGTERM included -- it is removed together with any parent
-    folders this created. Temporary folders of earlier conversions that were killed are removed first (said in
-    ``log``); see :mod:`hf_qknorm.conversion.tempdirs`. A write error names ``dst`` and says it is unchanged."""
-    created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
-    try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _write_error(exc, dst) from None
-    remove_stale(dst.parent, log)
-    with stop_signals_raise() as guard:
-        tmp = make_temp(dst)
-        try:
-            yield tmp
-            os.chmod(tmp, 0o755)
-            with guard.critical():  # no signal between the renames
-                if dst.exists() and not overwrite:
-                    raise FileExistsError(f"destination {dst} appeared while converting; nothing was replaced "
-                                          "(pass overwrite=True / --overwrite to replace it)")
-                if dst.exists():  # --overwrite: swap the old folder out only now that the new one is complete
-                    old = make_temp(dst, "old")
-                    os.replace(dst, old / "previous")
-                    try:
-                        os.replace(tmp, dst)
-                    except BaseException:
-                        os.replace(old / "previous", dst)
-                        shutil.rmtree(old, ignore_errors=True)
-                        raise
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(tmp, dst)
-        except BaseException as exc:
-            with guard.critical():  # a second signal must not cut the cleanup short
-                shutil.rmtree(tmp, ignore_errors=True)
-                for p in created:  # innermost first
-                    try:
-                        p.rmdir()
-                    except OSError:
-                        break
-            if isinstance(exc, OSError) and exc.errno is not None and (
-                    exc.filename is None or str(exc.filename).startswith((str(tmp), str(dst)))):
-                raise _write_error(exc, dst) from exc
-            raise
-
-
-def _write_error(exc: OSError, dst: Path) -> OSError:
-    """``exc`` (a full disk, a read-only file system...) as one line that names the destination."""
-    name = errno.errorcode.get(exc.errno, str(exc.errno))
-    return OSError(exc.errno, f"cannot write {dst}: {exc.strerror or exc} ({name}); nothing was left behind and "
-                              f"{dst} is unchanged")
 
 
 # --------------------------------------------------------------------------------------------------------------------

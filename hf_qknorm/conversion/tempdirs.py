@@ -1,7 +1,7 @@
 """The temporary folders a conversion writes into, and what happens to them when the process is stopped.
 
 A conversion writes into a hidden folder beside its destination and renames it into place when complete
-(:func:`hf_qknorm.conversion.converter.staging`). Three ways a process can stop half-way:
+(:func:`staging`). Three ways a process can stop half-way:
 
 - SIGINT (Ctrl-C) raises ``KeyboardInterrupt`` and SIGTERM (``kill``, a job scheduler, ``docker stop``) raises
   :class:`Terminated` in the main thread (:func:`stop_signals_raise`), so the cleanup code runs and the temporary
@@ -15,6 +15,7 @@ A conversion writes into a hidden folder beside its destination and renames it i
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -26,7 +27,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["SignalGuard", "Terminated", "make_temp", "remove_stale", "stop_signals_raise"]
+__all__ = ["SignalGuard", "Terminated", "make_temp", "remove_stale", "staging", "stop_signals_raise"]
 
 # .<dst name>.<tmp|old>-<pid>.<start ticks>@<machine>-<mkdtemp's random suffix>
 _NAME = re.compile(r"^\.(?P<dst>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)\.(?P<start>\d+)@(?P<machine>[0-9a-f]{12})-"
@@ -131,6 +132,60 @@ def remove_stale(parent: Path, log=None) -> list[str]:
         if log is not None:
             log(line)
     return done
+
+
+@contextmanager
+def staging(dst: Path, overwrite: bool = True, log=None):
+    """Yield a temporary folder beside ``dst``; on success it is renamed to ``dst`` (replacing an existing one only
+    with ``overwrite``), on any error -- SIGINT and SIGTERM included -- it is removed together with any parent
+    folders this created. Temporary folders of earlier conversions that were killed are removed first (said in
+    ``log``); see :mod:`hf_qknorm.conversion.tempdirs`. A write error names ``dst`` and says it is unchanged."""
+    created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _write_error(exc, dst) from None
+    remove_stale(dst.parent, log)
+    with stop_signals_raise() as guard:
+        tmp = make_temp(dst)
+        try:
+            yield tmp
+            os.chmod(tmp, 0o755)
+            with guard.critical():  # no signal between the renames
+                if dst.exists() and not overwrite:
+                    raise FileExistsError(f"destination {dst} appeared while converting; nothing was replaced "
+                                          "(pass overwrite=True / --overwrite to replace it)")
+                if dst.exists():  # --overwrite: swap the old folder out only now that the new one is complete
+                    old = make_temp(dst, "old")
+                    os.replace(dst, old / "previous")
+                    try:
+                        os.replace(tmp, dst)
+                    except BaseException:
+                        os.replace(old / "previous", dst)
+                        shutil.rmtree(old, ignore_errors=True)
+                        raise
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(tmp, dst)
+        except BaseException as exc:
+            with guard.critical():  # a second signal must not cut the cleanup short
+                shutil.rmtree(tmp, ignore_errors=True)
+                for p in created:  # innermost first
+                    try:
+                        p.rmdir()
+                    except OSError:
+                        break
+            if isinstance(exc, OSError) and exc.errno is not None and (
+                    exc.filename is None or str(exc.filename).startswith((str(tmp), str(dst)))):
+                raise _write_error(exc, dst) from exc
+            raise
+
+
+def _write_error(exc: OSError, dst: Path) -> OSError:
+    """``exc`` (a full disk, a read-only file system...) as one line that names the destination."""
+    name = errno.errorcode.get(exc.errno, str(exc.errno))
+    return OSError(exc.errno, f"cannot write {dst}: {exc.strerror or exc} ({name}); nothing was left behind and "
+                              f"{dst} is unchanged")
 
 
 # --------------------------------------------------------------------------------------------------------------------
