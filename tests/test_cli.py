@@ -96,6 +96,13 @@ def test_read_only_destination(src, tmp_path, capsys, monkeypatch):
     line = one_line(err)
     assert code == 2 and "Read-only file system" in line and "EROFS" in line and str(parent) in line
     assert os.listdir(parent) == []
+    # found before the hour of calibration, not after it
+    monkeypatch.setattr(converter, "_calibrated", lambda *a: pytest.fail("calibration ran"))
+    code, _, err = run(capsys, "convert", src, parent / "deeper" / "out", "--quiet")
+    assert code == 2 and "EROFS" in one_line(err) and os.listdir(parent) == []
+    (tmp_path / "afile").write_text("")
+    code, _, err = run(capsys, "convert", src, tmp_path / "afile" / "out", "--quiet")
+    assert code == 2 and f"{tmp_path / 'afile'} is a file, not a folder" in one_line(err)
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:

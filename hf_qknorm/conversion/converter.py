@@ -32,7 +32,7 @@ from ..modeling.families import Family, get_family
 from ..modeling.schemes import QKNormConfig
 from ..upstream import installed_versions
 from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
-from .tempdirs import staging
+from .tempdirs import check_writable, staging
 
 __all__ = ["ConversionResult", "convert", "default_destination"]
 
@@ -253,6 +253,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
                           else float(getattr(config, family.eps_attr, 1e-6))})
     dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path,
                              overwrite)
+    check_writable(dst)
     kind, note = resolve_export(export, config, cfg, family)
     texts = _texts(calibration_text, eval_text) if calibrate else None
 

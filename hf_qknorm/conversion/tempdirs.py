@@ -27,7 +27,8 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["SignalGuard", "Terminated", "make_temp", "remove_stale", "staging", "stop_signals_raise"]
+__all__ = ["SignalGuard", "Terminated", "check_writable", "make_temp", "remove_stale", "staging",
+           "stop_signals_raise"]
 
 # .<dst name>.<tmp|old>-<pid>.<start ticks>@<machine>-<mkdtemp's random suffix>
 _NAME = re.compile(r"^\.(?P<dst>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)\.(?P<start>\d+)@(?P<machine>[0-9a-f]{12})-"
@@ -100,6 +101,20 @@ def make_temp(dst: Path, kind: str = "tmp") -> Path:
         return Path(tempfile.mkdtemp(prefix=f".{dst.name}.{kind}-{_owner_tag()}-", dir=dst.parent))
     except OSError as exc:
         raise OSError(exc.errno, f"cannot create a folder in {dst.parent}: {exc.strerror}") from None
+
+
+def check_writable(dst: Path) -> None:
+    """Fail now -- not after an hour of calibration -- when a folder cannot be created where ``dst`` goes: a
+    read-only file system, no permission, a file in the way. Creates and removes one empty folder."""
+    dst = Path(dst)
+    existing = next(p for p in [dst.parent, *dst.parent.parents] if p.exists())
+    if not existing.is_dir():
+        raise FileExistsError(f"cannot write {dst}: {existing} is a file, not a folder")
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{dst.name}.tmp-{_owner_tag()}-", dir=existing)
+    except OSError as exc:
+        raise _write_error(exc, dst) from None
+    os.rmdir(probe)
 
 
 def remove_stale(parent: Path, log=None) -> list[str]:
