@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -292,3 +293,25 @@ def test_inspect_prints_norm_statistics(src, tmp_path, capsys):
     assert names == ["q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias", "v_norm.weight", "v_norm.bias"]
     code, out, _ = run(capsys, "inspect", src)  # an unconverted Llama has no norms to show
     assert code == 0 and "norm weights: none" in out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# calibration text too short: the error names the file the user gave and what was needed vs found
+# --------------------------------------------------------------------------------------------------------------------
+def test_short_calibration_files_are_named(tmp_path, capsys, monkeypatch):
+    from hf_qknorm.data import bundled_text
+
+    monkeypatch.chdir(tmp_path)
+    Path("short.txt").write_text(bundled_text()[:3000])  # ~800 tokens: enough to calibrate, its last 10% is not
+    Path("tiny.txt").write_text(bundled_text()[:100])
+    cases = [(["--calibration-text", "short.txt"], r"the held-out last 10% of the calibration text 'short.txt' "
+                                                   r"\(no eval text was given\) is too short: \d+ tokens, and one "
+                                                   r"block of 256 tokens \(255 of text \+ BOS\) is needed"),
+             (["--calibration-text", "tiny.txt"], r"^error: calibration text 'tiny.txt' is too short: \d+ tokens"),
+             (["--calibration-text", "short.txt", "--eval-text", "tiny.txt"], r"^error: eval text 'tiny.txt' is too "
+                                                                              r"short"),
+             (["--calibration-text", "nosuch"], r"^error: calibration text: text file not found: 'nosuch'")]
+    for extra, pattern in cases:
+        code, _, err = run(capsys, "convert", "-o", tmp_path / "o", "--quiet", *extra)
+        assert code == 2 and re.search(pattern, one_line(err)), err
+    assert not (tmp_path / "o").exists()
