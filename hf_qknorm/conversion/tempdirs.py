@@ -162,7 +162,11 @@ def staging(dst: Path, overwrite: bool = True, log=None):
         raise _write_error(exc, dst) from None
     remove_stale(dst.parent, log)
     with stop_signals_raise() as guard:
-        tmp = make_temp(dst)
+        try:
+            tmp = make_temp(dst)
+        except OSError:
+            _remove_created(created)
+            raise
         try:
             yield tmp
             os.chmod(tmp, 0o755)
@@ -185,15 +189,19 @@ def staging(dst: Path, overwrite: bool = True, log=None):
         except BaseException as exc:
             with guard.critical():  # a second signal must not cut the cleanup short
                 shutil.rmtree(tmp, ignore_errors=True)
-                for p in created:  # innermost first
-                    try:
-                        p.rmdir()
-                    except OSError:
-                        break
+                _remove_created(created)
             if isinstance(exc, OSError) and exc.errno is not None and (
                     exc.filename is None or str(exc.filename).startswith((str(tmp), str(dst)))):
                 raise _write_error(exc, dst) from exc
             raise
+
+
+def _remove_created(created: list[Path]) -> None:
+    for p in created:  # innermost first
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 def _write_error(exc: OSError, dst: Path) -> OSError:
