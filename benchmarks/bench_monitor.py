@@ -36,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):
+    from hf_qknorm.cli.help import DefaultsFormatter
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsFormatter)
     p.add_argument("--schemes", nargs="+", default=["qk_norm_cap", "qk_norm", "none"],
                    help="'none' is the unpatched model (the monitor uses forward hooks there)")
     p.add_argument("--hidden", type=int, default=128)

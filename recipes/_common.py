@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 import hf_qknorm  # noqa: E402
+from hf_qknorm.cli.help import DefaultsFormatter  # noqa: E402
 from hf_qknorm.data import bundled_model_dir, perplexity, read_text, split_text, tokenize_blocks  # noqa: E402
 
 
@@ -45,7 +46,7 @@ class Blocks(torch.utils.data.Dataset):
 def parser(doc: str, *, text: str, steps: int, lr: float, batch_size: int = 16, context: int = 128,
            qk_lr: bool = True) -> argparse.ArgumentParser:
     """The arguments every recipe takes; a recipe adds its own."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=doc, formatter_class=DefaultsFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--text", default=text, help="UTF-8 text file, or a bundled text name (tinyshakespeare, "
                    "wikitext2); the last --val-fraction is held out")
@@ -182,9 +183,13 @@ def _convert(src: Path, dst: Path, args) -> None:
         return
     settings = CalibrationSettings(block_len=args.context, calibration_blocks=args.calib_blocks,
                                    eval_blocks=args.eval_blocks, steps=max(0, args.calib_steps), seed=args.seed)
+    # quiet: the conversion's own report measures on blocks spread over the held-out text, the recipe on its first
+    # --eval-blocks blocks; printing both gave two different "original" perplexities. The recipe prints its own.
     convert(src, dst, scheme=args.scheme, norm=args.norm, softcap=args.softcap, calibrate=args.calib_steps >= 0,
             calibration_text=args.train_text, eval_text=args.val_text, settings=settings, overwrite=True,
-            progress=False)
+            progress=False, log=lambda *a: None)
+    print(f"converted {src} to {args.scheme} in {dst} (calibration report: {dst / 'qknorm_conversion.json'})",
+          flush=True)
 
 
 def prepare_converted_run(args, recipe: str):

@@ -40,8 +40,8 @@ def main(argv=None):
     if report is not None:
         results["conversion"] = {k: report.get(k) for k in ("export", "scheme", "calibration")}
     trainer = C.make_trainer(model, args, train_ds, targs)
-    C.log(trainer, f"{type(model).__name__} from {folder}: held-out perplexity source "
-          f"{C.fmt(results['ppl_source'])}, converted {C.fmt(results['ppl_converted'])}; "
+    C.log(trainer, f"{type(model).__name__} from {folder}: held-out perplexity on {val_blocks[:, 1:].numel():,} "
+          f"tokens: original {C.fmt(results['ppl_source'])}, converted {C.fmt(results['ppl_converted'])}; "
           f"world size {trainer.args.world_size}")
     results.update(C.train(trainer, args))
     results["ppl_trained"] = C.ppl(model, val_blocks)

@@ -32,6 +32,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+from hf_qknorm.cli.help import DefaultsFormatter  # noqa: E402
 from hf_qknorm.data import perplexity, read_text, split_text, tokenize_blocks, tokenize_stream  # noqa: E402
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
@@ -39,7 +40,7 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter
     )
     p.add_argument("--text", default="tinyshakespeare", help="UTF-8 text file, or a bundled text name")
     p.add_argument("--out", default="runs/tiny-llama", help="output folder (save_pretrained)")

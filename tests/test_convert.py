@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_written_model_is_the_calibrated_model(bundled_result):
 def test_bf16_source_stays_bf16(tmp_path):
     src = bundled_copy(tmp_path / "src", dtype=torch.bfloat16)
     result = convert(src, tmp_path / "out", scheme="qkv_norm", norm="rmsnorm", calibration_text=SHORT_TEXT,
-                     settings=SMALL, progress=False, log=quiet)
+                     settings=SMALL, progress=False, log=quiet, verify="plugin")
     with safe_open(result.path / "model.safetensors", framework="pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
         assert "model.layers.0.self_attn.v_norm.weight" in f.keys()
@@ -91,7 +92,7 @@ def test_sharded_identity_conversion_equals_patch_model(tmp_path, scheme, norm):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2
     result = convert(tmp_path / "src", tmp_path / "out", scheme=scheme, norm=norm, p=3.0 if norm == "lp" else None,
-                     calibrate=False, progress=False, log=quiet)
+                     calibrate=False, progress=False, log=quiet, verify="plugin")
     assert result.report is None
     out_index = json.loads((result.path / "model.safetensors.index.json").read_text())
     assert sorted(set(out_index["weight_map"].values())) == shards
@@ -117,7 +118,7 @@ def test_gpt2_qkv_norm_fold_with_unprefixed_names(tmp_path):
     tensors = load_file(path)
     save_file({k.removeprefix("transformer."): v.contiguous() for k, v in tensors.items()}, path, {"format": "pt"})
     result = convert(tmp_path / "src", tmp_path / "out", scheme="qkv_norm", calibrate=False, progress=False,
-                     log=quiet)
+                     log=quiet, verify="plugin")
     with safe_open(result.path / "model.safetensors", framework="pt") as f:
         assert "h.0.attn.v_norm.bias" in f.keys() and "h.0.ln_1.weight" not in f.keys()
     hf_qknorm.patch_model(model, "qkv_norm")
@@ -129,7 +130,7 @@ def test_gpt2_qkv_norm_fold_with_unprefixed_names(tmp_path):
 def test_qwen3_native_norm_carried_without_calibration(tmp_path):
     model = save_source(tmp_path / "src", "qwen3")
     result = convert(tmp_path / "src", tmp_path / "out", scheme="qk_norm_cap", calibrate=False, progress=False,
-                     log=quiet)
+                     log=quiet, verify="plugin")
     hf_qknorm.patch_model(model, "qk_norm_cap")  # carries Qwen3's q/k norm gain into the layernorm
     loaded = AutoModelForCausalLM.from_pretrained(result.path)
     ids = torch.randint(0, VOCAB, (1, 9))
@@ -146,7 +147,8 @@ def test_writing_streams_one_shard_at_a_time(tmp_path, monkeypatch):
     orig_open, orig_save = safetensors.safe_open, safetensors.torch.save_file
 
     def spy_open(path, *a, **k):
-        events.append(("read", str(path).rsplit("/", 1)[-1]))
+        if Path(path).parent == tmp_path / "src":  # not the checks that read the written folder afterwards
+            events.append(("read", str(path).rsplit("/", 1)[-1]))
         return orig_open(path, *a, **k)
 
     def spy_save(tensors, path, *a, **k):
@@ -155,7 +157,8 @@ def test_writing_streams_one_shard_at_a_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors, "safe_open", spy_open)
     monkeypatch.setattr(safetensors.torch, "save_file", spy_save)
-    convert(tmp_path / "src", tmp_path / "out", scheme="qk_norm", calibrate=False, progress=False, log=quiet)
+    convert(tmp_path / "src", tmp_path / "out", scheme="qk_norm", calibrate=False, progress=False, log=quiet,
+            verify="plugin")
     io = [e for e in events if e[1].startswith("model-")]
     assert io and all(io[i][0] == "read" and io[i + 1] == ("write", io[i][1]) for i in range(0, len(io), 2))
 
@@ -169,9 +172,9 @@ def test_existing_destination_refused_then_overwritten(tmp_path):
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="already exists.*overwrite"):
-        convert(tmp_path / "src", dst, calibrate=False, progress=False, log=quiet)
+        convert(tmp_path / "src", dst, calibrate=False, progress=False, log=quiet, verify="plugin")
     assert (dst / "keep.txt").read_text() == "mine"
-    convert(tmp_path / "src", dst, calibrate=False, overwrite=True, progress=False, log=quiet)
+    convert(tmp_path / "src", dst, calibrate=False, overwrite=True, progress=False, log=quiet, verify="plugin")
     assert not (dst / "keep.txt").exists() and (dst / "model.safetensors").is_file()
     assert leftovers(tmp_path) == []
 
@@ -186,7 +189,8 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(export, "copy_side_files", boom)
     with pytest.raises(RuntimeError, match="disk full"):
-        convert(tmp_path / "src", tmp_path / "new" / "deeper" / "out", calibrate=False, progress=False, log=quiet)
+        convert(tmp_path / "src", tmp_path / "new" / "deeper" / "out", calibrate=False, progress=False, log=quiet,
+                verify="plugin")
     assert not (tmp_path / "new").exists() and leftovers(tmp_path) == []
 
 
@@ -201,7 +205,7 @@ def test_bad_safetensors_rejected_before_any_work(tmp_path, how):
     shard = sorted((tmp_path / "src").glob("model-*.safetensors"))[1]
     _corrupt(shard, how)
     with pytest.raises(ValueError, match=f"{shard.name}.*(truncated|corrupt)"):
-        convert(tmp_path / "src", tmp_path / "out", progress=False, log=quiet)
+        convert(tmp_path / "src", tmp_path / "out", progress=False, log=quiet, verify="plugin")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -209,7 +213,7 @@ def test_bad_inputs_name_the_problem(tmp_path):
     from transformers import BertConfig, BertModel, LlamaModel
 
     save_source(tmp_path / "src")
-    run = dict(progress=False, log=quiet)
+    run = dict(progress=False, log=quiet, verify="plugin")
     with pytest.raises(FileNotFoundError, match="source folder not found"):
         convert(tmp_path / "missing", tmp_path / "o1", **run)
     with pytest.raises(ValueError, match="softcap must be a positive"):
@@ -243,13 +247,15 @@ def test_bad_inputs_name_the_problem(tmp_path):
 def test_calibration_needs_a_tokenizer_and_enough_text(tmp_path):
     save_source(tmp_path / "src")
     with pytest.raises(ValueError, match="tokenizer"):
-        convert(tmp_path / "src", tmp_path / "o", settings=SMALL, progress=False, log=quiet)
+        convert(tmp_path / "src", tmp_path / "o", settings=SMALL, progress=False, log=quiet, verify="plugin")
     bundled_copy(tmp_path / "tiny")
-    with pytest.raises(ValueError, match="fewer than one block"):
+    with pytest.raises(ValueError, match=r"calibration text \(the 31-character string given\) is too short: 10 "
+                                         r"tokens, and one block of 64 tokens \(63 of text \+ BOS\) is needed"):
         convert(tmp_path / "tiny", tmp_path / "o", calibration_text="To be or not to be.\nThat is it.",
-                settings=SMALL, progress=False, log=quiet)
+                settings=SMALL, progress=False, log=quiet, verify="plugin")
     with pytest.raises(FileNotFoundError, match="text file not found"):
-        convert(tmp_path / "tiny", tmp_path / "o", calibration_text="no/such/file.txt", progress=False, log=quiet)
+        convert(tmp_path / "tiny", tmp_path / "o", calibration_text="no/such/file.txt", progress=False, log=quiet,
+                verify="plugin")
     assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
 
 
@@ -258,7 +264,7 @@ def test_hub_id_without_network_is_a_clear_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never touch the network in tests
     with pytest.raises(FileNotFoundError, match="could not be downloaded from the Hugging Face Hub"):
-        convert("someone/some-model", tmp_path / "o", progress=False, log=quiet)
+        convert("someone/some-model", tmp_path / "o", progress=False, log=quiet, verify="plugin")
     assert not (tmp_path / "o").exists()
 
 
@@ -274,7 +280,7 @@ def test_calibrated_qwen3_export_is_the_calibrated_model(tmp_path):
     from transformers import Qwen3ForCausalLM
 
     result = convert(None, tmp_path / "q3", scheme="qk_norm", norm="rmsnorm", calibration_text=SHORT_TEXT,
-                     settings=SMALL, progress=False, log=quiet)
+                     settings=SMALL, progress=False, log=quiet, verify="plugin")
     assert result.export == "qwen3"
     model = Qwen3ForCausalLM.from_pretrained(result.path)
     blocks = _blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), SMALL.block_len,

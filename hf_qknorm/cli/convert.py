@@ -50,12 +50,12 @@ def _add_convert(sub):
     g.add_argument("--eps", type=float, default=None, help="epsilon of the new norms (default: the model's own)")
     g.add_argument("--p", type=float, default=None, help="exponent of the lp norm (p >= 1)")
     g = p.add_argument_group("calibration (needs the model in memory, float32)")
-    g.add_argument("--calibration-text", default=None,
+    g.add_argument("--calibration-text", default=None, metavar="FILE",
                    help="text run through the original model: a UTF-8 file or a bundled name (tinyshakespeare, "
                         "wikitext2); default tinyshakespeare")
-    g.add_argument("--eval-text", default=None,
-                   help="held-out text for the perplexity report (default: the last 10%% of the calibration text, "
-                        "which calibration then does not use)")
+    g.add_argument("--eval-text", default=None, metavar="FILE",
+                   help="held-out text for the perplexity report, a file or bundled name (default: the last 10%% of "
+                        "the calibration text, which calibration then does not use)")
     g.add_argument("--no-calibration", action="store_true",
                    help="keep identity init (weight 1, bias 0); never loads the model, writes shard by shard only")
     g.add_argument("--block-len", type=int, default=256, help="tokens per calibration block (default 256, capped "
@@ -80,6 +80,10 @@ def _add_convert(sub):
                         "qknorm_<base> with trust_remote_code code; qwen3: fail if impossible; qknorm: always the "
                         "remote-code format (default: auto)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing output folder (atomically)")
+    g.add_argument("--verify", choices=("full", "plugin", "off"), default="full",
+                   help="check the written model against the float64 reference before it is renamed into place "
+                        "(first layers, small probe): full = with hf_qknorm and, for remote-code folders, without it "
+                        "in a subprocess; plugin = with hf_qknorm only; off = skip (default: full)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.add_argument("--json", action="store_true", help="also print the result as JSON on the last line")
     _add_hub_options(p, convert=True)
@@ -109,7 +113,8 @@ def _cmd_convert(args) -> int:
                                    lr=args.lr, seed=args.seed, device=args.device,
                                    threads=args.threads)
     result = convert(args.src, args.dst or args.output, scheme=args.scheme, norm=args.norm, softcap=args.softcap,
-                     eps=args.eps, p=args.p, calibration_text=args.calibration_text, eval_text=args.eval_text,
+                     eps=args.eps, p=args.p, calibration_text=_text_file(args.calibration_text),
+                     eval_text=_text_file(args.eval_text), verify=args.verify,
                      calibrate=not args.no_calibration, settings=settings, export=args.export,
                      overwrite=args.overwrite, push_to_hub=args.push_to_hub, private=args.private,
                      revision=args.revision, commit_message=args.commit_message, token=args.token,
@@ -121,12 +126,25 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _text_file(value):
+    """On the command line a text option names a file (or a bundled text), never the text itself."""
+    import os
+
+    from ..data import BUNDLED_TEXTS
+
+    if value is None or value in BUNDLED_TEXTS and not os.path.exists(value):
+        return value
+    return Path(value)
+
+
 def _add_push(sub):
     p = sub.add_parser(
         "push", help="upload a converted folder to the Hugging Face Hub",
         description="Create the Hub repo REPO_ID if needed and upload DIR (a folder written by `hf-qknorm convert`) "
-                    "with huggingface_hub. Hidden files are not uploaded. Without a token (--token, HF_TOKEN or "
-                    "`hf auth login`) nothing is contacted and the command fails.")
+                    "with huggingface_hub, in one commit. Hidden files are not uploaded. The uploaded model card "
+                    "(README.md) names REPO_ID in its load snippet and title; the card in DIR is not changed. "
+                    "Without a token (--token, HF_TOKEN or `hf auth login`) nothing is contacted and the command "
+                    "fails.")
     p.add_argument("dir", type=Path, help="folder written by `hf-qknorm convert`")
     p.add_argument("repo_id", help="Hub repo id, e.g. your-name/llama-qknorm")
     _add_hub_options(p, convert=False)
@@ -136,15 +154,19 @@ def _add_push(sub):
 
 
 def _cmd_push(args) -> int:
-    from ..conversion.hub import card_metadata, check_folder, push, upload_files
+    from ..conversion.hub import card_for_repo, card_metadata, check_folder, check_repo_id, push, upload_files
 
     if args.dry_run:
         check_folder(args.dir)
+        check_repo_id(args.repo_id)
         print(f"would upload to {args.repo_id}" + (f" (branch {args.revision})" if args.revision else "")
               + (" as a private repo" if args.private else ""))
         for name in upload_files(args.dir):
             print(f"  {name}")
         print("card metadata: " + json.dumps(card_metadata(args.dir), sort_keys=True))
+        if card_for_repo(args.dir, args.repo_id) is not None:
+            print(f"the uploaded README.md names {args.repo_id} in its load snippet and title "
+                  f"({args.dir / 'README.md'} is not changed)")
         return 0
     url = push(args.dir, args.repo_id, private=args.private, revision=args.revision,
                commit_message=args.commit_message, token=args.token)

@@ -2,14 +2,21 @@
 
 Each subcommand lives in a function ``_cmd_<name>`` with its parser built in ``_add_<name>``; modules that own a
 feature (conversion, Hub push, benchmarks) register theirs through :data:`EXTRA_COMMANDS`.
+
+Every subcommand reports a failure as one line on stderr, ``error: ...``, and an exit status
+(:data:`EXIT_CODES`); ``--debug`` (before or after the subcommand) adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
+
+from .errors import EXIT_CODES, OneLineParser, describe
 
 # (name, add_parser(subparsers) -> parser, run(args) -> int). Feature modules append here.
 EXTRA_COMMANDS: list[tuple[str, object, object]] = []
@@ -57,20 +64,18 @@ def _cmd_demo(args) -> int:
 
 
 def _add_inspect(sub):
-    p = sub.add_parser("inspect", help="show the scheme and norm statistics of a saved (patched) model folder")
-    p.add_argument("path", type=Path)
+    p = sub.add_parser("inspect", help="show the scheme and per-layer norm weight statistics of a saved model folder",
+                       description="Print a saved folder's model type, architectures and qknorm scheme, and for every "
+                                   "layer the statistics (mean, std, min, max) of its q/k/v norm weights and biases, "
+                                   "read from the safetensors files (no model is built).")
+    p.add_argument("path", type=Path, help="saved model folder (config.json and *.safetensors)")
     return p
 
 
 def _cmd_inspect(args) -> int:
-    cfg_file = args.path / "config.json"
-    if not cfg_file.is_file():
-        print(f"error: {args.path} has no config.json (not a saved model folder)", file=sys.stderr)
-        return 2
-    cfg = json.loads(cfg_file.read_text())
-    print(f"model_type: {cfg.get('model_type')}")
-    print(f"architectures: {cfg.get('architectures')}")
-    print(f"qknorm: {json.dumps(cfg.get('qknorm'))}")
+    from .inspect import folder_summary
+
+    print(folder_summary(args.path))
     return 0
 
 
@@ -94,9 +99,16 @@ def _cmd_info(args) -> int:
     return 0
 
 
+_DEBUG_HELP = "on an error, print the traceback as well as the one-line message"
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(prog="hf-qknorm", description="QK-norm, softmax capping and QKV-norm for "
-                                     "Hugging Face Transformers models.")
+    parser = OneLineParser(prog="hf-qknorm", description="QK-norm, softmax capping and QKV-norm for Hugging Face "
+                           "Transformers models.", epilog="exit status: 0 done; 1 a check failed (a model that does "
+                           "not verify, a conversion whose result failed its checks); 2 an error in the input or the "
+                           "environment (one line on stderr); 3 an unexpected internal error (rerun with --debug and "
+                           "report it); 130 interrupted; 143 terminated (SIGTERM)")
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     runners = {}
     from ..verification import command as verify_command
@@ -104,7 +116,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     for name, add, run in [("demo", _add_demo, _cmd_demo), ("inspect", _add_inspect, _cmd_inspect),
                            ("info", _add_info, _cmd_info), (verify_command.NAME, verify_command.add_parser,
                                                             verify_command.run), *_extra_commands()]:
-        add(sub)
+        p = add(sub)
+        if p is not None:  # also after the subcommand; SUPPRESS keeps the global flag when it is not given here
+            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
         runners[name] = run
     return parser, runners
 
@@ -122,13 +136,25 @@ def _extra_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``hf-qknorm`` with ``argv``; returns the exit status. Never raises (but ``SystemExit`` from ``--help``)."""
+    from ..conversion.tempdirs import stop_signals_raise
+
     parser, runners = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(runners[args.command](args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        with stop_signals_raise():  # SIGTERM as an exception, so cleanups run and the message below is printed
+            return int(runners[args.command](args) or 0)
+    except BrokenPipeError:  # `hf-qknorm ... | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except BaseException as exc:  # one line for every failure; the traceback only with --debug
+        kind, message = describe(exc)
+        if kind is None:
+            raise  # SystemExit of --help and the like
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return EXIT_CODES[kind]
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ Takes a pretrained checkpoint, adds the scheme's norm weights initialised by cal
 
 - the source is only read, never written;
 - every safetensors header is checked before any work starts, so a corrupt or truncated file is a clear error;
-- the output is written into a temporary folder beside the destination and renamed into place when complete; on any
-  error the temporary folder is removed, so nothing is left half-written; an existing destination is refused unless
-  ``overwrite=True``;
+- the output is written into a temporary folder beside the destination and renamed into place when complete and
+  checked (:mod:`hf_qknorm.conversion.checks`: a finite report, the added tensors as computed, the verifier on the
+  written folder); on any error, SIGINT or SIGTERM the temporary folder is removed, so nothing is left half-written,
+  and one left by a killed run is removed by the next (:mod:`hf_qknorm.conversion.tempdirs`); an existing
+  destination is refused unless ``overwrite=True``;
 - weights are written shard by shard from the source files (read one shard, add or transform its tensors, write
   it, update the index), so writing needs about one shard of memory. Calibration itself needs the model in memory
   (in float32); ``calibrate=False`` skips it and never loads the model.
@@ -19,19 +21,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .calibrate import CalibrationReport, CalibrationSettings, calibrate as run_calibration, new_norm_parameters
+from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from ..modeling.families import Family, get_family
 from ..modeling.schemes import QKNormConfig
 from ..upstream import installed_versions
 from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
+from .tempdirs import check_writable, staging
 
 __all__ = ["ConversionResult", "convert", "default_destination"]
 
@@ -104,6 +105,8 @@ def inspect_source(src) -> Source:
         raw = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path / 'config.json'} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path / 'config.json'} is not a model config: a JSON {type(raw).__name__}, not an object")
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type.startswith("qknorm_") or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")
@@ -124,20 +127,37 @@ _TEXT_SUFFIXES = (".txt", ".md", ".raw", ".text")
 
 def load_text(value, what: str) -> str | None:
     """``value`` is a path, a bundled text name (``"tinyshakespeare"``, ``"wikitext2"``) or the text itself."""
-    from ..data import BUNDLED_TEXTS, read_text
+    from ..data import read_text
 
     if value is None:
         return None
-    if isinstance(value, os.PathLike):
-        return read_text(value)
-    if not isinstance(value, str):
+    if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{what} must be a str or a path, got {type(value).__name__}")
-    if "\n" not in value and len(value) < 4096 and (
-            value in BUNDLED_TEXTS or os.path.exists(value) or value.lower().endswith(_TEXT_SUFFIXES)):
-        return read_text(value)
+    if _names_a_file(value):
+        try:
+            return read_text(value)
+        except (OSError, ValueError) as exc:  # say which of the texts it was
+            raise type(exc)(f"{what}: {exc}") from None
     if not value.strip():
         raise ValueError(f"{what} is empty; give text (or a file of text) to run through the model")
     return value
+
+
+def _names_a_file(value) -> bool:
+    """Whether :func:`load_text` reads ``value`` as a file (or bundled text) name rather than as the text itself."""
+    from ..data import BUNDLED_TEXTS
+
+    return isinstance(value, os.PathLike) or "\n" not in value and len(value) < 4096 and (
+        value in BUNDLED_TEXTS or os.path.exists(value) or value.lower().endswith(_TEXT_SUFFIXES))
+
+
+def _text_label(value, what: str) -> str:
+    """How errors name a text the user gave: the file (or bundled) name, or the string given as text."""
+    if _names_a_file(value):
+        return f"{what} {str(value)!r}"
+    if "\n" in value or len(value) >= 4096:
+        return f"{what} (the {len(value):,}-character string given)"
+    return f"{what} {value!r} (read as the text itself: no file of that name exists)"
 
 
 def _blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str) -> torch.Tensor:
@@ -150,10 +170,9 @@ def _blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str) ->
     n_text = block_len - int(bos is not None)
     stream = tokenize_stream(text, tokenizer)  # tokenised once: a whole corpus can take seconds
     if len(stream) < n_text:
-        short = len(text) < 200 and "\n" not in text.strip()
-        hint = f" (no file named {text!r} was found, so it was read as text)" if short else ""
-        raise ValueError(f"{what} has {len(stream)} tokens, fewer than one block of {block_len}; give more text "
-                         f"(or a smaller block length){hint}")
+        raise ValueError(f"{what} is too short: {len(stream):,} tokens, and one block of {block_len} tokens "
+                         f"({n_text} of text{' + BOS' if bos is not None else ''}) is needed; give more text or a "
+                         "smaller block length (--block-len)")
     n_blocks = min(max_blocks, len(stream) // n_text)
     spread = n_blocks < len(stream) // n_text and n_blocks > 1  # else back to back, as tokenize_blocks does
     stride = max(n_text, (len(stream) - n_text) // (n_blocks - 1)) if spread else n_text
@@ -184,38 +203,6 @@ def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
     return dst
 
 
-@contextmanager
-def staging(dst: Path):
-    """Yield a temporary folder beside ``dst``; on success it is renamed to ``dst`` (replacing an existing one),
-    on any error it is removed together with any parent folders this created."""
-    created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)
-        if dst.exists():  # --overwrite: swap the old folder out only now that the new one is complete
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / "previous")
-            try:
-                os.replace(tmp, dst)
-            except BaseException:
-                os.replace(old / "previous", dst)
-                shutil.rmtree(old, ignore_errors=True)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in created:  # innermost first
-            try:
-                p.rmdir()
-            except OSError:
-                break
-        raise
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # conversion
 # --------------------------------------------------------------------------------------------------------------------
@@ -225,7 +212,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
             settings: CalibrationSettings | None = None, export: str = "auto", overwrite: bool = False,
             push_to_hub: str | None = None, private: bool | None = None, revision: str | None = None,
             commit_message: str | None = None, token: str | None = None, progress: bool = True,
-            log=print) -> ConversionResult:
+            verify: str = "full", log=print) -> ConversionResult:
     """Convert a pretrained checkpoint to ``scheme`` and write it to ``dst``.
 
     Args:
@@ -242,23 +229,32 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
         export: ``"auto"`` (plain ``qwen3`` when the result is a Qwen3 model, else ``qknorm_<base>`` with remote
             code), ``"qwen3"`` (an error when impossible) or ``"qknorm"``.
         push_to_hub: a repo id to upload the folder to once written (``private``, ``revision``,
-            ``commit_message``, ``token`` as for :func:`hf_qknorm.conversion.hub.push`).
+            ``commit_message``, ``token`` as for :func:`hf_qknorm.conversion.hub.push`). The repo id and the
+            token are checked before any work.
+        verify: how the written folder is verified before it is renamed into place
+            (:func:`hf_qknorm.conversion.checks.verify_output`): ``"full"`` (with the plugin, and a ``qknorm_<base>``
+            folder also through its remote code in a process without the plugin), ``"plugin"`` or ``"off"``. The
+            added tensors are always checked, and a report that is not finite always fails.
+
+    Raises ``ValueError``/``OSError`` for bad input or a failed write, and
+    :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
+    is left at ``dst`` (or an existing ``dst`` is unchanged).
     """
     from .export import resolve_export
 
     cfg = QKNormConfig(scheme=scheme, norm=norm, softcap=softcap, eps=eps, p=p)
     settings = settings or CalibrationSettings()
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"unknown verify mode {verify!r}; choose one of {', '.join(VERIFY_MODES)}")
+    token = check_request(settings, push_to_hub, token)  # a bad repo id or no token: fail now, before hours of work
     source = inspect_source(src)
     config, family = source.config, source.family
     cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None
                           else float(getattr(config, family.eps_attr, 1e-6))})
     dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path,
                              overwrite)
+    check_writable(dst)
     kind, note = resolve_export(export, config, cfg, family)
-    if push_to_hub:
-        from .hub import resolve_token
-
-        token = resolve_token(token)  # no token: fail now, before hours of work
     texts = _texts(calibration_text, eval_text) if calibrate else None
 
     log(f"converting {source.name} ({family.model_type}, {source.weights.dtype}, "
@@ -268,10 +264,14 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
         patched_config, new_values, report = _calibrated(source, cfg, texts, settings, progress)
     else:
         patched_config, new_values, report = *_identity(source, cfg), None
+    if report is not None:
+        check_report_finite(report)
     result = ConversionResult(path=dst, export=kind, export_note=note, scheme=cfg, report=report)
-    with staging(dst) as tmp:
-        _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress,
-                      model_name=push_to_hub or dst.name)
+    with staging(dst, overwrite, log) as tmp:
+        plan = _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress,
+                             model_name=push_to_hub or dst.name)
+        check_written(tmp, plan)
+        verify_output(tmp, cfg, kind, verify, log)
     result.files = sorted(str(f.relative_to(dst)) for f in dst.rglob("*") if f.is_file())
     if report is not None:
         log(report.summary())
@@ -281,22 +281,32 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     if push_to_hub:
         from .hub import push
 
-        result.pushed_url = push(dst, push_to_hub, private=private, revision=revision,
-                                 commit_message=commit_message, token=token)
+        try:
+            result.pushed_url = push(dst, push_to_hub, private=private, revision=revision,
+                                     commit_message=commit_message, token=token)
+        except OSError as exc:
+            raise OSError(f"{exc}; the converted model is complete in {dst}: upload it later with "
+                          f"`hf-qknorm push {dst} {push_to_hub}`") from exc
         log(f"pushed to {result.pushed_url}")
     return result
 
 
-def _texts(calibration_text, eval_text) -> tuple[str, str]:
+def _texts(calibration_text, eval_text) -> tuple[str, str, str, str]:
+    """``(calibration text, held-out text, and how errors name each)``."""
     from ..data import split_text
 
-    calib = load_text(calibration_text if calibration_text is not None else "tinyshakespeare", "calibration text")
+    value = calibration_text if calibration_text is not None else "tinyshakespeare"
+    calib = load_text(value, "calibration text")
     if not calib.strip():
         raise ValueError("calibration text is empty; give text (or a file of text) to run through the model")
     held = load_text(eval_text, "eval text")
+    labels = [_text_label(value, "calibration text")]
     if held is None:
         calib, held = split_text(calib, 0.1)
-    return calib, held
+        labels.append(f"the held-out last 10% of the {labels[0]} (no eval text was given)")
+    else:
+        labels.append(_text_label(eval_text, "eval text"))
+    return calib, held, *labels
 
 
 def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progress: bool):
@@ -310,8 +320,8 @@ def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progr
                          "(--no-calibration)") from exc
     max_len = int(getattr(source.config, source.family.max_len_attr, settings.block_len))
     block_len = min(settings.block_len, max_len)
-    calib_blocks = _blocks(texts[0], tokenizer, block_len, settings.calibration_blocks, "calibration text")
-    eval_blocks = _blocks(texts[1], tokenizer, block_len, settings.eval_blocks, "held-out text")
+    calib_blocks = _blocks(texts[0], tokenizer, block_len, settings.calibration_blocks, texts[2])
+    eval_blocks = _blocks(texts[1], tokenizer, block_len, settings.eval_blocks, texts[3])
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).to(settings.resolved_device())
     torch.manual_seed(settings.seed)
     report = run_calibration(model, source.family, cfg, calib_blocks, eval_blocks, settings, progress)
@@ -347,7 +357,7 @@ def _identity(source: Source, cfg):
 
 
 def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_values, result, progress,
-                  model_name: str) -> None:
+                  model_name: str) -> WeightPlan:
     from .export import copy_side_files, write_config
     from .hub import write_model_card
 
@@ -359,7 +369,8 @@ def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_valu
     copy_side_files(source.path, tmp)
     report = {"source": source.name, "export": kind, "export_note": result.export_note, "scheme": cfg.to_dict(),
               "calibration": None if result.report is None else result.report.to_dict(),
-              "versions": installed_versions()}
+              "versions": installed_versions(), "card_model_name": model_name}
     (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     write_model_card(tmp, model_name=model_name, source_dir=source.path, base_model=source.name, cfg=cfg,
                      export=kind, report=result.report, export_note=result.export_note)
+    return plan

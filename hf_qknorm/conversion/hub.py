@@ -5,12 +5,25 @@
 card, library_name, tags), the scheme, how to load the folder, and the calibration report. :func:`push` creates the
 repo and uploads the folder with ``huggingface_hub.HfApi`` (token from the argument, ``HF_TOKEN`` or the cached
 ``hf auth login``); everything it needs is checked before the first network call.
+
+Names and strings that come from outside -- the source folder's name or Hub id, the destination's name, the
+source card's licence fields -- are never trusted: in Markdown they are escaped (:func:`md_text`: HTML entities,
+backslash-escaped Markdown punctuation, control characters shown as ``\\uXXXX``), in the Python load snippet they are
+Python literals (``repr``), and in the YAML metadata only values that look like Hub licence ids and links are kept
+(``yaml.dump`` quotes them).
 """
 
 from __future__ import annotations
 
+import html
+import json
+import logging
+import re
+import unicodedata
 from importlib import resources
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 TEMPLATE = "qknorm_model_card.md"
 REQUIRED_FILES = ("config.json", "README.md")
@@ -25,6 +38,48 @@ _SCHEMES = {
     "qkv_norm": ("QKV-norm", "a per-head norm on every query, key and value; the block's pre-attention norm is "
                              "removed and its gain folded into the projections (Rybakov et al. 2024)."),
 }
+
+
+_MD_PUNCT = re.compile(r"([\\`*_{}\[\]()!|~])")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][\w./ ()-]*")
+_LICENCE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
+_LICENCE_LINK = re.compile(r"https?://[^\s<>\"'`\\]{1,500}|[A-Za-z0-9._/-]{1,200}")  # a URL or a file here
+
+
+def md_text(value) -> str:
+    """``value`` as Markdown text that renders literally: control and format characters (newlines, bidi overrides)
+    shown as ``\\uXXXX``, Markdown punctuation backslash-escaped, then ``& < >`` as HTML entities (with no ``<``
+    no tag, and so no attribute, can open: quotes need no escaping)."""
+    text = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c)[0] == "C" else c for c in str(value))
+    return html.escape(_MD_PUNCT.sub(r"\\\1", text), quote=False)
+
+
+def md_name(value) -> str:
+    """A name in Markdown: as inline code when it is a plain name (letters, digits, ``_ . / - ( )`` and spaces),
+    else escaped text (a backtick could end a code span)."""
+    text = str(value)
+    return f"`{text}`" if _PLAIN_NAME.fullmatch(text) else md_text(text)
+
+
+def py_str(value) -> str:
+    """``value`` as a Python string literal (``repr``, so quotes, newlines and code in it stay inside the string),
+    in double quotes when it holds no quote character."""
+    lit = repr(str(value))
+    return f'"{lit[1:-1]}"' if lit.startswith("'") and '"' not in lit else lit
+
+
+def check_repo_id(repo_id) -> str:
+    """``repo_id`` if ``huggingface_hub`` accepts it as a model repo id, else a ``ValueError`` naming it."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise ValueError(f"invalid Hub repo id {repo_id!r}: {exc} Use <user or organisation>/<name>, e.g. "
+                         "me/llama-qknorm") from None
+    if not repo_id:
+        raise ValueError("invalid Hub repo id '': give <user or organisation>/<name>, e.g. me/llama-qknorm")
+    return repo_id
 
 
 def template_path() -> Path:
@@ -42,23 +97,28 @@ def source_licence(source_dir: Path | None) -> dict:
         data = ModelCard.load(readme, ignore_metadata_errors=True).data.to_dict()
     except Exception:  # a README without (valid) metadata: nothing to inherit
         return {}
-    return {k: data[k] for k in ("license", "license_name", "license_link") if data.get(k)}
+    rules = {"license": _LICENCE_ID, "license_name": _LICENCE_ID, "license_link": _LICENCE_LINK}
+    kept = {k: data[k] for k, rule in rules.items() if isinstance(data.get(k), str) and rule.fullmatch(data[k])}
+    if any(data.get(k) and k not in kept for k in rules):  # not an id or link: not carried into the metadata
+        kept["unusable"] = True
+    return kept
 
 
 def _load_snippet(export: str, name: str) -> tuple[str, str]:
+    name = py_str(name)
     if export == "qwen3":
         return (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
-                f'model = AutoModelForCausalLM.from_pretrained("{name}")  # a plain Qwen3ForCausalLM\n'
-                f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+                f'model = AutoModelForCausalLM.from_pretrained({name})  # a plain Qwen3ForCausalLM\n'
+                f'tokenizer = AutoTokenizer.from_pretrained({name})',
                 "This is exactly a Qwen3 model (per-head RMSNorm on queries and keys before RoPE), so plain "
                 "Transformers loads it with no plugin and no remote code.")
     return (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
             f'# without hf_qknorm: the modelling code shipped in this folder\n'
-            f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)\n\n'
-            f'# with hf_qknorm (pip install hf-qknorm): fused kernels and a memory-lean capped attention\n'
+            f'model = AutoModelForCausalLM.from_pretrained({name}, trust_remote_code=True)\n\n'
+            f'# with hf_qknorm installed: fused kernels and a memory-lean capped attention\n'
             f'import hf_qknorm\n'
-            f'model = AutoModelForCausalLM.from_pretrained("{name}")\n'
-            f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+            f'model = AutoModelForCausalLM.from_pretrained({name})\n'
+            f'tokenizer = AutoTokenizer.from_pretrained({name})',
             "`model_type` is `qknorm_<base>`: Transformers alone refuses the folder rather than loading it as the "
             "base model without its norms. `modeling_qknorm.py` and `configuration_qknorm.py` here rebuild it "
             "with `trust_remote_code=True`; `import hf_qknorm` registers the same model type natively.")
@@ -73,13 +133,13 @@ def build_model_card(*, base_model: str | None, cfg, export: str, report=None, d
     from ..upstream import installed_versions
 
     scheme = cfg.to_dict()
-    hub_base = base_model if base_model and "/" in base_model and " " not in base_model \
-        and not Path(base_model).exists() else None
+    hub_base = base_model if base_model and _is_repo_id(base_model) and not Path(base_model).exists() else None
     tags = ["hf-qknorm", scheme["scheme"].replace("_", "-")]
     tags += [f"{scheme['norm']}-qk-norm"] if cfg.norms_qk else []
     tags += ["softcap"] if cfg.caps else []
     tags += ["qwen3"] if export == "qwen3" else ["custom_code"]
     licence = source_licence(source_dir)
+    unusable = licence.pop("unusable", False)
     data = ModelCardData(base_model=hub_base, library_name="transformers", pipeline_tag="text-generation",
                          tags=tags, **licence)
     title, description = _SCHEMES[scheme["scheme"]]
@@ -87,18 +147,36 @@ def build_model_card(*, base_model: str | None, cfg, export: str, report=None, d
     fmt = ("plain `qwen3` (no plugin needed)" if export == "qwen3"
            else "`qknorm_<base>` with `trust_remote_code` modelling code")
     if export_note and export != "qwen3":
-        fmt += f" (not `qwen3`: {export_note})"
+        fmt += f" (not `qwen3`: {md_text(export_note)})"
     return ModelCard.from_template(
-        data, template_path=str(template_path()), model_name=model_name,
-        base_model_sentence=f"`{base_model}`" if base_model else "A pretrained model",
+        data, template_path=str(template_path()), model_name=md_text(model_name),
+        base_model_sentence=md_name(base_model) if base_model else "A pretrained model",
         scheme=scheme, scheme_title=title, scheme_description=description, format_description=fmt,
         dtype=dtype, load_snippet=snippet, load_note=note, report=report,
         perplexity_table=report.perplexity_table() if report else "",
         layer_table=report.layer_table() if report else "",
         recovered=f"{100 * report.recovered:.1f}%" if report else "",
         versions=versions or installed_versions(),
-        licence_note=(f"Licence: `{licence['license']}`, inherited from the source model." if licence
-                      else "The source model's card gave no licence; check its terms before sharing."))
+        licence_note=_licence_note(licence, unusable))
+
+
+def _licence_note(licence: dict, unusable: bool) -> str:
+    if licence.get("license"):
+        return f"Licence: {md_name(licence['license'])}, inherited from the source model."
+    if unusable:
+        return ("The source model's card names a licence that is not a Hub licence id, so it was not carried "
+                "over; check the source's terms before sharing.")
+    return "The source model's card gave no licence; check its terms before sharing."
+
+
+def _is_repo_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return "/" in name
 
 
 def write_model_card(folder: Path, *, model_name: str, source_dir, base_model, cfg, export, report,
@@ -156,25 +234,58 @@ def check_folder(folder: Path) -> None:
                          "create it with `hf-qknorm convert`")
 
 
+def card_for_repo(folder: Path, repo_id: str) -> str | None:
+    """The model card of ``folder`` as it should read on the Hub at ``repo_id``: its load snippet and title name
+    ``repo_id`` instead of the name the card was written with (``card_model_name`` in ``qknorm_conversion.json``,
+    else the folder's name). ``None`` when nothing needs to change. The folder itself is not modified."""
+    folder = Path(folder)
+    readme = (folder / "README.md").read_text(encoding="utf-8")
+    old = folder.name
+    report = folder / "qknorm_conversion.json"
+    if report.is_file():
+        try:
+            old = json.loads(report.read_text()).get("card_model_name") or old
+        except (ValueError, AttributeError):
+            pass
+    if old == repo_id:
+        return None
+    snippet_old, snippet_new = f"from_pretrained({py_str(old)}", f"from_pretrained({py_str(repo_id)}"
+    if snippet_old not in readme:
+        logger.warning("%s/README.md has no load snippet naming %r (edited?); it is uploaded as it is", folder, old)
+        return None
+    text = readme.replace(snippet_old, snippet_new)
+    return text.replace(f"\n# {md_text(old)}\n", f"\n# {md_text(repo_id)}\n", 1)
+
+
 def push(folder, repo_id: str, *, private: bool | None = None, revision: str | None = None,
          commit_message: str | None = None, token: str | None = None, api=None) -> str:
-    """Create ``repo_id`` (if needed) and upload ``folder`` to it; returns the commit URL.
+    """Create ``repo_id`` (if needed) and upload ``folder`` to it in one commit; returns the commit URL.
 
-    ``revision`` names a branch, created if missing. ``api`` is an ``HfApi``-like object (tests pass a mock)."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    The uploaded model card names ``repo_id`` in its load snippet and title (:func:`card_for_repo`); the local
+    ``README.md`` is left as it is. ``revision`` names a branch, created if missing. ``api`` is an ``HfApi``-like
+    object (tests pass a mock). A Hub that cannot be reached, or that refuses the upload, is an ``OSError`` that
+    says which repo and why."""
+    from huggingface_hub import CommitOperationAdd, HfApi
 
+    folder = Path(folder)
+    check_repo_id(repo_id)
     check_folder(folder)
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as exc:
-        raise ValueError(f"invalid Hub repo id {repo_id!r}: {exc}") from None
     token = resolve_token(token)
+    card = card_for_repo(folder, repo_id)
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name))
+                  for name in upload_files(folder) if not (card is not None and name == "README.md")]
+    if card is not None:
+        operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
     api = api if api is not None else HfApi()
-    api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
-    if revision:
-        api.create_branch(repo_id, branch=revision, token=token, repo_type="model", exist_ok=True)
-    info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
-                             commit_message=commit_message or f"Upload {Path(folder).name} (hf_qknorm convert)",
-                             token=token, ignore_patterns=[".*", "**/.*"])
+    try:
+        api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, token=token, repo_type="model", exist_ok=True)
+        info = api.create_commit(repo_id, operations=operations, repo_type="model", revision=revision,
+                                 commit_message=commit_message or f"Upload {folder.name} (hf_qknorm convert)",
+                                 token=token)
+    except Exception as exc:  # unreachable, refused, rate-limited...: one line naming the repo and the cause
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise OSError(f"could not upload {folder} to the Hugging Face Hub repo {repo_id!r}: "
+                      f"{type(exc).__name__}: {first}") from exc
     return str(getattr(info, "commit_url", info))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,12 +74,13 @@ def check_safetensors(path: Path) -> dict:
     if not isinstance(header, dict):
         raise ValueError(f"{bad}: corrupt header (not a JSON object)")
     data = size - 8 - n
+    spans = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
         try:
-            begin, end = info["data_offsets"]
-            dtype, shape = info["dtype"], info["shape"]
+            begin, end = (int(x) for x in info["data_offsets"])
+            dtype, shape = info["dtype"], [int(d) for d in info["shape"]]
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{bad}: corrupt entry for tensor {key!r}") from None
         if end > data:
@@ -85,6 +88,11 @@ def check_safetensors(path: Path) -> dict:
         width = _DTYPES.get(dtype, (None, None))[1]
         if not 0 <= begin <= end or (width is not None and end - begin != width * math.prod(shape)):
             raise ValueError(f"{bad}: corrupt entry for tensor {key!r} (offsets {begin}..{end}, {dtype} {shape})")
+        spans.append((begin, end, key))
+    spans.sort()
+    for (_, end_a, a), (begin_b, end_b, b) in zip(spans, spans[1:]):
+        if begin_b < end_a and begin_b < end_b:  # two tensors sharing bytes: writing one would change the other
+            raise ValueError(f"{bad}: tensors {a!r} and {b!r} overlap (bytes {begin_b}..{min(end_a, end_b)})")
     return header
 
 
@@ -224,7 +232,7 @@ def write_weights(weights: SourceWeights, plan: WeightPlan, out: Path, progress:
                 tensors[key] = plan.new[key] if key in plan.new else _transform(key, f.get_tensor(key), plan)
         tensors.update({k: v for k, v in plan.new.items() if plan.new_file[k] == name and k not in tensors})
         metadata.setdefault("format", "pt")
-        save_file(tensors, str(Path(out) / name), metadata=metadata)
+        _save(save_file, tensors, Path(out) / name, metadata)
         for key, t in tensors.items():
             weight_map[key] = name
             total += t.numel() * t.element_size()
@@ -235,3 +243,21 @@ def write_weights(weights: SourceWeights, plan: WeightPlan, out: Path, progress:
              "weight_map": dict(sorted(weight_map.items()))}
     (Path(out) / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return [*weights.files, INDEX_FILE]
+
+
+_OS_ERROR = re.compile(r"os error (\d+)")
+
+
+def _save(save_file, tensors: dict, path: Path, metadata: dict) -> None:
+    """``save_file`` with the file system's errors (a full disk, a read-only folder) as ``OSError`` naming ``path``:
+    safetensors reports them as its own ``SafetensorError`` with the errno in the text."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as exc:
+        if isinstance(exc, OSError):
+            raise
+        m = _OS_ERROR.search(str(exc))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc

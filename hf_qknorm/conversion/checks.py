@@ -1,0 +1,217 @@
+"""What :func:`hf_qknorm.convert` checks before it starts and before it renames its output into place.
+
+Before any work (:func:`check_request`): the calibration device and thread count, and for ``push_to_hub`` the repo
+id and a token -- a bad value fails in a second, not after an hour of calibration.
+
+Before the rename (nothing reaches the destination unless all of these pass):
+
+- :func:`check_report_finite`: every perplexity, KL and logit of the calibration report is a finite number;
+- :func:`check_written`: every tensor the conversion added is in the written shards with exactly the planned value,
+  and every tensor it removed is gone (all layers; only the small norm tensors are read);
+- :func:`verify_output`: the folder is loaded the way users will load it and run through
+  :func:`hf_qknorm.verify` -- with the plugin in this process, and (``"full"``) for a ``qknorm_<base>`` folder also
+  through its shipped remote code in a process that cannot import ``hf_qknorm``. To stay cheap on large models
+  it loads only the first :data:`VERIFY_LAYERS` layers, in float32 (a view of the folder whose ``config.json`` has
+  fewer layers and dtype float32; the weights are links to the written ones), and checks that the loaded scheme is
+  the one asked for and that no tensor of those layers was missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+__all__ = ["ConversionCheckError", "VERIFY_LAYERS", "VERIFY_MODES", "check_device", "check_report_finite",
+           "check_request", "check_written", "verify_output"]
+
+VERIFY_LAYERS = 2  # layers loaded for the verification probe: every layer runs the same code
+VERIFY_MODES = ("full", "plugin", "off")
+
+
+class ConversionCheckError(RuntimeError):
+    """The conversion's result failed a check; nothing was renamed into place."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# before any work
+# --------------------------------------------------------------------------------------------------------------------
+def check_device(device: str) -> None:
+    """Refuse a calibration device that does not exist here, naming it (``auto`` always works)."""
+    if device == "auto":
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r} (--device); choose auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (f"this torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA device is visible")
+            raise ValueError(f"device {device!r} (--device): CUDA is not available on this machine ({why}); "
+                             "use --device cpu or auto")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {device!r} (--device): this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    elif dev.type != "cpu":
+        backend = getattr(torch, dev.type, None) or getattr(torch.backends, dev.type, None)
+        if not (hasattr(backend, "is_available") and backend.is_available()):
+            raise ValueError(f"device {device!r} (--device) is not available on this machine; use cpu or cuda")
+
+
+def check_request(settings, push_to_hub: str | None, token: str | None) -> str | None:
+    """The checks that need nothing but the arguments; returns the Hub token to use (``None`` without a push)."""
+    check_device(settings.device)
+    threads = settings.threads
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads (--threads) must be a positive number of CPU threads, got {threads!r}")
+    if not push_to_hub:
+        return token
+    from .hub import check_repo_id, resolve_token
+
+    check_repo_id(push_to_hub)
+    return resolve_token(token)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------------------------------------------------
+def check_report_finite(report) -> None:
+    """Fail when a number of the calibration report is NaN or infinite (a model that computes NaN must not be
+    written as if it worked)."""
+    values = {"original perplexity": report.ppl_original, "identity-init perplexity": report.ppl_identity,
+              "least-squares-init perplexity": report.ppl_least_squares,
+              "calibrated perplexity": report.ppl_calibrated, "KL at the start": report.kl_start,
+              "KL at the end": report.kl_end}
+    for s in report.layers:
+        values[f"layer {s.layer} max logit (original)"] = s.max_logit_original
+        values[f"layer {s.layer} max logit (converted)"] = s.max_logit_converted
+    bad = {k: v for k, v in values.items() if v is not None and not math.isfinite(float(v))}
+    if not bad:
+        return
+    listed = ", ".join(f"{k} {v}" for k, v in list(bad.items())[:4])
+    if "original perplexity" in bad:
+        why = "the source model itself computes non-finite values on the held-out text (NaN/inf in its weights?)"
+    else:
+        why = ("the converted model computes non-finite values: the scheme cannot be computed for this model with "
+               "these settings (an extreme --softcap, --eps or --p?)")
+    raise ConversionCheckError(f"the conversion's report is not finite ({listed}): {why}; nothing was written")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the written tensors
+# --------------------------------------------------------------------------------------------------------------------
+def check_written(folder: Path, plan) -> None:
+    """Every tensor ``plan`` (a :class:`~hf_qknorm.conversion.shards.WeightPlan`) adds is in ``folder``'s shards with
+    exactly the planned value, and no tensor it drops is there. Reads only the added tensors."""
+    from safetensors import safe_open
+
+    key_file = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            key_file.update({k: path for k in f.keys()})
+    problems = [f"{k} is missing" for k in plan.new if k not in key_file]
+    problems += [f"{k} should have been removed" for k in sorted(plan.drop) if k in key_file]
+    for key, value in plan.new.items():
+        if key in key_file:
+            with safe_open(key_file[key], framework="pt") as f:
+                got = f.get_tensor(key)
+            if got.dtype != value.dtype or got.shape != value.shape or not torch.equal(got, value):
+                problems.append(f"{key} differs from the value the conversion computed")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConversionCheckError(f"the written weights are not what the conversion computed: "
+                                   f"{'; '.join(problems[:3])}{more}; nothing was written")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the verifier on the written folder
+# --------------------------------------------------------------------------------------------------------------------
+def verify_output(folder: Path, cfg, kind: str, mode: str = "full", log=None) -> None:
+    """Run :func:`hf_qknorm.verify` on the written ``folder`` (see the module docstring); raise
+    :class:`ConversionCheckError` when it fails. ``mode``: ``"full"``, ``"plugin"`` (in this process only) or
+    ``"off"``."""
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"unknown verify mode {mode!r}; choose one of {', '.join(VERIFY_MODES)}")
+    say = log or (lambda *a: None)
+    if mode == "off":
+        say("not verified (verify='off')")
+        return
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling.patch import qknorm_config
+    from ..verification import verify, verify_folder
+
+    with _quiet_transformers(), _view(folder, VERIFY_LAYERS) as view:
+        model, info = AutoModelForCausalLM.from_pretrained(view, output_loading_info=True)
+        if info.get("missing_keys"):
+            _fail(f"the written folder lacks {', '.join(sorted(info['missing_keys'])[:3])}")
+        got = qknorm_config(model)
+        wanted = None if kind == "qwen3" else cfg
+        if got != wanted or (kind == "qwen3" and type(model).__name__ != "Qwen3ForCausalLM"):
+            _fail(f"the written folder loads as {type(model).__name__} with scheme {got}, not {wanted or 'qwen3'}")
+        reports = [verify(model)]
+        del model
+        if mode == "full" and kind == "qknorm":
+            reports.append(verify_folder(view, no_plugin=True))
+    for report, how in zip(reports, ("with hf_qknorm", "without hf_qknorm, through its remote code")):
+        if not report.ok:
+            say(str(report))
+            _fail(f"the written model failed verification ({how}): {'; '.join(report.problems()[:3])}")
+    ways = "with and without the plugin" if len(reports) == 2 else "with the plugin"
+    say(f"verified the written model ({ways}, first {VERIFY_LAYERS} layers in float32, float64 reference): "
+        f"{reports[0].summary()}")
+
+
+def _fail(message: str):
+    raise ConversionCheckError(f"{message}; nothing was written")
+
+
+@contextmanager
+def _view(folder: Path, layers: int):
+    """A folder that loads as ``folder`` with at most ``layers`` layers: its own ``config.json`` (layer count and
+    per-layer lists cut), links to the weights and copies of the small files a model load reads."""
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    key = "num_hidden_layers" if "num_hidden_layers" in raw else "n_layer"
+    total = int(raw.get(key, 0))
+    with tempfile.TemporaryDirectory(prefix="hf_qknorm_verify_") as tmp:
+        view = Path(tmp) / "model"
+        view.mkdir()
+        for path in Path(folder).iterdir():
+            if path.suffix == ".safetensors":
+                (view / path.name).symlink_to(path.resolve())
+            elif path.suffix in (".py", ".json") and path.name != "config.json" and path.is_file():
+                shutil.copyfile(path, view / path.name)
+        # float32: a half-precision model's rounding (tolerance 3e-2) can hide what causality and padding change on
+        # a small model, so the verifier could not tell whether they are applied; the code paths are the same
+        raw["dtype"] = "float32"
+        raw.pop("torch_dtype", None)
+        if 0 < layers < total:
+            raw[key] = layers
+            for name, value in list(raw.items()):
+                if isinstance(value, list) and len(value) == total:
+                    raw[name] = value[:layers]  # layer_types and the like
+        (view / "config.json").write_text(json.dumps(raw, indent=2))
+        yield view
+
+
+@contextmanager
+def _quiet_transformers():
+    """Transformers' load reports (the cut layers are 'unexpected' weights) and progress bars off meanwhile."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
