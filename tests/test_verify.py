@@ -25,16 +25,27 @@ from test_convert_support import one_thread, quiet, save_source  # noqa: F401  (
 from tiny_models import tiny_model
 
 
-def _patched(family, scheme=None, norm=None, dtype=torch.float32, seed=0, **kwargs):
+def _ids(value):
+    if isinstance(value, bool):
+        return "biases" if value else "plain"
+    return str(value).replace("torch.", "") if isinstance(value, torch.dtype) else None
+
+
+def _patched(family, scheme=None, norm=None, dtype=torch.float32, seed=0, biases=False, **kwargs):
     """A tiny model, patched with ``scheme`` (unpatched when None), its 1-d weights moved away from their init so
-    the reference must read them (norm gains and biases, Qwen3's own q/k gains, pre-norms)."""
+    the reference must read them (norm gains and biases, Qwen3's own q/k gains, pre-norms).
+
+    ``biases=True`` moves every 1-d weight, the projections' biases too, as ``save_source`` does for conversion
+    tests: with weights at their init scale (std 0.02) the biases then dominate GPT-2's and Qwen2's q, k, v and
+    attention output, and the hidden states of the second layer hardly differ from position to position -- a model
+    whose attention output hardly depends on what it attends to (the half-precision stress case of the verifier)."""
     model = tiny_model(family, dtype=dtype, seed=seed, **kwargs)
     if scheme is not None:
         hf_qknorm.patch_model(model, scheme, norm=norm, p=3.0 if norm == "lp" else None)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, prm in model.named_parameters():
-            if (prm.dim() <= 1 and "norm" in name) or name.endswith(("ln_1.weight", "ln_1.bias")):
+            if prm.dim() <= 1 and (biases or "norm" in name or name.endswith(("ln_1.weight", "ln_1.bias"))):
                 prm.add_((0.3 * torch.randn(prm.shape, generator=gen)).to(prm.dtype))
     return model
 
@@ -96,6 +107,32 @@ def test_correct_models_verify(family, scheme, norm, dtype, extra):
     assert str(report).rstrip().endswith("OK")
 
 
+# Every family and scheme in half precision, with every 1-d weight moved (``biases=True``): GPT-2's and Qwen2's
+# attention output is then dominated by biases, and causality and padding change it by about as much as bfloat16
+# rounds it (~3e-3 of max|out|) -- below the tolerance, so the plain probes cannot tell.
+HALF = [(family, scheme, norm, dtype) for dtype in (torch.bfloat16, torch.float16)
+        for family in ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+        for scheme, norm in (("qk_norm", "rmsnorm"), ("qk_norm_cap", "layernorm"), ("qkv_norm", "rmsnorm"),
+                             ("soft_cap", None), (None, None))]
+HALF += [("gpt2", "qk_norm", norm, dtype) for norm in ("l2", "lp") for dtype in (torch.bfloat16, torch.float16)]
+HALF += [("qwen2", "qkv_norm", "layernorm", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("family,scheme,norm,dtype", HALF,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{str(c[3])[6:]}" for c in HALF])
+def test_correct_half_precision_models_verify(family, scheme, norm, dtype):
+    model = _patched(family, scheme, norm, dtype, biases=True)
+    report = hf_qknorm.verify(model)
+    assert report.ok, str(report)
+    cfg = hf_qknorm.qknorm_config(model)
+    assert report.mechanism("padding") == "applied" and report.mechanism("causal") == "applied"
+    normed = (cfg is not None and cfg.norms_qk) or family == "qwen3"
+    assert report.mechanism("norms") == ("applied" if normed else "n/a")
+    assert report.mechanism("cap") == ("applied" if cfg is not None and cfg.caps else "n/a")
+    assert report.mechanism("window") in (("applied", "not exercised") if family == "mistral" else ("n/a",))
+    assert all(c.error <= c.tolerance for c in report.checks)
+
+
 def test_verify_leaves_the_model_as_it_was():
     """Training mode, weights (bit for bit, after the bfloat16 stress upcast) and hooks are restored."""
     model = _patched("llama", "qk_norm_cap", "layernorm", torch.bfloat16).train()
@@ -118,17 +155,19 @@ def test_verify_is_the_function_whatever_was_imported_first():
 # --------------------------------------------------------------------------------------------------------------------
 # the cap
 # --------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family,scheme,dtype", [("llama", "qk_norm_cap", torch.float32),
-                                                 ("llama", "soft_cap", torch.float32),
-                                                 ("gpt2", "soft_cap", torch.float32),
-                                                 ("qwen3", "soft_cap", torch.float32),
-                                                 ("llama", "qk_norm_cap", torch.bfloat16)])
-def test_catches_a_backend_that_drops_the_cap(family, scheme, dtype):
+@pytest.mark.parametrize("family,scheme,dtype,biases", [("llama", "qk_norm_cap", torch.float32, False),
+                                                        ("llama", "soft_cap", torch.float32, False),
+                                                        ("gpt2", "soft_cap", torch.float32, False),
+                                                        ("qwen3", "soft_cap", torch.float32, False),
+                                                        ("llama", "qk_norm_cap", torch.bfloat16, False),
+                                                        ("gpt2", "qk_norm_cap", torch.bfloat16, True),
+                                                        ("qwen2", "soft_cap", torch.float16, True)], ids=_ids)
+def test_catches_a_backend_that_drops_the_cap(family, scheme, dtype, biases):
     """The default cap of 50 never bites on probe text (a normalised q.k/sqrt(d) is at most sqrt(d) times the
     gains): only the stress probe sees it. A "qknorm" function that is plain sdpa must be caught."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    model = _patched(family, scheme, "layernorm" if scheme != "soft_cap" else None, dtype)
+    model = _patched(family, scheme, "layernorm" if scheme != "soft_cap" else None, dtype, biases=biases)
     assert hf_qknorm.qknorm_config(model).softcap == 50.0
     good = hf_qknorm.verify(model, generate=False)
     assert good.ok and good.mechanism("cap") == "applied", str(good)
@@ -140,8 +179,10 @@ def test_catches_a_backend_that_drops_the_cap(family, scheme, dtype):
     assert stress and all(not c.ok and c.mechanisms["cap"] == "DROPPED" for c in stress)
 
 
-def test_catches_sdpa_forced_under_a_capped_model(monkeypatch):
-    model = _patched("llama", "qk_norm_cap", "layernorm")
+@pytest.mark.parametrize("family,dtype,biases", [("llama", torch.float32, False), ("llama", torch.bfloat16, False),
+                                                 ("gpt2", torch.bfloat16, True)], ids=_ids)
+def test_catches_sdpa_forced_under_a_capped_model(monkeypatch, family, dtype, biases):
+    model = _patched(family, "qk_norm_cap", "layernorm", dtype, biases=biases)
     assert hf_qknorm.verify(model, generate=False).ok
     model.config._attn_implementation = "sdpa"
     refused = hf_qknorm.verify(model, generate=False)  # the patch's own check refuses to run: reported, not raised
@@ -154,9 +195,14 @@ def test_catches_sdpa_forced_under_a_capped_model(monkeypatch):
 # --------------------------------------------------------------------------------------------------------------------
 # the norms and the mask
 # --------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_catches_norm_hooks_removed(family):
-    model = _patched(family, "qk_norm", "layernorm")
+@pytest.mark.parametrize("family,scheme,dtype,biases", [("llama", "qk_norm", torch.float32, False),
+                                                        ("gpt2", "qk_norm", torch.float32, False),
+                                                        ("llama", "qk_norm", torch.bfloat16, False),
+                                                        ("gpt2", "qk_norm", torch.bfloat16, True),
+                                                        ("gpt2", "qkv_norm", torch.bfloat16, True),
+                                                        ("qwen2", "qk_norm", torch.float16, True)], ids=_ids)
+def test_catches_norm_hooks_removed(family, scheme, dtype, biases):
+    model = _patched(family, scheme, "layernorm", dtype, biases=biases)
     good = hf_qknorm.verify(model, generate=False)
     assert good.ok and good.mechanism("norms") == "applied"
     _, attns = hf_qknorm.modeling.layout.attention_modules(model)
@@ -167,19 +213,28 @@ def test_catches_norm_hooks_removed(family):
     assert not bad.ok and bad.mechanism("norms") == "DROPPED", str(bad)
 
 
-def test_catches_a_backend_that_ignores_padding():
+@pytest.mark.parametrize("family,scheme,dtype,biases", [("llama", "qk_norm_cap", torch.float32, False),
+                                                        ("llama", "qk_norm_cap", torch.bfloat16, False),
+                                                        ("gpt2", "qkv_norm", torch.bfloat16, True),
+                                                        ("gpt2", "qk_norm", torch.float16, True)], ids=_ids)
+def test_catches_a_backend_that_ignores_padding(family, scheme, dtype, biases):
+    """In half precision on a model whose output hardly depends on what it attends to (``biases=True``), the padded
+    probe's error stays within tolerance; the amplified padded probe must catch it."""
     real = _real_qknorm()
 
     def no_padding(module, query, key, value, attention_mask, **kwargs):
         return real(module, query, key, value, None, **kwargs)  # causal only: padded keys are attended
 
-    model = _patched("llama", "qk_norm_cap", "layernorm")
-    assert hf_qknorm.verify(model).mechanism("padding") == "applied"
+    model = _patched(family, scheme, "layernorm", dtype, biases=biases)
+    good = hf_qknorm.verify(model)
+    assert good.ok and good.mechanism("padding") == "applied", str(good)
     with qknorm_function(no_padding):
         bad = hf_qknorm.verify(model)
     assert not bad.ok and bad.mechanism("padding") == "DROPPED", str(bad)
     failed = {c.probe for c in bad.checks if not c.ok}
-    assert {"padded", "cache-padded"} <= failed and "unpadded" not in failed
+    assert failed and not failed & {"unpadded", "cache-unpadded", "stress"}
+    if not biases:
+        assert {"padded", "cache-padded"} <= failed
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -198,8 +253,11 @@ def _empty_slots_backend():
     return attends_empty_slots
 
 
-def test_catches_a_prefill_that_reads_empty_static_cache_slots():
-    model = _patched("llama", "qk_norm_cap", "layernorm")
+@pytest.mark.parametrize("family,scheme,dtype,biases", [("llama", "qk_norm_cap", torch.float32, False),
+                                                        ("llama", "qk_norm_cap", torch.bfloat16, False),
+                                                        ("gpt2", "qkv_norm", torch.bfloat16, True)], ids=_ids)
+def test_catches_a_prefill_that_reads_empty_static_cache_slots(family, scheme, dtype, biases):
+    model = _patched(family, scheme, "layernorm", dtype, biases=biases)
     with qknorm_function(_empty_slots_backend()):
         assert hf_qknorm.verify(model).ok  # dynamic cache: a prefill never has more keys than queries
         model.generation_config.cache_implementation = "static"
@@ -207,7 +265,7 @@ def test_catches_a_prefill_that_reads_empty_static_cache_slots():
     assert "StaticCache" in bad.cache and not bad.ok
     failed = {c.probe for c in bad.checks if not c.ok}
     assert {"cache-unpadded", "logits cache-unpadded"} <= failed
-    assert not failed & {"unpadded", "padded", "stress"}
+    assert not failed & {"unpadded", "padded", "stress", "amplified", "amplified-padded"}
 
 
 def test_capped_model_with_a_static_cache_verifies():
@@ -270,27 +328,39 @@ def test_command_with_the_plugin(tmp_path, capsys):
     assert len(err) == 1 and "has no config.json" in err[0]
 
 
-def test_command_without_the_plugin(tmp_path, capsys):
-    """One subprocess that cannot import hf_qknorm loads three folders: a capped Llama through its remote code, the
-    same folder with its shipped hook edited to skip the norm, and a plain qwen3 export."""
-    model = _patched("llama", "qk_norm_cap", "layernorm")
-    model.save_pretrained(tmp_path / "capped")
-    shutil.copytree(tmp_path / "capped", tmp_path / "edited")
-    hook_file = tmp_path / "edited" / "qknorm_hooks.py"
+def _skip_the_norm(folder):
+    """Edit a saved folder's shipped hook so that it returns the projection unnormalised."""
+    hook_file = folder / "qknorm_hooks.py"
     source = hook_file.read_text()
     edited = source.replace("return _norm_heads(attn, roles[0], output)", "return output")
     assert edited != source, "the shipped hook changed: update this test's edit"
     hook_file.write_text(edited)
+
+
+def test_command_without_the_plugin(tmp_path, capsys):
+    """One subprocess that cannot import hf_qknorm loads five folders: a capped Llama through its remote code, the
+    same folder with its shipped hook edited to skip the norm, a plain qwen3 export, and a bfloat16 GPT-2 whose
+    output hardly depends on what it attends to (``biases=True``), as saved and with the same edit."""
+    model = _patched("llama", "qk_norm_cap", "layernorm")
+    model.save_pretrained(tmp_path / "capped")
+    shutil.copytree(tmp_path / "capped", tmp_path / "edited")
+    _skip_the_norm(tmp_path / "edited")
+    _patched("gpt2", "qk_norm", "rmsnorm", torch.bfloat16, biases=True).save_pretrained(tmp_path / "bf16")
+    shutil.copytree(tmp_path / "bf16", tmp_path / "bf16-edited")
+    _skip_the_norm(tmp_path / "bf16-edited")
     save_source(tmp_path / "src", "llama")
     result = hf_qknorm.convert(tmp_path / "src", tmp_path / "qwen3", scheme="qk_norm", norm="rmsnorm",
                                calibrate=False, progress=False, log=quiet)
     assert result.export == "qwen3"
 
-    status = main([str(tmp_path / name) for name in ("capped", "edited", "qwen3")] + ["--no-plugin"])
-    capped, edited_report, qwen3 = _reports(capsys.readouterr().out)
+    folders = ("capped", "edited", "qwen3", "bf16", "bf16-edited")
+    status = main([str(tmp_path / name) for name in folders] + ["--no-plugin"])
+    capped, edited_report, qwen3, bf16, bf16_edited = _reports(capsys.readouterr().out)
     assert status == 1
     assert "QKNormLlamaForCausalLM" in capped and "trust_remote_code=True" in capped
     assert capped.rstrip().endswith("OK") and "cap applied" in capped
     assert "FAILED" in edited_report and "norms DROPPED" in edited_report
     assert "Qwen3ForCausalLM" in qwen3 and "plain Transformers" in qwen3 and qwen3.rstrip().endswith("OK")
     assert "norms applied" in qwen3
+    assert "dtype bfloat16" in bf16 and "trust_remote_code=True" in bf16 and bf16.rstrip().endswith("OK")
+    assert "dtype bfloat16" in bf16_edited and "FAILED" in bf16_edited and "norms DROPPED" in bf16_edited
