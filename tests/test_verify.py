@@ -51,23 +51,24 @@ def _patched(family, scheme=None, norm=None, dtype=torch.float32, seed=0, biases
 
 
 @contextlib.contextmanager
-def qknorm_function(fn):
-    """Register ``fn`` as the ``"qknorm"`` attention function for the duration; the real one is restored after."""
+def qknorm_function(fn, name="qknorm"):
+    """Register ``fn`` as the ``name`` attention function (``"qknorm"``; ``"sdpa"`` for an uncapped patched model)
+    for the duration; the real one is restored after."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    real = ALL_ATTENTION_FUNCTIONS["qknorm"]
-    AttentionInterface.register("qknorm", fn)
+    real = ALL_ATTENTION_FUNCTIONS[name]
+    AttentionInterface.register(name, fn)
     try:
         yield
     finally:
-        AttentionInterface.register("qknorm", real)
+        AttentionInterface.register(name, real)
 
 
-def _real_qknorm():
+def _real_qknorm(name="qknorm"):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return ALL_ATTENTION_FUNCTIONS["qknorm"]
+    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -220,15 +221,16 @@ def test_catches_norm_hooks_removed(family, scheme, dtype, biases):
 def test_catches_a_backend_that_ignores_padding(family, scheme, dtype, biases):
     """In half precision on a model whose output hardly depends on what it attends to (``biases=True``), the padded
     probe's error stays within tolerance; the amplified padded probe must catch it."""
-    real = _real_qknorm()
+    model = _patched(family, scheme, "layernorm", dtype, biases=biases)
+    backend = model.config._attn_implementation  # "qknorm" when capped, else "sdpa"
+    real = _real_qknorm(backend)
 
     def no_padding(module, query, key, value, attention_mask, **kwargs):
         return real(module, query, key, value, None, **kwargs)  # causal only: padded keys are attended
 
-    model = _patched(family, scheme, "layernorm", dtype, biases=biases)
     good = hf_qknorm.verify(model)
     assert good.ok and good.mechanism("padding") == "applied", str(good)
-    with qknorm_function(no_padding):
+    with qknorm_function(no_padding, backend):
         bad = hf_qknorm.verify(model)
     assert not bad.ok and bad.mechanism("padding") == "DROPPED", str(bad)
     failed = {c.probe for c in bad.checks if not c.ok}
@@ -240,10 +242,10 @@ def test_catches_a_backend_that_ignores_padding(family, scheme, dtype, biases):
 # --------------------------------------------------------------------------------------------------------------------
 # the cache
 # --------------------------------------------------------------------------------------------------------------------
-def _empty_slots_backend():
+def _empty_slots_backend(name="qknorm"):
     """A backend that treats a missing mask as 'attend to every key' when there are more keys than queries: what
     a prefill into an empty static cache then reads is the cache's unused (zero) slots."""
-    real = _real_qknorm()
+    real = _real_qknorm(name)
 
     def attends_empty_slots(module, query, key, value, attention_mask, **kwargs):
         if attention_mask is None and key.shape[2] > query.shape[2] > 1:
@@ -258,7 +260,8 @@ def _empty_slots_backend():
                                                         ("gpt2", "qkv_norm", torch.bfloat16, True)], ids=_ids)
 def test_catches_a_prefill_that_reads_empty_static_cache_slots(family, scheme, dtype, biases):
     model = _patched(family, scheme, "layernorm", dtype, biases=biases)
-    with qknorm_function(_empty_slots_backend()):
+    backend = model.config._attn_implementation
+    with qknorm_function(_empty_slots_backend(backend), backend):
         assert hf_qknorm.verify(model).ok  # dynamic cache: a prefill never has more keys than queries
         model.generation_config.cache_implementation = "static"
         bad = hf_qknorm.verify(model)
@@ -333,6 +336,7 @@ def _skip_the_norm(folder):
     hook_file = folder / "qknorm_hooks.py"
     source = hook_file.read_text()
     edited = source.replace("return _norm_heads(attn, roles[0], output)", "return output")
+    edited = edited.replace("_norm_heads(attn, r, t) if r else t", "t")  # GPT-2's fused c_attn
     assert edited != source, "the shipped hook changed: update this test's edit"
     hook_file.write_text(edited)
 
