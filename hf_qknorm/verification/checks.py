@@ -34,7 +34,8 @@ EXERCISED = 3.0  # a mechanism is exercised when the references with and without
 
 # Which mechanisms each probe judges (each costs one more reference per layer).
 PROBE_MECHANISMS = {"unpadded": ("norms", "cap", "causal", "window"), "padded": ("padding", "window"),
-                    "cache-unpadded": ("window",), "cache-padded": ("padding", "window"), "stress": ("cap", "norms")}
+                    "cache-unpadded": ("window",), "cache-padded": ("padding", "window"), "stress": ("cap", "norms"),
+                    "amplified": ("norms", "causal", "window"), "amplified-padded": ("padding", "window")}
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
@@ -157,6 +158,12 @@ def build_report(ref: ReferenceModel, captured: dict, *, tolerance: float | None
                 checks.append(check_layer(spec, name, probe["layers"][i], probe["mask"], tol))
         if i in captured["prenorm"]:
             checks.append(check_prenorm(spec, captured["prenorm"][i], tol))
+        for name, amplified in captured.get("amplified", {}).items():
+            rec = amplified["layers"].get(i)
+            if rec is not None and "error" in rec:
+                checks.append(Check(i, name, math.nan, tol, note=f"the amplified probe failed: {rec['error']}"))
+            elif rec is not None:
+                checks.append(check_layer(spec, name, rec, amplified["mask"], tol))
         if i in captured["stress"]:
             rec = captured["stress"][i]
             if "error" in rec:

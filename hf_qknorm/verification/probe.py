@@ -19,6 +19,12 @@ tokens; :func:`run_probes` runs the model through
   same cap): in bfloat16 the rounding of q and k at logits of a few caps moves the output about as much as the cap
   does (measured: relative error 0.02-0.06 against a capped-vs-uncapped difference of 0.01-0.05), so no tolerance
   could tell a dropped cap from rounding.
+- ``amplified`` / ``amplified-padded`` (half-precision models, layers whose output hardly differs from position to
+  position -- biases dominating the values and the output, or hidden states alike at every token -- so that
+  causality, padding and the norms move it by about as much as half precision rounds it): each attention module
+  called again, in the model's dtype, on the ``unpadded`` / ``padded`` probe's inputs with every position's
+  deviation from its row's mean multiplied by ``s``, doubled until the output spreads :data:`AMPLIFY_SPREAD` of its
+  largest entry (logit bound at most :data:`AMPLIFY_LOGITS`: larger logits are rounded more coarsely).
 
 Nothing here computes a reference or judges a result: that is done from the formulas on the other side.
 
@@ -38,6 +44,10 @@ PAD = 5              # left padding of row 0 in the padded probes
 PROMPT_LEN = 8
 NEW_TOKENS = 6
 STRESS_TARGET = 3.0  # bound on the largest stressed logit, in caps: c*tanh(3) is 0.995 c, far from 3 c
+AMPLIFY_SPREAD = 0.25  # wanted spread of a layer's output over positions, as a fraction of its largest entry
+AMPLIFY_MAX = 1024     # the largest factor on the input's deviations from its mean
+AMPLIFIED = {"unpadded": "amplified", "padded": "amplified-padded"}  # probe -> its amplified probe
+AMPLIFY_LOGITS = 10.0  # the logit bound an amplification may reach (or 1.25 times the layer's own, when larger)
 
 
 def probe_tokens(vocab_size: int, seed: int = 0) -> dict:
@@ -152,6 +162,12 @@ def _norm_hook(store: list, part: int, parts: int, head_dim: int):
     return hook
 
 
+def _watch_q_k(modules: dict, layer: dict, store: dict) -> list:
+    """Hooks recording the largest query and key norms of one layer into ``store["q"]``/``store["k"]``."""
+    return [_module(modules, layer[r][0]).register_forward_hook(
+        _norm_hook(store[r], layer[r][1], layer[r][2], layer["head_dim"])) for r in ("q", "k")]
+
+
 def _gain_hook(alpha: float, part: int, parts: int):
     """Multiply the query part of the output by ``alpha`` (a new tensor: the module's own output is not changed)."""
     def hook(module, args, output):
@@ -208,6 +224,7 @@ def run_probes(model, plan: dict) -> dict:
     Returns a dict of CPU tensors in the model's dtype: ``meta``; ``probes[name]`` with ``mask`` ``(batch, seq)``
     (1 = token, 0 = padding) and ``layers`` (per layer ``x``/``out`` ``(batch, seq, hidden)``, ``cos``/``sin``
     ``(batch, seq, rope_dim)`` or ``None``) or ``error``; ``stress[i]`` likewise (``alpha`` added);
+    ``amplified[name][i]`` likewise (``scale`` added; only the layers that needed it);
     ``prenorm[i]`` (``block`` and ``attn`` inputs of the unpadded probe); ``logits[name]`` (``cached`` and
     ``uncached``, ``(batch, new_tokens, vocab)``)."""
     modules = dict(model.named_modules())
@@ -216,7 +233,8 @@ def run_probes(model, plan: dict) -> dict:
     ids = torch.tensor(plan["ids"], device=device)
     prompt = torch.tensor(plan["prompt"], device=device)
     pad, new = plan["pad"], plan["new_tokens"]
-    result = {"meta": _meta(model), "probes": {}, "stress": {}, "prenorm": {}, "logits": {}}
+    result = {"meta": _meta(model), "probes": {}, "stress": {}, "amplified": {}, "prenorm": {}, "logits": {},
+              "_calls": {}}
     was_training = model.training
     model.eval()
     try:
@@ -226,8 +244,11 @@ def run_probes(model, plan: dict) -> dict:
                 for name, mask in (("cache-unpadded", torch.ones_like(prompt)),
                                    ("cache-padded", left_padding(*prompt.shape, pad).to(device))):
                     _cache_probe(model, plan, recorder, name, prompt, mask, new, result)
+            if next(model.parameters()).dtype in _HALF:
+                _amplify(plan, recorder, modules, norms, result)
             _stress(plan, recorder, modules, norms, result)
     finally:
+        result.pop("_calls", None)
         recorder.stop()
         model.train(was_training)
     return result
@@ -247,21 +268,17 @@ def _forward_probes(model, plan, recorder, modules, ids, pad, result) -> dict:
     norms = {}
     for name, mask in (("unpadded", torch.ones_like(ids)), ("padded", left_padding(*ids.shape, pad).to(ids.device))):
         hooks = []
-        if name == "unpadded":
-            for i, layer in enumerate(plan["layers"]):
-                norms[i] = {"q": [], "k": []}
-                for role in ("q", "k"):
-                    mod, part, parts = layer[role]
-                    hooks.append(_module(modules, mod).register_forward_hook(
-                        _norm_hook(norms[i][role], part, parts, layer["head_dim"])))
-        recorder.start(keep_call=name == "unpadded")
+        for i, layer in enumerate(plan["layers"] if name == "unpadded" else ()):
+            norms[i] = {"q": [], "k": []}
+            hooks += _watch_q_k(modules, layer, norms[i])
+        recorder.start(keep_call=True)
         try:
             model(input_ids=ids, attention_mask=mask, use_cache=False)
             result["probes"][name] = {"mask": _cpu(mask), "layers": recorder.layers()}
+            result["_calls"][name] = ([c[0]["call"] for c in recorder.calls], mask)
             if name == "unpadded":
                 result["prenorm"] = {i: {"block": b[0], "attn": c[0]["x"]}
                                      for i, (b, c) in enumerate(zip(recorder.block_inputs, recorder.calls)) if b}
-                result["_calls"] = [c[0]["call"] for c in recorder.calls]
         except Exception as exc:  # a model that cannot run the probe fails verification; say why
             result["probes"][name] = {"error": _error(exc)}
         finally:
@@ -305,8 +322,10 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
 
 
 def _stress(plan, recorder, modules, norms, result):
-    """Call each capped attention module again on the unpadded probe's inputs with its query scaled by ``alpha``."""
-    calls = result.pop("_calls", None)
+    """Call each capped attention module again on the unpadded probe's inputs -- amplified when the layer needed it
+    (:func:`_amplify`) -- with its query scaled by ``alpha``."""
+    calls, mask = result["_calls"].get("unpadded", (None, None))
+    amplified = result["amplified"].get("amplified", {}).get("layers", {})
     for i, layer in enumerate(plan["layers"]):
         cap = layer.get("cap")
         if cap is None:
@@ -314,7 +333,11 @@ def _stress(plan, recorder, modules, norms, result):
         if calls is None:
             result["stress"][i] = {"error": "the unpadded probe did not run"}
             continue
-        bound = layer["scaling"] * max(norms[i]["q"], default=0.0) * max(norms[i]["k"], default=0.0)
+        amp = amplified.get(i, {})
+        scale = amp.get("scale", 1.0)
+        q, k = (amp["q"], amp["k"]) if "scale" in amp else (max(norms[i]["q"], default=0.0),
+                                                            max(norms[i]["k"], default=0.0))
+        bound = layer["scaling"] * q * k
         alpha = STRESS_TARGET * cap / bound if bound > 0 and math.isfinite(bound) else 1.0
         mod, part, parts = layer["q"]
         handle = _module(modules, mod).register_forward_hook(_gain_hook(alpha, part, parts))
@@ -322,12 +345,83 @@ def _stress(plan, recorder, modules, norms, result):
         saved = _upcast_module(attn)
         recorder.start()
         try:
-            args, kwargs = calls[i]
+            args, kwargs = _amplified(calls[i], mask, scale)
             attn(*_upcast(args), **_upcast(kwargs))
-            result["stress"][i] = {"alpha": alpha, "upcast": bool(saved), **_join(recorder.calls[i])}
+            result["stress"][i] = {"alpha": alpha, "upcast": bool(saved), "scale": scale, **_join(recorder.calls[i])}
         except Exception as exc:
             result["stress"][i] = {"error": _error(exc)}
         finally:
             recorder.stop()
             handle.remove()
             _restore(saved)
+
+
+def _deviation(t: torch.Tensor, mask: torch.Tensor):
+    """``t`` ``(batch, seq, hidden)`` in float32 minus its mean over each row's real positions (``mask`` 1), that
+    mean, and the real positions as a float ``(batch, seq, 1)``."""
+    real = mask.to(device=t.device, dtype=torch.float32)[..., None]
+    mean = (t.float() * real).sum(1, keepdim=True) / real.sum(1, keepdim=True).clamp_min(1)
+    return t.float() - mean, mean, real
+
+
+def _spread(out: torch.Tensor, mask: torch.Tensor) -> float:
+    """``max|out - row mean| / max|out|`` over the real positions of ``out``."""
+    dev, _, real = _deviation(out, mask)
+    top = float((out.float() * real).abs().max())
+    return float((dev * real).abs().max()) / top if top > 0 else 0.0
+
+
+def _amplified(call, mask, scale: float):
+    """The recorded ``(args, kwargs)`` of a call with every position's input deviation from its row's mean over the
+    real positions multiplied by ``scale`` (the call itself when ``scale`` is 1)."""
+    args, kwargs = call
+    if scale == 1.0:
+        return args, kwargs
+    x = _hidden(args, kwargs)
+    dev, mean, _ = _deviation(x, mask)
+    x = (mean + scale * dev).to(x.dtype)
+    return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+
+def _amplify_layer(attn, call, mask, layer, modules, recorder, i, limit):
+    """Double the amplification until the output spreads :data:`AMPLIFY_SPREAD` (or the logit bound would pass
+    ``limit``, or the output is not finite); the last acceptable call's record, or ``None``."""
+    best, scale = None, 1.0
+    while scale < AMPLIFY_MAX:
+        scale *= 2
+        norms = {"q": [], "k": []}
+        handles = _watch_q_k(modules, layer, norms)
+        args, kwargs = _amplified(call, mask, scale)
+        recorder.start()
+        try:
+            attn(*args, **kwargs)
+        finally:
+            recorder.stop()
+            for h in handles:
+                h.remove()
+        rec, q, k = _join(recorder.calls[i]), max(norms["q"], default=0.0), max(norms["k"], default=0.0)
+        if layer["scaling"] * q * k > limit or not bool(torch.isfinite(rec["out"]).all()):
+            break
+        best = {"scale": scale, "q": q, "k": k, **rec}
+        if _spread(rec["out"], mask) >= AMPLIFY_SPREAD:
+            break
+    return best
+
+
+def _amplify(plan, recorder, modules, norms, result):
+    """The amplified probes (half-precision models): each layer whose output on the ``unpadded`` / ``padded``
+    probe spreads less than :data:`AMPLIFY_SPREAD` over positions is called again on amplified inputs."""
+    for name, (calls, mask) in result["_calls"].items():
+        kept = {}
+        for i, layer in enumerate(plan["layers"]):
+            if _spread(result["probes"][name]["layers"][i]["out"], mask) >= AMPLIFY_SPREAD:
+                continue
+            own = layer["scaling"] * max(norms[i]["q"], default=0.0) * max(norms[i]["k"], default=0.0)
+            try:  # 1.25: the bound of a normed layer is the same at any amplification, up to rounding
+                rec = _amplify_layer(recorder.attns[i], calls[i], mask, layer, modules, recorder, i,
+                                     max(AMPLIFY_LOGITS, 1.25 * own))
+            except Exception as exc:  # the module ran on the probe; failing on an amplified input is a finding
+                rec = {"error": _error(exc)}
+            if rec is not None:
+                kept[i] = rec
+        result["amplified"][AMPLIFIED[name]] = {"mask": _cpu(mask), "layers": kept}
