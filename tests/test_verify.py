@@ -9,6 +9,7 @@ norm, a backend that attends to a static cache's empty slots.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 import shutil
@@ -18,7 +19,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.modeling import hooks
-from hf_qknorm.verification import checks, layers
+from hf_qknorm.verification import checks, layers, probe
 from hf_qknorm.verification.command import main
 from hf_qknorm.verification.report import Check, VerifyReport
 from test_convert_support import one_thread, quiet, save_source  # noqa: F401  (one_thread: autouse fixture)
@@ -308,10 +309,60 @@ def test_report_fails_when_a_required_mechanism_is_never_exercised():
                           expected=("cap", "causal", "norms"), required=("cap", "causal", "norms"))
     assert check.ok and not report.ok
     assert report.problems() == ["cap not exercised: no probe exercised it"]
-    assert checks.mechanism_status(e=1e-7, e_m=1e-7, d_m=2e-4, tol=1e-4) == "not exercised"
     assert checks.mechanism_status(e=1e-7, e_m=0.5, d_m=0.5, tol=1e-4) == "applied"
     assert checks.mechanism_status(e=0.5, e_m=1e-7, d_m=0.5, tol=1e-4) == "DROPPED"
     assert checks.mechanism_status(e=0.5, e_m=0.4, d_m=0.5, tol=1e-4) == "?"
+    # below 3 tolerances the measured errors decide: a third of d_m or less
+    assert checks.mechanism_status(e=1e-4, e_m=1.5e-4, d_m=2e-4, tol=1e-4) == "not exercised"
+    assert checks.mechanism_status(e=3e-3, e_m=1.2e-2, d_m=1e-2, tol=3e-2) == "applied"      # bfloat16
+    assert checks.mechanism_status(e=1.2e-2, e_m=3e-3, d_m=1e-2, tol=3e-2) == "DROPPED"
+    assert checks.mechanism_status(e=4e-3, e_m=7e-3, d_m=1e-2, tol=3e-2) == "not exercised"  # 3 e > d_m
+    assert checks.mechanism_status(e=0.5, e_m=0.4, d_m=2e-4, tol=1e-4) == "not exercised"
+
+
+def _layer_pairs(model):
+    """For each layer, plain probe and mechanism it judges: ``(ref, ref_m, rows, tol)`` from a real probe run."""
+    ref_model = layers.ReferenceModel(model)
+    captured = probe.run_probes(model, ref_model.plan(generate=False))
+    tol = checks.tolerance_for(next(model.parameters()).dtype)
+    for i in range(len(ref_model)):
+        spec = ref_model.spec(i)
+        for name in ("unpadded", "padded"):
+            rec, rows = captured["probes"][name]["layers"][i], captured["probes"][name]["mask"].bool()
+            args = (rec["x"].double(), *(None if t is None else t.double() for t in (rec["cos"], rec["sin"])), rows)
+            ref = checks.layer_reference(spec, *args)
+            for m in checks.PROBE_MECHANISMS[name]:
+                if m in checks.applicable(spec, rows):
+                    yield ref, checks.layer_reference(spec, *args, drop=(m,)), rows, tol
+
+
+@pytest.mark.parametrize("family,scheme,dtype", [("gpt2", "qkv_norm", torch.bfloat16),
+                                                 ("qwen2", "qk_norm", torch.float16)], ids=_ids)
+def test_rounding_noise_fakes_no_verdict(family, scheme, dtype):
+    """Outputs built from a real layer's references (plain probes of a model whose d_m is often near the rounding):
+    the reference without m plus noise -- its rounding to the model's dtype, or random noise up to 3 times m's
+    effect -- is never judged *applied*; the reference plus the same noise is never *DROPPED*. Only "noise" that
+    undoes m's effect entry by entry could fake a verdict (shown last)."""
+    model = _patched(family, scheme, "rmsnorm", dtype, biases=True)
+    gen = torch.Generator().manual_seed(0)
+    seen = collections.Counter()
+    for ref, ref_m, rows, tol in _layer_pairs(model):
+        d_m, top = checks.relative_error(ref_m, ref, rows), float(ref[rows].abs().max())
+        noises = [None] + [size * d_m * top * (2 * kind(ref.shape, generator=gen, dtype=torch.float64) - 1)
+                           for size in (0.1, 0.5, 1.0, 3.0) for kind in (torch.rand, torch.randn)]
+        for noise in noises:
+            for target, forbidden in ((ref_m, "applied"), (ref, "DROPPED")):
+                out = target.to(dtype).double() if noise is None else target + noise
+                e, e_m = (checks.relative_error(out, r, rows, ref) for r in (ref, ref_m))
+                status = checks.mechanism_status(e, e_m, d_m, tol)
+                assert status != forbidden, (d_m, e, e_m)
+                seen[forbidden, status] += 1
+    assert seen["applied", "DROPPED"] and seen["DROPPED", "applied"]  # small enough noise is judged both ways
+    assert seen["applied", "not exercised"] and seen["DROPPED", "not exercised"]  # large noise: no verdict
+    ref, ref_m, rows, tol = next(_layer_pairs(model))
+    mimic = ref_m + 0.99 * (ref - ref_m)  # a model without m whose "noise" undoes 99% of m's effect everywhere
+    e, e_m = (checks.relative_error(mimic, r, rows, ref) for r in (ref, ref_m))
+    assert checks.mechanism_status(e, e_m, checks.relative_error(ref_m, ref, rows), tol) == "applied"
 
 
 # --------------------------------------------------------------------------------------------------------------------
