@@ -135,6 +135,28 @@ def test_correct_half_precision_models_verify(family, scheme, norm, dtype):
     assert all(c.error <= c.tolerance for c in report.checks)
 
 
+@pytest.mark.parametrize("family,norm,seed", [("qwen2", "lp", 0), ("llama", "lp", 0), ("llama", "lp", 2),
+                                               ("llama", "l2", 3), ("gpt2", "lp", 1)])
+def test_half_precision_tolerance_grows_with_the_logits(family, norm, seed):
+    """``lp``/``l2`` carry a learned logit scale of ``log2(L^2 - L)`` (30 for a 32k context): logits reach 40-50,
+    and bfloat16's rounding of q and k moves such a logit by ~0.1 -- errors of 2-4e-2 on a correct model, over the
+    flat bfloat16 tolerance. The tolerance of a half-precision check grows with the layer's largest logit."""
+    model = _patched(family, "qk_norm", norm, torch.bfloat16, seed=seed, max_position_embeddings=32768)
+    report = hf_qknorm.verify(model, generate=False)
+    assert report.ok, str(report)
+    wide = [c for c in report.checks if c.tolerance > checks.tolerance_for(torch.bfloat16)]
+    assert wide and all(c.probe != "stress" for c in wide)
+    # ... and the wider tolerance still catches a backend that attends to padding
+    real = _real_qknorm(model.config._attn_implementation)
+
+    def no_padding(module, query, key, value, attention_mask, **kwargs):
+        return real(module, query, key, value, None, **kwargs)
+
+    with qknorm_function(no_padding, model.config._attn_implementation):
+        bad = hf_qknorm.verify(model, generate=False)
+    assert not bad.ok and bad.mechanism("padding") == "DROPPED", str(bad)
+
+
 def test_verify_leaves_the_model_as_it_was():
     """Training mode, weights (bit for bit, after the bfloat16 stress upcast) and hooks are restored."""
     model = _patched("llama", "qk_norm_cap", "layernorm", torch.bfloat16).train()
