@@ -188,8 +188,8 @@ def _view(folder: Path, layers: int):
                 (view / path.name).symlink_to(path.resolve())
             elif path.suffix in (".py", ".json") and path.name != "config.json" and path.is_file():
                 shutil.copyfile(path, view / path.name)
-        # float32: a half-precision model's rounding (tolerance 3e-2) can hide what causality and padding change on
-        # a small model, so the verifier could not tell whether they are applied; the code paths are the same
+        # float32: what is checked here is the written weights and code, which are the same in any dtype; float32
+        # keeps the check's tolerance at 1e-4 (half precision needs 3e-2 and amplified probes) and its cost low
         raw["dtype"] = "float32"
         raw.pop("torch_dtype", None)
         if 0 < layers < total:
