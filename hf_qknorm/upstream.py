@@ -111,4 +111,16 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance("transformers.PretrainedConfig.to_dict", "modeling/structure.py (PatchedConfigMixin)",
              "the dict save_pretrained writes as config.json (architectures and auto_map rewritten)",
              "tests/test_save_load.py::test_round_trip"),
+    Reliance("transformers.utils.output_capturing._active_collector", "attention/interface.py (weights_requested)",
+             "while a model's output capture runs, .get() is the dict of outputs it collects, with an 'attentions' "
+             "key when attention weights were asked for (output_attentions=True or config.output_attentions)",
+             "tests/test_transformers_conventions.py::test_output_attentions_returns_weights_on_every_family"),
+    Reliance("transformers.PretrainedConfig.output_attentions", "modeling/structure.py (PatchedConfigMixin)",
+             "a property whose setter refuses True unless the attention implementation is eager; a patched config "
+             "accepts 'qknorm' too and otherwise defers to it",
+             "tests/test_transformers_conventions.py::test_config_output_attentions_returns_weights_on_a_capped_model"),
+    Reliance("transformers.Trainer.compute_loss", "modeling/structure.py (make_model_class: _get_name)",
+             "label smoothing shifts the labels when model._get_name() is in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+             "tests/test_transformers_conventions.py::"
+             "test_trainer_label_smoothing_shifts_the_labels_of_a_loaded_patched_model"),
 )

@@ -231,6 +231,24 @@ class PatchedConfigMixin:
         out["auto_map"] = auto_map(type(self).__name__, out["architectures"])
         return out
 
+    @property
+    def output_attentions(self):
+        return self._output_attentions
+
+    @output_attentions.setter
+    def output_attentions(self, value):
+        # Transformers accepts output_attentions only with eager attention (sdpa and flash return no weights). The
+        # "qknorm" backend returns them, and a capped model cannot run on eager: accept it there too.
+        if value and getattr(self, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+            self._output_attentions = value
+            return
+        for klass in type(self).__mro__:
+            prop = vars(klass).get("output_attentions")
+            if klass is not PatchedConfigMixin and isinstance(prop, property) and prop.fset is not None:
+                prop.fset(self, value)
+                return
+        self._output_attentions = value
+
 
 def patched_architecture(name: str) -> str:
     """``QKNormLlamaForCausalLM`` for ``LlamaForCausalLM`` (and for itself)."""
@@ -266,5 +284,10 @@ def make_model_class(base_model: type, config_class: type, module: str) -> type:
         base_model.__init__(self, config, *args, **kwargs)
         patch_on_init(self)
 
+    def _get_name(self):
+        # Transformers' Trainer tells a causal LM by this name (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) to shift the
+        # labels of its label smoothing; under its own name a loaded patched model would be smoothed unshifted.
+        return base_model.__name__
+
     return type(patched_architecture(base_model.__name__), (base_model,),
-                {"__init__": __init__, "config_class": config_class, "__module__": module})
+                {"__init__": __init__, "_get_name": _get_name, "config_class": config_class, "__module__": module})
