@@ -113,3 +113,76 @@ def test_output_attentions_stays_refused_where_no_weights_come_back(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="output_attentions"):
         loaded.config.output_attentions = True
+
+
+def _patched_config(family, scheme, **settings):
+    from hf_qknorm.modeling.classes import config_class
+    from hf_qknorm.modeling.families import get_family
+    from tiny_models import tiny_config
+
+    base = tiny_config(family)
+    eps = float(getattr(base, get_family(family).eps_attr))
+    qknorm = hf_qknorm.QKNormConfig(scheme, eps=eps, **settings).to_dict()
+    return config_class(family)(**base.to_dict(), qknorm=qknorm)
+
+
+@pytest.mark.parametrize("norm,settings", [("lp", {"p": 3.0}), ("l2", {}), ("layernorm", {}), ("rmsnorm", {})])
+def test_norms_a_checkpoint_lacks_start_from_their_initial_values(tmp_path, norm, settings):
+    """A plain checkpoint loaded into a patched class has no norm weights: they start as a fresh patch would (the
+    lp/l2 logit scale at Henry et al.'s log2(L^2 - L), value scales and gains at 1, biases at 0), never as
+    uninitialised memory; weights the checkpoint has are kept."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_qknorm.modeling.norms import henry_logit_scale
+
+    tiny_model("llama", seed=2).save_pretrained(tmp_path / "plain")
+    config = _patched_config("llama", "qkv_norm", norm=norm, **settings)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", config=config)
+    attn = loaded.model.layers[1].self_attn
+    scale = henry_logit_scale(config.max_position_embeddings)
+    q_expected = torch.full_like(attn.q_norm.weight, scale if norm in ("l2", "lp") else 1.0)
+    torch.testing.assert_close(attn.q_norm.weight, q_expected, rtol=0, atol=0)
+    torch.testing.assert_close(attn.v_norm.weight, torch.ones_like(attn.v_norm.weight), rtol=0, atol=0)
+    if norm == "layernorm":
+        assert torch.all(attn.q_norm.bias == 0) and torch.all(attn.v_norm.bias == 0)
+
+    with torch.no_grad():  # trained norm weights survive a save/load round trip untouched
+        for name, prm in loaded.named_parameters():
+            if "_norm." in name:
+                prm.add_(torch.randn_like(prm))
+    loaded.save_pretrained(tmp_path / "patched")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "patched")
+    for (name, a), b in zip(loaded.state_dict().items(), again.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("head", ["GPT2Model", "GPT2LMHeadModel"])
+def test_patched_gpt2_is_initialised_like_gpt2(head):
+    """GPT-2 scales the init of each residual projection (c_proj) by 1/sqrt(2 n_layer), a rule of its attention and
+    MLP modules. A patched GPT-2 built fresh or with every weight missing gets the same weights as plain GPT-2 from
+    the same seed (besides the new norms)."""
+    import transformers
+
+    base_cls = getattr(transformers, head)
+    from hf_qknorm.modeling.classes import model_class
+    from tiny_models import tiny_config
+
+    patched_cls = model_class(base_cls, "gpt2")
+    config = _patched_config("gpt2", "qk_norm_cap")
+    builds = {
+        "plain": lambda: base_cls(tiny_config("gpt2")),
+        "fresh": lambda: patched_cls(config),
+        "missing": lambda: patched_cls.from_pretrained(None, config=config, state_dict={}),
+    }
+    states = {}
+    for name, build in builds.items():
+        torch.manual_seed(0)
+        states[name] = {k: v for k, v in build().state_dict().items() if "_norm." not in k}
+    std = states["plain"][next(k for k in states["plain"] if k.endswith("h.0.attn.c_proj.weight"))].std()
+    assert std < 0.012  # 0.02 / sqrt(2 * 2) = 0.01
+    for name in ("fresh", "missing"):
+        for key, value in states["plain"].items():
+            if key.endswith("c_proj.weight"):
+                torch.testing.assert_close(states[name][key].std(), std, rtol=0.25, atol=0, msg=f"{name} {key}")
+    for key, value in states["plain"].items():
+        torch.testing.assert_close(states["fresh"][key], value, rtol=0, atol=0, msg=key)

@@ -25,7 +25,7 @@ from .families import PREFIX, Family, family_of_config, get_family
 from .fold import bias_shift, fold_gain, shifted_bias
 from .hooks import hook_slots, install, is_installed
 from .layout import find_layers
-from .norms import henry_logit_scale, make_norm
+from .norms import henry_logit_scale, init_unloaded_norms, make_norm
 from .schemes import QKNormConfig
 
 logger = logging.getLogger(__name__)
@@ -289,5 +289,20 @@ def make_model_class(base_model: type, config_class: type, module: str) -> type:
         # labels of its label smoothing; under its own name a loaded patched model would be smoothed unshifted.
         return base_model.__name__
 
-    return type(patched_architecture(base_model.__name__), (base_model,),
-                {"__init__": __init__, "_get_name": _get_name, "config_class": config_class, "__module__": module})
+    def _initialize_missing_keys(self, *args, **kwargs):
+        # Weights a checkpoint lacks are initialised by the family's _init_weights, which does not know the norms.
+        base_model._initialize_missing_keys(self, *args, **kwargs)
+        init_unloaded_norms(self)
+
+    def is_custom_code(cls) -> bool:
+        # Transformers takes a class defined outside its package for custom code and then skips _init_weights on
+        # modules without parameters of their own (GPT-2's scaled init of c_proj lives there). This class runs its
+        # family's own code.
+        return base_model.is_custom_code()
+
+    body = {"__init__": __init__, "_get_name": _get_name, "config_class": config_class, "__module__": module}
+    if hasattr(base_model, "_initialize_missing_keys"):
+        body["_initialize_missing_keys"] = _initialize_missing_keys
+    if hasattr(base_model, "is_custom_code"):
+        body["is_custom_code"] = classmethod(is_custom_code)
+    return type(patched_architecture(base_model.__name__), (base_model,), body)
