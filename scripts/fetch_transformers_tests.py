@@ -166,7 +166,8 @@ def _remove_tree(path: Path) -> None:
 
 def banner(message: str) -> str:
     line = "!" * 100
-    return f"\n{line}\n!! Transformers' common model tests are NOT available and will be SKIPPED:\n!! {message}\n{line}\n"
+    return (f"\n{line}\n!! Transformers' common model tests are NOT available and will be SKIPPED:\n"
+            f"!! {message}\n{line}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

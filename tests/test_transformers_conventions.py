@@ -178,11 +178,11 @@ def test_patched_gpt2_is_initialised_like_gpt2(head):
     for name, build in builds.items():
         torch.manual_seed(0)
         states[name] = {k: v for k, v in build().state_dict().items() if "_norm." not in k}
-    std = states["plain"][next(k for k in states["plain"] if k.endswith("h.0.attn.c_proj.weight"))].std()
-    assert std < 0.012  # 0.02 / sqrt(2 * 2) = 0.01
+    # (Transformers 5.23 scales c_proj: std 0.02 / sqrt(2 * 2) = 0.01; 5.4 does not)
     for name in ("fresh", "missing"):
         for key, value in states["plain"].items():
             if key.endswith("c_proj.weight"):
-                torch.testing.assert_close(states[name][key].std(), std, rtol=0.25, atol=0, msg=f"{name} {key}")
+                torch.testing.assert_close(states[name][key].std(), value.std(), rtol=0.25, atol=0,
+                                           msg=f"{name} {key}")
     for key, value in states["plain"].items():
         torch.testing.assert_close(states["fresh"][key], value, rtol=0, atol=0, msg=key)

@@ -46,12 +46,22 @@ def _upstream_marks() -> set[str]:
     return set(re.findall(r"\bmark\.(\w+)", text)) - {"skip", "skipif", "xfail", "parametrize", "usefixtures"}
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    from variants import deselected
+
+    kept, dropped = [], []
     for item in items:
         cls = getattr(item, "cls", None)
         variant = getattr(cls, "variant", None)
         if variant is not None and hasattr(cls, "family"):
+            if deselected(item.name):
+                dropped.append(item)
+                continue
             item.stash[IDENTITY] = (cls.family, variant.name, item.name)
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.hookimpl(hookwrapper=True)

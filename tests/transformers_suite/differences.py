@@ -31,13 +31,25 @@ class Difference:
     reason: str
     kind: str                   # "intended", "upstream" (Transformers' test cannot apply), "environment"
     exclude: tuple[str, ...] = ()  # fnmatch patterns on "family/variant/test" the entry does not cover
+    transformers: str = ""      # a version specifier ("<5.23"): the Transformers versions the entry is about
 
     def applies(self, family: str, variant: str, test: str) -> bool:
-        return (_any(self.families, family) and _any(self.variants, variant) and _any(self.tests, test)
-                and not _any(self.exclude, f"{family}/{variant}/{test}"))
+        # patterns match patched variants; the baseline only where an entry names it
+        variant_ok = "baseline" in self.variants if variant == "baseline" else _any(self.variants, variant)
+        return (_any(self.families, family) and variant_ok and _any(self.tests, test)
+                and not _any(self.exclude, f"{family}/{variant}/{test}") and _version_matches(self.transformers))
 
     def explains(self, message: str) -> bool:
         return re.search(self.match, message, flags=re.S) is not None
+
+
+def _version_matches(spec: str) -> bool:
+    if not spec:
+        return True
+    import transformers
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(spec).contains(transformers.__version__, prereleases=True)
 
 
 def _any(patterns, name) -> bool:
@@ -48,13 +60,14 @@ def load(path: Path = LIST_PATH) -> list[Difference]:
     data = tomllib.loads(path.read_text())
     out, seen = [], set()
     for i, raw in enumerate(data.get("difference", [])):
-        unknown = set(raw) - {"id", "tests", "variants", "families", "outcome", "match", "reason", "kind", "exclude"}
+        unknown = set(raw) - {"id", "tests", "variants", "families", "outcome", "match", "reason", "kind", "exclude",
+                              "transformers"}
         if unknown:
             raise ValueError(f"{path.name}: entry {i} has unknown keys {sorted(unknown)}")
         entry = Difference(id=raw["id"], tests=tuple(raw["tests"]), variants=tuple(raw["variants"]),
                            families=tuple(raw.get("families", ["*"])), outcome=raw.get("outcome", "fail"),
                            match=raw["match"], reason=" ".join(raw["reason"].split()), kind=raw["kind"],
-                           exclude=tuple(raw.get("exclude", ())))
+                           exclude=tuple(raw.get("exclude", ())), transformers=raw.get("transformers", ""))
         if entry.outcome not in OUTCOMES or entry.kind not in ("intended", "upstream", "environment"):
             raise ValueError(f"{path.name}: entry {entry.id!r} has outcome {entry.outcome!r} / kind {entry.kind!r}")
         if entry.id in seen:

@@ -20,7 +20,7 @@ import transformers
 import hf_qknorm  # noqa: F401  (registers the backend and the qknorm_<base> model types, as a user's import does)
 import upstream_tests
 from testers import TESTERS
-from variants import FAMILIES, selected_variants
+from variants import selected_families, selected_variants
 
 UPSTREAM = upstream_tests.load()
 
@@ -145,7 +145,7 @@ def _make_case(family: str, variant) -> type:
 
 if UPSTREAM.unavailable is None:
     for _variant in selected_variants():  # baselines first
-        for _family in FAMILIES:
+        for _family in selected_families():
             _case = _make_case(_family, _variant)
             globals()[_case.__name__] = _case
     del _case, _variant, _family
