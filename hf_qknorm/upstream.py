@@ -111,4 +111,26 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance("transformers.PretrainedConfig.to_dict", "modeling/structure.py (PatchedConfigMixin)",
              "the dict save_pretrained writes as config.json (architectures and auto_map rewritten)",
              "tests/test_save_load.py::test_round_trip"),
+    Reliance("transformers.utils.output_capturing._active_collector", "attention/interface.py (weights_requested)",
+             "while a model's output capture runs, .get() is the dict of outputs it collects, with an 'attentions' "
+             "key when attention weights were asked for (output_attentions=True or config.output_attentions)",
+             "tests/test_transformers_conventions.py::test_output_attentions_returns_weights_on_every_family"),
+    Reliance("transformers.PretrainedConfig.output_attentions", "modeling/structure.py (PatchedConfigMixin)",
+             "a property whose setter refuses True unless the attention implementation is eager; a patched config "
+             "accepts 'qknorm' too and otherwise defers to it",
+             "tests/test_transformers_conventions.py::test_config_output_attentions_returns_weights_on_a_capped_model"),
+    Reliance("transformers.PreTrainedModel._initialize_missing_keys", "modeling/structure.py (make_model_class)",
+             "from_pretrained calls it once the checkpoint is loaded; loaded tensors carry _is_hf_initialized, the "
+             "rest is initialised by the family's _init_weights (the norms a checkpoint lacks get their initial "
+             "values after it)",
+             "tests/test_transformers_conventions.py::test_norms_a_checkpoint_lacks_start_from_their_initial_values"),
+    Reliance("transformers.PreTrainedModel.initialize_weights", "modeling/structure.py (make_model_class)",
+             "skips _init_weights on modules without parameters of their own for custom code: is_custom_code() (5.23; "
+             "true for classes outside Transformers' package, so QKNorm classes answer as their base class) or "
+             "is_remote_code() (5.4)",
+             "tests/test_transformers_conventions.py::test_patched_gpt2_is_initialised_like_gpt2"),
+    Reliance("transformers.Trainer.compute_loss", "modeling/structure.py (make_model_class: _get_name)",
+             "label smoothing shifts the labels when model._get_name() is in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+             "tests/test_transformers_conventions.py::"
+             "test_trainer_label_smoothing_shifts_the_labels_of_a_loaded_patched_model"),
 )

@@ -139,3 +139,98 @@ def test_assisted_generation_with_output_attentions():
     assisted = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=assistant,
                                output_attentions=True, return_dict_in_generate=True)
     assert torch.equal(assisted.sequences, plain) and assisted.attentions is not None
+
+
+# --- what Transformers' GenerationTesterMixin checks (its module is not in the sdist; see docs/transformers_suite.md),
+# --- on capped models of every family: each against the uncached forward or the uncached generate
+def _uncached(model, seq, full_mask, **kwargs):
+    positions = (full_mask.long().cumsum(-1) - 1).masked_fill(full_mask == 0, 1)
+    with torch.no_grad():
+        return model(seq, attention_mask=full_mask, position_ids=positions, use_cache=False, **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_generate_returns_each_steps_attentions_and_hidden_states(family, cache):
+    """``output_attentions``/``output_hidden_states`` in ``generate``: per step and layer, the prefill's square
+    weights and each decoding step's row equal the uncached forward's at that position (a static cache's unused
+    slots get weight 0)."""
+    model = _patched(family, "qk_norm_cap", "qknorm")
+    model.generation_config.pad_token_id = 0
+    ids, mask = _prompt(padded=True, length=9)
+    kwargs = {} if cache is None else {"cache_implementation": cache}
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                         output_attentions=True, output_hidden_states=True, return_dict_in_generate=True, **kwargs)
+    seq, t = out.sequences, ids.shape[1]
+    full_mask = torch.cat([mask, torch.ones(2, seq.shape[1] - t, dtype=mask.dtype)], dim=1)
+    ref = _uncached(model, seq, full_mask, output_attentions=True, output_hidden_states=True)
+    assert len(out.attentions) == 3 and len(out.hidden_states) == 3
+    for step, (attns, hiddens) in enumerate(zip(out.attentions, out.hidden_states)):
+        rows = slice(0, t) if step == 0 else slice(t - 1 + step, t + step)
+        keys = t + step
+        assert len(attns) == model.config.num_hidden_layers
+        for got, want in zip(attns, ref.attentions):
+            assert torch.all(got[..., keys:] == 0)  # a static cache's unused slots
+            torch.testing.assert_close(got[..., :keys], want[:, :, rows, :keys], rtol=2e-5, atol=2e-6,
+                                       msg=lambda m: f"step {step}: {m}")
+        real = full_mask[:, rows].bool()  # padding positions' states mean nothing (GPT-2 embeds them anyhow)
+        for got, want in zip(hiddens, ref.hidden_states):
+            torch.testing.assert_close(got[real], want[:, rows][real], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+def test_assisted_decoding_logits_match_the_uncached_forward(family, mode):
+    """Candidate verification runs several new tokens against a cache: each accepted token's logits (asked
+    together with the attention weights) equal the uncached forward's, and the text equals plain greedy decoding."""
+    model = _patched(family, "qk_norm_cap", "qknorm")
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    ids[0, 5:8] = ids[0, :3]  # something for prompt lookup to find
+    extra = {"assistant_model": _patched(family, "qk_norm_cap", "qknorm")} if mode == "assistant" else \
+        {"prompt_lookup_num_tokens": 3}
+    plain = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                         output_attentions=True, return_dict_in_generate=True, **extra)
+    assert torch.equal(out.sequences, plain) and out.attentions is not None
+    ref = _uncached(model, out.sequences, torch.ones_like(out.sequences)).logits
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits, ref[:, ids.shape[1] - 1 + step], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_beam_search_with_a_cache_matches_beam_search_without(family):
+    """Beam search reorders the cache between steps: with it, beams and scores equal those of beam search that
+    recomputes every step without a cache."""
+    model = _patched(family, "qk_norm_cap", "qknorm")
+    model.generation_config.pad_token_id = 0
+    ids, mask = _prompt(padded=True, length=8)
+    runs = [model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, num_beams=3,
+                           num_return_sequences=2, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True, use_cache=use_cache) for use_cache in (True, False)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    torch.testing.assert_close(runs[0].sequences_scores, runs[1].sequences_scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generate_from_embeddings_and_continue_from_a_cache(family):
+    """``inputs_embeds`` instead of ids gives the same tokens; generating 3 tokens and then 3 more from the returned
+    cache gives the same tokens and logits as generating 6 at once."""
+    model = _patched(family, "qk_norm_cap", "qknorm")
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    once = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+    embeds = model.get_input_embeddings()(ids)
+    from_embeds = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+                                 do_sample=False)
+    assert torch.equal(from_embeds, once.sequences[:, ids.shape[1]:])
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                           return_dict_in_generate=True)
+    more = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences),
+                          past_key_values=first.past_key_values, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(more.sequences, once.sequences)
+    for got, want in zip(more.logits, once.logits[3:]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

@@ -24,6 +24,11 @@ from ..modeling.schemes import check_softcap
 from .eager import capped_eager_attention
 from .masks import bool_mask, implicit_causal, packed_sequence_mask
 
+try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - every supported Transformers has it
+    _active_collector = None
+
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "qknorm"
@@ -35,6 +40,18 @@ def _warn_once(msg: str) -> None:
     if msg not in _warned:
         _warned.add(msg)
         logger.warning(msg)
+
+
+def weights_requested(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether the caller wants attention weights: the forward's ``output_attentions`` where it reaches the backend;
+    else whether Transformers' output capture is collecting attentions (asked by ``output_attentions=True`` or by
+    ``config.output_attentions``; GPT-2 does not pass the argument on to its attention); else the module's config."""
+    if "output_attentions" in kwargs:
+        return bool(kwargs["output_attentions"])
+    collecting = _active_collector.get() if _active_collector is not None else None
+    if collecting is not None:
+        return "attentions" in collecting
+    return bool(getattr(getattr(module, "config", None), "output_attentions", False))
 
 
 def _varlen_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int, causal: bool,
@@ -97,7 +114,7 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             takes the cap a patched module carries.
         sliding_window: applied only when there is no mask (a mask already holds the window).
         kwargs: ``position_ids`` (packed sequences are recognised where they restart), ``cu_seq_lens_q/k`` and
-            ``max_length_q/k`` (packed sequences in one row), ``output_attentions``.
+            ``max_length_q/k`` (packed sequences in one row), ``output_attentions`` (see :func:`weights_requested`).
     Returns:
         ``(batch, q_len, heads, head_dim)`` and the attention weights ``(batch, heads, q_len, kv_len)`` when
         ``output_attentions`` is set (computed by :func:`.eager.capped_eager_attention`), else ``None``.
@@ -135,7 +152,7 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
     else:
         causal = False  # a single query sees every key; is_causal=False sees everything
-    if kwargs.get("output_attentions"):
+    if weights_requested(module, kwargs):
         return _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal)
 
     kernels, reason = _kernels_or_reason(query)

@@ -32,6 +32,9 @@ class HeadLayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(head_dim))
         self.eps = eps
 
+    def initial_values(self) -> dict[str, float]:
+        return {"weight": 1.0, "bias": 0.0}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         acc = _acc(x)
         y = F.layer_norm(x.to(acc), (x.shape[-1],), self.weight.to(acc), self.bias.to(acc), self.eps)
@@ -59,6 +62,9 @@ class HeadRMSNorm(nn.Module):
     @eps.setter
     def eps(self, value: float) -> None:
         self.variance_epsilon = value
+
+    def initial_values(self) -> dict[str, float]:
+        return {"weight": 1.0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -89,12 +95,16 @@ class HeadLpNorm(nn.Module):
         self.p = float(p)
         self.eps = eps
         self.scale = scale
+        self.initial_scale = float(init)
         if scale == "logit":
             self.weight = nn.Parameter(torch.full((1,), float(init)))
         elif scale == "channel":
             self.weight = nn.Parameter(torch.full((head_dim,), float(init)))
         else:
             self.register_parameter("weight", None)
+
+    def initial_values(self) -> dict[str, float]:
+        return {} if self.weight is None else {"weight": self.initial_scale}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, acc = x.dtype, _acc(x)
@@ -140,3 +150,17 @@ def make_norm(kind: str, role: str, head_dim: int, eps: float, p: float | None =
 
 
 NORM_CLASSES = (HeadLayerNorm, HeadRMSNorm, HeadLpNorm)
+
+
+@torch.no_grad()
+def init_unloaded_norms(model: nn.Module) -> None:
+    """Give every norm parameter of ``model`` that Transformers did not load from a checkpoint its initial value
+    (:meth:`initial_values`: identity, or the ``l2``/``lp`` logit scale). Transformers marks what it loaded with
+    ``_is_hf_initialized`` and initialises the rest with the family's ``_init_weights``, which does not know these
+    modules: a missing logit scale would keep uninitialised memory."""
+    for module in model.modules():
+        if isinstance(module, NORM_CLASSES):
+            for name, value in module.initial_values().items():
+                param = getattr(module, name)
+                if not getattr(param, "_is_hf_initialized", False):
+                    param.fill_(value)

@@ -25,7 +25,7 @@ from .families import PREFIX, Family, family_of_config, get_family
 from .fold import bias_shift, fold_gain, shifted_bias
 from .hooks import hook_slots, install, is_installed
 from .layout import find_layers
-from .norms import henry_logit_scale, make_norm
+from .norms import henry_logit_scale, init_unloaded_norms, make_norm
 from .schemes import QKNormConfig
 
 logger = logging.getLogger(__name__)
@@ -231,6 +231,24 @@ class PatchedConfigMixin:
         out["auto_map"] = auto_map(type(self).__name__, out["architectures"])
         return out
 
+    @property
+    def output_attentions(self):
+        return self._output_attentions
+
+    @output_attentions.setter
+    def output_attentions(self, value):
+        # Transformers accepts output_attentions only with eager attention (sdpa and flash return no weights). The
+        # "qknorm" backend returns them, and a capped model cannot run on eager: accept it there too.
+        if value and getattr(self, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+            self._output_attentions = value
+            return
+        for klass in type(self).__mro__:
+            prop = vars(klass).get("output_attentions")
+            if klass is not PatchedConfigMixin and isinstance(prop, property) and prop.fset is not None:
+                prop.fset(self, value)
+                return
+        self._output_attentions = value
+
 
 def patched_architecture(name: str) -> str:
     """``QKNormLlamaForCausalLM`` for ``LlamaForCausalLM`` (and for itself)."""
@@ -266,5 +284,25 @@ def make_model_class(base_model: type, config_class: type, module: str) -> type:
         base_model.__init__(self, config, *args, **kwargs)
         patch_on_init(self)
 
-    return type(patched_architecture(base_model.__name__), (base_model,),
-                {"__init__": __init__, "config_class": config_class, "__module__": module})
+    def _get_name(self):
+        # Transformers' Trainer tells a causal LM by this name (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) to shift the
+        # labels of its label smoothing; under its own name a loaded patched model would be smoothed unshifted.
+        return base_model.__name__
+
+    def _initialize_missing_keys(self, *args, **kwargs):
+        # Weights a checkpoint lacks are initialised by the family's _init_weights, which does not know the norms.
+        base_model._initialize_missing_keys(self, *args, **kwargs)
+        init_unloaded_norms(self)
+
+    def is_custom_code(cls) -> bool:
+        # Transformers takes a class defined outside its package for custom code and then skips _init_weights on
+        # modules without parameters of their own (GPT-2's scaled init of c_proj lives there). This class runs its
+        # family's own code.
+        return base_model.is_custom_code()
+
+    body = {"__init__": __init__, "_get_name": _get_name, "config_class": config_class, "__module__": module}
+    if hasattr(base_model, "_initialize_missing_keys"):
+        body["_initialize_missing_keys"] = _initialize_missing_keys
+    if hasattr(base_model, "is_custom_code"):
+        body["is_custom_code"] = classmethod(is_custom_code)
+    return type(patched_architecture(base_model.__name__), (base_model,), body)
