@@ -26,9 +26,10 @@ def _qkv(b, h, hkv, tq, tk, d, scale=1.0, seed=0):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
 def test_chunked_matches_reference(tq, tk, causal, window, monkeypatch):
-    import hf_qknorm.attention.chunked as ca
+    import hf_qknorm.attention.tiles as tiles
 
-    monkeypatch.setattr(ca, "TILE_ELEMENTS", 2 * 4 * 16 * tk)  # force several chunks
+    monkeypatch.setattr(tiles, "TILE_ELEMENTS", 2 * 16 * tk)  # force several tiles
+    monkeypatch.setattr(tiles, "QUERY_ROWS", 8)
     q, k, v = _qkv(2, 4, 2, tq, tk, 16, scale=3.0)
     g = torch.Generator().manual_seed(1)
     mask = torch.rand(2, 1, tq, tk, generator=g) > 0.2

@@ -16,6 +16,9 @@ Layouts
   separately, causality is bottom-right aligned within each sequence.
 * The LSE returned by ``attn_fwd`` is fp32 ``(batch, heads, q_len)`` (``(1, heads, total_q)`` when packed), in
   natural-log units, ``+inf`` on rows that attend to nothing.
+* With ``return_max``, ``attn_fwd`` also returns each row's largest pre-cap logit ``scaling * q.k`` over its
+  allowed keys, fp32 in the LSE's layout, ``-inf`` on rows that attend to nothing (a kernel variant selected by a
+  constexpr, so the ordinary kernel is unchanged); :func:`triton_attention` reduces it to one value per head.
 """
 
 from __future__ import annotations
@@ -160,11 +163,12 @@ DECODE_MAX_ROWS = 64
 def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: bool = True, attn_mask=None,
              sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
              max_seqlen_k=None, block_m: int | None = None, block_n: int | None = None,
-             decode: bool | None = None, num_splits: int | None = None):
+             decode: bool | None = None, num_splits: int | None = None, return_max: bool = False):
     """Forward launcher. Returns ``(out, lse)``: ``out`` like ``q`` (contiguous, q's dtype), ``lse`` fp32
-    ``q.shape[:3]``. ``block_m``/``block_n`` override the tile sizes (tests use this to stress block edges).
-    ``decode`` picks the GQA-packed split-KV forward (None: when ``q_len * heads / kv_heads <= 64`` and not
-    packed); ``num_splits`` overrides its number of KV splits."""
+    ``q.shape[:3]``; with ``return_max``, ``(out, lse, row_max)`` (see the module docstring). ``block_m``/``block_n``
+    override the tile sizes (tests use this to stress block edges). ``decode`` picks the GQA-packed split-KV forward
+    (None: when ``q_len * heads / kv_heads <= 64`` and not packed); ``num_splits`` overrides its number of KV
+    splits."""
     _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
     q, k, v = (_last_contiguous(t) for t in (q, k, v))
     varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, _ = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -172,8 +176,11 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
     # Packed rows past cu_seqlens_q[-1] belong to no sequence: zero them rather than leave garbage.
     out = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     lse = (torch.full if varlen else _empty_full)(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
+    row_max = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device) if return_max else None
+    done = (out, lse) if not return_max else (out, lse, row_max)
     if out.numel() == 0 or grid_q == 0 or k.shape[2] == 0:
-        return out.zero_(), lse.fill_(float("inf"))
+        out.zero_(), lse.fill_(float("inf"))
+        return done
     mask, mask_strides = _mask_args(attn_mask, q, k)
     qk_scale, cap_log2 = _scales(scaling, softcap)
     if decode is None:
@@ -181,15 +188,16 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
     if decode:
         if varlen:
             raise ValueError("the decoding forward does not take packed sequences")
-        _decode_fwd(q, k, v, out, lse, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window, num_splits)
-        return out, lse
+        _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window,
+                    num_splits)
+        return done
     bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, is_interpreted(_attn_fwd_kernel))
     bm, bn = block_m or bm, block_n or bn
     batch = len(cu_q) - 1 if varlen else q.shape[0]
     grid = (triton.cdiv(grid_q, bm), batch * q.shape[1])
     with launch_context(q.device):
         _attn_fwd_kernel[grid](
-            q, k, v, out, lse, mask, cu_q, cu_k,
+            q, k, v, out, lse, lse if row_max is None else row_max, mask, cu_q, cu_k,
             *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
             0 if varlen else lse.stride(0), lse.stride(1), *mask_strides,
             q.shape[1], q.shape[1] // k.shape[1], seqlen_q, seqlen_k,
@@ -197,9 +205,9 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
             HEAD_DIM=q.shape[3], BLOCK_D=block_dim(q.shape[3]), BLOCK_M=bm, BLOCK_N=bn,
             IS_CAUSAL=causal, HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
             HAS_MASK=attn_mask is not None, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=warps, num_stages=stages,
+            RETURN_MAX=return_max, num_warps=warps, num_stages=stages,
         )
-    return out, lse
+    return done
 
 
 def _auto_splits(programs: int, kv_len: int, block_n: int, device: torch.device, interpreted: bool) -> int:
@@ -212,8 +220,9 @@ def _auto_splits(programs: int, kv_len: int, block_n: int, device: torch.device,
     return max(1, min(triton.cdiv(2 * sms, programs), most, 128))
 
 
-def _decode_fwd(q, k, v, out, lse, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window, num_splits):
-    """GQA-packed split-KV forward into ``out``/``lse`` (see _decode_kernels.py)."""
+def _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window,
+                num_splits):
+    """GQA-packed split-KV forward into ``out``/``lse`` (and ``row_max`` unless None; see _decode_kernels.py)."""
     mask, mask_strides = _mask_args(attn_mask, q, k)
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -233,20 +242,24 @@ def _decode_fwd(q, k, v, out, lse, attn_mask, qk_scale, cap_log2, causal, softca
     num_splits = triton.cdiv(kv_len, split_len)  # no empty trailing split
     o_part = torch.empty((num_splits, batch, heads, q_len, head_dim), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((num_splits, batch, heads, q_len), dtype=torch.float32, device=q.device)
+    max_part = torch.empty_like(lse_part) if row_max is not None else lse_part
     with launch_context(q.device):
         _attn_fwd_split_kernel[(num_splits, batch * kv_heads, m_blocks)](
-            q, k, v, o_part, lse_part, mask,
+            q, k, v, o_part, lse_part, max_part, mask,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_strides,
             batch, heads, kv_heads, groups, q_len, kv_len, split_len, qk_scale, cap_log2, sliding_window or 0,
             HEAD_DIM=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=causal,
             HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None, HAS_MASK=attn_mask is not None,
-            DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+            DOT_PRECISION=dot_precision(q.dtype), RETURN_MAX=row_max is not None, num_warps=warps,
+            num_stages=stages,
         )
         cm = min(64, max(16, triton.next_power_of_2(q_len)))
         _attn_combine_kernel[(triton.cdiv(q_len, cm), batch * heads)](
             o_part, lse_part, out, lse, *out.stride()[:3], num_splits, batch * heads * q_len, heads, q_len,
             HEAD_DIM=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_M=cm,
         )
+    if row_max is not None:
+        torch.amax(max_part, dim=0, out=row_max)
 
 
 def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None = None, causal: bool = True,
@@ -339,6 +352,22 @@ def _attn_fwd_fake(q, k, v, *args):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
+@torch.library.custom_op("hf_qknorm::attn_fwd_max", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor, Tensor)")
+def _attn_fwd_max_op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap,
+                     causal, sliding_window):
+    """``attn_fwd`` that also returns each row's largest pre-cap logit (the ``RETURN_MAX`` kernel variant)."""
+    return attn_fwd(q, k, v, return_max=True,
+                    **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling,
+                                       softcap, causal, sliding_window))
+
+
+@_attn_fwd_max_op.register_fake
+def _attn_fwd_max_fake(q, k, v, *args):
+    return (q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32),
+            q.new_empty(q.shape[:3], dtype=torch.float32))
+
+
 @torch.library.custom_op("hf_qknorm::attn_bwd", mutates_args=(),
                          schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
                                 f"{_ARGS}) -> (Tensor, Tensor, Tensor)")
@@ -356,12 +385,12 @@ def _attn_bwd_fake(dout, q, k, v, *args):
 
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, *params = inputs
-    out, lse = output
+    out, lse = output[:2]  # attn_fwd_max's row maxima take no gradient
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k)
     ctx.params = params  # max_seqlen_q, max_seqlen_k, scaling, softcap, causal, sliding_window
 
 
-def _attn_backward(ctx, dout, dlse):
+def _attn_backward(ctx, dout, dlse, *_):
     q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -371,12 +400,13 @@ def _attn_backward(ctx, dout, dlse):
 
 
 torch.library.register_autograd("hf_qknorm::attn_fwd", _attn_backward, setup_context=_attn_setup_context)
+torch.library.register_autograd("hf_qknorm::attn_fwd_max", _attn_backward, setup_context=_attn_setup_context)
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float,
                      softcap: float | None = None, causal: bool = True, attn_mask: torch.Tensor | None = None,
                      sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                     max_seqlen_k=None, dropout_p: float = 0.0) -> torch.Tensor:
+                     max_seqlen_k=None, dropout_p: float = 0.0, return_max_logits: bool = False):
     """``softmax(mask(softcap * tanh(scaling * q k^T / softcap))) v`` in one fused, differentiable kernel.
 
     Args:
@@ -393,9 +423,13 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scali
             ``(1, heads, total, head_dim)`` and cu_seqlens are int32 ``(num_seqs + 1,)``. Missing max_seqlen values
             are computed from cu_seqlens (one device sync).
         dropout_p: must be 0; the kernel has no attention dropout.
+        return_max_logits: also return the largest pre-cap logit ``scaling * q.k`` of each query head over the
+            batch and the allowed pairs, ``(heads,)`` fp32 (``-inf`` for a head with none): the kernel's own row
+            maxima, reduced here (no gradient).
 
     Returns:
-        ``(batch, heads, q_len, head_dim)`` in q's dtype, contiguous. Rows that attend to nothing are 0.
+        ``(batch, heads, q_len, head_dim)`` in q's dtype, contiguous. Rows that attend to nothing are 0. With
+        ``return_max_logits``, ``(output, max_logits)``.
     """
     if dropout_p:
         raise ValueError(f"hf_qknorm's Triton attention has no attention dropout (got dropout_p={dropout_p}); use "
@@ -406,7 +440,9 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scali
                                                                  max_seqlen_k, q, k)
     else:
         max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
-    out, _ = torch.ops.hf_qknorm.attn_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          float(scaling), None if softcap is None else float(softcap), bool(causal),
-                                          sliding_window)
-    return out
+    op = torch.ops.hf_qknorm.attn_fwd_max if return_max_logits else torch.ops.hf_qknorm.attn_fwd
+    out, _, *row_max = op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(scaling),
+                          None if softcap is None else float(softcap), bool(causal), sliding_window)
+    if not return_max_logits:
+        return out
+    return out, row_max[0].detach().amax(dim=(0, 2))
