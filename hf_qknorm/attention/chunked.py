@@ -37,34 +37,30 @@ LOG2E = math.log2(math.e)
 _TANH_CLAMP = 40.0
 
 
-def _tanh_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool) -> torch.Tensor:
-    """``tanh(x)`` written over ``x2`` (which holds ``2x``); ``tmp`` is scratch of the same shape."""
+def _expm1_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e, e + 2)`` with ``e = expm1(2x)`` written over ``x2`` (which holds ``2x``) and ``e + 2`` into ``tmp``:
+    ``tanh(x) = e / (e + 2)``."""
     if clamp:
         x2.clamp_(max=_TANH_CLAMP)
     e = x2.expm1_()
-    return e.div_(torch.add(e, 2.0, out=tmp))
+    return e, torch.add(e, 2.0, out=tmp)
+
+
+def _tanh_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool = True) -> torch.Tensor:
+    """``tanh(x)`` written over ``x2`` (which holds ``2x``); ``tmp`` is scratch of the same shape."""
+    e, e2 = _expm1_(x2, tmp, clamp)
+    return e.div_(e2)
 
 
 def _scratch(buf: torch.Tensor, shape) -> torch.Tensor:
     return buf[: math.prod(shape)].view(shape)
 
 
-def _masks(ctx, tile, device):
-    """``(column slice, allowed)`` pairs hiding the disallowed pairs of ``tile``, each ``allowed`` broadcastable to
-    the tile viewed as ``(rows, queries, groups, keys)``: the causal/window edges, then the caller's mask."""
-    _, _, start, end, lo, _, edges = tile
-    out = [(slice(c0 - lo, c1 - lo),
-            position_mask(start, end, c0, c1, ctx.q_len, ctx.kv_len, ctx.causal, ctx.window, device)[:, None])
-           for c0, c1 in edges]
-    if ctx.mask is not None:
-        out.append((slice(None), user_mask_tile(ctx.mask, tile, ctx.kv_heads, ctx.groups)))
-    return out
-
-
 def _fill(x: torch.Tensor, masks, groups: int, value: float) -> None:
+    """Set the pairs each ``(column slice, blocked)`` of ``masks`` blocks to ``value``."""
     x4 = x.view(x.shape[0], -1, groups, x.shape[-1])
-    for cols, ok in masks:
-        x4[..., cols].masked_fill_(~ok, value)
+    for cols, blocked in masks:
+        x4[..., cols].masked_fill_(blocked, value)
 
 
 def _keep(shape, dropout_p, seed, index, device, dtype):
@@ -73,6 +69,10 @@ def _keep(shape, dropout_p, seed, index, device, dtype):
     gen.manual_seed(int(seed) * 1_000_003 + index)
     keep = torch.rand(shape, generator=gen, device=device) >= dropout_p
     return keep.to(dtype) / (1.0 - dropout_p)
+
+
+# exp(+-c) must stay a normal float and the row sums (up to kv_len * e^c) finite for the softmax to skip its max shift
+_NO_SHIFT_LIMIT = {torch.float32: 80.0, torch.float64: 700.0}
 
 
 class _Call:
@@ -90,12 +90,49 @@ class _Call:
         # (base 2). `gain` turns them into base-2 exponents: c*log2(e)*tanh(x), or the logit itself.
         self.prescale = 2.0 * scaling / softcap if softcap is not None else scaling * LOG2E
         self.gain = softcap * LOG2E if softcap is not None else 1.0
+        # A capped logit lies in [-c, c]: for a moderate cap exp(logit) neither overflows nor leaves the normal range,
+        # and the softmax needs no row maximum (exactly as precise: the exponent is rounded the same way).
+        self.row_shift = softcap is None or softcap + math.log(max(2, self.kv_len)) > _NO_SHIFT_LIMIT[self.acc]
         threads = 1 if torch.compiler.is_compiling() else max(1, torch.get_num_threads())
         self.tiles = _tiles.plan(self.n, self.q_len, self.kv_len, self.groups, causal, sliding_window,
                                  tile_elements=_tiles.TILE_ELEMENTS * threads)
         self.tile_max = max((t[1] - t[0]) * (t[3] - t[2]) * self.groups * (t[5] - t[4]) for t in self.tiles) \
             if self.tiles else 0
-        self.clamp: list[bool] = []
+        self.clamp = True
+        self._edges: dict = {}
+
+    def check_clamp(self, qp: torch.Tensor, kp: torch.Tensor) -> None:
+        """Whether tanh's argument may pass the clamp: |2x| <= |qp| |kp| (Cauchy-Schwarz), checked once per call."""
+        if self.softcap is None or torch.compiler.is_compiling() or not self.tiles:
+            return
+        bound = torch.linalg.vector_norm(qp, dim=-1).max() * torch.linalg.vector_norm(kp, dim=-1).max()
+        self.clamp = not bool(bound <= _TANH_CLAMP)  # NaN or inf inputs: clamp
+
+    def masks(self, tile, device) -> list:
+        """``(column slice, blocked)`` pairs for ``tile``, each ``blocked`` (True = hidden) broadcastable to the tile
+        viewed as ``(rows, queries, groups, keys)``: the causal/window edges (the same for every row range of a query
+        block, so made once), then the caller's mask."""
+        n0, n1, start, end, lo, hi, edges = tile
+        key = (start, end, lo)
+        if key not in self._edges:
+            self._edges[key] = [
+                (slice(c0 - lo, c1 - lo),
+                 ~position_mask(start, end, c0, c1, self.q_len, self.kv_len, self.causal, self.window, device)[:, None])
+                for c0, c1 in edges]
+        out = list(self._edges[key])
+        if self.mask is not None:
+            out.append((slice(None), ~user_mask_tile(self.mask, tile, self.kv_heads, self.groups)))
+        return out
+
+    def uncovered_rows(self):
+        """Packed query rows no tile covers (they attend to nothing), as slices."""
+        covered = sorted({(t[2], t[3]) for t in self.tiles})
+        edge, gaps = 0, []
+        for start, end in covered + [(self.q_len, self.q_len)]:
+            if start > edge:
+                gaps.append(slice(edge * self.groups, start * self.groups))
+            edge = max(edge, end)
+        return gaps
 
     def pack(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """``(batch, heads, q_len, d)`` -> ``(batch * kv_heads, q_len * groups, d)`` in the accumulation dtype."""
@@ -118,29 +155,34 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) 
     n0, n1, start, end, lo, hi, _ = tile
     rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
     s = torch.bmm(qp[n0:n1, rows], kp[n0:n1, lo:hi].transpose(1, 2), out=_scratch(bufs[0], shape))
-    masks = _masks(c, tile, s.device)
-    _fill(s, masks, c.groups, float("-inf"))
-    top = s.amax(-1, keepdim=True)  # the largest allowed (scaled) pre-cap logit of each row
-    if head_max is not None:
-        head_max[n0:n1] = torch.maximum(head_max[n0:n1], top.view(n1 - n0, end - start, c.groups).amax(1))
-    if c.softcap is not None:
-        c.clamp.append(torch.compiler.is_compiling() or bool(top.max() > _TANH_CLAMP))
-        t = _tanh_(s, _scratch(bufs[1], shape), c.clamp[-1])
-        shift = _tanh_(top.clone(), torch.empty_like(top), True).mul_(c.gain)  # a masked row: tanh(-inf) = -1
-    else:
-        t, shift = s, torch.where(torch.isfinite(top), top, 0.0)
-    p = torch.add(shift.neg(), t, alpha=c.gain, out=t).exp2_()
-    if c.softcap is not None:  # tanh(-inf) = -1 left masked pairs a finite exponent
+    masks = c.masks(tile, s.device)
+    shift = None
+    if c.row_shift or head_max is not None:
+        _fill(s, masks, c.groups, float("-inf"))
+        top = s.amax(-1, keepdim=True)  # the largest allowed (scaled) pre-cap logit of each row
+        if head_max is not None:
+            head_max[n0:n1] = torch.maximum(head_max[n0:n1], top.view(n1 - n0, end - start, c.groups).amax(1))
+        if c.row_shift:  # a row with no allowed key: tanh(-inf) = -1, or 0 without a cap
+            shift = _tanh_(top.clone(), torch.empty_like(top), True).mul_(c.gain) if c.softcap is not None \
+                else torch.where(torch.isfinite(top), top, 0.0)
+    base = torch.zeros((), dtype=s.dtype, device=s.device) if shift is None else shift.neg_()
+    if c.softcap is None:
+        p = torch.add(base, s, alpha=c.gain, out=s).exp2_()
+    else:  # the exponent c*log2(e)*tanh(x) - shift in one pass: gain * e / (e + 2) + base
+        e, e2 = _expm1_(s, _scratch(bufs[1], shape), c.clamp)
+        p = torch.addcdiv(base, e, e2, value=c.gain, out=e).exp2_()
+    if c.softcap is not None:  # masked pairs still hold a finite exponent (tanh(-inf) = -1, or never filled)
         _fill(p, masks, c.groups, 0.0)
     norm = p.sum(-1, keepdim=True)
-    lse[n0:n1, rows] = torch.where(norm > 0, norm.log2().add_(shift), float("inf"))
+    row_lse = norm.log2() if shift is None else norm.log2().sub_(base)
+    lse[n0:n1, rows] = row_lse.masked_fill_(norm == 0, float("inf"))
     if c.dropout_p > 0:
         p.mul_(_keep(shape, c.dropout_p, c.seed, i, p.device, p.dtype))
     o = out[n0:n1, rows].baddbmm_(p, vp[n0:n1, lo:hi], beta=0)
     o.div_(norm.clamp_min(torch.finfo(norm.dtype).tiny))  # a row with no allowed key: 0 / tiny = 0
 
 
-def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, lse, delta, grads, bufs) -> None:
+def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, neg_lse, delta, grads, bufs) -> None:
     n0, n1, start, end, lo, hi, _ = tile
     dq, dkt, dvt = grads
     rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
@@ -148,10 +190,10 @@ def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, lse, delta, grads, bu
     s = torch.bmm(qt, kt.transpose(1, 2), out=_scratch(bufs[0], shape))
     t, slope = s, None
     if c.softcap is not None:
-        t = _tanh_(s, _scratch(bufs[1], shape), c.clamp[i])
-        slope = torch.addcmul(torch.ones((), dtype=t.dtype), t, t, value=-1.0, out=_scratch(bufs[2], shape))
-    p = torch.add(lse[n0:n1, rows].neg(), t, alpha=c.gain, out=t).exp2_()  # lse = +inf on empty rows: p = 0
-    _fill(p, _masks(c, tile, p.device), c.groups, 0.0)
+        t = _tanh_(s, _scratch(bufs[1], shape), c.clamp)
+        slope = torch.addcmul(bufs[3], t, t, value=-1.0, out=_scratch(bufs[2], shape))  # d c*tanh(s/c) / ds
+    p = torch.add(neg_lse[n0:n1, rows], t, alpha=c.gain, out=t).exp2_()  # lse = +inf on empty rows: p = 0
+    _fill(p, c.masks(tile, p.device), c.groups, 0.0)
     keep = _keep(shape, c.dropout_p, c.seed, i, p.device, p.dtype) if c.dropout_p > 0 else None
     dvt[n0:n1, :, lo:hi].baddbmm_(dot.transpose(1, 2), p if keep is None else p * keep)
     dp = torch.bmm(dot, vt.transpose(1, 2), out=_scratch(bufs[1], shape))
@@ -159,7 +201,7 @@ def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, lse, delta, grads, bu
         dp.mul_(keep)
     ds = dp.sub_(delta[n0:n1, rows]).mul_(p)  # dL/d(capped logit); delta = rowsum(dO o O), dropout included
     if slope is not None:
-        ds.mul_(slope)  # d(c tanh(s/c))/ds = 1 - tanh^2
+        ds.mul_(slope)
     dq[n0:n1, rows].baddbmm_(ds, kt, beta=0)
     dkt[n0:n1, :, lo:hi].baddbmm_(qt.transpose(1, 2), ds)
 
@@ -182,7 +224,10 @@ class TiledAttention(torch.autograd.Function):
         qp = c.pack(q, c.prescale)
         kp = k.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
         vp = v.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
-        out = torch.zeros_like(qp)
+        c.check_clamp(qp, kp)
+        out = torch.empty_like(qp)
+        for rows in c.uncovered_rows():
+            out[:, rows] = 0.0
         lse = torch.full((*qp.shape[:2], 1), float("inf"), dtype=c.acc, device=q.device)
         head_max = torch.full((c.n, c.groups), float("-inf"), dtype=c.acc, device=q.device) \
             if return_max_logits else None
@@ -205,12 +250,16 @@ class TiledAttention(torch.autograd.Function):
         c = ctx.call
         do = c.pack(dout)
         delta = (do * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qp)
+        dq = torch.empty_like(qp)
+        for rows in c.uncovered_rows():
+            dq[:, rows] = 0.0
         dkt = torch.zeros((c.n, c.head_dim, c.kv_len), dtype=c.acc, device=qp.device)
         dvt = torch.zeros_like(dkt)
         bufs = [torch.empty(c.tile_max, dtype=c.acc, device=qp.device) for _ in range(3)]
+        bufs.append(torch.ones((), dtype=c.acc, device=qp.device))
+        neg_lse = lse.neg()
         for i, tile in enumerate(c.tiles):
-            _backward_tile(c, i, tile, qp, kp, vp, do, lse, delta, (dq, dkt, dvt), bufs)
+            _backward_tile(c, i, tile, qp, kp, vp, do, neg_lse, delta, (dq, dkt, dvt), bufs)
         # qp carries the prescale: dq = scaling * dS k, dk = scaling * dS^T q = (scaling / prescale) * dS^T qp
         dq = c.unpack(dq.mul_(c.scaling), ctx.dtypes[0]).transpose(1, 2)
         kv_shape = (c.batch, c.kv_heads, c.kv_len, c.head_dim)
