@@ -30,7 +30,7 @@ import torch
 from . import tiles as _tiles
 from .tiles import chunk_allowed, position_mask, user_mask_tile
 
-__all__ = ["TiledAttention", "chunk_allowed", "chunked_attention"]
+__all__ = ["TiledAttention", "chunk_allowed", "chunked_attention", "max_logits"]
 
 LOG2E = math.log2(math.e)
 # expm1 overflows float32 past ~88; tanh(20) is 1 to float64 precision, so clamping 2x at 40 changes nothing.
@@ -78,7 +78,8 @@ _NO_SHIFT_LIMIT = {torch.float32: 80.0, torch.float64: 700.0}
 class _Call:
     """The fixed facts of one call, shared by forward and backward."""
 
-    def __init__(self, q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed):
+    def __init__(self, q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed, tile_elements=None,
+                 query_rows=None):
         self.batch, self.heads, self.q_len, self.head_dim = q.shape
         self.kv_heads, self.kv_len = k.shape[1], k.shape[2]
         self.groups = self.heads // self.kv_heads
@@ -93,9 +94,11 @@ class _Call:
         # A capped logit lies in [-c, c]: for a moderate cap exp(logit) neither overflows nor leaves the normal range,
         # and the softmax needs no row maximum (exactly as precise: the exponent is rounded the same way).
         self.row_shift = softcap is None or softcap + math.log(max(2, self.kv_len)) > _NO_SHIFT_LIMIT[self.acc]
-        threads = 1 if torch.compiler.is_compiling() else max(1, torch.get_num_threads())
+        if tile_elements is None:  # several threads: larger tiles, fewer parallel regions
+            threads = 1 if torch.compiler.is_compiling() else max(1, torch.get_num_threads())
+            tile_elements = _tiles.TILE_ELEMENTS * threads
         self.tiles = _tiles.plan(self.n, self.q_len, self.kv_len, self.groups, causal, sliding_window,
-                                 tile_elements=_tiles.TILE_ELEMENTS * threads)
+                                 tile_elements=tile_elements, query_rows=query_rows)
         self.tile_max = max((t[1] - t[0]) * (t[3] - t[2]) * self.groups * (t[5] - t[4]) for t in self.tiles) \
             if self.tiles else 0
         self.clamp = True
@@ -279,3 +282,31 @@ def chunked_attention(q, k, v, *, scaling, softcap=None, mask=None, causal=True,
     seed = int(torch.randint(0, 2**31 - 1, ()).item()) if dropout_p > 0 else 0
     return TiledAttention.apply(q, k, v, mask, float(scaling), None if softcap is None else float(softcap),
                                 bool(causal), sliding_window, float(dropout_p), seed, bool(return_max_logits))
+
+
+# The max-only pass does one matmul and two light passes per tile: smaller query blocks than the attention's waste
+# less of the causal diagonal block, at no cost in per-tile work worth saving.
+MAX_QUERY_ROWS = 32
+
+
+@torch.no_grad()
+def max_logits(q, k, *, scaling, mask=None, causal=True, sliding_window=None, tile_elements=None) -> torch.Tensor:
+    """The largest logit ``scaling * q.k`` of each query head over the batch and the allowed pairs, without the
+    attention: the telemetry of backends that do not produce it themselves. The tiling, masks and GQA packing of
+    :class:`TiledAttention`: one matmul per tile, keys past a causal diagonal skipped, a mask only on edge columns.
+
+    ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)``, ``mask`` as for :func:`chunked_attention`. Returns ``(H,)``
+    in float32 (float64 for float64 inputs), ``-inf`` for a head with no allowed pair."""
+    c = _Call(q, k, mask, scaling, None, causal, sliding_window, 0.0, 0, tile_elements=tile_elements,
+              query_rows=MAX_QUERY_ROWS)
+    qp = c.pack(q, scaling)
+    kp = k.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
+    best = torch.full((c.n, c.groups), float("-inf"), dtype=c.acc, device=q.device)
+    buf = torch.empty(c.tile_max, dtype=c.acc, device=q.device)
+    for tile in c.tiles:
+        n0, n1, start, end, lo, hi, _ = tile
+        rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
+        s = torch.bmm(qp[n0:n1, rows], kp[n0:n1, lo:hi].transpose(1, 2), out=_scratch(buf, shape))
+        _fill(s, c.masks(tile, s.device), c.groups, float("-inf"))
+        best[n0:n1] = torch.maximum(best[n0:n1], s.amax(-1).view(n1 - n0, end - start, c.groups).amax(1))
+    return best.view(c.batch, c.heads).amax(0)

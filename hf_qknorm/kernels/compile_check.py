@@ -70,10 +70,10 @@ def _signature(fn, args, kwargs):
 
 def record_launches(scenario: dict) -> list:
     """Run the launchers for one scenario with tiny CPU tensors and return the recorded kernel launches."""
-    from . import attention, norm_rope
+    from . import _attention_args, attention, norm_rope
 
     calls: list = []
-    patches = [mock.patch.object(attention, "check_device", lambda *a, **k: None),
+    patches = [mock.patch.object(_attention_args, "check_device", lambda *a, **k: None),
                mock.patch.object(norm_rope, "check_device", lambda *a, **k: None)]
     for mod, names in ((attention, ["_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel",
                                     "_attn_bwd_dq_kernel", "_attn_fwd_split_kernel", "_attn_combine_kernel"]),

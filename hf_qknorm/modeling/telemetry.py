@@ -26,6 +26,7 @@ import itertools
 import torch
 from torch import nn
 
+from ..attention.chunked import max_logits
 from ..attention.masks import bool_mask
 from .layout import attention_sites, rotary_function
 
@@ -95,18 +96,17 @@ def logit_tiles(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor |
 
 @torch.no_grad()
 def head_max_logits(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                    scaling: float, causal: bool = True, tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+                    scaling: float, causal: bool = True, tile_elements: int | None = None) -> torch.Tensor:
     """The largest pre-cap logit ``scaling * q.k`` of each query head, over the batch and the allowed pairs.
 
     ``q`` ``(batch, heads, q_len, head_dim)``, ``k`` ``(batch, kv_heads, kv_len, head_dim)`` (GQA: query head ``h``
     reads key head ``h // (heads // kv_heads)``); ``attention_mask`` boolean or additive, or ``None`` (causal when
-    ``causal``). Returns ``(heads,)`` in float32 (float64 for float64 inputs); ``-inf`` for a head with no allowed
-    pair."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    best = torch.full((k.shape[1], q.shape[1] // k.shape[1]), float("-inf"), dtype=acc, device=q.device)
-    for s, _ in logit_tiles(q, k, attention_mask, scaling=scaling, causal=causal, tile_elements=tile_elements):
-        best = torch.maximum(best, s.amax(dim=(0, 3, 4)))
-    return best.reshape(q.shape[1])
+    ``causal``, top-left as in the backend). Returns ``(heads,)`` in float32 (float64 for float64 inputs); ``-inf``
+    for a head with no allowed pair. Computed over cache-sized tiles
+    (:func:`hf_qknorm.attention.chunked.max_logits`)."""
+    mask = allowed_mask(attention_mask, k.shape[2])
+    causal, kv_len = causal_rows(mask, causal, q.shape[2], k.shape[2])
+    return max_logits(q, k[:, :, :kv_len], scaling=scaling, mask=mask, causal=causal, tile_elements=tile_elements)
 
 
 class LogitTap:
