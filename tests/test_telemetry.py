@@ -116,6 +116,34 @@ def test_tiled_path_max_logits(case, softcap, dtype, monkeypatch):
     torch.testing.assert_close(out, plain, rtol=1e-12 if dtype == torch.float64 else 1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["causal", "padding", "additive_per_head", "cache_wider_mask", "single_query"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_side_computation_max_logits(kind, dtype, monkeypatch):
+    """``head_max_logits``, what the projection hooks use on other backends."""
+    from hf_qknorm.modeling.telemetry import head_max_logits
+
+    monkeypatch.setattr(tiles, "TILE_ELEMENTS", 500)
+    b, h, hkv, t = 2, 6, 2, 29
+    q, k, _ = _qkv(b, h, hkv, t, t)
+    mask, allowed = None, _pattern(t, t)[None, None]
+    if kind == "padding":
+        keep = torch.ones(b, t, dtype=torch.bool)
+        keep[0, :6] = False
+        mask = allowed = allowed & keep[:, None, None, :]
+    elif kind == "additive_per_head":
+        allowed = allowed & (torch.rand(b, h, t, t, generator=torch.Generator().manual_seed(2)) > 0.3)
+        mask = torch.zeros(b, h, t, t, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    elif kind == "cache_wider_mask":  # a mask over 7 cached keys + the current ones, of which only the latter are seen
+        mask = torch.cat([torch.ones(b, 1, t, 7, dtype=torch.bool), allowed.expand(b, 1, t, t)], -1)
+    elif kind == "single_query":
+        q, allowed = q[:, :, -1:], torch.ones(1, 1, 1, t, dtype=torch.bool)
+    _plant(q, k, ~allowed.expand(b, h, q.shape[2], t)[0, 0])
+    want = _brute(q, k, allowed, 0.4)
+    got = head_max_logits(q.to(dtype), k.to(dtype), mask if mask is None or mask.dtype == torch.bool else
+                          mask.to(dtype), scaling=0.4)
+    _close(got, want, dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the "qknorm" interface: every mask form it resolves, every path it dispatches to
 # ---------------------------------------------------------------------------------------------------------------------

@@ -22,8 +22,10 @@ import torch
 # elementwise passes over a tile run from cache. Measured best of 2**19..2**21 (benchmarks/bench_cpu.py).
 TILE_ELEMENTS = 1 << 19
 # Packed query rows per block: large enough for efficient matmuls, small enough that the causal diagonal block (the
-# only part computed and then masked) stays a few percent of the work at long sequence lengths.
+# only part computed and then masked) stays a small part of the work: at most QUERY_ROWS, and about q_len / 8
+# (not below MIN_QUERY_ROWS) for short sequences. Measured against sdpa at T = 256..2048 (benchmarks/bench_cpu.py).
 QUERY_ROWS = 128
+MIN_QUERY_ROWS = 32
 
 
 def key_range(start: int, end: int, q_len: int, kv_len: int, causal: bool, sliding_window: int | None):
@@ -60,7 +62,9 @@ def plan(batch_heads: int, q_len: int, kv_len: int, groups: int, causal: bool, s
          tile_elements: int | None = None, query_rows: int | None = None) -> list[tuple]:
     """The tiles of one call, in a fixed order (the backward replays them, dropout masks included)."""
     tile_elements = TILE_ELEMENTS if tile_elements is None else tile_elements
-    block = max(1, (QUERY_ROWS if query_rows is None else query_rows) // groups)
+    if query_rows is None:
+        query_rows = min(QUERY_ROWS, max(MIN_QUERY_ROWS, 1 << max(0, (q_len * groups // 8).bit_length() - 1)))
+    block = max(1, query_rows // groups)
     tiles = []
     for start in range(0, q_len, block):
         end = min(q_len, start + block)
