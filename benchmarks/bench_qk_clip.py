@@ -6,7 +6,9 @@ the median over rounds of ``on / off - 1`` (each round's step times are medians 
 process's CPU time, which time spent descheduled by other jobs does not inflate (with one thread it is the step's
 compute; the figure to trust on a shared machine). Cases: the unpatched model on ``sdpa`` (telemetry from projection
 hooks, computed on the side) and a ``qk_norm_cap`` model on the ``"qknorm"`` backend (the per-head maxima come out of
-the attention's own pass). Rows are appended to ``benchmarks/results/qk_clip.jsonl``.
+the attention's own pass); ``--schemes none_qknorm`` runs the unpatched model on the ``"qknorm"`` backend (uncapped,
+so the same attention as sdpa, which it runs until QK-Clip asks for maxima). Rows are appended to
+``benchmarks/results/qk_clip.jsonl``.
 
     python benchmarks/bench_qk_clip.py                       # 4 layers, width 256, batch 8 x 256, one thread
     python benchmarks/bench_qk_clip.py --context 1024 --batch 2
@@ -30,7 +32,9 @@ RESULTS = Path(__file__).parent / "results"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schemes", nargs="+", default=["none", "qk_norm_cap"], help="'none': the unpatched model")
+    p.add_argument("--schemes", nargs="+", default=["none", "qk_norm_cap"],
+                   help="'none': the unpatched model on sdpa; 'none_qknorm': the unpatched model on the \"qknorm\" "
+                        "backend (the same attention, uncapped; its telemetry comes from the attention's own pass)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -56,7 +60,9 @@ def _model(args, scheme):
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=args.context)
     model = LlamaForCausalLM(config).train()
-    if scheme != "none":
+    if scheme == "none_qknorm":
+        model.set_attn_implementation("qknorm")
+    elif scheme != "none":
         hf_qknorm.patch_model(model, scheme)
     return model
 

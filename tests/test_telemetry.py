@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_qknorm.attention.tiles as tiles
-from hf_qknorm.attention.chunked import chunked_attention
+from hf_qknorm.attention.chunked import chunked_attention, max_logits
 from hf_qknorm.attention.interface import qknorm_attention_forward, triton_on_cpu
 
 INF = float("inf")
@@ -218,14 +218,22 @@ def _call_with_probe(q, k, v, mask, kwargs, softcap, training=False, dropout=0.0
 
 @pytest.mark.parametrize("name", INTERFACE_CASES)
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_interface_max_logits(name, softcap, monkeypatch):
+@pytest.mark.parametrize("tiled_from", [1, 10**6])  # the uncapped dispatch: tiled attention, or sdpa + max-only pass
+def test_interface_max_logits(name, softcap, tiled_from, monkeypatch):
+    import hf_qknorm.attention.interface as interface
     import hf_qknorm.modeling.telemetry as telemetry
 
+    if softcap is not None and tiled_from != 1:
+        pytest.skip("the threshold only concerns uncapped calls")
+    monkeypatch.setattr(interface, "TILED_MAX_MIN_LEN", tiled_from)
+    side = []
+    monkeypatch.setattr(interface, "max_logits", lambda *a, **kw: side.append(1) or max_logits(*a, **kw))
     q, k, v, mask, kwargs, want = _interface_case(name, torch.float64)
     if name != "output_attentions":  # only the materialising path computes them on the side
         monkeypatch.setattr(telemetry, "head_max_logits", lambda *a, **kw: pytest.fail("an extra pass"))
     out, top = _call_with_probe(q, k, v, mask, kwargs, softcap)
     _close(top, want, torch.float64)
+    assert len(side) == (softcap is None and tiled_from > 1 and name != "output_attentions")
     plain, _ = qknorm_attention_forward(_Mod().eval(), q, k, v, mask, scaling=0.35, softcap=softcap,
                                         **{key: val for key, val in kwargs.items() if key != "output_attentions"})
     torch.testing.assert_close(out, plain, rtol=1e-10, atol=1e-10)  # telemetry changes nothing in the output

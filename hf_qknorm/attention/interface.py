@@ -8,15 +8,15 @@ packing mask) and ``output_attentions``. The mask rule is :mod:`hf_qknorm.attent
 
 Dispatch: CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``); everything else takes the PyTorch
 path -- ``sdpa`` when there is no cap, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in
-sequence length) when there is one, or when a probe asks for the per-head largest logit.
+sequence length) when there is one, or when a probe asks for the per-head largest logit of 512 queries or more.
 
 Probes. ``module._qknorm_probes`` (set by :class:`hf_qknorm.modeling.telemetry.LogitTap`) maps keys to callables
 ``probe(module, query, key, attention_mask=, scaling=, softcap=, max_logits=)``, called after the attention with the
 ``query``/``key``/mask the call received. When any probe's ``wants_max_logits`` (a bool, or a function of the
-module) is true, ``max_logits`` is the largest
-pre-cap logit ``scaling * q.k`` of each query head over the batch and the allowed pairs, ``(heads,)`` float32
-(float64 for float64 inputs), produced by the attention's own pass: the Triton kernels' row maxima, the PyTorch path's
-tile maxima; else ``None``.
+module) is true, ``max_logits`` is the largest pre-cap logit ``scaling * q.k`` of each query head over the batch and
+the allowed pairs, ``(heads,)`` float32 (float64 for float64 inputs), else ``None``. It comes out of the attention's
+own pass -- the Triton kernels' row maxima, the tiled path's -- except for uncapped calls of fewer than
+``TILED_MAX_MIN_LEN`` queries on the PyTorch path, where sdpa plus a max-only pass is faster.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import logging
 import torch
 from torch.nn import functional as F
 
-from .chunked import chunked_attention
+from .chunked import chunked_attention, max_logits
 from .tiles import chunk_allowed
 from ..modeling.schemes import check_softcap
 from .eager import capped_eager_attention
@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "qknorm"
 
 _warned: set[str] = set()
+
+# Without a cap, per-head max logits come from the tiled path's own pass from this many queries up (there it runs at
+# 0.85-0.97x sdpa's time); below it, sdpa plus a max-only pass is faster (the tiled path's fixed costs dominate:
+# 1.6x sdpa at 128 queries). Measured on CPU, forward+backward, benchmarks/bench_cpu.py and docs/kernels.md.
+TILED_MAX_MIN_LEN = 512
 
 
 def _warn_once(msg: str) -> None:
@@ -170,8 +175,11 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, soft
         mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, query.shape[2], key.shape[2], causal,
                                     mask), False
     top = None
-    if softcap is None and not want_max:
+    if softcap is None and (not want_max or query.shape[2] < TILED_MAX_MIN_LEN):
         out = _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window)
+        if want_max:  # short sequences: sdpa plus a max-only pass beats the tiled attention (measured)
+            top = max_logits(query.detach(), key.detach(), scaling=scaling, mask=mask, causal=causal,
+                             sliding_window=sliding_window)
     else:  # the tiled path: caps, and yields the per-head max logits from its own pass
         out = chunked_attention(query, key, value, scaling=scaling, softcap=softcap, mask=mask, causal=causal,
                                 sliding_window=sliding_window, dropout_p=dropout, return_max_logits=want_max)
