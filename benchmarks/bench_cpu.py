@@ -2,12 +2,16 @@
 
 Two tables. Time: every provider of a table runs in one process, in rounds (one step of each provider per round),
 and the median per provider is reported with its ratio to the first provider -- load from other processes hits all
-providers alike. Memory: each provider again alone in a fresh subprocess, peak RSS (VmHWM) above the RSS just
-before its first step.
+providers alike. Two clocks: wall time, and the process's CPU time (with one thread, the step's compute: time spent
+descheduled by other jobs does not count, so it is the steadier figure on a shared machine; with several threads it
+also counts their spinning). Memory: each provider again alone in a fresh subprocess, peak RSS (VmHWM) above the RSS
+just before its first step.
 
 * ``attention``: one attention call, forward+backward, B=4, H=8, D=64, causal, fp32 --
   ``sdpa`` (no cap) | ``eager_cap`` (plain PyTorch with a tanh cap, as Gemma 2's eager path) | ``qknorm_cap``
-  (this package's chunked capped path).
+  (this package's tiled capped path) | and with per-head max-logit telemetry (QK-Clip's): ``qknorm_cap_max`` (the
+  capped path, maxima from its own pass) | ``qknorm_max`` (no cap: the tiled path run for its maxima) |
+  ``sdpa_side_max`` (no cap: sdpa, plus the maxima computed on the side as for other backends).
 * ``model``: one training step (forward+backward) of a small Llama (4 layers, width 512, 8 heads of 64), B=4 --
   unpatched ``sdpa`` | ``qk_norm`` | ``qk_norm_cap`` | ``qkv_norm``.
 
@@ -62,7 +66,7 @@ def _eager_cap(q, k, v, scaling, softcap):
     return torch.softmax(s, dim=-1) @ v
 
 
-ATTENTION_PROVIDERS = ("sdpa", "eager_cap", "qknorm_cap")
+ATTENTION_PROVIDERS = ("sdpa", "eager_cap", "qknorm_cap", "qknorm_cap_max", "qknorm_max", "sdpa_side_max")
 MODEL_PROVIDERS = ("sdpa", "qk_norm", "qk_norm_cap", "qkv_norm")
 
 
@@ -72,14 +76,24 @@ def _attention_step(provider: str, seq: int):
     import torch.nn.functional as F
 
     from hf_qknorm.attention.chunked import chunked_attention
+    from hf_qknorm.modeling.telemetry import head_max_logits
 
     torch.manual_seed(0)
     b, h, d = 4, 8, 64
     q, k, v = (torch.randn(b, h, seq, d, requires_grad=True) for _ in range(3))
+
+    def side_max():
+        head_max_logits(q.detach(), k.detach(), None, scaling=d**-0.5, causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     fn = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "eager_cap": lambda: _eager_cap(q, k, v, d**-0.5, 50.0),
         "qknorm_cap": lambda: chunked_attention(q, k, v, scaling=d**-0.5, softcap=50.0, causal=True),
+        "qknorm_cap_max": lambda: chunked_attention(q, k, v, scaling=d**-0.5, softcap=50.0, causal=True,
+                                                    return_max_logits=True)[0],
+        "qknorm_max": lambda: chunked_attention(q, k, v, scaling=d**-0.5, causal=True, return_max_logits=True)[0],
+        "sdpa_side_max": side_max,
     }[provider]
 
     def step():
@@ -128,8 +142,8 @@ def run_case(table: str, provider: str, seq: int, repeats: int) -> dict:
 
 
 def run_interleaved(table: str, seq: int, repeats: int) -> dict:
-    """Median step time of every provider, measured in rounds that run each provider once: load from other
-    processes then hits all providers alike, so the ratios are trustworthy on a shared machine."""
+    """Median wall and CPU seconds of every provider's step, measured in rounds that run each provider once: load
+    from other processes then hits all providers alike, so the ratios are trustworthy on a shared machine."""
     providers = ATTENTION_PROVIDERS if table == "attention" else MODEL_PROVIDERS
     steps = {p: STEPS[table](p, seq)[0] for p in providers}
     for step in steps.values():
@@ -137,10 +151,10 @@ def run_interleaved(table: str, seq: int, repeats: int) -> dict:
     times = {p: [] for p in providers}
     for _ in range(repeats):
         for p, step in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
-            times[p].append(time.perf_counter() - t0)
-    return {p: statistics.median(t) for p, t in times.items()}
+            times[p].append((time.perf_counter() - t0, time.process_time() - c0))
+    return {p: [statistics.median(x[0] for x in t), statistics.median(x[1] for x in t)] for p, t in times.items()}
 
 
 def _environment() -> dict:
@@ -149,6 +163,7 @@ def _environment() -> dict:
 
     return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_avg_1m": round(os.getloadavg()[0], 2),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -191,7 +206,8 @@ def main() -> None:
     env = _environment()
     command = "python " + " ".join(sys.argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{'table':9} {'provider':12} {'seq':>5} {'fwd+bwd s':>10} {'vs first':>8} {'peak MiB':>9}")
+    print(f"{'table':9} {'provider':14} {'seq':>5} {'fwd+bwd s':>10} {'vs first':>8} {'cpu s':>8} {'cpu vs first':>12} "
+          f"{'peak MiB':>9}")
     for seq in args.seq:
         for table in tables:
             providers = ATTENTION_PROVIDERS if table == "attention" else MODEL_PROVIDERS
@@ -199,18 +215,18 @@ def main() -> None:
                 threads = ["--threads", str(args.threads)] if args.threads else []
                 medians = _child([*threads, "--repeats", str(args.repeats), "--interleaved", table, str(seq)])
             except RuntimeError as exc:
-                print(f"{table:9} {'(all)':12} {seq:>5} FAILED: {exc}")
+                print(f"{table:9} {'(all)':14} {seq:>5} FAILED: {exc}")
                 continue
             for provider in providers:
                 try:
                     row = _child([*threads, "--case", table, provider, str(seq)])
                 except RuntimeError as exc:
-                    print(f"{table:9} {provider:12} {seq:>5} FAILED: {exc}")
+                    print(f"{table:9} {provider:14} {seq:>5} FAILED: {exc}")
                     continue
-                row["fwd_bwd_s"] = medians[provider]
-                row["vs_first"] = medians[provider] / medians[providers[0]]
-                print(f"{table:9} {provider:12} {seq:>5} {row['fwd_bwd_s']:>10.3f} {row['vs_first']:>8.3f} "
-                      f"{row['peak_mib']:>9.1f}", flush=True)
+                (wall, cpu), (wall0, cpu0) = medians[provider], medians[providers[0]]
+                row.update(fwd_bwd_s=wall, vs_first=wall / wall0, cpu_s=cpu, cpu_vs_first=cpu / cpu0)
+                print(f"{table:9} {provider:14} {seq:>5} {wall:>10.3f} {row['vs_first']:>8.3f} {cpu:>8.3f} "
+                      f"{row['cpu_vs_first']:>12.3f} {row['peak_mib']:>9.1f}", flush=True)
                 with args.out.open("a") as f:
                     f.write(json.dumps({**row, **env, "repeats": args.repeats, "command": command}) + "\n")
 

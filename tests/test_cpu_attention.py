@@ -26,9 +26,10 @@ def _qkv(b, h, hkv, tq, tk, d, scale=1.0, seed=0):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
 def test_chunked_matches_reference(tq, tk, causal, window, monkeypatch):
-    import hf_qknorm.attention.chunked as ca
+    import hf_qknorm.attention.tiles as tiles
 
-    monkeypatch.setattr(ca, "TILE_ELEMENTS", 2 * 4 * 16 * tk)  # force several chunks
+    monkeypatch.setattr(tiles, "TILE_ELEMENTS", 2 * 16 * tk)  # force several tiles
+    monkeypatch.setattr(tiles, "QUERY_ROWS", 8)
     q, k, v = _qkv(2, 4, 2, tq, tk, 16, scale=3.0)
     g = torch.Generator().manual_seed(1)
     mask = torch.rand(2, 1, tq, tk, generator=g) > 0.2
@@ -127,3 +128,35 @@ def test_interface_sliding_window_and_float_mask(softcap):
     out, _ = qknorm_attention_forward(_Mod(), q, k, v, additive, scaling=0.4, softcap=softcap)
     ref = attention_reference(q, k, v, scaling=0.4, softcap=softcap)
     torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-10, atol=1e-10)
+
+
+def _flash_rule_errors(dtype, cap, scale, seed=0):
+    """(error of the tiled path, error of the same-dtype PyTorch reference) against float64, output and gradients."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, hkv, t, d = 2, 4, 2, 70, 64
+    q64, k64 = (scale * torch.randn(b, n, t, d, generator=g, dtype=torch.float64) for n in (h, hkv))
+    v64 = torch.randn(b, hkv, t, d, generator=g, dtype=torch.float64)
+    do = torch.randn(b, h, t, d, generator=g, dtype=torch.float64)
+    ref_in = [x.clone().requires_grad_() for x in (q64, k64, v64)]
+    ref = attention_reference(*ref_in, scaling=d**-0.5, softcap=cap)
+    ref_grads = torch.autograd.grad(ref, ref_in, do)
+    errors = []
+    for fn in (lambda q, k, v: chunked_attention(q, k, v, scaling=d**-0.5, softcap=cap),
+               lambda q, k, v: attention_reference(q, k, v, scaling=d**-0.5, softcap=cap)):
+        low = [x.to(dtype).requires_grad_() for x in (q64, k64, v64)]
+        out = fn(*low)
+        grads = torch.autograd.grad(out, low, do.to(dtype))
+        errors.append([(a.double() - r).abs().max().item() for a, r in zip((out, *grads), (ref, *ref_grads))])
+    return errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cap,scale", [(50.0, 1.0), (50.0, 4.0), (2.0, 3.0), (None, 2.0)])
+def test_low_precision_flash_rule(dtype, cap, scale):
+    """Flash-attention's rule: the tiled path's error against float64 is at most 3x (a cap) or 2x that of the
+    same-dtype PyTorch reference, plus a small atol. (50, 1.0): a large cap over small logits, where tanh written as
+    2*sigmoid(2x) - 1 would lose digits to cancellation and break the rule in float32."""
+    tiled, torch_ref = _flash_rule_errors(dtype, cap, scale)
+    factor, atol = (3.0 if cap else 2.0), (1e-6 if dtype == torch.float32 else 1e-3)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), tiled, torch_ref):
+        assert a <= factor * r + atol, (name, a, r)

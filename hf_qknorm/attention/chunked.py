@@ -1,162 +1,332 @@
-"""The PyTorch attention path (any device without the Triton kernels): memory linear in sequence length.
+"""The PyTorch attention path (any device without the Triton kernels): capped or not, memory linear in sequence
+length, and the per-head largest logit as a by-product.
 
 ``sdpa`` cannot cap logits, and eager attention with a cap materialises several ``(batch, heads, q_len, kv_len)``
-tensors and keeps them for backward (2 GiB at B=4, H=8, T=2048). :class:`ChunkedCappedAttention` instead walks the
-queries in chunks, keeps only the output and the row log-sum-exp, and recomputes each chunk's probabilities in
-backward -- FlashAttention's recomputation idea (Dao et al. 2022) at the granularity of PyTorch matmuls.
+tensors and keeps them for backward (2 GiB at B=4, H=8, T=2048). :class:`TiledAttention` is FlashAttention's
+recipe (Dao et al. 2022; FlashAttention-2's saved log-sum-exp) at the granularity of PyTorch ops: it walks cache-sized
+tiles (:mod:`.tiles`), keeps only the output and the row log-sum-exp, and recomputes each tile's probabilities in
+backward. What makes it fast on a CPU:
+
+- every tile is one batched matmul per product, with the query heads of a GQA group packed against their shared key
+  head, and keys a causal or windowed row never sees skipped rather than masked;
+- the elementwise work is a few in-place passes over a tile that sits in cache: logits in the base-2 domain so the
+  exponential is ``exp2`` (measured ~4x cheaper than ``exp`` here), and ``tanh`` through ``expm1``
+  (``expm1(2x) / (expm1(2x) + 2)``: as exact as ``torch.tanh``, which this machine computes ~3x slower; the shorter
+  ``2*sigmoid(2x) - 1`` loses digits to cancellation near 0, several times the float32 reference's error at c=50);
+- backward reuses the recomputed ``t = tanh`` for the cap's derivative ``1 - t^2``, and accumulates dK and dV
+  transposed, the matmul layout MKL runs fastest.
+
+The row maxima that stabilise the softmax are taken on the pre-cap logits, over allowed pairs only, so the largest
+pre-cap logit of every head (QK-Clip's and the monitor's telemetry) comes out of the same pass
+(``return_max_logits``).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-# Elements of one (batch, heads, chunk, kv_len) logits tile: 2**21 fp32 elements = 8 MiB per live tile.
-TILE_ELEMENTS = 1 << 21
+from . import tiles as _tiles
+from .tiles import chunk_allowed, position_mask, user_mask_tile
+
+__all__ = ["TiledAttention", "chunk_allowed", "chunked_attention", "max_logits"]
+
+LOG2E = math.log2(math.e)
+# expm1 overflows float32 past ~88; tanh(20) is 1 to float64 precision, so clamping 2x at 40 changes nothing.
+_TANH_CLAMP = 40.0
 
 
-def _chunk_rows(batch: int, heads: int, q_len: int, kv_len: int) -> int:
-    rows = TILE_ELEMENTS // max(1, batch * heads * kv_len)
-    return int(min(q_len, max(16, rows)))
+def _expm1_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e, e + 2)`` with ``e = expm1(2x)`` written over ``x2`` (which holds ``2x``) and ``e + 2`` into ``tmp``:
+    ``tanh(x) = e / (e + 2)``."""
+    if clamp:
+        x2.clamp_(max=_TANH_CLAMP)
+    e = x2.expm1_()
+    return e, torch.add(e, 2.0, out=tmp)
 
 
-def _key_range(start, end, q_len, kv_len, causal, sliding_window):
-    """Keys that rows [start, end) can see at all: causal rows never see keys past their diagonal, windowed rows
-    never see keys more than ``sliding_window`` behind -- the rest of the tile is skipped, not masked."""
-    shift = kv_len - q_len
-    lo, hi = 0, kv_len
-    if causal:
-        hi = max(0, min(kv_len, end + shift))
-    if sliding_window is not None:
-        lo = max(0, min(hi, start + shift - sliding_window + 1))
-    return lo, hi
+def _tanh_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool = True) -> torch.Tensor:
+    """``tanh(x)`` written over ``x2`` (which holds ``2x``); ``tmp`` is scratch of the same shape."""
+    e, e2 = _expm1_(x2, tmp, clamp)
+    return e.div_(e2)
 
 
-def chunk_allowed(mask, start, end, q_len, kv_len, causal, sliding_window, device, lo=0, hi=None):
-    """Boolean (.., end-start, hi-lo) tile of allowed pairs for query rows [start, end) and keys [lo, hi), or
-    ``None`` (all allowed).
-
-    ``mask`` is a boolean ``(B|1, 1|H, q_len, kv_len)`` tensor (True = attend) or ``None``. Causality and the
-    window are bottom-right aligned: row ``i`` is at absolute position ``i + kv_len - q_len``."""
-    hi = kv_len if hi is None else hi
-    ok = None
-    if causal or sliding_window is not None:
-        qi = torch.arange(start, end, device=device)[:, None] + (kv_len - q_len)
-        kj = torch.arange(lo, hi, device=device)[None, :]
-        if causal:
-            ok = kj <= qi
-        if sliding_window is not None:
-            win = (qi - kj) < sliding_window
-            ok = win if ok is None else ok & win
-    if mask is not None:
-        m = mask[..., start:end, lo:hi]
-        ok = m if ok is None else ok & m
-    return ok
+def _scratch(buf: torch.Tensor, shape) -> torch.Tensor:
+    return buf[: math.prod(shape)].view(shape)
 
 
-def _capped_scores(qc, k, scaling, softcap):
-    """``scaling * q k^T`` (capped in place when ``softcap``); also returns tanh(s/c) for backward's chain rule."""
-    s = torch.matmul(qc, k.transpose(-1, -2)).mul_(scaling)
-    if softcap is None:
-        return s, None
-    t = s.div_(softcap).tanh_()
-    return t * softcap, t
+# Up to this many matrices, baddbmm_ writes straight into the strided destination (one GEMM call per matrix); beyond,
+# one batched GEMM into contiguous scratch plus one pass into the destination is cheaper (measured: at T=128, D=32
+# the per-matrix calls made the tiled path 1.6x sdpa).
+_PER_MATRIX_MAX = 4
 
 
-class ChunkedCappedAttention(torch.autograd.Function):
-    """``softmax(mask(c*tanh(scaling * q k^T / c))) v`` in query chunks, with recomputation in backward.
-
-    Inputs: ``q`` ``(B, H, Tq, D)``; ``k``, ``v`` ``(B, H, Tk, D)`` (GQA heads already expanded by the caller);
-    ``mask`` boolean broadcastable to ``(B, H, Tq, Tk)`` or ``None``; ``softcap`` a float or ``None``. Accumulates in
-    float32 for half-precision inputs (float64 stays float64). Rows with no allowed key give zeros. Live memory is
-    a few ``(B, H, chunk, Tk)`` tiles of ``TILE_ELEMENTS`` elements, whatever the sequence length.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, scaling, softcap, causal, sliding_window, dropout_p, seed):
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        b, h, tq, _ = q.shape
-        tk = k.shape[2]
-        kf, vf = k.to(acc), v.to(acc)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full((b, h, tq), float("-inf"), dtype=acc, device=q.device)
-        rows = _chunk_rows(b, h, tq, tk)
-        for start in range(0, tq, rows):
-            end = min(start + rows, tq)
-            lo, hi = _key_range(start, end, tq, tk, causal, sliding_window)
-            if hi <= lo:
-                continue
-            s, _ = _capped_scores(q[:, :, start:end].to(acc), kf[:, :, lo:hi], scaling, softcap)
-            ok = chunk_allowed(mask, start, end, tq, tk, causal, sliding_window, q.device, lo, hi)
-            if ok is not None:
-                s.masked_fill_(~ok, float("-inf"))
-            m = s.amax(-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            p = s.sub_(m).exp_()
-            l = p.sum(-1, keepdim=True)
-            p.div_(l.clamp_min(torch.finfo(acc).tiny))
-            lse[:, :, start:end] = (m + torch.log(l)).squeeze(-1)
-            if dropout_p > 0:
-                p.mul_(_keep(p.shape, dropout_p, seed, start, p.device, acc))
-            out[:, :, start:end] = torch.matmul(p, vf[:, :, lo:hi])
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.args = (scaling, softcap, causal, sliding_window, dropout_p, seed, rows)
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        scaling, softcap, causal, sliding_window, dropout_p, seed, rows = ctx.args
-        acc = out.dtype
-        tq, tk = q.shape[2], k.shape[2]
-        kf, vf, do = k.to(acc), v.to(acc), dout.to(acc)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        delta = (do * out).sum(-1, keepdim=True)  # rowsum(P o dP) = rowsum(dO o O), dropout included
-        for start in range(0, tq, rows):
-            end = min(start + rows, tq)
-            lo, hi = _key_range(start, end, tq, tk, causal, sliding_window)
-            if hi <= lo:
-                continue
-            qc, doc, kc, vc = q[:, :, start:end].to(acc), do[:, :, start:end], kf[:, :, lo:hi], vf[:, :, lo:hi]
-            s, t = _capped_scores(qc, kc, scaling, softcap)
-            lse_c = lse[:, :, start:end, None]
-            p = s.sub_(torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))).exp_()
-            ok = chunk_allowed(mask, start, end, tq, tk, causal, sliding_window, q.device, lo, hi)
-            if ok is not None:
-                p.masked_fill_(~ok, 0.0)
-            dp = torch.matmul(doc, vc.transpose(-1, -2))
-            if dropout_p > 0:
-                keep = _keep(p.shape, dropout_p, seed, start, p.device, acc)
-                dv[:, :, lo:hi] += torch.matmul((p * keep).transpose(-1, -2), doc)
-                dp.mul_(keep)
-            else:
-                dv[:, :, lo:hi] += torch.matmul(p.transpose(-1, -2), doc)
-            ds = dp.sub_(delta[:, :, start:end]).mul_(p)
-            if t is not None:
-                ds.mul_(t.mul_(t).neg_().add_(1))  # d/ds of c*tanh(s/c) = 1 - tanh^2
-            dq[:, :, start:end] = torch.matmul(ds, kc).mul_(scaling)
-            dk[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), qc).mul_(scaling)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+def _matmul_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, buf: torch.Tensor, accumulate: bool):
+    """``dst (+)= a @ b`` for a batch of matrices; ``dst`` may be a strided view of a larger tensor."""
+    if dst.shape[0] <= _PER_MATRIX_MAX:
+        return dst.baddbmm_(a, b, beta=1.0 if accumulate else 0.0)
+    prod = torch.bmm(a, b, out=_scratch(buf, dst.shape))
+    return dst.add_(prod) if accumulate else dst.copy_(prod)
 
 
-def _keep(shape, dropout_p, seed, start, device, dtype):
-    """The scaled dropout keep-mask of one chunk, regenerated identically in backward from ``(seed, start)``."""
+def _fill(x: torch.Tensor, masks, groups: int, value: float) -> None:
+    """Set the pairs each ``(column slice, blocked)`` of ``masks`` blocks to ``value``."""
+    x4 = x.view(x.shape[0], -1, groups, x.shape[-1])
+    for cols, blocked in masks:
+        x4[..., cols].masked_fill_(blocked, value)
+
+
+def _keep(shape, dropout_p, seed, index, device, dtype):
+    """The scaled dropout keep-mask of tile ``index``, regenerated identically in backward from ``(seed, index)``."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed) * 1_000_003 + start)
+    gen.manual_seed(int(seed) * 1_000_003 + index)
     keep = torch.rand(shape, generator=gen, device=device) >= dropout_p
     return keep.to(dtype) / (1.0 - dropout_p)
 
 
+# exp(+-c) must stay a normal float and the row sums (up to kv_len * e^c) finite for the softmax to skip its max shift
+_NO_SHIFT_LIMIT = {torch.float32: 80.0, torch.float64: 700.0}
+
+
+class _Call:
+    """The fixed facts of one call, shared by forward and backward."""
+
+    def __init__(self, q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed, tile_elements=None,
+                 query_rows=None):
+        self.batch, self.heads, self.q_len, self.head_dim = q.shape
+        self.kv_heads, self.kv_len = k.shape[1], k.shape[2]
+        self.groups = self.heads // self.kv_heads
+        self.n = self.batch * self.kv_heads
+        self.mask, self.causal, self.window = mask, causal, sliding_window
+        self.scaling, self.softcap, self.dropout_p, self.seed = scaling, softcap, dropout_p, seed
+        self.acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # Logits as the matmul leaves them: 2x = 2*s/c with a cap (tanh's argument, doubled for expm1), else s*log2(e)
+        # (base 2). `gain` turns them into base-2 exponents: c*log2(e)*tanh(x), or the logit itself.
+        self.prescale = 2.0 * scaling / softcap if softcap is not None else scaling * LOG2E
+        self.gain = softcap * LOG2E if softcap is not None else 1.0
+        # A capped logit lies in [-c, c]: for a moderate cap exp(logit) neither overflows nor leaves the normal range,
+        # and the softmax needs no row maximum (exactly as precise: the exponent is rounded the same way).
+        self.row_shift = softcap is None or softcap + math.log(max(2, self.kv_len)) > _NO_SHIFT_LIMIT[self.acc]
+        if tile_elements is None:  # several threads: larger tiles, fewer parallel regions
+            threads = 1 if torch.compiler.is_compiling() else max(1, torch.get_num_threads())
+            tile_elements = _tiles.TILE_ELEMENTS * threads
+        self.tiles = _tiles.plan(self.n, self.q_len, self.kv_len, self.groups, causal, sliding_window,
+                                 tile_elements=tile_elements, query_rows=query_rows)
+        self.tile_max = max((t[1] - t[0]) * (t[3] - t[2]) * self.groups * (t[5] - t[4]) for t in self.tiles) \
+            if self.tiles else 0
+        # scratch for the products that land in strided outputs: (rows, queries, head_dim) and (rows, head_dim, keys)
+        self.out_max = max((t[1] - t[0]) * self.head_dim * max((t[3] - t[2]) * self.groups, t[5] - t[4])
+                           for t in self.tiles) if self.tiles else 0
+        self.clamp = True
+        self._edges: dict = {}
+
+    def check_clamp(self, qp: torch.Tensor, kp: torch.Tensor) -> None:
+        """Whether tanh's argument may pass the clamp: |2x| <= |qp| |kp| (Cauchy-Schwarz), checked once per call."""
+        if self.softcap is None or torch.compiler.is_compiling() or not self.tiles:
+            return
+        bound = torch.linalg.vector_norm(qp, dim=-1).max() * torch.linalg.vector_norm(kp, dim=-1).max()
+        self.clamp = not bool(bound <= _TANH_CLAMP)  # NaN or inf inputs: clamp
+
+    def masks(self, tile, device) -> list:
+        """``(column slice, blocked)`` pairs for ``tile``, each ``blocked`` (True = hidden) broadcastable to the tile
+        viewed as ``(rows, queries, groups, keys)``: the causal/window edges (the same for every row range of a query
+        block, so made once), then the caller's mask."""
+        n0, n1, start, end, lo, hi, edges = tile
+        key = (start, end, lo)
+        if key not in self._edges:
+            self._edges[key] = [
+                (slice(c0 - lo, c1 - lo),
+                 ~position_mask(start, end, c0, c1, self.q_len, self.kv_len, self.causal, self.window, device)[:, None])
+                for c0, c1 in edges]
+        out = list(self._edges[key])
+        if self.mask is not None:
+            out.append((slice(None), ~user_mask_tile(self.mask, tile, self.kv_heads, self.groups)))
+        return out
+
+    def uncovered_rows(self):
+        """Packed query rows no tile covers (they attend to nothing), as slices."""
+        covered = sorted({(t[2], t[3]) for t in self.tiles})
+        edge, gaps = 0, []
+        for start, end in covered + [(self.q_len, self.q_len)]:
+            if start > edge:
+                gaps.append(slice(edge * self.groups, start * self.groups))
+            edge = max(edge, end)
+        return gaps
+
+    def pack(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """``(batch, heads, q_len, d)`` -> ``(batch * kv_heads, q_len * groups, d)`` in the accumulation dtype."""
+        out = torch.empty((self.batch, self.kv_heads, self.q_len, self.groups, self.head_dim), dtype=self.acc,
+                          device=x.device)
+        out.copy_(x.unflatten(1, (self.kv_heads, self.groups)).transpose(2, 3))
+        if scale is not None:
+            out.mul_(scale)
+        return out.view(self.n, self.q_len * self.groups, self.head_dim)
+
+    def unpack(self, x: torch.Tensor, dtype) -> torch.Tensor:
+        """The inverse of :meth:`pack` as a ``(batch, q_len, heads, d)`` tensor of ``dtype``."""
+        out = torch.empty((self.batch, self.q_len, self.heads, self.head_dim), dtype=dtype, device=x.device)
+        out.view(self.batch, self.q_len, self.kv_heads, self.groups, self.head_dim).copy_(
+            x.view(self.batch, self.kv_heads, self.q_len, self.groups, self.head_dim).transpose(1, 2))
+        return out
+
+
+def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) -> None:
+    n0, n1, start, end, lo, hi, _ = tile
+    rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
+    s = torch.bmm(qp[n0:n1, rows], kp[n0:n1, lo:hi].transpose(1, 2), out=_scratch(bufs[0], shape))
+    masks = c.masks(tile, s.device)
+    shift = None
+    if c.row_shift or head_max is not None:
+        _fill(s, masks, c.groups, float("-inf"))
+        top = s.amax(-1, keepdim=True)  # the largest allowed (scaled) pre-cap logit of each row
+        if head_max is not None:
+            head_max[n0:n1] = torch.maximum(head_max[n0:n1], top.view(n1 - n0, end - start, c.groups).amax(1))
+        if c.row_shift:  # a row with no allowed key: tanh(-inf) = -1, or 0 without a cap
+            shift = _tanh_(top.clone(), torch.empty_like(top), True).mul_(c.gain) if c.softcap is not None \
+                else torch.where(torch.isfinite(top), top, 0.0)
+    base = torch.zeros((), dtype=s.dtype, device=s.device) if shift is None else shift.neg_()
+    if c.softcap is None:
+        p = torch.add(base, s, alpha=c.gain, out=s).exp2_()
+    else:  # the exponent c*log2(e)*tanh(x) - shift in one pass: gain * e / (e + 2) + base
+        e, e2 = _expm1_(s, _scratch(bufs[1], shape), c.clamp)
+        p = torch.addcdiv(base, e, e2, value=c.gain, out=e).exp2_()
+    if c.softcap is not None:  # masked pairs still hold a finite exponent (tanh(-inf) = -1, or never filled)
+        _fill(p, masks, c.groups, 0.0)
+    norm = p.sum(-1, keepdim=True)
+    row_lse = norm.log2() if shift is None else norm.log2().sub_(base)
+    lse[n0:n1, rows] = row_lse.masked_fill_(norm == 0, float("inf"))
+    if c.dropout_p > 0:
+        p.mul_(_keep(shape, c.dropout_p, c.seed, i, p.device, p.dtype))
+    o = _matmul_into(out[n0:n1, rows], p, vp[n0:n1, lo:hi], bufs[2], False)
+    o.div_(norm.clamp_min(torch.finfo(norm.dtype).tiny))  # a row with no allowed key: 0 / tiny = 0
+
+
+def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, neg_lse, delta, grads, bufs) -> None:
+    n0, n1, start, end, lo, hi, _ = tile
+    dq, dkt, dvt = grads
+    rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
+    qt, dot, kt, vt = qp[n0:n1, rows], do[n0:n1, rows], kp[n0:n1, lo:hi], vp[n0:n1, lo:hi]
+    s = torch.bmm(qt, kt.transpose(1, 2), out=_scratch(bufs[0], shape))
+    t, slope = s, None
+    if c.softcap is not None:
+        t = _tanh_(s, _scratch(bufs[1], shape), c.clamp)
+        slope = torch.addcmul(bufs[3], t, t, value=-1.0, out=_scratch(bufs[2], shape))  # d c*tanh(s/c) / ds
+    p = torch.add(neg_lse[n0:n1, rows], t, alpha=c.gain, out=t).exp2_()  # lse = +inf on empty rows: p = 0
+    _fill(p, c.masks(tile, p.device), c.groups, 0.0)
+    keep = _keep(shape, c.dropout_p, c.seed, i, p.device, p.dtype) if c.dropout_p > 0 else None
+    _matmul_into(dvt[n0:n1, :, lo:hi], dot.transpose(1, 2), p if keep is None else p * keep, bufs[4], True)
+    dp = torch.bmm(dot, vt.transpose(1, 2), out=_scratch(bufs[1], shape))
+    if keep is not None:
+        dp.mul_(keep)
+    ds = dp.sub_(delta[n0:n1, rows]).mul_(p)  # dL/d(capped logit); delta = rowsum(dO o O), dropout included
+    if slope is not None:
+        ds.mul_(slope)
+    _matmul_into(dq[n0:n1, rows], ds, kt, bufs[4], False)
+    _matmul_into(dkt[n0:n1, :, lo:hi], qt.transpose(1, 2), ds, bufs[4], True)
+
+
+class TiledAttention(torch.autograd.Function):
+    """``softmax(mask(c*tanh(scaling * q k^T / c))) v`` (no cap: ``softcap=None``) over cache-sized tiles, with
+    recomputation in backward.
+
+    Inputs: ``q`` ``(B, H, Tq, D)``; ``k``, ``v`` ``(B, Hkv, Tk, D)`` with ``H % Hkv == 0`` (GQA without copying
+    K/V); ``mask`` boolean broadcastable to ``(B, H, Tq, Tk)`` or ``None``; causality and the window bottom-right
+    aligned. Accumulates in float32 for half-precision inputs (float64 stays float64). Rows with no allowed key give
+    zeros. Returns the output ``(B, H, Tq, D)`` (a view of a ``(B, Tq, H, D)`` tensor) and, when
+    ``return_max_logits``, the largest pre-cap logit ``scaling * q.k`` of each query head over the batch and the
+    allowed pairs, ``(H,)`` in the accumulation dtype (``-inf`` for a head with no allowed pair; no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling, softcap, causal, sliding_window, dropout_p, seed, return_max_logits):
+        c = _Call(q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed)
+        qp = c.pack(q, c.prescale)
+        kp = k.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
+        vp = v.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
+        c.check_clamp(qp, kp)
+        out = torch.empty_like(qp)
+        for rows in c.uncovered_rows():
+            out[:, rows] = 0.0
+        lse = torch.full((*qp.shape[:2], 1), float("inf"), dtype=c.acc, device=q.device)
+        head_max = torch.full((c.n, c.groups), float("-inf"), dtype=c.acc, device=q.device) \
+            if return_max_logits else None
+        bufs = [torch.empty(n, dtype=c.acc, device=q.device) for n in (c.tile_max, c.tile_max, c.out_max)]
+        for i, tile in enumerate(c.tiles):
+            _forward_tile(c, i, tile, qp, kp, vp, out, lse, head_max, bufs)
+        ctx.save_for_backward(qp, kp, vp, out, lse)
+        ctx.call, ctx.dtypes = c, (q.dtype, k.dtype, v.dtype)
+        result = c.unpack(out, q.dtype).transpose(1, 2)
+        if not return_max_logits:
+            return result
+        # back to pre-cap logits s: the tiles hold 2x = 2s/c with a cap, s*log2(e) without
+        head_max = head_max.view(c.batch, c.heads).amax(0).mul_(softcap / 2 if softcap is not None else 1 / LOG2E)
+        ctx.mark_non_differentiable(head_max)
+        return result, head_max
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        qp, kp, vp, out, lse = ctx.saved_tensors
+        c = ctx.call
+        do = c.pack(dout)
+        delta = (do * out).sum(-1, keepdim=True)
+        dq = torch.empty_like(qp)
+        for rows in c.uncovered_rows():
+            dq[:, rows] = 0.0
+        dkt = torch.zeros((c.n, c.head_dim, c.kv_len), dtype=c.acc, device=qp.device)
+        dvt = torch.zeros_like(dkt)
+        bufs = [torch.empty(c.tile_max, dtype=c.acc, device=qp.device) for _ in range(3)]
+        bufs += [torch.ones((), dtype=c.acc, device=qp.device), torch.empty(c.out_max, dtype=c.acc, device=qp.device)]
+        neg_lse = lse.neg()
+        for i, tile in enumerate(c.tiles):
+            _backward_tile(c, i, tile, qp, kp, vp, do, neg_lse, delta, (dq, dkt, dvt), bufs)
+        # qp carries the prescale: dq = scaling * dS k, dk = scaling * dS^T q = (scaling / prescale) * dS^T qp
+        dq = c.unpack(dq.mul_(c.scaling), ctx.dtypes[0]).transpose(1, 2)
+        kv_shape = (c.batch, c.kv_heads, c.kv_len, c.head_dim)
+        dk = dkt.transpose(1, 2).mul_(c.scaling / c.prescale).reshape(kv_shape).to(ctx.dtypes[1])
+        dv = dvt.transpose(1, 2).reshape(kv_shape).to(ctx.dtypes[2])
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
 def chunked_attention(q, k, v, *, scaling, softcap=None, mask=None, causal=True, sliding_window=None,
-                      dropout_p=0.0):
+                      dropout_p=0.0, return_max_logits=False):
     """Attention with an optional cap whose memory grows linearly with sequence length.
 
-    ``q`` ``(B, H, Tq, D)``; ``k``, ``v`` ``(B, Hkv, Tk, D)``; returns ``(B, H, Tq, D)``."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # expand (a view) then reshape: autograd sums dk/dv over each group
-        k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(k.shape[0], -1, *k.shape[2:])
-        v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(v.shape[0], -1, *v.shape[2:])
+    ``q`` ``(B, H, Tq, D)``; ``k``, ``v`` ``(B, Hkv, Tk, D)``; ``mask`` boolean (True = attend) broadcastable to
+    ``(B, H, Tq, Tk)``, intersected with ``causal`` and ``sliding_window`` (bottom-right aligned). Returns
+    ``(B, H, Tq, D)``, and with ``return_max_logits`` also the per-head largest pre-cap logit ``(H,)`` (see
+    :class:`TiledAttention`)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item()) if dropout_p > 0 else 0
-    return ChunkedCappedAttention.apply(q, k, v, mask, float(scaling), softcap, bool(causal), sliding_window,
-                                        float(dropout_p), seed)
+    return TiledAttention.apply(q, k, v, mask, float(scaling), None if softcap is None else float(softcap),
+                                bool(causal), sliding_window, float(dropout_p), seed, bool(return_max_logits))
+
+
+# The max-only pass does one matmul and two light passes per tile: smaller query blocks than the attention's waste
+# less of the causal diagonal block, at no cost in per-tile work worth saving.
+MAX_QUERY_ROWS = 32
+
+
+@torch.no_grad()
+def max_logits(q, k, *, scaling, mask=None, causal=True, sliding_window=None, tile_elements=None) -> torch.Tensor:
+    """The largest logit ``scaling * q.k`` of each query head over the batch and the allowed pairs, without the
+    attention: the telemetry of backends that do not produce it themselves. The tiling, masks and GQA packing of
+    :class:`TiledAttention`: one matmul per tile, keys past a causal diagonal skipped, a mask only on edge columns.
+
+    ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)``, ``mask`` as for :func:`chunked_attention`. Returns ``(H,)``
+    in float32 (float64 for float64 inputs), ``-inf`` for a head with no allowed pair."""
+    c = _Call(q, k, mask, scaling, None, causal, sliding_window, 0.0, 0, tile_elements=tile_elements,
+              query_rows=MAX_QUERY_ROWS)
+    # max(scaling * x) = scaling * max(x) for scaling >= 0: then contiguous MHA inputs are used as they are
+    post = scaling > 0 and c.groups == 1 and q.dtype == c.acc and q.is_contiguous()
+    qp = q.view(c.n, c.q_len, c.head_dim) if post else c.pack(q, scaling)
+    kp = k.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
+    best = torch.full((c.n, c.groups), float("-inf"), dtype=c.acc, device=q.device)
+    buf = torch.empty(c.tile_max, dtype=c.acc, device=q.device)
+    for tile in c.tiles:
+        n0, n1, start, end, lo, hi, _ = tile
+        rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
+        s = torch.bmm(qp[n0:n1, rows], kp[n0:n1, lo:hi].transpose(1, 2), out=_scratch(buf, shape))
+        _fill(s, c.masks(tile, s.device), c.groups, float("-inf"))
+        best[n0:n1] = torch.maximum(best[n0:n1], s.amax(-1).view(n1 - n0, end - start, c.groups).amax(1))
+    best = best.view(c.batch, c.heads).amax(0)
+    return best.mul_(scaling) if post else best

@@ -8,7 +8,15 @@ packing mask) and ``output_attentions``. The mask rule is :mod:`hf_qknorm.attent
 
 Dispatch: CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``); everything else takes the PyTorch
 path -- ``sdpa`` when there is no cap, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in
-sequence length) when there is one.
+sequence length) when there is one, or when a probe asks for the per-head largest logit of 512 queries or more.
+
+Probes. ``module._qknorm_probes`` (set by :class:`hf_qknorm.modeling.telemetry.LogitTap`) maps keys to callables
+``probe(module, query, key, attention_mask=, scaling=, softcap=, max_logits=)``, called after the attention with the
+``query``/``key``/mask the call received. When any probe's ``wants_max_logits`` (a bool, or a function of the
+module) is true, ``max_logits`` is the largest pre-cap logit ``scaling * q.k`` of each query head over the batch and
+the allowed pairs, ``(heads,)`` float32 (float64 for float64 inputs), else ``None``. It comes out of the attention's
+own pass -- the Triton kernels' row maxima, the tiled path's -- except for uncapped calls of fewer than
+``TILED_MAX_MIN_LEN`` queries on the PyTorch path, where sdpa plus a max-only pass is faster.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import logging
 import torch
 from torch.nn import functional as F
 
-from .chunked import chunk_allowed, chunked_attention
+from .chunked import chunked_attention, max_logits
+from .tiles import chunk_allowed
 from ..modeling.schemes import check_softcap
 from .eager import capped_eager_attention
 from .masks import bool_mask, implicit_causal, packed_sequence_mask
@@ -34,6 +43,11 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "qknorm"
 
 _warned: set[str] = set()
+
+# Without a cap, per-head max logits come from the tiled path's own pass from this many queries up (there it runs at
+# 0.85-0.97x sdpa's time); below it, sdpa plus a max-only pass is faster (the tiled path's fixed costs dominate:
+# 1.6x sdpa at 128 queries). Measured on CPU, forward+backward, benchmarks/bench_cpu.py and docs/kernels.md.
+TILED_MAX_MIN_LEN = 512
 
 
 def _warn_once(msg: str) -> None:
@@ -125,14 +139,78 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         softcap = getattr(module, "_qknorm_softcap", None)
     if softcap is not None:
         softcap = check_softcap(softcap)
-    for probe in getattr(module, "_qknorm_probes", {}).values():  # hf_qknorm.modeling.telemetry.LogitTap
-        probe(module, query, key, attention_mask=attention_mask, scaling=scaling, softcap=softcap)
+    probes = tuple(getattr(module, "_qknorm_probes", {}).values())  # hf_qknorm.modeling.telemetry.LogitTap
+    if not probes:
+        return _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window,
+                          is_causal, False, kwargs)[:2]
+    want_max = any(_wants_max(probe, module) for probe in probes)
+    out, weights, top = _attention(module, query, key, value, attention_mask, scaling, dropout, softcap,
+                                   sliding_window, is_causal, want_max, kwargs)
+    for probe in probes:
+        probe(module, query, key, attention_mask=attention_mask, scaling=scaling, softcap=softcap, max_logits=top)
+    return out, weights
+
+
+def _wants_max(probe, module) -> bool:
+    """A probe's ``wants_max_logits``: a bool, or a function of the module (e.g. only in training mode)."""
+    wants = getattr(probe, "wants_max_logits", False)
+    return bool(wants(module) if callable(wants) else wants)
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window, is_causal,
+               want_max, kwargs):
+    """The attention proper: ``(output, weights or None, per-head max logits or None)``."""
     if not module.training:
         dropout = 0.0
-    q_len, kv_len = query.shape[2], key.shape[2]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    mask = bool_mask(attention_mask)
+    key, value, mask, causal, sliding_window = _resolve_mask(query, key, value, attention_mask, causal,
+                                                             sliding_window, kwargs)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if weights_requested(module, kwargs):
+        return _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal,
+                             want_max)
+
+    kernels, reason = _kernels_or_reason(query)
+    if kernels is not None and dropout > 0:
+        kernels, reason = None, f"the Triton kernels have no attention dropout (dropout={dropout})"
+    if kernels is not None:
+        key, value = key.to(query.dtype), value.to(query.dtype)
+        varlen_causal = cu_q is not None and bool(getattr(module, "is_causal", True) if is_causal is None
+                                                  else is_causal)
+        out = kernels.triton_attention(
+            query, key.contiguous(), value.contiguous(), scaling=scaling, softcap=softcap,
+            causal=causal or varlen_causal, attn_mask=None if cu_q is not None else mask,
+            sliding_window=sliding_window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            max_seqlen_q=kwargs.get("max_length_q"), max_seqlen_k=kwargs.get("max_length_k"),
+            return_max_logits=want_max)
+        out, top = out if want_max else (out, None)
+        return out.transpose(1, 2).contiguous(), None, top
+    if query.is_cuda:
+        _warn_once(f"qknorm attention: using the PyTorch path on CUDA because {reason}.")
+
+    if cu_q is not None:  # packed sequences in one row, described by their cumulative lengths
+        mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, query.shape[2], key.shape[2], causal,
+                                    mask), False
+    top = None
+    if softcap is None and (not want_max or query.shape[2] < TILED_MAX_MIN_LEN):
+        out = _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window)
+        if want_max:  # short sequences: sdpa plus a max-only pass beats the tiled attention (measured)
+            top = max_logits(query.detach(), key.detach(), scaling=scaling, mask=mask, causal=causal,
+                             sliding_window=sliding_window)
+    else:  # the tiled path: caps, and yields the per-head max logits from its own pass
+        out = chunked_attention(query, key, value, scaling=scaling, softcap=softcap, mask=mask, causal=causal,
+                                sliding_window=sliding_window, dropout_p=dropout, return_max_logits=want_max)
+        out, top = out if want_max else (out, None)
+    return out.transpose(1, 2).contiguous(), None, top
+
+
+def _resolve_mask(query, key, value, attention_mask, causal, sliding_window, kwargs):
+    """The mask rule (:mod:`.masks`) applied: ``(key, value, mask, causal, sliding_window)`` where ``mask`` is
+    boolean and complete (then ``causal`` is False and there is no window), or ``None`` with ``causal`` meaning square
+    causal (keys a top-left causal pattern never sees are dropped), or causal within each ``cu_seq_lens`` sequence."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask = bool_mask(attention_mask)
+    cu_q = kwargs.get("cu_seq_lens_q")
     if cu_q is not None and query.shape[0] != 1:
         raise ValueError(f"packed sequences (cu_seq_lens_q) must come as one row of concatenated sequences, batch 1; "
                          f"got a batch of {query.shape[0]} (query {tuple(query.shape)})")
@@ -149,47 +227,28 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         if packed is not None:
             mask, causal, sliding_window = packed, False, None  # causal within each packed sequence
         if kv_len > q_len:  # top-left causal: keys past the last query row are never seen (an empty static cache)
-            key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
     else:
         causal = False  # a single query sees every key; is_causal=False sees everything
-    if weights_requested(module, kwargs):
-        return _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal)
-
-    kernels, reason = _kernels_or_reason(query)
-    if kernels is not None and dropout > 0:
-        kernels, reason = None, f"the Triton kernels have no attention dropout (dropout={dropout})"
-    if kernels is not None:
-        key, value = key.to(query.dtype), value.to(query.dtype)
-        varlen_causal = cu_q is not None and bool(getattr(module, "is_causal", True) if is_causal is None
-                                                  else is_causal)
-        out = kernels.triton_attention(
-            query, key.contiguous(), value.contiguous(), scaling=scaling, softcap=softcap,
-            causal=causal or varlen_causal, attn_mask=None if cu_q is not None else mask,
-            sliding_window=sliding_window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=kwargs.get("max_length_q"), max_seqlen_k=kwargs.get("max_length_k"))
-        return out.transpose(1, 2).contiguous(), None
-    if query.is_cuda:
-        _warn_once(f"qknorm attention: using the PyTorch path on CUDA because {reason}.")
-
-    if cu_q is not None:  # packed sequences in one row, described by their cumulative lengths
-        mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, q_len, kv_len, causal, mask), False
-    if softcap is None:
-        out = _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window)
-    else:
-        out = chunked_attention(query, key, value, scaling=scaling, softcap=softcap, mask=mask, causal=causal,
-                                sliding_window=sliding_window, dropout_p=dropout)
-    return out.transpose(1, 2).contiguous(), None
+    return key, value, mask, causal, sliding_window
 
 
-def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal):
-    """The call that asked for attention weights: the materialising path, which returns them."""
+def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, want_max):
+    """The call that asked for attention weights: the materialising path, which returns them (and, on request, the
+    per-head max logits, computed on the side: this path is for inspection, not speed)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if cu_q is not None:
         mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, q_len, kv_len, causal, mask), False
     if mask is None and causal:
         mask = implicit_causal(q_len, kv_len, query.device)[None, None]
-    return capped_eager_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout,
-                                  softcap=softcap, is_causal=False)
+    out, weights = capped_eager_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout,
+                                          softcap=softcap, is_causal=False)
+    top = None
+    if want_max:
+        from ..modeling.telemetry import head_max_logits
+
+        top = head_max_logits(query.detach(), key.detach(), mask, scaling=scaling, causal=False)
+    return out, weights, top
 
 
 def _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window):

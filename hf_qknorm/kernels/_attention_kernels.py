@@ -17,6 +17,10 @@ Conventions used by every kernel
 * Query ``i`` of a sequence sits at absolute position ``i + k_len - q_len`` (bottom-right alignment, as in
   flash-attn >= 2.1 and in a KV cache); ``diag = k_len - q_len``.
 * A row with no allowed key outputs 0 and gets ``lse = +inf``, so that ``exp(s - lse) = 0`` in the backward.
+* ``RETURN_MAX`` (a constexpr: the ordinary kernel is unchanged) also writes each row's largest pre-cap logit
+  ``scaling * q.k`` over its allowed keys (``-inf`` for a row with none), for per-head max-logit telemetry: without a
+  cap that is the online softmax's running maximum ``m_i`` itself; with one, ``m_i`` is taken after the cap, so the
+  pre-cap maximum is tracked beside it rather than inverted through a saturating ``tanh``.
 * Base offsets (batch, head, sequence start) are computed in int64: a large KV cache overflows int32 offsets.
 """
 
@@ -98,7 +102,7 @@ def _key_range(m0, k_len, diag, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, CU_Q, CU_K,
+    Q, K, V, O, LSE, MX, MASK, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -109,10 +113,10 @@ def _attn_fwd_kernel(
     qk_scale, cap_log2, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, RETURN_MAX: tl.constexpr,
 ):
     """One program = BLOCK_M query rows of one (sequence, query head). Grid: (cdiv(max_seqlen_q, BLOCK_M),
-    batch * heads). Writes O (input dtype) and LSE (fp32, natural log)."""
+    batch * heads). Writes O (input dtype), LSE (fp32, natural log) and, with RETURN_MAX, MX (fp32, LSE's layout)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads
@@ -139,6 +143,7 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    x_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # RETURN_MAX with a cap: max of s / c
     lo, hi = _key_range(m0, k_len, diag, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
@@ -149,6 +154,8 @@ def _attn_fwd_kernel(
         ok = _allowed(rows[:, None], cols[None, :], q_len, k_len, diag, window, IS_CAUSAL, HAS_WINDOW)
         if HAS_MASK:
             ok = ok & _mask_tile(mask_base, rows[:, None], cols[None, :], ok, stride_mm, stride_mn)
+        if RETURN_MAX and HAS_CAP:
+            x_max = tl.maximum(x_max, tl.max(tl.where(ok, qk * qk_scale, float("-inf")), 1))
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no allowed key yet keeps m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
@@ -169,8 +176,20 @@ def _attn_fwd_kernel(
     o_base = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_start * stride_om
     tl.store(o_base + rows[:, None] * stride_om + offs_d[None, :], to_dtype(out, O.dtype.element_ty),
              mask=(rows[:, None] < q_len) & d_ok[None, :])
-    lse_base = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start
-    tl.store(lse_base + rows, lse, mask=rows < q_len)
+    row_off = b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start
+    tl.store(LSE + row_off + rows, lse, mask=rows < q_len)
+    if RETURN_MAX:
+        tl.store(MX + row_off + rows, _pre_cap_max(m_i, x_max, cap_log2, HAS_CAP), mask=rows < q_len)
+
+
+@triton.jit
+def _pre_cap_max(m_i, x_max, cap_log2, HAS_CAP: tl.constexpr):
+    """A row's largest pre-cap logit in natural units: ``x_max * c`` (``x = s / c``) with a cap, else the running
+    maximum ``m_i`` of ``s * log2(e)`` taken back to natural units."""
+    if HAS_CAP:
+        return x_max * (cap_log2 * LN2)
+    else:
+        return m_i * LN2
 
 
 @triton.jit

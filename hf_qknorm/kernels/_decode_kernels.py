@@ -20,13 +20,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attention_kernels import LN2, _allowed, _logits
+from ._attention_kernels import LN2, _allowed, _logits, _pre_cap_max
 from ._common import dot, to_dtype
 
 
 @triton.jit
 def _attn_fwd_split_kernel(
-    Q, K, V, OP, LSEP, MASK,
+    Q, K, V, OP, LSEP, MXP, MASK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -35,12 +35,14 @@ def _attn_fwd_split_kernel(
     qk_scale, cap_log2, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, RETURN_MAX: tl.constexpr,
 ):
     """Grid: (num_splits, batch * kv_heads, cdiv(q_len * groups, BLOCK_M)). Row ``r`` of a tile is query
     ``r // groups`` of head ``kv_head * groups + r % groups``. Keys ``[split * split_len, (split + 1) * split_len)``
     (``split_len`` a multiple of BLOCK_N). Writes OP (fp32, (splits, batch, heads, q_len, head_dim), already divided
-    by its own row sum) and LSEP (fp32, (splits, batch, heads, q_len), log2 units, -inf where nothing was seen)."""
+    by its own row sum) and LSEP (fp32, (splits, batch, heads, q_len), log2 units, -inf where nothing was seen); with
+    RETURN_MAX also MXP (LSEP's layout): each row's largest pre-cap logit over the split's allowed keys, in natural
+    units (see ``_attention_kernels.py``)."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -75,16 +77,20 @@ def _attn_fwd_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    x_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
         kv_ok = (cols < seqlen_k)
         kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None],
                      other=0.0)
-        s, _t = _logits(dot(q, kt, None, DOT_PRECISION), qk_scale, cap_log2, HAS_CAP)
+        qk = dot(q, kt, None, DOT_PRECISION)
+        s, _t = _logits(qk, qk_scale, cap_log2, HAS_CAP)
         ok = _allowed(qi[:, None], cols[None, :], seqlen_q, seqlen_k, diag, window, IS_CAUSAL, HAS_WINDOW)
         ok = ok & row_ok[:, None]
         if HAS_MASK:
             ok = ok & (tl.load(mask_rows[:, None] + cols[None, :] * stride_mn, mask=ok, other=0) != 0)
+        if RETURN_MAX and HAS_CAP:
+            x_max = tl.maximum(x_max, tl.max(tl.where(ok, qk * qk_scale, float("-inf")), 1))
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -104,6 +110,8 @@ def _attn_fwd_split_kernel(
     tl.store(OP + prow[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSEP + prow, lse2, mask=row_ok)
+    if RETURN_MAX:
+        tl.store(MXP + prow, _pre_cap_max(m_i, x_max, cap_log2, HAS_CAP), mask=row_ok)
 
 
 @triton.jit

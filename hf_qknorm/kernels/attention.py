@@ -16,11 +16,12 @@ Layouts
   separately, causality is bottom-right aligned within each sequence.
 * The LSE returned by ``attn_fwd`` is fp32 ``(batch, heads, q_len)`` (``(1, heads, total_q)`` when packed), in
   natural-log units, ``+inf`` on rows that attend to nothing.
+* With ``return_max``, ``attn_fwd`` also returns each row's largest pre-cap logit ``scaling * q.k`` over its
+  allowed keys, fp32 in the LSE's layout, ``-inf`` on rows that attend to nothing (a kernel variant selected by a
+  constexpr, so the ordinary kernel is unchanged); :func:`triton_attention` reduces it to one value per head.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -31,13 +32,21 @@ from ._attention_kernels import (
     _attn_bwd_preprocess_kernel,
     _attn_fwd_kernel,
 )
-from ._common import SUPPORTED_DTYPES, block_dim, check_device, dot_precision, is_interpreted, launch_context
+from ._attention_args import (  # noqa: F401 (MAX_HEAD_DIM: part of this module's interface)
+    MAX_HEAD_DIM,
+    _check_inputs,
+    _empty_full,
+    _last_contiguous,
+    _mask_args,
+    _scales,
+    _strides3,
+    _varlen_args,
+)
+from ._common import block_dim, dot_precision, is_interpreted, launch_context
 from ._decode_kernels import _attn_combine_kernel, _attn_fwd_split_kernel
 
 __all__ = ["attn_fwd", "attn_bwd", "triton_attention"]
 
-MAX_HEAD_DIM = 256
-LOG2E = math.log2(math.e)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head_dim bucket, for 2-byte inputs. Chosen with
@@ -66,92 +75,6 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool) -
     return bm, bn, warps, stages
 
 
-def _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    check_device(_attn_fwd_kernel, q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, what="q, k, v and masks")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    batch, heads, _, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch or head_dim")
-    if heads % k.shape[1] != 0:
-        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({k.shape[1]})")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    if not math.isfinite(scaling):
-        raise ValueError(f"scaling must be a finite float, got {scaling}")
-    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a positive float or None, got {softcap}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
-        raise ValueError("pass both cu_seqlens_q and cu_seqlens_k, or neither")
-    if cu_seqlens_q is not None:
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if cu.dtype != torch.int32 or cu.dim() != 1:
-                raise ValueError(f"{name} must be a 1-D int32 tensor, got {cu.dtype} of shape {tuple(cu.shape)}")
-        if cu_seqlens_q.shape != cu_seqlens_k.shape:
-            raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1)")
-        if batch != 1:
-            raise ValueError(f"with cu_seqlens, q/k/v must be packed as (1, heads, total, head_dim), got batch {batch}")
-        if attn_mask is not None:
-            raise ValueError("attn_mask cannot be combined with cu_seqlens: the packing already defines the mask")
-    if attn_mask is not None:
-        if attn_mask.dtype != torch.bool:
-            raise TypeError(f"attn_mask must be boolean (True = attend), got {attn_mask.dtype}; convert an additive "
-                            "mask with `mask == 0` if it only holds 0 and -inf")
-        want = (batch, heads, q.shape[2], k.shape[2])
-        if attn_mask.dim() != 4 or any(m not in (1, w) for m, w in zip(attn_mask.shape, want)):
-            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, 1 or "
-                             f"heads, q_len, kv_len) = {want}")
-
-
-def _mask_args(attn_mask, q, k):
-    """A uint8 view of the mask broadcast to (batch, heads, q_len, kv_len) -- stride 0 on broadcast dims, no copy
-    -- and its four strides. Without a mask, a dummy pointer and zero strides."""
-    if attn_mask is None:
-        return q, (0, 0, 0, 0)
-    m = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    return m.view(torch.uint8), m.stride()
-
-
-def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
-    """(VARLEN, cu_q, cu_k, seqlen_q, seqlen_k, grid length_q, grid length_k)."""
-    if cu_seqlens_q is None:
-        return False, q, q, q.shape[2], k.shape[2], q.shape[2], k.shape[2]
-    if max_seqlen_q is None:  # costs a device sync; pass it when you know it
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if max_seqlen_k is None:
-        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-    return True, cu_seqlens_q, cu_seqlens_k, q.shape[2], k.shape[2], int(max_seqlen_q), int(max_seqlen_k)
-
-
-def _scales(scaling: float, softcap: float | None) -> tuple[float, float]:
-    if softcap is None:
-        return scaling * LOG2E, 1.0
-    return scaling / softcap, softcap * LOG2E
-
-
-def _strides3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, head, seq) strides; batch stride 0 when packed, so kernels index batch = sequence id safely."""
-    return (0 if varlen else t.stride(0)), t.stride(1), t.stride(2)
-
-
-def _empty_full(shape, fill_value, **kwargs) -> torch.Tensor:
-    """``torch.full``'s signature, ``torch.empty``'s cost: for outputs that the kernel writes entirely."""
-    return torch.empty(shape, **kwargs)
-
-
-def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 # The decoding-shaped forward (_decode_kernels.py) handles calls with at most this many (query, head) rows per
 # KV head: decoding, speculative verification, short chunks against a long cache.
 DECODE_MAX_ROWS = 64
@@ -160,11 +83,12 @@ DECODE_MAX_ROWS = 64
 def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: bool = True, attn_mask=None,
              sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
              max_seqlen_k=None, block_m: int | None = None, block_n: int | None = None,
-             decode: bool | None = None, num_splits: int | None = None):
+             decode: bool | None = None, num_splits: int | None = None, return_max: bool = False):
     """Forward launcher. Returns ``(out, lse)``: ``out`` like ``q`` (contiguous, q's dtype), ``lse`` fp32
-    ``q.shape[:3]``. ``block_m``/``block_n`` override the tile sizes (tests use this to stress block edges).
-    ``decode`` picks the GQA-packed split-KV forward (None: when ``q_len * heads / kv_heads <= 64`` and not
-    packed); ``num_splits`` overrides its number of KV splits."""
+    ``q.shape[:3]``; with ``return_max``, ``(out, lse, row_max)`` (see the module docstring). ``block_m``/``block_n``
+    override the tile sizes (tests use this to stress block edges). ``decode`` picks the GQA-packed split-KV forward
+    (None: when ``q_len * heads / kv_heads <= 64`` and not packed); ``num_splits`` overrides its number of KV
+    splits."""
     _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
     q, k, v = (_last_contiguous(t) for t in (q, k, v))
     varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, _ = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -172,8 +96,11 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
     # Packed rows past cu_seqlens_q[-1] belong to no sequence: zero them rather than leave garbage.
     out = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     lse = (torch.full if varlen else _empty_full)(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
+    row_max = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device) if return_max else None
+    done = (out, lse) if not return_max else (out, lse, row_max)
     if out.numel() == 0 or grid_q == 0 or k.shape[2] == 0:
-        return out.zero_(), lse.fill_(float("inf"))
+        out.zero_(), lse.fill_(float("inf"))
+        return done
     mask, mask_strides = _mask_args(attn_mask, q, k)
     qk_scale, cap_log2 = _scales(scaling, softcap)
     if decode is None:
@@ -181,15 +108,16 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
     if decode:
         if varlen:
             raise ValueError("the decoding forward does not take packed sequences")
-        _decode_fwd(q, k, v, out, lse, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window, num_splits)
-        return out, lse
+        _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window,
+                    num_splits)
+        return done
     bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, is_interpreted(_attn_fwd_kernel))
     bm, bn = block_m or bm, block_n or bn
     batch = len(cu_q) - 1 if varlen else q.shape[0]
     grid = (triton.cdiv(grid_q, bm), batch * q.shape[1])
     with launch_context(q.device):
         _attn_fwd_kernel[grid](
-            q, k, v, out, lse, mask, cu_q, cu_k,
+            q, k, v, out, lse, lse if row_max is None else row_max, mask, cu_q, cu_k,
             *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
             0 if varlen else lse.stride(0), lse.stride(1), *mask_strides,
             q.shape[1], q.shape[1] // k.shape[1], seqlen_q, seqlen_k,
@@ -197,9 +125,9 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
             HEAD_DIM=q.shape[3], BLOCK_D=block_dim(q.shape[3]), BLOCK_M=bm, BLOCK_N=bn,
             IS_CAUSAL=causal, HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
             HAS_MASK=attn_mask is not None, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=warps, num_stages=stages,
+            RETURN_MAX=return_max, num_warps=warps, num_stages=stages,
         )
-    return out, lse
+    return done
 
 
 def _auto_splits(programs: int, kv_len: int, block_n: int, device: torch.device, interpreted: bool) -> int:
@@ -212,8 +140,9 @@ def _auto_splits(programs: int, kv_len: int, block_n: int, device: torch.device,
     return max(1, min(triton.cdiv(2 * sms, programs), most, 128))
 
 
-def _decode_fwd(q, k, v, out, lse, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window, num_splits):
-    """GQA-packed split-KV forward into ``out``/``lse`` (see _decode_kernels.py)."""
+def _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window,
+                num_splits):
+    """GQA-packed split-KV forward into ``out``/``lse`` (and ``row_max`` unless None; see _decode_kernels.py)."""
     mask, mask_strides = _mask_args(attn_mask, q, k)
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -233,20 +162,24 @@ def _decode_fwd(q, k, v, out, lse, attn_mask, qk_scale, cap_log2, causal, softca
     num_splits = triton.cdiv(kv_len, split_len)  # no empty trailing split
     o_part = torch.empty((num_splits, batch, heads, q_len, head_dim), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((num_splits, batch, heads, q_len), dtype=torch.float32, device=q.device)
+    max_part = torch.empty_like(lse_part) if row_max is not None else lse_part
     with launch_context(q.device):
         _attn_fwd_split_kernel[(num_splits, batch * kv_heads, m_blocks)](
-            q, k, v, o_part, lse_part, mask,
+            q, k, v, o_part, lse_part, max_part, mask,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_strides,
             batch, heads, kv_heads, groups, q_len, kv_len, split_len, qk_scale, cap_log2, sliding_window or 0,
             HEAD_DIM=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=causal,
             HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None, HAS_MASK=attn_mask is not None,
-            DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+            DOT_PRECISION=dot_precision(q.dtype), RETURN_MAX=row_max is not None, num_warps=warps,
+            num_stages=stages,
         )
         cm = min(64, max(16, triton.next_power_of_2(q_len)))
         _attn_combine_kernel[(triton.cdiv(q_len, cm), batch * heads)](
             o_part, lse_part, out, lse, *out.stride()[:3], num_splits, batch * heads * q_len, heads, q_len,
             HEAD_DIM=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_M=cm,
         )
+    if row_max is not None:
+        torch.amax(max_part, dim=0, out=row_max)
 
 
 def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None = None, causal: bool = True,
@@ -339,6 +272,22 @@ def _attn_fwd_fake(q, k, v, *args):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
+@torch.library.custom_op("hf_qknorm::attn_fwd_max", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor, Tensor)")
+def _attn_fwd_max_op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap,
+                     causal, sliding_window):
+    """``attn_fwd`` that also returns each row's largest pre-cap logit (the ``RETURN_MAX`` kernel variant)."""
+    return attn_fwd(q, k, v, return_max=True,
+                    **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling,
+                                       softcap, causal, sliding_window))
+
+
+@_attn_fwd_max_op.register_fake
+def _attn_fwd_max_fake(q, k, v, *args):
+    return (q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32),
+            q.new_empty(q.shape[:3], dtype=torch.float32))
+
+
 @torch.library.custom_op("hf_qknorm::attn_bwd", mutates_args=(),
                          schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
                                 f"{_ARGS}) -> (Tensor, Tensor, Tensor)")
@@ -356,12 +305,12 @@ def _attn_bwd_fake(dout, q, k, v, *args):
 
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, *params = inputs
-    out, lse = output
+    out, lse = output[:2]  # attn_fwd_max's row maxima take no gradient
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k)
     ctx.params = params  # max_seqlen_q, max_seqlen_k, scaling, softcap, causal, sliding_window
 
 
-def _attn_backward(ctx, dout, dlse):
+def _attn_backward(ctx, dout, dlse, *_):
     q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -371,12 +320,13 @@ def _attn_backward(ctx, dout, dlse):
 
 
 torch.library.register_autograd("hf_qknorm::attn_fwd", _attn_backward, setup_context=_attn_setup_context)
+torch.library.register_autograd("hf_qknorm::attn_fwd_max", _attn_backward, setup_context=_attn_setup_context)
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float,
                      softcap: float | None = None, causal: bool = True, attn_mask: torch.Tensor | None = None,
                      sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                     max_seqlen_k=None, dropout_p: float = 0.0) -> torch.Tensor:
+                     max_seqlen_k=None, dropout_p: float = 0.0, return_max_logits: bool = False):
     """``softmax(mask(softcap * tanh(scaling * q k^T / softcap))) v`` in one fused, differentiable kernel.
 
     Args:
@@ -393,9 +343,13 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scali
             ``(1, heads, total, head_dim)`` and cu_seqlens are int32 ``(num_seqs + 1,)``. Missing max_seqlen values
             are computed from cu_seqlens (one device sync).
         dropout_p: must be 0; the kernel has no attention dropout.
+        return_max_logits: also return the largest pre-cap logit ``scaling * q.k`` of each query head over the
+            batch and the allowed pairs, ``(heads,)`` fp32 (``-inf`` for a head with none): the kernel's own row
+            maxima, reduced here (no gradient).
 
     Returns:
-        ``(batch, heads, q_len, head_dim)`` in q's dtype, contiguous. Rows that attend to nothing are 0.
+        ``(batch, heads, q_len, head_dim)`` in q's dtype, contiguous. Rows that attend to nothing are 0. With
+        ``return_max_logits``, ``(output, max_logits)``.
     """
     if dropout_p:
         raise ValueError(f"hf_qknorm's Triton attention has no attention dropout (got dropout_p={dropout_p}); use "
@@ -406,7 +360,9 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scali
                                                                  max_seqlen_k, q, k)
     else:
         max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
-    out, _ = torch.ops.hf_qknorm.attn_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          float(scaling), None if softcap is None else float(softcap), bool(causal),
-                                          sliding_window)
-    return out
+    op = torch.ops.hf_qknorm.attn_fwd_max if return_max_logits else torch.ops.hf_qknorm.attn_fwd
+    out, _, *row_max = op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(scaling),
+                          None if softcap is None else float(softcap), bool(causal), sliding_window)
+    if not return_max_logits:
+        return out
+    return out, row_max[0].detach().amax(dim=(0, 2))

@@ -70,10 +70,10 @@ def _signature(fn, args, kwargs):
 
 def record_launches(scenario: dict) -> list:
     """Run the launchers for one scenario with tiny CPU tensors and return the recorded kernel launches."""
-    from . import attention, norm_rope
+    from . import _attention_args, attention, norm_rope
 
     calls: list = []
-    patches = [mock.patch.object(attention, "check_device", lambda *a, **k: None),
+    patches = [mock.patch.object(_attention_args, "check_device", lambda *a, **k: None),
                mock.patch.object(norm_rope, "check_device", lambda *a, **k: None)]
     for mod, names in ((attention, ["_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel",
                                     "_attn_bwd_dq_kernel", "_attn_fwd_split_kernel", "_attn_combine_kernel"]),
@@ -96,11 +96,13 @@ def record_launches(scenario: dict) -> list:
                 kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
             out = torch.zeros_like(q)
             lse = torch.zeros(q.shape[:3])
+            fwd = dict(return_max=bool(scenario.get("max_logits")))
             if scenario.get("decode"):
-                attention.attn_fwd(q[:, :, :1], k, k, **kw, decode=True, num_splits=2)
+                attention.attn_fwd(q[:, :, :1], k, k, **kw, **fwd, decode=True, num_splits=2)
             else:
-                attention.attn_fwd(q, k, k, **kw, decode=False)
-                attention.attn_bwd(out, q, k, k, out, lse, **kw)
+                attention.attn_fwd(q, k, k, **kw, **fwd, decode=False)
+                if not fwd["return_max"]:  # the backward does not depend on it
+                    attention.attn_bwd(out, q, k, k, out, lse, **kw)
         else:
             x = torch.zeros(1, 8, 2, d, dtype=dtype)
             w = torch.ones(d)
@@ -163,6 +165,10 @@ def scenarios(quick: bool, dtypes=None) -> list[dict]:
         if not quick or d == 64:
             out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=None, varlen=True, window=128))
         out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, mask=True, decode=True))
+        if not quick or d == 64:  # the forward variants that also write the per-row max logits (telemetry)
+            out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, mask=True, max_logits=True))
+            out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=None, varlen=True, max_logits=True))
+            out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, decode=True, max_logits=True))
     for kind in (["layernorm"] if quick else ["layernorm", "rmsnorm", "lp"]):
         out.append(dict(op="norm_rope", dtype=torch.bfloat16, head_dim=128, kind=kind))
     return out

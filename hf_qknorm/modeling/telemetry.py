@@ -3,18 +3,20 @@ pre-cap logit of every head.
 
 :class:`LogitTap` attaches to the attention modules of a model (any supported family, patched or not, wrapped or not)
 and hands each call's ``q`` ``(batch, heads, q_len, head_dim)`` and ``k`` ``(batch, kv_heads, kv_len, head_dim)`` --
-after the norms and after RoPE -- with the mask, the scaling and the cap to a consumer:
+after the norms and after RoPE -- with the mask, the scaling, the cap and (``max_logits=True``) the per-head largest
+pre-cap logit to a consumer:
 
-- on the ``"qknorm"`` backend the backend itself calls the tap (``module._qknorm_probes``) with the tensors it is
-  about to attend over: nothing is recomputed, and it works under ``torch.compile`` (the probe is traced in);
+- on the ``"qknorm"`` backend the backend itself calls the tap (``module._qknorm_probes``) with the tensors it
+  attended over, and the per-head maxima come out of the attention's own pass (the Triton kernels' row maxima, the
+  PyTorch path's tile maxima; :mod:`hf_qknorm.attention.interface`): nothing is recomputed, and it works under
+  ``torch.compile`` (the probe is traced in);
 - on any other backend (the unpatched baseline on ``sdpa``, an uncapped patched model on ``sdpa``/``eager``) forward
   hooks capture the projection outputs -- after a patched model's norm hooks, which run first -- and the attention
   module's ``position_embeddings``, and q and k are rotated with the family's own ``apply_rotary_pos_emb`` as its
   forward does (:func:`hf_qknorm.modeling.layout.rotary_function`). Here the keys are the current call's only
-  (no cached keys).
-
-:func:`head_max_logits` reduces one call to the per-head maximum of ``scaling * q.k`` over the pairs the mask allows,
-in query chunks (never a ``(q_len, kv_len)`` tensor per head for the whole sequence).
+  (no cached keys), and the per-head maxima are computed on the side by :func:`head_max_logits`: the per-head
+  maximum of ``scaling * q.k`` over the pairs the mask allows, in query chunks that skip the keys past a causal
+  row's diagonal (never a ``(q_len, kv_len)`` tensor per head for the whole sequence).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import itertools
 import torch
 from torch import nn
 
+from ..attention.chunked import max_logits
 from ..attention.masks import bool_mask
 from .layout import attention_sites, rotary_function
 
@@ -93,30 +96,33 @@ def logit_tiles(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor |
 
 @torch.no_grad()
 def head_max_logits(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                    scaling: float, causal: bool = True, tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+                    scaling: float, causal: bool = True, tile_elements: int | None = None) -> torch.Tensor:
     """The largest pre-cap logit ``scaling * q.k`` of each query head, over the batch and the allowed pairs.
 
     ``q`` ``(batch, heads, q_len, head_dim)``, ``k`` ``(batch, kv_heads, kv_len, head_dim)`` (GQA: query head ``h``
     reads key head ``h // (heads // kv_heads)``); ``attention_mask`` boolean or additive, or ``None`` (causal when
-    ``causal``). Returns ``(heads,)`` in float32 (float64 for float64 inputs); ``-inf`` for a head with no allowed
-    pair."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    best = torch.full((k.shape[1], q.shape[1] // k.shape[1]), float("-inf"), dtype=acc, device=q.device)
-    for s, _ in logit_tiles(q, k, attention_mask, scaling=scaling, causal=causal, tile_elements=tile_elements):
-        best = torch.maximum(best, s.amax(dim=(0, 3, 4)))
-    return best.reshape(q.shape[1])
+    ``causal``, top-left as in the backend). Returns ``(heads,)`` in float32 (float64 for float64 inputs); ``-inf``
+    for a head with no allowed pair. Computed over cache-sized tiles
+    (:func:`hf_qknorm.attention.chunked.max_logits`)."""
+    mask = allowed_mask(attention_mask, k.shape[2])
+    causal, kv_len = causal_rows(mask, causal, q.shape[2], k.shape[2])
+    return max_logits(q, k[:, :, :kv_len], scaling=scaling, mask=mask, causal=causal, tile_elements=tile_elements)
 
 
 class LogitTap:
     """Calls ``consumer(index, module, q, k, attention_mask, scaling, softcap)`` for every attention call of
     ``model`` while attached (see the module docstring for how q and k are obtained on each backend).
 
-    Several taps may be attached to one model at once (a monitor and QK-Clip); each is independent. ``attach`` and
-    ``detach`` are cheap: the monitor attaches only on the steps it records."""
+    ``max_logits=True`` adds an eighth argument: the call's per-head largest pre-cap logit ``(heads,)`` (float32,
+    float64 for float64 inputs; ``-inf`` for a head with no allowed pair). ``training_only=True``: calls of
+    modules in eval mode are skipped (and cost nothing). Several taps may be attached to one model at once (a monitor
+    and QK-Clip); each is independent. ``attach`` and ``detach`` are cheap: the monitor attaches only on the steps it
+    records."""
 
-    def __init__(self, model: nn.Module, consumer):
+    def __init__(self, model: nn.Module, consumer, *, max_logits: bool = False, training_only: bool = False):
         self.sites = attention_sites(model)
         self.consumer = consumer
+        self.max_logits, self.training_only = bool(max_logits), bool(training_only)
         self.key = next(_TAP_IDS)
         self._probes = {site.index: self._probe_for(site.index) for site in self.sites}  # made once: compile-stable
         self._handles: list = []
@@ -124,9 +130,24 @@ class LogitTap:
         self.attached = False
 
     def _probe_for(self, index: int):
-        def probe(attn, q, k, attention_mask=None, scaling=1.0, softcap=None):
-            self.consumer(index, attn, q, k, attention_mask, scaling, softcap)
+        def probe(attn, q, k, attention_mask=None, scaling=1.0, softcap=None, max_logits=None):
+            if self.training_only and not attn.training:
+                return
+            if self.max_logits and max_logits is None:  # a backend that does not produce them: on the side
+                max_logits = head_max_logits(q.detach(), k.detach(), attention_mask, scaling=float(scaling),
+                                             causal=getattr(attn, "is_causal", True))
+            self._deliver(index, attn, q, k, attention_mask, scaling, softcap, max_logits)
+
+        # read by the backend before it attends: whether to produce the per-head maxima in its own pass
+        probe.wants_max_logits = (lambda attn: attn.training) if self.max_logits and self.training_only \
+            else self.max_logits
         return probe
+
+    def _deliver(self, index, attn, q, k, mask, scaling, softcap, max_logits) -> None:
+        if self.max_logits:
+            self.consumer(index, attn, q, k, mask, scaling, softcap, max_logits)
+        else:
+            self.consumer(index, attn, q, k, mask, scaling, softcap)
 
     def attach(self) -> None:
         if self.attached:
@@ -167,11 +188,14 @@ class LogitTap:
             return hook
 
         def post(module, args, kwargs, output):
-            if not ("qkv" in ctx or ("q" in ctx and "k" in ctx)):
+            if not ("qkv" in ctx or ("q" in ctx and "k" in ctx)) or (self.training_only and not attn.training):
+                ctx.clear()
                 return
             with torch.no_grad():
                 q, k = _rebuild_qk(attn, fam, ctx)
-            self.consumer(index, attn, q, k, ctx.get("mask"), attn.scaling, attn.__dict__.get("_qknorm_softcap"))
+                top = head_max_logits(q, k, ctx.get("mask"), scaling=float(attn.scaling),
+                                      causal=getattr(attn, "is_causal", True)) if self.max_logits else None
+            self._deliver(index, attn, q, k, ctx.get("mask"), attn.scaling, attn.__dict__.get("_qknorm_softcap"), top)
             ctx.clear()
 
         self._handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
@@ -193,8 +217,9 @@ def _rebuild_qk(attn: nn.Module, fam, ctx: dict):
         q, k, _ = ctx["qkv"].split(attn.split_size, dim=-1)
     else:
         q, k = ctx["q"], ctx["k"]
-    q = q.reshape(*q.shape[:2], -1, d).transpose(1, 2)
-    k = k.reshape(*k.shape[:2], -1, d).transpose(1, 2)
+    # contiguous (batch, heads, seq, head_dim): RoPE's elementwise ops on the transposed views are ~8x slower here
+    q = q.reshape(*q.shape[:2], -1, d).transpose(1, 2).contiguous()
+    k = k.reshape(*k.shape[:2], -1, d).transpose(1, 2).contiguous()
     if fam.rope and ctx.get("rope") is not None:
         q, k = rotary_function(attn)(q, k, *ctx["rope"])
     return q, k

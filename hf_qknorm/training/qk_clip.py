@@ -29,8 +29,9 @@ Where the rows are and what else scales with them:
 - FSDP with sharded weights holds only part of each head's rows: refused (use DDP); DDP: every rank sees the same
   all-reduced maxima and weights, so every rank clips identically.
 
-Recording costs one chunked ``q k^T`` per layer and forward on backends other than ``"qknorm"`` (no ``T x T``
-tensor per head); see ``benchmarks/bench_qk_clip.py`` for the measured overhead.
+Recording: on the ``"qknorm"`` backend the per-head maxima come out of the attention's own pass (the Triton kernels'
+and the PyTorch path's row maxima); on other backends they cost one chunked ``q k^T`` per layer and forward (no
+``T x T`` tensor per head). ``benchmarks/bench_qk_clip.py`` measures the overhead.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
-from ..modeling.telemetry import LogitTap, head_max_logits
+from ..modeling.telemetry import LogitTap
 from .heads import layer_rows
 from .sites import attention_sites, unwrap
 
@@ -84,15 +85,11 @@ class QKClip:
         self.maxima: list[torch.Tensor | None] = [None] * len(self.sites)
         self.last_clipped: list[tuple[int, int, float, float]] = []
         self.steps = self.clipped_steps = 0
-        self._tap = LogitTap(model, self._record)
+        self._tap = LogitTap(model, self._record, max_logits=True, training_only=True)
         self._tap.attach()
 
     # -- recording ---------------------------------------------------------------------------------------------------
-    def _record(self, index, attn, q, k, mask, scaling, softcap):
-        if not attn.training:
-            return
-        top = head_max_logits(q.detach(), k.detach(), mask, scaling=float(scaling),
-                              causal=getattr(attn, "is_causal", True))
+    def _record(self, index, attn, q, k, mask, scaling, softcap, top):
         seen = self.maxima[index]
         self.maxima[index] = top if seen is None else torch.maximum(seen, top)
 
