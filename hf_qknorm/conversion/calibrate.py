@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -204,16 +205,30 @@ def polish(src, family, cfg, values: dict, calib_blocks: torch.Tensor, eval_bloc
 SMALL_CPU_MODEL = 20_000_000  # parameters
 
 
+def idle_cores() -> int | None:
+    """CPU cores not kept busy by other processes (the CPU count minus the 1-minute load average), or ``None``
+    where the load average is unknown."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    return max(1, int((os.cpu_count() or 1) - load + 0.5))
+
+
 @contextmanager
 def calibration_threads(n_params: int, device: torch.device, threads: int | None):
-    """Intra-op threads during calibration. ``None``: one thread for models under ``SMALL_CPU_MODEL`` parameters
-    on CPU -- their matrices are too small to gain from more, and on a busy machine extra threads spin (the bundled
-    model calibrated 20-50x slower with two threads than with one on a loaded 2-core VM); torch's default otherwise."""
+    """Intra-op threads during calibration. ``None``: on CPU, one thread for models under ``SMALL_CPU_MODEL``
+    parameters -- their matrices are too small to gain from more -- and otherwise torch's default capped at the
+    cores other processes leave idle: a thread that has to share its core with a busy process stalls every
+    parallel region of the others (on a 2-core VM with one busy core, SmolLM2-135M calibrated about 4x slower with
+    two threads than with one)."""
     before = torch.get_num_threads()
-    if threads is None and device.type == "cpu" and n_params < SMALL_CPU_MODEL:
-        threads = 1
+    if threads is None and device.type == "cpu":
+        idle = idle_cores()
+        threads = 1 if n_params < SMALL_CPU_MODEL else min(before, idle if idle is not None else before)
     if threads is not None:
         torch.set_num_threads(threads)
+    logger.debug("calibration threads: %d", torch.get_num_threads())
     try:
         yield
     finally:

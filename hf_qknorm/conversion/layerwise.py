@@ -81,8 +81,10 @@ def calibrate_checkpoint(stream: StreamedCheckpoint, cfg: QKNormConfig, calib_bl
         held, eval_calls = stream.block_inputs(eval_blocks, settings.batch_size)
     streams = {name: [h.clone() for h in held] for name in STREAMS}
     logger.log(logging.INFO if progress else logging.DEBUG,
-               "calibration: %d blocks of %d tokens, %d held-out blocks, %d layers, embedded in %.1f s",
-               len(calib_blocks), calib_blocks.shape[1], len(eval_blocks), stream.num_layers, time.time() - t0)
+               "calibration: %d blocks of %d tokens, %d held-out blocks, %d layers, %d layer-wise steps per layer, "
+               "on %s with %d thread(s); embedded in %.1f s", len(calib_blocks), calib_blocks.shape[1],
+               len(eval_blocks), stream.num_layers, settings.local_steps, stream.device, torch.get_num_threads(),
+               time.time() - t0)
     layers = []
     with Stage("calibrating layer by layer", stream.num_layers, "layers", progress) as stage:
         for i in range(stream.num_layers):
