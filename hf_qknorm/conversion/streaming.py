@@ -125,7 +125,7 @@ class StreamedCheckpoint:
         names = self._names(self.original, None, outer=True)
         tied = getattr(self.original.config.get_text_config(), "tie_word_embeddings", False)
         head = self.original.get_output_embeddings()
-        head_name = next((n for n in names if self.original.get_parameter(n) is head.weight), None)
+        head_name = next(f"{n}.weight" for n, m in self.original.named_modules() if m is head)
         loadable = [n for n in names if self.weights.source_key(n) in self.weights.key_file]
         missing = sorted(set(names) - set(loadable) - ({head_name} if tied else set()))
         if missing:
