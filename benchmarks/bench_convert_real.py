@@ -9,7 +9,9 @@ subprocess, the written folder is loaded and compared with the original model:
 * held-out perplexity on Tiny Shakespeare (last 10%, text calibration never saw, another domain) for the original,
   identity-initialised and calibrated models;
 * greedy continuations of a fixed set of prompts: the fraction of the first ``--new-tokens`` tokens that agree
-  with the original's (up to the first difference), and how many continuations agree entirely.
+  with the original's (up to the first difference), how many continuations agree entirely, and -- feeding the
+  original's continuation (teacher forcing) -- the fraction of positions where the converted model's most likely
+  next token is the original's.
 
 Rows are appended to ``benchmarks/results/convert_real.jsonl`` with the machine, versions and command; a markdown
 table is printed.
@@ -101,21 +103,40 @@ def _agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
     return sum(fractions) / len(fractions), whole
 
 
-def _identity_init(model) -> None:
-    """Reset the new norms of a loaded converted model to identity init (what --no-calibration writes)."""
+def _identity_init(model) -> int:
+    """Reset the new norms of a loaded converted model to identity init (what --no-calibration writes): weight 1,
+    bias 0, Henry et al.'s logit scale for l2/lp. Works on a plain Qwen3 folder too (its q/k norms are Qwen3's own
+    class). Returns the number of tensors reset."""
     import torch
 
-    from hf_qknorm.conversion.calibrate import new_norm_parameters
     from hf_qknorm.modeling.norms import HeadLpNorm, henry_logit_scale
 
-    scale = henry_logit_scale(model.config.max_position_embeddings)
+    scale, count = henry_logit_scale(model.config.max_position_embeddings), 0
     with torch.no_grad():
-        for name, prm in new_norm_parameters(model).items():
-            owner = model.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(owner, HeadLpNorm) and owner.scale == "logit":
-                prm.fill_(scale)
-            else:
-                prm.fill_(0.0 if name.endswith(".bias") else 1.0)
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] not in ("q_norm", "k_norm", "v_norm"):
+                continue
+            for leaf, prm in module.named_parameters(recurse=False):
+                logit = isinstance(module, HeadLpNorm) and module.scale == "logit"
+                prm.fill_(scale if logit else 0.0 if leaf == "bias" else 1.0)
+                count += 1
+    return count
+
+
+def _top1_agreement(model, tokenizer, reference: list[list[int]]) -> float:
+    """Fraction of positions along the original's greedy continuations where ``model``'s most likely next token is
+    the original's (teacher forcing: one divergence does not spoil the rest)."""
+    import torch
+
+    hits, total = 0, 0
+    for prompt, cont in zip(PROMPTS, reference):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        full = torch.cat([ids, torch.tensor([cont])], dim=1)
+        with torch.no_grad():
+            pred = model(full).logits[0, ids.shape[1] - 1:-1].argmax(-1)
+        hits += int((pred == torch.tensor(cont)).sum())
+        total += len(cont)
+    return hits / total
 
 
 def child(job: dict) -> dict:
@@ -143,16 +164,20 @@ def child(job: dict) -> dict:
         model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32).eval()
         shakespeare = {"calibrated": perplexity(model, blocks, batch_size=4)}
         agree = _agreement(job["reference"], _greedy(model, tokenizer, job["new_tokens"]))
-        _identity_init(model)
+        top1 = _top1_agreement(model, tokenizer, job["reference"])
+        if _identity_init(model) == 0 and scheme != "soft_cap":
+            raise RuntimeError(f"no new norm found in the converted {scheme} model")
         shakespeare["identity"] = perplexity(model, blocks, batch_size=4)
         agree_identity = _agreement(job["reference"], _greedy(model, tokenizer, job["new_tokens"]))
+        top1_identity = _top1_agreement(model, tokenizer, job["reference"])
     return {"scheme": scheme, "norm": norm, "p": job["p"] if norm == "lp" else None, "export": result.export,
             "local_steps": r.local_steps, "steps": r.steps, "calibration_blocks": settings.calibration_blocks,
             "eval_blocks": settings.eval_blocks, "ppl_original": r.ppl_original, "ppl_identity": r.ppl_identity,
             "ppl_least_squares": r.ppl_least_squares, "ppl_calibrated": r.ppl_calibrated, "recovered": r.recovered,
             "shakespeare_identity": shakespeare["identity"], "shakespeare_calibrated": shakespeare["calibrated"],
             "greedy_agreement": agree[0], "greedy_whole": agree[1], "greedy_agreement_identity": agree_identity[0],
-            "greedy_whole_identity": agree_identity[1], "prompts": len(PROMPTS), "new_tokens": job["new_tokens"],
+            "greedy_whole_identity": agree_identity[1], "top1_agreement": top1, "top1_agreement_identity": top1_identity,
+            "prompts": len(PROMPTS), "new_tokens": job["new_tokens"],
             "max_logit_converted": max((s.max_logit_converted or 0.0) for s in r.layers),
             "calibration_tokens": r.calibration_tokens, "eval_tokens": r.eval_tokens, "seconds": seconds,
             "peak_rss_mib": peak, "threads": torch.get_num_threads()}
@@ -173,9 +198,9 @@ def reference(src: Path, new_tokens: int, settings) -> dict:
 
 def markdown(rows) -> str:
     lines = ["| scheme | norm | layer-wise steps | KL steps | WikiText-2: original / identity / least squares / "
-             "calibrated | removed | Tiny Shakespeare: original / identity / calibrated | removed | greedy agreement "
-             "(identity → calibrated) | export | wall time | peak memory |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "calibrated | removed | Tiny Shakespeare: original / identity / calibrated | removed | greedy prefix "
+             "agreement (identity → calibrated) | next-token agreement (identity → calibrated) | export | wall time | "
+             "peak memory |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         norm = r["norm"] or "-"
         if r["norm"] == "lp":
@@ -188,7 +213,8 @@ def markdown(rows) -> str:
             f"{100 * r['recovered']:.1f}% | {r['shakespeare_original']:.2f} / {r['shakespeare_identity']:.2f} / "
             f"**{r['shakespeare_calibrated']:.2f}** | {100 * removed:.1f}% | "
             f"{100 * r['greedy_agreement_identity']:.0f}% → {100 * r['greedy_agreement']:.0f}% "
-            f"({r['greedy_whole']}/{r['prompts']} whole) | {r['export']} | {r['seconds'] / 60:.1f} min | "
+            f"({r['greedy_whole']}/{r['prompts']} whole) | {100 * r['top1_agreement_identity']:.0f}% → "
+            f"{100 * r['top1_agreement']:.0f}% | {r['export']} | {r['seconds'] / 60:.1f} min | "
             f"{r['peak_rss_mib'] / 1024:.2f} GiB |")
     return "\n".join(lines)
 
