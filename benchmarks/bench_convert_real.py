@@ -60,6 +60,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _peak_rss_mib() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
@@ -153,6 +158,7 @@ def child(job: dict) -> dict:
     settings = _settings(job)
     scheme, norm = job["scheme"], job["norm"]
     with tempfile.TemporaryDirectory() as tmp:
+        base = _rss_mib()  # after importing torch, transformers and hf_qknorm
         t0 = time.time()
         result = hf_qknorm.convert(job["src"], Path(tmp) / "out", scheme=scheme, norm=norm,
                                    p=job["p"] if norm == "lp" else None, calibration_text="wikitext2",
@@ -176,11 +182,12 @@ def child(job: dict) -> dict:
             "ppl_least_squares": r.ppl_least_squares, "ppl_calibrated": r.ppl_calibrated, "recovered": r.recovered,
             "shakespeare_identity": shakespeare["identity"], "shakespeare_calibrated": shakespeare["calibrated"],
             "greedy_agreement": agree[0], "greedy_whole": agree[1], "greedy_agreement_identity": agree_identity[0],
-            "greedy_whole_identity": agree_identity[1], "top1_agreement": top1, "top1_agreement_identity": top1_identity,
+            "greedy_whole_identity": agree_identity[1], "top1_agreement": top1,
+            "top1_agreement_identity": top1_identity,
             "prompts": len(PROMPTS), "new_tokens": job["new_tokens"],
             "max_logit_converted": max((s.max_logit_converted or 0.0) for s in r.layers),
             "calibration_tokens": r.calibration_tokens, "eval_tokens": r.eval_tokens, "seconds": seconds,
-            "peak_rss_mib": peak, "threads": torch.get_num_threads()}
+            "peak_rss_mib": peak, "rss_before_mib": base, "threads": torch.get_num_threads()}
 
 
 def reference(src: Path, new_tokens: int, settings) -> dict:
@@ -215,7 +222,8 @@ def markdown(rows) -> str:
             f"{100 * r['greedy_agreement_identity']:.0f}% → {100 * r['greedy_agreement']:.0f}% "
             f"({r['greedy_whole']}/{r['prompts']} whole) | {100 * r['top1_agreement_identity']:.0f}% → "
             f"{100 * r['top1_agreement']:.0f}% | {r['export']} | {r['seconds'] / 60:.1f} min | "
-            f"{r['peak_rss_mib'] / 1024:.2f} GiB |")
+            f"{r['peak_rss_mib'] / 1024:.2f} GiB ({(r['peak_rss_mib'] - r['rss_before_mib']) / 1024:.2f} GiB above "
+            f"imports) |")
     return "\n".join(lines)
 
 

@@ -79,7 +79,9 @@ def calibrate_checkpoint(stream: StreamedCheckpoint, cfg: QKNormConfig, calib_bl
     with stream.outer():
         calib, calib_calls = stream.block_inputs(calib_blocks, 1)  # one block per call: one block per fit step
         held, eval_calls = stream.block_inputs(eval_blocks, settings.batch_size)
-    streams = {name: [h.clone() for h in held] for name in STREAMS}
+    # soft_cap adds no weights: identity, least squares and calibrated are one model, scored once
+    names = STREAMS if ident else ("original", "identity")
+    streams = {name: [h.clone() for h in held] for name in names}
     logger.log(logging.INFO if progress else logging.DEBUG,
                "calibration: %d blocks of %d tokens, %d held-out blocks, %d layers, %d layer-wise steps per layer, "
                "on %s with %d thread(s); embedded in %.1f s", len(calib_blocks), calib_blocks.shape[1],
@@ -94,16 +96,18 @@ def calibrate_checkpoint(stream: StreamedCheckpoint, cfg: QKNormConfig, calib_bl
             for name in _layer_values(values, prefix):
                 values[name] = stream.patched.get_parameter(name).detach().float().cpu().clone()
             least_squares.update(stats.pop("least_squares"))
-            _advance_eval(stream, orig, patched, streams, eval_calls[i],
-                          {"identity": _layer_values(ident, prefix), "least_squares": _layer_values(least_squares,
-                                                                                                    prefix),
-                           "calibrated": _layer_values(values, prefix)})
+            versions = {"identity": _layer_values(ident, prefix),
+                        "least_squares": _layer_values(least_squares, prefix),
+                        "calibrated": _layer_values(values, prefix)}
+            _advance_eval(stream, orig, patched, streams, eval_calls[i], {k: versions[k] for k in names[1:]})
             stream.release(i)
             layers.append(stats["layer"])
             stage.update(1, note=f"layer {i}: output error {stats['layer'].fit_error_closed_form:.4f} -> "
                                  f"{stats['layer'].fit_error:.4f}")
     with stream.outer():
-        ppl = {name: _perplexity(stream, streams[name], eval_blocks, settings.batch_size) for name in STREAMS}
+        ppl = {name: _perplexity(stream, streams[name], eval_blocks, settings.batch_size) for name in names}
+    for name in STREAMS:
+        ppl.setdefault(name, ppl["identity"])
     report = CalibrationReport(
         scheme=cfg.to_dict(), ppl_original=ppl["original"], ppl_identity=ppl["identity"],
         ppl_least_squares=ppl["least_squares"], ppl_calibrated=ppl["calibrated"],
@@ -208,7 +212,8 @@ def _perplexity(stream, hidden: list[torch.Tensor], blocks: torch.Tensor, batch_
     nll, count = 0.0, 0
     for j, h in enumerate(hidden):
         ids = blocks[j * batch_size:(j + 1) * batch_size].to(h.device)
-        logits = head(stream.final_hidden(h))[:, :-1].float()
-        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").item()
-        count += ids[:, 1:].numel()
+        for row in range(len(ids)):  # one block at a time: the logits of a large vocabulary dominate memory here
+            logits = head(stream.final_hidden(h[row:row + 1]))[0, :-1].float()
+            nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
     return math.exp(nll / count)

@@ -1,8 +1,8 @@
 """What calibration measures: activation statistics of the original model and the report of a calibration.
 
 :class:`ActivationRecorder` puts forward pre-hooks on every attention module of an (unpatched) model and accumulates,
-per layer, the least-squares sums that :func:`hf_qknorm.conversion.calibrate.closed_form_init` needs (per channel, pooled over
-heads and tokens), the per-head RMS of q, k and v before RoPE, and the largest logit. :class:`CalibrationReport`
+per layer, the least-squares sums that :func:`hf_qknorm.conversion.localfit.closed_form` needs (per channel, pooled
+over heads and tokens), the per-head RMS of q, k and v before RoPE, and the largest logit. :class:`CalibrationReport`
 holds the perplexities and per-layer statistics and formats them for the command line and the model card.
 """
 
