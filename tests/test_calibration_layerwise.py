@@ -190,3 +190,24 @@ def test_bf16_source_calibrates_against_the_written_bits(tmp_path):
     blocks = _blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), 64, 4, "held")
     # the norm values are rounded to bf16 when written: close, not equal
     assert perplexity(model, blocks, batch_size=4) == pytest.approx(result.report.ppl_calibrated, rel=2e-2)
+
+
+def test_cli_logs_progress_when_stderr_is_not_a_terminal(tmp_path):
+    """``hf-qknorm convert`` with stderr to a pipe: no bars, one timestamped line per stage; ``--quiet``: none."""
+    import os
+    import subprocess
+    import sys
+
+    text = tmp_path / "text.txt"
+    text.write_text(SHORT_TEXT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    cmd = [sys.executable, "-m", "hf_qknorm.cli", "convert", "--calibration-text", str(text), "--block-len", "64",
+           "--calibration-blocks", "2", "--eval-blocks", "2", "--local-steps", "3", "--threads", "1"]
+    out = subprocess.run(cmd + ["-o", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "calibrating layer by layer: started (4 layers)" in out.stderr
+    assert "calibrating layer by layer: done, 4/4 layers in" in out.stderr
+    assert "\r" not in out.stderr  # no progress bar redraws in a log
+    quiet_run = subprocess.run(cmd + ["-o", str(tmp_path / "b"), "--quiet"], capture_output=True, text=True,
+                               env=env, timeout=600)
+    assert quiet_run.returncode == 0 and "calibrating layer by layer" not in quiet_run.stderr

@@ -99,7 +99,8 @@ def calibrate_checkpoint(stream: StreamedCheckpoint, cfg: QKNormConfig, calib_bl
             versions = {"identity": _layer_values(ident, prefix),
                         "least_squares": _layer_values(least_squares, prefix),
                         "calibrated": _layer_values(values, prefix)}
-            _advance_eval(stream, orig, patched, streams, eval_calls[i], {k: versions[k] for k in names[1:]})
+            _advance_eval(stream, orig, patched, streams, eval_calls[i], {k: versions[k] for k in names[1:]},
+                          lambda name, i=i: stage.update(0, note=f"layer {i}: held-out {name}"))
             stream.release(i)
             layers.append(stats["layer"])
             stage.update(1, note=f"layer {i}: output error {stats['layer'].fit_error_closed_form:.4f} -> "
@@ -137,6 +138,7 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
             h_t.remove()
         for h, call in zip(calib, calls):
             attn_calls.append(_attention_call(patched, p_attn, h, call))
+    stage.update(0, note=f"layer {i}: statistics")
     layer = recorder.layer_stats()[0]
     closed_form(p_attn, recorder.moments[0], float(o_attn.scaling))
     prefix = f"{stream.prefix}{i}.{family.attention}."
@@ -198,11 +200,15 @@ def _max_logit(stream, attn, calls: list[BlockCall]) -> float:
 
 
 @torch.no_grad()
-def _advance_eval(stream, orig, patched, streams, calls: list[BlockCall], versions: dict) -> None:
+def _advance_eval(stream, orig, patched, streams, calls: list[BlockCall], versions: dict, tick) -> None:
+    """Move the held-out streams one block on: the original block, and the patched block with each version of the
+    new norms (``tick(name)`` after each: a heartbeat for the log)."""
     streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], calls)]
+    tick("original")
     for name, vals in versions.items():
         stream.set_values(vals)
         streams[name] = [run_block(patched, h, c) for h, c in zip(streams[name], calls)]
+        tick(name)
 
 
 @torch.no_grad()
