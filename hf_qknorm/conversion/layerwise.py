@@ -107,18 +107,24 @@ def calibrate_checkpoint(stream: StreamedCheckpoint, cfg: QKNormConfig, calib_bl
                                  f"{stats['layer'].fit_error:.4f}")
     with stream.outer():
         ppl = {name: _perplexity(stream, streams[name], eval_blocks, settings.batch_size) for name in names}
+    report = _report(cfg, ppl, calib_blocks, eval_blocks, layers, settings.local_steps if ident else 0)
+    report.seconds = time.time() - t0
+    return values, report
+
+
+def _report(cfg, ppl: dict, calib_blocks, eval_blocks, layers, local_steps: int) -> CalibrationReport:
     for name in STREAMS:
         ppl.setdefault(name, ppl["identity"])
     report = CalibrationReport(
         scheme=cfg.to_dict(), ppl_original=ppl["original"], ppl_identity=ppl["identity"],
         ppl_least_squares=ppl["least_squares"], ppl_calibrated=ppl["calibrated"],
         calibration_tokens=calib_blocks.numel(), eval_tokens=eval_blocks[:, 1:].numel(), steps=0, kl_start=None,
-        kl_end=None, seconds=time.time() - t0, layers=layers, cap=cfg.softcap, local_steps=settings.local_steps)
+        kl_end=None, seconds=0.0, layers=layers, cap=cfg.softcap, local_steps=local_steps)
     for s in layers:
         top = max(s.max_logit_converted or 0.0, s.max_logit_original)
         if report.cap is not None and top >= CAP_WARN_FRACTION * report.cap:
             report.warnings.append(cap_warning(s, report.cap))
-    return values, report
+    return report
 
 
 def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, settings, stage):
