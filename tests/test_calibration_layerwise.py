@@ -211,3 +211,16 @@ def test_cli_logs_progress_when_stderr_is_not_a_terminal(tmp_path):
     quiet_run = subprocess.run(cmd + ["-o", str(tmp_path / "b"), "--quiet"], capture_output=True, text=True,
                                env=env, timeout=600)
     assert quiet_run.returncode == 0 and "calibrating layer by layer" not in quiet_run.stderr
+
+
+def test_tied_output_head_is_the_embedding(tmp_path):
+    """A checkpoint with tied embeddings stores one matrix: the streamed head scores with it."""
+    model = save_source(tmp_path / "src", "llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    source = inspect_source(tmp_path / "src")
+    assert not any(k.startswith("lm_head") for k in source.weights.key_file)
+    cfg = QKNormConfig("qk_norm", norm="rmsnorm", eps=1e-6)
+    stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, torch.device("cpu"))
+    ids = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(1))
+    _, report = calibrate_checkpoint(stream, cfg, ids, ids, FAST, max_len=128, progress=False)
+    assert report.ppl_original == pytest.approx(perplexity(model, ids, batch_size=4), rel=1e-5)
