@@ -8,8 +8,8 @@ pre-attention norm removed (its gain is already folded into the saved projection
 ``transformers``.
 
 A capped model needs an attention implementation that applies its cap: this module registers ``"qknorm"`` as a plain
-capped attention that materialises the logits, unless the plugin (``pip install hf-qknorm``: fused kernels and a
-memory-lean path) registered it first.
+capped attention that materialises the logits, unless the plugin (the ``hf_qknorm`` package, installed from its
+source with ``pip install .``: fused kernels and a memory-lean path) registered it first.
 """
 
 import transformers
