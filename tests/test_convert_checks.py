@@ -117,14 +117,14 @@ def test_a_source_that_computes_nan_fails_the_conversion(tmp_path):
 
 def test_a_converted_model_that_computes_nan_fails_the_conversion(tmp_path, monkeypatch):
     """The converted side going non-finite (what softcap=1e39 did before caps were bounded): fail, write nothing."""
-    real = converter.run_calibration
+    real = converter._calibrated
 
     def nan_after_conversion(*args, **kwargs):
-        report = real(*args, **kwargs)
+        config, values, report = real(*args, **kwargs)
         report.ppl_calibrated = float("nan")
-        return report
+        return config, values, report
 
-    monkeypatch.setattr(converter, "run_calibration", nan_after_conversion)
+    monkeypatch.setattr(converter, "_calibrated", nan_after_conversion)
     dst = tmp_path / "out"
     with pytest.raises(ConversionCheckError, match="calibrated perplexity nan.*converted model computes non-finite"):
         hf_qknorm.convert(None, dst, calibration_text=SHORT_TEXT, settings=SMALL, progress=False, log=quiet)

@@ -244,10 +244,8 @@ def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout,
     out, weights = capped_eager_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout,
                                           softcap=softcap, is_causal=False)
     top = None
-    if want_max:
-        from ..modeling.telemetry import head_max_logits
-
-        top = head_max_logits(query.detach(), key.detach(), mask, scaling=scaling, causal=False)
+    if want_max:  # the mask is boolean and complete here
+        top = max_logits(query.detach(), key.detach(), scaling=scaling, mask=mask, causal=False)
     return out, weights, top
 
 
