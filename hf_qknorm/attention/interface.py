@@ -8,7 +8,8 @@ packing mask) and ``output_attentions``. The mask rule is :mod:`hf_qknorm.attent
 
 Dispatch: CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``); everything else takes the PyTorch
 path -- ``sdpa`` when there is no cap, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in
-sequence length) when there is one, or when a probe asks for the per-head largest logit of 512 queries or more.
+sequence length) when there is one, or when a probe asks for the per-head largest logit of ``TILED_MAX_MIN_LEN``
+(256) queries or more.
 
 Probes. ``module._qknorm_probes`` (set by :class:`hf_qknorm.modeling.telemetry.LogitTap`) maps keys to callables
 ``probe(module, query, key, attention_mask=, scaling=, softcap=, max_logits=)``, called after the attention with the
@@ -44,10 +45,11 @@ ATTN_IMPLEMENTATION = "qknorm"
 
 _warned: set[str] = set()
 
-# Without a cap, per-head max logits come from the tiled path's own pass from this many queries up (there it runs at
-# 0.85-0.97x sdpa's time); below it, sdpa plus a max-only pass is faster (the tiled path's fixed costs dominate:
-# 1.6x sdpa at 128 queries). Measured on CPU, forward+backward, benchmarks/bench_cpu.py and docs/kernels.md.
-TILED_MAX_MIN_LEN = 512
+# Without a cap, per-head max logits come from the tiled path's own pass from this many queries up; below it, sdpa
+# plus a max-only pass is faster (the tiled path's fixed costs dominate). Measured on CPU, forward+backward, one
+# thread, time relative to sdpa alone: (B, H, T, D) = (16, 4, 128, 32): tiled 1.49x, sdpa + max pass 1.25x;
+# (16, 4, 256, 32): 1.15x vs 1.17x; (8, 4, 256, 64): 1.09x vs 1.15x; (8, 4, 512, 32): 0.88x vs 1.13x.
+TILED_MAX_MIN_LEN = 256
 
 
 def _warn_once(msg: str) -> None:
