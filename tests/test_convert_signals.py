@@ -20,7 +20,9 @@ from test_convert_support import leftovers, one_thread, save_source  # noqa: F40
 
 # The real command line, slowed down after the first shard is written so that the signal lands mid-write.
 SLOW_CONVERT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # a shell's background job starts with SIGINT ignored, which the command respects (as under nohup): not here
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from pathlib import Path
     import hf_qknorm.conversion.shards as shards
     ready, real = Path(sys.argv[1]), shards._save
@@ -122,7 +124,15 @@ def test_remove_stale_keeps_what_may_be_running(tmp_path):
     assert sum(line.startswith("removed ") for line in lines) == len(lines) - 1 == 3 + ("reused pid" in names)
 
 
-def test_signal_guard_defers_inside_the_critical_section():
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test (a shell's background job starts with SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_signal_guard_defers_inside_the_critical_section(python_sigint):
     with tempdirs.stop_signals_raise() as guard:
         if not guard.saved:
             pytest.skip("signal handlers are not the defaults here")
