@@ -373,7 +373,7 @@ def plot_loss_vs_lr(summary: dict, path: Path, bigram: float) -> None:
         top = s["init_loss"]
         xs = [lr for lr, _ in pts]
         ys = [min(v, top) if v is not None else top for _, v in pts]
-        ax.plot(xs, ys, marker="o", label=scheme)
+        ax.plot(xs, ys, marker="o", label=scheme, **_style(scheme))
     ax.axhline(bigram, color="grey", ls=":", lw=1, label="character-bigram loss (divergence line)")
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
@@ -386,12 +386,21 @@ def plot_loss_vs_lr(summary: dict, path: Path, bigram: float) -> None:
     plt.close(fig)
 
 
+def _style(scheme: str) -> dict:
+    """One colour per scheme (tab20: more schemes than tab10 has colours); Muon arms dashed."""
+    import matplotlib
+
+    colours = matplotlib.colormaps["tab20"].colors
+    return {"color": colours[list(SCHEMES).index(scheme) * 2 % 20 + (list(SCHEMES).index(scheme) * 2 >= 20)],
+            "ls": "--" if scheme.startswith("muon") else "-"}
+
+
 def plot_logits_vs_step(runs: list[dict], lr: float, path: Path, key: str = "max_logit") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     for scheme in SCHEMES:
         rec = next((r for r in runs if r["config"]["scheme"] == scheme and r["config"]["lr"] == lr
                     and r["config"]["seed"] == 0 and r["config"].get("p") is None), None)
@@ -400,7 +409,10 @@ def plot_logits_vs_step(runs: list[dict], lr: float, path: Path, key: str = "max
         steps = [p["step"] for p in rec["probe"]]
         pick = min if key == "entropy" else max  # collapse shows in the lowest-entropy layer
         vals = [pick((v for v in p.get(key, []) if v is not None), default=float("nan")) for p in rec["probe"]]
-        ax.plot(steps, vals, label=scheme)
+        ax.plot(steps, vals, label=scheme, **_style(scheme))
+    tau = next((r["config"]["qk_clip_tau"] for r in runs if "qk_clip_tau" in r["config"]), None)
+    if key == "max_logit" and tau is not None:
+        ax.axhline(tau, color="grey", ls=":", lw=1, label=f"QK-Clip tau = {tau:g}")
     ax.set_yscale("linear" if key == "entropy" else "log")
     ax.set_xlabel("step")
     label = {"entropy": "attention entropy, nats (min over layers)","max_logit": "largest attention logit (max over layers)", "rms_qkv": "QKV output RMS (max over layers)",
@@ -408,7 +420,7 @@ def plot_logits_vs_step(runs: list[dict], lr: float, path: Path, key: str = "max
              "rms_fc2": "second MLP layer output RMS (max over layers)"}[key]
     ax.set_ylabel(label)
     ax.set_title(f"{label} at LR {lr:g}, seed 0")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
