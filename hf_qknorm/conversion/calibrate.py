@@ -164,14 +164,6 @@ def teacher_log_probs(model: nn.Module, blocks: torch.Tensor, batch_size: int, p
     return torch.cat(out)
 
 
-@torch.no_grad()
-def perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> float:
-    """Token perplexity on ``blocks`` (every position but the first of each block is a target)."""
-    from ..data import perplexity as _ppl
-
-    return _ppl(model, blocks, batch_size=batch_size)
-
-
 def polish(src, family, cfg, values: dict, calib_blocks: torch.Tensor, eval_blocks: torch.Tensor,
            settings: CalibrationSettings, report: CalibrationReport, progress: bool = True) -> dict:
     """End-to-end KL distillation from the layer-wise ``values``, on the whole model loaded from ``src`` in float32
@@ -179,6 +171,7 @@ def polish(src, family, cfg, values: dict, calib_blocks: torch.Tensor, eval_bloc
     calibrated perplexity, converted max logits) and returns the polished values."""
     from transformers import AutoModelForCausalLM
 
+    from ..data import perplexity
     from ..modeling.patch import patch_model
 
     t0 = time.time()
@@ -195,7 +188,7 @@ def polish(src, family, cfg, values: dict, calib_blocks: torch.Tensor, eval_bloc
             p.copy_(values[name])
     report.kl_start, report.kl_end = distill(model, calib_blocks[:n_teacher], teacher, settings, progress)
     report.steps = settings.steps
-    report.ppl_calibrated = perplexity(model, eval_blocks, bs)
+    report.ppl_calibrated = perplexity(model, eval_blocks, batch_size=bs)
     report.warnings.clear()
     converted_max_logits(model, family, calib_blocks, report, bs)
     report.seconds += time.time() - t0

@@ -29,10 +29,6 @@ from ..modeling.patch import patch_model
 from ..modeling.schemes import QKNormConfig
 from .shards import SourceWeights, WeightPlan, _transform, plan_weights
 
-# The module applied to the last block's output before the output head, by family (absent: "norm").
-_FINAL_NORM = {"gpt2": "ln_f"}
-
-
 class _Stop(Exception):
     """Raised by the last block's recorder: nothing after the blocks needs to run."""
 
@@ -185,7 +181,7 @@ class StreamedCheckpoint:
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm of the last block's output (needs :meth:`outer`)."""
-        return self.original.get_decoder().get_submodule(_FINAL_NORM.get(self.family.model_type, "norm"))(x)
+        return self.original.get_decoder().get_submodule(self.family.final_norm)(x)
 
 
 def _is_cache(value) -> bool:

@@ -29,6 +29,7 @@ class Family:
         native_qk_norm: the family already has ``q_norm``/``k_norm`` (Qwen3's per-head RMSNorm).
         eps_attr: config attribute holding the model's own norm epsilon.
         max_len_attr: config attribute holding the training context length.
+        final_norm: attribute of the base model holding the norm applied before the output head.
         base_model_attr: attribute of the ``*ForCausalLM`` holding the base model (used to name save classes).
     """
 
@@ -47,6 +48,7 @@ class Family:
     native_qk_norm: bool
     eps_attr: str
     max_len_attr: str
+    final_norm: str = "norm"
 
     @property
     def fused_qkv(self) -> bool:
@@ -79,7 +81,7 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family(model_type="gpt2", attention_class="GPT2Attention", layers="transformer.h", attention="attn",
                    prenorm="ln_1", q_proj=None, k_proj=None, v_proj=None, qkv_proj="c_attn", out_proj="c_proj",
                    conv1d=True, rope=False, native_qk_norm=False, eps_attr="layer_norm_epsilon",
-                   max_len_attr="n_positions"),
+                   max_len_attr="n_positions", final_norm="ln_f"),
 }
 
 
