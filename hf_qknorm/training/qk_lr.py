@@ -31,7 +31,8 @@ import logging
 import torch
 from torch import nn
 
-from .heads import HeadRows, layer_rows
+from ..modeling.sharding import check_tensor_parallel, fsdp_owned
+from .heads import HeadRows, head_norms, layer_rows
 from .sites import attention_sites, unwrap
 
 try:
@@ -53,26 +54,15 @@ class _Snapshot:
             raise ValueError(f"{rows.where} is frozen (a LoRA base weight?): Q/K learning-rate control needs "
                              "trainable W_Q and W_K")
         self.rows, self.heads = rows, rows.heads
-        self.snapshot: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.snapshot: list[torch.Tensor] | None = None
 
-    def norms(self) -> torch.Tensor:
-        return self.rows.norms()
-
-    @torch.no_grad()
     def save(self) -> None:
-        bias = self.rows.b()
-        self.snapshot = (self.rows.w().clone(), None if bias is None else bias.clone())
+        self.snapshot = self.rows.snapshot()
 
-    @torch.no_grad()
     def rescale(self, factor: torch.Tensor) -> None:
         """``W <- W_old + factor_h * (W - W_old)`` per head, for the weight and the bias."""
-        old_w, old_b = self.snapshot
-        self.snapshot = None
-        for now, old, shape in ((self.rows.w(), old_w, (-1, 1, 1)), (self.rows.b(), old_b, (-1, 1))):
-            if now is not None:
-                acc = torch.promote_types(now.dtype, torch.float32)
-                f = factor.to(device=now.device, dtype=acc).view(shape)
-                now.copy_(old.to(acc) + (now.to(acc) - old.to(acc)) * f)
+        old, self.snapshot = self.snapshot, None
+        self.rows.rescale_update(old, factor)
 
 
 def _layer_rows(site, config) -> tuple[_Snapshot, _Snapshot]:
@@ -107,7 +97,9 @@ class QKLearningRate:
             raise ValueError(f"tau must be positive, got {tau!r}")
         self.tau, self.rule, self.per_head = float(tau), rule, bool(per_head)
         config = unwrap(model).config
-        self.layers = [_layer_rows(site, config) for site in attention_sites(model)]
+        check_tensor_parallel(model)
+        self.model, self.sites = model, attention_sites(model)
+        self.layers = [_layer_rows(site, config) for site in self.sites]
         self.initial_norms = initial_norms if initial_norms is not None else self._current_norms()
         if len(self.initial_norms["q"]) != len(self.layers):
             raise ValueError(f"initial_norms cover {len(self.initial_norms['q'])} layers, the model has "
@@ -115,18 +107,26 @@ class QKLearningRate:
         self.last_factors: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _current_norms(self) -> dict:
-        return {"q": [q.norms().tolist() for q, _ in self.layers], "k": [k.norms().tolist() for _, k in self.layers]}
+        norms = self._norms()
+        return {"q": [q.tolist() for q, _ in norms], "k": [k.tolist() for _, k in norms]}
+
+    def _norms(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the current per-head norms ``(||W_Q^h||, ||W_K^h||)``: one collective for all layers when the
+        weights are sharded."""
+        flat = head_norms([s.rows for pair in self.layers for s in pair])
+        return list(zip(flat[0::2], flat[1::2]))
 
     # -- the rule ----------------------------------------------------------------------------------------------------
     def factors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, ``(f_Q (heads,), f_K (kv_heads,))``: the multipliers of ``eta`` for this step (float64)."""
         out = []
-        for i, (q, k) in enumerate(self.layers):
+        norms = self._norms() if self.rule != "constant" else [None] * len(self.layers)
+        for i, ((q, k), current) in enumerate(zip(self.layers, norms)):
             if self.rule == "constant":
                 out.append((torch.full((q.heads,), self.tau, dtype=torch.float64),
                             torch.full((k.heads,), self.tau, dtype=torch.float64)))
                 continue
-            nq, nk = q.norms().cpu(), k.norms().cpu()
+            nq, nk = current
             nq0 = torch.tensor(self.initial_norms["q"][i], dtype=torch.float64)
             nk0 = torch.tensor(self.initial_norms["k"][i], dtype=torch.float64)
             if not self.per_head:
@@ -142,10 +142,16 @@ class QKLearningRate:
     # -- around the optimizer step -----------------------------------------------------------------------------------
     def pre_step(self) -> None:
         """Compute this step's factors from the current weights and snapshot W_Q, W_K (call before the step)."""
+        self._check_at_rest()
         self.last_factors = self.factors()
         for q, k in self.layers:
             q.save()
             k.save()
+
+    def _check_at_rest(self) -> None:
+        for owned, (q, k) in zip(fsdp_owned(self.model, [s.module for s in self.sites]), self.layers):
+            q.rows.check_at_rest(owned)
+            k.rows.check_at_rest(owned)
 
     def post_step(self) -> None:
         """Rescale each head's update by its factor (call right after ``optimizer.step()``)."""
