@@ -142,6 +142,7 @@ def test_unsupported_layouts_are_refused_clearly(tmp_path_factory):
     assert "fused Q/K/V projection" in refused["gpt2_tp"] and "FSDP2 or DDP" in refused["gpt2_tp"]
     assert "divisible by 2" in refused["heads_tp"] and "3 heads" in refused["heads_tp"]
     assert "already sharded by FSDP2" in refused["patch_after_fsdp"] and "Patch first" in refused["patch_after_fsdp"]
+    assert "wrapped by DistributedDataParallel" in refused["patch_after_ddp"]
     assert "not summed across ranks" in refused["unsynced_tp"] and "parallelize_attention" in refused["unsynced_tp"]
     assert "unsharded" in refused["unsharded_step"] and "after optimizer.step()" in refused["unsharded_step"]
 
@@ -233,6 +234,8 @@ def _refusals(out: Path, rank: int, world: int) -> None:
     refuse("heads_tp", lambda: hf_qknorm.parallelize_attention(S.build(S.SPECS["fsdp_llama"]), mesh))
     sharded = S.shard(S.build(S.SPECS["fsdp_llama"]), S.SPECS["fsdp_llama"], world)
     refuse("patch_after_fsdp", lambda: hf_qknorm.patch_model(sharded, "qk_norm"))
+    ddp = torch.nn.parallel.DistributedDataParallel(tiny_model("llama"))
+    refuse("patch_after_ddp", lambda: hf_qknorm.patch_model(ddp, "qk_norm"))
     qwen3 = tiny_model("qwen3", dtype=torch.float64, **{**S.TP_SHAPE, "head_dim": 8})
     for layer in qwen3.model.layers:  # torch's own parallelize_module: Qwen3's q_norm/k_norm gradients left partial
         parallelize_module(layer.self_attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),

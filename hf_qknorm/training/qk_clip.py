@@ -159,9 +159,9 @@ class QKClip:
             if top is None:
                 continue
             top = top.to(torch.float64)
-            finite = torch.isfinite(top)
-            skipped += [(index, h, float(top[h])) for h in range(len(top)) if not finite[h]]
-            over = finite & (top > self.tau)
+            bad = torch.isnan(top) | (top == float("inf"))  # -inf is a head no allowed pair reached: fine
+            skipped += [(index, h, float(top[h])) for h in range(len(top)) if bad[h]]
+            over = ~bad & (top > self.tau)
             gamma = torch.where(over, self.tau / torch.where(over, top, torch.ones_like(top)), torch.ones_like(top))
             if not bool(over.any()):
                 continue
