@@ -1,8 +1,9 @@
 """Two CPU processes (gloo) under ``accelerate launch``: the from-scratch recipe trains a patched model with DDP
-through Trainer (monitor and Q/K learning-rate control on) and every rank ends with identical parameters, norm
-weights included, and logs the same (whole-step) monitor statistics; then FSDP2 (``fully_shard``) trains a patched
-model on the same two processes with the monitor and the Q/K learning-rate rule and matches a single-process run on
-the whole batch. The training controls under FSDP2 and tensor parallelism in depth: ``tests/test_sharded.py``.
+through Trainer (monitor, Q/K learning-rate control and QK-Clip callbacks on) and every rank ends with identical
+parameters, norm weights included, logs the same (whole-step) monitor statistics and clips the same heads; then
+FSDP2 (``fully_shard``) trains a patched model on the same two processes with the monitor and the Q/K learning-rate
+rule and matches a single-process run on the whole batch. The training controls under FSDP2 and tensor parallelism
+in depth: ``tests/test_sharded.py``.
 
 This file is also the worker: ``accelerate launch tests/test_distributed.py --worker OUT``.
 """
@@ -26,7 +27,8 @@ FSDP_STEPS, FSDP_BATCH = 3, 4
 def _recipe_args(out: Path, text: Path) -> list[str]:
     return ["--text", str(text), "--out", str(out / "run"), "--max-steps", "3", "--batch-size", "2",
             "--context", "32", "--hidden-size", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1",
-            "--eval-blocks", "2", "--monitor-every", "1", "--qk-lr-tau", "0.5", "--logging-steps", "1",
+            "--eval-blocks", "2", "--monitor-every", "1", "--qk-lr-tau", "0.5", "--qk-clip-tau", "1.0",
+            "--logging-steps", "1",
             "--dump-rank-state", str(out / "ddp")]
 
 
@@ -121,6 +123,8 @@ def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
     assert not torch.equal(a["model.layers.0.self_attn.q_norm.weight"], init)  # the norms trained
     hist_a, hist_b = (json.loads(m["extra"])["monitor"] for m in (meta_a, meta_b))
     assert len(hist_a) == 3 and hist_a == hist_b  # the statistics of the whole step, over both ranks' batches
+    clip_a, clip_b = (json.loads(m["extra"])["qk_clip"] for m in (meta_a, meta_b))
+    assert clip_a and clip_a == clip_b  # QKClipCallback: the same heads clipped by the same factors on both ranks
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["world_size"] == 2 and results["steps"] == 3
     assert (tmp_path / "run" / "final" / "config.json").is_file()

@@ -306,6 +306,21 @@ def test_non_finite_and_non_positive_maxima_are_safe(family, caplog):
         assert torch.equal(attn.q_proj.weight[:3 * d], before["model.layers.0.self_attn.q_proj.weight"][:3 * d])
 
 
+def test_deepspeed_is_refused_by_the_weight_editing_controls():
+    """ZeRO keeps fp32 master weights the rescale would not reach (Megatron-LM's QK-Clip under its distributed
+    optimizer, PR #7382): refused by the Trainer callbacks (Trainer hands them the bare model) and by the classes."""
+    from types import SimpleNamespace
+
+    model = tiny_model("llama")
+    for callback in (hf_qknorm.QKClipCallback(), hf_qknorm.QKLearningRateCallback()):
+        with pytest.raises(NotImplementedError, match="does not support DeepSpeed"):
+            callback.on_train_begin(SimpleNamespace(deepspeed="ds_config.json"), None, None, model=model)
+    model.model.layers[0].self_attn.q_proj.weight.ds_id = 7  # how DeepSpeed marks the parameters it manages
+    for control in (hf_qknorm.QKClip, hf_qknorm.QKLearningRate):
+        with pytest.raises(NotImplementedError, match="ZeRO keeps its own fp32 master copy"):
+            control(model)
+
+
 def test_bad_settings_are_refused():
     model = tiny_model("llama")
     for tau in (0, -1.0, float("inf"), True):

@@ -144,7 +144,47 @@ def test_unsupported_layouts_are_refused_clearly(tmp_path_factory):
     assert "already sharded by FSDP2" in refused["patch_after_fsdp"] and "Patch first" in refused["patch_after_fsdp"]
     assert "wrapped by DistributedDataParallel" in refused["patch_after_ddp"]
     assert "not summed across ranks" in refused["unsynced_tp"] and "parallelize_attention" in refused["unsynced_tp"]
+    for key in ("fsdp1_clip", "fsdp1_qk_lr"):
+        assert "FSDP version 1" in refused[key] and "fully_shard" in refused[key]
     assert "unsharded" in refused["unsharded_step"] and "after optimizer.step()" in refused["unsharded_step"]
+
+
+def test_recipe_fsdp_resumes_identically(tmp_path):
+    """``recipes/pretrain_sharded.py`` under torchrun (2 gloo processes, FSDP2, QK-Clip, monitor and the Q/K rule on):
+    a run resumed from its step-2 sharded checkpoint ends with the uninterrupted run's weights, bit for bit, and the
+    final folder is a whole patched model."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from hf_qknorm.data import bundled_text
+
+    (tmp_path / "text.txt").write_text(bundled_text("tinyshakespeare")[:20_000], encoding="utf-8")
+    common = ["--text", str(tmp_path / "text.txt"), "--max-steps", "4", "--batch-size", "2", "--context", "32",
+              "--hidden-size", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--eval-blocks", "2",
+              "--monitor-every", "1", "--logging-steps", "1", "--qk-clip-tau", "2.0", "--qk-lr-tau", "0.5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+
+    def launch(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), str(ROOT / "recipes" / "pretrain_sharded.py"), *common, *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+        return res.stdout
+
+    full = launch("--out", str(tmp_path / "a"), "--save-steps", "2")
+    resumed = launch("--out", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "checkpoint-2"))
+    assert "fsdp over 2 processes" in full and "resumed at step 2" in resumed
+    a, b = (load_file(str(tmp_path / k / "final" / "model.safetensors")) for k in ("a", "b"))
+    assert a.keys() == b.keys() and any("q_norm" in k for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    config = json.loads((tmp_path / "a" / "final" / "config.json").read_text())
+    assert config["model_type"] == "qknorm_llama" and config["qknorm"]["scheme"] == "qk_norm_cap"
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert results["world_size"] == 2 and results["steps"] == 4 and results["clipped_steps"] >= 1
+    assert json.loads((tmp_path / "b" / "results.json").read_text())["last"] == results["last"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -241,6 +281,11 @@ def _refusals(out: Path, rank: int, world: int) -> None:
         parallelize_module(layer.self_attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
                                                    "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
     refuse("unsynced_tp", lambda: hf_qknorm.QKClip(qwen3))
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = FullyShardedDataParallel(tiny_model("llama"), device_id=torch.device("cpu"))
+    refuse("fsdp1_clip", lambda: hf_qknorm.QKClip(fsdp1))  # before any read of its (freed) weight views
+    refuse("fsdp1_qk_lr", lambda: hf_qknorm.QKLearningRate(fsdp1))
     spec = S.SPECS[CKPT]
     model = S.shard(S.build(spec), spec, world)
     clip = hf_qknorm.QKClip(model, tau=1.0)

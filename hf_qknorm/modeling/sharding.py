@@ -13,7 +13,8 @@ One place for it (the patch, QK-Clip, the Q/K learning-rate rule and the monitor
 - :func:`fsdp_owned`: whether FSDP2 owns a module's parameters (so that a plain tensor there means "unsharded for
   a forward", not "whole").
 - :func:`refuse_distributed`: ``patch_model`` runs before a model is wrapped or sharded, never after (the norms
-  it adds would not be synchronised across ranks: DDP and FSDP only manage the parameters they saw).
+  it adds would not be synchronised across ranks: DDP and FSDP only manage the parameters they saw);
+  :func:`refuse_engines`: the engines whose weights a per-head edit cannot reach (FSDP1, DeepSpeed).
 - Tensor parallelism: :func:`parallelize_attention` shards every attention layer's Q/K/V column-wise and its output
   row-wise (heads split across ranks) and makes the per-head norms' gradients correct (:func:`sync_norm_grads`);
   :func:`check_tensor_parallel` refuses layouts the training controls cannot act on, with what is supported.
@@ -270,6 +271,35 @@ def _tensor_parallel(site, owned_by_fsdp: bool) -> bool:
     proj = getattr(attn, fam.qkv_proj if fam.fused_qkv else fam.q_proj)
     weight = getattr(getattr(proj, "base_layer", proj), "weight", None)
     return is_dtensor(weight) and not owned_by_fsdp
+
+
+def refuse_engines(model: nn.Module, what: str, training_args=None) -> None:
+    """Refuse the engines whose weights a per-head weight edit (QK-Clip, the Q/K rule) cannot reach correctly:
+
+    - FSDP version 1 (``FullyShardedDataParallel``): its flat parameters leave the modules' weights as views of freed
+      storage between forwards (reading them crashed the process in our test); use FSDP2 (``fully_shard``);
+    - DeepSpeed: ZeRO keeps its own fp32 master weights in the optimizer (ZeRO-3 also partitions the parameters), so
+      an edit of the model's weights is overwritten at the next step -- the failure Megatron-LM's QK-Clip had under
+      its distributed optimizer (PR #7382). DeepSpeed is not installed where this package is tested.
+
+    ``training_args``: a ``TrainingArguments`` (a Trainer hands its callbacks the bare model, not the engine)."""
+    chain, inner = [], model
+    for _ in range(16):
+        chain.append(type(inner).__name__)
+        nxt = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+        if not isinstance(nxt, nn.Module) or nxt is inner:
+            break
+        inner = nxt
+    names = set(chain) | {type(m).__name__ for m in unwrap(model).modules()}
+    if "FullyShardedDataParallel" in names:
+        raise NotImplementedError(f"{what} does not support FSDP version 1 (FullyShardedDataParallel: flat "
+                                  "parameters hide each head's rows); shard with FSDP2 (torch.distributed.fsdp."
+                                  "fully_shard) instead")
+    deepspeed = training_args is not None and bool(getattr(training_args, "deepspeed", None))
+    if deepspeed or "DeepSpeedEngine" in names or any(hasattr(p, "ds_id") for p in unwrap(model).parameters()):
+        raise NotImplementedError(f"{what} does not support DeepSpeed: ZeRO keeps its own fp32 master copy of the "
+                                  "weights (ZeRO-3 also partitions them), which a rescale of the model's weights "
+                                  "would not reach; use DDP, FSDP2 or tensor parallelism")
 
 
 def check_tensor_parallel(model: nn.Module) -> list[bool]:

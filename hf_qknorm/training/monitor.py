@@ -18,7 +18,6 @@ gradient accumulation only the first forward of each layer in a recorded step is
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager
 
 import torch
@@ -208,7 +207,8 @@ class QKMonitor:
             vals = vals.to(torch.float64).cpu()
             seen = vals.numel() - len(SUMS)
             first = 1 + len(SUMS) + self._q_rows[i].local_heads(seen)
-            table[i, 0], table[i, 1:1 + len(SUMS)], table[i, first:first + seen] = 1.0, vals[:len(SUMS)], vals[len(SUMS):]
+            table[i, 0] = 1.0
+            table[i, 1:1 + len(SUMS)], table[i, first:first + seen] = vals[:len(SUMS)], vals[len(SUMS):]
         sync = self.sync if self.sync is not None else world_size() > 1
         if not sync:
             return table

@@ -50,7 +50,8 @@ import torch
 from torch import nn
 
 from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
-from ..modeling.sharding import check_tensor_parallel, collective_device, fsdp_owned, local_part, world_size
+from ..modeling.sharding import (check_tensor_parallel, collective_device, fsdp_owned, local_part, refuse_engines,
+                                 world_size)
 from ..modeling.telemetry import LogitTap
 from .heads import layer_rows
 from .sites import attention_sites, unwrap
@@ -88,6 +89,7 @@ class QKClip:
         self.tau, self.alpha = _checked(tau, alpha)
         self.model = model
         config = unwrap(model).config
+        refuse_engines(model, "QK-Clip")
         check_tensor_parallel(model)  # refuses the layouts it cannot act on, saying what is supported
         self.sites = attention_sites(model)
         self.rows = [layer_rows(site, config) for site in self.sites]
@@ -266,6 +268,7 @@ class QKClipCallback(TrainerCallback):
         self.history: list[dict] = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        refuse_engines(model, "QK-Clip", args)
         self.clip = QKClip(model, tau=self.tau, alpha=self.alpha)
 
     def on_optimizer_step(self, args, state, control, **kwargs):

@@ -31,7 +31,7 @@ import logging
 import torch
 from torch import nn
 
-from ..modeling.sharding import check_tensor_parallel, fsdp_owned
+from ..modeling.sharding import check_tensor_parallel, fsdp_owned, refuse_engines
 from .heads import HeadRows, head_norms, layer_rows
 from .sites import attention_sites, unwrap
 
@@ -97,6 +97,7 @@ class QKLearningRate:
             raise ValueError(f"tau must be positive, got {tau!r}")
         self.tau, self.rule, self.per_head = float(tau), rule, bool(per_head)
         config = unwrap(model).config
+        refuse_engines(model, "Q/K learning-rate control")
         check_tensor_parallel(model)
         self.model, self.sites = model, attention_sites(model)
         self.layers = [_layer_rows(site, config) for site in self.sites]
@@ -202,6 +203,7 @@ class QKLearningRateCallback(TrainerCallback, ExportableState):
             saved = saved[0] if isinstance(saved, list) and saved else saved
             if isinstance(saved, dict):
                 self.initial_norms = saved.get("attributes", {}).get("initial_norms")
+        refuse_engines(model, "Q/K learning-rate control", args)
         self.controller = QKLearningRate(model, tau=self.tau, rule=self.rule, per_head=self.per_head,
                                          initial_norms=self.initial_norms)
         self.initial_norms = self.controller.initial_norms
