@@ -225,7 +225,7 @@ def resume_folder(args) -> Path | None:
 
 def train_step(model, opt, ctl, ids, step, args) -> dict:
     """One optimizer step with the controls; returns what to log (loss averaged over ranks)."""
-    monitor = ctl["monitor"] if args.monitor_every and step % args.monitor_every == 0 else None
+    monitor = ctl["monitor"] if args.monitor_every and (step + 1) % args.monitor_every == 0 else None
     for group, base in zip(opt.param_groups, args.base_lrs):
         group["lr"] = base * lr_factor(step, args)
     if monitor is not None:
@@ -272,7 +272,7 @@ def main(argv=None):
         start, history = load_checkpoint(folder, model, opt, ctl)
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"{args.family} {args.scheme}, {args.shard} over {world} processes ({device.type}), "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0"
+        f"{sum(p.numel() for p in model.parameters()):,} parameters"
         + (f", resumed at step {start} from {folder}" if folder is not None else ""), flush=True)
     t0 = time.time()
     for step in range(start, args.max_steps):

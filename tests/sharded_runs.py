@@ -37,13 +37,14 @@ class Spec:
     lora: bool = False
     muon: bool = False
     qk_lr: bool = True
+    controls_first: bool = False  # create the controls before sharding (fully_shard then replaces the parameters)
     worlds: tuple = (2, 4)
 
 
 SPECS = {
     "fsdp_llama": Spec(),
     "fsdp_patched_no_reshard": Spec(scheme="qk_norm_cap", reshard=False),
-    "fsdp_gpt2": Spec(family="gpt2", overrides={"n_embd": 30, "n_head": 3}),
+    "fsdp_gpt2": Spec(family="gpt2", overrides={"n_embd": 30, "n_head": 3}, controls_first=True),
     "fsdp_lora": Spec(lora=True, qk_lr=False, worlds=(2,)),
     "fsdp_muon": Spec(muon=True, worlds=(2,)),
     "fsdp_mixed": Spec(mixed=True, worlds=(2, 4)),
@@ -192,10 +193,11 @@ def run(name: str, rank: int = 0, world: int = 1, sharded: bool = False) -> dict
     spec = SPECS[name]
     model = build(spec)
     tau = tau_for(model)
+    ctl = controls(model, tau, spec) if spec.controls_first else None
     if sharded:
         model = shard(model, spec, world)
     opt = optimizer(model, spec)
-    ctl = controls(model, tau, spec)
+    ctl = ctl or controls(model, tau, spec)
     out = _empty_record(tau)
     model.eval()
     with torch.no_grad():
@@ -250,3 +252,40 @@ def reference_mixed(name: str, world: int) -> dict:
         _record(out, clip, monitor, qk, {"qk/max_logit": max(tops)}, clipped)
     out["params"] = full_params(master)
     return out
+
+
+def report(folder: str, world: int) -> list[str]:
+    """Markdown rows: the largest differences between the sharded runs a worker saved in ``folder``
+    (``torchrun --nproc_per_node WORLD tests/test_sharded.py --worker FOLDER``) and one process."""
+    rows = []
+    for name, spec in SPECS.items():
+        if world not in spec.worlds:
+            continue
+        ranks = [torch.load(f"{folder}/{name}.rank{r}.pt", weights_only=False) for r in range(world)]
+        ref = reference_mixed(name, world) if spec.mixed else run(name)
+
+        def worst(pairs):
+            return max((abs(a - b) for a, b in pairs), default=float("nan"))
+
+        weights = max(float((g["params"][k] - v).abs().max()) for g in ranks for k, v in ref["params"].items())
+        maxima = worst((a, b) for g in ranks for gs, rs in zip(g["S"], ref["S"]) for gl, rl in zip(gs, rs)
+                       for a, b in zip(gl, rl))
+        stats = worst((g["monitor"][i][k], r[k]) for g in ranks for i, r in enumerate(ref["monitor"]) for k in r)
+        factors = worst((a, b) for g in ranks for gs, rs in zip(g["factors"], ref["factors"]) for gl, rl in zip(gs, rs)
+                        for a, b in zip(gl[0] + gl[1], rl[0] + rl[1]))
+        same = all(g["clipped"] == ref["clipped"] for g in ranks)
+        logits = float((ranks[0]["logits0"] - ref["logits0"]).abs().max()) if spec.shard == "tp" else float("nan")
+        rows.append(f"| {world} | {name} | {weights:.1e} | {maxima:.1e} | {stats:.1e} | "
+                    f"{'equal' if same else 'DIFFERENT'} ({sum(len(c) for c in ref['clipped'])} head-steps) | "
+                    f"{factors:.1e} | {logits:.1e} |")
+    return rows
+
+
+if __name__ == "__main__":  # python tests/sharded_runs.py OUT2 2 [OUT4 4]
+    import sys
+
+    torch.set_num_threads(1)
+    print("| processes | run | weights | QK-Clip maxima | monitor | clipped heads | Q/K factors | TP logits |")
+    print("|---|---|---|---|---|---|---|---|")
+    for folder, world in zip(sys.argv[1::2], sys.argv[2::2]):
+        print("\n".join(report(folder, int(world))))

@@ -130,7 +130,8 @@ def fsdp_owned(model: nn.Module, modules: list[nn.Module]) -> list[bool]:
     """For each of ``modules``, whether FSDP2 (``fully_shard``) manages its parameters: it or one of its ancestors in
     ``model`` is an ``FSDPModule``. One walk over the model for all of them."""
     fsdp = _fsdp_module_type()
-    named = list(unwrap(model).named_modules()) if fsdp is not None else []
+    # the object given, not unwrap(model): fully_shard may sit on a wrapper's root (a peft model)
+    named = list(model.named_modules()) if fsdp is not None else []
     owners = [name for name, m in named if isinstance(m, fsdp)] if named else []
     if not owners:
         return [False] * len(modules)
@@ -163,10 +164,9 @@ def refuse_distributed(model: nn.Module) -> None:
         if not isinstance(nxt, nn.Module) or nxt is inner:
             break
         inner = nxt
-    target = unwrap(model)
-    if how is None and fsdp2 is not None and any(isinstance(m, fsdp2) for m in target.modules()):
+    if how is None and fsdp2 is not None and any(isinstance(m, fsdp2) for m in model.modules()):
         how = "sharded by FSDP2 (fully_shard)"
-    if how is None and any(is_dtensor(p) for p in target.parameters()):
+    if how is None and any(is_dtensor(p) for p in model.parameters()):
         how = "sharded (DTensor parameters: tensor parallelism?)"
     if how is not None:
         raise ValueError(f"patch_model got a model already {how}: the norms it adds would not be synchronised "

@@ -12,7 +12,9 @@ or rebuilt from projection hooks and the family's RoPE on any other backend (see
 
 Statistics are computed without grad, in float32 (float64 stays float64), in query chunks of at most
 ``tile_elements`` logits -- never a whole ``(batch, heads, seq, seq)`` tensor. Under gradient checkpointing or
-gradient accumulation only the first forward of each layer in a recorded step is measured.
+gradient accumulation only the first forward of each layer in a recorded step is measured. Over several processes
+(DDP, FSDP2, tensor parallelism) the logged statistics are the whole step's, combined from every rank's sums
+(:class:`QKMonitor`, ``sync``).
 """
 
 from __future__ import annotations

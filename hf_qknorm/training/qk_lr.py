@@ -22,6 +22,10 @@ GQA: key head ``g`` is read by query heads ``h`` with ``h // (heads // kv_heads)
 layout). A query head uses its key head's norm ratio; a key head uses the ratio of the largest norm among its query
 heads (``max_h ||W_Q^h||_0 / max_h ||W_Q^h||``), the worst case Lemma 1 bounds. With ``kv_heads == heads`` this is the
 paper's rule. ``per_head=False`` uses whole-layer norms instead.
+
+Sharded weights (FSDP2, tensor parallelism): each rank computes its shard's share of every head's squared norm, one
+SUM all-reduce per step completes them (all layers packed together), and the snapshot and the rescale act on the
+rank's own shard -- rows of a head split between ranks included (:mod:`hf_qknorm.training.heads`).
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ class QKLearningRate:
     """Per-head (or per-layer) learning-rate factors for ``W_Q`` and ``W_K``, applied around ``optimizer.step()``.
 
     Args:
-        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped is fine) whose
+        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped, FSDP2-sharded or
+            tensor-parallel is fine) whose
             ``W_Q``/``W_K`` are trainable.
         tau: Anson & Aitchison's relative initial learning rate (``rule="norm_ratio"``), or the constant factor
             (``rule="constant"``: ``lr(W_Q) = lr(W_K) = tau * eta``, their "ablation").
@@ -183,8 +188,9 @@ class QKLearningRateCallback(TrainerCallback, ExportableState):
 
     ``Trainer(..., callbacks=[QKLearningRateCallback(tau=1.0)])``. The initial norms ``||.||_0`` are saved with
     every checkpoint (``trainer_state.json``, as an ``ExportableState``) and taken back on
-    ``trainer.train(resume_from_checkpoint=...)``, so a resumed run continues identically. Not for FSDP-sharded
-    weights (refused with a clear error); DDP is fine (every rank computes the same factors).
+    ``trainer.train(resume_from_checkpoint=...)``, so a resumed run continues identically. DDP, FSDP2 and tensor
+    parallelism give every rank the same factors (sharded weights: per-head norms summed over the shards);
+    DeepSpeed and FSDP version 1 are refused.
     """
 
     def __init__(self, tau: float = 1.0, rule: str = "norm_ratio", per_head: bool = True,
