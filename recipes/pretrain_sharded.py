@@ -238,12 +238,15 @@ def train_step(model, opt, ctl, ids, step, args) -> dict:
         ctl["qk"].step(opt)
     else:
         opt.step()
+    t_clip = time.perf_counter()
     clipped = ctl["clip"].step() if ctl["clip"] is not None else []
+    t_clip = time.perf_counter() - t_clip  # the clip's own step: its all-reduce and the rescale
     opt.zero_grad(set_to_none=True)
     mean_loss = loss.detach().float().reshape(1)
     dist.all_reduce(mean_loss)
     return {"step": step + 1, "loss": float(mean_loss) / dist.get_world_size(), "grad_norm": grad_norm,
-            "clipped_heads": len(clipped), **({"max_logit": stats["qk/max_logit"]} if stats else {})}
+            "clipped_heads": len(clipped), "clip_seconds": t_clip,
+            **({"max_logit": stats["qk/max_logit"]} if stats else {})}
 
 
 def save_final(model, args, tokenizer, rank: int) -> None:
@@ -280,13 +283,15 @@ def main(argv=None):
         row = train_step(model, opt, ctl, ids, step, args)
         history.append(row)
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
+                            if k != "clip_seconds"}), flush=True)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(Path(args.out) / f"checkpoint-{step + 1}", model, opt, ctl, step + 1, history, rank)
     results = {"recipe": "pretrain_sharded", "shard": args.shard, "world_size": world, "steps": args.max_steps,
                "train_seconds": round(time.time() - t0, 1), "val_ppl": C.ppl(model, val_blocks),
                "qknorm": getattr(unwrap(model).config, "qknorm", None), "last": history[-1] if history else None,
-               "clipped_steps": ctl["clip"].clipped_steps if ctl["clip"] else None}
+               "clipped_steps": ctl["clip"].clipped_steps if ctl["clip"] else None,
+               "clip_step_seconds": round(sum(r.get("clip_seconds", 0.0) for r in history[start:]), 3)}
     save_final(model, args, tokenizer, rank)
     if rank == 0:
         (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

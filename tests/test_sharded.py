@@ -184,7 +184,10 @@ def test_recipe_fsdp_resumes_identically(tmp_path):
     assert config["model_type"] == "qknorm_llama" and config["qknorm"]["scheme"] == "qk_norm_cap"
     results = json.loads((tmp_path / "a" / "results.json").read_text())
     assert results["world_size"] == 2 and results["steps"] == 4 and results["clipped_steps"] >= 1
-    assert json.loads((tmp_path / "b" / "results.json").read_text())["last"] == results["last"]
+    last_b = json.loads((tmp_path / "b" / "results.json").read_text())["last"]
+    for row in (last_b, results["last"]):
+        row.pop("clip_seconds")  # a timing
+    assert last_b == results["last"]  # the same loss, gradient norm, clipped heads and largest logit
 
 
 # --------------------------------------------------------------------------------------------------------------------
