@@ -124,18 +124,20 @@ class QKClip:
         forwards ran -- all of them under DDP and FSDP2, its own share under tensor parallelism -- and ``-inf``
         elsewhere. A NaN maximum travels as ``+inf`` (MAX with NaN is not well defined), so every rank agrees that
         the head is not finite. Layers no forward reached stay ``None`` (on every rank)."""
-        flat = torch.full((sum(self.heads),), float("-inf"), dtype=torch.float64)  # float64: exact for any input
+        distributed = world_size() > 1
+        seen = next((m for m in self.maxima if m is not None), None)
+        device = collective_device(self.model) if distributed else (seen.device if seen is not None else "cpu")
+        # packed on the device (one transfer to the CPU at the end), float64: exact for any input dtype
+        flat = torch.full((sum(self.heads),), float("-inf"), dtype=torch.float64, device=device)
         starts = [sum(self.heads[:i]) for i in range(len(self.heads))]
         for (q_rows, _), top, start in zip(self.rows, self.maxima, starts):
             if top is None:
                 continue
             first = start + q_rows.local_heads(top.numel())
-            flat[first:first + top.numel()] = _nan_as_inf(top.double().cpu())
-        if world_size() > 1:
-            dist = torch.distributed
-            flat = flat.to(collective_device(self.model))
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-            flat = flat.cpu()
+            flat[first:first + top.numel()] = _nan_as_inf(top.to(device=device, dtype=torch.float64))
+        if distributed:
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
+        flat = flat.cpu()
         out = []
         for start, h in zip(starts, self.heads):
             part = flat[start:start + h]
