@@ -34,6 +34,7 @@ _LAZY = {
     "is_patched": "modeling.patch",
     "qknorm_config": "modeling.patch",
     "unwrap": "modeling.layout",
+    "parallelize_attention": "modeling.sharding",
     "add_remote_code": "modeling.remote",
     "verify": "verification.api",
     "VerifyReport": "verification.report",

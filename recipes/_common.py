@@ -70,10 +70,12 @@ def parser(doc: str, *, text: str, steps: int, lr: float, batch_size: int = 16, 
     t.add_argument("--logging-steps", type=int, default=10)
     t.add_argument("--report-to", default="none", help="Trainer reporters: none, tensorboard, wandb, all ...")
     t.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
-    t.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (full shard) instead of DDP; runs on CPU "
-                   "(gloo) too. Q/K learning-rate control refuses sharded weights")
+    t.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (full shard) instead of DDP (GPUs only: "
+                   "accelerate enables FSDP only there; on CPU use recipes/pretrain_sharded.py)")
     q = p.add_argument_group("hf_qknorm")
     q.add_argument("--monitor-every", type=int, default=10, help="attention-logit monitor period (0: off)")
+    q.add_argument("--qk-clip-tau", type=float, default=None, help="QK-Clip (Kimi K2) with this threshold "
+                   "(default: off)")
     if qk_lr:
         q.add_argument("--qk-lr-tau", type=float, default=None,
                        help="Anson & Aitchison Q/K learning-rate control with this tau (default: off)")
@@ -125,20 +127,22 @@ def training_arguments(args, **overrides):
     if args.fsdp:
         if not torch.cuda.is_available():
             raise SystemExit("--fsdp needs GPUs: accelerate (and so Trainer) enables FSDP only for multi-GPU "
-                             "runs; on CPU the recipes use DDP over gloo (FSDP2's fully_shard itself does run on "
-                             "CPU: see tests/test_distributed.py)")
+                             "runs; on CPU the Trainer recipes use DDP over gloo, and recipes/pretrain_sharded.py "
+                             "trains with FSDP2 (fully_shard over gloo) in a plain loop")
         kw.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
     kw.update(overrides)
     return TrainingArguments(**kw)
 
 
 def make_trainer(model, args, train_ds, targs=None):
-    """A ``Trainer`` with the Q/K learning-rate callback (when asked) and the attention-logit monitor."""
+    """A ``Trainer`` with the Q/K learning-rate and QK-Clip callbacks (when asked) and the attention-logit monitor."""
     from transformers import Trainer
 
     callbacks = []
     if getattr(args, "qk_lr_tau", None) is not None:
         callbacks.append(hf_qknorm.QKLearningRateCallback(tau=args.qk_lr_tau, rule=args.qk_lr_rule))
+    if getattr(args, "qk_clip_tau", None) is not None:
+        callbacks.append(hf_qknorm.QKClipCallback(tau=args.qk_clip_tau))
     trainer = Trainer(model=model, args=targs or training_arguments(args), train_dataset=train_ds,
                       callbacks=callbacks)
     trainer.qk_monitor = None
@@ -250,12 +254,15 @@ def finish(trainer, args, results: dict, save_model=None, tokenizer=None) -> dic
     state = trainer.state
     monitor = getattr(trainer, "qk_monitor", None)
     history = monitor.history if monitor else []
+    clip = next((c for c in trainer.callback_handler.callbacks if isinstance(c, hf_qknorm.QKClipCallback)), None)
     results.update(steps=state.global_step, world_size=trainer.args.world_size,
                    last_logged_loss=next((r["loss"] for r in reversed(state.log_history) if "loss" in r), None),
                    monitor_last=history[-1] if history else None, monitor_alerts=monitor.alerts if monitor else [])
+    if clip is not None:
+        results["qk_clip"] = {"tau": clip.tau, "clipped_steps": clip.clip.clipped_steps, "steps": clip.clip.steps}
     if args.dump_rank_state:
         dump_rank_state(trainer.model, args.dump_rank_state, trainer.args.process_index, trainer.args.world_size,
-                        {"monitor": history})
+                        {"monitor": history, "qk_clip": clip.history if clip is not None else []})
     out = Path(args.out)
     if save_model is trainer.model:
         trainer.save_model(str(out / "final"))  # every rank joins: gathers FSDP shards where there are any

@@ -1,7 +1,9 @@
 """Two CPU processes (gloo) under ``accelerate launch``: the from-scratch recipe trains a patched model with DDP
-through Trainer (monitor and Q/K learning-rate control on) and every rank ends with identical parameters, norm
-weights included; then FSDP2 (``fully_shard``) trains a patched model on the same two processes and matches a
-single-process run on the whole batch.
+through Trainer (monitor, Q/K learning-rate control and QK-Clip callbacks on) and every rank ends with identical
+parameters, norm weights included, logs the same (whole-step) monitor statistics and clips the same heads; then
+FSDP2 (``fully_shard``) trains a patched model on the same two processes with the monitor and the Q/K learning-rate
+rule and matches a single-process run on the whole batch. The training controls under FSDP2 and tensor parallelism
+in depth: ``tests/test_sharded.py``.
 
 This file is also the worker: ``accelerate launch tests/test_distributed.py --worker OUT``.
 """
@@ -25,7 +27,8 @@ FSDP_STEPS, FSDP_BATCH = 3, 4
 def _recipe_args(out: Path, text: Path) -> list[str]:
     return ["--text", str(text), "--out", str(out / "run"), "--max-steps", "3", "--batch-size", "2",
             "--context", "32", "--hidden-size", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1",
-            "--eval-blocks", "2", "--monitor-every", "1", "--qk-lr-tau", "0.5", "--logging-steps", "1",
+            "--eval-blocks", "2", "--monitor-every", "1", "--qk-lr-tau", "0.5", "--qk-clip-tau", "1.0",
+            "--logging-steps", "1",
             "--dump-rank-state", str(out / "ddp")]
 
 
@@ -69,25 +72,19 @@ def _worker(out: Path) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     sharded = type(model.model.layers[0].self_attn.q_norm.weight).__name__
-    try:
-        hf_qknorm.QKLearningRate(model)
-        qk_lr_refused = ""
-    except NotImplementedError as err:  # sharded W_Q / W_K: refused clearly rather than applied wrongly
-        qk_lr_refused = str(err)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    monitor = hf_qknorm.QKMonitor(model)
+    monitor, qk = hf_qknorm.QKMonitor(model), hf_qknorm.QKLearningRate(model, tau=0.5)
     logits = []
     for step, ids in enumerate(_fsdp_batches()):
         mine = ids[rank::world]  # equal halves: the mean of the ranks' mean losses is the whole batch's mean
         with monitor.record(step) as stats:
             loss = model(mine, labels=mine).loss
         loss.backward()
-        opt.step()
+        qk.step(opt)
         opt.zero_grad()
         logits.append(stats["qk/max_logit"])
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    torch.save({"params": full, "sharded": sharded, "logits": logits, "qk_lr_refused": qk_lr_refused},
-               out / f"fsdp_rank{rank}.pt")
+    torch.save({"params": full, "sharded": sharded, "logits": logits}, out / f"fsdp_rank{rank}.pt")
 
 
 def _free_port() -> int:
@@ -100,6 +97,7 @@ def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
     import torch
     from safetensors import safe_open
 
+    import hf_qknorm
     from hf_qknorm.data import bundled_text
 
     (tmp_path / "text.txt").write_text(bundled_text("tinyshakespeare")[:40_000], encoding="utf-8")
@@ -124,22 +122,27 @@ def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
     init = torch.ones_like(a["model.layers.0.self_attn.q_norm.weight"])
     assert not torch.equal(a["model.layers.0.self_attn.q_norm.weight"], init)  # the norms trained
     hist_a, hist_b = (json.loads(m["extra"])["monitor"] for m in (meta_a, meta_b))
-    assert len(hist_a) == 3 and hist_a[0]["qk/layer0/entropy"] != hist_b[0]["qk/layer0/entropy"]  # own batches
+    assert len(hist_a) == 3 and hist_a == hist_b  # the statistics of the whole step, over both ranks' batches
+    clip_a, clip_b = (json.loads(m["extra"])["qk_clip"] for m in (meta_a, meta_b))
+    assert clip_a and clip_a == clip_b  # QKClipCallback: the same heads clipped by the same factors on both ranks
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["world_size"] == 2 and results["steps"] == 3
     assert (tmp_path / "run" / "final" / "config.json").is_file()
 
-    # FSDP2 over the same two gloo processes: equal to one process training on the whole batch
+    # FSDP2 over the same two gloo processes (monitor and Q/K learning-rate rule on): equal to one process training
+    # on the whole batch, the monitor's logged maxima included
     f0, f1 = (torch.load(tmp_path / f"fsdp_rank{r}.pt") for r in range(2))
-    assert f0["sharded"] == "DTensor" and f0["logits"] != f1["logits"]
-    assert "sharded weights (FSDP)" in f0["qk_lr_refused"]
+    assert f0["sharded"] == "DTensor" and f0["logits"] == f1["logits"]
     sys.path.insert(0, str(ROOT / "tests"))
     ref = _fsdp_model()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    for ids in _fsdp_batches():
-        ref(ids, labels=ids).loss.backward()
-        opt.step()
+    monitor, qk = hf_qknorm.QKMonitor(ref), hf_qknorm.QKLearningRate(ref, tau=0.5)
+    for step, ids in enumerate(_fsdp_batches()):
+        with monitor.record() as stats:
+            ref(ids, labels=ids).loss.backward()
+        qk.step(opt)
         opt.zero_grad()
+        assert f0["logits"][step] == pytest.approx(stats["qk/max_logit"], rel=1e-12)
     for name, p in ref.named_parameters():
         assert torch.equal(f0["params"][name], f1["params"][name]), name
         torch.testing.assert_close(f0["params"][name], p.detach(), rtol=1e-9, atol=1e-11, msg=name)

@@ -266,6 +266,61 @@ def test_gradient_accumulation_keeps_the_running_max():
         torch.testing.assert_close(recorded, expected, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_non_finite_and_non_positive_maxima_are_safe(family, caplog):
+    """Megatron-LM's QK-Clip wrote NaN into the weights when a head's maximum logit was <= 0 next to a clipped head
+    (a negative base under a fractional power; their PR #7517). Here: negative, zero and -inf maxima are left alone,
+    NaN and +inf (an overflowed forward) are skipped with a warning rather than scaled by tau / inf = 0, and the one
+    finite head above tau is clipped exactly as the formula says."""
+    model = tiny_model(family, dtype=torch.float64, **({} if family == "gpt2" else {"num_key_value_heads": 4}))
+    if family == "gpt2":
+        with torch.no_grad():
+            model.transformer.h[0].attn.c_attn.bias.normal_()  # zero at init: make the bias's scaling visible
+    clip = hf_qknorm.QKClip(model.train(), tau=2.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    clip.maxima = [torch.tensor([-3.0, 0.0, float("nan"), 8.0], dtype=torch.float64),
+                   torch.tensor([float("inf"), -0.0, float("-inf"), 1.0], dtype=torch.float64)]
+    with caplog.at_level("WARNING", logger="hf_qknorm"):
+        clipped = clip.step()
+    assert [(i, h) for i, h, *_ in clipped] == [(0, 3)] and clipped[0][3] == pytest.approx(0.25)
+    assert [(i, h) for i, h, _ in clip.last_skipped] == [(0, 2), (1, 0)]
+    assert any("non-finite" in r.message for r in caplog.records)
+    changed = set()
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+        if not torch.equal(p, before[name]):
+            changed.add(name)
+    attn = (model.transformer.h[0].attn if family == "gpt2" else model.model.layers[0].self_attn)
+    d = attn.head_dim
+    if family == "gpt2":
+        assert changed == {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"}
+        w, w0 = attn.c_attn.weight, before["transformer.h.0.attn.c_attn.weight"]
+        e = w.shape[1] // 3
+        torch.testing.assert_close(w[:, 3 * d:4 * d], w0[:, 3 * d:4 * d] * 0.5)  # query head 3: 0.25 ** 0.5
+        torch.testing.assert_close(w[:, e + 3 * d:e + 4 * d], w0[:, e + 3 * d:e + 4 * d] * 0.5)  # its key head
+        assert torch.equal(w[:, :3 * d], w0[:, :3 * d]) and torch.equal(w[:, 2 * e:], w0[:, 2 * e:])
+    else:
+        assert changed == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"}
+        torch.testing.assert_close(attn.q_proj.weight[3 * d:], before["model.layers.0.self_attn.q_proj.weight"][3 * d:]
+                                   * 0.5)
+        assert torch.equal(attn.q_proj.weight[:3 * d], before["model.layers.0.self_attn.q_proj.weight"][:3 * d])
+
+
+def test_deepspeed_is_refused_by_the_weight_editing_controls():
+    """ZeRO keeps fp32 master weights the rescale would not reach (Megatron-LM's QK-Clip under its distributed
+    optimizer, PR #7382): refused by the Trainer callbacks (Trainer hands them the bare model) and by the classes."""
+    from types import SimpleNamespace
+
+    model = tiny_model("llama")
+    for callback in (hf_qknorm.QKClipCallback(), hf_qknorm.QKLearningRateCallback()):
+        with pytest.raises(NotImplementedError, match="does not support DeepSpeed"):
+            callback.on_train_begin(SimpleNamespace(deepspeed="ds_config.json"), None, None, model=model)
+    model.model.layers[0].self_attn.q_proj.weight.ds_id = 7  # how DeepSpeed marks the parameters it manages
+    for control in (hf_qknorm.QKClip, hf_qknorm.QKLearningRate):
+        with pytest.raises(NotImplementedError, match="ZeRO keeps its own fp32 master copy"):
+            control(model)
+
+
 def test_bad_settings_are_refused():
     model = tiny_model("llama")
     for tau in (0, -1.0, float("inf"), True):

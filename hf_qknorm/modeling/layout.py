@@ -85,6 +85,13 @@ class AttentionSite:
         return getattr(self.module.config, "_attn_implementation", None)
 
 
+def num_heads(attn: nn.Module, config) -> tuple[int, int]:
+    """``(query heads, key/value heads)`` of an attention module (the whole model's, not one rank's share)."""
+    heads = getattr(config, "num_attention_heads", None) or getattr(attn, "num_heads")
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return int(heads), int(kv)
+
+
 def attention_sites(model: nn.Module) -> list[AttentionSite]:
     """Every attention module of ``model`` (wrapped or not), in layer order, found through the family table."""
     family, modules = attention_modules(model)

@@ -15,6 +15,7 @@ from torch import nn
 from .classes import mark_patched
 from .layout import unwrap
 from .schemes import QKNormConfig
+from .sharding import refuse_distributed
 from .structure import ATTN_IMPLEMENTATION, apply_scheme, own_config, plan_scheme
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ def patch_model(model: nn.Module, scheme: str | QKNormConfig = "qk_norm_cap", *,
     Args:
         model: a loaded Llama, Mistral, Qwen2, Qwen3 or GPT-2 model (any head class: ``*ForCausalLM``, the base
             model, sequence/token classification, question answering), in any dtype, optionally wrapped by
-            ``peft``, DDP or ``torch.compile``.
+            ``peft`` or ``torch.compile``; not yet wrapped by DDP or sharded (FSDP2, tensor parallelism): patch
+            first, then wrap or shard, so that the new norms are synchronised like every other parameter.
         scheme: ``"qk_norm"``, ``"soft_cap"``, ``"qk_norm_cap"`` or ``"qkv_norm"`` -- or a :class:`QKNormConfig`
             (then give no other settings), as ``peft.get_peft_model(model, config)`` takes one.
         norm: ``"layernorm"`` (default), ``"rmsnorm"``, ``"l2"`` or ``"lp"`` (with ``p``); not for ``soft_cap``.
@@ -41,6 +43,7 @@ def patch_model(model: nn.Module, scheme: str | QKNormConfig = "qk_norm_cap", *,
     (which cannot cap) to the ``"qknorm"`` attention implementation; any other backend is refused.
     """
     cfg = _resolve_config(scheme, norm=norm, softcap=softcap, eps=eps, p=p)
+    refuse_distributed(model)  # patch first, then wrap or shard: DDP/FSDP would not sync the norms added here
     target = unwrap(model)
     plan = plan_scheme(target, cfg)  # every check happens here, before anything changes
     own_config(target)

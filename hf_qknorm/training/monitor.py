@@ -12,19 +12,23 @@ or rebuilt from projection hooks and the family's RoPE on any other backend (see
 
 Statistics are computed without grad, in float32 (float64 stays float64), in query chunks of at most
 ``tile_elements`` logits -- never a whole ``(batch, heads, seq, seq)`` tensor. Under gradient checkpointing or
-gradient accumulation only the first forward of each layer in a recorded step is measured.
+gradient accumulation only the first forward of each layer in a recorded step is measured. Over several processes
+(DDP, FSDP2, tensor parallelism) the logged statistics are the whole step's, combined from every rank's sums
+(:class:`QKMonitor`, ``sync``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from ..modeling.sharding import check_tensor_parallel, collective_device, world_size
 from ..modeling.telemetry import TILE_ELEMENTS, LogitTap, logit_tiles
+from .heads import layer_rows
+from .sites import unwrap
 
 try:  # a plain-loop user needs no transformers Trainer machinery
     from transformers import TrainerCallback
@@ -60,6 +64,18 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
         a float tensor of ``4 + heads`` values (float64 for float64 inputs, else float32), on ``q``'s device. The
         maxima are over allowed positions; the entropy is averaged over query rows with at least one allowed key.
     """
+    sums = attention_sums(q, k, attention_mask, scaling=scaling, softcap=softcap, causal=causal,
+                          tile_elements=tile_elements)
+    return _ratios(sums)
+
+
+@torch.no_grad()
+def attention_sums(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                   scaling: float, softcap: float | None = None, causal: bool = True,
+                   tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+    """What :func:`attention_stats` is made of, as quantities that add up across processes: ``[largest logit,
+    entropy sum, rows with an allowed key, sum q^2, q elements, sum k^2, k elements, max logit of each head]``
+    (``len(SUMS) + heads`` values; same arguments and dtype)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     heads, kv_heads = q.shape[1], k.shape[1]
     best = torch.full((kv_heads, heads // kv_heads), float("-inf"), dtype=acc, device=q.device)
@@ -80,9 +96,22 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
         valid = z > 0  # rows with at least one allowed key
         ent_sum += torch.where(valid, torch.log(z) - et / z.clamp_min(torch.finfo(acc).tiny), 0.0).sum()
         n_rows += valid.sum()
-    rms_q = torch.linalg.vector_norm(q, dtype=acc) / math.sqrt(max(1, q.numel()))
-    rms_k = torch.linalg.vector_norm(k, dtype=acc) / math.sqrt(max(1, k.numel()))
-    return torch.cat([torch.stack([best.max(), ent_sum / n_rows.clamp_min(1), rms_q, rms_k]), best.reshape(heads)])
+    sq_q = torch.linalg.vector_norm(q, dtype=acc).square()
+    sq_k = torch.linalg.vector_norm(k, dtype=acc).square()
+    counts = [torch.tensor(float(n), dtype=acc, device=q.device) for n in (q.numel(), k.numel())]
+    return torch.cat([torch.stack([best.max(), ent_sum, n_rows, sq_q, counts[0], sq_k, counts[1]]),
+                      best.reshape(heads)])
+
+
+SUMS = ("max_logit", "entropy_sum", "rows", "q_sq", "q_elements", "k_sq", "k_elements")
+
+
+def _ratios(sums: torch.Tensor) -> torch.Tensor:
+    """:func:`attention_sums`' layout -> :func:`attention_stats`' (works on ``(..., len(SUMS) + heads)``)."""
+    top, ent, rows, sq_q, n_q, sq_k, n_k = sums[..., :len(SUMS)].unbind(-1)
+    stats = torch.stack([top, ent / rows.clamp_min(1), (sq_q / n_q.clamp_min(1)).sqrt(),
+                         (sq_k / n_k.clamp_min(1)).sqrt()], dim=-1)
+    return torch.cat([stats, sums[..., len(SUMS):]], dim=-1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -105,12 +134,24 @@ class QKMonitor:
     :attr:`alerts`) fire when a layer's largest pre-cap logit reaches ``cap_warn_fraction`` of its cap, or passes
     ``warn_logit`` (default 1e3, a tenth of the 1e4 at which Wortsman et al. 2023's runs diverged) or
     ``diverge_logit`` (1e4); each fires once until the condition clears.
+
+    Several processes (``sync``; default: whenever ``torch.distributed`` runs more than one process): the statistics
+    are those of the whole step over all ranks -- maxima over ranks, entropy and RMS from the ranks' sums -- exactly
+    what one process seeing the whole batch would log, identical on every rank; one all-gather per recorded step.
+    Every rank must then record the same steps (the callback does). Under tensor parallelism each rank measures its
+    own heads and the per-head maxima land at their global head index. ``sync=False`` keeps each rank's own.
     """
 
     def __init__(self, model: nn.Module, *, prefix: str = "qk/", tile_elements: int = TILE_ELEMENTS,
-                 cap_warn_fraction: float = 0.8, warn_logit: float = 1e3, diverge_logit: float = DIVERGENCE_LOGIT):
+                 cap_warn_fraction: float = 0.8, warn_logit: float = 1e3, diverge_logit: float = DIVERGENCE_LOGIT,
+                 sync: bool | None = None):
+        check_tensor_parallel(model)  # refuses tensor-parallel layouts it cannot read, saying what is supported
+        self.model = model
         self.tap = LogitTap(model, lambda *args: self._measure(*args))
         self.sites = self.tap.sites
+        config = unwrap(model).config
+        self._q_rows = [layer_rows(site, config)[0] for site in self.sites]  # where a rank's heads sit (TP)
+        self.sync = sync
         self.prefix, self.tile_elements = prefix, int(tile_elements)
         self.cap_warn_fraction, self.warn_logit, self.diverge_logit = cap_warn_fraction, warn_logit, diverge_logit
         self.alerts: list[dict] = []
@@ -152,23 +193,58 @@ class QKMonitor:
     def _measure(self, index: int, attn: nn.Module, q, k, attention_mask, scaling, softcap) -> None:
         if index in self._results:  # gradient checkpointing recomputes; accumulation repeats: first call only
             return
-        vals = attention_stats(q.detach(), k.detach(), attention_mask, scaling=float(scaling), softcap=softcap,
-                               causal=getattr(attn, "is_causal", True), tile_elements=self.tile_elements)
+        vals = attention_sums(q.detach(), k.detach(), attention_mask, scaling=float(scaling), softcap=softcap,
+                              causal=getattr(attn, "is_causal", True), tile_elements=self.tile_elements)
         self._results[index] = (vals, softcap)
 
     # -- reporting ---------------------------------------------------------------------------------------------------
+    def _table(self) -> torch.Tensor:
+        """Per layer ``[measured, *SUMS, max logit of every head]`` (float64, ``-inf`` for heads this rank did not
+        run), over all ranks when synchronised: one all-gather for all layers."""
+        width = 1 + len(SUMS) + max(q.heads for q in self._q_rows)
+        table = torch.zeros(len(self.sites), width, dtype=torch.float64)
+        table[:, 1 + len(SUMS):] = float("-inf")
+        table[:, 1] = float("-inf")
+        for i, (vals, _) in self._results.items():
+            vals = vals.to(torch.float64).cpu()
+            seen = vals.numel() - len(SUMS)
+            first = 1 + len(SUMS) + self._q_rows[i].local_heads(seen)
+            table[i, 0] = 1.0
+            table[i, 1:1 + len(SUMS)], table[i, first:first + seen] = vals[:len(SUMS)], vals[len(SUMS):]
+        sync = self.sync if self.sync is not None else world_size() > 1
+        if not sync:
+            return table
+        dist = torch.distributed
+        local = table.to(collective_device(self.model))
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        every = torch.stack(parts).cpu()  # (ranks, layers, width)
+        out = every.sum(0)  # the counts and sums add up ...
+        out[:, 0] = every[:, :, 0].amax(0)
+        out[:, 1] = every[:, :, 1].amax(0)  # ... the maxima do not (amax keeps a NaN: every rank sees it)
+        out[:, 1 + len(SUMS):] = every[:, :, 1 + len(SUMS):].amax(0)
+        return out
+
     def _collect(self) -> dict[str, float]:
-        if not self._results:
+        sync = self.sync if self.sync is not None else world_size() > 1
+        if not self._results and not sync:
             return {}
-        order = sorted(self._results)
-        table = torch.stack([self._results[i][0].to(torch.float64).cpu() for i in order]).tolist()  # one sync
-        self.head_max_logits = {i: row[len(STATS):] for i, row in zip(order, table)}
-        p = self.prefix
-        stats = {f"{p}max_logit": max(row[0] for row in table), f"{p}min_entropy": min(row[1] for row in table)}
-        for i, row in zip(order, table):
-            stats.update({f"{p}layer{i}/{name}": value for name, value in zip(STATS, row[:len(STATS)])})
-        self._softcaps = {i: self._results[i][1] for i in order}
+        softcaps = {i: cap for i, (_, cap) in self._results.items()}
+        table = self._table()
         self._results.clear()
+        order = [i for i in range(len(self.sites)) if table[i, 0] > 0]
+        if not order:
+            return {}
+        stats_rows = _ratios(table[order, 1:]).tolist()
+        self.head_max_logits = {i: row[len(STATS):len(STATS) + self._q_rows[i].heads]
+                                for i, row in zip(order, stats_rows)}
+        p = self.prefix
+        stats = {f"{p}max_logit": max(row[0] for row in stats_rows),
+                 f"{p}min_entropy": min(row[1] for row in stats_rows)}
+        for i, row in zip(order, stats_rows):
+            stats.update({f"{p}layer{i}/{name}": value for name, value in zip(STATS, row[:len(STATS)])})
+        cap = next((c for c in softcaps.values() if c is not None), None)  # the scheme's one cap, if any
+        self._softcaps = {i: softcaps.get(i, cap) for i in order}
         return stats
 
     def _check(self, stats: dict[str, float], step: int | None) -> None:

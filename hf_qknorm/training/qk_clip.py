@@ -26,8 +26,16 @@ Where the rows are and what else scales with them:
   bias) by ``(min_h gamma_h) ** alpha``, ``k_norm``'s by ``(min_h gamma_h) ** (1 - alpha)``; ``l2``/``lp`` norms
   carry one logit scale on ``q_norm``, which takes the whole ``min_h gamma_h``. Every head ends at or below
   ``tau``; heads that were below it shrink too;
-- FSDP with sharded weights holds only part of each head's rows: refused (use DDP); DDP: every rank sees the same
-  all-reduced maxima and weights, so every rank clips identically.
+- several processes: the per-head maxima of all layers travel in one MAX all-reduce per step (the way torchtitan
+  does it); every rank then computes the same factors. DDP: every rank rescales its whole replica. FSDP2
+  (``fully_shard``, ``DTensor`` shards): every rank rescales its own shard of each head's rows -- a head whose rows
+  are split between ranks is scaled on both -- and the norm gains' shards, with no further communication. Tensor
+  parallelism (heads split across ranks, :func:`hf_qknorm.parallelize_attention`): each rank records its own heads
+  and rescales its own rows. Call :meth:`QKClip.step` after ``optimizer.step()``, when FSDP2 has resharded (refused
+  otherwise: an edit of gathered weights would be lost). An optimizer that keeps its own master copy of the weights
+  (a ZeRO-style distributed optimizer) would need that copy scaled too: not supported (DeepSpeed is refused).
+- a maximum that is not finite (overflow, NaN) gives no factor: that head is skipped and a warning logged; a
+  maximum at or below zero is below ``tau`` and untouched (never a negative base under a fractional power).
 
 Recording: on the ``"qknorm"`` backend the per-head maxima come out of the attention's own pass (the Triton kernels'
 and the PyTorch path's row maxima); on other backends they cost one chunked ``q k^T`` per layer and forward (no
@@ -42,6 +50,8 @@ import torch
 from torch import nn
 
 from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+from ..modeling.sharding import (check_tensor_parallel, collective_device, fsdp_owned, local_part, refuse_engines,
+                                 world_size)
 from ..modeling.telemetry import LogitTap
 from .heads import layer_rows
 from .sites import attention_sites, unwrap
@@ -59,7 +69,8 @@ class QKClip:
     training mode) from then on, and :meth:`step` -- after each ``optimizer.step()`` -- rescales and clears.
 
     Args:
-        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped is fine).
+        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped, sharded by FSDP2 or
+            tensor-parallel is fine).
         tau: the largest logit a head may keep (Kimi K2: 100).
         alpha: the query's share of the rescaling (0.5: split evenly between query and key).
 
@@ -78,12 +89,16 @@ class QKClip:
         self.tau, self.alpha = _checked(tau, alpha)
         self.model = model
         config = unwrap(model).config
+        refuse_engines(model, "QK-Clip")
+        check_tensor_parallel(model)  # refuses the layouts it cannot act on, saying what is supported
         self.sites = attention_sites(model)
-        self.rows = [layer_rows(site, config) for site in self.sites]  # refuses sharded (FSDP) weights
+        self.rows = [layer_rows(site, config) for site in self.sites]
         self.norms = [_normed_gains(site) for site in self.sites]
         self.heads = [q.heads for q, _ in self.rows]
-        self.maxima: list[torch.Tensor | None] = [None] * len(self.sites)
+        self.maxima: list[torch.Tensor | None] = [None] * len(self.sites)  # this rank's, its own heads only
+        self.last_maxima: list[list[float] | None] = []  # the last step's gathered per-head maxima, per layer
         self.last_clipped: list[tuple[int, int, float, float]] = []
+        self.last_skipped: list[tuple[int, int, float]] = []
         self.steps = self.clipped_steps = 0
         self._tap = LogitTap(model, self._record, max_logits=True, training_only=True)
         self._tap.attach()
@@ -91,6 +106,7 @@ class QKClip:
     # -- recording ---------------------------------------------------------------------------------------------------
     def _record(self, index, attn, q, k, mask, scaling, softcap, top):
         seen = self.maxima[index]
+        top = top.detach()
         self.maxima[index] = top if seen is None else torch.maximum(seen, top)
 
     def close(self) -> None:
@@ -103,53 +119,78 @@ class QKClip:
 
     # -- the clip ----------------------------------------------------------------------------------------------------
     def gathered_maxima(self) -> list[torch.Tensor | None]:
-        """The recorded per-head maxima, all-reduced (MAX) across ranks when ``torch.distributed`` is initialised.
-        Layers no forward reached stay ``None`` (on every rank: a rank that saw a layer sends its maxima, the others
-        ``-inf``)."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return list(self.maxima)
-        device = next(unwrap(self.model).parameters()).device
-        if dist.get_backend() == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        flat = torch.cat([(m.float().to(device) if m is not None else torch.full((h,), float("-inf"), device=device))
-                          for m, h in zip(self.maxima, self.heads)])
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-        out, start = [], 0
-        for h in self.heads:
+        """Per layer, every query head's recorded maximum (float64 ``(heads,)`` on the CPU), over all ranks: one MAX
+        all-reduce for all layers when ``torch.distributed`` is initialised. Each rank contributes the heads its
+        forwards ran -- all of them under DDP and FSDP2, its own share under tensor parallelism -- and ``-inf``
+        elsewhere. A NaN maximum travels as ``+inf`` (MAX with NaN is not well defined), so every rank agrees that
+        the head is not finite. Layers no forward reached stay ``None`` (on every rank)."""
+        distributed = world_size() > 1
+        seen = next((m for m in self.maxima if m is not None), None)
+        device = collective_device(self.model) if distributed else (seen.device if seen is not None else "cpu")
+        # packed on the device (one transfer to the CPU at the end), float64: exact for any input dtype
+        flat = torch.full((sum(self.heads),), float("-inf"), dtype=torch.float64, device=device)
+        starts = [sum(self.heads[:i]) for i in range(len(self.heads))]
+        for (q_rows, _), top, start in zip(self.rows, self.maxima, starts):
+            if top is None:
+                continue
+            first = start + q_rows.local_heads(top.numel())
+            flat[first:first + top.numel()] = _nan_as_inf(top.to(device=device, dtype=torch.float64))
+        if distributed:
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
+        flat = flat.cpu()
+        out = []
+        for start, h in zip(starts, self.heads):
             part = flat[start:start + h]
-            out.append(part if bool(torch.isfinite(part).any()) else None)
-            start += h
+            out.append(part if bool((part > float("-inf")).any()) else None)
         return out
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, int, float, float]]:
         """Rescale every head whose recorded maximum exceeds ``tau``, then clear the record. Returns (and keeps in
-        :attr:`last_clipped`) ``(layer, head, S_h, gamma_h)`` for each clipped head."""
+        :attr:`last_clipped`) ``(layer, head, S_h, gamma_h)`` for each clipped head.
+
+        A head whose maximum is not finite (an overflowed or NaN forward) has no meaningful factor: it is left
+        alone, listed in :attr:`last_skipped` and logged as a warning -- scaling it by ``tau / inf = 0`` would erase
+        it. A maximum at or below zero never exceeds ``tau > 0``, so it is never clipped (no negative base under a
+        fractional power: no NaN)."""
+        self._check_at_rest()
         maxima = self.gathered_maxima()
         self.maxima = [None] * len(self.sites)
         self.steps += 1
-        clipped = []
+        self.last_maxima = [None if m is None else m.tolist() for m in maxima]
+        clipped, skipped = [], []
         for index, (top, (q_rows, k_rows), norms) in enumerate(zip(maxima, self.rows, self.norms)):
             if top is None:
                 continue
-            top = top.to(torch.float64).cpu()
-            gamma = torch.where(top > self.tau, self.tau / top, torch.ones_like(top))
-            if bool((gamma >= 1).all()):
+            top = top.to(torch.float64)
+            bad = torch.isnan(top) | (top == float("inf"))  # -inf is a head no allowed pair reached: fine
+            skipped += [(index, h, float(top[h])) for h in range(len(top)) if bad[h]]
+            over = ~bad & (top > self.tau)
+            gamma = torch.where(over, self.tau / torch.where(over, top, torch.ones_like(top)), torch.ones_like(top))
+            if not bool(over.any()):
                 continue
-            clipped += [(index, h, float(top[h]), float(gamma[h])) for h in range(len(top)) if gamma[h] < 1]
+            clipped += [(index, h, float(top[h]), float(gamma[h])) for h in range(len(top)) if over[h]]
             if norms is not None:
                 _scale_norm_gains(norms, float(gamma.min()), self.alpha)
                 continue
             groups = q_rows.heads // k_rows.heads
             q_rows.scale(gamma.pow(self.alpha))
             k_rows.scale(gamma.view(k_rows.heads, groups).amin(1).pow(1.0 - self.alpha))
+        self.last_skipped = skipped
+        if skipped:
+            logger.warning("QK-Clip: non-finite attention logits, heads left unclipped: %s",
+                           ", ".join(f"layer {i} head {h}: {s}" for i, h, s in skipped))
         if clipped:
             self.clipped_steps += 1
             self.last_clipped = clipped
             logger.info("QK-Clip (tau %g): %s", self.tau,
                         ", ".join(f"layer {i} head {h}: {s:.4g} -> x{g:.4f}" for i, h, s, g in clipped))
         return clipped
+
+    def _check_at_rest(self) -> None:
+        for owned, (q_rows, k_rows) in zip(fsdp_owned(self.model, [s.module for s in self.sites]), self.rows):
+            q_rows.check_at_rest(owned)
+            k_rows.check_at_rest(owned)
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -158,6 +199,12 @@ class QKClip:
     def load_state_dict(self, state: dict) -> None:
         self.tau, self.alpha = float(state["tau"]), float(state["alpha"])
         self.steps, self.clipped_steps = int(state["steps"]), int(state["clipped_steps"])
+
+
+def _nan_as_inf(t: torch.Tensor) -> torch.Tensor:
+    """NaN -> +inf, everything else (infinities included) as it is (``nan_to_num`` would turn +inf into the largest
+    finite number: a factor of ~1e-308 that erases the head)."""
+    return torch.where(torch.isnan(t), torch.full_like(t, float("inf")), t)
 
 
 def _checked(tau, alpha) -> tuple[float, float]:
@@ -197,8 +244,8 @@ def _scale_norm_gains(norms, gamma: float, alpha: float) -> None:
         for module in _norm_copies(norm):
             for name in ("weight", "bias"):
                 param = getattr(module, name, None)
-                if param is not None:
-                    param.mul_(factor)
+                if param is not None:  # this rank's block (FSDP2 shards even a (head_dim,) gain): no collective
+                    local_part(param, f"{name} of {type(module).__name__}").tensor.mul_(factor)
 
 
 def _norm_copies(norm: nn.Module) -> list[nn.Module]:
@@ -213,17 +260,26 @@ class QKClipCallback(TrainerCallback):
 
     ``Trainer(..., callbacks=[QKClipCallback(tau=100.0)])``. The clip is created when training begins and records
     every training forward from then on. :attr:`clip` is the :class:`QKClip`; ``clip.clipped_steps`` counts the steps
-    that clipped something (also logged as ``qk_clip/clipped_heads`` when a step clipped)."""
+    that clipped something. :attr:`history` has one entry per step that clipped (or skipped a non-finite head):
+    ``{"step", "clipped": [[layer, head, S_h, gamma_h], ...], "skipped": [...]}``, also appended to
+    ``state.log_history`` (so it is saved with checkpoints)."""
 
     def __init__(self, tau: float = 100.0, alpha: float = 0.5):
         self.tau, self.alpha = _checked(tau, alpha)
         self.clip: QKClip | None = None
+        self.history: list[dict] = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        refuse_engines(model, "QK-Clip", args)
         self.clip = QKClip(model, tau=self.tau, alpha=self.alpha)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.clip.step()
+        clipped = self.clip.step()
+        if clipped or self.clip.last_skipped:
+            entry = {"step": state.global_step + 1,  # the step this optimizer update completes
+                     "clipped": [list(c) for c in clipped], "skipped": [list(c) for c in self.clip.last_skipped]}
+            self.history.append(entry)
+            state.log_history.append({"qk_clip/clipped_heads": len(clipped), "step": entry["step"]})
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.clip is not None:

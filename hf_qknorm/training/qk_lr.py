@@ -22,6 +22,10 @@ GQA: key head ``g`` is read by query heads ``h`` with ``h // (heads // kv_heads)
 layout). A query head uses its key head's norm ratio; a key head uses the ratio of the largest norm among its query
 heads (``max_h ||W_Q^h||_0 / max_h ||W_Q^h||``), the worst case Lemma 1 bounds. With ``kv_heads == heads`` this is the
 paper's rule. ``per_head=False`` uses whole-layer norms instead.
+
+Sharded weights (FSDP2, tensor parallelism): each rank computes its shard's share of every head's squared norm, one
+SUM all-reduce per step completes them (all layers packed together), and the snapshot and the rescale act on the
+rank's own shard -- rows of a head split between ranks included (:mod:`hf_qknorm.training.heads`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import logging
 import torch
 from torch import nn
 
-from .heads import HeadRows, layer_rows
+from ..modeling.sharding import check_tensor_parallel, fsdp_owned, refuse_engines
+from .heads import HeadRows, head_norms, layer_rows
 from .sites import attention_sites, unwrap
 
 try:
@@ -53,26 +58,15 @@ class _Snapshot:
             raise ValueError(f"{rows.where} is frozen (a LoRA base weight?): Q/K learning-rate control needs "
                              "trainable W_Q and W_K")
         self.rows, self.heads = rows, rows.heads
-        self.snapshot: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.snapshot: list[torch.Tensor] | None = None
 
-    def norms(self) -> torch.Tensor:
-        return self.rows.norms()
-
-    @torch.no_grad()
     def save(self) -> None:
-        bias = self.rows.b()
-        self.snapshot = (self.rows.w().clone(), None if bias is None else bias.clone())
+        self.snapshot = self.rows.snapshot()
 
-    @torch.no_grad()
     def rescale(self, factor: torch.Tensor) -> None:
         """``W <- W_old + factor_h * (W - W_old)`` per head, for the weight and the bias."""
-        old_w, old_b = self.snapshot
-        self.snapshot = None
-        for now, old, shape in ((self.rows.w(), old_w, (-1, 1, 1)), (self.rows.b(), old_b, (-1, 1))):
-            if now is not None:
-                acc = torch.promote_types(now.dtype, torch.float32)
-                f = factor.to(device=now.device, dtype=acc).view(shape)
-                now.copy_(old.to(acc) + (now.to(acc) - old.to(acc)) * f)
+        old, self.snapshot = self.snapshot, None
+        self.rows.rescale_update(old, factor)
 
 
 def _layer_rows(site, config) -> tuple[_Snapshot, _Snapshot]:
@@ -84,7 +78,8 @@ class QKLearningRate:
     """Per-head (or per-layer) learning-rate factors for ``W_Q`` and ``W_K``, applied around ``optimizer.step()``.
 
     Args:
-        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped is fine) whose
+        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped, FSDP2-sharded or
+            tensor-parallel is fine) whose
             ``W_Q``/``W_K`` are trainable.
         tau: Anson & Aitchison's relative initial learning rate (``rule="norm_ratio"``), or the constant factor
             (``rule="constant"``: ``lr(W_Q) = lr(W_K) = tau * eta``, their "ablation").
@@ -107,7 +102,10 @@ class QKLearningRate:
             raise ValueError(f"tau must be positive, got {tau!r}")
         self.tau, self.rule, self.per_head = float(tau), rule, bool(per_head)
         config = unwrap(model).config
-        self.layers = [_layer_rows(site, config) for site in attention_sites(model)]
+        refuse_engines(model, "Q/K learning-rate control")
+        check_tensor_parallel(model)
+        self.model, self.sites = model, attention_sites(model)
+        self.layers = [_layer_rows(site, config) for site in self.sites]
         self.initial_norms = initial_norms if initial_norms is not None else self._current_norms()
         if len(self.initial_norms["q"]) != len(self.layers):
             raise ValueError(f"initial_norms cover {len(self.initial_norms['q'])} layers, the model has "
@@ -115,18 +113,26 @@ class QKLearningRate:
         self.last_factors: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _current_norms(self) -> dict:
-        return {"q": [q.norms().tolist() for q, _ in self.layers], "k": [k.norms().tolist() for _, k in self.layers]}
+        norms = self._norms()
+        return {"q": [q.tolist() for q, _ in norms], "k": [k.tolist() for _, k in norms]}
+
+    def _norms(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the current per-head norms ``(||W_Q^h||, ||W_K^h||)``: one collective for all layers when the
+        weights are sharded."""
+        flat = head_norms([s.rows for pair in self.layers for s in pair])
+        return list(zip(flat[0::2], flat[1::2]))
 
     # -- the rule ----------------------------------------------------------------------------------------------------
     def factors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, ``(f_Q (heads,), f_K (kv_heads,))``: the multipliers of ``eta`` for this step (float64)."""
         out = []
-        for i, (q, k) in enumerate(self.layers):
+        norms = self._norms() if self.rule != "constant" else [None] * len(self.layers)
+        for i, ((q, k), current) in enumerate(zip(self.layers, norms)):
             if self.rule == "constant":
                 out.append((torch.full((q.heads,), self.tau, dtype=torch.float64),
                             torch.full((k.heads,), self.tau, dtype=torch.float64)))
                 continue
-            nq, nk = q.norms().cpu(), k.norms().cpu()
+            nq, nk = current
             nq0 = torch.tensor(self.initial_norms["q"][i], dtype=torch.float64)
             nk0 = torch.tensor(self.initial_norms["k"][i], dtype=torch.float64)
             if not self.per_head:
@@ -142,10 +148,16 @@ class QKLearningRate:
     # -- around the optimizer step -----------------------------------------------------------------------------------
     def pre_step(self) -> None:
         """Compute this step's factors from the current weights and snapshot W_Q, W_K (call before the step)."""
+        self._check_at_rest()
         self.last_factors = self.factors()
         for q, k in self.layers:
             q.save()
             k.save()
+
+    def _check_at_rest(self) -> None:
+        for owned, (q, k) in zip(fsdp_owned(self.model, [s.module for s in self.sites]), self.layers):
+            q.rows.check_at_rest(owned)
+            k.rows.check_at_rest(owned)
 
     def post_step(self) -> None:
         """Rescale each head's update by its factor (call right after ``optimizer.step()``)."""
@@ -176,8 +188,9 @@ class QKLearningRateCallback(TrainerCallback, ExportableState):
 
     ``Trainer(..., callbacks=[QKLearningRateCallback(tau=1.0)])``. The initial norms ``||.||_0`` are saved with
     every checkpoint (``trainer_state.json``, as an ``ExportableState``) and taken back on
-    ``trainer.train(resume_from_checkpoint=...)``, so a resumed run continues identically. Not for FSDP-sharded
-    weights (refused with a clear error); DDP is fine (every rank computes the same factors).
+    ``trainer.train(resume_from_checkpoint=...)``, so a resumed run continues identically. DDP, FSDP2 and tensor
+    parallelism give every rank the same factors (sharded weights: per-head norms summed over the shards);
+    DeepSpeed and FSDP version 1 are refused.
     """
 
     def __init__(self, tau: float = 1.0, rule: str = "norm_ratio", per_head: bool = True,
@@ -196,6 +209,7 @@ class QKLearningRateCallback(TrainerCallback, ExportableState):
             saved = saved[0] if isinstance(saved, list) and saved else saved
             if isinstance(saved, dict):
                 self.initial_norms = saved.get("attributes", {}).get("initial_norms")
+        refuse_engines(model, "Q/K learning-rate control", args)
         self.controller = QKLearningRate(model, tau=self.tau, rule=self.rule, per_head=self.per_head,
                                          initial_norms=self.initial_norms)
         self.initial_norms = self.controller.initial_norms

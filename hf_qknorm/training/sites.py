@@ -6,16 +6,6 @@ patched or not, wrapped by ``peft``, DDP or ``torch.compile``.
 
 from __future__ import annotations
 
-from torch import nn
-
-from ..modeling.layout import AttentionSite, attention_sites, unwrap
-
-
-def num_heads(attn: nn.Module, config) -> tuple[int, int]:
-    """``(query heads, key/value heads)`` of an attention module."""
-    heads = getattr(config, "num_attention_heads", None) or getattr(attn, "num_heads")
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return int(heads), int(kv)
-
+from ..modeling.layout import AttentionSite, attention_sites, num_heads, unwrap
 
 __all__ = ["AttentionSite", "attention_sites", "num_heads", "unwrap"]
