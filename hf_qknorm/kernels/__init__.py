@@ -1,4 +1,4 @@
-"""Triton kernels: capped flash attention and fused per-head norm + RoPE.
+"""Triton kernels: capped flash attention.
 
 Importing this package is always safe: it imports neither triton nor the kernel modules, and never touches CUDA.
 Ask :func:`is_available` before using the kernels; the kernel modules are imported on first attribute access::
@@ -6,8 +6,6 @@ Ask :func:`is_available` before using the kernels; the kernel modules are import
     from hf_qknorm import kernels
     if kernels.is_available():
         out = kernels.triton_attention(q, k, v, scaling=d ** -0.5, softcap=50.0)
-        qn = kernels.triton_norm_rope(q_proj, kind="rmsnorm", weight=w, bias=None, eps=1e-6, p=2.0,
-                                      cos=cos, sin=sin)
 
 The kernels run on CUDA tensors; on CPU they run under Triton's interpreter when ``TRITON_INTERPRET=1`` is set
 before the first kernel module is imported (that is how the tests run them). Nothing here imports transformers.
@@ -18,7 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["is_available", "unavailable_reason", "triton_attention", "triton_norm_rope"]
+__all__ = ["is_available", "unavailable_reason", "triton_attention"]
 
 MIN_TRITON = (3, 2)
 _INSTALL_HINT = "pip install 'hf-qknorm[triton]'"
@@ -28,7 +26,6 @@ _LAZY = {
     "triton_attention": ("attention", "triton_attention"),
     "attn_fwd": ("attention", "attn_fwd"),
     "attn_bwd": ("attention", "attn_bwd"),
-    "triton_norm_rope": ("norm_rope", "norm_rope"),
 }
 
 

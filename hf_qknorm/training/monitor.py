@@ -23,13 +23,10 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from ..modeling.telemetry import TILE_ELEMENTS, LogitTap, logit_tiles
 
-try:  # a plain-loop user needs no transformers Trainer machinery
-    from transformers import TrainerCallback
-except ImportError:  # pragma: no cover - transformers is a dependency
-    TrainerCallback = object
 
 logger = logging.getLogger(__name__)
 

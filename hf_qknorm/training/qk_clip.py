@@ -40,16 +40,13 @@ import logging
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from ..modeling.telemetry import LogitTap
 from .heads import layer_rows
 from .sites import attention_sites, unwrap
 
-try:
-    from transformers import TrainerCallback
-except ImportError:  # pragma: no cover - transformers is a dependency
-    TrainerCallback = object
 
 logger = logging.getLogger(__name__)
 

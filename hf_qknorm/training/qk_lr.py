@@ -30,15 +30,12 @@ import logging
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from .heads import HeadRows, layer_rows
 from .sites import attention_sites, unwrap
 
-try:
-    from transformers import TrainerCallback
-    from transformers.trainer_callback import ExportableState
-except ImportError:  # pragma: no cover
-    TrainerCallback, ExportableState = object, object
 
 logger = logging.getLogger(__name__)
 
