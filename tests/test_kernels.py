@@ -29,6 +29,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
+from hf_qknorm.kernels import attn_interface as api  # noqa: E402
 from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
 from hf_qknorm.reference import attention_reference  # noqa: E402
 
@@ -63,9 +64,18 @@ def _reference(q, k, v, do, **kw):
     return out.detach(), [t.grad for t in leaves]
 
 
+def _call(q, k, v, **kw):
+    """The public entry point for the call's shape: varlen when ``cu_seqlens_q`` is given, else padded."""
+    if "cu_seqlens_q" in kw:
+        cu = kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_k")
+        return api.qknorm_attn_varlen_func(q, k, v, *cu, kw.pop("max_seqlen_q", None), kw.pop("max_seqlen_k", None),
+                                           **kw)
+    return api.qknorm_attn_func(q, k, v, **kw)
+
+
 def _kernel(q, k, v, do, **kw):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = attn_mod.triton_attention(*leaves, **kw)
+    out = _call(*leaves, **kw)
     out.backward(do)
     return out.detach(), [t.grad for t in leaves]
 
@@ -264,28 +274,28 @@ def test_attention_low_precision_small(dtype):
 
 def test_attention_errors():
     q, k, v, _ = _qkv(1, 4, 2, 8, 8, 64)
-    with pytest.raises(ValueError, match="dropout_p=0.1"):
-        attn_mod.triton_attention(q, k, v, scaling=0.125, softcap=50.0, dropout_p=0.1)
+    f = api.qknorm_attn_func
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        attn_mod.triton_attention(q, k[:, :1].expand(1, 3, 8, 64), v[:, :1].expand(1, 3, 8, 64), scaling=0.1)
+        f(q, k[:, :1].expand(1, 3, 8, 64), v[:, :1].expand(1, 3, 8, 64), scaling=0.1)
     with pytest.raises(TypeError, match="boolean"):
-        attn_mod.triton_attention(q, k, v, scaling=0.1, attn_mask=torch.zeros(1, 1, 8, 8, device=DEVICE))
+        f(q, k, v, scaling=0.1, attn_mask=torch.zeros(1, 1, 8, 8, device=DEVICE))
     with pytest.raises(ValueError, match="broadcast"):
-        attn_mod.triton_attention(q, k, v, scaling=0.1, attn_mask=torch.ones(1, 1, 8, 9, dtype=torch.bool,
-                                                                             device=DEVICE))
+        f(q, k, v, scaling=0.1, attn_mask=torch.ones(1, 1, 8, 9, dtype=torch.bool, device=DEVICE))
     with pytest.raises(TypeError, match="share a dtype"):
-        attn_mod.triton_attention(q, k.half(), v, scaling=0.1)
+        f(q, k.half(), v, scaling=0.1)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        api.qknorm_attn_with_kvcache(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="head_dim"):
         big = torch.zeros(1, 1, 4, 512, device=DEVICE)
-        attn_mod.triton_attention(big, big, big, scaling=0.1)
+        f(big, big, big, scaling=0.1)
     with pytest.raises(ValueError, match="softcap"):
-        attn_mod.triton_attention(q, k, v, scaling=0.1, softcap=0.0)
+        f(q, k, v, scaling=0.1, softcap=0.0)
     cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="packed"):
-        attn_mod.triton_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
-                                  scaling=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        api.qknorm_attn_varlen_func(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), cu,
+                                    cu, scaling=0.1)
     with pytest.raises(ValueError, match="int32"):
-        attn_mod.triton_attention(q, k, v, scaling=0.1, cu_seqlens_q=cu.long(), cu_seqlens_k=cu.long())
+        api.qknorm_attn_varlen_func(q, k, v, cu.long(), cu.long(), scaling=0.1)
 
 
 def test_attention_opcheck():
@@ -307,7 +317,7 @@ def test_attention_opcheck():
 def test_attention_under_torch_compile():
     """fullgraph=True: the custom op is traced as one node (no graph break), forward and backward."""
     q, k, v, do = _qkv(1, 2, 1, 17, 17, 32, scale=2.0)
-    fn = torch.compile(lambda a, b, c: attn_mod.triton_attention(a, b, c, scaling=0.2, softcap=3.0),
+    fn = torch.compile(lambda a, b, c: api.qknorm_attn_func(a, b, c, scaling=0.2, softcap=3.0),
                        backend="aot_eager", fullgraph=True)
     ref, ref_grads = _reference(q, k, v, do, scaling=0.2, softcap=3.0, causal=True)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -322,7 +332,7 @@ def test_package_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import hf_qknorm.kernels as k\n"
             "assert not k.is_available() and 'pip install' in k.unavailable_reason()\n"
-            "try:\n    k.triton_attention\nexcept ImportError as e:\n    print('ok', e)\n")
+            "try:\n    k.qknorm_attn_func\nexcept ImportError as e:\n    print('ok', e)\n")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
