@@ -110,6 +110,8 @@ def test_bad_policy_values():
     with pytest.raises(TypeError, match="use_fallback must be True or False"):
         with kernel_policy(use_fallback="no"):
             pass
+    with pytest.raises(TypeError, match="devices must be a tuple"):
+        KernelPolicy(devices=None)
     assert KernelPolicy(devices="cpu").devices == ("cpu",)  # one name is not a sequence of letters
     assert current_kernel_policy() == KernelPolicy()
 

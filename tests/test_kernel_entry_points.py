@@ -137,6 +137,13 @@ def test_kvcache_entry_point_runs_the_decoding_forward(decode_calls):
         _close(a.grad, r.grad)
 
 
+@pytest.mark.parametrize("num_splits", [0, -1, 2.0, True])
+def test_kvcache_refuses_a_bad_num_splits(num_splits):
+    q, k, v = _qkv(1, 2, 1, 1, 8)
+    with pytest.raises(ValueError, match=f"num_splits must be a positive int or None .*got {num_splits!r}"):
+        api.qknorm_attn_with_kvcache(q, k, v, num_splits=num_splits)
+
+
 def test_deprecated_triton_attention_warns_and_matches():
     q, k, v = _qkv(2, 4, 2, 9, 9, seed=6)
     with pytest.warns(DeprecationWarning, match="qknorm_attn_func"):

@@ -69,7 +69,8 @@ class KernelPolicy:
         try:
             devices = tuple(devices)
         except TypeError:
-            raise TypeError(f"devices must be a tuple of device types from {DEVICE_TYPES}, got {self.devices!r}")
+            raise TypeError(f"devices must be a tuple of device types from {DEVICE_TYPES}, got {self.devices!r}") \
+                from None
         unknown = [d for d in devices if d not in DEVICE_TYPES]
         if unknown:
             raise ValueError(f"unknown device type {unknown[0]!r} in devices={devices!r}; the kernels run on "

@@ -175,6 +175,8 @@ def qknorm_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         decoding rarely needs it. There is no ``cache_seqlens`` nor in-place cache append (flash-attn has both):
         the valid region is given by the cache's length or by ``attn_mask``.
     """
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None (automatic), got {num_splits!r}")
     return _run(q, k_cache, v_cache, scaling=scaling, softcap=softcap, causal=causal, attn_mask=attn_mask,
                 sliding_window=sliding_window, decode=True, num_splits=num_splits)
 
