@@ -9,7 +9,7 @@ Providers (each skipped, with a note, where unavailable):
   sdpa          torch's scaled_dot_product_attention, NO cap: the speed of light for uncapped attention
   flex-cap      FlexAttention, torch.compile'd, tanh score_mod + causal block mask
   flash-cap     flash-attn's `softcap=` (flash_attn_func), where flash-attn is installed
-  qknorm-triton hf_qknorm.kernels.triton_attention with the cap
+  qknorm-triton hf_qknorm.kernels.qknorm_attn_func with the cap
 Modes: fwd, bwd (backward alone, forward graph kept), fwd+bwd. The token count per step is fixed (batch =
 tokens // T), so every row does the same useful work; TFLOP/s count causal FLOPs (half of 4*B*H*T^2*D forward,
 2.5x that backward, as flash-attn's benchmarks do). Peak memory is the allocator's peak during the measured call,
@@ -80,7 +80,7 @@ def make_provider(name: str, q, k, v, scaling: float, cap: float):
 
         if not kernels.is_available():
             return kernels.unavailable_reason()
-        return (lambda: kernels.triton_attention(q, k, v, scaling=scaling, softcap=cap, causal=True)), (q, k, v)
+        return (lambda: kernels.qknorm_attn_func(q, k, v, scaling=scaling, softcap=cap, causal=True)), (q, k, v)
     raise ValueError(name)
 
 

@@ -21,6 +21,8 @@ from .upstream import check_transformers_version
 _LAZY = {
     "ATTN_IMPLEMENTATION": "attention.interface",
     "qknorm_attention_forward": "attention.interface",
+    "kernel_policy": "attention.dispatch",
+    "KernelFallbackError": "attention.dispatch",
     "DEFAULT_SOFTCAP": "modeling.schemes",
     "NORMS": "modeling.schemes",
     "SCHEMES": "modeling.schemes",

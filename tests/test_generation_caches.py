@@ -103,12 +103,12 @@ def test_gemma2_own_cap_and_hybrid_cache(cache, padded):
 
 def test_static_cache_through_the_kernels():
     from hf_qknorm import kernels
-    from hf_qknorm.attention import triton_on_cpu
+    from hf_qknorm.attention import kernel_policy
 
     if kernels.unavailable_reason() is not None:
         pytest.skip(kernels.unavailable_reason())
     model = _patched("llama", "qk_norm_cap", "qknorm")
-    with triton_on_cpu():
+    with kernel_policy(devices=("cuda", "cpu")):
         check_generation(model, "static", padded=False, rtol=2e-4, atol=2e-4)
         check_generation(model, "static", padded=True, rtol=2e-4, atol=2e-4)
 

@@ -29,9 +29,9 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
-from hf_qknorm.kernels import norm_rope as norm_mod  # noqa: E402
+from hf_qknorm.kernels import attn_interface as api  # noqa: E402
 from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
-from hf_qknorm.reference import attention_reference, norm_reference, rope_reference  # noqa: E402
+from hf_qknorm.reference import attention_reference  # noqa: E402
 
 INTERPRETED = is_interpreted(attn_mod._attn_fwd_kernel)
 if not INTERPRETED and not torch.cuda.is_available():
@@ -64,9 +64,18 @@ def _reference(q, k, v, do, **kw):
     return out.detach(), [t.grad for t in leaves]
 
 
+def _call(q, k, v, **kw):
+    """The public entry point for the call's shape: varlen when ``cu_seqlens_q`` is given, else padded."""
+    if "cu_seqlens_q" in kw:
+        cu = kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_k")
+        return api.qknorm_attn_varlen_func(q, k, v, *cu, kw.pop("max_seqlen_q", None), kw.pop("max_seqlen_k", None),
+                                           **kw)
+    return api.qknorm_attn_func(q, k, v, **kw)
+
+
 def _kernel(q, k, v, do, **kw):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = attn_mod.triton_attention(*leaves, **kw)
+    out = _call(*leaves, **kw)
     out.backward(do)
     return out.detach(), [t.grad for t in leaves]
 
@@ -265,28 +274,28 @@ def test_attention_low_precision_small(dtype):
 
 def test_attention_errors():
     q, k, v, _ = _qkv(1, 4, 2, 8, 8, 64)
-    with pytest.raises(ValueError, match="dropout_p=0.1"):
-        attn_mod.triton_attention(q, k, v, scaling=0.125, softcap=50.0, dropout_p=0.1)
+    f = api.qknorm_attn_func
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        attn_mod.triton_attention(q, k[:, :1].expand(1, 3, 8, 64), v[:, :1].expand(1, 3, 8, 64), scaling=0.1)
+        f(q, k[:, :1].expand(1, 3, 8, 64), v[:, :1].expand(1, 3, 8, 64), scaling=0.1)
     with pytest.raises(TypeError, match="boolean"):
-        attn_mod.triton_attention(q, k, v, scaling=0.1, attn_mask=torch.zeros(1, 1, 8, 8, device=DEVICE))
+        f(q, k, v, scaling=0.1, attn_mask=torch.zeros(1, 1, 8, 8, device=DEVICE))
     with pytest.raises(ValueError, match="broadcast"):
-        attn_mod.triton_attention(q, k, v, scaling=0.1, attn_mask=torch.ones(1, 1, 8, 9, dtype=torch.bool,
-                                                                             device=DEVICE))
+        f(q, k, v, scaling=0.1, attn_mask=torch.ones(1, 1, 8, 9, dtype=torch.bool, device=DEVICE))
     with pytest.raises(TypeError, match="share a dtype"):
-        attn_mod.triton_attention(q, k.half(), v, scaling=0.1)
+        f(q, k.half(), v, scaling=0.1)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        api.qknorm_attn_with_kvcache(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="head_dim"):
         big = torch.zeros(1, 1, 4, 512, device=DEVICE)
-        attn_mod.triton_attention(big, big, big, scaling=0.1)
+        f(big, big, big, scaling=0.1)
     with pytest.raises(ValueError, match="softcap"):
-        attn_mod.triton_attention(q, k, v, scaling=0.1, softcap=0.0)
+        f(q, k, v, scaling=0.1, softcap=0.0)
     cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="packed"):
-        attn_mod.triton_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
-                                  scaling=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        api.qknorm_attn_varlen_func(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), cu,
+                                    cu, scaling=0.1)
     with pytest.raises(ValueError, match="int32"):
-        attn_mod.triton_attention(q, k, v, scaling=0.1, cu_seqlens_q=cu.long(), cu_seqlens_k=cu.long())
+        api.qknorm_attn_varlen_func(q, k, v, cu.long(), cu.long(), scaling=0.1)
 
 
 def test_attention_opcheck():
@@ -308,7 +317,7 @@ def test_attention_opcheck():
 def test_attention_under_torch_compile():
     """fullgraph=True: the custom op is traced as one node (no graph break), forward and backward."""
     q, k, v, do = _qkv(1, 2, 1, 17, 17, 32, scale=2.0)
-    fn = torch.compile(lambda a, b, c: attn_mod.triton_attention(a, b, c, scaling=0.2, softcap=3.0),
+    fn = torch.compile(lambda a, b, c: api.qknorm_attn_func(a, b, c, scaling=0.2, softcap=3.0),
                        backend="aot_eager", fullgraph=True)
     ref, ref_grads = _reference(q, k, v, do, scaling=0.2, softcap=3.0, causal=True)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -318,115 +327,12 @@ def test_attention_under_torch_compile():
     assert all(_rel_err(t.grad, r) < FP32_TOL for t, r in zip(leaves, ref_grads))
 
 
-# ------------------------------------------------------------------------------------------------ norm + RoPE
-
-def _rope_tables(b, t, d, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.arange(t, dtype=torch.float64)[None, :, None] + torch.randint(0, 50, (b, 1, 1), generator=g)
-    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = pos * inv_freq
-    ang = torch.cat([ang, ang], -1)  # Llama's half-split layout
-    return ang.cos(), ang.sin()
-
-
-NORM_CASES = {
-    "layernorm-rope-d64": ("layernorm", 64, True, (64,), True, 2.0),
-    "layernorm-d80": ("layernorm", 80, False, (80,), True, 2.0),
-    "rmsnorm-rope-d80": ("rmsnorm", 80, True, (80,), False, 2.0),
-    "rmsnorm-noweight-d64": ("rmsnorm", 64, False, None, False, 2.0),
-    "l2-logit-scale-rope": ("l2", 64, True, (1,), False, 2.0),
-    "lp3-channel-d80": ("lp", 80, False, (80,), False, 3.0),
-    "lp1.5-noweight-rope": ("lp", 64, True, None, False, 1.5),
-}
-
-
-@pytest.mark.parametrize("case", list(NORM_CASES), ids=list(NORM_CASES))
-def test_norm_rope_matches_reference(case):
-    kind, d, rope, wshape, has_bias, p = NORM_CASES[case]
-    b, t, h = 2, 17, 3
-    g = torch.Generator().manual_seed(len(case))
-    x = (torch.randn(b, t, h, d, generator=g) * 2 + 0.5).to(DEVICE)
-    w = (torch.randn(wshape, generator=g) + 1).to(DEVICE) if wshape else None
-    bias = torch.randn(d, generator=g).to(DEVICE) if has_bias else None
-    cos, sin = (c.to(DEVICE, torch.float32) for c in _rope_tables(b, t, d)) if rope else (None, None)
-    dy = torch.randn(b, t, h, d, generator=g).to(DEVICE)
-    leaves = [a.clone().requires_grad_() if a is not None else None for a in (x, w, bias)]
-    y = norm_mod.norm_rope(leaves[0], kind=kind, weight=leaves[1], bias=leaves[2], eps=1e-6, p=p, cos=cos, sin=sin)
-    y.backward(dy)
-    refs = [a.double().requires_grad_() if a is not None else None for a in (x, w, bias)]
-    r = norm_reference(refs[0], kind, refs[1], refs[2], eps=1e-6, p=p)
-    if rope:  # the reference RoPE takes (batch, heads, seq, head_dim)
-        r = rope_reference(r.transpose(1, 2), cos.double(), sin.double()).transpose(1, 2)
-    r.backward(dy.double())
-    assert y.shape == x.shape and y.dtype == x.dtype
-    assert _rel_err(y, r) < FP32_TOL
-    for a, ra in zip(leaves, refs):
-        if a is not None:
-            assert _rel_err(a.grad, ra.grad) < FP32_TOL
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_rmsnorm_is_bit_exact_qwen3(dtype):
-    """Without RoPE the kernel reproduces Qwen3RMSNorm's arithmetic bit for bit (fp32 norm, cast, times weight)."""
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(2, 9, 4, 128, generator=g) * 3).to(DEVICE, dtype)
-    w = (torch.randn(128, generator=g) * 0.3 + 1).to(DEVICE, dtype)
-    h = x.float()
-    expected = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-    assert torch.equal(norm_mod.norm_rope(x, kind="rmsnorm", weight=w, bias=None, eps=1e-6, p=2.0,
-                                          cos=None, sin=None), expected)
-
-
-def test_norm_rope_broadcast_tables_and_noncontiguous():
-    """cos/sin of shape (1, seq, head_dim) and x as a strided view of a fused QKV projection."""
-    b, t, h, d = 2, 9, 2, 32
-    g = torch.Generator().manual_seed(2)
-    qkv = torch.randn(b, t, 3 * h * d, generator=g).to(DEVICE)
-    x = qkv[..., : h * d].view(b, t, h, d)  # the query slice of a fused projection: not contiguous
-    assert not x.is_contiguous()
-    cos, sin = (c[:1].to(DEVICE, torch.float32) for c in _rope_tables(1, t, d))
-    y = norm_mod.norm_rope(x, kind="rmsnorm", weight=None, bias=None, eps=1e-6, p=2.0, cos=cos, sin=sin)
-    r = rope_reference(norm_reference(x.double(), "rmsnorm").transpose(1, 2), cos.double(), sin.double())
-    assert _rel_err(y, r.transpose(1, 2)) < FP32_TOL
-
-
-def test_norm_rope_errors():
-    x = torch.randn(1, 3, 2, 16, device=DEVICE)
-    cos = torch.ones(1, 3, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="unknown norm kind"):
-        norm_mod.norm_rope(x, kind="batchnorm")
-    with pytest.raises(ValueError, match="only layernorm takes a bias"):
-        norm_mod.norm_rope(x, kind="rmsnorm", weight=torch.ones(16, device=DEVICE), bias=torch.zeros(16, device=DEVICE))
-    with pytest.raises(ValueError, match="weight must have shape"):
-        norm_mod.norm_rope(x, kind="layernorm", weight=torch.ones(1, device=DEVICE))
-    with pytest.raises(ValueError, match="both cos and sin"):
-        norm_mod.norm_rope(x, kind="rmsnorm", cos=cos)
-    with pytest.raises(ValueError, match="even head_dim"):
-        odd = torch.randn(1, 3, 2, 15, device=DEVICE)
-        norm_mod.norm_rope(odd, kind="rmsnorm", cos=cos[..., :15], sin=cos[..., :15])
-
-
-def test_norm_rope_opcheck():
-    from torch.library import opcheck
-
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 5, 3, 64, generator=g).to(DEVICE).requires_grad_()
-    w = torch.randn(64, generator=g).to(DEVICE).requires_grad_()
-    bias = torch.randn(64, generator=g).to(DEVICE).requires_grad_()
-    cos, sin = (c.to(DEVICE, torch.float32) for c in _rope_tables(2, 5, 64))
-    opcheck(torch.ops.hf_qknorm.norm_rope_fwd.default, (x, w, bias, cos, sin, "layernorm", 1e-5, 2.0))
-    scale = torch.ones(1, device=DEVICE, requires_grad=True)
-    opcheck(torch.ops.hf_qknorm.norm_rope_fwd.default, (x, scale, None, None, None, "lp", 1e-6, 3.0))
-    opcheck(torch.ops.hf_qknorm.norm_rope_bwd.default,
-            (torch.randn_like(x), x.detach(), w.detach(), None, cos, sin, "rmsnorm", 1e-6, 2.0))
-
-
 def test_package_imports_without_triton():
     """`import hf_qknorm.kernels` must work, and explain itself, where triton is missing."""
     code = ("import sys; sys.modules['triton'] = None\n"
             "import hf_qknorm.kernels as k\n"
             "assert not k.is_available() and 'pip install' in k.unavailable_reason()\n"
-            "try:\n    k.triton_attention\nexcept ImportError as e:\n    print('ok', e)\n")
+            "try:\n    k.qknorm_attn_func\nexcept ImportError as e:\n    print('ok', e)\n")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
@@ -476,16 +382,3 @@ def test_attention_low_precision_cuda(dtype, case):
 def test_attention_padding_mask_cuda(dtype):
     mask = _padding_mask(3, 257, 257, [0, 31, 200])
     _check_low_precision(dtype, 3, 8, 4, 257, 257, 128, True, 50.0, attn_mask=mask)
-
-
-@pytest.mark.cuda
-def test_norm_rope_bf16_cuda():
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, 333, 8, 128, generator=g) * 3).to(DEVICE, torch.bfloat16)
-    w = (torch.randn(128, generator=g) + 1).to(DEVICE)
-    bias = torch.randn(128, generator=g).to(DEVICE)
-    cos, sin = (c.to(DEVICE, torch.bfloat16) for c in _rope_tables(4, 333, 128))
-    y = norm_mod.norm_rope(x, kind="layernorm", weight=w, bias=bias, eps=1e-5, p=2.0, cos=cos, sin=sin)
-    r = rope_reference(norm_reference(x.double(), "layernorm", w.double(), bias.double(), eps=1e-5).transpose(1, 2),
-                       cos.double(), sin.double()).transpose(1, 2)
-    assert (y.double() - r).abs().max() <= 2 ** -7 * r.abs().max()  # one bf16 rounding of the result

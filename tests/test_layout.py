@@ -109,6 +109,15 @@ def test_kernels_know_nothing_of_transformers():
         assert not any(n.startswith("transformers") for n in names), path
 
 
+def test_package_imports_no_test_tools():
+    """Developer tools that patch with ``unittest.mock`` (scripts/compile_kernels.py) live outside the package."""
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any(n.split(".")[0] in ("unittest", "pytest") for n in names), path
+
+
 @pytest.mark.parametrize("sub", SUBPACKAGES)
 def test_each_subpackage_imports_alone(sub):
     res = subprocess.run([sys.executable, "-c", f"import hf_qknorm.{sub}"], capture_output=True, text=True,

@@ -48,13 +48,13 @@ def test_packed_with_the_cache_on_matches_separate(family, scheme):
 
 def test_packed_through_the_kernels_with_the_cache_on():
     from hf_qknorm import kernels
-    from hf_qknorm.attention import triton_on_cpu
+    from hf_qknorm.attention import kernel_policy
 
     if kernels.unavailable_reason() is not None:
         pytest.skip(kernels.unavailable_reason())
     model = _model("llama", "qk_norm_cap", dtype=torch.float32)
     seqs, batch = _packed()
-    with triton_on_cpu():
+    with kernel_policy(devices=("cuda", "cpu")):
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits[0]
     start = 0
     for s in seqs:

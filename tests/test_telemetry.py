@@ -13,7 +13,8 @@ import torch
 
 import hf_qknorm.attention.tiles as tiles
 from hf_qknorm.attention.chunked import chunked_attention, max_logits
-from hf_qknorm.attention.interface import qknorm_attention_forward, triton_on_cpu
+from hf_qknorm.attention import kernel_policy
+from hf_qknorm.attention.interface import qknorm_attention_forward
 
 INF = float("inf")
 
@@ -259,19 +260,28 @@ def test_no_probe_wanting_max_logits_gets_none():
                                   "cu_seq_lens", "decode"])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_triton_kernels_max_logits(name, softcap, monkeypatch):
-    import hf_qknorm.kernels.attention as ka
     import hf_qknorm.modeling.telemetry as telemetry
 
     pytest.importorskip("triton")
-    calls = []
-    original = ka.triton_attention
-    monkeypatch.setattr(ka, "triton_attention", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    calls = _spy_entry_points(monkeypatch)
     monkeypatch.setattr(telemetry, "head_max_logits", lambda *a, **kw: pytest.fail("an extra pass"))
     q, k, v, mask, kwargs, want = _interface_case(name, torch.float32)
-    with triton_on_cpu():
+    with kernel_policy(devices=("cuda", "cpu")):
         _, top = _call_with_probe(q, k, v, mask, kwargs, softcap)
-    assert calls and calls[0]["return_max_logits"]
+    assert calls and all(c.endswith("_with_max_logits") for c in calls)
     _close(top, want, torch.float32)
+
+
+def _spy_entry_points(monkeypatch) -> list:
+    """The names of the kernels' entry points called, in order."""
+    import hf_qknorm.kernels.attn_interface as api
+
+    calls = []
+    for name in ("qknorm_attn_func", "qknorm_attn_func_with_max_logits", "qknorm_attn_varlen_func",
+                 "qknorm_attn_varlen_func_with_max_logits", "qknorm_attn_with_kvcache"):
+        original = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _name=name, _f=original, **kw: calls.append(_name) or _f(*a, **kw))
+    return calls
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -426,20 +436,17 @@ def test_checkpoint_recomputation_and_eval_forwards(backend, scheme, capture_bac
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
 def test_qk_clip_record_through_the_triton_kernels(capture_backend, monkeypatch):
     import hf_qknorm
-    import hf_qknorm.kernels.attention as ka
 
     pytest.importorskip("triton")
     model = _model("llama", "qk_norm_cap", "qknorm", dtype=torch.float32)
     batches = [_batch("padding", 0, seq=40), _batch("causal", 1, seq=40)]
     truth = _truth(model, batches)
-    calls = []
-    original = ka.triton_attention
-    monkeypatch.setattr(ka, "triton_attention", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    calls = _spy_entry_points(monkeypatch)
     clip = hf_qknorm.QKClip(model, tau=1e9)
-    with triton_on_cpu():
+    with kernel_policy(devices=("cuda", "cpu")):
         for batch in batches:
             model(**batch, labels=batch["input_ids"]).loss.backward()
-    assert len(calls) == 4 and all(kw["return_max_logits"] for kw in calls)
+    assert calls == ["qknorm_attn_func_with_max_logits"] * 4
     for recorded, expected in zip(clip.maxima, truth):
         torch.testing.assert_close(recorded.double(), expected, rtol=2e-6, atol=2e-6)
 

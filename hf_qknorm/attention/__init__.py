@@ -1,6 +1,10 @@
 """The ``"qknorm"`` attention backend: the ``AttentionInterface`` function, its dispatch to the Triton kernels
-(CUDA) or the PyTorch path, and the memory-lean chunked path for capped attention."""
+(CUDA) or the PyTorch path under a scoped policy (:mod:`.dispatch`), and the memory-lean chunked path for capped
+attention."""
 
-from .interface import ATTN_IMPLEMENTATION, qknorm_attention_forward, register, triton_on_cpu
+from .dispatch import KernelFallbackError, KernelPolicy, current_kernel_policy, kernel_policy
+from .interface import ATTN_IMPLEMENTATION, qknorm_attention_forward, register, triton_on_cpu  # noqa: F401
 
-__all__ = ["ATTN_IMPLEMENTATION", "qknorm_attention_forward", "register", "triton_on_cpu"]
+# triton_on_cpu: deprecated (warns), importable for one more release, no longer advertised
+__all__ = ["ATTN_IMPLEMENTATION", "KernelFallbackError", "KernelPolicy", "current_kernel_policy", "kernel_policy",
+           "qknorm_attention_forward", "register"]

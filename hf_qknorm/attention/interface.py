@@ -6,10 +6,12 @@ Usable by any model: ``AutoModelForCausalLM.from_pretrained(..., attn_implementa
 (``cu_seq_lens_*``, or ``position_ids`` that restart -- also with ``use_cache`` on, where Transformers builds no
 packing mask) and ``output_attentions``. The mask rule is :mod:`hf_qknorm.attention.masks`.
 
-Dispatch: CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``); everything else takes the PyTorch
-path -- ``sdpa`` when there is no cap, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in
-sequence length) when there is one, or when a probe asks for the per-head largest logit of ``TILED_MAX_MIN_LEN``
-(256) queries or more.
+Dispatch (:mod:`.dispatch`, a scoped policy): CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``),
+through the entry point of the call's shape; everything else takes the PyTorch path -- ``sdpa`` when there is no
+cap, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in sequence length) when there is
+one, or when a probe asks for the per-head largest logit of ``TILED_MAX_MIN_LEN`` (256) queries or more.
+``kernel_policy(devices=..., use_fallback=...)`` changes which devices go to the kernels and whether a call they
+cannot run may fall back.
 
 Probes. ``module._qknorm_probes`` (set by :class:`hf_qknorm.modeling.telemetry.LogitTap`) maps keys to callables
 ``probe(module, query, key, attention_mask=, scaling=, softcap=, max_logits=)``, called after the attention with the
@@ -22,40 +24,30 @@ own pass -- the Triton kernels' row maxima, the tiled path's -- except for uncap
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import warnings
 
 import torch
 from torch.nn import functional as F
 
-from .chunked import chunked_attention, max_logits
-from .tiles import chunk_allowed
 from ..modeling.schemes import check_softcap
+from .chunked import chunked_attention, max_logits
+from .dispatch import KernelFallbackError, fallback_message, kernel_policy, route
 from .eager import capped_eager_attention
 from .masks import bool_mask, implicit_causal, packed_sequence_mask
+from .tiles import chunk_allowed
 
 try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # pragma: no cover - every supported Transformers has it
     _active_collector = None
 
-logger = logging.getLogger(__name__)
-
 ATTN_IMPLEMENTATION = "qknorm"
-
-_warned: set[str] = set()
 
 # Without a cap, per-head max logits come from the tiled path's own pass from this many queries up; below it, sdpa
 # plus a max-only pass is faster (the tiled path's fixed costs dominate). Measured on CPU, forward+backward, one
 # thread, time relative to sdpa alone: (B, H, T, D) = (16, 4, 128, 32): tiled 1.49x, sdpa + max pass 1.25x;
 # (16, 4, 256, 32): 1.15x vs 1.17x; (8, 4, 256, 64): 1.09x vs 1.15x; (8, 4, 512, 32): 0.88x vs 1.13x.
 TILED_MAX_MIN_LEN = 256
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        logger.warning(msg)
 
 
 def weights_requested(module: torch.nn.Module, kwargs: dict) -> bool:
@@ -85,33 +77,13 @@ def _varlen_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int
     return same if mask is None else same & mask
 
 
-_TRITON_ON_CPU = False  # tests: run the Triton kernels on CPU tensors through Triton's interpreter
-
-
-@contextlib.contextmanager
 def triton_on_cpu(enabled: bool = True):
-    """Send CPU tensors to the Triton kernels too (they must run under ``TRITON_INTERPRET=1``, set before the
-    kernels are imported). For tests: CI has no GPU, and this checks the whole model wiring of the kernels."""
-    global _TRITON_ON_CPU
-    previous, _TRITON_ON_CPU = _TRITON_ON_CPU, enabled
-    try:
-        yield
-    finally:
-        _TRITON_ON_CPU = previous
-
-
-def _kernels_or_reason(x: torch.Tensor):
-    """The kernels package when it can run on ``x``, else ``(None, why not)``."""
-    if not (x.is_cuda or _TRITON_ON_CPU):
-        return None, "tensors are not on a CUDA device"
-    from .. import kernels
-
-    reason = kernels.unavailable_reason()
-    if reason is not None:
-        return None, reason
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return None, f"dtype {x.dtype} is not supported by the Triton kernels (float16, bfloat16, float32)"
-    return kernels, None
+    """Deprecated (removed in the next release): ``kernel_policy(devices=("cuda", "cpu"))`` from
+    :mod:`hf_qknorm.attention`, which is scoped per thread. Sends CPU tensors to the Triton kernels too (under
+    ``TRITON_INTERPRET=1``), or with ``enabled=False`` only CUDA tensors."""
+    warnings.warn("hf_qknorm.attention.triton_on_cpu is deprecated and will be removed in the next release: use "
+                  "kernel_policy(devices=('cuda', 'cpu'))", DeprecationWarning, stacklevel=2)
+    return kernel_policy(devices=("cuda", "cpu") if enabled else ("cuda",))
 
 
 def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -164,31 +136,21 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, soft
     """The attention proper: ``(output, weights or None, per-head max logits or None)``."""
     if not module.training:
         dropout = 0.0
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = declared_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     key, value, mask, causal, sliding_window = _resolve_mask(query, key, value, attention_mask, causal,
                                                              sliding_window, kwargs)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if weights_requested(module, kwargs):
+        _use_kernels(query, dropout, weights=True)  # raises if the policy forbids the fallback
         return _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal,
                              want_max)
 
-    kernels, reason = _kernels_or_reason(query)
-    if kernels is not None and dropout > 0:
-        kernels, reason = None, f"the Triton kernels have no attention dropout (dropout={dropout})"
-    if kernels is not None:
-        key, value = key.to(query.dtype), value.to(query.dtype)
-        varlen_causal = cu_q is not None and bool(getattr(module, "is_causal", True) if is_causal is None
-                                                  else is_causal)
-        out = kernels.triton_attention(
-            query, key.contiguous(), value.contiguous(), scaling=scaling, softcap=softcap,
-            causal=causal or varlen_causal, attn_mask=None if cu_q is not None else mask,
-            sliding_window=sliding_window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=kwargs.get("max_length_q"), max_seqlen_k=kwargs.get("max_length_k"),
-            return_max_logits=want_max)
-        out, top = out if want_max else (out, None)
+    if _use_kernels(query, dropout, weights=False):
+        if cu_q is not None:  # the packing is the mask: causal within each sequence as the module declares
+            mask, causal = None, declared_causal
+        out, top = _kernel_attention(query, key, value, mask, cu_q, cu_k, scaling, softcap, causal, sliding_window,
+                                     want_max, kwargs)
         return out.transpose(1, 2).contiguous(), None, top
-    if query.is_cuda:
-        _warn_once(f"qknorm attention: using the PyTorch path on CUDA because {reason}.")
 
     if cu_q is not None:  # packed sequences in one row, described by their cumulative lengths
         mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, query.shape[2], key.shape[2], causal,
@@ -204,6 +166,34 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, soft
                                 sliding_window=sliding_window, dropout_p=dropout, return_max_logits=want_max)
         out, top = out if want_max else (out, None)
     return out.transpose(1, 2).contiguous(), None, top
+
+
+def _use_kernels(query, dropout, weights: bool) -> bool:
+    """Whether this call runs the Triton kernels under the policy in force (:func:`.dispatch.route`); raises
+    :class:`~.dispatch.KernelFallbackError` where the kernels cannot run it and the policy forbids the fallback."""
+    use, refusal = route(query.device.type, query.dtype, dropout, weights)
+    if refusal is not None:
+        raise KernelFallbackError(fallback_message(query.device.type, refusal))
+    return use
+
+
+def _kernel_attention(query, key, value, mask, cu_q, cu_k, scaling, softcap, causal, sliding_window, want_max,
+                      kwargs):
+    """The Triton kernels through the entry point of the call's shape: ``(output (batch, heads, q_len, head_dim),
+    per-head max logits or None)``."""
+    from ..kernels import attn_interface as kernels  # the dispatch policy checked that they can run
+
+    key, value = key.to(query.dtype).contiguous(), value.to(query.dtype).contiguous()
+    common = dict(scaling=scaling, softcap=softcap, sliding_window=sliding_window)
+    if cu_q is not None:
+        packed = (query, key, value, cu_q, cu_k if cu_k is not None else cu_q, kwargs.get("max_length_q"),
+                  kwargs.get("max_length_k"))
+        if want_max:
+            return kernels.qknorm_attn_varlen_func_with_max_logits(*packed, causal=causal, **common)
+        return kernels.qknorm_attn_varlen_func(*packed, causal=causal, **common), None
+    if want_max:
+        return kernels.qknorm_attn_func_with_max_logits(query, key, value, causal=causal, attn_mask=mask, **common)
+    return kernels.qknorm_attn_func(query, key, value, causal=causal, attn_mask=mask, **common), None
 
 
 def _resolve_mask(query, key, value, attention_mask, causal, sliding_window, kwargs):

@@ -1,13 +1,17 @@
-"""Triton kernels: capped flash attention and fused per-head norm + RoPE.
+"""Triton kernels: capped flash attention.
 
 Importing this package is always safe: it imports neither triton nor the kernel modules, and never touches CUDA.
 Ask :func:`is_available` before using the kernels; the kernel modules are imported on first attribute access::
 
     from hf_qknorm import kernels
     if kernels.is_available():
-        out = kernels.triton_attention(q, k, v, scaling=d ** -0.5, softcap=50.0)
-        qn = kernels.triton_norm_rope(q_proj, kind="rmsnorm", weight=w, bias=None, eps=1e-6, p=2.0,
-                                      cos=cos, sin=sin)
+        out = kernels.qknorm_attn_func(q, k, v, softcap=50.0)                       # padded batch
+        out = kernels.qknorm_attn_varlen_func(q, k, v, cu_q, cu_k, softcap=50.0)    # packed sequences
+        out = kernels.qknorm_attn_with_kvcache(q, k_cache, v_cache, softcap=50.0)   # decoding
+        out, max_logits = kernels.qknorm_attn_func_with_max_logits(q, k, v, softcap=50.0)
+
+One entry point per calling shape, each returning one type (:mod:`.attn_interface` documents shapes and dtypes);
+``triton_attention`` is their deprecated predecessor.
 
 The kernels run on CUDA tensors; on CPU they run under Triton's interpreter when ``TRITON_INTERPRET=1`` is set
 before the first kernel module is imported (that is how the tests run them). Nothing here imports transformers.
@@ -18,17 +22,26 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["is_available", "unavailable_reason", "triton_attention", "triton_norm_rope"]
+__all__ = [
+    "is_available",
+    "unavailable_reason",
+    "AttnOutputWithMaxLogits",
+    "qknorm_attn_func",
+    "qknorm_attn_func_with_max_logits",
+    "qknorm_attn_varlen_func",
+    "qknorm_attn_varlen_func_with_max_logits",
+    "qknorm_attn_with_kvcache",
+]
 
 MIN_TRITON = (3, 2)
 _INSTALL_HINT = "pip install 'hf-qknorm[triton]'"
 
 # public name -> (module, attribute); resolved lazily by __getattr__ below
 _LAZY = {
-    "triton_attention": ("attention", "triton_attention"),
+    **{name: ("attn_interface", name) for name in __all__[2:]},
+    "triton_attention": ("attn_interface", "triton_attention"),  # deprecated: warns when called
     "attn_fwd": ("attention", "attn_fwd"),
     "attn_bwd": ("attention", "attn_bwd"),
-    "triton_norm_rope": ("norm_rope", "norm_rope"),
 }
 
 

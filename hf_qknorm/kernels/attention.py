@@ -1,8 +1,9 @@
-"""Capped flash attention in Triton: launchers, ``torch.library`` custom ops and the public entry point.
+"""Capped flash attention in Triton: the launchers and the ``torch.library`` custom ops.
 
-Ladder (STYLE.md): ``_attn_*_kernel`` (``_attention_kernels.py``) -> ``attn_fwd()`` / ``attn_bwd()`` launchers
-(shape and dtype checks) -> ``torch.ops.hf_qknorm.attn_fwd`` / ``attn_bwd`` custom ops (fake + autograd, so they
-work under ``torch.compile``) -> :func:`triton_attention`.
+Ladder: ``_attn_*_kernel`` (``_attention_kernels.py``, ``_decode_kernels.py``) -> ``attn_fwd()`` / ``attn_bwd()``
+launchers here (shape and dtype checks, tiles, grids) -> ``torch.ops.hf_qknorm.attn_fwd`` / ``attn_fwd_max`` /
+``attn_bwd`` custom ops here (fake + autograd, so they work under ``torch.compile``) -> the public entry points in
+:mod:`.attn_interface` (``qknorm_attn_func``, ``qknorm_attn_varlen_func``, ``qknorm_attn_with_kvcache``, ...).
 
 Layouts
 -------
@@ -18,7 +19,8 @@ Layouts
   natural-log units, ``+inf`` on rows that attend to nothing.
 * With ``return_max``, ``attn_fwd`` also returns each row's largest pre-cap logit ``scaling * q.k`` over its
   allowed keys, fp32 in the LSE's layout, ``-inf`` on rows that attend to nothing (a kernel variant selected by a
-  constexpr, so the ordinary kernel is unchanged); :func:`triton_attention` reduces it to one value per head.
+  constexpr, so the ordinary kernel is unchanged); the ``..._with_max_logits`` entry points reduce it to one value
+  per head.
 """
 
 from __future__ import annotations
@@ -45,12 +47,11 @@ from ._attention_args import (  # noqa: F401 (MAX_HEAD_DIM: part of this module'
 from ._common import block_dim, dot_precision, is_interpreted, launch_context
 from ._decode_kernels import _attn_combine_kernel, _attn_fwd_split_kernel
 
-__all__ = ["attn_fwd", "attn_bwd", "triton_attention"]
-
+__all__ = ["attn_fwd", "attn_bwd"]
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head_dim bucket, for 2-byte inputs. Chosen with
-# `python -m hf_qknorm.kernels.compile_check` (no register spills, shared memory within sm_80/sm_86/sm_90 limits)
+# `python scripts/compile_kernels.py` (no register spills, shared memory within sm_80/sm_86/sm_90 limits)
 # and FlashAttention-2's shapes: the forward and dQ keep many query rows resident and stream keys; dK/dV keeps
 # many keys resident and streams queries. Not autotuned on hardware yet -- see docs/kernels.md.
 _CONFIGS = {
@@ -259,12 +260,18 @@ def _launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                 sliding_window=sliding_window)
 
 
+# The forward ops also take the forward's path: ``decode`` None picks by shape (see attn_fwd), True/False forces it;
+# ``num_splits`` overrides the decoding forward's KV splits. The backward does not depend on either.
+_FWD_ARGS = f"{_ARGS}, bool? decode=None, SymInt? num_splits=None"
+
+
 @torch.library.custom_op("hf_qknorm::attn_fwd", mutates_args=(),
-                         schema=f"(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor)")
+                         schema=f"(Tensor q, Tensor k, Tensor v, {_FWD_ARGS}) -> (Tensor, Tensor)")
 def _attn_fwd_op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap,
-                 causal, sliding_window):
-    return attn_fwd(q, k, v, **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                scaling, softcap, causal, sliding_window))
+                 causal, sliding_window, decode=None, num_splits=None):
+    return attn_fwd(q, k, v, decode=decode, num_splits=num_splits,
+                    **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling,
+                                       softcap, causal, sliding_window))
 
 
 @_attn_fwd_op.register_fake
@@ -273,11 +280,11 @@ def _attn_fwd_fake(q, k, v, *args):
 
 
 @torch.library.custom_op("hf_qknorm::attn_fwd_max", mutates_args=(),
-                         schema=f"(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor, Tensor)")
+                         schema=f"(Tensor q, Tensor k, Tensor v, {_FWD_ARGS}) -> (Tensor, Tensor, Tensor)")
 def _attn_fwd_max_op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap,
-                     causal, sliding_window):
+                     causal, sliding_window, decode=None, num_splits=None):
     """``attn_fwd`` that also returns each row's largest pre-cap logit (the ``RETURN_MAX`` kernel variant)."""
-    return attn_fwd(q, k, v, return_max=True,
+    return attn_fwd(q, k, v, return_max=True, decode=decode, num_splits=num_splits,
                     **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling,
                                        softcap, causal, sliding_window))
 
@@ -307,7 +314,7 @@ def _attn_setup_context(ctx, inputs, output):
     q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, *params = inputs
     out, lse = output[:2]  # attn_fwd_max's row maxima take no gradient
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k)
-    ctx.params = params  # max_seqlen_q, max_seqlen_k, scaling, softcap, causal, sliding_window
+    ctx.params = params[:6]  # max_seqlen_q, max_seqlen_k, scaling, softcap, causal, sliding_window (not the path)
 
 
 def _attn_backward(ctx, dout, dlse, *_):
@@ -316,53 +323,8 @@ def _attn_backward(ctx, dout, dlse, *_):
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.hf_qknorm.attn_bwd(dout, q, k, v, out, lse, dlse, attn_mask, cu_seqlens_q, cu_seqlens_k,
                                               *ctx.params)
-    return (dq, dk, dv) + (None,) * 9
+    return (dq, dk, dv) + (None,) * 11  # attn_mask .. num_splits take no gradient
 
 
 torch.library.register_autograd("hf_qknorm::attn_fwd", _attn_backward, setup_context=_attn_setup_context)
 torch.library.register_autograd("hf_qknorm::attn_fwd_max", _attn_backward, setup_context=_attn_setup_context)
-
-
-def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float,
-                     softcap: float | None = None, causal: bool = True, attn_mask: torch.Tensor | None = None,
-                     sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                     max_seqlen_k=None, dropout_p: float = 0.0, return_max_logits: bool = False):
-    """``softmax(mask(softcap * tanh(scaling * q k^T / softcap))) v`` in one fused, differentiable kernel.
-
-    Args:
-        q: ``(batch, heads, q_len, head_dim)``; k, v: ``(batch, kv_heads, kv_len, head_dim)``; float16, bfloat16
-            or float32, one dtype; ``heads % kv_heads == 0`` (GQA reads K/V head ``h // (heads // kv_heads)``);
-            ``head_dim <= 256`` (any value: 80 and 96 are padded inside the kernel). Last dim contiguous is best.
-        scaling: multiplies ``q.k`` (usually ``head_dim ** -0.5``; 1.0 for an ``lp`` norm's learnt scale).
-        softcap: ``c`` in ``c * tanh(s / c)``, applied before the mask; None for no cap.
-        causal: bottom-right aligned: query ``i`` is at position ``i + kv_len - q_len`` (right for a KV cache).
-        attn_mask: boolean, True = attend, broadcastable to ``(batch, 1 or heads, q_len, kv_len)`` (what
-            Transformers' ``sdpa_mask`` returns). Intersected with ``causal`` and ``sliding_window``.
-        sliding_window: keep keys with ``pos_q - pos_k < sliding_window``.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed sequences; then q/k/v are
-            ``(1, heads, total, head_dim)`` and cu_seqlens are int32 ``(num_seqs + 1,)``. Missing max_seqlen values
-            are computed from cu_seqlens (one device sync).
-        dropout_p: must be 0; the kernel has no attention dropout.
-        return_max_logits: also return the largest pre-cap logit ``scaling * q.k`` of each query head over the
-            batch and the allowed pairs, ``(heads,)`` fp32 (``-inf`` for a head with none): the kernel's own row
-            maxima, reduced here (no gradient).
-
-    Returns:
-        ``(batch, heads, q_len, head_dim)`` in q's dtype, contiguous. Rows that attend to nothing are 0. With
-        ``return_max_logits``, ``(output, max_logits)``.
-    """
-    if dropout_p:
-        raise ValueError(f"hf_qknorm's Triton attention has no attention dropout (got dropout_p={dropout_p}); use "
-                         "the PyTorch path (hf_qknorm.attention) or set the model's attention dropout to 0")
-    _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
-    if cu_seqlens_q is not None:
-        _, _, _, _, _, max_seqlen_q, max_seqlen_k = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                 max_seqlen_k, q, k)
-    else:
-        max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
-    op = torch.ops.hf_qknorm.attn_fwd_max if return_max_logits else torch.ops.hf_qknorm.attn_fwd
-    out, _, *row_max = op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(scaling),
-                          None if softcap is None else float(softcap), bool(causal), sliding_window)
-    if not return_max_logits:
-        return out
-    return out, row_max[0].detach().amax(dim=(0, 2))

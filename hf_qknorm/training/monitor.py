@@ -24,16 +24,13 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from ..modeling.sharding import check_tensor_parallel, collective_device, world_size
 from ..modeling.telemetry import TILE_ELEMENTS, LogitTap, logit_tiles
 from .heads import layer_rows
 from .sites import unwrap
 
-try:  # a plain-loop user needs no transformers Trainer machinery
-    from transformers import TrainerCallback
-except ImportError:  # pragma: no cover - transformers is a dependency
-    TrainerCallback = object
 
 logger = logging.getLogger(__name__)
 

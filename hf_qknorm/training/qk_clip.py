@@ -48,6 +48,7 @@ import logging
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from ..modeling.sharding import (check_tensor_parallel, collective_device, fsdp_owned, local_part, refuse_engines,
@@ -56,10 +57,6 @@ from ..modeling.telemetry import LogitTap
 from .heads import layer_rows
 from .sites import attention_sites, unwrap
 
-try:
-    from transformers import TrainerCallback
-except ImportError:  # pragma: no cover - transformers is a dependency
-    TrainerCallback = object
 
 logger = logging.getLogger(__name__)
 

@@ -34,16 +34,13 @@ import logging
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from ..modeling.sharding import check_tensor_parallel, fsdp_owned, refuse_engines
 from .heads import HeadRows, head_norms, layer_rows
 from .sites import attention_sites, unwrap
 
-try:
-    from transformers import TrainerCallback
-    from transformers.trainer_callback import ExportableState
-except ImportError:  # pragma: no cover
-    TrainerCallback, ExportableState = object, object
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Compile every kernel variant for a GPU architecture without a GPU, and report its resources.
+"""Compile every attention kernel variant for a GPU architecture without a GPU, and report its resources.
 
-    python -m hf_qknorm.kernels.compile_check --arch 80 90 [--quick]
+    python scripts/compile_kernels.py --arch 80 90 [--quick]      # from a clone, with hf_qknorm importable
 
 Why: the CPU tests run the kernels under Triton's interpreter, which accepts code that the compiler rejects
 (non-constexpr globals, unsupported casts) and knows nothing of shared memory or registers. This tool drives the
@@ -9,7 +9,9 @@ arguments through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin,
 for the requested architecture, and prints shared memory, registers and spills (local memory) per kernel. A
 kernel whose shared memory exceeds the architecture's limit, or that fails to compile, is a failure.
 
-Must run in a process where ``TRITON_INTERPRET`` is unset (the kernels must be decorated for compilation).
+Must run in a process where ``TRITON_INTERPRET`` is unset (the kernels must be decorated for compilation). A
+maintainer's tool, not part of the package: it swaps the kernels for recorders with ``unittest.mock``.
+tests/test_kernels_compile.py runs ``--quick``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from unittest import mock
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this clone's hf_qknorm, not an installed copy
 
 # Largest dynamic shared memory per block: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB, sm_86/89 99 KiB.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -70,47 +75,34 @@ def _signature(fn, args, kwargs):
 
 def record_launches(scenario: dict) -> list:
     """Run the launchers for one scenario with tiny CPU tensors and return the recorded kernel launches."""
-    from . import _attention_args, attention, norm_rope
+    from hf_qknorm.kernels import _attention_args, attention
 
     calls: list = []
-    patches = [mock.patch.object(_attention_args, "check_device", lambda *a, **k: None),
-               mock.patch.object(norm_rope, "check_device", lambda *a, **k: None)]
-    for mod, names in ((attention, ["_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel",
-                                    "_attn_bwd_dq_kernel", "_attn_fwd_split_kernel", "_attn_combine_kernel"]),
-                       (norm_rope, ["_norm_rope_fwd_kernel", "_norm_rope_bwd_kernel"])):
-        for name in names:
-            patches.append(mock.patch.object(mod, name, _Recorder(getattr(mod, name), calls)))
+    patches = [mock.patch.object(_attention_args, "check_device", lambda *a, **k: None)]
+    for name in ("_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
+                 "_attn_fwd_split_kernel", "_attn_combine_kernel"):
+        patches.append(mock.patch.object(attention, name, _Recorder(getattr(attention, name), calls)))
     dtype, d = scenario["dtype"], scenario["head_dim"]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
-        if scenario["op"] == "attention":
-            q = torch.zeros(1, 4, 8, d, dtype=dtype)
-            k = torch.zeros(1, 2, 8, d, dtype=dtype)
-            kw = dict(scaling=0.1, softcap=scenario.get("softcap"), causal=True,
-                      sliding_window=scenario.get("window"))
-            if scenario.get("mask"):
-                kw["attn_mask"] = torch.ones(1, 1, 1, 8, dtype=torch.bool)  # key padding, any q_len
-            if scenario.get("varlen"):
-                cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-                kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
-            out = torch.zeros_like(q)
-            lse = torch.zeros(q.shape[:3])
-            fwd = dict(return_max=bool(scenario.get("max_logits")))
-            if scenario.get("decode"):
-                attention.attn_fwd(q[:, :, :1], k, k, **kw, **fwd, decode=True, num_splits=2)
-            else:
-                attention.attn_fwd(q, k, k, **kw, **fwd, decode=False)
-                if not fwd["return_max"]:  # the backward does not depend on it
-                    attention.attn_bwd(out, q, k, k, out, lse, **kw)
+        q = torch.zeros(1, 4, 8, d, dtype=dtype)
+        k = torch.zeros(1, 2, 8, d, dtype=dtype)
+        kw = dict(scaling=0.1, softcap=scenario.get("softcap"), causal=True, sliding_window=scenario.get("window"))
+        if scenario.get("mask"):
+            kw["attn_mask"] = torch.ones(1, 1, 1, 8, dtype=torch.bool)  # key padding, any q_len
+        if scenario.get("varlen"):
+            cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+            kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+        out = torch.zeros_like(q)
+        lse = torch.zeros(q.shape[:3])
+        fwd = dict(return_max=bool(scenario.get("max_logits")))
+        if scenario.get("decode"):
+            attention.attn_fwd(q[:, :, :1], k, k, **kw, **fwd, decode=True, num_splits=2)
         else:
-            x = torch.zeros(1, 8, 2, d, dtype=dtype)
-            w = torch.ones(d)
-            cos = torch.ones(1, 8, d)
-            kw = dict(kind=scenario["kind"], weight=w, bias=w if scenario["kind"] == "layernorm" else None,
-                      eps=1e-6, p=2.0, cos=cos, sin=cos)
-            norm_rope.norm_rope_fwd(x, **kw)
-            norm_rope.norm_rope_bwd(x, x, **kw)
+            attention.attn_fwd(q, k, k, **kw, **fwd, decode=False)
+            if not fwd["return_max"]:  # the backward does not depend on it
+                attention.attn_bwd(out, q, k, k, out, lse, **kw)
     return calls
 
 
@@ -161,23 +153,21 @@ def scenarios(quick: bool, dtypes=None) -> list[dict]:
     dims = [64, 256] if quick else [64, 80, 96, 128, 256]
     out = []
     for dtype, d in itertools.product(dtypes, dims):
-        out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, mask=True, window=None))
+        out.append(dict(dtype=dtype, head_dim=d, softcap=50.0, mask=True, window=None))
         if not quick or d == 64:
-            out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=None, varlen=True, window=128))
-        out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, mask=True, decode=True))
+            out.append(dict(dtype=dtype, head_dim=d, softcap=None, varlen=True, window=128))
+        out.append(dict(dtype=dtype, head_dim=d, softcap=50.0, mask=True, decode=True))
         if not quick or d == 64:  # the forward variants that also write the per-row max logits (telemetry)
-            out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, mask=True, max_logits=True))
-            out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=None, varlen=True, max_logits=True))
-            out.append(dict(op="attention", dtype=dtype, head_dim=d, softcap=50.0, decode=True, max_logits=True))
-    for kind in (["layernorm"] if quick else ["layernorm", "rmsnorm", "lp"]):
-        out.append(dict(op="norm_rope", dtype=torch.bfloat16, head_dim=128, kind=kind))
+            out.append(dict(dtype=dtype, head_dim=d, softcap=50.0, mask=True, max_logits=True))
+            out.append(dict(dtype=dtype, head_dim=d, softcap=None, varlen=True, max_logits=True))
+            out.append(dict(dtype=dtype, head_dim=d, softcap=50.0, decode=True, max_logits=True))
     return out
 
 
 def run(archs, quick: bool, dtypes=None):
     """Yield one result row per compiled kernel variant."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
-        raise SystemExit("unset TRITON_INTERPRET: compile_check needs kernels decorated for compilation")
+        raise SystemExit("unset TRITON_INTERPRET: compile_kernels.py needs kernels decorated for compilation")
     for scenario, arch in itertools.product(scenarios(quick, dtypes), archs):
         label = {k: (str(v).replace("torch.", "") if k == "dtype" else v) for k, v in scenario.items()}
         for fn, args, kwargs in record_launches(scenario):
@@ -195,7 +185,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", nargs="+", choices=list(_DTYPES), help="only these input dtypes")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
     args = parser.parse_args(argv)
-    keys = ("op", "dtype", "head_dim", "arch", "kernel", "BLOCK_M", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages",
+    keys = ("dtype", "head_dim", "arch", "kernel", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
             "shared", "regs", "local_bytes", "ok", "error")
     total = bad = 0
     for row in run(args.arch, args.quick, args.dtype):
