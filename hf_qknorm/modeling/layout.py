@@ -33,6 +33,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     return inner
 
 
+def family_of(model: nn.Module) -> Family:
+    """The family-table row of a (possibly patched, possibly wrapped) model."""
+    return family_of_config(unwrap(model).config)
+
+
 def find_layers(model: nn.Module, family: Family) -> nn.ModuleList:
     """The decoder blocks: at the family's path from a head model (``model.layers``), from the bare base model
     (``layers``), or -- for heads that name their base model otherwise (``LlamaForQuestionAnswering.transformer``)
