@@ -114,7 +114,7 @@ def _identity_init(model) -> int:
     class). Returns the number of tensors reset."""
     import torch
 
-    from hf_qknorm.modeling.norms import HeadLpNorm, henry_logit_scale
+    from hf_qknorm.portable.norms import HeadLpNorm, henry_logit_scale
 
     scale, count = henry_logit_scale(model.config.max_position_embeddings), 0
     with torch.no_grad():

@@ -4,8 +4,9 @@ Importing the package checks the Transformers version, registers the ``"qknorm"`
 (attention and mask functions) and the ``qknorm_<base>`` model types with the Auto classes. Everything else is
 imported on first use (module-level ``__getattr__``), so ``import hf_qknorm`` stays cheap.
 
-Layout: :mod:`hf_qknorm.modeling` (schemes, norms, families, patching, the ``qknorm_<base>`` classes),
-:mod:`hf_qknorm.attention` (the backend) and :mod:`hf_qknorm.kernels` (Triton) are the runtime;
+Layout: :mod:`hf_qknorm.portable` (schemes, norms, families, the model surgery: the code saved folders carry),
+:mod:`hf_qknorm.kernels` (Triton), :mod:`hf_qknorm.attention` (the backend) and :mod:`hf_qknorm.modeling` (patching,
+the ``qknorm_<base>`` classes, telemetry, sharding) are the runtime;
 :mod:`hf_qknorm.conversion` (checkpoint conversion) and :mod:`hf_qknorm.training` (monitor, Q/K learning rates,
 QK-Clip, LoRA) build on it; :mod:`hf_qknorm.cli` on everything.
 """
@@ -19,23 +20,23 @@ from .upstream import check_transformers_version
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {
-    "ATTN_IMPLEMENTATION": "attention.interface",
+    "ATTN_IMPLEMENTATION": "portable.names",
     "qknorm_attention_forward": "attention.interface",
     "kernel_policy": "attention.dispatch",
     "KernelFallbackError": "attention.dispatch",
-    "DEFAULT_SOFTCAP": "modeling.schemes",
-    "NORMS": "modeling.schemes",
-    "SCHEMES": "modeling.schemes",
-    "QKNormConfig": "modeling.schemes",
-    "Scheme": "modeling.schemes",
-    "Norm": "modeling.schemes",
-    "FAMILIES": "modeling.families",
-    "Family": "modeling.families",
-    "get_family": "modeling.families",
+    "DEFAULT_SOFTCAP": "portable.schemes",
+    "NORMS": "portable.schemes",
+    "SCHEMES": "portable.schemes",
+    "QKNormConfig": "portable.schemes",
+    "Scheme": "portable.schemes",
+    "Norm": "portable.schemes",
+    "FAMILIES": "portable.families",
+    "Family": "portable.families",
+    "get_family": "portable.families",
     "patch_model": "modeling.patch",
     "is_patched": "modeling.patch",
     "qknorm_config": "modeling.patch",
-    "unwrap": "modeling.layout",
+    "unwrap": "portable.layout",
     "parallelize_attention": "modeling.sharding",
     "add_remote_code": "modeling.remote",
     "verify": "verification.api",

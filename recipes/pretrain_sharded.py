@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import train_scratch  # noqa: E402
 
 import hf_qknorm  # noqa: E402
-from hf_qknorm.modeling.layout import family_of, find_layers, unwrap  # noqa: E402
+from hf_qknorm.portable.layout import family_of, find_layers, unwrap  # noqa: E402
 from hf_qknorm.modeling.sharding import all_reduce_sum, local_part  # noqa: E402
 
 SHARDS = ("fsdp", "tp", "ddp")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import hf_qknorm
-from hf_qknorm.modeling.layout import find_layers, family_of, unwrap
+from hf_qknorm.portable.layout import find_layers, family_of, unwrap
 from tiny_models import VOCAB, tiny_model
 
 STEPS, BATCH, SEQ = 3, 4, 12

@@ -17,7 +17,7 @@ from hf_qknorm.conversion.converter import inspect_source
 from hf_qknorm.conversion.layerwise import calibrate_checkpoint
 from hf_qknorm.conversion.streaming import StreamedCheckpoint
 from hf_qknorm.data import perplexity
-from hf_qknorm.modeling.schemes import QKNormConfig
+from hf_qknorm.portable.schemes import QKNormConfig
 from test_convert_support import SHORT_TEXT, bundled_copy, one_thread, quiet, save_source  # noqa: F401
 from tiny_models import VOCAB
 

@@ -4,7 +4,7 @@ For each step of a greedy ``generate`` the logits must equal those of one uncach
 (same attention mask), for dynamic, static, sliding-window and hybrid caches, padded (left) and unpadded batches,
 every family -- patched with a capped scheme, with ``soft_cap``, with ``qk_norm`` on sdpa -- and Gemma 2 with its own
 cap. A prefill into an empty static cache is the case Transformers sends without a mask, expecting top-left causal
-alignment (hf_qknorm.attention.masks)."""
+alignment (hf_qknorm.portable.masks)."""
 
 from __future__ import annotations
 

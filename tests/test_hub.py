@@ -15,7 +15,7 @@ from hf_qknorm.cli.main import main as cli_main
 from hf_qknorm.conversion.hub import (build_model_card, card_for_repo, card_metadata, check_repo_id, push,
                                       template_path, upload_files)
 from hf_qknorm.modeling.remote import remote_files
-from hf_qknorm.modeling.schemes import QKNormConfig
+from hf_qknorm.portable.schemes import QKNormConfig
 from test_convert_support import leftovers, one_thread, quiet, save_source  # noqa: F401
 
 LICENSED_README = "---\nlicense: apache-2.0\nlanguage: en\n---\n# a source model\n"

@@ -1,6 +1,7 @@
-"""The package's architecture, checked: no import cycles (function-level imports included), the dependency
-direction runtime <- conversion, runtime <- training, everything <- cli, kernels know nothing of Transformers, and
-every subpackage imports on its own in a fresh interpreter."""
+"""The package's architecture, checked: no import cycles (function-level imports included), the floors import
+one way only (portable <- kernels <- attention <- modeling <- conversion / training / verification <- cli; see
+docs/architecture.md), kernels know nothing of Transformers, and every subpackage imports on its own in a fresh
+interpreter."""
 
 from __future__ import annotations
 
@@ -12,16 +13,18 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_qknorm"
-SUBPACKAGES = ("modeling", "attention", "kernels", "conversion", "training", "verification", "cli")
-# what each part may import from the package (besides itself and the top-level modules listed)
+SUBPACKAGES = ("portable", "kernels", "attention", "modeling", "conversion", "training", "verification", "cli")
+# what each floor may import from the package besides itself: whole floors, never single modules
+RUNTIME = {"portable", "kernels", "attention", "modeling", "_version", "upstream"}
 ALLOWED = {
+    "portable": set(),  # and only torch and the standard library: tests/test_export.py
     "kernels": set(),
-    "attention": {"kernels", "modeling.schemes"},
-    "modeling": {"attention"},
-    "conversion": {"modeling", "attention", "data", "upstream", "verification"},
-    "training": {"modeling", "attention"},
-    "verification": {"modeling", "attention", "reference"},
-    "cli": {"modeling", "attention", "kernels", "conversion", "training", "data", "upstream", "verification"},
+    "attention": {"portable", "kernels", "_version", "upstream"},
+    "modeling": {"portable", "kernels", "attention", "_version", "upstream"},
+    "conversion": RUNTIME | {"data", "reference", "verification"},
+    "training": RUNTIME | {"data"},
+    "verification": RUNTIME | {"reference"},
+    "cli": RUNTIME | {"conversion", "training", "verification", "data", "reference"},
 }
 
 
@@ -55,7 +58,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py") if "_remote" not in p.parts}
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py") if "entry" not in p.parts}
     graph = {}
     for name, path in modules.items():
         graph[name] = {m for m in _imports(path) if m in modules and m != name}
@@ -97,8 +100,7 @@ def test_dependency_direction():
             dparts = dep.split(".")
             if dep == "hf_qknorm" or dparts[1] == own:
                 continue
-            allowed = ALLOWED[own] | ({"_version", "upstream"} if own != "kernels" else set())
-            assert dparts[1] in allowed or ".".join(dparts[1:3]) in allowed, f"{name} imports {dep}"
+            assert dparts[1] in ALLOWED[own], f"{name} imports {dep}: the {own} floor may import {sorted(ALLOWED[own])}"
 
 
 def test_kernels_know_nothing_of_transformers():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm.modeling.norms import HeadRMSNorm
+from hf_qknorm.portable.norms import HeadRMSNorm
 from hf_qknorm.reference import norm_reference
 from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
 
@@ -88,7 +88,7 @@ def _head_classes(family):
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from hf_qknorm.modeling.structure import AUTO_HEADS
+    from hf_qknorm.portable.structure import AUTO_HEADS
 
     base = CONFIG_MAPPING[family]
     return [(auto, getattr(modeling_auto, m)[base]) for auto, m in AUTO_HEADS if base in getattr(modeling_auto, m)]
@@ -161,7 +161,7 @@ def test_rmsnorm_eps_is_settable():
 
 def test_lp_norm_with_a_large_exponent_stays_finite_and_exact():
     """||x||_p overflows float32 for large p (|x|^64 > 3.4e38 once |x| > 4): the norm rescales by max|x| first."""
-    from hf_qknorm.modeling.norms import HeadLpNorm
+    from hf_qknorm.portable.norms import HeadLpNorm
 
     norm = HeadLpNorm(16, p=64.0, eps=1e-6, scale="channel")
     x = (20 * torch.randn(2, 5, 4, 16, generator=torch.Generator().manual_seed(0))).requires_grad_(True)

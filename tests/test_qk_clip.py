@@ -54,7 +54,7 @@ def _true_maxima(model, ids, replay=None):
     """Per layer, the per-head max logit of a forward, measured by the capturing backend. QK-Clip bounds each layer
     on the input it saw, so after a clip each attention layer is ``replay``ed on its recorded input (a clipped
     earlier layer changes what later layers receive)."""
-    from hf_qknorm.modeling.layout import attention_modules
+    from hf_qknorm.portable.layout import attention_modules
 
     backend, training = model.config._attn_implementation, model.training
     model.set_attn_implementation(CAPTURE)
@@ -73,7 +73,7 @@ def _true_maxima(model, ids, replay=None):
 
 def _record_inputs(model, ids):
     """Each attention module's call arguments during one forward (to replay after a clip)."""
-    from hf_qknorm.modeling.layout import attention_modules
+    from hf_qknorm.portable.layout import attention_modules
 
     calls, handles = [], []
     for attn in attention_modules(model)[1]:

@@ -209,7 +209,7 @@ def _checkpoint(out: Path, rank: int, world: int) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                          set_state_dict)
 
-    from hf_qknorm.modeling.layout import unwrap
+    from hf_qknorm.portable.layout import unwrap
 
     spec, data = S.SPECS[CKPT], list(enumerate(S.batches(4)))
 

@@ -1,7 +1,7 @@
 """Per-head max-logit telemetry against a brute-force max over materialised float64 logits, on every path: the
 PyTorch tiled attention (capped and uncapped), the ``"qknorm"`` interface with every mask form it resolves, the
 Triton kernels under the interpreter, and the projection-hook fallback. The allowed pairs of each case are written
-out here from their definition (not taken from hf_qknorm.attention.masks), and the largest logits are planted on
+out here from their definition (not taken from hf_qknorm.portable.masks), and the largest logits are planted on
 pairs the mask hides, so a masked pair that counted would show."""
 
 from __future__ import annotations

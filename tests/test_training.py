@@ -57,7 +57,7 @@ def test_fast_path_trains_like_reference(monkeypatch):
     final parameters (Liger-Kernel's convergence-test idea)."""
     from transformers import AttentionInterface
 
-    import hf_qknorm.modeling.hooks as hooks
+    import hf_qknorm.portable.hooks as hooks
 
     AttentionInterface.register("qknorm_test_reference", _reference_attention)
     monkeypatch.setattr(hooks, "CAP_READING_BACKENDS", hooks.CAP_READING_BACKENDS + ("qknorm_test_reference",))

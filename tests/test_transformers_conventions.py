@@ -117,7 +117,7 @@ def test_output_attentions_stays_refused_where_no_weights_come_back(tmp_path):
 
 def _patched_config(family, scheme, **settings):
     from hf_qknorm.modeling.classes import config_class
-    from hf_qknorm.modeling.families import get_family
+    from hf_qknorm.portable.families import get_family
     from tiny_models import tiny_config
 
     base = tiny_config(family)
@@ -133,7 +133,7 @@ def test_norms_a_checkpoint_lacks_start_from_their_initial_values(tmp_path, norm
     uninitialised memory; weights the checkpoint has are kept."""
     from transformers import AutoModelForCausalLM
 
-    from hf_qknorm.modeling.norms import henry_logit_scale
+    from hf_qknorm.portable.norms import henry_logit_scale
 
     tiny_model("llama", seed=2).save_pretrained(tmp_path / "plain")
     config = _patched_config("llama", "qkv_norm", norm=norm, **settings)

@@ -80,7 +80,7 @@ def test_backend_is_registered():
 def test_rotary_function_is_the_forwards_rotation(family):
     """The function the monitor and calibration use to rebuild post-RoPE q and k is the half-split rotation the
     family's forward applies (the formula in hf_qknorm.reference)."""
-    from hf_qknorm.modeling.layout import rotary_function
+    from hf_qknorm.portable.layout import rotary_function
     from hf_qknorm.reference import rope_reference
 
     model = tiny_model(family, dtype=torch.float64)

@@ -229,7 +229,7 @@ def test_catches_norm_hooks_removed(family, scheme, dtype, biases):
     model = _patched(family, scheme, "layernorm", dtype, biases=biases)
     good = hf_qknorm.verify(model, generate=False)
     assert good.ok and good.mechanism("norms") == "applied"
-    _, attns = hf_qknorm.modeling.layout.attention_modules(model)
+    _, attns = hf_qknorm.portable.layout.attention_modules(model)
     for attn in attns:
         for _, handle in attn.__dict__["_qknorm_handles"].values():
             handle.remove()

@@ -4,7 +4,7 @@ Usable by any model: ``AutoModelForCausalLM.from_pretrained(..., attn_implementa
 ``model.set_attn_implementation("qknorm")`` once ``hf_qknorm`` is imported. It honours the interface's ``scaling``,
 ``dropout``, ``softcap`` (or the cap a patched module carries), ``sliding_window``, ``is_causal``, packed sequences
 (``cu_seq_lens_*``, or ``position_ids`` that restart -- also with ``use_cache`` on, where Transformers builds no
-packing mask) and ``output_attentions``. The mask rule is :mod:`hf_qknorm.attention.masks`.
+packing mask) and ``output_attentions``. The mask rule is :mod:`hf_qknorm.portable.masks`.
 
 Dispatch (:mod:`.dispatch`, a scoped policy): CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``),
 through the entry point of the call's shape; everything else takes the PyTorch path -- ``sdpa`` when there is no
@@ -29,11 +29,12 @@ import warnings
 import torch
 from torch.nn import functional as F
 
-from ..modeling.schemes import check_softcap
+from ..portable.schemes import check_softcap
 from .chunked import chunked_attention, max_logits
 from .dispatch import KernelFallbackError, fallback_message, kernel_policy, route
-from .eager import capped_eager_attention
-from .masks import bool_mask, implicit_causal, packed_sequence_mask
+from ..portable.eager import capped_eager_attention
+from ..portable.names import ATTN_IMPLEMENTATION
+from ..portable.masks import bool_mask, implicit_causal, packed_sequence_mask
 from .tiles import chunk_allowed
 
 try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
@@ -41,7 +42,6 @@ try:  # the outputs Transformers' output capture is collecting in this forward (
 except ImportError:  # pragma: no cover - every supported Transformers has it
     _active_collector = None
 
-ATTN_IMPLEMENTATION = "qknorm"
 
 # Without a cap, per-head max logits come from the tiled path's own pass from this many queries up; below it, sdpa
 # plus a max-only pass is faster (the tiled path's fixed costs dominate). Measured on CPU, forward+backward, one

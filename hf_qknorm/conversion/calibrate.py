@@ -33,7 +33,7 @@ from torch.nn import functional as F
 
 from .progress import Stage
 from .stats import CalibrationReport, LayerStats, converted_max_logits
-from ..modeling.norms import NORM_CLASSES
+from ..portable.norms import NORM_CLASSES
 
 __all__ = ["CalibrationReport", "CalibrationSettings", "LayerStats", "distill", "new_norm_parameters", "polish"]
 

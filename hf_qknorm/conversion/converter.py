@@ -28,8 +28,8 @@ import torch
 
 from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
 from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
-from ..modeling.families import Family, get_family
-from ..modeling.schemes import QKNormConfig
+from ..portable.families import Family, get_family
+from ..portable.schemes import QKNormConfig
 from ..upstream import installed_versions
 from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
 from .tempdirs import check_writable, staging
@@ -346,7 +346,7 @@ def _identity(source: Source, cfg):
     """The patched config and identity-initialised norm values, from a model built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm, henry_logit_scale
+    from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm, henry_logit_scale
     from ..modeling.patch import patch_model
 
     with torch.device("meta"):

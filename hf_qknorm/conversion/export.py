@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..modeling.families import Family, base_model_type
-from ..modeling.schemes import QKNormConfig
+from ..portable.families import Family, base_model_type
+from ..portable.schemes import QKNormConfig
 
 EXPORTS = ("auto", "qwen3", "qknorm")
 

@@ -28,8 +28,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-from ..modeling.norms import HeadLpNorm
-from ..modeling.schemes import QKNormConfig
+from ..portable.norms import HeadLpNorm
+from ..portable.schemes import QKNormConfig
 from ..modeling.telemetry import LogitTap, head_max_logits
 from .localfit import closed_form, fit_attention, norm_parameters
 from .progress import Stage
@@ -44,7 +44,7 @@ STREAMS = ("original", "identity", "least_squares", "calibrated")
 def identity_values(stream: StreamedCheckpoint, max_len: int) -> dict[str, torch.Tensor]:
     """Identity init of every new norm parameter (weight 1, bias 0; Henry et al.'s logit scale for ``l2``/``lp``;
     a Qwen3 source's own q/k norm gains where the new norm has the same shape), by state-dict name."""
-    from ..modeling.norms import henry_logit_scale
+    from ..portable.norms import henry_logit_scale
 
     values = {}
     for name, prm in stream.patched.named_parameters():

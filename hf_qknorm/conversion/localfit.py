@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from .streaming import BlockCall
 
 ROLES = ("q", "k", "v")

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..modeling.families import Family
-from ..modeling.fold import bias_shift, fold_gain, shifted_bias
-from ..modeling.schemes import QKNormConfig
+from ..portable.families import Family
+from ..portable.fold import bias_shift, fold_gain, shifted_bias
+from ..portable.schemes import QKNormConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -184,7 +184,7 @@ def plan_weights(weights: SourceWeights, family: Family, cfg: QKNormConfig, new_
 
 
 def _plan_fold(plan: WeightPlan, weights: SourceWeights, family: Family, layer: int) -> None:
-    """The ``qkv_norm`` fold of one layer's removed pre-norm (:mod:`hf_qknorm.modeling.fold`, the rule
+    """The ``qkv_norm`` fold of one layer's removed pre-norm (:mod:`hf_qknorm.portable.fold`, the rule
     :func:`hf_qknorm.patch_model` applies too): its gain scales the projections' input channels and its bias
     shifts their biases, computed here from the unfolded weights, one projection weight in memory at a time."""
     norm = f"{family.layers}.{layer}.{family.prenorm}"

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ..modeling.families import Family
-from ..modeling.norms import HeadLpNorm, make_norm
-from ..modeling.layout import find_layers, rotary_function
+from ..portable.families import Family
+from ..portable.norms import HeadLpNorm, make_norm
+from ..portable.layout import find_layers, rotary_function
 from ..modeling.telemetry import LogitTap, head_max_logits
-from ..modeling.schemes import QKNormConfig
+from ..portable.schemes import QKNormConfig
 
 CAP_WARN_FRACTION = 0.5
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..modeling.families import Family
-from ..modeling.layout import find_layers
+from ..portable.families import Family
+from ..portable.layout import find_layers
 from ..modeling.patch import patch_model
-from ..modeling.schemes import QKNormConfig
+from ..portable.schemes import QKNormConfig
 from .shards import SourceWeights, WeightPlan, _transform, plan_weights
 
 class _Stop(Exception):

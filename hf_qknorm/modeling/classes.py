@@ -11,9 +11,9 @@ unpatched base model.
 
 from __future__ import annotations
 
-from .families import FAMILIES, family_of_config
-from .schemes import QKNormConfig
-from .structure import AUTO_HEADS, make_config_class, make_model_class
+from ..portable.families import FAMILIES, family_of_config
+from ..portable.schemes import QKNormConfig
+from ..portable.structure import AUTO_HEADS, make_config_class, make_model_class
 
 _CONFIGS: dict[str, type] = {}
 _MODELS: dict[type, type] = {}  # base model class -> patched subclass

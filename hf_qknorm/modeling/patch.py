@@ -13,10 +13,11 @@ import logging
 from torch import nn
 
 from .classes import mark_patched
-from .layout import unwrap
-from .schemes import QKNormConfig
+from ..portable.layout import unwrap
+from ..portable.schemes import QKNormConfig
 from .sharding import refuse_distributed
-from .structure import ATTN_IMPLEMENTATION, apply_scheme, own_config, plan_scheme
+from ..portable.names import ATTN_IMPLEMENTATION
+from ..portable.structure import apply_scheme, own_config, plan_scheme
 
 logger = logging.getLogger(__name__)
 

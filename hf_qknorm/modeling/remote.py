@@ -1,71 +1,62 @@
-"""The remote code saved with every ``qknorm_<base>`` folder: the plugin's own modules, flattened.
+"""Writes the remote code into saved ``qknorm_<base>`` folders: the modules of :mod:`hf_qknorm.portable`, copied.
 
 Transformers loads custom code from a folder (``trust_remote_code=True``) and follows its relative imports between
-files. So the code a saved folder carries is not a second implementation: it is the plugin's standalone modules
-(those that import nothing but the standard library, ``torch`` and each other), copied under flat names
-(``hf_qknorm/modeling/norms.py`` -> ``qknorm_norms.py``) with their relative imports rewritten, plus two entry files
-(``_remote/configuration_qknorm.py``, ``_remote/modeling_qknorm.py``) that build the classes from them. A test loads
-saved folders in a process without the plugin, at both ends of the supported Transformers range.
+files. So the code a saved folder carries is not a second implementation: it is :mod:`hf_qknorm.portable`, copied
+under flat names (``portable/norms.py`` -> ``qknorm_norms.py``) with each relative import mapped through
+``portable.SHIPPED``, plus the two entry files (``portable/entry/``) that build the classes from them. An import the
+table cannot map (an absolute ``hf_qknorm`` import, ``from . import x``, a module outside the table) is refused here
+and by a test, not discovered when a user saves. A test loads saved folders in a process without the plugin, at
+both ends of the supported Transformers range.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
-from .families import PREFIX
+from ..portable import ENTRY_FILES, SHIPPED
+from ..portable.names import CLASS_PREFIX, PREFIX
 
-_PACKAGE = Path(__file__).resolve().parents[1]  # hf_qknorm/
-# Package module (relative to hf_qknorm/) -> shipped file name. Only these may be imported by shipped code.
-SHIPPED = {
-    "modeling/schemes.py": "qknorm_schemes.py",
-    "modeling/families.py": "qknorm_families.py",
-    "modeling/norms.py": "qknorm_norms.py",
-    "modeling/hooks.py": "qknorm_hooks.py",
-    "modeling/fold.py": "qknorm_fold.py",
-    "modeling/layout.py": "qknorm_layout.py",
-    "modeling/structure.py": "qknorm_structure.py",
-    "attention/masks.py": "qknorm_masks.py",
-    "attention/eager.py": "qknorm_eager.py",
-}
-ENTRY_FILES = ("configuration_qknorm.py", "modeling_qknorm.py")
-_RELATIVE = re.compile(r"^(\s*)from (\.+)([\w.]*) import (.+)$", re.MULTILINE)
+_PORTABLE = Path(__file__).resolve().parents[1] / "portable"
 
 
-def _flatten(source: str, where: str) -> str:
-    """Rewrite the relative imports of the package module ``where`` to the flat shipped names."""
-    here = Path(where).parent
-
-    def repl(m):
-        indent, dots, name, names = m.groups()
-        target = here
-        for _ in range(len(dots) - 1):
-            target = target.parent
-        path = (target / name.replace(".", "/")).as_posix() + ".py"
-        path = os.path.normpath(path)
-        if path not in SHIPPED:
-            raise RuntimeError(f"hf_qknorm/{where} imports {path}, which is not shipped as remote code; make it "
-                               f"standalone or add it to hf_qknorm.modeling.remote.SHIPPED")
-        return f"{indent}from .{SHIPPED[path][:-3]} import {names}"
-
-    return _RELATIVE.sub(repl, source)
+def shipped_source(module: str) -> str:
+    """The text of ``portable/<module>.py`` with its relative imports mapped to the shipped file names; raises
+    ``RuntimeError`` for an import that would not resolve inside a saved folder."""
+    path = _PORTABLE / f"{module}.py"
+    source = path.read_text()
+    lines = source.splitlines(keepends=True)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.level != 1 or node.module not in SHIPPED:
+                what = "." * node.level + (node.module or "")
+                raise RuntimeError(f"hf_qknorm/portable/{module}.py imports from {what!r}, which a saved folder does "
+                                   f"not carry; shipped code imports only from . + one of {sorted(SHIPPED)}")
+            line = lines[node.lineno - 1]
+            flat = SHIPPED[node.module][:-3]
+            lines[node.lineno - 1] = line.replace(f"from .{node.module} import", f"from .{flat} import", 1)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(n.split(".")[0] == "hf_qknorm" for n in names):
+                raise RuntimeError(f"hf_qknorm/portable/{module}.py imports {names}: shipped code cannot import the "
+                                   "plugin (a saved folder loads without it)")
+    return "".join(lines)
 
 
 def remote_files() -> dict[str, str]:
     """File name -> text of everything a saved folder carries besides ``config.json`` and the weights."""
     from .._version import __version__
 
-    stamp = f"# Written by hf_qknorm {__version__} from hf_qknorm/{{}}; it is regenerated on every save.\n"
-    files = {name: stamp.format(path) + _flatten((_PACKAGE / path).read_text(), path)
-             for path, name in SHIPPED.items()}
+    stamp = f"# Written by hf_qknorm {__version__} from hf_qknorm/portable/{{}}; it is regenerated on every save.\n"
+    files = {name: stamp.format(f"{module}.py") + shipped_source(module) for module, name in SHIPPED.items()}
     # Older Transformers (5.4 at least) copy only the files an entry file imports itself: name every shipped module.
     direct = "".join(f"from .{n[:-3]} import __name__ as _{n[:-3]}  # noqa: F401\n" for n in SHIPPED.values())
     for name in ENTRY_FILES:
-        entry = (_PACKAGE / "modeling" / "_remote" / name).read_text().replace("# {SHIPPED_IMPORTS}\n", direct)
-        files[name] = stamp.format(f"modeling/_remote/{name}") + entry
+        entry = (_PORTABLE / "entry" / name).read_text().replace("# {SHIPPED_IMPORTS}\n", direct)
+        files[name] = stamp.format(f"entry/{name}") + entry
     return files
 
 
@@ -82,7 +73,7 @@ def add_remote_code(folder) -> None:
         _write_atomic(folder / name, text)
     data = json.loads(config_file.read_text())
     if "auto_map" not in data:
-        from .structure import auto_map, patched_architecture
+        from ..portable.structure import auto_map, patched_architecture
 
         archs = [patched_architecture(a) for a in data.get("architectures") or []]
         data["architectures"] = archs or None
@@ -93,9 +84,7 @@ def add_remote_code(folder) -> None:
 def _config_class_name(data: dict) -> str:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from .families import base_model_type
-
-    from .structure import CLASS_PREFIX
+    from ..portable.families import base_model_type
 
     return CLASS_PREFIX + CONFIG_MAPPING[base_model_type(data.get("model_type", ""))].__name__
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layout import attention_sites, num_heads, unwrap
+from ..portable.layout import attention_sites, num_heads, unwrap
 
 NORM_SLOTS = ("q_norm", "k_norm", "v_norm")
 _SYNCED = "_qknorm_grad_sync"  # set on a norm parameter whose gradient is summed over the tensor-parallel group
@@ -254,7 +254,7 @@ def parallelize_attention(model: nn.Module, mesh) -> nn.Module:
 def _reattach_norm_hooks(attn: nn.Module) -> None:
     """Move a patched module's norm hooks behind the hooks ``parallelize_module`` just added: the norm must see the
     projection's local output tensor, after tensor parallelism has turned its ``DTensor`` into one."""
-    from . import hooks
+    from ..portable import hooks
 
     handles = attn.__dict__.get("_qknorm_handles")
     if not handles:

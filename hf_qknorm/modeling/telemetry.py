@@ -13,7 +13,7 @@ pre-cap logit to a consumer:
 - on any other backend (the unpatched baseline on ``sdpa``, an uncapped patched model on ``sdpa``/``eager``) forward
   hooks capture the projection outputs -- after a patched model's norm hooks, which run first -- and the attention
   module's ``position_embeddings``, and q and k are rotated with the family's own ``apply_rotary_pos_emb`` as its
-  forward does (:func:`hf_qknorm.modeling.layout.rotary_function`). Here the keys are the current call's only
+  forward does (:func:`hf_qknorm.portable.layout.rotary_function`). Here the keys are the current call's only
   (no cached keys), and the per-head maxima are computed on the side by :func:`head_max_logits`: the per-head
   maximum of ``scaling * q.k`` over the pairs the mask allows, in query chunks that skip the keys past a causal
   row's diagonal (never a ``(q_len, kv_len)`` tensor per head for the whole sequence).
@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from ..attention.chunked import max_logits
-from ..attention.masks import bool_mask
-from .layout import attention_sites, rotary_function
+from ..portable.masks import bool_mask
+from ..portable.layout import attention_sites, rotary_function
+from ..portable.names import ATTN_IMPLEMENTATION
 
 TILE_ELEMENTS = 1 << 21  # logits per chunk: 8 MiB in float32
-PROBING_BACKEND = "qknorm"  # the attention implementation that calls ``module._qknorm_probes``
 _TAP_IDS = itertools.count()
 
 
@@ -55,7 +55,7 @@ def per_group(ok: torch.Tensor | None, kv_heads: int, groups: int) -> torch.Tens
 
 def causal_rows(mask, causal: bool, q_len: int, kv_len: int):
     """``(causal, kv_len)`` after the backend's rule for a missing mask: top-left causal, so keys past the last
-    query row are never seen (:mod:`hf_qknorm.attention.masks`)."""
+    query row are never seen (:mod:`hf_qknorm.portable.masks`)."""
     causal = bool(causal) and mask is None and q_len > 1
     return causal, (min(kv_len, q_len) if causal else kv_len)
 
@@ -153,7 +153,7 @@ class LogitTap:
         if self.attached:
             return
         for site in self.sites:
-            if site.backend == PROBING_BACKEND:
+            if site.backend == ATTN_IMPLEMENTATION:
                 site.module.__dict__.setdefault("_qknorm_probes", {})[self.key] = self._probes[site.index]
                 self._probed.append(site.module)
             else:

@@ -53,7 +53,7 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
             backend sees them (after any norm and RoPE). GQA: query head ``h`` reads key head ``h // (heads //
             kv_heads)``, Transformers' ``repeat_kv`` layout.
         attention_mask: boolean (True = attend) or additive ``(batch|1, 1|heads, q_len, kv_len)``, or ``None``
-            for the causal pattern a missing mask stands for (:mod:`hf_qknorm.attention.masks`: top-left aligned)
+            for the causal pattern a missing mask stands for (:mod:`hf_qknorm.portable.masks`: top-left aligned)
             when ``causal``, else no mask.
         scaling: the logit scale; the logit is ``scaling * q.k`` (the value the cap, if any, is applied to).
         softcap: the cap ``c``: the entropy is that of ``softmax(c * tanh(logit / c))``, the distribution used.

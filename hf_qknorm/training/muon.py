@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..modeling.layout import unwrap
+from ..portable.layout import unwrap
 
 
 def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..modeling.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from ..modeling.sharding import (check_tensor_parallel, collective_device, fsdp_owned, local_part, refuse_engines,
                                  world_size)
 from ..modeling.telemetry import LogitTap

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..modeling.families import PREFIX
+from ..portable.names import PREFIX
 from .checks import build_report
 from .layers import ReferenceModel
 from .probe import run_probes

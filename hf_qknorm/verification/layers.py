@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..modeling.families import Family, family_of_config
-from ..modeling.layout import find_layers, unwrap
+from ..portable.families import Family, family_of_config
+from ..portable.layout import find_layers, unwrap
 from ..modeling.patch import qknorm_config
-from ..modeling.schemes import QKNormConfig
+from ..portable.schemes import QKNormConfig
 from .probe import probe_tokens
 
 

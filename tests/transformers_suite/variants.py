@@ -34,7 +34,7 @@ class Variant:
         if not self.patched or self.route == "patch_model":
             return None
         from hf_qknorm import QKNormConfig
-        from hf_qknorm.modeling.families import get_family
+        from hf_qknorm.portable.families import get_family
 
         eps = float(getattr(base_config, get_family(model_type).eps_attr))
         return QKNormConfig(**{"eps": eps, **self.settings}).to_dict()
@@ -62,7 +62,7 @@ def _patched_after_init(base_cls: type, settings: dict) -> type:
     would rebuild it."""
     from hf_qknorm import QKNormConfig, patch_model
     from hf_qknorm.modeling.classes import mark_patched
-    from hf_qknorm.modeling.structure import patch_on_init
+    from hf_qknorm.portable.structure import patch_on_init
 
     def __init__(self, config, *args, **kwargs):
         base_cls.__init__(self, config, *args, **kwargs)

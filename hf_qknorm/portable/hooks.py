@@ -15,7 +15,7 @@ module, or the LoRA delta would be added after the norm. The attention module's 
 (``QKNorm<Attention>``) whose ``__setattr__`` moves the hook whenever a hooked slot is reassigned; its ``forward``
 checks that the attention backend can apply the module's cap, then calls the upstream forward.
 
-This module imports nothing but ``torch``: it is also copied into exported folders (``trust_remote_code``).
+This module imports nothing but ``torch`` and :mod:`.names`: it is also copied into exported folders (``trust_remote_code``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .names import ATTN_IMPLEMENTATION, CLASS_PREFIX
+
 # Attention implementations that read the cap a patched module carries (``module._qknorm_softcap``).
-CAP_READING_BACKENDS = ("qknorm",)
+CAP_READING_BACKENDS = (ATTN_IMPLEMENTATION,)
 
 _ATTENTION_CLASSES: dict[type, type] = {}
 
@@ -103,7 +105,7 @@ def attention_class(base: type) -> type:
                 check_cap_backend(self.config._attn_implementation)
             return base.forward(self, *args, **kwargs)  # the upstream forward, unmodified
 
-        cls = type(f"QKNorm{base.__name__}", (base,),  # the CLASS_PREFIX of .structure (hooks imports nothing)
+        cls = type(f"{CLASS_PREFIX}{base.__name__}", (base,),
                    {"__setattr__": _setattr, "forward": forward, "__module__": __name__})
         globals()[cls.__name__] = cls  # importable by name: pickling and copying work
         _ATTENTION_CLASSES[base] = cls

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREFIX = "qknorm_"  # the model_type of a patched model is PREFIX + its base model_type (``qknorm_llama``)
+from .names import PREFIX  # the model_type of a patched model is PREFIX + its base model_type (``qknorm_llama``)
 
 
 @dataclass(frozen=True)
@@ -103,5 +103,5 @@ def get_family(model_type: str) -> Family:
     except KeyError:
         raise ValueError(
             f"unsupported model family {model_type!r}; hf_qknorm supports: {', '.join(sorted(FAMILIES))}. "
-            "Adding a family is one row in hf_qknorm/modeling/families.py."
+            "Adding a family is one row in hf_qknorm/portable/families.py."
         ) from None

@@ -24,7 +24,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from .configuration_qknorm import CONFIG_CLASSES
 from .qknorm_eager import capped_eager_attention
 from .qknorm_families import FAMILIES
-from .qknorm_structure import ATTN_IMPLEMENTATION, AUTO_HEADS, make_model_class
+from .qknorm_names import ATTN_IMPLEMENTATION
+from .qknorm_structure import AUTO_HEADS, make_model_class
 
 if ATTN_IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS.valid_keys():
     AttentionInterface.register(ATTN_IMPLEMENTATION, capped_eager_attention)

@@ -21,16 +21,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .families import PREFIX, Family, family_of_config, get_family
+from .families import Family, family_of_config, get_family
 from .fold import bias_shift, fold_gain, shifted_bias
 from .hooks import hook_slots, install, is_installed
 from .layout import find_layers
+from .names import ATTN_IMPLEMENTATION, CLASS_PREFIX, PREFIX
 from .norms import henry_logit_scale, init_unloaded_norms, make_norm
 from .schemes import QKNormConfig
 
 logger = logging.getLogger(__name__)
 
-ATTN_IMPLEMENTATION = "qknorm"
 # Backends a patched model with a cap is moved away from (to "qknorm"): they cannot apply a cap.
 REPLACEABLE_BACKENDS = (None, "eager", "sdpa")
 
@@ -154,7 +154,7 @@ def _prenorm_readers(family: Family) -> list[str]:
 
 def _remove_prenorm(block: nn.Module, attn: nn.Module, family: Family) -> None:
     """Drop the pre-attention norm and fold its gain (and bias) into the projections reading it (the rule of
-    :mod:`hf_qknorm.modeling.fold`). A ``peft`` LoRA A matrix reads the same input, so it takes the gain too."""
+    :mod:`hf_qknorm.portable.fold`). A ``peft`` LoRA A matrix reads the same input, so it takes the gain too."""
     prenorm = getattr(block, family.prenorm)
     gain, bias = getattr(prenorm, "weight", None), getattr(prenorm, "bias", None)
     with torch.no_grad():
@@ -215,7 +215,6 @@ AUTO_HEADS = (
     ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING"),
 )
 REMOTE_CONFIG_MODULE, REMOTE_MODELING_MODULE = "configuration_qknorm", "modeling_qknorm"
-CLASS_PREFIX = "QKNorm"  # QKNormLlamaConfig, QKNormLlamaForCausalLM, QKNormLlamaAttention
 
 
 class PatchedConfigMixin:
