@@ -40,7 +40,7 @@ def _run(tmp_path, family, scheme, norm, settings=FAST, seed=0):
     calib = torch.randint(0, VOCAB, (settings.calibration_blocks, settings.block_len), generator=gen)
     held = torch.randint(0, VOCAB, (settings.eval_blocks, settings.block_len), generator=gen)
     stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, torch.device("cpu"))
-    values, report = calibrate_checkpoint(stream, cfg, calib, held, settings, max_len=128, progress=False)
+    values, report = calibrate_checkpoint(stream, cfg, calib, held, settings, progress=False)
     return model, cfg, values, report, held
 
 
@@ -91,7 +91,7 @@ def test_one_block_in_memory_at_a_time(tmp_path, monkeypatch):
     cfg = QKNormConfig("qk_norm", norm="layernorm", eps=1e-6)
     stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, torch.device("cpu"))
     ids = torch.randint(0, VOCAB, (3, 16))
-    calibrate_checkpoint(stream, cfg, ids, ids, FAST, max_len=128, progress=False)
+    calibrate_checkpoint(stream, cfg, ids, ids, FAST, progress=False)
     assert seen == [{str(i)} for i in range(4) for _ in range(2)]
     assert all(p.device.type == "meta" for m in (stream.original, stream.patched) for p in m.parameters())
 
@@ -135,7 +135,7 @@ def test_progress_lines_without_a_terminal(tmp_path, caplog):
     cfg = QKNormConfig("qk_norm", norm="layernorm", eps=1e-6)
     stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, torch.device("cpu"))
     ids = torch.randint(0, VOCAB, (2, 16))
-    calibrate_checkpoint(stream, cfg, ids, ids, FAST, max_len=128, progress=True)
+    calibrate_checkpoint(stream, cfg, ids, ids, FAST, progress=True)
     text = [r.getMessage() for r in caplog.records]
     assert any("calibrating layer by layer: started (2 layers)" in t for t in text), text
     assert any("calibrating layer by layer: done, 2/2 layers in" in t for t in text), text
@@ -222,5 +222,5 @@ def test_tied_output_head_is_the_embedding(tmp_path):
     cfg = QKNormConfig("qk_norm", norm="rmsnorm", eps=1e-6)
     stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, torch.device("cpu"))
     ids = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(1))
-    _, report = calibrate_checkpoint(stream, cfg, ids, ids, FAST, max_len=128, progress=False)
+    _, report = calibrate_checkpoint(stream, cfg, ids, ids, FAST, progress=False)
     assert report.ppl_original == pytest.approx(perplexity(model, ids, batch_size=4), rel=1e-5)

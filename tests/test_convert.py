@@ -287,3 +287,36 @@ def test_calibrated_qwen3_export_is_the_calibrated_model(tmp_path):
                      SMALL.eval_blocks, "held-out")
     assert hf_qknorm.data.perplexity(model, blocks) == pytest.approx(result.report.ppl_calibrated, rel=1e-5)
     assert result.report.ppl_calibrated < result.report.ppl_identity
+
+
+@pytest.mark.parametrize("norm", ["l2", "lp", "layernorm"])
+def test_patched_and_converted_models_start_from_the_same_norms(tmp_path, norm):
+    """One rule for identity initialisation: the norms ``patch_model`` gives a model, the ones a conversion without
+    calibration writes, and the start of the layer-wise calibration are the same tensors (the l2/lp logit scale
+    included, which once used a different length fallback in conversion)."""
+    from types import SimpleNamespace
+
+    from hf_qknorm.conversion.converter import inspect_source
+    from hf_qknorm.conversion.layerwise import identity_values
+    from hf_qknorm.conversion.streaming import StreamedCheckpoint
+    from hf_qknorm.portable.families import DEFAULT_TRAINING_LENGTH, get_family
+    from hf_qknorm.portable.norms import henry_logit_scale
+
+    model = save_source(tmp_path / "src", "llama", max_position_embeddings=300)
+    kw = dict(norm=norm, p=3.0 if norm == "lp" else None)
+    hf_qknorm.patch_model(model, "qk_norm", **kw)
+    patched = {n: p for n, p in model.state_dict().items() if "_norm." in n and ("q_norm" in n or "k_norm" in n)}
+    if norm != "layernorm":
+        assert patched["model.layers.0.self_attn.q_norm.weight"].item() == pytest.approx(henry_logit_scale(300))
+    result = convert(tmp_path / "src", tmp_path / "out", scheme="qk_norm", calibrate=False, progress=False,
+                     log=quiet, verify="off", **kw)
+    with safe_open(result.path / "model.safetensors", framework="pt") as f:
+        for name, value in patched.items():
+            torch.testing.assert_close(f.get_tensor(name), value, rtol=0, atol=0, msg=name)
+    cfg = hf_qknorm.QKNormConfig(scheme="qk_norm", eps=1e-6, **kw)
+    source = inspect_source(tmp_path / "src")
+    stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, torch.device("cpu"))
+    start = identity_values(stream)
+    for name, value in patched.items():
+        torch.testing.assert_close(start[name], value, rtol=0, atol=0, msg=name)
+    assert get_family("llama").training_length(SimpleNamespace()) == DEFAULT_TRAINING_LENGTH

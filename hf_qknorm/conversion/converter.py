@@ -29,6 +29,8 @@ import torch
 from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
 from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from ..portable.families import Family, get_family
+from ..portable.names import PREFIX
+from ..portable.norms import initial_value
 from ..portable.schemes import QKNormConfig
 from ..upstream import installed_versions
 from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
@@ -108,7 +110,7 @@ def inspect_source(src) -> Source:
     if not isinstance(raw, dict):
         raise ValueError(f"{path / 'config.json'} is not a model config: a JSON {type(raw).__name__}, not an object")
     model_type = raw.get("model_type")
-    if isinstance(model_type, str) and model_type.startswith("qknorm_") or raw.get("qknorm") is not None:
+    if isinstance(model_type, str) and model_type.startswith(PREFIX) or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")
     family = get_family(model_type)
     archs = raw.get("architectures") or []
@@ -249,8 +251,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     token = check_request(settings, push_to_hub, token)  # a bad repo id or no token: fail now, before hours of work
     source = inspect_source(src)
     config, family = source.config, source.family
-    cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None
-                          else float(getattr(config, family.eps_attr, 1e-6))})
+    cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None else family.norm_eps(config)})
     dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path,
                              overwrite)
     check_writable(dst)
@@ -326,8 +327,7 @@ def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progr
         raise ValueError(f"calibration needs the source's tokenizer, which could not be loaded from "
                          f"{source.path} ({type(exc).__name__}: {exc}); add it, or pass calibrate=False "
                          "(--no-calibration)") from exc
-    max_len = int(getattr(source.config, source.family.max_len_attr, settings.block_len))
-    block_len = min(settings.block_len, max_len)
+    block_len = min(settings.block_len, source.family.training_length(source.config))
     calib_blocks = _blocks(texts[0], tokenizer, block_len, settings.calibration_blocks, texts[2])
     eval_blocks = _blocks(texts[1], tokenizer, block_len, settings.eval_blocks, texts[3])
     device = settings.resolved_device()
@@ -335,7 +335,7 @@ def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progr
     n_params = sum(math.prod(shape) for shape in source.weights.shapes.values())
     with calibration_threads(n_params, device, settings.threads):
         stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, device)
-        values, report = calibrate_checkpoint(stream, cfg, calib_blocks, eval_blocks, settings, max_len, progress)
+        values, report = calibrate_checkpoint(stream, cfg, calib_blocks, eval_blocks, settings, progress)
         if settings.steps > 0 and cfg.norms_qk:
             values = polish(source.path, source.family, cfg, values, calib_blocks, eval_blocks, settings, report,
                             progress)
@@ -346,25 +346,14 @@ def _identity(source: Source, cfg):
     """The patched config and identity-initialised norm values, from a model built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm, henry_logit_scale
     from ..modeling.patch import patch_model
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(source.config)
     patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps,
                 p=cfg.p)
-    scale = henry_logit_scale(getattr(source.config, source.family.max_len_attr, 2048))
-    values = {}
-    for name, prm in new_norm_parameters(model).items():
-        owner = model.get_submodule(name.rsplit(".", 1)[0])
-        if isinstance(owner, HeadLpNorm) and owner.scale == "logit":
-            values[name] = torch.full(prm.shape, scale)
-        elif name.endswith(".bias"):
-            values[name] = torch.zeros(prm.shape)
-        else:
-            assert isinstance(owner, (HeadLayerNorm, HeadRMSNorm, HeadLpNorm))
-            values[name] = torch.ones(prm.shape)
-    return model.config, values
+    return model.config, {name: torch.full(prm.shape, initial_value(model, name))
+                          for name, prm in new_norm_parameters(model).items()}
 
 
 def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_values, result, progress,

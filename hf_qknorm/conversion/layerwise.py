@@ -28,7 +28,6 @@ import time
 import torch
 from torch.nn import functional as F
 
-from ..portable.norms import HeadLpNorm
 from ..portable.schemes import QKNormConfig
 from ..modeling.telemetry import LogitTap, head_max_logits
 from .localfit import closed_form, fit_attention, norm_parameters
@@ -41,24 +40,21 @@ logger = logging.getLogger("hf_qknorm.conversion")
 STREAMS = ("original", "identity", "least_squares", "calibrated")
 
 
-def identity_values(stream: StreamedCheckpoint, max_len: int) -> dict[str, torch.Tensor]:
+def identity_values(stream: StreamedCheckpoint) -> dict[str, torch.Tensor]:
     """Identity init of every new norm parameter (weight 1, bias 0; Henry et al.'s logit scale for ``l2``/``lp``;
     a Qwen3 source's own q/k norm gains where the new norm has the same shape), by state-dict name."""
-    from ..portable.norms import henry_logit_scale
+    from ..portable.norms import initial_value
 
     values = {}
     for name, prm in stream.patched.named_parameters():
         owner_name, _, leaf = name.rpartition(".")
         if owner_name.rsplit(".", 1)[-1] not in ("q_norm", "k_norm", "v_norm"):
             continue
-        owner = stream.patched.get_submodule(owner_name)
         key = stream.weights.source_key(name)
         if key in stream.weights.key_file and list(stream.weights.shapes[key]) == list(prm.shape):
             values[name] = stream.weights.read(key).float()  # Qwen3's own norm: carried over, as patch_model does
-        elif isinstance(owner, HeadLpNorm) and owner.scale == "logit":
-            values[name] = torch.full(prm.shape, henry_logit_scale(max_len))
         else:
-            values[name] = torch.zeros(prm.shape) if leaf == "bias" else torch.ones(prm.shape)
+            values[name] = torch.full(prm.shape, initial_value(stream.patched, name))
     return values
 
 
@@ -67,13 +63,13 @@ def _layer_values(values: dict, prefix: str) -> dict:
 
 
 def calibrate_checkpoint(stream: StreamedCheckpoint, cfg: QKNormConfig, calib_blocks: torch.Tensor,
-                         eval_blocks: torch.Tensor, settings, max_len: int, progress: bool = True):
+                         eval_blocks: torch.Tensor, settings, progress: bool = True):
     """Calibrate every new norm of ``stream``'s patched model layer by layer (module docstring).
 
     Returns ``(values, report)``: the calibrated values by state-dict name (float32, on the CPU) and the
     :class:`CalibrationReport`."""
     t0 = time.time()
-    ident = identity_values(stream, max_len)
+    ident = identity_values(stream)
     values = {k: v.clone() for k, v in ident.items()}
     least_squares = {k: v.clone() for k, v in ident.items()}
     with stream.outer():

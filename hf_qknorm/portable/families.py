@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .names import PREFIX  # the model_type of a patched model is PREFIX + its base model_type (``qknorm_llama``)
+from .names import PREFIX
+
+DEFAULT_EPS = 1e-6  # a new norm's epsilon when neither the scheme nor the model's config states one
+DEFAULT_TRAINING_LENGTH = 2048  # the context length assumed when a config states none (Llama's original length)  # the model_type of a patched model is PREFIX + its base model_type (``qknorm_llama``)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,18 @@ class Family:
     @property
     def patched_model_type(self) -> str:
         return PREFIX + self.model_type
+
+    def norm_eps(self, config) -> float:
+        """The model's own norm epsilon: what a new norm uses unless the scheme states one."""
+        value = getattr(config, self.eps_attr, None)
+        return float(DEFAULT_EPS if value is None else value)
+
+    def training_length(self, config) -> int:
+        """The context length the model was trained for, which sets the ``l2``/``lp`` logit scale's start (Henry
+        et al.); :data:`DEFAULT_TRAINING_LENGTH` when the config states none. Patching and conversion both ask
+        here, so a patched model and a converted one of the same settings start from the same norms."""
+        value = getattr(config, self.max_len_attr, None)
+        return int(DEFAULT_TRAINING_LENGTH if value is None else value)
 
 
 def _rope_family(model_type: str, attention_class: str, native_qk_norm: bool = False) -> Family:

@@ -152,6 +152,17 @@ def make_norm(kind: str, role: str, head_dim: int, eps: float, p: float | None =
 NORM_CLASSES = (HeadLayerNorm, HeadRMSNorm, HeadLpNorm)
 
 
+def initial_value(model: nn.Module, name: str) -> float:
+    """The initial value of the norm parameter ``name`` (a state-dict name) of a patched model: the one rule for
+    identity initialisation (weight 1, bias 0; the ``l2``/``lp`` logit scale), used by patching, loading and
+    conversion alike."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if not isinstance(owner, NORM_CLASSES):
+        raise ValueError(f"{name} is not a parameter of a norm added by hf_qknorm (its module is {type(owner).__name__})")
+    return owner.initial_values()[leaf]
+
+
 @torch.no_grad()
 def init_unloaded_norms(model: nn.Module) -> None:
     """Give every norm parameter of ``model`` that Transformers did not load from a checkpoint its initial value

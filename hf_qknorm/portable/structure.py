@@ -58,7 +58,7 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
                          "patching twice is not supported: patch the original model once")
     family = get_family(getattr(config, "model_type", None)) if not loading else family_of_config(config)
     if cfg.eps is None:
-        cfg = QKNormConfig(**{**cfg.to_dict(), "eps": float(getattr(config, family.eps_attr, 1e-6))})
+        cfg = QKNormConfig(**{**cfg.to_dict(), "eps": family.norm_eps(config)})
     if family.fused_qkv and getattr(config, "add_cross_attention", False):
         raise ValueError(f"this {family.model_type} model has cross-attention layers; hf_qknorm patches "
                          "self-attention only")
@@ -83,7 +83,7 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
         switch = impl != ATTN_IMPLEMENTATION
     if family.native_qk_norm and cfg.norms_qk and cfg.learned_logit_scale and not loading:
         _warn_dropped_native_gain(attentions[0], cfg)
-    scale = henry_logit_scale(getattr(config, family.max_len_attr, 2048))
+    scale = henry_logit_scale(family.training_length(config))
     return Plan(cfg, family, blocks, attentions, scale, switch)
 
 
