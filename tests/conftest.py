@@ -28,6 +28,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread for every test module, restored after it (a conversion or benchmark inside a test may
+    change it): on a shared 2-core machine two threads make these small models 20-50x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def tiny():
     from tiny_models import tiny_model

@@ -18,7 +18,7 @@ from hf_qknorm.conversion.layerwise import calibrate_checkpoint
 from hf_qknorm.conversion.streaming import StreamedCheckpoint
 from hf_qknorm.data import perplexity
 from hf_qknorm.portable.schemes import QKNormConfig
-from test_convert_support import SHORT_TEXT, bundled_copy, one_thread, quiet, save_source  # noqa: F401
+from test_convert_support import SHORT_TEXT, bundled_copy, quiet, save_source
 from tiny_models import VOCAB
 
 FAST = CalibrationSettings(block_len=32, calibration_blocks=4, eval_blocks=6, local_steps=10, batch_size=4)
@@ -163,16 +163,15 @@ def test_new_settings_are_validated():
 
 
 def test_cli_defaults_are_the_library_defaults():
+    """An empty command line builds exactly the library's default settings (the flags carry no defaults of their own)."""
     import argparse
 
     from hf_qknorm.cli.convert import _add_convert
+    from hf_qknorm.cli.fields import from_args
 
     parser = _add_convert(argparse.ArgumentParser().add_subparsers())
-    args = parser.parse_args([])
-    d = CalibrationSettings()
-    for name in ("block_len", "calibration_blocks", "eval_blocks", "local_steps", "local_lr", "steps", "batch_size",
-                 "lr", "seed"):
-        assert getattr(args, name) == getattr(d, name), name
+    assert from_args(CalibrationSettings, parser.parse_args([])) == CalibrationSettings()
+    assert from_args(CalibrationSettings, parser.parse_args(["--block-len", "64"])).block_len == 64
 
 
 def test_bf16_source_calibrates_against_the_written_bits(tmp_path):

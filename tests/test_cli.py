@@ -20,7 +20,7 @@ import torch
 
 import hf_qknorm.conversion.converter as converter
 from hf_qknorm.cli.main import main
-from test_convert_support import leftovers, one_thread, save_source  # noqa: F401  (one_thread: autouse fixture)
+from test_convert_support import leftovers, save_source
 from hf_qknorm import QKNormConfig
 
 QUICK = ["--no-calibration", "--quiet", "--verify", "plugin"]

@@ -16,8 +16,7 @@ from hf_qknorm import convert
 from hf_qknorm.conversion.calibrate import CalibrationSettings
 from hf_qknorm.conversion.converter import _blocks
 from hf_qknorm.data import bundled_model_dir, split_text
-from test_convert_support import (SHORT_TEXT, SMALL, bundled_copy, leftovers, one_thread, quiet,  # noqa: F401
-                                  save_source, tree_hash)
+from test_convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source, tree_hash
 from tiny_models import VOCAB, tiny_model
 from hf_qknorm import QKNormConfig
 

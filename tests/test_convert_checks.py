@@ -16,9 +16,8 @@ import hf_qknorm
 import hf_qknorm.conversion.converter as converter
 from hf_qknorm.conversion.checks import ConversionCheckError, check_report_finite
 from hf_qknorm.modeling import remote
-from test_convert_support import (SHORT_TEXT, SMALL, bundled_copy, leftovers, one_thread, quiet,  # noqa: F401
 from hf_qknorm import QKNormConfig
-                                  save_source)
+from test_convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source
 
 
 def _no_output(tmp_path, dst) -> None:

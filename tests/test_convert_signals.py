@@ -16,7 +16,7 @@ import pytest
 
 from hf_qknorm.cli.main import main
 from hf_qknorm.conversion import tempdirs
-from test_convert_support import leftovers, one_thread, save_source  # noqa: F401  (one_thread: autouse fixture)
+from test_convert_support import leftovers, save_source
 
 # The real command line, slowed down after the first shard is written so that the signal lands mid-write.
 SLOW_CONVERT = textwrap.dedent("""

@@ -24,15 +24,6 @@ def quiet(*args, **kwargs):
     pass
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads make these small models 20-50x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def save_source(path: Path, family: str = "llama", dtype=torch.float32, max_shard_size=None, **overrides):
     """A tiny ``family`` model with trained-looking norms (so folds and carried weights matter), saved to ``path``."""
     model = tiny_model(family, dtype=dtype, **overrides)

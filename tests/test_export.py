@@ -25,7 +25,7 @@ from hf_qknorm.conversion.export import qwen3_blocker, resolve_export
 from hf_qknorm.portable.families import get_family
 from hf_qknorm.modeling.remote import add_remote_code, remote_files
 from hf_qknorm.portable.schemes import QKNormConfig
-from test_convert_support import leftovers, one_thread, quiet, save_source  # noqa: F401
+from test_convert_support import quiet, save_source
 from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
 
 CASES = [(f, "qk_norm_cap", "layernorm") for f in FAMILY_NAMES] + [(f, "qkv_norm", "rmsnorm") for f in FAMILY_NAMES] \

@@ -16,7 +16,7 @@ from hf_qknorm.conversion.hub import (build_model_card, card_for_repo, card_meta
                                       template_path, upload_files)
 from hf_qknorm.modeling.remote import remote_files
 from hf_qknorm.portable.schemes import QKNormConfig
-from test_convert_support import leftovers, one_thread, quiet, save_source  # noqa: F401
+from test_convert_support import leftovers, quiet, save_source
 from hf_qknorm import HubSettings
 
 LICENSED_README = "---\nlicense: apache-2.0\nlanguage: en\n---\n# a source model\n"

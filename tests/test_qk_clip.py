@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm.modeling import hooks
+from hf_qknorm.portable import hooks
 from hf_qknorm.reference import attention_reference
 from tiny_models import VOCAB, tiny_model
 

@@ -320,7 +320,7 @@ def capture_backend():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from hf_qknorm.modeling import hooks
+    from hf_qknorm.portable import hooks
 
     AttentionInterface.register(CAPTURE, _capture)
     AttentionMaskInterface.register(CAPTURE, sdpa_mask)

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm.modeling import hooks
+from hf_qknorm.portable import hooks
 from hf_qknorm.verification import checks, layers, probe
 from hf_qknorm.verification.command import main
 from hf_qknorm.verification.report import Check, VerifyReport
-from test_convert_support import one_thread, quiet, save_source  # noqa: F401  (one_thread: autouse fixture)
+from test_convert_support import quiet, save_source
 from tiny_models import tiny_model
 from hf_qknorm import QKNormConfig
 
