@@ -279,16 +279,16 @@ def test_inspect_prints_norm_statistics(src, tmp_path, capsys):
     from safetensors.torch import load_file
 
     weights = load_file(result.path / "model.safetensors")
-    weights["model.layers.1.self_attn.v_norm.weight"] = torch.linspace(-1.0, 3.0, 32)  # known statistics
+    weights["model.layers.1.self_attn.v_norm.weight"] = torch.linspace(-1.0, 3.0, 16)  # known statistics
     from safetensors.torch import save_file
 
     save_file(weights, str(result.path / "model.safetensors"), metadata={"format": "pt"})
     code, out, _ = run(capsys, "inspect", result.path)
     assert code == 0 and '"scheme": "qkv_norm"' in out
     rows = [line for line in out.splitlines() if line.startswith("| 1 | v_norm.weight")]
-    t = torch.linspace(-1.0, 3.0, 32, dtype=torch.float64)
-    assert rows == [f"| 1 | v_norm.weight | (32,) | {t.mean().item():.4g} | {t.std(unbiased=False).item():.4g} | "
-                    f"-1 | 3 |"]
+    t = torch.linspace(-1.0, 3.0, 16, dtype=torch.float64)
+    assert rows == [f"| 1 | v_norm.weight | (16,) | {t.mean().item():.4g} | {t.std(unbiased=False).item():.4g} | "
+                    f"-1 | 3 | F32 | ok |"]
     names = [line.split(" | ")[1] for line in out.splitlines() if line.startswith("| 0 |")]
     assert names == ["q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias", "v_norm.weight", "v_norm.bias"]
     code, out, _ = run(capsys, "inspect", src)  # an unconverted Llama has no norms to show
@@ -315,3 +315,33 @@ def test_short_calibration_files_are_named(tmp_path, capsys, monkeypatch):
         code, _, err = run(capsys, "convert", "-o", tmp_path / "o", "--quiet", *extra)
         assert code == 2 and re.search(pattern, one_line(err)), err
     assert not (tmp_path / "o").exists()
+
+
+def test_inspect_flags_norm_weights_that_do_not_match_the_scheme(tmp_path, capsys):
+    """Rows a saved folder lacks are shown as MISSING (they used to be left out), and rows it should not have, of
+    another shape or not floating point, are flagged; exit 1 (issue 22)."""
+    import hf_qknorm
+    from safetensors.torch import load_file, save_file
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    hf_qknorm.patch_model(model, "qk_norm", norm="rmsnorm")
+    model.save_pretrained(tmp_path / "m")
+    code, out, _ = run(capsys, "inspect", tmp_path / "m")
+    assert code == 0 and "| 1 | k_norm.weight | (16,) | 1 | 0 | 1 | 1 | F32 | ok |" in out
+    path = tmp_path / "m" / "model.safetensors"
+    sd = load_file(path)
+    del sd["model.layers.0.self_attn.q_norm.weight"]
+    sd["model.layers.0.self_attn.q_norm.bias"] = torch.zeros(16)
+    sd["model.layers.1.self_attn.k_norm.weight"] = torch.ones(16, dtype=torch.int64)
+    sd["model.layers.1.self_attn.q_norm.weight"] = torch.ones(32)
+    save_file(sd, str(path), metadata={"format": "pt"})
+    code, out, _ = run(capsys, "inspect", tmp_path / "m")
+    assert code == 1
+    rows = {tuple(line.split(" | ")[:2]): line for line in out.splitlines() if line.startswith("| ")}
+    assert rows[("| 0", "q_norm.weight")].endswith("| MISSING |")
+    assert rows[("| 0", "q_norm.bias")].endswith("| UNEXPECTED: not a weight of qk_norm / rmsnorm |")
+    assert rows[("| 1", "k_norm.weight")].endswith("| I64 | not floating point |")
+    assert rows[("| 1", "q_norm.weight")].endswith("| shape (32,), the scheme needs (16,) |")
+    assert out.rstrip().splitlines()[-1] == ("norm weights do not match the scheme: 4 tensors flagged above "
+                                             "(hf-qknorm verify fails this folder)")
