@@ -345,3 +345,31 @@ def test_inspect_flags_norm_weights_that_do_not_match_the_scheme(tmp_path, capsy
     assert rows[("| 1", "q_norm.weight")].endswith("| shape (32,), the scheme needs (16,) |")
     assert out.rstrip().splitlines()[-1] == ("norm weights do not match the scheme: 4 tensors flagged above "
                                              "(hf-qknorm verify fails this folder)")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# a source whose config.json disagrees with its weights (issue 22)
+# --------------------------------------------------------------------------------------------------------------------
+def test_convert_names_a_config_that_disagrees_with_the_weights(src, tmp_path, capsys):
+    """hidden_size edited in config.json used to end in "internal error ... This is a bug in hf_qknorm" (exit 3)
+    after the whole conversion; a tensor missing from the source (a qkv_norm fold would silently skip a missing
+    pre-norm gain). Both: one line before any work, exit 2, nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["hidden_size"] = 128
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run(capsys, "convert", src, tmp_path / "o", *QUICK)
+    line = one_line(err)
+    assert code == 2 and "config.json disagrees with the weights" in line, line
+    assert re.search(r"model\.embed_tokens\.weight is \(128, 64\) in model\.safetensors, \(128, 128\) by config\.json",
+                     line), line
+    cfg["hidden_size"] = 64
+    (src / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(src / "model.safetensors")
+    del sd["model.layers.1.input_layernorm.weight"]
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run(capsys, "convert", src, tmp_path / "o", *QUICK, "--scheme", "qkv_norm")
+    line = one_line(err)
+    assert code == 2 and "lacks model.layers.1.input_layernorm.weight" in line, line
+    assert not (tmp_path / "o").exists() and not leftovers(tmp_path)

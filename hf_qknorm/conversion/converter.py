@@ -31,7 +31,8 @@ from .checks import VERIFY_MODES, check_report_finite, check_request, check_writ
 from ..modeling.families import Family, get_family
 from ..modeling.schemes import QKNormConfig
 from ..upstream import installed_versions
-from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
+from .shards import (SourceWeights, WeightPlan, check_matches_config, plan_weights, read_source_weights,
+                     write_weights)
 from .tempdirs import check_writable, staging
 
 __all__ = ["ConversionResult", "convert", "default_destination"]
@@ -116,7 +117,9 @@ def inspect_source(src) -> Source:
         raise ValueError(f"{path} is not a causal language model (architectures {archs}); "
                          "hf_qknorm converts *ForCausalLM / *LMHeadModel checkpoints")
     config = AutoConfig.from_pretrained(path)
-    return Source(path=path, name=name, config=config, family=family, weights=read_source_weights(path, family))
+    weights = read_source_weights(path, family)
+    check_matches_config(weights, config)
+    return Source(path=path, name=name, config=config, family=family, weights=weights)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -134,6 +134,41 @@ def read_source_weights(folder: Path, family: Family) -> SourceWeights:
     return weights
 
 
+def check_matches_config(weights: SourceWeights, config) -> None:
+    """Every tensor the model ``config`` describes is in ``weights`` with that shape (tied weights: one of them);
+    else a ``ValueError`` naming the first disagreement -- before any work, where Transformers would only refuse at
+    the end, pointing at a report the command line does not show (or, for a missing pre-norm gain, a ``qkv_norm``
+    fold would go on without it). The model is built on the meta device: no memory, no initialisation."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # sizes that build no model (e.g. heads that do not divide the width)
+        raise ValueError(f"{weights.folder / 'config.json'} describes no model Transformers can build "
+                         f"({type(exc).__name__}: {exc})") from None
+    mismatched, missing, seen = [], [], {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        seen.setdefault(id(tensor), []).append((name, list(tensor.shape)))
+    for names in seen.values():  # one entry per tensor: tied weights share it, and one copy on disk is enough
+        present = [(n, shape) for n, shape in names if weights.source_key(n) in weights.shapes]
+        if not present:
+            missing.append(weights.source_key(names[0][0]))
+        for name, want in present:
+            key = weights.source_key(name)
+            if list(weights.shapes[key]) != want:
+                mismatched.append((key, weights.shapes[key], want))
+    if mismatched:  # the first in the model's order (the embedding, when the width is off)
+        key, saved, want = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ValueError(f"{weights.folder / 'config.json'} disagrees with the weights: {key} is {tuple(saved)} in "
+                         f"{weights.key_file[key]}, {tuple(want)} by config.json{more}; fix the sizes in config.json")
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{weights.folder} lacks {missing[0]}{more}, which its config.json's model has; "
+                         "convert a complete checkpoint")
+
+
 def _proj_key(family: Family, layer: int, proj: str, param: str) -> str:
     return f"{family.layers}.{layer}.{family.attention}.{proj}.{param}"
 
