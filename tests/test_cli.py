@@ -373,3 +373,21 @@ def test_convert_names_a_config_that_disagrees_with_the_weights(src, tmp_path, c
     line = one_line(err)
     assert code == 2 and "lacks model.layers.1.input_layernorm.weight" in line, line
     assert not (tmp_path / "o").exists() and not leftovers(tmp_path)
+
+
+def test_convert_without_a_tokenizer_says_so(src, tmp_path, capsys):
+    """A source without tokenizer files (weights-only checkpoints are legitimate sources) used to give a folder
+    without one, silently, and a model card whose snippet loads a tokenizer. Now a WARNING line (also with --quiet)
+    and a card that says the folder has none (issue 22; the choice is explained in docs/conversion.md)."""
+    from hf_qknorm.conversion.export import has_tokenizer
+    from test_convert_support import bundled_copy
+
+    code, out, _ = run(capsys, "convert", src, tmp_path / "o", *QUICK)
+    assert code == 0 and not has_tokenizer(tmp_path / "o")
+    warning = [line for line in out.splitlines() if line.startswith("WARNING:")]
+    assert len(warning) == 1 and "has no tokenizer" in warning[0] and str(src) in warning[0], out
+    card = (tmp_path / "o" / "README.md").read_text()
+    assert "AutoTokenizer" not in card and "has no tokenizer" in card
+    code, out, _ = run(capsys, "convert", bundled_copy(tmp_path / "tiny"), tmp_path / "o2", *QUICK)
+    assert code == 0 and has_tokenizer(tmp_path / "o2") and "WARNING" not in out
+    assert "AutoTokenizer.from_pretrained" in (tmp_path / "o2" / "README.md").read_text()

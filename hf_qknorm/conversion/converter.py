@@ -29,7 +29,7 @@ import torch
 from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
 from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from ..modeling.families import Family, get_family
-from ..modeling.schemes import QKNormConfig
+from ..modeling.schemes import QKNormConfig, check_eps
 from ..upstream import installed_versions
 from .shards import (SourceWeights, WeightPlan, check_matches_config, plan_weights, read_source_weights,
                      write_weights)
@@ -243,7 +243,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
     is left at ``dst`` (or an existing ``dst`` is unchanged).
     """
-    from .export import resolve_export
+    from .export import has_tokenizer, resolve_export
 
     cfg = QKNormConfig(scheme=scheme, norm=norm, softcap=softcap, eps=eps, p=p)
     settings = settings or CalibrationSettings()
@@ -253,12 +253,17 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     source = inspect_source(src)
     config, family = source.config, source.family
     cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None
-                          else float(getattr(config, family.eps_attr, 1e-6))})
+                          else check_eps(getattr(config, family.eps_attr, 1e-6),
+                                         f" (the source's own {family.eps_attr}; pass --eps)")})
     dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path,
                              overwrite)
     check_writable(dst)
     kind, note = resolve_export(export, config, cfg, family)
     texts = _texts(calibration_text, eval_text) if calibrate else None
+    if not calibrate and not has_tokenizer(source.path):  # calibration would have needed it (a clear error there)
+        log(f"WARNING: {source.path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab/merges): the "
+            "converted folder will have none either; add the tokenizer the model was trained with before using or "
+            "publishing it")
 
     log(f"converting {source.name} ({family.model_type}, {source.weights.dtype}, "
         f"{len(source.weights.files)} weight file(s)) to {cfg.scheme}"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ from .fold import bias_shift, fold_gain, shifted_bias
 from .hooks import hook_slots, install, is_installed
 from .layout import find_layers
 from .norms import henry_logit_scale, init_unloaded_norms, make_norm
-from .schemes import QKNormConfig
+from .schemes import QKNormConfig, check_eps
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,8 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
                          "patching twice is not supported: patch the original model once")
     family = get_family(getattr(config, "model_type", None)) if not loading else family_of_config(config)
     if cfg.eps is None:
-        cfg = QKNormConfig(**{**cfg.to_dict(), "eps": float(getattr(config, family.eps_attr, 1e-6))})
+        own = getattr(config, family.eps_attr, 1e-6)
+        cfg = QKNormConfig(**{**cfg.to_dict(), "eps": check_eps(own, f" (the model's own {family.eps_attr})")})
     if family.fused_qkv and getattr(config, "add_cross_attention", False):
         raise ValueError(f"this {family.model_type} model has cross-attention layers; hf_qknorm patches "
                          "self-attention only")
@@ -268,15 +268,18 @@ def _scheme_key(model: nn.Module, key: str, prenorm: str | None) -> bool:
 
 def keys_text(keys) -> str:
     """``model.layers.*.self_attn.q_norm.weight (layers 0, 1)``-style summary of state-dict keys, one line."""
-    groups: dict[str, list[str]] = {}
+    groups: dict[str, list[tuple[int, str]]] = {}
     for key in sorted(keys):
-        groups.setdefault(re.sub(r"\.(\d+)\.", ".*.", key, count=1), []).append(key)
+        parts = key.split(".")
+        at = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)  # the layer index
+        pattern = key if at is None else ".".join(parts[:at] + ["*"] + parts[at + 1:])
+        groups.setdefault(pattern, []).append((-1 if at is None else int(parts[at]), key))
     items = []
     for pattern, members in sorted(groups.items()):
         if len(members) == 1:
-            items.append(members[0])
+            items.append(members[0][1])
             continue
-        numbered = sorted(int(re.search(r"\.(\d+)\.", k).group(1)) for k in members)
+        numbered = sorted(layer for layer, _ in members)
         shown = ", ".join(map(str, numbered[:6])) + (", ..." if len(numbered) > 6 else "")
         items.append(f"{pattern} (layers {shown})")
     more = f" and {len(items) - 4} more" if len(items) > 4 else ""

@@ -53,14 +53,25 @@ def load_folder(path: Path):
 
 
 def _outside_the_head(model, missing, unexpected) -> tuple[list[str], list[str]]:
-    """The keys that count: all of them for a causal LM folder; for a folder saved from another head class (the base
-    model, a classifier), which the verifier loads as a causal LM, only those of the base model."""
-    missing, unexpected = sorted(missing or ()), sorted(unexpected or ())
+    """The keys that count: every missing key, and every unexpected key of a module the model has (tensors of whole
+    layers that config.json leaves out are not read, as when a config is cut to fewer layers on purpose --
+    ``hf-qknorm convert`` checks its output that way); for a folder saved from another head class (the base model,
+    a classifier), which the verifier loads as a causal LM, only those of the base model."""
+    missing = sorted(missing or ())
+    unexpected = sorted(k for k in unexpected or () if _has_module(model, k.rpartition(".")[0].rpartition(".")[0]))
     archs = getattr(model.config, "architectures", None) or []
     if not archs or any(a.endswith(_CAUSAL_HEADS) for a in archs):
         return missing, unexpected
     prefix = f"{model.base_model_prefix}."
     return [k for k in missing if k.startswith(prefix)], [k for k in unexpected if k.startswith(prefix)]
+
+
+def _has_module(model, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _non_float_norms(path: Path) -> dict[str, list[str]]:
