@@ -32,7 +32,7 @@ from .chunked import chunked_attention, max_logits
 from .tiles import chunk_allowed
 from ..modeling.schemes import check_softcap
 from .eager import capped_eager_attention
-from .masks import bool_mask, implicit_causal, packed_sequence_mask
+from .masks import bool_mask, check_attention_args, implicit_causal, packed_sequence_mask
 
 try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
     from transformers.utils.output_capturing import _active_collector
@@ -137,6 +137,7 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    check_attention_args(query, key, attention_mask, scaling, dropout, sliding_window)
     if softcap is None:  # a patched module carries its cap (its upstream forward passes none)
         softcap = getattr(module, "_qknorm_softcap", None)
     if softcap is not None:
