@@ -32,6 +32,9 @@ def read_config(folder: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} is not a model config: a JSON {type(raw).__name__}, not an object")
+    from ..modeling.families import check_saved_model_type
+
+    check_saved_model_type(raw.get("model_type", ""), path)
     return raw
 
 
@@ -54,7 +57,8 @@ def norm_statistics(folder: Path) -> list[dict]:
             for key, m in keys:
                 t = f.get_tensor(key)
                 row = {"layer": int(m.group(1)), "name": f"{m.group(2)}.{m.group(3)}", "shape": list(t.shape),
-                       "dtype": header[key]["dtype"]}
+                       "dtype": header[key]["dtype"],
+                       "finite": not t.is_floating_point() or bool(torch.isfinite(t).all())}
                 t = t.to(torch.float64)
                 rows.append({**row, "mean": t.mean().item(), "std": t.std(unbiased=False).item() if t.numel() else 0.0,
                              "min": t.min().item() if t.numel() else math.nan,
@@ -100,7 +104,7 @@ def check_rows(rows: list[dict], expected) -> list[dict]:
     """``rows`` with a ``check`` entry each (``ok`` or what is wrong), plus a ``MISSING`` row for every expected norm
     tensor the folder lacks; sorted as :func:`norm_statistics` sorts."""
     if expected is None:
-        return [{**r, "check": "ok" if r["dtype"].startswith(("F", "BF")) else "not floating point"} for r in rows]
+        return [{**r, "check": _value_check(r) or "ok"} for r in rows]
     what, shapes = expected
     out, seen = [], set()
     for r in rows:
@@ -110,21 +114,47 @@ def check_rows(rows: list[dict], expected) -> list[dict]:
             check = f"UNEXPECTED: not a weight of {what}"
         elif r["shape"] != shapes[key]:
             check = f"shape {tuple(r['shape'])}, the scheme needs {tuple(shapes[key])}"
-        elif not r["dtype"].startswith(("F", "BF")):
-            check = "not floating point"
         else:
-            check = "ok"
+            check = _value_check(r) or "ok"
         out.append({**r, "check": check})
     out += [{"layer": layer, "name": name, "shape": shape, "check": "MISSING"}
             for (layer, name), shape in shapes.items() if (layer, name) not in seen]
     return sorted(out, key=_row_order)
 
 
+_STAMP = re.compile(r"^# Written by hf_qknorm (\S+) from ")
+
+
+def _remote_code_line(folder: Path) -> list[str]:
+    """Which hf_qknorm wrote the folder's shipped code (what runs without the plugin; with it, the plugin's own code
+    runs), and a hint when that is not this version."""
+    from .._version import __version__
+
+    entry = Path(folder) / "modeling_qknorm.py"
+    if not entry.is_file():
+        return []
+    with entry.open(encoding="utf-8", errors="replace") as f:
+        m = _STAMP.match(f.readline())
+    version = m.group(1) if m else "unknown"
+    if version == __version__:
+        return [f"remote code: written by hf_qknorm {version} (this version)"]
+    return [f"remote code: written by hf_qknorm {version}, not this version ({__version__}): without the plugin "
+            "that code runs; hf_qknorm.add_remote_code(DIR) replaces it with this version's"]
+
+
+def _value_check(row: dict) -> str | None:
+    """What is wrong with a norm tensor's values whatever the scheme: not floating point, or NaN/inf (a model with
+    such a gain computes NaN)."""
+    if not row["dtype"].startswith(("F", "BF")):
+        return "not floating point"
+    return None if row.get("finite", True) else "NaN/inf values"
+
+
 def folder_summary(folder: Path) -> tuple[str, int]:
     """The text ``hf-qknorm inspect`` prints, and how many norm tensors it flags."""
     cfg = read_config(folder)
     lines = [f"model_type: {cfg.get('model_type')}", f"architectures: {cfg.get('architectures')}",
-             f"qknorm: {json.dumps(cfg.get('qknorm'))}"]
+             f"qknorm: {json.dumps(cfg.get('qknorm'))}", *_remote_code_line(folder)]
     rows = check_rows(norm_statistics(folder), expected_norms(cfg))
     if not rows:
         lines.append("norm weights: none (no q_norm / k_norm / v_norm tensors in the safetensors files)")

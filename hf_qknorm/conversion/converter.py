@@ -195,7 +195,28 @@ def default_destination(source_name: str, cfg: QKNormConfig) -> Path:
     return Path("converted") / f"{stem}-{suffix}"
 
 
+def check_tokenizer_fits(source: Source) -> None:
+    """Refuse a source whose tokenizer has more tokens than the embedding has rows: ids past the last row index
+    nothing (an IndexError on CUDA as a device assert, mid-training), and the pair is most likely mixed up. Fewer
+    tokens than rows is normal (vocabularies padded to a multiple of 64)."""
+    from transformers import AutoTokenizer
+
+    rows = getattr(source.config, "vocab_size", None)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+    except Exception:  # noqa: BLE001 -- an unloadable tokenizer is reported where it is needed (calibration)
+        return
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise ValueError(f"the tokenizer in {source.path} has {len(tokenizer):,} tokens but the embedding has "
+                         f"{rows:,} rows (vocab_size in config.json, checked against the weights): ids from {rows:,} "
+                         "up index nothing; is it the tokenizer this model was trained with?")
+
+
 def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
+    bad = [c for c in str(dst) if ord(c) < 32 or ord(c) == 127]
+    if bad:  # legal on POSIX, but a quoting mistake in practice, and it breaks every log line that names the folder
+        raise ValueError(f"destination {str(dst)!r} contains control character(s) {''.join(bad)!r}; choose a "
+                         "folder name of printable characters")
     dst = Path(dst).expanduser().resolve()
     if dst == src or src in dst.parents or dst in src.parents:
         raise ValueError(f"destination {dst} overlaps the source {src}; the source is never modified")
@@ -260,7 +281,9 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     check_writable(dst)
     kind, note = resolve_export(export, config, cfg, family)
     texts = _texts(calibration_text, eval_text) if calibrate else None
-    if not calibrate and not has_tokenizer(source.path):  # calibration would have needed it (a clear error there)
+    if has_tokenizer(source.path):
+        check_tokenizer_fits(source)
+    elif not calibrate:  # calibration would have needed it (a clear error there)
         log(f"WARNING: {source.path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab/merges): the "
             "converted folder will have none either; add the tokenizer the model was trained with before using or "
             "publishing it")

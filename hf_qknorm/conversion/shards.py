@@ -52,7 +52,19 @@ class SourceWeights:
         from safetensors import safe_open
 
         with safe_open(self.folder / self.key_file[key], framework="pt") as f:
-            return f.get_tensor(key)
+            return check_finite(f.get_tensor(key), key, self.key_file[key])
+
+
+def check_finite(tensor: torch.Tensor, key: str, file: str) -> torch.Tensor:
+    """``tensor``, or a ``ValueError`` naming it when it holds NaN or infinite values: a converted model computed from
+    them is NaN, and with verification off (or a fold that spreads one value over a row) it would be written as such.
+    One pass over a tensor being read anyway; checked where the source is read, so nothing is written first."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        raise ValueError(f"source tensor {key} in {file} has {nan} NaN and {inf} infinite value(s) of "
+                         f"{tensor.numel()}: a checkpoint with non-finite weights cannot be converted (repair or "
+                         "re-download it)")
+    return tensor
 
 
 def check_safetensors(path: Path) -> dict:
@@ -264,7 +276,8 @@ def write_weights(weights: SourceWeights, plan: WeightPlan, out: Path, progress:
             for key in f.keys():
                 if key in plan.drop:
                     continue
-                tensors[key] = plan.new[key] if key in plan.new else _transform(key, f.get_tensor(key), plan)
+                tensors[key] = plan.new[key] if key in plan.new else _transform(
+                    key, check_finite(f.get_tensor(key), key, name), plan)
         tensors.update({k: v for k, v in plan.new.items() if plan.new_file[k] == name and k not in tensors})
         metadata.setdefault("format", "pt")
         _save(save_file, tensors, Path(out) / name, metadata)

@@ -91,6 +91,15 @@ def base_model_type(model_type) -> str:
     return model_type[len(PREFIX):] if model_type.startswith(PREFIX) else model_type
 
 
+def check_saved_model_type(model_type, where) -> None:
+    """A ``qknorm_<base>`` model type whose base this version has no family for -- a folder written by a newer
+    hf_qknorm, or edited -- named in one line (Transformers would otherwise look for remote code and ask on stdin)."""
+    model_type = str(model_type)
+    if model_type.startswith(PREFIX) and base_model_type(model_type) not in FAMILIES:
+        raise ValueError(f"{where}: model_type {model_type!r} names no family this hf_qknorm knows (it knows "
+                         f"{', '.join(PREFIX + f for f in sorted(FAMILIES))}); was it written by a newer hf_qknorm?")
+
+
 def family_of_config(config) -> Family:
     """The row of a (possibly patched) model's config."""
     return get_family(base_model_type(getattr(config, "model_type", None)))

@@ -168,10 +168,13 @@ class QKNormConfig:
             raise ValueError(f"config.qknorm must be a dict with keys {_choices(_FIELDS)}, got {type(d).__name__}")
         unknown, missing = sorted(set(d) - set(_FIELDS)), [k for k in _FIELDS if k not in d]
         if unknown:
-            raise ValueError(f"unknown keys in config.qknorm: {unknown}; valid keys: {_choices(_FIELDS)}")
+            raise ValueError(f"unknown keys in config.qknorm: {unknown}; valid keys: {_choices(_FIELDS)}{_NEWER}")
         if missing:
             raise ValueError(f"config.qknorm lacks {missing}: a saved scheme states every field "
                              f"({_choices(_FIELDS)}; null where it does not apply)")
+        for key, known in (("scheme", SCHEMES), ("norm", NORMS)):  # a name from a newer version (not a typo here)
+            if isinstance(d[key], str) and d[key] not in known and d[key].strip().lower() not in known:
+                raise ValueError(f"unknown {key} {d[key]!r} in config.qknorm; valid: {_choices(known)}{_NEWER}")
         cfg = cls(**d)
         stated = {k: d[k] for k in _FIELDS}
         resolved = cfg.to_dict()
@@ -185,3 +188,4 @@ class QKNormConfig:
 
 
 _FIELDS = tuple(f.name for f in fields(QKNormConfig))
+_NEWER = " (a folder saved by a newer hf_qknorm? load it with that version)"

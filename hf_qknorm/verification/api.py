@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -17,12 +18,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..modeling.families import PREFIX
+from ..modeling.families import PREFIX, check_saved_model_type
+from ..modeling.structure import NORM_SLOTS
 from .checks import build_report, check_tolerance
 from .layers import ReferenceModel
 from .loading import FolderWeightsError, load_folder, weights_report
 from .probe import run_probes
-from .report import VerifyReport
+from .report import Check, VerifyReport
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,36 @@ def verify(model: nn.Module, *, tolerance: float | None = None, generate: bool =
     tolerance = check_tolerance(tolerance)
     ref = ReferenceModel(model)
     captured = run_probes(model, ref.plan(generate=generate))
-    return _log(build_report(ref, captured, tolerance=tolerance, source="in process"))
+    report = build_report(ref, captured, tolerance=tolerance, source="in process")
+    report.checks += [Check(None, "adapter", math.nan, math.nan, note=note) for note in _adapter_problems(model)]
+    return _log(report)
+
+
+def _adapter_problems(model) -> list[str]:
+    """A peft adapter that trains norm modules (``modules_to_save``) the model lacks: saved from a patched model and
+    loaded into an unpatched one. peft loads it without a word and drops the trained norms; the model then computes
+    plain attention faithfully, so the probes alone would pass it."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return []
+    have = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    out = []
+    for adapter, config in configs.items():
+        lacking = sorted(set(getattr(config, "modules_to_save", None) or ()) & set(NORM_SLOTS) - have)
+        if lacking:
+            out.append(f"peft adapter {adapter!r} trains {', '.join(lacking)} (modules_to_save), which this model "
+                       "lacks: the adapter was saved from a model patched by hf_qknorm; patch the base model with "
+                       "the same scheme before loading it")
+    return out
+
+
+def _model_type(config_file: Path) -> str:
+    """``model_type`` of a config.json, ``""`` when it cannot tell (loading names what is wrong with the file)."""
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(raw.get("model_type", "")) if isinstance(raw, dict) else ""
 
 
 @dataclass
@@ -87,6 +118,7 @@ def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", toler
             config_file = res.path / "config.json"
             if not config_file.is_file():
                 raise FileNotFoundError(f"{res.path} has no config.json: not a saved model folder")
+            check_saved_model_type(_model_type(config_file), config_file)
             model = load_folder(res.path).to(device)
             if not no_plugin:
                 res.report = verify(model, tolerance=tolerance, generate=generate)

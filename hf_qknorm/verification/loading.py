@@ -44,8 +44,10 @@ def load_folder(path: Path):
     missing, unexpected = _outside_the_head(model, info.get("missing_keys"), info.get("unexpected_keys"))
     problems = [f"missing {keys_text(missing)}"] if missing else []
     problems += [f"unexpected {keys_text(unexpected)}"] if unexpected else []
+    bad_values = _bad_norm_values(path)
     problems += [f"{keys_text(keys)} stored as {dtype} (not floating point)"
-                 for dtype, keys in sorted(_non_float_norms(path).items())]
+                 for dtype, keys in sorted(bad_values.items()) if dtype != _NON_FINITE]
+    problems += [f"{keys_text(bad_values[_NON_FINITE])} with NaN/inf values"] if _NON_FINITE in bad_values else []
     if problems:
         raise FolderWeightsError(f"{'; '.join(problems)}: the model loaded from these weights is not the saved "
                                  "model (Transformers would initialise what is missing afresh and skip the rest)")
@@ -74,8 +76,14 @@ def _has_module(model, name: str) -> bool:
     return True
 
 
-def _non_float_norms(path: Path) -> dict[str, list[str]]:
-    """safetensors dtype -> norm tensors stored in it, for norm tensors that are not floating point."""
+_NON_FINITE = "non-finite"
+
+
+def _bad_norm_values(path: Path) -> dict[str, list[str]]:
+    """safetensors dtype -> norm tensors stored in it, for norm tensors that are not floating point; and
+    ``_NON_FINITE`` -> floating-point norm tensors holding NaN or inf (the model computes NaN from them, and the
+    probes could only say that the layers are off). Norm tensors are small: reading them all is cheap."""
+    import torch
     from safetensors import safe_open
 
     out: dict[str, list[str]] = {}
@@ -86,6 +94,8 @@ def _non_float_norms(path: Path) -> dict[str, list[str]]:
                     dtype = f.get_slice(key).get_dtype()
                     if not dtype.startswith(("F", "BF")):
                         out.setdefault(dtype, []).append(key)
+                    elif not bool(torch.isfinite(f.get_tensor(key)).all()):
+                        out.setdefault(_NON_FINITE, []).append(key)
     return out
 
 
