@@ -361,3 +361,30 @@ def test_verify_and_inspect_on_a_file_or_nothing(tmp_path, capsys):
             code, _, err = run(capsys, command, target)
             line = one_line(err)
             assert code == 2 and str(target) in line, line
+
+
+@pytest.mark.parametrize("case", ["binary", "empty", "a-folder"])
+def test_calibration_text_that_is_not_text(tmp_path, capsys, case):
+    """Checked before the model is loaded: one line naming the file and what is wrong."""
+    tiny = bundled_copy(tmp_path / "tiny")
+    path = {"binary": tmp_path / "bin.txt", "empty": tmp_path / "empty.txt", "a-folder": tmp_path / "tiny"}[case]
+    if case == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif case == "empty":
+        path.write_text("")
+    code, _, err = run(capsys, "convert", tiny, tmp_path / "o", "--quiet", "--verify", "off", "--calibration-text", path)
+    line = one_line(err)
+    wanted = {"binary": "is not UTF-8 text", "empty": "text file is empty", "a-folder": "not a regular file"}[case]
+    assert code == 2 and wanted in line and str(path.name) in line, line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("--block-len", "1", r"block_len must be >= 2, got 1"),
+    ("--calibration-blocks", "0", r"calibration_blocks must be >= 1, got 0"),
+    ("--local-lr", "nan", r"local_lr must be positive, got nan"),
+    ("--local-steps", "-3", r"local_steps must be >= 0, got -3"),
+])
+def test_calibration_settings_out_of_range(src, tmp_path, capsys, flag, value, match):
+    code, _, err = run(capsys, "convert", src, tmp_path / "o", "--quiet", "--verify", "off", flag, value)
+    assert code == 2 and re.search(match, one_line(err)), err

@@ -195,23 +195,6 @@ def default_destination(source_name: str, cfg: QKNormConfig) -> Path:
     return Path("converted") / f"{stem}-{suffix}"
 
 
-def check_tokenizer_fits(source: Source) -> None:
-    """Refuse a source whose tokenizer has more tokens than the embedding has rows: ids past the last row index
-    nothing (an IndexError on CUDA as a device assert, mid-training), and the pair is most likely mixed up. Fewer
-    tokens than rows is normal (vocabularies padded to a multiple of 64)."""
-    from transformers import AutoTokenizer
-
-    rows = getattr(source.config, "vocab_size", None)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path)
-    except Exception:  # noqa: BLE001 -- an unloadable tokenizer is reported where it is needed (calibration)
-        return
-    if isinstance(rows, int) and len(tokenizer) > rows:
-        raise ValueError(f"the tokenizer in {source.path} has {len(tokenizer):,} tokens but the embedding has "
-                         f"{rows:,} rows (vocab_size in config.json, checked against the weights): ids from {rows:,} "
-                         "up index nothing; is it the tokenizer this model was trained with?")
-
-
 def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
     bad = [c for c in str(dst) if ord(c) < 32 or ord(c) == 127]
     if bad:  # legal on POSIX, but a quoting mistake in practice, and it breaks every log line that names the folder
@@ -264,7 +247,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
     is left at ``dst`` (or an existing ``dst`` is unchanged).
     """
-    from .export import has_tokenizer, resolve_export
+    from .export import check_tokenizer_fits, has_tokenizer, resolve_export
 
     cfg = QKNormConfig(scheme=scheme, norm=norm, softcap=softcap, eps=eps, p=p)
     settings = settings or CalibrationSettings()
@@ -282,7 +265,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     kind, note = resolve_export(export, config, cfg, family)
     texts = _texts(calibration_text, eval_text) if calibrate else None
     if has_tokenizer(source.path):
-        check_tokenizer_fits(source)
+        check_tokenizer_fits(source.path, source.config)
     elif not calibrate:  # calibration would have needed it (a clear error there)
         log(f"WARNING: {source.path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab/merges): the "
             "converted folder will have none either; add the tokenizer the model was trained with before using or "

@@ -105,6 +105,23 @@ def has_tokenizer(folder: Path) -> bool:
     return any(p.is_file() for pattern in TOKENIZER_PATTERNS for p in Path(folder).glob(pattern))
 
 
+def check_tokenizer_fits(folder: Path, config) -> None:
+    """Refuse a source whose tokenizer has more tokens than the embedding has rows: ids past the last row index
+    nothing (an IndexError on CUDA as a device assert, mid-training), and the pair is most likely mixed up. Fewer
+    tokens than rows is normal (vocabularies padded to a multiple of 64)."""
+    from transformers import AutoTokenizer
+
+    rows = getattr(config, "vocab_size", None)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception:  # noqa: BLE001 -- an unloadable tokenizer is reported where it is needed (calibration)
+        return
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise ValueError(f"the tokenizer in {folder} has {len(tokenizer):,} tokens but the embedding has "
+                         f"{rows:,} rows (vocab_size in config.json, checked against the weights): ids from {rows:,} "
+                         "up index nothing; is it the tokenizer this model was trained with?")
+
+
 def copy_side_files(src: Path, dst: Path) -> list[str]:
     """Copy tokenizer, generation config and licence files from ``src`` to ``dst``; returns their names."""
     copied = []

@@ -67,12 +67,15 @@ def _adapter_problems(model) -> list[str]:
 
 
 def _model_type(config_file: Path) -> str:
-    """``model_type`` of a config.json, ``""`` when it cannot tell (loading names what is wrong with the file)."""
+    """``model_type`` of a config.json; a one-line error when the file is not a JSON object (Transformers would say
+    "Unrecognized model" for a JSON list, naming neither)."""
     try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return ""
-    return str(raw.get("model_type", "")) if isinstance(raw, dict) else ""
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_file} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} is not a model config: a JSON {type(raw).__name__}, not an object")
+    return str(raw.get("model_type", ""))
 
 
 @dataclass
