@@ -122,8 +122,14 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance("transformers.PreTrainedModel._initialize_missing_keys", "portable/structure.py (make_model_class)",
              "from_pretrained calls it once the checkpoint is loaded; loaded tensors carry _is_hf_initialized, the "
              "rest is initialised by the family's _init_weights (the norms a checkpoint lacks get their initial "
-             "values after it)",
-             "tests/test_transformers_conventions.py::test_norms_a_checkpoint_lacks_start_from_their_initial_values"),
+             "values after it, before the load is refused)",
+             "tests/test_transformers_conventions.py::test_patched_gpt2_is_initialised_like_gpt2"),
+    Reliance("transformers.PreTrainedModel._adjust_missing_and_unexpected_keys",
+             "portable/structure.py (make_model_class: check_scheme_weights)",
+             "from_pretrained calls it with the LoadStateDictInfo (missing_keys, unexpected_keys, mismatched_keys as "
+             "(key, checkpoint shape, model shape)) after its own ignore rules, before its report; an exception "
+             "raised there leaves from_pretrained",
+             "tests/test_save_load.py::test_a_folder_whose_norm_weights_do_not_match_its_scheme_never_loads"),
     Reliance("transformers.PreTrainedModel.initialize_weights", "portable/structure.py (make_model_class)",
              "skips _init_weights on modules without parameters of their own for custom code: is_custom_code() (5.23; "
              "true for classes outside Transformers' package, so QKNorm classes answer as their base class) or "

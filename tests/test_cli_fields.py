@@ -43,10 +43,9 @@ def test_left_out_flags_keep_the_dataclass_defaults():
     assert from_args(Settings, _parser().parse_args(["--no-fast"])).fast is False
 
 
-def test_choices_and_types_are_enforced(capsys):
-    with pytest.raises(SystemExit):
-        _parser().parse_args(["--mode", "c"])
-    assert "invalid choice: 'c'" in capsys.readouterr().err
+def test_choices_are_listed_and_types_enforced(capsys):
+    mode = next(a for a in _parser()._actions if "--mode" in a.option_strings)
+    assert mode.metavar == "{a,b}" and mode.choices is None  # the dataclass refuses other values, naming them
     with pytest.raises(SystemExit):
         _parser().parse_args(["--size", "two"])
     assert "invalid int value: 'two'" in capsys.readouterr().err
@@ -98,7 +97,7 @@ def test_convert_flags_are_the_settings_fields():
             flag = "--" + f.metadata.get("flag", f.name).replace("_", "-")
             assert flag in flags, (cls.__name__, f.name)
             assert flags[flag].help.startswith(f.metadata["help"]), (flag, flags[flag].help)
-    assert flags["--scheme"].choices == ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
+    assert flags["--scheme"].metavar == "{qk_norm,soft_cap,qk_norm_cap,qkv_norm}"
 
 
 def test_convert_takes_config_objects_and_warns_on_the_old_keywords(tmp_path):

@@ -100,20 +100,25 @@ def test_a_config_that_lost_its_cap_fails_the_conversion(tmp_path, monkeypatch):
 
 
 def test_a_source_that_computes_nan_fails_the_conversion(tmp_path):
-    """The issue's case: a model whose logits are NaN gave a NaN report and exit 0. Here the source has an inf
-    weight, so every perplexity is non-finite; the conversion must fail before writing."""
+    """The issue's case: a model whose logits are NaN gave a NaN report and exit 0. An inf weight in the source is
+    now refused where it is read, naming it (issue 22); a finite weight so large that the source computes inf still
+    gives a non-finite report, and the conversion must fail before writing."""
     from transformers import AutoModelForCausalLM
 
     src = bundled_copy(tmp_path / "src")
     model = AutoModelForCausalLM.from_pretrained(src)
-    with torch.no_grad():
-        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")
-    model.save_pretrained(src)
     dst = tmp_path / "out"
-    with pytest.raises(ConversionCheckError, match=r"report is not finite \(original perplexity nan.*source model "
-                                                   r"itself.*nothing was written"):
-        hf_qknorm.convert(src, dst, calibration=SMALL, calibration_text=SHORT_TEXT, progress=False, log=quiet)
-    _no_output(tmp_path, dst)
+    for value, error, match in (
+            (float("inf"), ValueError, r"source tensor model\.layers\.1\.mlp\.down_proj\.weight in model\.safetensors "
+                                       r"has 0 NaN and 512 infinite value\(s\)"),
+            (3e38, ConversionCheckError, r"report is not finite \(original perplexity (nan|inf).*source model itself.*"
+                                         r"nothing was written")):
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight[0, :] = value
+        model.save_pretrained(src)
+        with pytest.raises(error, match=match):
+            hf_qknorm.convert(src, dst, calibration=SMALL, calibration_text=SHORT_TEXT, progress=False, log=quiet)
+        _no_output(tmp_path, dst)
 
 
 def test_a_converted_model_that_computes_nan_fails_the_conversion(tmp_path, monkeypatch):

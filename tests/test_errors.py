@@ -115,3 +115,30 @@ def test_saved_scheme_entries_are_not_trusted(entry, match, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=match):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "l2", "lp"])
+def test_an_eps_that_vanishes_in_float32_is_refused(norm, tmp_path):
+    """Norms compute in float32 for float32 and half-precision models: eps=1e-300 became 0 there and a zero query
+    gave NaN logits (issue 22). An eps below float32's smallest normal number is refused wherever it comes from --
+    given, the model's own norm epsilon, a saved config.qknorm; at that smallest eps a zero vector stays finite."""
+    p = 3.0 if norm == "lp" else None
+    with pytest.raises(ValueError, match=r"eps must be .* at least 1\.18e-38 .* got 1e-300"):
+        QKNormConfig("qk_norm", norm=norm, eps=1e-300, p=p)
+    with pytest.raises(ValueError, match=r"got 1e-300 \(the model's own rms_norm_eps\)"):
+        hf_qknorm.patch_model(tiny_model("llama", rms_norm_eps=1e-300), "qk_norm", norm=norm, p=p)
+    entry = {"scheme": "qk_norm", "norm": norm, "softcap": None, "eps": 1e-300, "p": 2.0 if norm == "l2" else p}
+    with pytest.raises(ValueError, match=r"got 1e-300"):
+        QKNormConfig.from_dict(entry)
+
+    tiny = torch.finfo(torch.float32).tiny
+    model = tiny_model("llama")
+    hf_qknorm.patch_model(model, "qkv_norm", norm=norm, p=p, eps=tiny)
+    attn = model.model.layers[0].self_attn
+    for dtype in (torch.float32, torch.bfloat16):
+        zero = torch.zeros(2, 3, 16, dtype=dtype)
+        for module in (attn.q_norm, attn.k_norm, attn.v_norm):
+            assert torch.isfinite(module.to(dtype)(zero)).all(), (module, dtype)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    model.to(torch.float32).model.embed_tokens.weight.data[ids[0, 2]] = 0.0  # a zero query and key (no pre-norm)
+    assert torch.isfinite(model(ids).logits).all()

@@ -266,6 +266,32 @@ def _check_low_precision(dtype, b, h, hkv, tq, tk, d, causal, cap, seed=0, **ext
         _flash_rule(g, r, lg, factor, 1e-3)
 
 
+CAPS = (30.0, 1e2, 1e3, 1e4, 1e5, 1e6)  # up to schemes.MAX_SOFTCAP, the largest cap accepted
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["general", "split-kv"])
+def test_cap_is_exact_at_every_size(decode):
+    """With a large cap c, ``c * tanh(s / c)`` is ``s`` to float32 precision only if tanh is accurate *relative to
+    its small argument*: ``2 * sigmoid(2x) - 1`` leaves an absolute error ~1e-7 in tanh, i.e. ~1e-7 c in the logit
+    (0.12 at c = 1e6 on an H100). The kernel's error against float64 must stay within flash-attention's rule at
+    every accepted cap, forward and backward, and not grow with the cap."""
+    tq = 1 if decode else 32
+    q, k, v, do = _qkv(1, 2, 1, tq, 32, 64, scale=2.0, seed=13)  # logits up to ~15: the cap bends them at c = 30
+    errors = []
+    for cap in CAPS:
+        kw = dict(scaling=0.125, softcap=cap, causal=True)
+        ref, ref_grads = _reference(q, k, v, do, **kw)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        lowp = attention_reference(*leaves, **kw)  # the float32 PyTorch computation (torch.tanh)
+        lowp.backward(do)
+        out, lse = attn_mod.attn_fwd(q, k, v, **kw, decode=decode)
+        grads = attn_mod.attn_bwd(do, q, k, v, out, lse, **kw)
+        for got, r, lg in zip((out, *grads), (ref, *ref_grads), (lowp, *(t.grad for t in leaves))):
+            _flash_rule(got, r, lg, 3.0, 2e-6)
+        errors.append((out.double() - ref).abs().max().item())
+    assert max(errors) <= 4 * errors[0] + 1e-6, dict(zip(CAPS, errors))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_attention_low_precision_small(dtype):
     """bf16/fp16 inputs on a small case (the GPU tests below cover larger ones)."""

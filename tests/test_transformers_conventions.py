@@ -127,17 +127,24 @@ def _patched_config(family, scheme, **settings):
 
 
 @pytest.mark.parametrize("norm,settings", [("lp", {"p": 3.0}), ("l2", {}), ("layernorm", {}), ("rmsnorm", {})])
-def test_norms_a_checkpoint_lacks_start_from_their_initial_values(tmp_path, norm, settings):
-    """A plain checkpoint loaded into a patched class has no norm weights: they start as a fresh patch would (the
-    lp/l2 logit scale at Henry et al.'s log2(L^2 - L), value scales and gains at 1, biases at 0), never as
-    uninitialised memory; weights the checkpoint has are kept."""
+def test_a_checkpoint_without_the_norms_is_refused_and_trained_norms_round_trip(tmp_path, norm, settings):
+    """A plain checkpoint loaded into a patched class has no norm weights: refused, naming them (issue 22; it used
+    to load with fresh norms -- and for qkv_norm without the pre-attention norm's gain, which only patch_model and
+    convert fold). patch_model gives the same structure with initial values (the lp/l2 logit scale at Henry et al.'s
+    log2(L^2 - L), value scales and gains at 1, biases at 0), and trained norm weights survive a save/load round
+    trip bit for bit."""
     from transformers import AutoModelForCausalLM
 
     from hf_qknorm.portable.norms import henry_logit_scale
+    from hf_qknorm.portable.structure import SchemeWeightsError
 
     tiny_model("llama", seed=2).save_pretrained(tmp_path / "plain")
     config = _patched_config("llama", "qkv_norm", norm=norm, **settings)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", config=config)
+    with pytest.raises(SchemeWeightsError, match=r"missing .*q_norm.weight.*unexpected .*input_layernorm.weight"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "plain", config=config)
+
+    loaded = hf_qknorm.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "plain"), "qkv_norm", norm=norm,
+                                   **settings)
     attn = loaded.model.layers[1].self_attn
     scale = henry_logit_scale(config.max_position_embeddings)
     q_expected = torch.full_like(attn.q_norm.weight, scale if norm in ("l2", "lp") else 1.0)
@@ -159,8 +166,8 @@ def test_norms_a_checkpoint_lacks_start_from_their_initial_values(tmp_path, norm
 @pytest.mark.parametrize("head", ["GPT2Model", "GPT2LMHeadModel"])
 def test_patched_gpt2_is_initialised_like_gpt2(head):
     """GPT-2 scales the init of each residual projection (c_proj) by 1/sqrt(2 n_layer), a rule of its attention and
-    MLP modules. A patched GPT-2 built fresh or with every weight missing gets the same weights as plain GPT-2 from
-    the same seed (besides the new norms)."""
+    MLP modules. A patched GPT-2 built fresh or with every weight but the norms missing gets the same weights as
+    plain GPT-2 from the same seed (besides the new norms)."""
     import transformers
 
     base_cls = getattr(transformers, head)
@@ -172,8 +179,10 @@ def test_patched_gpt2_is_initialised_like_gpt2(head):
     builds = {
         "plain": lambda: base_cls(tiny_config("gpt2")),
         "fresh": lambda: patched_cls(config),
-        "missing": lambda: patched_cls.from_pretrained(None, config=config, state_dict={}),
+        # every weight missing but the norms (a checkpoint without them is refused)
+        "missing": lambda: patched_cls.from_pretrained(None, config=config, state_dict=norms),
     }
+    norms = {k: v for k, v in patched_cls(config).state_dict().items() if "_norm." in k}
     states = {}
     for name, build in builds.items():
         torch.manual_seed(0)

@@ -447,3 +447,89 @@ def test_command_without_the_plugin(tmp_path, capsys):
     assert "norms applied" in qwen3
     assert "dtype bfloat16" in bf16 and "trust_remote_code=True" in bf16 and bf16.rstrip().endswith("OK")
     assert "dtype bfloat16" in bf16_edited and "FAILED" in bf16_edited and "norms DROPPED" in bf16_edited
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the command cannot be fooled by a folder's weights (issue 22)
+# --------------------------------------------------------------------------------------------------------------------
+def _edit_weights(folder, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    save_file(edit(load_file(path)), path, metadata={"format": "pt"})
+
+
+def _last_line(text: str) -> str:
+    return text.rstrip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("no_plugin", [False, True], ids=["plugin", "no-plugin"])
+def test_command_fails_a_folder_whose_weights_were_edited(tmp_path, capsys, no_plugin):
+    """Every q_norm tensor deleted from a saved folder, a projection deleted from a plain qwen3 export, a norm gain
+    stored as integers: each used to verify OK (the model loaded with fresh or cast weights and computed its scheme
+    faithfully on them). Now the report fails in one line naming the tensors, exit 1."""
+    _patched("llama", "qk_norm_cap", "layernorm").save_pretrained(tmp_path / "no-q-norm")
+    _edit_weights(tmp_path / "no-q-norm", lambda sd: {k: v for k, v in sd.items() if "q_norm" not in k})
+    save_source(tmp_path / "src", "llama")
+    hf_qknorm.convert(tmp_path / "src", tmp_path / "qwen3", scheme="qk_norm", norm="rmsnorm", calibrate=False,
+                      progress=False, log=quiet)
+    _edit_weights(tmp_path / "qwen3", lambda sd: {k: v for k, v in sd.items() if "layers.1.self_attn.q_proj" not in k})
+    _patched("qwen2", "qk_norm", "rmsnorm").save_pretrained(tmp_path / "int-gain")
+    _edit_weights(tmp_path / "int-gain", lambda sd: {k: v.round().to(torch.int64) if "k_norm" in k else v
+                                                     for k, v in sd.items()})
+    folders = ("no-q-norm", "qwen3", "int-gain")
+    status = main([str(tmp_path / f) for f in folders] + (["--no-plugin"] if no_plugin else []))
+    no_q_norm, qwen3, int_gain = _reports(capsys.readouterr().out)
+    assert status == 1
+    assert _last_line(no_q_norm).startswith("FAILED: weights: ")
+    assert "missing model.layers.*.self_attn.q_norm.bias (layers 0, 1), model.layers.*.self_attn.q_norm.weight " \
+        "(layers 0, 1)" in _last_line(no_q_norm)
+    assert _last_line(qwen3).startswith("FAILED: weights: ")
+    assert "missing model.layers.1.self_attn.q_proj.weight" in _last_line(qwen3)
+    assert _last_line(int_gain).startswith("FAILED: weights: ")
+    assert "k_norm.weight (layers 0, 1) stored as I64" in _last_line(int_gain)
+
+
+def test_command_names_a_config_that_disagrees_with_the_weights(tmp_path, capsys):
+    """config.json's hidden_size edited: one line naming a tensor and both shapes, exit 2 (it used to say
+    "look at the above report", which the command never shows)."""
+    import json
+
+    _patched("llama", "qk_norm", "layernorm").save_pretrained(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["hidden_size"] = 128
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main([str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json disagrees with the weights" in err[0], err
+    assert re.search(r"\S+ is \(\d+(, \d+)*\) in the checkpoint, \(\d+(, \d+)*\) by config\.json", err[0])
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "1.5", "abc"])
+def test_tolerance_is_validated(tmp_path, capsys, value):
+    from hf_qknorm.cli.main import main as cli_main
+
+    try:
+        status = cli_main(["verify", str(tmp_path), "--tolerance", value])
+    except SystemExit as exc:  # a usage error: argparse exits, one line (cli.errors.OneLineParser)
+        status = exc.code
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tolerance" in err[0] and value in err[0] and "between 0 and 1" in err[0], err
+    if value != "abc":
+        with pytest.raises(ValueError, match="tolerance must be a number between 0 and 1"):
+            hf_qknorm.verify(_patched("llama", "qk_norm"), tolerance=float(value))
+
+
+def test_debug_shows_the_traceback_of_a_folder_that_cannot_be_verified(tmp_path, capsys):
+    from hf_qknorm.cli.main import main as cli_main
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
+    assert cli_main(["verify", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert cli_main(["verify", str(tmp_path / "m"), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.strip().splitlines()[-1].startswith("error: ")

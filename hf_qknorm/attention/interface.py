@@ -34,7 +34,7 @@ from .chunked import chunked_attention, max_logits
 from .dispatch import KernelFallbackError, fallback_message, kernel_policy, route
 from ..portable.eager import capped_eager_attention
 from ..portable.names import ATTN_IMPLEMENTATION
-from ..portable.masks import bool_mask, implicit_causal, packed_sequence_mask
+from ..portable.masks import bool_mask, check_attention_args, implicit_causal, packed_sequence_mask
 from .tiles import chunk_allowed
 
 try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
@@ -109,6 +109,7 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    check_attention_args(query, key, attention_mask, scaling, dropout, sliding_window)
     if softcap is None:  # a patched module carries its cap (its upstream forward passes none)
         softcap = getattr(module, "_qknorm_softcap", None)
     if softcap is not None:

@@ -3,7 +3,7 @@
 
 Every field of a settings dataclass (``QKNormConfig``, ``CalibrationSettings``, ...) carries its help text in
 ``metadata["help"]``. :func:`add_fields` turns the fields into ``--flag`` options: the type comes from the field's
-annotation (``Literal[...]`` gives choices, ``X | None`` takes an ``X``, ``bool`` an on/off pair), the default shown
+annotation (``Literal[...]`` lists its values, checked by the dataclass, ``X | None`` takes an ``X``, ``bool`` an on/off pair), the default shown
 in ``--help`` is the field's own, and a flag the user does not give is left out of the namespace, so
 :func:`from_args` builds the dataclass from what was given and the dataclass's defaults and validation apply, in one
 place.
@@ -71,9 +71,9 @@ def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=text + _default_text(field) +
                                 (" (default: on)" if field.default is True else ""), **common)
-        elif typing.get_origin(kind) is Literal:
-            choices = typing.get_args(kind)
-            parser.add_argument(flag, choices=choices, help=text + _default_text(field), **common)
+        elif typing.get_origin(kind) is Literal:  # the dataclass checks the value: one message, the library's own
+            metavar = "{" + ",".join(map(str, typing.get_args(kind))) + "}"
+            parser.add_argument(flag, metavar=metavar, help=text + _default_text(field), **common)
         elif kind in (int, float, str):
             metavar = field.metadata.get("metavar", {int: "N", float: "X", str: None}[kind])
             parser.add_argument(flag, type=kind, metavar=metavar, help=text + _default_text(field), **common)

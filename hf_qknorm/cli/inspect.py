@@ -1,12 +1,16 @@
 """``hf-qknorm inspect DIR``: what a saved folder is, and the per-layer statistics of its q/k/v norm weights.
 
 Everything is read from ``config.json`` and the safetensors files (headers checked first, then only the norm tensors
-loaded), so a folder of any size is inspected in a moment and without building the model.
+loaded), so a folder of any size is inspected in a moment and without building the model. The rows are checked
+against the norm weights the folder's scheme needs (:func:`expected_norms`): a tensor that is missing, not part of
+the scheme, of another shape or not floating point is flagged, and ``inspect`` exits 1 -- the same folder fails
+``hf-qknorm verify`` and does not load.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -28,6 +32,9 @@ def read_config(folder: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} is not a model config: a JSON {type(raw).__name__}, not an object")
+    from ..portable.families import check_saved_model_type
+
+    check_saved_model_type(raw.get("model_type", ""), path)
     return raw
 
 
@@ -48,24 +55,120 @@ def norm_statistics(folder: Path) -> list[dict]:
             continue
         with safe_open(path, framework="pt") as f:
             for key, m in keys:
-                t = f.get_tensor(key).to(torch.float64)
-                rows.append({"layer": int(m.group(1)), "name": f"{m.group(2)}.{m.group(3)}", "shape": list(t.shape),
-                             "mean": t.mean().item(), "std": t.std(unbiased=False).item() if t.numel() else 0.0,
-                             "min": t.min().item(), "max": t.max().item()})
-    return sorted(rows, key=lambda r: (r["layer"], "qkv".index(r["name"][0]), r["name"].endswith("bias")))
+                t = f.get_tensor(key)
+                row = {"layer": int(m.group(1)), "name": f"{m.group(2)}.{m.group(3)}", "shape": list(t.shape),
+                       "dtype": header[key]["dtype"],
+                       "finite": not t.is_floating_point() or bool(torch.isfinite(t).all())}
+                t = t.to(torch.float64)
+                rows.append({**row, "mean": t.mean().item(), "std": t.std(unbiased=False).item() if t.numel() else 0.0,
+                             "min": t.min().item() if t.numel() else math.nan,
+                             "max": t.max().item() if t.numel() else math.nan})
+    return sorted(rows, key=_row_order)
 
 
-def folder_summary(folder: Path) -> str:
-    """The text ``hf-qknorm inspect`` prints."""
+def _row_order(r: dict):
+    return r["layer"], "qkv".index(r["name"][0]), r["name"].endswith("bias")
+
+
+def expected_norms(cfg: dict) -> tuple[str, dict[tuple[int, str], list[int]]] | None:
+    """``(what, {(layer, "q_norm.weight"): shape})``: the norm tensors a folder with config ``cfg`` must hold (a
+    ``qknorm_<base>`` folder: its scheme's; a plain Qwen3: its own q/k norms); ``None`` when nothing is known (a plain
+    folder of another family, or sizes config.json does not give)."""
+    from ..portable.families import FAMILIES, base_model_type
+    from ..portable.names import PREFIX
+    from ..portable.norms import make_norm
+    from ..portable.schemes import QKNormConfig
+
+    family = FAMILIES.get(base_model_type(cfg.get("model_type")))
+    settings = cfg.get("qknorm")
+    patched = str(cfg.get("model_type", "")).startswith(PREFIX)
+    if family is None or (not patched and not family.native_qk_norm):
+        return None
+    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
+    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", cfg.get("n_embd")) or 0) // max(int(heads or 1), 1)
+    if not isinstance(layers, int) or not isinstance(head_dim, int) or head_dim < 1:
+        return None
+    scheme = QKNormConfig.from_dict(settings) if patched else None
+    if scheme is None or not scheme.norms_qk:  # the family's own q/k norms (Qwen3), kept by soft_cap
+        what = "Qwen3's own q/k norms" if scheme is None else f"{scheme.scheme} (Qwen3's own q/k norms)"
+        params = {"q_norm.weight": [head_dim], "k_norm.weight": [head_dim]} if family.native_qk_norm else {}
+    else:
+        what = f"{scheme.scheme} / {scheme.norm}"
+        roles = ("q", "k", "v") if scheme.norms_v else ("q", "k")
+        params = {f"{role}_norm.{name}": list(prm.shape) for role in roles
+                  for name, prm in make_norm(scheme.norm, role, head_dim, 1e-6, scheme.p).named_parameters()}
+    return what, {(i, name): shape for i in range(layers) for name, shape in params.items()}
+
+
+def check_rows(rows: list[dict], expected) -> list[dict]:
+    """``rows`` with a ``check`` entry each (``ok`` or what is wrong), plus a ``MISSING`` row for every expected norm
+    tensor the folder lacks; sorted as :func:`norm_statistics` sorts."""
+    if expected is None:
+        return [{**r, "check": _value_check(r) or "ok"} for r in rows]
+    what, shapes = expected
+    out, seen = [], set()
+    for r in rows:
+        key = (r["layer"], r["name"])
+        seen.add(key)
+        if key not in shapes:
+            check = f"UNEXPECTED: not a weight of {what}"
+        elif r["shape"] != shapes[key]:
+            check = f"shape {tuple(r['shape'])}, the scheme needs {tuple(shapes[key])}"
+        else:
+            check = _value_check(r) or "ok"
+        out.append({**r, "check": check})
+    out += [{"layer": layer, "name": name, "shape": shape, "check": "MISSING"}
+            for (layer, name), shape in shapes.items() if (layer, name) not in seen]
+    return sorted(out, key=_row_order)
+
+
+_STAMP = re.compile(r"^# Written by hf_qknorm (\S+) from ")
+
+
+def _remote_code_line(folder: Path) -> list[str]:
+    """Which hf_qknorm wrote the folder's shipped code (what runs without the plugin; with it, the plugin's own code
+    runs), and a hint when that is not this version."""
+    from .._version import __version__
+
+    entry = Path(folder) / "modeling_qknorm.py"
+    if not entry.is_file():
+        return []
+    with entry.open(encoding="utf-8", errors="replace") as f:
+        m = _STAMP.match(f.readline())
+    version = m.group(1) if m else "unknown"
+    if version == __version__:
+        return [f"remote code: written by hf_qknorm {version} (this version)"]
+    return [f"remote code: written by hf_qknorm {version}, not this version ({__version__}): without the plugin "
+            "that code runs; hf_qknorm.add_remote_code(DIR) replaces it with this version's"]
+
+
+def _value_check(row: dict) -> str | None:
+    """What is wrong with a norm tensor's values whatever the scheme: not floating point, or NaN/inf (a model with
+    such a gain computes NaN)."""
+    if not row["dtype"].startswith(("F", "BF")):
+        return "not floating point"
+    return None if row.get("finite", True) else "NaN/inf values"
+
+
+def folder_summary(folder: Path) -> tuple[str, int]:
+    """The text ``hf-qknorm inspect`` prints, and how many norm tensors it flags."""
     cfg = read_config(folder)
     lines = [f"model_type: {cfg.get('model_type')}", f"architectures: {cfg.get('architectures')}",
-             f"qknorm: {json.dumps(cfg.get('qknorm'))}"]
-    rows = norm_statistics(folder)
+             f"qknorm: {json.dumps(cfg.get('qknorm'))}", *_remote_code_line(folder)]
+    rows = check_rows(norm_statistics(folder), expected_norms(cfg))
     if not rows:
         lines.append("norm weights: none (no q_norm / k_norm / v_norm tensors in the safetensors files)")
-        return "\n".join(lines)
-    lines += ["", "norm weights per layer (statistics over the tensor's elements):",
-              "| layer | tensor | shape | mean | std | min | max |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['layer']} | {r['name']} | {tuple(r['shape'])} | {r['mean']:.4g} | {r['std']:.4g} | "
-              f"{r['min']:.4g} | {r['max']:.4g} |" for r in rows]
-    return "\n".join(lines)
+        return "\n".join(lines), 0
+    lines += ["", "norm weights per layer (statistics over the tensor's elements; check: against the scheme):",
+              "| layer | tensor | shape | mean | std | min | max | dtype | check |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        stats = " | ".join(f"{r[k]:.4g}" if k in r else "-" for k in ("mean", "std", "min", "max"))
+        lines.append(f"| {r['layer']} | {r['name']} | {tuple(r['shape'])} | {stats} | {r.get('dtype', '-')} | "
+                     f"{r['check']} |")
+    flagged = sum(r["check"] != "ok" for r in rows)
+    if flagged:
+        lines += ["", f"norm weights do not match the scheme: {flagged} tensor{'s' if flagged > 1 else ''} flagged "
+                      "above (hf-qknorm verify fails this folder)"]
+    return "\n".join(lines), flagged

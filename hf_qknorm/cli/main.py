@@ -70,7 +70,9 @@ def _add_inspect(sub):
     p = sub.add_parser("inspect", help="show the scheme and per-layer norm weight statistics of a saved model folder",
                        description="Print a saved folder's model type, architectures and qknorm scheme, and for every "
                                    "layer the statistics (mean, std, min, max) of its q/k/v norm weights and biases, "
-                                   "read from the safetensors files (no model is built).")
+                                   "read from the safetensors files (no model is built), each checked against the "
+                                   "scheme: a missing, unexpected, misshapen or non-float norm tensor is flagged and "
+                                   "the exit status is 1.")
     p.add_argument("path", type=Path, help="saved model folder (config.json and *.safetensors)")
     return p
 
@@ -78,8 +80,9 @@ def _add_inspect(sub):
 def _cmd_inspect(args) -> int:
     from .inspect import folder_summary
 
-    print(folder_summary(args.path))
-    return 0
+    text, flagged = folder_summary(args.path)
+    print(text)
+    return EXIT_CODES["check"] if flagged else 0
 
 
 def _add_info(sub):

@@ -147,8 +147,9 @@ def verify_output(folder: Path, cfg, kind: str, mode: str = "full", log=None) ->
 
     from ..modeling.patch import qknorm_config
     from ..verification import verify, verify_folder
+    from ..verification.loading import quiet_transformers
 
-    with _quiet_transformers(), _view(folder, VERIFY_LAYERS) as view:
+    with quiet_transformers(), _view(folder, VERIFY_LAYERS) as view:
         model, info = AutoModelForCausalLM.from_pretrained(view, output_loading_info=True)
         if info.get("missing_keys"):
             _fail(f"the written folder lacks {', '.join(sorted(info['missing_keys'])[:3])}")
@@ -199,19 +200,3 @@ def _view(folder: Path, layers: int):
                     raw[name] = value[:layers]  # layer_types and the like
         (view / "config.json").write_text(json.dumps(raw, indent=2))
         yield view
-
-
-@contextmanager
-def _quiet_transformers():
-    """Transformers' load reports (the cut layers are 'unexpected' weights) and progress bars off meanwhile."""
-    from transformers.utils import logging as hf_logging
-
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()

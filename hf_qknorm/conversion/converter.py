@@ -34,7 +34,8 @@ from ..portable.names import PREFIX
 from ..portable.norms import initial_value
 from ..portable.schemes import QKNormConfig
 from ..upstream import installed_versions
-from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
+from .shards import (SourceWeights, WeightPlan, check_matches_config, plan_weights, read_source_weights,
+                     write_weights)
 from .tempdirs import check_writable, staging
 
 __all__ = ["ConversionResult", "convert", "default_destination"]
@@ -119,7 +120,9 @@ def inspect_source(src) -> Source:
         raise ValueError(f"{path} is not a causal language model (architectures {archs}); "
                          "hf_qknorm converts *ForCausalLM / *LMHeadModel checkpoints")
     config = AutoConfig.from_pretrained(path)
-    return Source(path=path, name=name, config=config, family=family, weights=read_source_weights(path, family))
+    weights = read_source_weights(path, family)
+    check_matches_config(weights, config)
+    return Source(path=path, name=name, config=config, family=family, weights=weights)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -245,7 +248,7 @@ def convert(src=None, dst=None, config: QKNormConfig | str | None = None,
     :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
     is left at ``dst`` (or an existing ``dst`` is unchanged).
     """
-    from .export import resolve_export
+    from .export import check_tokenizer_fits, has_tokenizer, resolve_export
 
     cfg, settings, hub = settings_objects(config, calibration, hub, deprecated)
     if verify not in VERIFY_MODES:
@@ -253,12 +256,18 @@ def convert(src=None, dst=None, config: QKNormConfig | str | None = None,
     token = check_request(settings, hub.repo_id, hub.token)  # a bad repo id or no token: fail now, not after hours
     source = inspect_source(src)
     config, family = source.config, source.family
-    cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None else family.norm_eps(config)})
+    cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None else family.norm_eps(config, "; pass --eps")})
     dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path,
                              overwrite)
     check_writable(dst)
     kind, note = resolve_export(export, config, cfg, family)
     texts = _texts(calibration_text, eval_text) if calibrate else None
+    if has_tokenizer(source.path):
+        check_tokenizer_fits(source.path, source.config)
+    elif not calibrate:  # calibration would have needed it (a clear error there)
+        log(f"WARNING: {source.path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab/merges): the "
+            "converted folder will have none either; add the tokenizer the model was trained with before using or "
+            "publishing it")
 
     log(f"converting {source.name} ({family.model_type}, {source.weights.dtype}, "
         f"{len(source.weights.files)} weight file(s)) to {cfg.scheme}"

@@ -26,6 +26,9 @@ from ..portable.schemes import QKNormConfig
 EXPORTS = ("auto", "qwen3", "qknorm")
 
 # Files carried over from the source folder besides the weights and config (tokenizer, generation config, licence).
+# The files that make up a tokenizer (copied with SIDE_FILE_PATTERNS): a folder without any has none.
+TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.*", "merges.txt",
+                      "*.tiktoken", "spiece.model")
 SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                       "*.model", "*.tiktoken", "chat_template.*", "generation_config.json", "preprocessor_config.json",
                       "LICENSE*", "LICENCE*", "NOTICE*", "USE_POLICY*")
@@ -95,6 +98,28 @@ def write_config(folder: Path, kind: str, patched_config, dtype: torch.dtype) ->
     patched_config.dtype = dtype
     patched_config.save_pretrained(folder)  # a QKNorm<Base>Config: writes the remote code and auto_map too
     return json.loads((folder / "config.json").read_text())
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds tokenizer files (:data:`TOKENIZER_PATTERNS`)."""
+    return any(p.is_file() for pattern in TOKENIZER_PATTERNS for p in Path(folder).glob(pattern))
+
+
+def check_tokenizer_fits(folder: Path, config) -> None:
+    """Refuse a source whose tokenizer has more tokens than the embedding has rows: ids past the last row index
+    nothing (an IndexError on CUDA as a device assert, mid-training), and the pair is most likely mixed up. Fewer
+    tokens than rows is normal (vocabularies padded to a multiple of 64)."""
+    from transformers import AutoTokenizer
+
+    rows = getattr(config, "vocab_size", None)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception:  # noqa: BLE001 -- an unloadable tokenizer is reported where it is needed (calibration)
+        return
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise ValueError(f"the tokenizer in {folder} has {len(tokenizer):,} tokens but the embedding has "
+                         f"{rows:,} rows (vocab_size in config.json, checked against the weights): ids from {rows:,} "
+                         "up index nothing; is it the tokenizer this model was trained with?")
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

@@ -128,7 +128,16 @@ def source_licence(source_dir: Path | None) -> dict:
     return kept
 
 
-def _load_snippet(export: str, name: str) -> tuple[str, str]:
+def _load_snippet(export: str, name: str, tokenizer: bool = True) -> tuple[str, str]:
+    snippet, note = _model_snippet(export, name)
+    if tokenizer:
+        return snippet, note
+    snippet = snippet.replace(", AutoTokenizer", "").replace(f"\ntokenizer = AutoTokenizer.from_pretrained({py_str(name)})", "")
+    return snippet, note + (" This folder has no tokenizer: the checkpoint it was converted from had none; use the "
+                            "tokenizer the model was trained with.")
+
+
+def _model_snippet(export: str, name: str) -> tuple[str, str]:
     name = py_str(name)
     if export == "qwen3":
         return (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
@@ -167,7 +176,9 @@ def build_model_card(*, base_model: str | None, cfg, export: str, report=None, d
     data = ModelCardData(base_model=hub_base, library_name="transformers", pipeline_tag="text-generation",
                          tags=tags, **licence)
     title, description = _SCHEMES[scheme["scheme"]]
-    snippet, note = _load_snippet(export, model_name)
+    from .export import has_tokenizer
+
+    snippet, note = _load_snippet(export, model_name, source_dir is None or has_tokenizer(source_dir))
     fmt = ("plain `qwen3` (no plugin needed)" if export == "qwen3"
            else "`qknorm_<base>` with `trust_remote_code` modelling code")
     if export_note and export != "qwen3":

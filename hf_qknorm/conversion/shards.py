@@ -52,7 +52,19 @@ class SourceWeights:
         from safetensors import safe_open
 
         with safe_open(self.folder / self.key_file[key], framework="pt") as f:
-            return f.get_tensor(key)
+            return check_finite(f.get_tensor(key), key, self.key_file[key])
+
+
+def check_finite(tensor: torch.Tensor, key: str, file: str) -> torch.Tensor:
+    """``tensor``, or a ``ValueError`` naming it when it holds NaN or infinite values: a converted model computed from
+    them is NaN, and with verification off (or a fold that spreads one value over a row) it would be written as such.
+    One pass over a tensor being read anyway; checked where the source is read, so nothing is written first."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        raise ValueError(f"source tensor {key} in {file} has {nan} NaN and {inf} infinite value(s) of "
+                         f"{tensor.numel()}: a checkpoint with non-finite weights cannot be converted (repair or "
+                         "re-download it)")
+    return tensor
 
 
 def check_safetensors(path: Path) -> dict:
@@ -132,6 +144,41 @@ def read_source_weights(folder: Path, family: Family) -> SourceWeights:
     probe = weights.source_key(_proj_key(family, 0, family.qkv_proj or family.q_proj, "weight"))
     weights.dtype = _DTYPES.get(dtypes[probe], (torch.float32,))[0] or torch.float32
     return weights
+
+
+def check_matches_config(weights: SourceWeights, config) -> None:
+    """Every tensor the model ``config`` describes is in ``weights`` with that shape (tied weights: one of them);
+    else a ``ValueError`` naming the first disagreement -- before any work, where Transformers would only refuse at
+    the end, pointing at a report the command line does not show (or, for a missing pre-norm gain, a ``qkv_norm``
+    fold would go on without it). The model is built on the meta device: no memory, no initialisation."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # sizes that build no model (e.g. heads that do not divide the width)
+        raise ValueError(f"{weights.folder / 'config.json'} describes no model Transformers can build "
+                         f"({type(exc).__name__}: {exc})") from None
+    mismatched, missing, seen = [], [], {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        seen.setdefault(id(tensor), []).append((name, list(tensor.shape)))
+    for names in seen.values():  # one entry per tensor: tied weights share it, and one copy on disk is enough
+        present = [(n, shape) for n, shape in names if weights.source_key(n) in weights.shapes]
+        if not present:
+            missing.append(weights.source_key(names[0][0]))
+        for name, want in present:
+            key = weights.source_key(name)
+            if list(weights.shapes[key]) != want:
+                mismatched.append((key, weights.shapes[key], want))
+    if mismatched:  # the first in the model's order (the embedding, when the width is off)
+        key, saved, want = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ValueError(f"{weights.folder / 'config.json'} disagrees with the weights: {key} is {tuple(saved)} in "
+                         f"{weights.key_file[key]}, {tuple(want)} by config.json{more}; fix the sizes in config.json")
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{weights.folder} lacks {missing[0]}{more}, which its config.json's model has; "
+                         "convert a complete checkpoint")
 
 
 def _proj_key(family: Family, layer: int, proj: str, param: str) -> str:
@@ -229,7 +276,8 @@ def write_weights(weights: SourceWeights, plan: WeightPlan, out: Path, progress:
             for key in f.keys():
                 if key in plan.drop:
                     continue
-                tensors[key] = plan.new[key] if key in plan.new else _transform(key, f.get_tensor(key), plan)
+                tensors[key] = plan.new[key] if key in plan.new else _transform(
+                    key, check_finite(f.get_tensor(key), key, name), plan)
         tensors.update({k: v for k, v in plan.new.items() if plan.new_file[k] == name and k not in tensors})
         metadata.setdefault("format", "pt")
         _save(save_file, tensors, Path(out) / name, metadata)

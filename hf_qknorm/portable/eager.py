@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .masks import allowed_pairs, bool_mask, packed_sequence_mask
+from .masks import allowed_pairs, bool_mask, check_attention_args, packed_sequence_mask
 
 
 def capped_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
@@ -27,6 +27,7 @@ def capped_eager_attention(module, query, key, value, attention_mask, scaling=No
         softcap = getattr(module, "_qknorm_softcap", None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    check_attention_args(query, key, attention_mask, scaling, dropout, None)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     groups = query.shape[1] // key.shape[1]
     k = key.to(acc).repeat_interleave(groups, dim=1)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .names import PREFIX
+from .schemes import check_eps
 
 DEFAULT_EPS = 1e-6  # a new norm's epsilon when neither the scheme nor the model's config states one
-DEFAULT_TRAINING_LENGTH = 2048  # the context length assumed when a config states none (Llama's original length)  # the model_type of a patched model is PREFIX + its base model_type (``qknorm_llama``)
+DEFAULT_TRAINING_LENGTH = 2048  # the context length assumed when a config states none (Llama's original length)
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,12 @@ class Family:
     def patched_model_type(self) -> str:
         return PREFIX + self.model_type
 
-    def norm_eps(self, config) -> float:
-        """The model's own norm epsilon: what a new norm uses unless the scheme states one."""
+    def norm_eps(self, config, hint: str = "") -> float:
+        """The model's own norm epsilon: what a new norm uses unless the scheme states one. A value no norm can use
+        (not finite, below float32's smallest normal) is refused, naming the config attribute (``hint`` adds how to
+        override it)."""
         value = getattr(config, self.eps_attr, None)
-        return float(DEFAULT_EPS if value is None else value)
+        return check_eps(DEFAULT_EPS if value is None else value, f" (the model's own {self.eps_attr}{hint})")
 
     def training_length(self, config) -> int:
         """The context length the model was trained for, which sets the ``l2``/``lp`` logit scale's start (Henry
@@ -104,6 +107,15 @@ def base_model_type(model_type) -> str:
     """``llama`` for ``llama`` and for ``qknorm_llama``."""
     model_type = str(model_type)
     return model_type[len(PREFIX):] if model_type.startswith(PREFIX) else model_type
+
+
+def check_saved_model_type(model_type, where) -> None:
+    """A ``qknorm_<base>`` model type whose base this version has no family for -- a folder written by a newer
+    hf_qknorm, or edited -- named in one line (Transformers would otherwise look for remote code and ask on stdin)."""
+    model_type = str(model_type)
+    if model_type.startswith(PREFIX) and base_model_type(model_type) not in FAMILIES:
+        raise ValueError(f"{where}: model_type {model_type!r} names no family this hf_qknorm knows (it knows "
+                         f"{', '.join(PREFIX + f for f in sorted(FAMILIES))}); was it written by a newer hf_qknorm?")
 
 
 def family_of_config(config) -> Family:

@@ -18,10 +18,39 @@ from __future__ import annotations
 import torch
 
 
+def check_attention_args(query, key, mask, scaling, dropout, sliding_window) -> None:
+    """Refuse, naming the value, what an attention function could only compute wrongly: a mask that is not
+    ``(batch|1, 1|heads, q_len|1, kv_len)`` for these ``query``/``key`` (sdpa refuses one too; a longer or other-
+    batch mask was silently sliced or broadcast), or of an integer dtype; a scaling that is not finite (every
+    logit NaN); a dropout outside ``[0, 1)``; a sliding window below 1 (no key at all)."""
+    if mask is not None:
+        batch, heads, q_len, kv_len = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+        shape = tuple(mask.shape)
+        if mask.dim() != 4 or shape[0] not in (1, batch) or shape[1] not in (1, heads) \
+                or shape[2] not in (1, q_len) or shape[3] != kv_len:
+            raise ValueError(f"attention mask of shape {shape} does not fit query {tuple(query.shape)} and key "
+                             f"{tuple(key.shape)}: expected (batch|1, 1|heads, q_len|1, kv_len) = "
+                             f"({batch}|1, 1|{heads}, {q_len}|1, {kv_len})")
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            raise ValueError(f"attention mask of dtype {mask.dtype}: expected torch.bool (True = attend) or an "
+                             "additive floating-point mask of 0 and -inf")
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not scaling == scaling \
+            or scaling in (float("inf"), float("-inf")):
+        raise ValueError(f"attention scaling must be a finite number, got {scaling!r}")
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"attention dropout must be a probability in [0, 1), got {dropout!r}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive number of positions (or None), got {sliding_window!r}")
+
+
 def bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     """Boolean (True = attend) view of an attention mask; float masks must be 0 / -inf (or dtype-min) only."""
     if mask is None or mask.dtype == torch.bool:
         return mask
+    if not mask.dtype.is_floating_point:
+        raise ValueError(f"attention mask of dtype {mask.dtype}: expected torch.bool (True = attend) or an "
+                         "additive floating-point mask of 0 and -inf")
     blocked = mask <= torch.finfo(mask.dtype).min / 2
     if not bool(torch.all(blocked | (mask == 0))):
         raise ValueError("qknorm attention takes boolean masks or additive masks of 0 and -inf only; got an additive "

@@ -27,6 +27,10 @@ DEFAULT_SOFTCAP = 50.0  # Gemma 2 / Rybakov et al. 2024
 # and beyond it s/c underflows float32's precision for ordinary logits; 1e39 is not even a float32 (it is inf, and
 # c*tanh(s/c) = inf*0 = NaN). This module imports only the standard library: it is also copied into saved folders.
 MAX_SOFTCAP = 1e6
+# The smallest eps accepted: float32's smallest normal number, 2**-126. The norms compute in float32 for float32 and
+# half-precision models (and the Triton kernels flush subnormals to 0): a smaller eps becomes 0 there, and a zero
+# query or key vector -- a padding token, a zeroed embedding -- gives 0 / 0 = NaN logits.
+MIN_EPS = 2.0 ** -126
 
 
 def _is_number(value) -> bool:
@@ -39,6 +43,18 @@ def check_softcap(value, what: str = "softcap") -> float:
     if not _is_number(value) or not math.isfinite(value) or not 0 < value <= MAX_SOFTCAP:
         raise ValueError(f"{what} must be a positive finite number up to {MAX_SOFTCAP:g}, got {value!r}")
     return float(value)
+
+def check_eps(value, what: str = "") -> float:
+    """``value`` as a float if it is a usable norm epsilon (finite, at least :data:`MIN_EPS`), else a ``ValueError``
+    naming it (``what`` says where it came from)."""
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"eps must be a positive finite number, got {value!r}{what}")
+    if value < MIN_EPS:
+        raise ValueError(f"eps must be a positive finite number of at least {MIN_EPS:.3g} (float32's smallest normal "
+                         f"number: the norms compute in float32, where a smaller eps becomes 0 and a zero query or "
+                         f"key gives NaN), got {value!r}{what}")
+    return float(value)
+
 
 _CAPPED = ("soft_cap", "qk_norm_cap")
 _NORMED = ("qk_norm", "qk_norm_cap", "qkv_norm")
@@ -76,8 +92,8 @@ class QKNormConfig:
             raise ValueError(f"unknown scheme {self.scheme!r}; valid schemes: {_choices(SCHEMES)}")
         self._check_norm()
         self._check_softcap()
-        if self.eps is not None and not (_is_number(self.eps) and self.eps > 0 and math.isfinite(self.eps)):
-            raise ValueError(f"eps must be a positive finite number, got {self.eps!r}")
+        if self.eps is not None:
+            check_eps(self.eps)
 
     def _check_norm(self) -> None:
         norm, p = self.norm, self.p
@@ -155,10 +171,13 @@ class QKNormConfig:
             raise ValueError(f"config.qknorm must be a dict with keys {_choices(_FIELDS)}, got {type(d).__name__}")
         unknown, missing = sorted(set(d) - set(_FIELDS)), [k for k in _FIELDS if k not in d]
         if unknown:
-            raise ValueError(f"unknown keys in config.qknorm: {unknown}; valid keys: {_choices(_FIELDS)}")
+            raise ValueError(f"unknown keys in config.qknorm: {unknown}; valid keys: {_choices(_FIELDS)}{_NEWER}")
         if missing:
             raise ValueError(f"config.qknorm lacks {missing}: a saved scheme states every field "
                              f"({_choices(_FIELDS)}; null where it does not apply)")
+        for key, known in (("scheme", SCHEMES), ("norm", NORMS)):  # a name from a newer version (not a typo here)
+            if isinstance(d[key], str) and d[key] not in known and d[key].strip().lower() not in known:
+                raise ValueError(f"unknown {key} {d[key]!r} in config.qknorm; valid: {_choices(known)}{_NEWER}")
         cfg = cls(**d)
         stated = {k: d[k] for k in _FIELDS}
         resolved = cfg.to_dict()
@@ -172,3 +191,4 @@ class QKNormConfig:
 
 
 _FIELDS = tuple(f.name for f in fields(QKNormConfig))
+_NEWER = " (a folder saved by a newer hf_qknorm? load it with that version)"

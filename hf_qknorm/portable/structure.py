@@ -27,7 +27,7 @@ from .hooks import hook_slots, install, is_installed
 from .layout import find_layers
 from .names import ATTN_IMPLEMENTATION, CLASS_PREFIX, PREFIX
 from .norms import henry_logit_scale, init_unloaded_norms, make_norm
-from .schemes import QKNormConfig
+from .schemes import QKNormConfig, check_eps
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +203,89 @@ def patch_on_init(model: nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# loading: the checkpoint must hold exactly the weights of the scheme
+# --------------------------------------------------------------------------------------------------------------------
+class SchemeWeightsError(ValueError):
+    """A saved ``qknorm_<base>`` folder's weights do not match its scheme: a norm weight is missing, unexpected or
+    of another shape. ``save_pretrained`` and ``hf-qknorm convert`` write exactly the scheme's norm weights, so such a
+    folder was edited, truncated or mixed up; loading it anyway would run fresh (identity) norms in place of the
+    trained ones -- a model that computes its scheme faithfully on the wrong weights."""
+
+
+NORM_SLOTS = ("q_norm", "k_norm", "v_norm")
+
+
+def check_scheme_weights(model: nn.Module, loading_info) -> None:
+    """Raise :class:`SchemeWeightsError` when ``loading_info`` (Transformers' ``LoadStateDictInfo`` of a
+    ``from_pretrained`` into a ``qknorm_<base>`` class) reports a scheme weight missing, unexpected or of another
+    shape (with ``ignore_mismatched_sizes=True``, where Transformers would re-initialise it).
+
+    Scheme weights: the parameters of the ``q_norm``/``k_norm``/``v_norm`` modules of every attention module the
+    model has (Qwen3's own norms of ``soft_cap`` included), and for ``qkv_norm`` the pre-attention norm it removes
+    (its gain lives folded in the projections; a checkpoint still holding it was not saved from this scheme).
+    Checkpoint keys of layers the model does not have (a config cut to fewer layers) are left to Transformers'
+    report: a partial load of whole layers is an ordinary thing to do."""
+    settings = getattr(model.config, "qknorm", None) or {}
+    family = family_of_config(model.config)
+    prenorm = family.prenorm if settings.get("scheme") == "qkv_norm" else None
+    missing = [k for k in loading_info.missing_keys if _scheme_key(model, k, prenorm)]
+    unexpected = [k for k in loading_info.unexpected_keys if _scheme_key(model, k, prenorm)]
+    mismatched = [m for m in loading_info.mismatched_keys if _scheme_key(model, m[0], prenorm)]
+    if not (missing or unexpected or mismatched):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {keys_text(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {keys_text(unexpected)}")
+    if mismatched:
+        key, saved, wanted = sorted(mismatched)[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        parts.append(f"{key} has shape {tuple(saved)} in the checkpoint, {tuple(wanted)} in the model{more}")
+    where = getattr(model.config, "_name_or_path", "") or "the checkpoint"
+    scheme = settings.get("scheme")
+    norm = f" / {settings['norm']}" if settings.get("norm") else ""
+    raise SchemeWeightsError(
+        f"{where}: the norm weights do not match scheme {scheme}{norm}: {'; '.join(parts)}. A folder written by "
+        "save_pretrained or hf-qknorm convert holds exactly its scheme's norm weights, so this one was edited or "
+        "mixed up; loading it would run fresh norms in place of trained ones. To start from fresh norms, load the "
+        "unpatched model and call hf_qknorm.patch_model")
+
+
+def _scheme_key(model: nn.Module, key: str, prenorm: str | None) -> bool:
+    """Whether state-dict ``key`` is a scheme weight of an attention module (or removed pre-norm) ``model`` has."""
+    owner, _, _ = key.rpartition(".")
+    parent, _, slot = owner.rpartition(".")
+    if slot not in NORM_SLOTS and slot != prenorm:
+        return False
+    try:
+        model.get_submodule(parent if slot in NORM_SLOTS else owner)
+    except AttributeError:  # a layer the model does not have
+        return False
+    return True
+
+
+def keys_text(keys) -> str:
+    """``model.layers.*.self_attn.q_norm.weight (layers 0, 1)``-style summary of state-dict keys, one line."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for key in sorted(keys):
+        parts = key.split(".")
+        at = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)  # the layer index
+        pattern = key if at is None else ".".join(parts[:at] + ["*"] + parts[at + 1:])
+        groups.setdefault(pattern, []).append((-1 if at is None else int(parts[at]), key))
+    items = []
+    for pattern, members in sorted(groups.items()):
+        if len(members) == 1:
+            items.append(members[0][1])
+            continue
+        numbered = sorted(layer for layer, _ in members)
+        shown = ", ".join(map(str, numbered[:6])) + (", ..." if len(numbered) > 6 else "")
+        items.append(f"{pattern} (layers {shown})")
+    more = f" and {len(items) - 4} more" if len(items) > 4 else ""
+    return ", ".join(items[:4]) + more
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # the qknorm_<base> classes: one factory for the plugin and for the exported remote code
 # --------------------------------------------------------------------------------------------------------------------
 # Auto class -> Transformers' mapping (in ``transformers.models.auto.modeling_auto``) from config class to model
@@ -293,6 +376,12 @@ def make_model_class(base_model: type, config_class: type, module: str) -> type:
         base_model._initialize_missing_keys(self, *args, **kwargs)
         init_unloaded_norms(self)
 
+    def _adjust_missing_and_unexpected_keys(self, loading_info, *args, **kwargs):
+        # Transformers' last word on what a checkpoint lacked or held in excess (its report follows): a scheme
+        # weight among them is an error, never fresh norms run in place of trained ones.
+        base_model._adjust_missing_and_unexpected_keys(self, loading_info, *args, **kwargs)
+        check_scheme_weights(self, loading_info)
+
     def is_custom_code(cls) -> bool:
         # Transformers takes a class defined outside its package for custom code and then skips _init_weights on
         # modules without parameters of their own (GPT-2's scaled init of c_proj lives there). This class runs its
@@ -302,6 +391,8 @@ def make_model_class(base_model: type, config_class: type, module: str) -> type:
     body = {"__init__": __init__, "_get_name": _get_name, "config_class": config_class, "__module__": module}
     if hasattr(base_model, "_initialize_missing_keys"):
         body["_initialize_missing_keys"] = _initialize_missing_keys
+    if hasattr(base_model, "_adjust_missing_and_unexpected_keys"):
+        body["_adjust_missing_and_unexpected_keys"] = _adjust_missing_and_unexpected_keys
     if hasattr(base_model, "is_custom_code"):
         body["is_custom_code"] = classmethod(is_custom_code)
     return type(patched_architecture(base_model.__name__), (base_model,), body)

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..portable.families import check_saved_model_type
 from ..portable.names import PREFIX
-from .checks import build_report
+from ..portable.structure import NORM_SLOTS
+from .checks import build_report, check_tolerance
 from .layers import ReferenceModel
+from .loading import FolderWeightsError, load_folder, weights_report
 from .probe import run_probes
-from .report import VerifyReport
+from .report import Check, VerifyReport
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +41,53 @@ def verify(model: nn.Module, *, tolerance: float | None = None, generate: bool =
 
     Returns a :class:`VerifyReport`; ``report.ok`` is False, and ``str(report)`` ends with ``FAILED: ...``, when an
     error exceeds the tolerance or a cap, norm or mask is not applied."""
+    tolerance = check_tolerance(tolerance)
     ref = ReferenceModel(model)
     captured = run_probes(model, ref.plan(generate=generate))
-    return _log(build_report(ref, captured, tolerance=tolerance, source="in process"))
+    report = build_report(ref, captured, tolerance=tolerance, source="in process")
+    report.checks += [Check(None, "adapter", math.nan, math.nan, note=note) for note in _adapter_problems(model)]
+    return _log(report)
+
+
+def _adapter_problems(model) -> list[str]:
+    """A peft adapter that trains norm modules (``modules_to_save``) the model lacks: saved from a patched model and
+    loaded into an unpatched one. peft loads it without a word and drops the trained norms; the model then computes
+    plain attention faithfully, so the probes alone would pass it."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return []
+    have = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    out = []
+    for adapter, config in configs.items():
+        lacking = sorted(set(getattr(config, "modules_to_save", None) or ()) & set(NORM_SLOTS) - have)
+        if lacking:
+            out.append(f"peft adapter {adapter!r} trains {', '.join(lacking)} (modules_to_save), which this model "
+                       "lacks: the adapter was saved from a model patched by hf_qknorm; patch the base model with "
+                       "the same scheme before loading it")
+    return out
+
+
+def _model_type(config_file: Path) -> str:
+    """``model_type`` of a config.json; a one-line error when the file is not a JSON object (Transformers would say
+    "Unrecognized model" for a JSON list, naming neither)."""
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_file} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} is not a model config: a JSON {type(raw).__name__}, not an object")
+    return str(raw.get("model_type", ""))
 
 
 @dataclass
 class FolderResult:
-    """One folder of :func:`verify_folders`: its report, or the one-line reason it could not be verified."""
+    """One folder of :func:`verify_folders`: its report, or the one-line reason it could not be verified (and the
+    traceback of that error, which ``--debug`` prints)."""
 
     path: Path
     report: VerifyReport | None = None
     error: str | None = None
+    traceback: str | None = None
 
 
 def verify_folder(path, *, no_plugin: bool = False, device: str = "cpu", tolerance: float | None = None,
@@ -59,8 +99,9 @@ def verify_folder(path, *, no_plugin: bool = False, device: str = "cpu", toleran
     shipped remote code (``trust_remote_code=True``), any other folder (e.g. a plain ``qwen3`` export) through plain
     Transformers -- in a subprocess in which ``hf_qknorm`` cannot be imported. That subprocess runs the probes and
     saves what each layer saw and returned; the reference is computed here from the same folder's weights (loaded
-    with the plugin). Raises ``FileNotFoundError``/``ValueError``/``RuntimeError`` when the folder cannot be
-    verified at all."""
+    with the plugin). A folder whose weights are not exactly its model's (a tensor missing or unexpected, a norm
+    stored as integers) gets a failed report (:mod:`.loading`). Raises ``FileNotFoundError``/``ValueError``/
+    ``RuntimeError`` when the folder cannot be verified at all."""
     result = verify_folders([path], no_plugin=no_plugin, device=device, tolerance=tolerance, generate=generate,
                             timeout=timeout)[0]
     if result.report is None:
@@ -72,8 +113,7 @@ def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", toler
                    generate: bool = True, timeout: float = 1800) -> list[FolderResult]:
     """:func:`verify_folder` for several folders; with ``no_plugin`` they share one subprocess. One folder's error
     is recorded in its :class:`FolderResult` and does not stop the others."""
-    from transformers import AutoModelForCausalLM
-
+    tolerance = check_tolerance(tolerance)
     results = [FolderResult(Path(p)) for p in paths]
     refs: dict[int, ReferenceModel] = {}
     jobs = []
@@ -82,7 +122,8 @@ def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", toler
             config_file = res.path / "config.json"
             if not config_file.is_file():
                 raise FileNotFoundError(f"{res.path} has no config.json: not a saved model folder")
-            model = AutoModelForCausalLM.from_pretrained(res.path).to(device)
+            check_saved_model_type(_model_type(config_file), config_file)
+            model = load_folder(res.path).to(device)
             if not no_plugin:
                 res.report = verify(model, tolerance=tolerance, generate=generate)
                 res.report.source = f"{res.path}, loaded with hf_qknorm"
@@ -91,17 +132,21 @@ def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", toler
             model_type = str(json.loads(config_file.read_text()).get("model_type", ""))
             jobs.append({"key": str(i), "path": str(res.path.resolve()), "remote": model_type.startswith(PREFIX),
                          "device": device, "plan": refs[i].plan(generate=generate)})
-        except Exception as exc:  # reported per folder, in one line
+        except FolderWeightsError as exc:  # the folder is not the model it claims to be: verification fails
+            res.report = _log(weights_report(res.path, _one_line(exc), "loaded with hf_qknorm"))
+        except Exception as exc:  # reported per folder, in one line (the traceback for --debug)
             res.error = _one_line(exc)
+            res.traceback = traceback.format_exc()
     if jobs:
         try:
             captured = capture_without_plugin(jobs, timeout=timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            captured = {job["key"]: {"error": _one_line(exc)} for job in jobs}
+            captured = {job["key"]: {"error": _one_line(exc), "traceback": traceback.format_exc()} for job in jobs}
         for job in jobs:
             i, got = int(job["key"]), captured.get(job["key"], {"error": "the subprocess returned nothing"})
             if "error" in got:
                 results[i].error = f"loading without hf_qknorm failed: {got['error']}"
+                results[i].traceback = got.get("traceback")
                 continue
             how = "remote code, trust_remote_code=True" if job["remote"] else "plain Transformers"
             results[i].report = _log(build_report(refs[i], got, tolerance=tolerance,
@@ -127,7 +172,7 @@ def _log(report: VerifyReport) -> VerifyReport:
 # the subprocess that cannot import hf_qknorm
 # -------------------------------------------------------------------------------------------------------------------
 _RUNNER = textwrap.dedent("""
-    import importlib.util, json, sys
+    import importlib.util, json, sys, traceback
     sys.modules["hf_qknorm"] = None  # any import of the plugin now fails: the folder must stand on its own
     import torch
     from transformers import AutoModelForCausalLM
@@ -144,7 +189,8 @@ _RUNNER = textwrap.dedent("""
             out[job["key"]] = probe.run_probes(model.to(job["device"]), job["plan"])
             del model
         except Exception as exc:
-            out[job["key"]] = {"error": (type(exc).__name__ + ": " + str(exc)).strip().splitlines()[0]}
+            out[job["key"]] = {"error": (type(exc).__name__ + ": " + str(exc)).strip().splitlines()[0],
+                               "traceback": traceback.format_exc()}
     loaded = [n for n, m in sys.modules.items() if n.startswith("hf_qknorm") and m is not None]
     assert not loaded, f"hf_qknorm was imported: {loaded}"
     torch.save(out, sys.argv[2])

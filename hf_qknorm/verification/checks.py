@@ -57,6 +57,19 @@ PROBE_MECHANISMS = {"unpadded": ("norms", "cap", "causal", "window"), "padded": 
                     "amplified": ("norms", "causal", "window"), "amplified-padded": ("padding", "window")}
 
 
+def check_tolerance(value) -> float | None:
+    """``value`` as a float if it is a usable relative-error tolerance (a number strictly between 0 and 1), ``None``
+    for ``None`` (the per-dtype default); else a ``ValueError`` naming it. 0 cannot be met by any rounding, 1 and
+    more accept any output, NaN compares false everywhere."""
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 < value < 1
+    if not ok:
+        raise ValueError(f"tolerance must be a number between 0 and 1 (exclusive), a relative error such as 1e-4; "
+                         f"got {value!r}")
+    return float(value)
+
+
 def tolerance_for(dtype: torch.dtype) -> float:
     return TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
 

@@ -32,11 +32,22 @@ def fill_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "trust_remote_code=True for qknorm_<base> folders, plain Transformers otherwise), in a "
                         "subprocess that cannot import hf_qknorm")
     p.add_argument("--device", default="cpu", help="device to run the model on (default: cpu)")
-    p.add_argument("--tolerance", type=float, default=None,
+    p.add_argument("--tolerance", type=_tolerance, default=None,
                    help="relative error tolerance (default: by dtype; float32 1e-4, bfloat16 3e-2)")
     p.add_argument("--no-generate", dest="generate", action="store_false",
                    help="skip the cached-generation probes")
     return p
+
+
+def _tolerance(text: str) -> float:
+    """``--tolerance``: a number strictly between 0 and 1 (:func:`.checks.check_tolerance`), as a usage error."""
+    from .checks import check_tolerance
+
+    try:
+        return check_tolerance(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1 (exclusive), a relative error such "
+                                         f"as 1e-4; got {text!r}") from None
 
 
 def run(args) -> int:
@@ -53,6 +64,8 @@ def run(args) -> int:
     for res in verify_folders(args.paths, no_plugin=args.no_plugin, device=args.device, tolerance=args.tolerance,
                               generate=args.generate):
         if res.report is None:
+            if getattr(args, "debug", False) and res.traceback:
+                print(res.traceback.rstrip(), file=sys.stderr)
             print(f"error: {res.path}: {res.error}", file=sys.stderr)
             status = max(status, 2)
             continue
@@ -65,4 +78,5 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = fill_parser(argparse.ArgumentParser(prog="python -m hf_qknorm.verification", description=HELP))
+    parser.add_argument("--debug", action="store_true", help="print the traceback of a folder that cannot be verified")
     return run(parser.parse_args(argv))

@@ -94,6 +94,7 @@ def test_the_suite_runs_patched_models_of_its_variant(case):
     """Each head class of a patched variant builds a model patched with the variant's scheme (and nothing else
     differs from the class the plugin provides but its name); the baseline's models are not patched."""
     import hf_qknorm
+    from hf_qknorm.portable.families import base_model_type, get_family
 
     tester = case._tester_class(None, case.variant)
     for cls in case.all_model_classes:
@@ -103,8 +104,11 @@ def test_the_suite_runs_patched_models_of_its_variant(case):
             assert settings is None and not hf_qknorm.is_patched(model)
             continue
         assert {k: v for k, v in settings.to_dict().items() if k in case.variant.settings} == case.variant.settings
+        # q/k norms in every layer: the scheme's, or for soft_cap (which has none) only the family's own (Qwen3's)
         norms = [n for n, _ in model.named_modules() if n.endswith(("q_norm", "k_norm"))]
-        assert len(norms) == 2 * tester.num_hidden_layers, cls.__name__
+        own = get_family(base_model_type(model.config.model_type)).native_qk_norm
+        wanted = 2 * tester.num_hidden_layers if settings.norms_qk or own else 0
+        assert len(norms) == wanted, (cls.__name__, case.variant.name, len(norms))
         assert model._get_name() == cls.__name__
         if case.variant.route == "config":
             parent = cls.__mro__[1]
