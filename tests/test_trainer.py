@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hf_qknorm
+from hf_qknorm import upstream
 from tiny_models import VOCAB, tiny_model
 
 
@@ -34,9 +35,8 @@ def _args(out, max_steps=6, **kw):
 
     base = dict(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=3e-3,
                 lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0, logging_steps=1,
-                save_strategy="steps", save_steps=3, activation_checkpointing=True,
-                activation_checkpointing_kwargs={"use_reentrant": False}, report_to="none", use_cpu=True, seed=0,
-                data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+                save_strategy="steps", save_steps=3, report_to="none", use_cpu=True, seed=0, data_seed=0,
+                dataloader_num_workers=0, disable_tqdm=True, **upstream.checkpointing_arguments(use_reentrant=False))
     return TrainingArguments(**{**base, **kw})
 
 
@@ -53,7 +53,7 @@ def test_trains_with_checkpointing_and_resumes_identically(tmp_path):
     full = _trainer(tmp_path / "full")
     assert full.model.config._attn_implementation == "qknorm"
     full.train()
-    assert full.model.is_activation_checkpointing
+    assert upstream.is_checkpointing(full.model)
     losses = [r["loss"] for r in full.state.log_history if "loss" in r]
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
