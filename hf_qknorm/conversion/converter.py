@@ -29,6 +29,7 @@ import torch
 from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
 from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from ..modeling.families import Family, get_family
+from ..modeling.saved import read_config
 from ..modeling.schemes import QKNormConfig
 from ..upstream import installed_versions
 from .shards import SourceWeights, WeightPlan, plan_weights, read_source_weights, write_weights
@@ -101,12 +102,7 @@ def inspect_source(src) -> Source:
     path, name = resolve_source(src)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Transformers model folder")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path / 'config.json'} is not a model config: a JSON {type(raw).__name__}, not an object")
+    raw = read_config(path)
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type.startswith("qknorm_") or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")

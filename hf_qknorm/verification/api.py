@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..modeling.families import PREFIX
+from ..modeling.saved import read_config
 from .checks import build_report
 from .layers import ReferenceModel
 from .probe import run_probes
@@ -79,16 +80,15 @@ def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", toler
     jobs = []
     for i, res in enumerate(results):
         try:
-            config_file = res.path / "config.json"
-            if not config_file.is_file():
-                raise FileNotFoundError(f"{res.path} has no config.json: not a saved model folder")
+            # checked here: what Transformers says of a config.json that is no JSON object depends on its version
+            config = read_config(res.path)
             model = AutoModelForCausalLM.from_pretrained(res.path).to(device)
             if not no_plugin:
                 res.report = verify(model, tolerance=tolerance, generate=generate)
                 res.report.source = f"{res.path}, loaded with hf_qknorm"
                 continue
             refs[i] = ReferenceModel(model)
-            model_type = str(json.loads(config_file.read_text()).get("model_type", ""))
+            model_type = str(config.get("model_type", ""))
             jobs.append({"key": str(i), "path": str(res.path.resolve()), "remote": model_type.startswith(PREFIX),
                          "device": device, "plan": refs[i].plan(generate=generate)})
         except Exception as exc:  # reported per folder, in one line
