@@ -11,9 +11,11 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-# The Transformers versions the test suite runs on (CI: the whole suite on the newest, the core subset on the
-# oldest). Keep in step with pyproject.toml's dependency range and .ci/run.
+# The Transformers versions CI runs (.ci/run): the whole suite on the newest; the core and training subsets
+# (scripts/test_version.sh) on the oldest and on one in the middle of the range. Keep in step with pyproject.toml's
+# dependency range, .ci/run, the README's Testing section and docs/compatibility.md (every minor version, measured).
 OLDEST_TESTED = "5.4.0"
+MIDDLE_TESTED = "5.17.0"
 NEWEST_TESTED = "5.23.0"
 
 

@@ -111,3 +111,28 @@ def test_recipes_help_and_tiny_runs(tmp_path, capsys):
     assert (tmp_path / "lora" / "adapter" / "adapter_model.safetensors").is_file()
     merged = json.loads((tmp_path / "lora" / "final" / "config.json").read_text())
     assert merged["model_type"] == "qknorm_llama"
+
+
+def test_pretrain_tiny_recipe_tiny_run(tmp_path):
+    """recipes/pretrain_tiny.py (the bundled model's recipe) on two steps: the folder it writes loads as a plain
+    Llama with its tokenizer (encodings led by BOS) and finite logits, and has its TRAINING.md."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_qknorm.data import bundled_text
+
+    text = tmp_path / "text.txt"
+    text.write_text(bundled_text("tinyshakespeare")[:20_000], encoding="utf-8")
+    out = tmp_path / "tiny"
+    _recipe("pretrain_tiny").main(["--text", str(text), "--out", str(out), "--steps", "2", "--warmup", "1",
+                                   "--batch-size", "2", "--context", "32", "--vocab-size", "300", "--hidden-size",
+                                   "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate-size",
+                                   "64", "--max-positions", "64", "--eval-every", "1", "--eval-blocks", "2"])
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == len(tok) <= 300
+    ids = tok("ROMEO:\n", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == tok.bos_token_id == model.config.bos_token_id
+    training = (out / "TRAINING.md").read_text(encoding="utf-8")
+    assert "| steps x batch x context | 2 x 2 x 32 " in training and training.count("\n| 1 |") == 1
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()

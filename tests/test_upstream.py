@@ -43,6 +43,20 @@ def test_installed_version_is_in_the_declared_range():
     assert version[:2] <= upstream._version_tuple(upstream.NEWEST_TESTED)[:2]
 
 
+def test_ci_lanes_are_the_versions_the_readme_names():
+    """.ci/run runs a lane at each end and one in the middle, and the README names exactly those versions."""
+    oldest, middle, newest = (upstream._version_tuple(v) for v in (upstream.OLDEST_TESTED, upstream.MIDDLE_TESTED,
+                                                                    upstream.NEWEST_TESTED))
+    assert oldest < middle < newest
+    ci = (TESTS.parent / ".ci" / "run").read_text()
+    assert all(f"bash scripts/{lane}\n" in ci for lane in ("test.sh", "test_version.sh oldest",
+                                                             "test_version.sh middle"))
+    readme = (TESTS.parent / "README.md").read_text()
+    named = (f"Transformers {upstream.OLDEST_TESTED}, {upstream.MIDDLE_TESTED} and "
+             f"{upstream.NEWEST_TESTED.rsplit('.', 1)[0]}.x")
+    assert named in readme and "docs/compatibility.md" in readme, named
+
+
 def _resolve(dotted: str):
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
