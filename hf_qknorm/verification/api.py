@@ -80,6 +80,8 @@ def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", toler
     jobs = []
     for i, res in enumerate(results):
         try:
+            if not res.path.is_dir():
+                raise FileNotFoundError("folder not found")  # the reported line starts with the folder
             # checked here: what Transformers says of a config.json that is no JSON object depends on its version
             config = read_config(res.path)
             model = AutoModelForCausalLM.from_pretrained(res.path).to(device)
