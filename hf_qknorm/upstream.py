@@ -11,9 +11,11 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-# The Transformers versions the test suite runs on (CI: the whole suite on the newest, the core subset on the
-# oldest). Keep in step with pyproject.toml's dependency range and .ci/run.
+# The Transformers versions CI runs (.ci/run): the whole suite on the newest; the core and training subsets
+# (scripts/test_version.sh) on the oldest and on one in the middle of the range. Keep in step with pyproject.toml's
+# dependency range, .ci/run, the README's Testing section and docs/compatibility.md (every minor version, measured).
 OLDEST_TESTED = "5.4.0"
+MIDDLE_TESTED = "5.17.0"
 NEWEST_TESTED = "5.23.0"
 
 
@@ -61,6 +63,49 @@ def installed_versions() -> dict[str, str]:
 
     return {"hf_qknorm": _own_version(), "transformers": transformers.__version__, "torch": torch.__version__,
             "python": platform.python_version()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Version shims: API whose name depends on the Transformers version. Each picks by feature (what the installed
+# Transformers has), is named for the version where the API changed, and has a RELIANCES entry with its test.
+# ---------------------------------------------------------------------------------------------------------------
+
+# Transformers 5.23 renamed gradient checkpointing to activation checkpointing: TrainingArguments'
+# ``activation_checkpointing[_kwargs]`` and PreTrainedModel's ``activation_checkpointing_enable`` /
+# ``is_activation_checkpointing``. 5.23 keeps the old names as deprecated aliases (warning on use); before 5.23 only
+# the old names exist.
+ACTIVATION_CHECKPOINTING_SINCE = "5.23.0"
+
+
+def _has_activation_checkpointing_arguments() -> bool:
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    return any(f.name == "activation_checkpointing" for f in dataclasses.fields(TrainingArguments))
+
+
+def checkpointing_arguments(enabled: bool = True, **kwargs) -> dict:
+    """The ``TrainingArguments`` keywords that turn activation (gradient) checkpointing on or off, with ``kwargs``
+    for the checkpoint function (e.g. ``use_reentrant=False``), under the installed version's names."""
+    prefix = "activation" if _has_activation_checkpointing_arguments() else "gradient"
+    return {f"{prefix}_checkpointing": enabled, f"{prefix}_checkpointing_kwargs": kwargs or None}
+
+
+def enable_checkpointing(model, **kwargs) -> None:
+    """Turn on activation (gradient) checkpointing of ``model`` (a PreTrainedModel, or a wrapper that forwards
+    attributes to one, as peft's does), ``kwargs`` going to the checkpoint function."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
+def is_checkpointing(model) -> bool:
+    """Whether activation (gradient) checkpointing is on for ``model``."""
+    if hasattr(type(model), "is_activation_checkpointing") or hasattr(model, "activation_checkpointing_enable"):
+        return bool(model.is_activation_checkpointing)
+    return bool(model.is_gradient_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -139,4 +184,15 @@ RELIANCES: tuple[Reliance, ...] = (
              "label smoothing shifts the labels when model._get_name() is in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
              "tests/test_transformers_conventions.py::"
              "test_trainer_label_smoothing_shifts_the_labels_of_a_loaded_patched_model"),
+    Reliance("transformers.TrainingArguments", "upstream.py (checkpointing_arguments), recipes/_common.py",
+             f"has activation_checkpointing[_kwargs] fields from {ACTIVATION_CHECKPOINTING_SINCE} on, "
+             "gradient_checkpointing[_kwargs] (deprecated from then on) before; Trainer then enables checkpointing "
+             "on the model",
+             "tests/test_upstream.py::test_checkpointing_shim_follows_the_installed_version"),
+    Reliance("transformers.PreTrainedModel.gradient_checkpointing_enable", "upstream.py (enable_checkpointing, "
+             "is_checkpointing)",
+             f"activation_checkpointing_enable(activation_checkpointing_kwargs=...) and is_activation_checkpointing "
+             f"from {ACTIVATION_CHECKPOINTING_SINCE} on; gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+             "...) and is_gradient_checkpointing (deprecated from then on) before",
+             "tests/test_upstream.py::test_checkpointing_shim_follows_the_installed_version"),
 )

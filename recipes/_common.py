@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 import hf_qknorm  # noqa: E402
 from hf_qknorm.cli.help import DefaultsFormatter  # noqa: E402
 from hf_qknorm.data import bundled_model_dir, perplexity, read_text, split_text, tokenize_blocks  # noqa: E402
+from hf_qknorm.upstream import checkpointing_arguments  # noqa: E402
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -121,9 +122,9 @@ def training_arguments(args, **overrides):
               adam_beta2=0.95, seed=args.seed, data_seed=args.seed, logging_steps=args.logging_steps,
               save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
               report_to=args.report_to, use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
-              activation_checkpointing=args.gradient_checkpointing,
-              activation_checkpointing_kwargs={"use_reentrant": False}, dataloader_num_workers=0,
-              disable_tqdm=True, ddp_find_unused_parameters=False)
+              dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False,
+              # the keywords' names depend on the Transformers version (renamed in 5.23)
+              **checkpointing_arguments(args.gradient_checkpointing, use_reentrant=False))
     if args.fsdp:
         if not torch.cuda.is_available():
             raise SystemExit("--fsdp needs GPUs: accelerate (and so Trainer) enables FSDP only for multi-GPU "

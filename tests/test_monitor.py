@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hf_qknorm
+from hf_qknorm import upstream
 from hf_qknorm.training.monitor import QKMonitor, attention_stats
 from tiny_models import VOCAB, tiny_model
 
@@ -91,7 +92,7 @@ def test_instance_level_and_gradient_checkpointing(backend):
     hf_qknorm.patch_model(a, "qk_norm")
     a.set_attn_implementation(backend)
     monitor = QKMonitor(a)
-    a.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    upstream.enable_checkpointing(a, use_reentrant=False)
     a.train()
     calls = []
     measure = monitor._measure

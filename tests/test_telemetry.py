@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hf_qknorm.attention.tiles as tiles
+from hf_qknorm import upstream
 from hf_qknorm.attention.chunked import chunked_attention, max_logits
 from hf_qknorm.attention import kernel_policy
 from hf_qknorm.attention.interface import qknorm_attention_forward
@@ -420,7 +421,7 @@ def test_checkpoint_recomputation_and_eval_forwards(backend, scheme, capture_bac
     calls = []
     record = clip._record
     clip._tap.consumer = lambda i, *args: (calls.append(i), record(i, *args))
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    upstream.enable_checkpointing(model, use_reentrant=False)
     model(**batch, labels=batch["input_ids"]).loss.backward()
     assert sorted(calls) == [0, 0, 1, 1]
     for recorded, expected in zip(clip.maxima, truth):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hf_qknorm
+from hf_qknorm import upstream
 from tiny_models import VOCAB, tiny_model
 
 
@@ -34,9 +35,8 @@ def _args(out, max_steps=6, **kw):
 
     base = dict(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=3e-3,
                 lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0, logging_steps=1,
-                save_strategy="steps", save_steps=3, activation_checkpointing=True,
-                activation_checkpointing_kwargs={"use_reentrant": False}, report_to="none", use_cpu=True, seed=0,
-                data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+                save_strategy="steps", save_steps=3, report_to="none", use_cpu=True, seed=0, data_seed=0,
+                dataloader_num_workers=0, disable_tqdm=True, **upstream.checkpointing_arguments(use_reentrant=False))
     return TrainingArguments(**{**base, **kw})
 
 
@@ -53,7 +53,7 @@ def test_trains_with_checkpointing_and_resumes_identically(tmp_path):
     full = _trainer(tmp_path / "full")
     assert full.model.config._attn_implementation == "qknorm"
     full.train()
-    assert full.model.is_activation_checkpointing
+    assert upstream.is_checkpointing(full.model)
     losses = [r["loss"] for r in full.state.log_history if "loss" in r]
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
@@ -111,3 +111,28 @@ def test_recipes_help_and_tiny_runs(tmp_path, capsys):
     assert (tmp_path / "lora" / "adapter" / "adapter_model.safetensors").is_file()
     merged = json.loads((tmp_path / "lora" / "final" / "config.json").read_text())
     assert merged["model_type"] == "qknorm_llama"
+
+
+def test_pretrain_tiny_recipe_tiny_run(tmp_path):
+    """recipes/pretrain_tiny.py (the bundled model's recipe) on two steps: the folder it writes loads as a plain
+    Llama with its tokenizer (encodings led by BOS) and finite logits, and has its TRAINING.md."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_qknorm.data import bundled_text
+
+    text = tmp_path / "text.txt"
+    text.write_text(bundled_text("tinyshakespeare")[:20_000], encoding="utf-8")
+    out = tmp_path / "tiny"
+    _recipe("pretrain_tiny").main(["--text", str(text), "--out", str(out), "--steps", "2", "--warmup", "1",
+                                   "--batch-size", "2", "--context", "32", "--vocab-size", "300", "--hidden-size",
+                                   "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate-size",
+                                   "64", "--max-positions", "64", "--eval-every", "1", "--eval-blocks", "2"])
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == len(tok) <= 300
+    ids = tok("ROMEO:\n", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == tok.bos_token_id == model.config.bos_token_id
+    training = (out / "TRAINING.md").read_text(encoding="utf-8")
+    assert "| steps x batch x context | 2 x 2 x 32 " in training and training.count("\n| 1 |") == 1
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()

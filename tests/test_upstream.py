@@ -43,6 +43,20 @@ def test_installed_version_is_in_the_declared_range():
     assert version[:2] <= upstream._version_tuple(upstream.NEWEST_TESTED)[:2]
 
 
+def test_ci_lanes_are_the_versions_the_readme_names():
+    """.ci/run runs a lane at each end and one in the middle, and the README names exactly those versions."""
+    oldest, middle, newest = (upstream._version_tuple(v) for v in (upstream.OLDEST_TESTED, upstream.MIDDLE_TESTED,
+                                                                    upstream.NEWEST_TESTED))
+    assert oldest < middle < newest
+    ci = (TESTS.parent / ".ci" / "run").read_text()
+    assert all(f"bash scripts/{lane}\n" in ci for lane in ("test.sh", "test_version.sh oldest",
+                                                             "test_version.sh middle"))
+    readme = (TESTS.parent / "README.md").read_text()
+    named = (f"Transformers {upstream.OLDEST_TESTED}, {upstream.MIDDLE_TESTED} and "
+             f"{upstream.NEWEST_TESTED.rsplit('.', 1)[0]}.x")
+    assert named in readme and "docs/compatibility.md" in readme, named
+
+
 def _resolve(dotted: str):
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
@@ -93,3 +107,44 @@ def test_rotary_function_is_the_forwards_rotation(family):
     q_rot, k_rot = rotary_function(attn)(q, k, cos, sin)
     torch.testing.assert_close(q_rot, rope_reference(q, cos, sin))
     torch.testing.assert_close(k_rot, rope_reference(k, cos, sin))
+
+
+def test_checkpointing_shim_follows_the_installed_version():
+    """Activation checkpointing is reached under the installed version's names (renamed in
+    upstream.ACTIVATION_CHECKPOINTING_SINCE; the old names warn from then on, the new ones are unknown before): no
+    deprecation warning, and the model really recomputes (the gradients are those of the plain backward)."""
+    import transformers
+    from transformers import TrainingArguments
+
+    renamed = upstream._version_tuple(transformers.__version__) >= \
+        upstream._version_tuple(upstream.ACTIVATION_CHECKPOINTING_SINCE)
+    name = "activation" if renamed else "gradient"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        kw = upstream.checkpointing_arguments(True, use_reentrant=False)
+        assert set(kw) == {f"{name}_checkpointing", f"{name}_checkpointing_kwargs"}
+        args = TrainingArguments("unused", use_cpu=True, report_to="none", **kw)
+        assert args.gradient_checkpointing and args.to_dict()[f"{name}_checkpointing_kwargs"] == {"use_reentrant": False}
+        model = tiny_model("llama")
+        ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        plain = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        assert not upstream.is_checkpointing(model)
+        upstream.enable_checkpointing(model, use_reentrant=False)
+        assert upstream.is_checkpointing(model)
+        calls = []
+        attention = model.model.layers[0].self_attn  # inside the checkpointed layer on every version
+        attention.register_forward_pre_hook(lambda *a: calls.append(1))
+        model(ids, labels=ids).loss.backward()
+        assert len(calls) == 2  # forward, then the recomputation in backward
+        for p, g in zip(model.parameters(), plain):
+            torch.testing.assert_close(p.grad, g)
+    if renamed:  # the old names are deprecated aliases: the shim must not pick them here
+        with pytest.warns(FutureWarning, match="gradient_checkpointing"):
+            TrainingArguments("unused", use_cpu=True, report_to="none", gradient_checkpointing=True)
+    else:  # the new names do not exist yet
+        with pytest.raises(TypeError, match="activation_checkpointing"):
+            TrainingArguments("unused", use_cpu=True, report_to="none", activation_checkpointing=True)

@@ -407,6 +407,10 @@ def test_command_with_the_plugin(tmp_path, capsys):
     assert "loaded with hf_qknorm" in out and out.rstrip().endswith("OK") and "prenorm removed" in out
     assert main([str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'missing'}: folder not found"]
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no config.json" in err[0]
 
 

@@ -14,28 +14,10 @@ import math
 import re
 from pathlib import Path
 
+from ..modeling.saved import read_config
+
 # <...>.layers.<i>.<...>.q_norm.weight (Llama-style) or <...>h.<i>.<...>.k_norm.bias (GPT-2)
 _NORM_KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\..*\b([qkv]_norm)\.(weight|bias)$")
-
-
-def read_config(folder: Path) -> dict:
-    """``folder/config.json`` as a dict; a clear error when the folder, the file or its JSON object is missing."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"folder not found: {folder}")
-    path = folder / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json (not a saved model folder)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} is not a model config: a JSON {type(raw).__name__}, not an object")
-    from ..portable.families import check_saved_model_type
-
-    check_saved_model_type(raw.get("model_type", ""), path)
-    return raw
 
 
 def norm_statistics(folder: Path) -> list[dict]:

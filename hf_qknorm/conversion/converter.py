@@ -33,6 +33,7 @@ from ..portable.families import Family, get_family
 from ..portable.names import PREFIX
 from ..portable.norms import initial_value
 from ..portable.schemes import QKNormConfig
+from ..modeling.saved import read_config
 from ..upstream import installed_versions
 from .shards import (SourceWeights, WeightPlan, check_matches_config, plan_weights, read_source_weights,
                      write_weights)
@@ -105,12 +106,7 @@ def inspect_source(src) -> Source:
     path, name = resolve_source(src)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Transformers model folder")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path / 'config.json'} is not a model config: a JSON {type(raw).__name__}, not an object")
+    raw = read_config(path)
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type.startswith(PREFIX) or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..portable.families import check_saved_model_type
 from ..portable.names import PREFIX
 from ..portable.structure import NORM_SLOTS
+from ..modeling.saved import read_config
 from .checks import build_report, check_tolerance
 from .layers import ReferenceModel
 from .loading import FolderWeightsError, load_folder, weights_report
@@ -67,18 +67,6 @@ def _adapter_problems(model) -> list[str]:
     return out
 
 
-def _model_type(config_file: Path) -> str:
-    """``model_type`` of a config.json; a one-line error when the file is not a JSON object (Transformers would say
-    "Unrecognized model" for a JSON list, naming neither)."""
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{config_file} is not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} is not a model config: a JSON {type(raw).__name__}, not an object")
-    return str(raw.get("model_type", ""))
-
-
 @dataclass
 class FolderResult:
     """One folder of :func:`verify_folders`: its report, or the one-line reason it could not be verified (and the
@@ -119,17 +107,16 @@ def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", toler
     jobs = []
     for i, res in enumerate(results):
         try:
-            config_file = res.path / "config.json"
-            if not config_file.is_file():
-                raise FileNotFoundError(f"{res.path} has no config.json: not a saved model folder")
-            check_saved_model_type(_model_type(config_file), config_file)
+            if not res.path.is_dir():
+                raise FileNotFoundError("folder not found")  # the reported line starts with the folder
+            config = read_config(res.path)  # one-line errors for a missing file or JSON object
             model = load_folder(res.path).to(device)
             if not no_plugin:
                 res.report = verify(model, tolerance=tolerance, generate=generate)
                 res.report.source = f"{res.path}, loaded with hf_qknorm"
                 continue
             refs[i] = ReferenceModel(model)
-            model_type = str(json.loads(config_file.read_text()).get("model_type", ""))
+            model_type = str(config.get("model_type", ""))
             jobs.append({"key": str(i), "path": str(res.path.resolve()), "remote": model_type.startswith(PREFIX),
                          "device": device, "plan": refs[i].plan(generate=generate)})
         except FolderWeightsError as exc:  # the folder is not the model it claims to be: verification fails

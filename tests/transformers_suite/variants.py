@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 FULL_SUITE_ENV = "HF_QKNORM_FULL_SUITE"
-FAMILIES_ENV = "HF_QKNORM_SUITE_FAMILIES"  # comma-separated, to run fewer families (scripts/test_oldest.sh)
+FAMILIES_ENV = "HF_QKNORM_SUITE_FAMILIES"  # comma-separated, to run fewer families (scripts/test_version.sh)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,36 @@
+"""A saved model folder's ``config.json``, read once with a clear error.
+
+Kept here (not in the CLI) because ``convert``, ``inspect`` and ``verify`` all read it: what Transformers itself says
+of a config.json that is valid JSON but no object depends on its version, so the check is ours and says the same
+thing everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..portable.families import check_saved_model_type
+
+_JSON_TYPES = {list: "array (list)", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def read_config(folder) -> dict:
+    """``folder/config.json`` as a dict; a clear one-line error when the folder, the file or its JSON object is
+    missing (``FileNotFoundError``) or the JSON is invalid or not an object (``ValueError``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"folder not found: {folder}")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json (not a saved model folder)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        kind = _JSON_TYPES.get(type(raw), type(raw).__name__)
+        raise ValueError(f"{path} is not a model config: a JSON {kind}, not an object")
+    check_saved_model_type(raw.get("model_type", ""), path)
+    return raw

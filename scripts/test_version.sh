@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One Transformers lane of CI beside the main job: the core subset and the training subset of the tests on one
+# Transformers version, in a virtual environment this script makes beside the main one (.venv-<version>). It reuses
+# the main environment's packages (torch, peft, accelerate, ...) and installs only that Transformers over them.
+#
+#   bash scripts/test_version.sh oldest      # hf_qknorm/upstream.py: OLDEST_TESTED
+#   bash scripts/test_version.sh middle      # hf_qknorm/upstream.py: MIDDLE_TESTED
+#   bash scripts/test_version.sh 5.10.4 [pytest arguments]
+#
+# Core: patching every family and scheme against the reference, save/load, masks and caches, remote-code loading
+# without the plugin, the version gate and shims, the CLI; Transformers' common model tests on patched Llama and GPT-2.
+# Training: Trainer (checkpointing, resume), QK-Clip, Muon, the monitor, Q/K learning rates, and every recipe's tiny
+# run (continued pretraining, LoRA, from-scratch DDP over two processes, the LR / Lp sweeps, conversion recovery).
+# VENV=DIR uses (or makes) that environment instead of .venv-<version>.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WANT=${1:?usage: scripts/test_version.sh oldest|middle|X.Y.Z [pytest arguments]}
+shift
+case "$WANT" in
+  oldest|middle)
+    NAME=$(echo "$WANT" | tr a-z A-Z)_TESTED
+    VERSION=$($PY -c "import ast; t=open('hf_qknorm/upstream.py').read(); print([n.value.value for n in ast.parse(t).body if isinstance(n, ast.Assign) and getattr(n.targets[0], 'id', '') == '$NAME'][0])")
+    ;;
+  *) VERSION=$WANT ;;
+esac
+VENV=${VENV:-.venv-$VERSION}
+if [ ! -x "$VENV/bin/python" ]; then
+  $PY -m venv --system-site-packages "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "transformers==$VERSION"
+"$VENV/bin/python" -c "import transformers; assert transformers.__version__ == '$VERSION', transformers.__version__"
+export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX512_CORE_BF16}
+export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
+echo "core and training tests on transformers $VERSION"
+# Transformers' common model tests of this version too (tests/transformers_suite; CI subset for Llama and GPT-2):
+# its sdist's test files are fetched like scripts/test.sh fetches the newest's (index unreachable: skipped, loudly).
+fetch_rc=0
+"$VENV/bin/python" scripts/fetch_transformers_tests.py || fetch_rc=$?
+if [ "$fetch_rc" -eq 3 ]; then
+  echo "!! continuing WITHOUT Transformers' common model tests (package index unreachable; see the banner above)" >&2
+elif [ "$fetch_rc" -ne 0 ]; then
+  exit "$fetch_rc"
+fi
+CORE=(tests/test_reference.py tests/test_patching.py tests/test_save_load.py tests/test_export.py tests/test_models.py
+      tests/test_upstream.py tests/test_cpu_attention.py tests/test_errors.py tests/test_cli.py tests/transformers_suite)
+TRAINING=(tests/test_trainer.py tests/test_qk_clip.py tests/test_muon.py tests/test_monitor.py tests/test_qk_lr.py
+          tests/test_training.py tests/test_lr_sweep.py tests/test_conversion_recovery.py tests/test_distributed.py)
+VENV_ABS=$(cd "$VENV" && pwd)
+HF_QKNORM_SUITE_FAMILIES=llama,gpt2 HF_QKNORM_PYTHON="$VENV_ABS/bin/python" "$VENV/bin/python" -m pytest -q \
+  -p no:cacheprovider "${CORE[@]}" "${TRAINING[@]}" "$@"
