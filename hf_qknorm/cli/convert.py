@@ -67,6 +67,10 @@ def _add_convert(sub):
                         "calibration block per step; 0 keeps the least-squares fit (default 100)")
     g.add_argument("--local-lr", type=float, default=0.1,
                    help="layer-wise step size: relative change of a gain per step (default 0.1)")
+    g.add_argument("--agreement-tokens", type=int, default=16,
+                   help="after writing, compare the greedy answers of the written model with the original's on the "
+                        "bundled prompts (facts, arithmetic, code, instructions, chat turns) over this many new "
+                        "tokens; loads each whole model in float32 in turn; 0 skips it (default 16)")
     g.add_argument("--steps", type=int, default=0,
                    help="Adam steps of end-to-end KL distillation of the new norm parameters after the layer-wise "
                         "fit; loads the whole model (default 0: none)")
@@ -119,7 +123,8 @@ def _cmd_convert(args) -> int:
     settings = CalibrationSettings(block_len=args.block_len, calibration_blocks=args.calibration_blocks,
                                    eval_blocks=args.eval_blocks, steps=args.steps, batch_size=args.batch_size,
                                    lr=args.lr, seed=args.seed, device=args.device,
-                                   threads=args.threads, local_steps=args.local_steps, local_lr=args.local_lr)
+                                   threads=args.threads, local_steps=args.local_steps, local_lr=args.local_lr,
+                                   agreement_tokens=args.agreement_tokens)
     result = convert(args.src, args.dst or args.output, scheme=args.scheme, norm=args.norm, softcap=args.softcap,
                      eps=args.eps, p=args.p, calibration_text=_text_file(args.calibration_text),
                      eval_text=_text_file(args.eval_text), verify=args.verify,

@@ -58,6 +58,7 @@ class CalibrationSettings:
     seed: int = 0
     device: str = "auto"          # where calibration runs: "auto" (CUDA when available), "cpu", "cuda:1", ...
     threads: int | None = None    # CPU threads; None: 1 for small models on CPU, torch's default otherwise
+    agreement_tokens: int = 16    # greedy tokens per prompt of the answer-agreement check (0: no check)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -70,7 +71,7 @@ class CalibrationSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.block_len < 2:
             raise ValueError(f"block_len must be >= 2, got {self.block_len}")
-        for name in ("steps", "local_steps"):
+        for name in ("steps", "local_steps", "agreement_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "local_lr"):
