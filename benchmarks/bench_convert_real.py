@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--method", default="default", help="a label for the calibration method, stored in each row")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSONL file the rows are appended to")
     p.add_argument("--no-save", action="store_true", help="do not append to the results file")
+    p.add_argument("--table", action="store_true",
+                   help="print the methods x schemes table of the rows in --results and exit (no conversion)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -196,8 +198,31 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def methods_table(rows) -> str:
+    """Methods x schemes: perplexity increase removed on both domains, answer agreement, time (docs/conversion.md)."""
+    lines = ["| method | scheme | norm | WikiText-2 ppl: original / identity / **calibrated** (removed) | Tiny "
+             "Shakespeare ppl: original / identity / **calibrated** (removed) | prefix agreement, identity → "
+             "calibrated | top-1 agreement, identity → calibrated | time |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = r["shakespeare_identity"] - r["shakespeare_original"]
+        removed = (r["shakespeare_identity"] - r["shakespeare_calibrated"]) / gap if gap > 0 else float("nan")
+        norm = f"lp (p={r['p']:g})" if r["norm"] == "lp" else r["norm"]
+        method = r.get("method", "default") + (f", {r['steps']} KL steps" if r.get("steps") else "")
+        lines.append(
+            f"| {method} | {r['scheme']} | {norm} | {r['ppl_original']:.2f} / {r['ppl_identity']:.4g} / "
+            f"**{r['ppl_calibrated']:.2f}** ({100 * r['recovered']:.1f}%) | {r['shakespeare_original']:.2f} / "
+            f"{r['shakespeare_identity']:.4g} / **{r['shakespeare_calibrated']:.2f}** ({100 * removed:.1f}%) | "
+            f"{100 * r['greedy_agreement_identity']:.1f}% → **{100 * r['greedy_agreement']:.1f}%** "
+            f"({r['greedy_whole']}/{r['prompts']} whole) | {100 * r['top1_agreement_identity']:.1f}% → "
+            f"**{100 * r['top1_agreement']:.1f}%** | {r['seconds'] / 60:.1f} min |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.table:
+        print(methods_table([json.loads(x) for x in args.results.read_text().splitlines() if x.strip()]))
+        return
     if args.child:
         job = json.loads(Path(args.child).read_text())
         if job.get("threads") is not None:
