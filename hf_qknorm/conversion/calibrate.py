@@ -71,6 +71,10 @@ class CalibrationSettings:
     threads: int | None = field(default=None, metadata={
         "help": "CPU threads for calibration (default: 1 for models under 20M parameters, whose matrices gain "
                 "nothing from more; torch's default otherwise)"})
+    agreement_tokens: int = field(default=16, metadata={
+        "help": "after writing, compare the greedy answers of the written model with the original's on the bundled "
+                "prompts (facts, arithmetic, code, instructions, chat turns) over this many new tokens; loads each "
+                "whole model in float32 in turn; 0 skips it"})
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -83,7 +87,7 @@ class CalibrationSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.block_len < 2:
             raise ValueError(f"block_len must be >= 2, got {self.block_len}")
-        for name in ("steps", "local_steps"):
+        for name in ("steps", "local_steps", "agreement_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "local_lr"):

@@ -277,14 +277,14 @@ def convert(src=None, dst=None, config: QKNormConfig | str | None = None,
     result = ConversionResult(path=dst, export=kind, export_note=note, scheme=cfg, report=report)
     with staging(dst, overwrite, log) as tmp:
         plan = _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress,
-                             model_name=hub.repo_id or dst.name)
+                             model_name=hub.repo_id or dst.name, settings=settings)
         check_written(tmp, plan)
         verify_output(tmp, cfg, kind, verify, log)
     result.files = sorted(str(f.relative_to(dst)) for f in dst.rglob("*") if f.is_file())
     if report is not None:
         log(report.summary())
     if note and kind == "qknorm" and export == "auto" and family.model_type in ("llama", "mistral"):
-        log(f"note: written as qknorm_{family.model_type} (trust_remote_code) rather than qwen3: {note}")
+        log(f"note: written as {PREFIX}{family.model_type} (trust_remote_code) rather than qwen3: {note}")
     log(f"wrote {dst} ({kind}): {', '.join(result.files)}")
     if hub.repo_id:
         from .hub import push
@@ -406,8 +406,26 @@ def _identity(source: Source, cfg):
                           for name, prm in new_norm_parameters(model).items()}
 
 
+def _answer_agreement(source: Source, folder: Path, settings: CalibrationSettings, progress: bool) -> dict:
+    """Answer agreement of the written (not yet renamed) folder with the source (:mod:`.agreement`): loads each whole
+    model in float32 in turn, so it is skipped with ``agreement_tokens=0`` where a model does not fit."""
+    import math
+
+    from .agreement import folder_agreement
+    from .calibrate import calibration_threads
+    from .progress import Stage
+
+    device = settings.resolved_device()
+    n_params = sum(math.prod(shape) for shape in source.weights.shapes.values())
+    with Stage("answer agreement", 1, "checks", progress) as stage, \
+            calibration_threads(n_params, device, settings.threads):
+        report = folder_agreement(source.path, folder, new_tokens=settings.agreement_tokens, device=device)
+        stage.update(1, note=f"prefix {100 * report.prefix:.1f}%, top-1 {100 * report.top1:.1f}%")
+    return report.to_dict()
+
+
 def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_values, result, progress,
-                  model_name: str) -> WeightPlan:
+                  model_name: str, settings: CalibrationSettings) -> WeightPlan:
     from .export import copy_side_files, write_config
     from .hub import write_model_card
 
@@ -417,6 +435,8 @@ def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_valu
     write_weights(source.weights, plan, tmp, progress)
     write_config(tmp, kind, patched_config, source.weights.dtype)
     copy_side_files(source.path, tmp)
+    if result.report is not None and settings.agreement_tokens > 0:
+        result.report.agreement = _answer_agreement(source, tmp, settings, progress)
     report = {"source": source.name, "export": kind, "export_note": result.export_note, "scheme": cfg.to_dict(),
               "calibration": None if result.report is None else result.report.to_dict(),
               "versions": installed_versions(), "card_model_name": model_name}

@@ -59,6 +59,9 @@ class CalibrationReport:
     cap: float | None = None
     warnings: list[str] = field(default_factory=list)
     local_steps: int = 0   # Adam steps of the layer-wise fit per layer (0: closed form only)
+    # answer agreement of the written model with the original (hf_qknorm.conversion.agreement.AgreementReport as a
+    # dict); None when not measured
+    agreement: dict | None = None
 
     @property
     def recovered(self) -> float:
@@ -107,12 +110,21 @@ class CalibrationReport:
               if self.kl_start is not None else "")
         return f"calibrated init removes {100 * self.recovered:.1f}% of identity init's perplexity increase{kl}"
 
+    def agreement_lines(self) -> list[str]:
+        """The answer-agreement line beside the perplexities (none when it was not measured)."""
+        a = self.agreement
+        if not a:
+            return []
+        return [f"answer agreement with the original on {a['prompts']} prompts (greedy, first {a['new_tokens']} new "
+                f"tokens): prefix {100 * a['prefix']:.1f}% ({a['whole']}/{a['prompts']} answers identical), "
+                f"next-token top-1 {100 * a['top1']:.1f}%"]
+
     def summary(self) -> str:
         """The report printed by ``hf-qknorm convert``."""
         out = [f"perplexity on {self.eval_tokens:,} held-out tokens, in float32 (calibration used "
                f"{self.calibration_tokens:,} other tokens, {self.local_steps} layer-wise steps per layer, "
                f"{self.steps} distillation steps, {self.seconds:.0f} s):",
-               self.perplexity_table(), self.verdict(), "",
+               self.perplexity_table(), self.verdict(), *self.agreement_lines(), "",
                "per-layer statistics on the calibration text (per-head RMS before RoPE, averaged over heads; output "
                "error: squared error of the attention layer's output relative to its mean square):",
                self.layer_table()]

@@ -1,0 +1,90 @@
+"""Calibration text the model itself wrote: chat turns through its chat template and continuations of plain text.
+
+A user keeps using a converted model the way it was used before: answering chat turns, continuing code and prose.
+Calibrating only on WikiText fits the new norms to one register. :func:`self_generated_text` samples the original
+model's own answers to questions about topics taken from the calibration text (section titles of WikiText, or the
+first words of lines), wrapped in the tokenizer's chat template when it has one, plus continuations of code and
+prose openings, and returns them as one text that can be mixed with the calibration text (:func:`mixed_text`). The
+prompts are built from the calibration text, never from the answer-agreement prompts.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+__all__ = ["mixed_text", "self_generated_text", "topics"]
+
+_QUESTIONS = ("Tell me about {}.", "What do you know about {}?", "Write a short paragraph about {}.",
+              "Explain {} in simple terms.")
+_OPENINGS = ("def ", "import ", "class ", "# ", "for ", "The ", "In ", "A ", "It ", "When ")
+
+
+def topics(text: str, n: int) -> list[str]:
+    """Up to ``n`` distinct topics: WikiText titles and section titles (``= Title =``, ``= = Section = =``), then the
+    first words of lines where there are too few."""
+    found = [t.strip() for t in re.findall(r"^ ?(?:= )+([^=\n]{3,60}?) (?:= ?)+$", text, flags=re.M)]
+    if len(found) < n:
+        found += [" ".join(line.split()[:4]) for line in text.splitlines() if len(line.split()) >= 4]
+    out = list(dict.fromkeys(t for t in found if t))
+    step = max(1, len(out) // max(1, n))
+    return out[::step][:n]
+
+
+@torch.no_grad()
+def _sample(model, tokenizer, prompts: list[list[int]], new_tokens: int, gen: torch.Generator,
+            temperature: float) -> list[list[int]]:
+    """Sampled continuations, left-padded batch with the KV cache (as the agreement reference is generated)."""
+    device, width = next(model.parameters()).device, max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out, past = [[] for _ in prompts], None
+    for _ in range(new_tokens):
+        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+        past = step.past_key_values
+        probs = torch.softmax(step.logits[:, -1].float() / temperature, dim=-1).cpu()
+        tokens = torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()
+        for row, t in enumerate(tokens):
+            out[row].append(t)
+        ids = torch.tensor([[t] for t in tokens], device=device)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+    return out
+
+
+def self_generated_text(model, tokenizer, source_text: str, *, chats: int = 32, openings: int = 16,
+                        new_tokens: int = 128, temperature: float = 0.8, seed: int = 0, batch_size: int = 16) -> str:
+    """The original model's own answers and continuations (module docstring), as one text of documents separated by
+    blank lines. Costs ``(chats + openings) / batch_size`` batched generations of ``new_tokens`` steps."""
+    gen = torch.Generator().manual_seed(seed)
+    subjects = topics(source_text, chats)
+    texts = []
+    if getattr(tokenizer, "chat_template", None):
+        texts += [tokenizer.apply_chat_template([{"role": "user", "content": _QUESTIONS[j % len(_QUESTIONS)]
+                                                  .format(s)}], tokenize=False, add_generation_prompt=True)
+                  for j, s in enumerate(subjects)]
+    else:
+        texts += [_QUESTIONS[j % len(_QUESTIONS)].format(s) + "\n" for j, s in enumerate(subjects)]
+    texts += [_OPENINGS[j % len(_OPENINGS)] for j in range(openings)]
+    docs = []
+    for start in range(0, len(texts), batch_size):
+        batch = texts[start:start + batch_size]
+        encoded = [tokenizer(t, add_special_tokens="<|" not in t).input_ids for t in batch]
+        for prompt, cont in zip(batch, _sample(model, tokenizer, encoded, new_tokens, gen, temperature)):
+            docs.append(prompt + tokenizer.decode(cont, skip_special_tokens=False))
+    return "\n\n".join(docs)
+
+
+def mixed_text(calibration_text: str, generated: str, share: float = 0.5) -> str:
+    """``calibration_text`` and ``generated`` interleaved in 8 slices each, ``share`` of the characters from
+    ``generated`` (spread blocks then cover both kinds)."""
+    n_gen = len(generated)
+    n_cal = int(n_gen * (1 - share) / max(share, 1e-9))
+    cal = calibration_text[:n_cal]
+    parts = []
+    for j in range(8):
+        parts.append(cal[j * len(cal) // 8:(j + 1) * len(cal) // 8])
+        parts.append(generated[j * n_gen // 8:(j + 1) * n_gen // 8])
+    return "\n\n".join(p for p in parts if p)

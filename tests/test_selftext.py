@@ -1,0 +1,34 @@
+"""Calibration text written by the model itself (hf_qknorm.conversion.selftext)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_qknorm.conversion.selftext import mixed_text, self_generated_text, topics
+from hf_qknorm.data import bundled_model_dir
+
+
+def test_topics_are_wikitext_titles_then_line_openings():
+    text = " = Robert Boulter = \n\n Robert Boulter is an English actor .\n = = Career = = \n\n = = = 2000 = = = \n"
+    assert topics(text, 3) == ["Robert Boulter", "Career", "2000"]
+    assert topics("one two three four five\nsix seven eight nine\n", 5) == ["one two three four", "six seven eight nine"]
+
+
+def test_mixed_text_share_and_interleaving():
+    cal, gen = "c" * 3000, "g" * 1000
+    mixed = mixed_text(cal, gen, share=0.5)
+    assert mixed.count("g") == 1000 and mixed.count("c") == 1000
+    first = mixed.index("g")
+    assert 0 < first < len(mixed) // 4  # generated slices are spread, not appended at the end
+
+
+def test_self_generated_text_is_the_models_own_and_seeded():
+    tok = AutoTokenizer.from_pretrained(bundled_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_dir(), dtype=torch.float32).eval()
+    source = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpeak, speak.\n"
+    a = self_generated_text(model, tok, source, chats=2, openings=2, new_tokens=8, seed=3)
+    b = self_generated_text(model, tok, source, chats=2, openings=2, new_tokens=8, seed=3)
+    # one line of 4+ words: one topic, so one question (no chat template: plain text) and the two openings
+    assert a == b and a.startswith("Tell me about Before we proceed any.\n") and "\n\ndef " in a
+    assert a != self_generated_text(model, tok, source, chats=2, openings=2, new_tokens=8, seed=4)
