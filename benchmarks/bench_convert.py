@@ -52,9 +52,9 @@ def run_case(args, scheme: str, norm: str | None, steps: int | None, local_steps
     settings = CalibrationSettings(**{k: v for k, v in given.items() if v is not None})
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
-        result = hf_qknorm.convert(args.src, Path(tmp) / "out", scheme=scheme, norm=norm,
-                                   p=args.p if norm == "lp" else None, settings=settings,
-                                   progress=False, log=lambda *a: None)
+        result = hf_qknorm.convert(args.src, Path(tmp) / "out", config=hf_qknorm.QKNormConfig(scheme=scheme, norm=norm,
+                                   p=args.p if norm == "lp" else None), calibration=settings, progress=False,
+                                   log=lambda *a: None)
         seconds = time.time() - t0
     r = result.report
     return {"scheme": scheme, "norm": norm, "p": args.p if norm == "lp" else None, "steps": r.steps,

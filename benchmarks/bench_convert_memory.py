@@ -67,11 +67,12 @@ def _child(mode: str, src: str, dst: str) -> None:
         settings = CalibrationSettings(block_len=64, calibration_blocks=8, eval_blocks=4, local_steps=20,
                                        steps=int(os.environ.get("BENCH_KL_STEPS", "2")) if mode == "calibrate_kl"
                                        else 0, threads=1)
-        hf_qknorm.convert(src, dst, scheme="qk_norm", norm="rmsnorm", settings=settings, progress=False,
-                          log=lambda *a: None)
+        hf_qknorm.convert(src, dst, config=hf_qknorm.QKNormConfig(scheme="qk_norm", norm="rmsnorm"), calibration=settings,
+                          progress=False, log=lambda *a: None)
     else:
         scheme = "qkv_norm" if mode == "stream_qkv" else "qk_norm_cap"
-        hf_qknorm.convert(src, dst, scheme=scheme, calibrate=False, progress=False, log=lambda *a: None)
+        hf_qknorm.convert(src, dst, config=hf_qknorm.QKNormConfig(scheme=scheme), calibrate=False, progress=False,
+                          log=lambda *a: None)
     peak = _peak_rss_mib()
     print(json.dumps({"peak_mib": peak - base, "seconds": time.time() - t0}))
 

@@ -160,9 +160,9 @@ def child(job: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         base = _rss_mib()  # after importing torch, transformers and hf_qknorm
         t0 = time.time()
-        result = hf_qknorm.convert(job["src"], Path(tmp) / "out", scheme=scheme, norm=norm,
-                                   p=job["p"] if norm == "lp" else None, calibration_text="wikitext2",
-                                   settings=settings, progress=False, log=lambda *a: None)
+        result = hf_qknorm.convert(job["src"], Path(tmp) / "out", config=hf_qknorm.QKNormConfig(scheme=scheme, norm=norm,
+                                   p=job["p"] if norm == "lp" else None), calibration=settings,
+                                   calibration_text="wikitext2", progress=False, log=lambda *a: None)
         seconds, peak = time.time() - t0, _peak_rss_mib()
         r = result.report
         tokenizer = AutoTokenizer.from_pretrained(job["src"])

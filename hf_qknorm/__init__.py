@@ -44,6 +44,7 @@ _LAZY = {
     "convert": "conversion.converter",
     "ConversionResult": "conversion.converter",
     "CalibrationSettings": "conversion.calibrate",
+    "HubSettings": "conversion.hub",
     "CalibrationReport": "conversion.stats",
     "QKMonitor": "training.monitor",
     "QKMonitorCallback": "training.monitor",

@@ -189,9 +189,9 @@ def _convert(src: Path, dst: Path, args) -> None:
                                    eval_blocks=args.eval_blocks, steps=max(0, args.calib_steps), seed=args.seed)
     # quiet: the conversion's own report measures on blocks spread over the held-out text, the recipe on its first
     # --eval-blocks blocks; printing both gave two different "original" perplexities. The recipe prints its own.
-    convert(src, dst, scheme=args.scheme, norm=args.norm, softcap=args.softcap, calibrate=args.calib_steps >= 0,
-            calibration_text=args.train_text, eval_text=args.val_text, settings=settings, overwrite=True,
-            progress=False, log=lambda *a: None)
+    convert(src, dst, config=hf_qknorm.QKNormConfig(scheme=args.scheme, norm=args.norm, softcap=args.softcap),
+            calibration=settings, calibrate=args.calib_steps >= 0, calibration_text=args.train_text,
+            eval_text=args.val_text, overwrite=True, progress=False, log=lambda *a: None)
     print(f"converted {src} to {args.scheme} in {dst} (calibration report: {dst / 'qknorm_conversion.json'})",
           flush=True)
 

@@ -110,9 +110,10 @@ def convert_arm(cfg: ArmConfig, src: Path, train_text: str, val_text: str, work:
     """Convert ``src`` for this arm into ``work/<tag>`` (redone every time: conversion is part of the arm)."""
     dst = work / cfg.tag()
     t0 = time.time()
-    res = hf_qknorm.convert(src, dst, scheme=cfg.scheme, norm=cfg.norm if cfg.scheme != "soft_cap" else None,
-                            calibrate=cfg.init == "calibrated", calibration_text=train_text, eval_text=val_text,
-                            settings=CalibrationSettings(**cfg.calibration), overwrite=True, progress=False,
+    res = hf_qknorm.convert(src, dst, config=hf_qknorm.QKNormConfig(scheme=cfg.scheme,
+                            norm=cfg.norm if cfg.scheme != "soft_cap" else None),
+                            calibration=CalibrationSettings(**cfg.calibration), calibrate=cfg.init == "calibrated",
+                            calibration_text=train_text, eval_text=val_text, overwrite=True, progress=False,
                             log=lambda *a: None)
     info = {"convert_s": round(time.time() - t0, 1), "export": res.export}
     if res.report is not None:

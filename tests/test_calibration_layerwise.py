@@ -109,8 +109,8 @@ def test_bundled_model_recovers_without_distillation(tmp_path):
     """On the bundled tiny Llama the layer-wise fit alone removes most of identity init's perplexity increase, and
     more than the closed form; the written folder is the model that was measured."""
     settings = CalibrationSettings(block_len=128, calibration_blocks=8, eval_blocks=8, local_steps=60)
-    result = convert(None, tmp_path / "out", scheme="qk_norm", norm="rmsnorm", calibration_text=SHORT_TEXT,
-                     settings=settings, progress=False, log=quiet)
+    result = convert(None, tmp_path / "out", config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
+                     calibration=settings, calibration_text=SHORT_TEXT, progress=False, log=quiet)
     r = result.report
     assert r.steps == 0 and r.kl_start is None and r.local_steps == 60
     assert r.recovered > 0.9, r.summary()
@@ -180,8 +180,8 @@ def test_bf16_source_calibrates_against_the_written_bits(tmp_path):
     reproduces the reported calibrated perplexity."""
     src = bundled_copy(tmp_path / "src", dtype=torch.bfloat16)
     settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=10)
-    result = convert(src, tmp_path / "out", scheme="qkv_norm", norm="rmsnorm", calibration_text=SHORT_TEXT,
-                     settings=settings, progress=False, log=quiet)
+    result = convert(src, tmp_path / "out", config=QKNormConfig(scheme="qkv_norm", norm="rmsnorm"),
+                     calibration=settings, calibration_text=SHORT_TEXT, progress=False, log=quiet)
     model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32)
     from hf_qknorm.conversion.converter import _blocks
     from hf_qknorm.data import split_text

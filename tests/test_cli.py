@@ -21,6 +21,7 @@ import torch
 import hf_qknorm.conversion.converter as converter
 from hf_qknorm.cli.main import main
 from test_convert_support import leftovers, one_thread, save_source  # noqa: F401  (one_thread: autouse fixture)
+from hf_qknorm import QKNormConfig
 
 QUICK = ["--no-calibration", "--quiet", "--verify", "plugin"]
 
@@ -274,8 +275,8 @@ def test_module_entry_point_exit_status(tmp_path):
 def test_inspect_prints_norm_statistics(src, tmp_path, capsys):
     import hf_qknorm
 
-    result = hf_qknorm.convert(src, tmp_path / "out", scheme="qkv_norm", norm="layernorm", calibrate=False,
-                               progress=False, log=lambda *a: None, verify="plugin")
+    result = hf_qknorm.convert(src, tmp_path / "out", config=QKNormConfig(scheme="qkv_norm", norm="layernorm"),
+                               calibrate=False, progress=False, log=lambda *a: None, verify="plugin")
     from safetensors.torch import load_file
 
     weights = load_file(result.path / "model.safetensors")

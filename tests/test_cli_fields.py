@@ -80,3 +80,49 @@ def test_a_field_without_help_is_refused():
         add_fields(argparse.ArgumentParser(), Bare)
     with pytest.raises(TypeError, match="Bare.x"):
         field_help(Bare, "x")
+
+
+def test_convert_flags_are_the_settings_fields():
+    """`hf-qknorm convert`'s scheme, calibration and Hub flags are made from the dataclasses: each field has its
+    flag, with the field's help, so neither can drift from the other."""
+    import dataclasses
+
+    from hf_qknorm import CalibrationSettings, HubSettings, QKNormConfig
+    from hf_qknorm.cli.main import build_parser
+
+    parser, _ = build_parser()
+    convert = parser._subparsers._group_actions[0].choices["convert"]
+    flags = {opt: action for action in convert._actions for opt in action.option_strings}
+    for cls in (QKNormConfig, CalibrationSettings, HubSettings):
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.metadata.get("flag", f.name).replace("_", "-")
+            assert flag in flags, (cls.__name__, f.name)
+            assert flags[flag].help.startswith(f.metadata["help"]), (flag, flags[flag].help)
+    assert flags["--scheme"].choices == ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
+
+
+def test_convert_takes_config_objects_and_warns_on_the_old_keywords(tmp_path):
+    import warnings
+
+    from hf_qknorm import CalibrationSettings, HubSettings, QKNormConfig
+    from hf_qknorm.conversion.converter import settings_objects
+
+    cfg, cal, hub = settings_objects("qk_norm", None, None, {})
+    assert cfg == QKNormConfig("qk_norm") and cal == CalibrationSettings() and hub == HubSettings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg, cal, hub = settings_objects(None, None, None, {"scheme": "qkv_norm", "norm": "rmsnorm",
+                                                             "settings": CalibrationSettings(block_len=8),
+                                                             "push_to_hub": "me/x", "private": True})
+    assert cfg == QKNormConfig("qkv_norm", "rmsnorm") and cal.block_len == 8
+    assert hub == HubSettings(repo_id="me/x", private=True)
+    assert len(caught) == 3 and all(w.category is FutureWarning for w in caught)
+    assert "config=QKNormConfig" in str(caught[0].message)
+    with pytest.raises(TypeError, match="give the scheme once"), pytest.warns(FutureWarning):
+        settings_objects(QKNormConfig(), None, None, {"scheme": "qk_norm"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shceme'"):
+        settings_objects(None, None, None, {"shceme": "qk_norm"})
+    with pytest.raises(TypeError, match="calibration must be a CalibrationSettings, got dict"):
+        settings_objects(None, {"block_len": 8}, None, {})
+    with pytest.raises(ValueError, match="unknown scheme 'qknorm'"):
+        settings_objects("qknorm", None, None, {})

@@ -19,6 +19,7 @@ from hf_qknorm.data import bundled_model_dir, split_text
 from test_convert_support import (SHORT_TEXT, SMALL, bundled_copy, leftovers, one_thread, quiet,  # noqa: F401
                                   save_source, tree_hash)
 from tiny_models import VOCAB, tiny_model
+from hf_qknorm import QKNormConfig
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def bundled_result(tmp_path_factory):
     """The bundled tiny Llama converted once with the default scheme (qk_norm_cap + layernorm)."""
     out = tmp_path_factory.mktemp("conv") / "tiny-qknorm"
     before = tree_hash(bundled_model_dir())
-    result = convert(None, out, calibration_text=SHORT_TEXT, settings=SMALL, progress=False, log=quiet)
+    result = convert(None, out, calibration=SMALL, calibration_text=SHORT_TEXT, progress=False, log=quiet)
     return result, before
 
 
@@ -69,8 +70,8 @@ def test_written_model_is_the_calibrated_model(bundled_result):
 
 def test_bf16_source_stays_bf16(tmp_path):
     src = bundled_copy(tmp_path / "src", dtype=torch.bfloat16)
-    result = convert(src, tmp_path / "out", scheme="qkv_norm", norm="rmsnorm", calibration_text=SHORT_TEXT,
-                     settings=SMALL, progress=False, log=quiet, verify="plugin")
+    result = convert(src, tmp_path / "out", config=QKNormConfig(scheme="qkv_norm", norm="rmsnorm"), calibration=SMALL,
+                     calibration_text=SHORT_TEXT, progress=False, log=quiet, verify="plugin")
     with safe_open(result.path / "model.safetensors", framework="pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
         assert "model.layers.0.self_attn.v_norm.weight" in f.keys()
@@ -91,8 +92,8 @@ def test_sharded_identity_conversion_equals_patch_model(tmp_path, scheme, norm):
     index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2
-    result = convert(tmp_path / "src", tmp_path / "out", scheme=scheme, norm=norm, p=3.0 if norm == "lp" else None,
-                     calibrate=False, progress=False, log=quiet, verify="plugin")
+    result = convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme=scheme, norm=norm,
+                     p=3.0 if norm == "lp" else None), calibrate=False, progress=False, log=quiet, verify="plugin")
     assert result.report is None
     out_index = json.loads((result.path / "model.safetensors.index.json").read_text())
     assert sorted(set(out_index["weight_map"].values())) == shards
@@ -117,8 +118,8 @@ def test_gpt2_qkv_norm_fold_with_unprefixed_names(tmp_path):
     path = tmp_path / "src" / "model.safetensors"
     tensors = load_file(path)
     save_file({k.removeprefix("transformer."): v.contiguous() for k, v in tensors.items()}, path, {"format": "pt"})
-    result = convert(tmp_path / "src", tmp_path / "out", scheme="qkv_norm", calibrate=False, progress=False,
-                     log=quiet, verify="plugin")
+    result = convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qkv_norm"), calibrate=False,
+                     progress=False, log=quiet, verify="plugin")
     with safe_open(result.path / "model.safetensors", framework="pt") as f:
         assert "h.0.attn.v_norm.bias" in f.keys() and "h.0.ln_1.weight" not in f.keys()
     hf_qknorm.patch_model(model, "qkv_norm")
@@ -129,8 +130,8 @@ def test_gpt2_qkv_norm_fold_with_unprefixed_names(tmp_path):
 
 def test_qwen3_native_norm_carried_without_calibration(tmp_path):
     model = save_source(tmp_path / "src", "qwen3")
-    result = convert(tmp_path / "src", tmp_path / "out", scheme="qk_norm_cap", calibrate=False, progress=False,
-                     log=quiet, verify="plugin")
+    result = convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qk_norm_cap"), calibrate=False,
+                     progress=False, log=quiet, verify="plugin")
     hf_qknorm.patch_model(model, "qk_norm_cap")  # carries Qwen3's q/k norm gain into the layernorm
     loaded = AutoModelForCausalLM.from_pretrained(result.path)
     ids = torch.randint(0, VOCAB, (1, 9))
@@ -157,8 +158,8 @@ def test_writing_streams_one_shard_at_a_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors, "safe_open", spy_open)
     monkeypatch.setattr(safetensors.torch, "save_file", spy_save)
-    convert(tmp_path / "src", tmp_path / "out", scheme="qk_norm", calibrate=False, progress=False, log=quiet,
-            verify="plugin")
+    convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qk_norm"), calibrate=False,
+            progress=False, log=quiet, verify="plugin")
     io = [e for e in events if e[1].startswith("model-")]
     assert io and all(io[i][0] == "read" and io[i + 1] == ("write", io[i][1]) for i in range(0, len(io), 2))
 
@@ -217,13 +218,13 @@ def test_bad_inputs_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="source folder not found"):
         convert(tmp_path / "missing", tmp_path / "o1", **run)
     with pytest.raises(ValueError, match="softcap must be a positive"):
-        convert(tmp_path / "src", tmp_path / "o2", softcap=0.0, **run)
+        convert(tmp_path / "src", tmp_path / "o2", QKNormConfig(softcap=0.0), **run)
     with pytest.raises(ValueError, match="softcap must be a positive"):
-        convert(tmp_path / "src", tmp_path / "o2", softcap=-3, **run)
+        convert(tmp_path / "src", tmp_path / "o2", QKNormConfig(softcap=-3), **run)
     with pytest.raises(ValueError, match="calibration text is empty"):
         convert(tmp_path / "src", tmp_path / "o3", calibration_text="   \n  ", **run)
     with pytest.raises(ValueError, match="cannot export as a plain qwen3"):
-        convert(tmp_path / "src", tmp_path / "o4", scheme="qk_norm", norm="layernorm", export="qwen3", **run)
+        convert(tmp_path / "src", tmp_path / "o4", QKNormConfig("qk_norm", "layernorm"), export="qwen3", **run)
     with pytest.raises(ValueError, match="unknown export"):
         convert(tmp_path / "src", tmp_path / "o4", export="onnx", **run)
     with pytest.raises(ValueError, match="overlaps the source"):
@@ -247,12 +248,12 @@ def test_bad_inputs_name_the_problem(tmp_path):
 def test_calibration_needs_a_tokenizer_and_enough_text(tmp_path):
     save_source(tmp_path / "src")
     with pytest.raises(ValueError, match="tokenizer"):
-        convert(tmp_path / "src", tmp_path / "o", settings=SMALL, progress=False, log=quiet, verify="plugin")
+        convert(tmp_path / "src", tmp_path / "o", calibration=SMALL, progress=False, log=quiet, verify="plugin")
     bundled_copy(tmp_path / "tiny")
     with pytest.raises(ValueError, match=r"calibration text \(the 31-character string given\) is too short: 10 "
                                          r"tokens, and one block of 64 tokens \(63 of text \+ BOS\) is needed"):
-        convert(tmp_path / "tiny", tmp_path / "o", calibration_text="To be or not to be.\nThat is it.",
-                settings=SMALL, progress=False, log=quiet, verify="plugin")
+        convert(tmp_path / "tiny", tmp_path / "o", calibration=SMALL,
+                calibration_text="To be or not to be.\nThat is it.", progress=False, log=quiet, verify="plugin")
     with pytest.raises(FileNotFoundError, match="text file not found"):
         convert(tmp_path / "tiny", tmp_path / "o", calibration_text="no/such/file.txt", progress=False, log=quiet,
                 verify="plugin")
@@ -279,8 +280,8 @@ def test_calibrated_qwen3_export_is_the_calibrated_model(tmp_path):
     """Llama + rmsnorm qk_norm, calibrated, written as plain qwen3: Qwen3ForCausalLM reproduces the report."""
     from transformers import Qwen3ForCausalLM
 
-    result = convert(None, tmp_path / "q3", scheme="qk_norm", norm="rmsnorm", calibration_text=SHORT_TEXT,
-                     settings=SMALL, progress=False, log=quiet, verify="plugin")
+    result = convert(None, tmp_path / "q3", config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"), calibration=SMALL,
+                     calibration_text=SHORT_TEXT, progress=False, log=quiet, verify="plugin")
     assert result.export == "qwen3"
     model = Qwen3ForCausalLM.from_pretrained(result.path)
     blocks = _blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), SMALL.block_len,
@@ -308,8 +309,8 @@ def test_patched_and_converted_models_start_from_the_same_norms(tmp_path, norm):
     patched = {n: p for n, p in model.state_dict().items() if "_norm." in n and ("q_norm" in n or "k_norm" in n)}
     if norm != "layernorm":
         assert patched["model.layers.0.self_attn.q_norm.weight"].item() == pytest.approx(henry_logit_scale(300))
-    result = convert(tmp_path / "src", tmp_path / "out", scheme="qk_norm", calibrate=False, progress=False,
-                     log=quiet, verify="off", **kw)
+    result = convert(tmp_path / "src", tmp_path / "out", QKNormConfig("qk_norm", **kw), calibrate=False,
+                     progress=False, log=quiet, verify="off")
     with safe_open(result.path / "model.safetensors", framework="pt") as f:
         for name, value in patched.items():
             torch.testing.assert_close(f.get_tensor(name), value, rtol=0, atol=0, msg=name)

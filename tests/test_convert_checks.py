@@ -17,6 +17,7 @@ import hf_qknorm.conversion.converter as converter
 from hf_qknorm.conversion.checks import ConversionCheckError, check_report_finite
 from hf_qknorm.modeling import remote
 from test_convert_support import (SHORT_TEXT, SMALL, bundled_copy, leftovers, one_thread, quiet,  # noqa: F401
+from hf_qknorm import QKNormConfig
                                   save_source)
 
 
@@ -29,8 +30,8 @@ def test_remote_code_that_skips_the_norm_fails_the_conversion(tmp_path, monkeypa
     would not. Only verify="full" (the remote code in a process without hf_qknorm) can see it."""
     save_source(tmp_path / "src", "llama")
     real = remote.remote_files
-    ok = hf_qknorm.convert(tmp_path / "src", tmp_path / "ok", scheme="qk_norm_cap", calibrate=False,
-                           progress=False, log=quiet)  # unbroken: passes the full verification
+    ok = hf_qknorm.convert(tmp_path / "src", tmp_path / "ok", config=QKNormConfig(scheme="qk_norm_cap"),
+                           calibrate=False, progress=False, log=quiet)  # unbroken: passes the full verification
     assert (ok.path / "model.safetensors").is_file()
 
     def edited():
@@ -45,12 +46,12 @@ def test_remote_code_that_skips_the_norm_fails_the_conversion(tmp_path, monkeypa
     dst = tmp_path / "out"
     with pytest.raises(ConversionCheckError, match=r"failed verification \(without hf_qknorm, through its remote "
                                                    r"code\): norms DROPPED.*nothing was written"):
-        hf_qknorm.convert(tmp_path / "src", dst, scheme="qk_norm_cap", calibrate=False, progress=False,
-                          log=messages.append)
+        hf_qknorm.convert(tmp_path / "src", dst, config=QKNormConfig(scheme="qk_norm_cap"), calibrate=False,
+                          progress=False, log=messages.append)
     _no_output(tmp_path, dst)
     assert any("FAILED" in m for m in messages)  # the verifier's table is logged
-    hf_qknorm.convert(tmp_path / "src", dst, scheme="qk_norm_cap", calibrate=False, progress=False, log=quiet,
-                      verify="plugin")  # the plugin alone cannot see what the shipped code does
+    hf_qknorm.convert(tmp_path / "src", dst, config=QKNormConfig(scheme="qk_norm_cap"), calibrate=False,
+                      progress=False, log=quiet, verify="plugin")  # the plugin alone cannot see what the shipped code does
     assert dst.is_dir()
 
 
@@ -73,7 +74,8 @@ def test_a_dropped_norm_weight_fails_the_conversion(tmp_path, monkeypatch, layer
     monkeypatch.setattr(converter, "write_weights", lossy)
     dst = tmp_path / "out"
     with pytest.raises(ConversionCheckError, match=f"written weights.*{key} is missing.*nothing was written"):
-        hf_qknorm.convert(tmp_path / "src", dst, scheme="qk_norm", calibrate=False, progress=False, log=quiet)
+        hf_qknorm.convert(tmp_path / "src", dst, config=QKNormConfig(scheme="qk_norm"), calibrate=False,
+                          progress=False, log=quiet)
     _no_output(tmp_path, dst)
 
 
@@ -93,8 +95,8 @@ def test_a_config_that_lost_its_cap_fails_the_conversion(tmp_path, monkeypatch):
     monkeypatch.setattr(export, "write_config", wrong_cap)
     dst = tmp_path / "out"
     with pytest.raises(ConversionCheckError, match="loads as QKNormLlamaForCausalLM with scheme .*1000000.*not "):
-        hf_qknorm.convert(tmp_path / "src", dst, scheme="qk_norm_cap", calibrate=False, progress=False, log=quiet,
-                          verify="plugin")
+        hf_qknorm.convert(tmp_path / "src", dst, config=QKNormConfig(scheme="qk_norm_cap"), calibrate=False,
+                          progress=False, log=quiet, verify="plugin")
     _no_output(tmp_path, dst)
 
 
@@ -111,7 +113,7 @@ def test_a_source_that_computes_nan_fails_the_conversion(tmp_path):
     dst = tmp_path / "out"
     with pytest.raises(ConversionCheckError, match=r"report is not finite \(original perplexity nan.*source model "
                                                    r"itself.*nothing was written"):
-        hf_qknorm.convert(src, dst, calibration_text=SHORT_TEXT, settings=SMALL, progress=False, log=quiet)
+        hf_qknorm.convert(src, dst, calibration=SMALL, calibration_text=SHORT_TEXT, progress=False, log=quiet)
     _no_output(tmp_path, dst)
 
 
@@ -127,7 +129,7 @@ def test_a_converted_model_that_computes_nan_fails_the_conversion(tmp_path, monk
     monkeypatch.setattr(converter, "_calibrated", nan_after_conversion)
     dst = tmp_path / "out"
     with pytest.raises(ConversionCheckError, match="calibrated perplexity nan.*converted model computes non-finite"):
-        hf_qknorm.convert(None, dst, calibration_text=SHORT_TEXT, settings=SMALL, progress=False, log=quiet)
+        hf_qknorm.convert(None, dst, calibration=SMALL, calibration_text=SHORT_TEXT, progress=False, log=quiet)
     _no_output(tmp_path, dst)
 
 

@@ -177,8 +177,8 @@ def test_qwen3_blockers():
 
 def test_auto_export_falls_back_with_a_reason(tmp_path):
     save_source(tmp_path / "src", "llama", mlp_bias=True)
-    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", scheme="qk_norm", norm="rmsnorm",
-                               calibrate=False, progress=False, log=quiet, verify="plugin")
+    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qk_norm",
+                               norm="rmsnorm"), calibrate=False, progress=False, log=quiet, verify="plugin")
     assert result.export == "qknorm" and "mlp_bias" in result.export_note
     assert json.loads((result.path / "config.json").read_text())["model_type"] == "qknorm_llama"
 
@@ -201,9 +201,9 @@ def test_exports_load_without_the_plugin(tmp_path):
     jobs, expected = [], {}
     for name, (family, scheme, norm, fmt, dtype, overrides) in cases.items():
         model = _source(tmp_path, name + "_src", family, dtype, **overrides)
-        result = hf_qknorm.convert(tmp_path / (name + "_src"), tmp_path / name, scheme=scheme, norm=norm,
-                                   p=3.0 if norm == "lp" else None, calibrate=False, progress=False, log=quiet,
-                                   verify="plugin")  # loading without the plugin is what this test checks below
+        result = hf_qknorm.convert(tmp_path / (name + "_src"), tmp_path / name, config=QKNormConfig(scheme=scheme,
+                                   norm=norm, p=3.0 if norm == "lp" else None), calibrate=False, progress=False,
+                                   log=quiet, verify="plugin")  # loading without the plugin is what this test checks below
         assert result.export == fmt
         hf_qknorm.patch_model(model, scheme, norm=norm, p=3.0 if norm == "lp" else None)
         with torch.no_grad():

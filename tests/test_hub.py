@@ -17,6 +17,7 @@ from hf_qknorm.conversion.hub import (build_model_card, card_for_repo, card_meta
 from hf_qknorm.modeling.remote import remote_files
 from hf_qknorm.portable.schemes import QKNormConfig
 from test_convert_support import leftovers, one_thread, quiet, save_source  # noqa: F401
+from hf_qknorm import HubSettings
 
 LICENSED_README = "---\nlicense: apache-2.0\nlanguage: en\n---\n# a source model\n"
 
@@ -37,8 +38,8 @@ def converted(tmp_path):
     save_source(tmp_path / "src", "llama")
     (tmp_path / "src" / "README.md").write_text(LICENSED_README)
     (tmp_path / "src" / "LICENSE").write_text("Apache License 2.0\n")
-    return hf_qknorm.convert(tmp_path / "src", tmp_path / "my-model", scheme="qk_norm_cap", calibrate=False,
-                             progress=False, log=quiet, verify="plugin")
+    return hf_qknorm.convert(tmp_path / "src", tmp_path / "my-model", config=QKNormConfig(scheme="qk_norm_cap"),
+                             calibrate=False, progress=False, log=quiet, verify="plugin")
 
 
 def test_card_metadata_and_content(converted):
@@ -127,8 +128,8 @@ def test_push_without_a_token_fails_before_the_network(converted, no_token):
 def test_convert_with_push_and_no_token_writes_nothing(tmp_path, no_token):
     save_source(tmp_path / "src")
     with pytest.raises(ValueError, match="no Hugging Face token"):
-        hf_qknorm.convert(tmp_path / "src", tmp_path / "out", calibrate=False, push_to_hub="me/x", progress=False,
-                          log=quiet, verify="plugin")
+        hf_qknorm.convert(tmp_path / "src", tmp_path / "out", hub=HubSettings(repo_id="me/x"), calibrate=False,
+                          progress=False, log=quiet, verify="plugin")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -190,8 +191,8 @@ def test_convert_push_to_hub_uploads_the_written_folder(tmp_path, monkeypatch):
     api = mock.Mock()
     api.create_commit.return_value = mock.Mock(commit_url="https://huggingface.co/me/x/commit/1")
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda: api)
-    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", calibrate=False, push_to_hub="me/x",
-                               token="hf_tok", private=True, progress=False, log=quiet, verify="plugin")
+    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", hub=HubSettings(repo_id="me/x", private=True,
+                               token="hf_tok"), calibrate=False, progress=False, log=quiet, verify="plugin")
     assert result.pushed_url.endswith("/commit/1")
     assert sorted(_commit(api)) == sorted(result.files)
     assert api.create_repo.call_args.kwargs["private"] is True
@@ -226,8 +227,8 @@ def hostile(tmp_path):
     src = tmp_path / HOSTILE_SOURCE
     save_source(src, "llama")
     (src / "README.md").write_text(HOSTILE_README)
-    return hf_qknorm.convert(src, tmp_path / HOSTILE_DESTINATION, scheme="qk_norm_cap", calibrate=False,
-                             progress=False, log=quiet, verify="plugin")
+    return hf_qknorm.convert(src, tmp_path / HOSTILE_DESTINATION, config=QKNormConfig(scheme="qk_norm_cap"),
+                             calibrate=False, progress=False, log=quiet, verify="plugin")
 
 
 def test_card_escapes_hostile_names_and_licence(hostile):
@@ -292,7 +293,7 @@ def test_convert_with_an_invalid_repo_id_fails_before_any_work(tmp_path, monkeyp
     monkeypatch.setattr(converter, "inspect_source", lambda *a: pytest.fail("the source was read"))
     for repo in ("not a repo", "a/b/c", "me/x--y", "-me/x"):
         with pytest.raises(ValueError, match=f"invalid Hub repo id {repo!r}"):
-            hf_qknorm.convert(None, tmp_path / "o", push_to_hub=repo, log=quiet)
+            hf_qknorm.convert(None, tmp_path / "o", hub=HubSettings(repo_id=repo), log=quiet)
     with pytest.raises(ValueError, match="invalid Hub repo id ''"):
         check_repo_id("")
     assert not (tmp_path / "o").exists()

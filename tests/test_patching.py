@@ -13,6 +13,7 @@ import hf_qknorm
 from hf_qknorm.portable.norms import HeadRMSNorm
 from hf_qknorm.reference import norm_reference
 from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
+from hf_qknorm import QKNormConfig
 
 
 def _ids(seed=0, batch=2, seq=11):
@@ -202,8 +203,8 @@ def test_qkv_norm_fold_patch_and_conversion_agree_in_bf16(family, tmp_path):
             if "input_layernorm" in name or "ln_1" in name:
                 prm.copy_(1 + 0.3 * torch.randn_like(prm) if name.endswith("weight") else 0.3 * torch.randn_like(prm))
     source.save_pretrained(tmp_path / "src")
-    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", scheme="qkv_norm", norm="rmsnorm",
-                               calibrate=False, progress=False, log=quiet)
+    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qkv_norm",
+                               norm="rmsnorm"), calibrate=False, progress=False, log=quiet)
     converted = load_file(result.path / "model.safetensors")
     hf_qknorm.patch_model(source, "qkv_norm", norm="rmsnorm")
     patched = source.state_dict()

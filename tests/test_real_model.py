@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_qknorm import QKNormConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -72,7 +73,7 @@ def test_default_conversion_recovers_the_real_model(smollm2, tmp_path):
     from hf_qknorm.conversion.converter import _blocks
     from hf_qknorm.data import bundled_text, perplexity, split_text
 
-    result = hf_qknorm.convert(smollm2, tmp_path / "out", scheme="qk_norm", norm="rmsnorm",
+    result = hf_qknorm.convert(smollm2, tmp_path / "out", config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
                                calibration_text="wikitext2", progress=False, log=lambda *a: None)
     r = result.report
     assert result.export == "qwen3"

@@ -24,6 +24,7 @@ from hf_qknorm.verification.command import main
 from hf_qknorm.verification.report import Check, VerifyReport
 from test_convert_support import one_thread, quiet, save_source  # noqa: F401  (one_thread: autouse fixture)
 from tiny_models import tiny_model
+from hf_qknorm import QKNormConfig
 
 
 def _ids(value):
@@ -431,8 +432,8 @@ def test_command_without_the_plugin(tmp_path, capsys):
     shutil.copytree(tmp_path / "bf16", tmp_path / "bf16-edited")
     _skip_the_norm(tmp_path / "bf16-edited")
     save_source(tmp_path / "src", "llama")
-    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "qwen3", scheme="qk_norm", norm="rmsnorm",
-                               calibrate=False, progress=False, log=quiet)
+    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "qwen3", config=QKNormConfig(scheme="qk_norm",
+                               norm="rmsnorm"), calibrate=False, progress=False, log=quiet)
     assert result.export == "qwen3"
 
     folders = ("capped", "edited", "qwen3", "bf16", "bf16-edited")

@@ -7,6 +7,10 @@ import json
 import textwrap
 from pathlib import Path
 
+from ..conversion.calibrate import CalibrationSettings
+from ..conversion.hub import HubSettings
+from ..portable.schemes import QKNormConfig
+from .fields import add_fields, from_args, given_fields
 from .main import EXTRA_COMMANDS
 
 _CONVERT_EPILOG = """\
@@ -41,15 +45,9 @@ def _add_convert(sub):
                    help="output folder (default: converted/<source>-<scheme>-<norm>); refused if it exists "
                         "unless --overwrite")
     p.add_argument("-o", "--output", default=None, help="output folder, for use without SRC (same as DST)")
-    g = p.add_argument_group("scheme (as for hf_qknorm.patch_model)")
-    g.add_argument("--scheme", default="qk_norm_cap", help="qk_norm | soft_cap | qk_norm_cap | qkv_norm "
-                                                           "(default: qk_norm_cap)")
-    g.add_argument("--norm", default=None, help="layernorm (default) | rmsnorm | l2 | lp; not for soft_cap")
-    g.add_argument("--softcap", type=float, default=None,
-                   help="cap c in c*tanh(s/c), > 0 (default 50 for the capped schemes; an error for the others)")
-    g.add_argument("--eps", type=float, default=None, help="epsilon of the new norms (default: the model's own)")
-    g.add_argument("--p", type=float, default=None, help="exponent of the lp norm (p >= 1)")
-    g = p.add_argument_group("calibration (layer by layer, float32: memory for one decoder block)")
+    add_fields(p.add_argument_group("scheme (hf_qknorm.QKNormConfig, as for hf_qknorm.patch_model)"), QKNormConfig)
+    g = p.add_argument_group("calibration (hf_qknorm.CalibrationSettings; layer by layer, float32: memory for one "
+                             "decoder block)")
     g.add_argument("--calibration-text", default=None, metavar="FILE",
                    help="text run through the original model: a UTF-8 file or a bundled name (tinyshakespeare, "
                         "wikitext2); default tinyshakespeare")
@@ -58,27 +56,7 @@ def _add_convert(sub):
                         "the calibration text, which calibration then does not use)")
     g.add_argument("--no-calibration", action="store_true",
                    help="keep identity init (weight 1, bias 0); never loads the model, writes shard by shard only")
-    g.add_argument("--block-len", type=int, default=256, help="tokens per calibration block (default 256, capped "
-                                                              "at the model's context length)")
-    g.add_argument("--calibration-blocks", type=int, default=16, help="calibration blocks (default 16)")
-    g.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks for the report (default 16)")
-    g.add_argument("--local-steps", type=int, default=100,
-                   help="Adam steps per layer fitting the new norms to the original attention layer's output, one "
-                        "calibration block per step; 0 keeps the least-squares fit (default 100)")
-    g.add_argument("--local-lr", type=float, default=0.1,
-                   help="layer-wise step size: relative change of a gain per step (default 0.1)")
-    g.add_argument("--steps", type=int, default=0,
-                   help="Adam steps of end-to-end KL distillation of the new norm parameters after the layer-wise "
-                        "fit; loads the whole model (default 0: none)")
-    g.add_argument("--batch-size", type=int, default=4, help="blocks per step and per forward pass (default 4)")
-    g.add_argument("--lr", type=float, default=0.3,
-                   help="distillation step size, relative to each tensor's initial RMS (default 0.3)")
-    g.add_argument("--seed", type=int, default=0, help="random seed of the distillation batches (default 0)")
-    g.add_argument("--device", default="auto",
-                   help="where calibration runs: auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ...")
-    g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for calibration (default: 1 for models under 20M parameters, whose matrices "
-                        "gain nothing from more; torch's default otherwise)")
+    add_fields(g, CalibrationSettings)
     g = p.add_argument_group("output")
     g.add_argument("--export", choices=("auto", "qwen3", "qknorm"), default="auto",
                    help="auto: plain qwen3 when the result is a Qwen3 model (Llama/Mistral + rmsnorm qk_norm), else "
@@ -96,19 +74,11 @@ def _add_convert(sub):
 
 
 def _add_hub_options(p, convert: bool):
-    g = p.add_argument_group("Hugging Face Hub")
-    if convert:
-        g.add_argument("--push-to-hub", metavar="REPO_ID", default=None,
-                       help="upload the folder to this repo once written (created if missing)")
-    g.add_argument("--private", action="store_true", default=None, help="create the repo as private")
-    g.add_argument("--revision", default=None, help="branch to upload to (created if missing; default main)")
-    g.add_argument("--commit-message", default=None, help="commit message of the upload")
-    g.add_argument("--token", default=None,
-                   help="Hub token (default: the HF_TOKEN environment variable, else the `hf auth login` cache)")
+    add_fields(p.add_argument_group("Hugging Face Hub (hf_qknorm.conversion.hub.HubSettings)"), HubSettings,
+               exclude=() if convert else ("repo_id",))
 
 
 def _cmd_convert(args) -> int:
-    from ..conversion.calibrate import CalibrationSettings
     from ..conversion.converter import convert
 
     if args.output is not None and args.dst is not None:
@@ -116,17 +86,11 @@ def _cmd_convert(args) -> int:
     from ..conversion.progress import show_progress_logs
 
     show_progress_logs(not args.quiet)
-    settings = CalibrationSettings(block_len=args.block_len, calibration_blocks=args.calibration_blocks,
-                                   eval_blocks=args.eval_blocks, steps=args.steps, batch_size=args.batch_size,
-                                   lr=args.lr, seed=args.seed, device=args.device,
-                                   threads=args.threads, local_steps=args.local_steps, local_lr=args.local_lr)
-    result = convert(args.src, args.dst or args.output, scheme=args.scheme, norm=args.norm, softcap=args.softcap,
-                     eps=args.eps, p=args.p, calibration_text=_text_file(args.calibration_text),
-                     eval_text=_text_file(args.eval_text), verify=args.verify,
-                     calibrate=not args.no_calibration, settings=settings, export=args.export,
-                     overwrite=args.overwrite, push_to_hub=args.push_to_hub, private=args.private,
-                     revision=args.revision, commit_message=args.commit_message, token=args.token,
-                     progress=not args.quiet)
+    result = convert(args.src, args.dst or args.output, from_args(QKNormConfig, args),
+                     from_args(CalibrationSettings, args), from_args(HubSettings, args),
+                     calibration_text=_text_file(args.calibration_text), eval_text=_text_file(args.eval_text),
+                     verify=args.verify, calibrate=not args.no_calibration, export=args.export,
+                     overwrite=args.overwrite, progress=not args.quiet)
     if args.json:
         print(json.dumps({"path": str(result.path), "export": result.export, "files": result.files,
                           "report": None if result.report is None else result.report.to_dict(),
@@ -167,8 +131,9 @@ def _cmd_push(args) -> int:
     if args.dry_run:
         check_folder(args.dir)
         check_repo_id(args.repo_id)
-        print(f"would upload to {args.repo_id}" + (f" (branch {args.revision})" if args.revision else "")
-              + (" as a private repo" if args.private else ""))
+        hub = {k: v for k, v in given_fields(HubSettings, args).items() if k != "repo_id"}
+        print(f"would upload to {args.repo_id}" + (f" (branch {hub['revision']})" if hub.get("revision") else "")
+              + (" as a private repo" if hub.get("private") else ""))
         for name in upload_files(args.dir):
             print(f"  {name}")
         print("card metadata: " + json.dumps(card_metadata(args.dir), sort_keys=True))
@@ -176,8 +141,8 @@ def _cmd_push(args) -> int:
             print(f"the uploaded README.md names {args.repo_id} in its load snippet and title "
                   f"({args.dir / 'README.md'} is not changed)")
         return 0
-    url = push(args.dir, args.repo_id, private=args.private, revision=args.revision,
-               commit_message=args.commit_message, token=args.token)
+    hub = {k: v for k, v in given_fields(HubSettings, args).items() if k != "repo_id"}  # repo_id: the positional
+    url = push(args.dir, args.repo_id, **hub)
     print(f"uploaded {args.dir} to {url}")
     return 0
 

@@ -29,8 +29,10 @@ def _base_type(hint):
     return hint
 
 
-def _flag(name: str, prefix: str) -> str:
-    return "--" + (prefix + name).replace("_", "-")
+def _flag(field: dataclasses.Field, prefix: str) -> str:
+    """``--<prefix><name>`` with dashes, or the field's own ``metadata["flag"]`` (a CLI name kept stable when the
+    field's name says something else: ``HubSettings.repo_id`` is ``--push-to-hub``)."""
+    return "--" + (prefix + field.metadata.get("flag", field.name)).replace("_", "-")
 
 
 def _default_text(field: dataclasses.Field) -> str:
@@ -64,7 +66,7 @@ def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
             continue
         kind = _base_type(hints[field.name])
         text = field_help(cls, field.name)
-        flag, dest = _flag(field.name, prefix), prefix + field.name
+        flag, dest = _flag(field, prefix), prefix + field.name
         common = dict(dest=dest, default=argparse.SUPPRESS)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=text + _default_text(field) +
@@ -73,7 +75,7 @@ def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
             choices = typing.get_args(kind)
             parser.add_argument(flag, choices=choices, help=text + _default_text(field), **common)
         elif kind in (int, float, str):
-            metavar = {int: "N", float: "X", str: None}[kind]
+            metavar = field.metadata.get("metavar", {int: "N", float: "X", str: None}[kind])
             parser.add_argument(flag, type=kind, metavar=metavar, help=text + _default_text(field), **common)
         else:
             raise TypeError(f"cannot make a flag of {cls.__name__}.{field.name}: {hints[field.name]!r}")

@@ -26,10 +26,10 @@ def _add_demo(sub):
     p = sub.add_parser("demo", help="patch a tiny Llama built from a config and show what changed",
                        description="Build a tiny Llama (no download), patch it with a scheme, and print the new "
                                    "modules, parameters and attention backend, plus a forward/backward check.")
-    p.add_argument("--scheme", default="qk_norm_cap", help="qk_norm | soft_cap | qk_norm_cap | qkv_norm")
-    p.add_argument("--norm", default=None, help="layernorm (default) | rmsnorm | l2 | lp")
-    p.add_argument("--softcap", type=float, default=None, help="cap c in c*tanh(s/c) (default 50 for capped)")
-    p.add_argument("--p", type=float, default=None, help="exponent of the lp norm")
+    from ..portable.schemes import QKNormConfig
+    from .fields import add_fields
+
+    add_fields(p, QKNormConfig, exclude=("eps",))
     return p
 
 
@@ -46,7 +46,10 @@ def _cmd_demo(args) -> int:
     before = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     ids = torch.randint(0, 256, (2, 24))
     logits_before = model(ids).logits
-    hf_qknorm.patch_model(model, args.scheme, norm=args.norm, softcap=args.softcap, p=args.p)
+    from .fields import from_args
+
+    cfg = from_args(hf_qknorm.QKNormConfig, args)
+    hf_qknorm.patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, p=cfg.p)
     after = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     print(f"patched with {hf_qknorm.qknorm_config(model)}")
     print(f"class: {type(model).__name__}, config.model_type: {model.config.model_type}, "

@@ -25,7 +25,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -46,18 +46,31 @@ class CalibrationSettings:
     model (SmolLM2-135M, 30 layers) in a few minutes on a 2-core CPU and convert the bundled tiny model in seconds;
     the layer-wise pass needs memory for one decoder block plus the activations, whatever the model size."""
 
-    block_len: int = 256          # tokens per block (BOS included)
-    calibration_blocks: int = 16  # blocks of calibration text read (statistics, layer-wise fit, distillation)
-    eval_blocks: int = 16         # held-out blocks for the perplexity report
-    local_steps: int = 100        # Adam steps of the layer-wise fit per layer (one block each); 0: closed form only
-    local_lr: float = 0.1         # layer-wise step size: relative change of a gain per step (log scale)
-    steps: int = 0                # Adam steps of end-to-end KL distillation after it (loads the whole model)
-    batch_size: int = 4           # blocks per distillation step and per forward pass when measuring
-    lr: float = 0.3               # distillation step size, relative to each tensor's RMS
-    teacher_budget_mb: int = 1024  # memory for the cached teacher log-probs (float16); fewer blocks if exceeded
-    seed: int = 0
-    device: str = "auto"          # where calibration runs: "auto" (CUDA when available), "cpu", "cuda:1", ...
-    threads: int | None = None    # CPU threads; None: 1 for small models on CPU, torch's default otherwise
+    # metadata["help"]: the command line's help for each field (`hf-qknorm convert`'s flags are made from these)
+    block_len: int = field(default=256, metadata={
+        "help": "tokens per calibration block, BOS included (capped at the model's context length)"})
+    calibration_blocks: int = field(default=16, metadata={
+        "help": "blocks of calibration text read (statistics, layer-wise fit, distillation)"})
+    eval_blocks: int = field(default=16, metadata={"help": "held-out blocks for the perplexity report"})
+    local_steps: int = field(default=100, metadata={
+        "help": "Adam steps per layer fitting the new norms to the original attention layer's output, one "
+                "calibration block per step; 0 keeps the least-squares fit"})
+    local_lr: float = field(default=0.1, metadata={
+        "help": "layer-wise step size: relative change of a gain per step"})
+    steps: int = field(default=0, metadata={
+        "help": "Adam steps of end-to-end KL distillation of the new norm parameters after the layer-wise fit; "
+                "loads the whole model (0: none)"})
+    batch_size: int = field(default=4, metadata={"help": "blocks per distillation step and per forward pass"})
+    lr: float = field(default=0.3, metadata={
+        "help": "distillation step size, relative to each tensor's initial RMS"})
+    teacher_budget_mb: int = field(default=1024, metadata={
+        "help": "memory (MiB) for the cached teacher log-probs of the distillation; fewer blocks if exceeded"})
+    seed: int = field(default=0, metadata={"help": "random seed of the distillation batches"})
+    device: str = field(default="auto", metadata={
+        "help": "where calibration runs: auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ..."})
+    threads: int | None = field(default=None, metadata={
+        "help": "CPU threads for calibration (default: 1 for models under 20M parameters, whose matrices gain "
+                "nothing from more; torch's default otherwise)"})
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
+from .hub import HubSettings
 from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from ..portable.families import Family, get_family
 from ..portable.names import PREFIX
@@ -208,35 +209,37 @@ def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
 # --------------------------------------------------------------------------------------------------------------------
 # conversion
 # --------------------------------------------------------------------------------------------------------------------
-def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None = None,
-            softcap: float | None = None, eps: float | None = None, p: float | None = None,
-            calibration_text=None, eval_text=None, calibrate: bool = True,
-            settings: CalibrationSettings | None = None, export: str = "auto", overwrite: bool = False,
-            push_to_hub: str | None = None, private: bool | None = None, revision: str | None = None,
-            commit_message: str | None = None, token: str | None = None, progress: bool = True,
-            verify: str = "full", log=print) -> ConversionResult:
-    """Convert a pretrained checkpoint to ``scheme`` and write it to ``dst``.
+def convert(src=None, dst=None, config: QKNormConfig | str | None = None,
+            calibration: CalibrationSettings | None = None, hub: HubSettings | None = None, *,
+            calibrate: bool = True, calibration_text=None, eval_text=None, export: str = "auto",
+            overwrite: bool = False, verify: str = "full", progress: bool = True, log=print,
+            **deprecated) -> ConversionResult:
+    """Convert a pretrained checkpoint to the scheme of ``config`` and write it to ``dst``.
 
     Args:
         src: a local model folder or a Hub id; ``None`` converts the bundled tiny Llama.
         dst: output folder; ``None`` means ``converted/<source>-<scheme>-<norm>``. An existing folder is refused
             unless ``overwrite``.
-        scheme, norm, softcap, eps, p: as for :func:`hf_qknorm.patch_model`.
+        config: the scheme, a :class:`~hf_qknorm.QKNormConfig` (or a scheme name for its defaults); ``None`` is
+            ``QKNormConfig()`` (``qk_norm_cap`` + layernorm). Its ``eps`` ``None`` means the model's own.
+        calibration: block length, number of blocks, fit and distillation steps, device
+            (:class:`~hf_qknorm.CalibrationSettings`); ``None`` for the defaults.
+        hub: where to upload the folder once written (:class:`~hf_qknorm.conversion.hub.HubSettings`); ``None``
+            or a ``repo_id`` of ``None`` uploads nothing. The repo id and the token are checked before any work.
+        calibrate: ``False`` keeps identity init and never loads the model (no report).
         calibration_text: text run through the original model to initialise the new norms: a path, a bundled text
             name or the text itself; ``None`` means the bundled Tiny Shakespeare.
         eval_text: held-out text for the perplexity report; ``None`` holds out the last 10% of
             ``calibration_text`` (which calibration then never sees).
-        calibrate: ``False`` keeps identity init and never loads the model (no report).
-        settings: block length, number of blocks, distillation steps (:class:`CalibrationSettings`).
         export: ``"auto"`` (plain ``qwen3`` when the result is a Qwen3 model, else ``qknorm_<base>`` with remote
             code), ``"qwen3"`` (an error when impossible) or ``"qknorm"``.
-        push_to_hub: a repo id to upload the folder to once written (``private``, ``revision``,
-            ``commit_message``, ``token`` as for :func:`hf_qknorm.conversion.hub.push`). The repo id and the
-            token are checked before any work.
         verify: how the written folder is verified before it is renamed into place
             (:func:`hf_qknorm.conversion.checks.verify_output`): ``"full"`` (with the plugin, and a ``qknorm_<base>``
             folder also through its remote code in a process without the plugin), ``"plugin"`` or ``"off"``. The
             added tensors are always checked, and a report that is not finite always fails.
+        deprecated: the keywords of earlier releases (``scheme``, ``norm``, ``softcap``, ``eps``, ``p``,
+            ``settings``, ``push_to_hub``, ``private``, ``revision``, ``commit_message``, ``token``) still work for
+            one release, with a ``FutureWarning`` naming the object that replaces them.
 
     Raises ``ValueError``/``OSError`` for bad input or a failed write, and
     :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
@@ -244,11 +247,10 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     """
     from .export import resolve_export
 
-    cfg = QKNormConfig(scheme=scheme, norm=norm, softcap=softcap, eps=eps, p=p)
-    settings = settings or CalibrationSettings()
+    cfg, settings, hub = settings_objects(config, calibration, hub, deprecated)
     if verify not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode {verify!r}; choose one of {', '.join(VERIFY_MODES)}")
-    token = check_request(settings, push_to_hub, token)  # a bad repo id or no token: fail now, before hours of work
+    token = check_request(settings, hub.repo_id, hub.token)  # a bad repo id or no token: fail now, not after hours
     source = inspect_source(src)
     config, family = source.config, source.family
     cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None else family.norm_eps(config)})
@@ -270,7 +272,7 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     result = ConversionResult(path=dst, export=kind, export_note=note, scheme=cfg, report=report)
     with staging(dst, overwrite, log) as tmp:
         plan = _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress,
-                             model_name=push_to_hub or dst.name)
+                             model_name=hub.repo_id or dst.name)
         check_written(tmp, plan)
         verify_output(tmp, cfg, kind, verify, log)
     result.files = sorted(str(f.relative_to(dst)) for f in dst.rglob("*") if f.is_file())
@@ -279,17 +281,60 @@ def convert(src=None, dst=None, *, scheme: str = "qk_norm_cap", norm: str | None
     if note and kind == "qknorm" and export == "auto" and family.model_type in ("llama", "mistral"):
         log(f"note: written as qknorm_{family.model_type} (trust_remote_code) rather than qwen3: {note}")
     log(f"wrote {dst} ({kind}): {', '.join(result.files)}")
-    if push_to_hub:
+    if hub.repo_id:
         from .hub import push
 
         try:
-            result.pushed_url = push(dst, push_to_hub, private=private, revision=revision,
-                                     commit_message=commit_message, token=token)
+            result.pushed_url = push(dst, hub.repo_id, private=hub.private, revision=hub.revision,
+                                     commit_message=hub.commit_message, token=token)
         except OSError as exc:
             raise OSError(f"{exc}; the converted model is complete in {dst}: upload it later with "
-                          f"`hf-qknorm push {dst} {push_to_hub}`") from exc
+                          f"`hf-qknorm push {dst} {hub.repo_id}`") from exc
         log(f"pushed to {result.pushed_url}")
     return result
+
+
+_SCHEME_KEYWORDS = ("scheme", "norm", "softcap", "eps", "p")
+_HUB_KEYWORDS = {"push_to_hub": "repo_id", "private": "private", "revision": "revision",
+                 "commit_message": "commit_message", "token": "token"}
+
+
+def settings_objects(config, calibration, hub, deprecated: dict):
+    """``(QKNormConfig, CalibrationSettings, HubSettings)`` from :func:`convert`'s arguments, the keywords of earlier
+    releases included (with a ``FutureWarning``); a ``TypeError`` for an unknown keyword or a wrong type."""
+    import warnings
+
+    unknown = set(deprecated) - {*_SCHEME_KEYWORDS, "settings", *_HUB_KEYWORDS}
+    if unknown:
+        raise TypeError(f"convert() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    old_scheme = {k: deprecated[k] for k in _SCHEME_KEYWORDS if k in deprecated}
+    old_hub = {_HUB_KEYWORDS[k]: deprecated[k] for k in _HUB_KEYWORDS if k in deprecated}
+    for what, given, new in (("scheme keywords", old_scheme, "config=QKNormConfig(...)"),
+                             ("settings=", "settings" in deprecated, "calibration=CalibrationSettings(...)"),
+                             ("Hub keywords", old_hub, "hub=HubSettings(...)")):
+        if given:
+            warnings.warn(f"convert(): the {what} {sorted(given) if isinstance(given, dict) else ''} are "
+                          f"deprecated and go in the next release; pass {new}", FutureWarning, stacklevel=3)
+    if old_scheme:
+        if config is not None:
+            raise TypeError("convert(): give the scheme once, as config=QKNormConfig(...), not also as keywords")
+        config = QKNormConfig(**old_scheme)
+    if "settings" in deprecated:
+        if calibration is not None:
+            raise TypeError("convert(): give calibration=CalibrationSettings(...) once, not also settings=")
+        calibration = deprecated["settings"]
+    if old_hub:
+        if hub is not None:
+            raise TypeError("convert(): give hub=HubSettings(...) once, not also the Hub keywords")
+        hub = HubSettings(**old_hub)
+    config = QKNormConfig(scheme=config) if isinstance(config, str) else config or QKNormConfig()
+    calibration = calibration if calibration is not None else CalibrationSettings()
+    hub = hub if hub is not None else HubSettings()
+    for value, cls, name in ((config, QKNormConfig, "config"), (calibration, CalibrationSettings, "calibration"),
+                             (hub, HubSettings, "hub")):
+        if not isinstance(value, cls):
+            raise TypeError(f"convert(): {name} must be a {cls.__name__}, got {type(value).__name__}")
+    return config, calibration, hub
 
 
 def _texts(calibration_text, eval_text) -> tuple[str, str, str, str]:

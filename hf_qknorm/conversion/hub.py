@@ -20,6 +20,7 @@ import json
 import logging
 import re
 import unicodedata
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -44,6 +45,29 @@ _MD_PUNCT = re.compile(r"([\\`*_{}\[\]()!|~])")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][\w./ ()-]*")
 _LICENCE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
 _LICENCE_LINK = re.compile(r"https?://[^\s<>\"'`\\]{1,500}|[A-Za-z0-9._/-]{1,200}")  # a URL or a file here
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """Where and how :func:`hf_qknorm.convert` uploads the folder it wrote (``repo_id`` ``None``: nowhere). The repo
+    id and the token are checked before any conversion work; the upload is :func:`push`."""
+
+    # metadata["help"] (and "flag"): the command line's flags are made from these fields
+    repo_id: str | None = field(default=None, metadata={
+        "help": "upload the folder to this Hub repo once written (created if missing)", "flag": "push-to-hub",
+        "metavar": "REPO_ID"})
+    private: bool | None = field(default=None, metadata={"help": "create the repo as private"})
+    revision: str | None = field(default=None, metadata={
+        "help": "branch to upload to (created if missing; default main)"})
+    commit_message: str | None = field(default=None, metadata={"help": "commit message of the upload"})
+    token: str | None = field(default=None, metadata={
+        "help": "Hub token (default: the HF_TOKEN environment variable, else the `hf auth login` cache)"})
+
+    def __post_init__(self):
+        if self.repo_id is not None:
+            check_repo_id(self.repo_id)
+        if self.private is not None and not isinstance(self.private, bool):
+            raise ValueError(f"private must be True, False or None, got {self.private!r}")
 
 
 def md_text(value) -> str:

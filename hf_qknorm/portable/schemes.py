@@ -15,7 +15,7 @@ qkv_norm    a norm on each head's query, key and value; the pre-attention norm i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
 Scheme = Literal["qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm"]
@@ -62,11 +62,14 @@ class QKNormConfig:
         p: the exponent of the ``lp`` norm (``p >= 1``); ``l2`` is ``lp`` with ``p = 2``.
     """
 
-    scheme: Scheme = "qk_norm_cap"
-    norm: Norm | None = None
-    softcap: float | None = None
-    eps: float | None = None
-    p: float | None = None
+    # metadata["help"]: the command line's help for each field (its flags are made from these fields)
+    scheme: Scheme = field(default="qk_norm_cap", metadata={"help": "what changes in every attention layer"})
+    norm: Norm | None = field(default=None, metadata={
+        "help": "the norm on queries and keys (and values for qkv_norm); default layernorm; not for soft_cap"})
+    softcap: float | None = field(default=None, metadata={
+        "help": "the cap c in c*tanh(s/c), > 0 (default 50 for the capped schemes; an error for the others)"})
+    eps: float | None = field(default=None, metadata={"help": "epsilon of the new norms (default: the model's own)"})
+    p: float | None = field(default=None, metadata={"help": "exponent of the lp norm (p >= 1)"})
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
