@@ -5,8 +5,10 @@ converted with :func:`hf_qknorm.convert` to each scheme, once with identity-init
 (``calibrate=False``) and once calibrated on the training text, and every converted model is trained further with
 the same batches, schedule and seed as the unconverted original (the control arm)::
 
-    python recipes/conversion_recovery.py run --workers 2    # resumable: one JSON per arm in docs/conversion_recovery/runs_lr<lr>
-    python recipes/conversion_recovery.py report             # table.md, results.json, loss_vs_step.png
+    python recipes/conversion_recovery.py run --workers 2    # resumable: one JSON per arm
+    python recipes/conversion_recovery.py report             # docs/conversion_recovery/{table.md,loss_vs_step.png}
+
+The run records go to ``benchmarks/runs/conversion_recovery/runs_lr<lr>/``, ``results.json`` beside them.
 
 Reported per arm: the held-out loss right after conversion, along continued pretraining (every ``--eval-every``
 steps on fixed held-out blocks) and at the end, and the number of steps after which the held-out loss is back
@@ -38,7 +40,8 @@ from hf_qknorm.conversion.calibrate import CalibrationSettings
 from hf_qknorm.data import bundled_model_dir, perplexity, read_text, split_text, tokenize_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "docs" / "conversion_recovery"
+OUT = ROOT / "docs" / "conversion_recovery"  # the summary table and plot the docs show
+DATA = ROOT / "benchmarks" / "runs" / "conversion_recovery"  # the run records and results.json (out of docs/)
 WORK = ROOT / "runs" / "conversion_recovery"  # converted checkpoints (not committed)
 SCHEMES = ("soft_cap", "qk_norm", "qk_norm_cap", "qkv_norm")
 INITS = ("identity", "calibrated")
@@ -229,7 +232,9 @@ def _steps_to_match(curve: list, control: list) -> int | None:
     return None
 
 
-def write_report(runs: list[dict], out: Path) -> dict:
+def write_report(runs: list[dict], out: Path, results: Path | None = None) -> dict:
+    """``table.md`` and ``loss_vs_step.png`` into ``out``; the summary as JSON into ``results`` (default:
+    ``out/results.json``; the command writes it beside the runs folder, out of docs/)."""
     summary = summarise(runs)
     cfg = runs[0]["config"]
     ref = summary["reference"]
@@ -258,7 +263,9 @@ def write_report(runs: list[dict], out: Path) -> dict:
               f"{cfg['eval_every']} steps, on the curve blocks) at or below 1.01 x the reference."]
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    results = results or out / "results.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(summary, indent=1))
     _plot(runs, summary, out / "loss_vs_step.png")
     return summary
 
@@ -310,10 +317,10 @@ def parse_args(argv=None):
     r.add_argument("--steps", type=int, default=ArmConfig.steps)
     r.add_argument("--lr", type=float, default=ArmConfig.lr)
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--out", default=None, help="run records (default: docs/conversion_recovery/runs_lr<lr>)")
+    r.add_argument("--out", default=None, help="run records (default: benchmarks/runs/conversion_recovery/runs_lr<lr>)")
     r.add_argument("--work", default=str(WORK), help="where converted checkpoints are written (then removed)")
     rep = sub.add_parser("report", help="table.md, results.json and loss_vs_step.png from the runs")
-    rep.add_argument("--runs", default=str(OUT / f"runs_lr{ArmConfig.lr:g}"))
+    rep.add_argument("--runs", default=str(DATA / f"runs_lr{ArmConfig.lr:g}"))
     rep.add_argument("--out", default=str(OUT))
     return p.parse_args(argv)
 
@@ -322,7 +329,7 @@ def cmd_run(args) -> None:
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    args.out = args.out or str(OUT / f"runs_lr{args.lr:g}")
+    args.out = args.out or str(DATA / f"runs_lr{args.lr:g}")
     base = dict(norm=args.norm, source=args.source, steps=args.steps, lr=args.lr, seed=args.seed,
                 warmup=max(1, args.steps // 10))
     todo = [c for c in arms(base, args.schemes) if not (Path(args.out) / f"{c.tag()}.json").exists()]
@@ -347,7 +354,7 @@ def main(argv=None):
         runs = [json.loads(p.read_text()) for p in sorted(Path(args.runs).glob("*.json"))]
         if not runs:
             raise SystemExit(f"no runs in {args.runs}; run `python recipes/conversion_recovery.py run` first")
-        write_report(runs, Path(args.out))
+        write_report(runs, Path(args.out), Path(args.runs).parent / "results.json")
         print((Path(args.out) / "table.md").read_text())
 
 

@@ -4,8 +4,8 @@ Trains a 4-layer, width-128, 4-head Llama (context 128, batch 16) on character-l
 scheme over a log-spaced LR grid, one process per run with one thread, and records validation loss, the largest
 attention logit per layer and the output RMS of the QKV, output-projection and second MLP layers::
 
-    python recipes/lr_sweep.py run --workers 2        # resumable: finished runs are skipped
-    python recipes/lr_sweep.py report                 # tables, results.json and plots under docs/lr_sweep/
+    python recipes/lr_sweep.py run --workers 2        # resumable: one JSON per run in benchmarks/runs/lr_sweep/runs
+    python recipes/lr_sweep.py report                 # table.md and plots under docs/lr_sweep/, results.json beside the runs
 
 ``run`` first trains the coarse grid (seed 0) and the extra seeds at the ordinary LR, then adds one refining LR
 per scheme between its largest stable and smallest diverged grid LR, then (once a scheme's edge is bracketed within
@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _sweep_common import SCHEMES, RunConfig, char_data, load_runs
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "docs" / "lr_sweep"
+OUT = ROOT / "docs" / "lr_sweep"  # the summary table and plots the docs show
+DATA = ROOT / "benchmarks" / "runs" / "lr_sweep"  # the run records and results.json (bulk data stays out of docs/)
 GRID = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]  # half-decades, Wortsman et al.'s grid extended to 1
 SENS_GRID = [3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]  # the LR range [a, b] of the sensitivity metric
 ORDINARY_LR = 3e-3
@@ -59,9 +60,9 @@ def parse_args(argv=None):
     r.add_argument("--edge-seeds", nargs="*", type=int, default=[1, 2],
                    help="extra seeds at each scheme's max stable and first diverged LR (none: skip)")
     r.add_argument("--text", default="tinyshakespeare", help="UTF-8 text file, or a bundled text name")
-    r.add_argument("--out", default=str(OUT / "runs"))
+    r.add_argument("--out", default=str(DATA / "runs"))
     rep = sub.add_parser("report", help="summarise the runs into tables, results.json and plots")
-    rep.add_argument("--runs", default=str(OUT / "runs"))
+    rep.add_argument("--runs", default=str(DATA / "runs"))
     rep.add_argument("--out", default=str(OUT))
     rep.add_argument("--text", default="tinyshakespeare")
     return p.parse_args(argv)
@@ -438,7 +439,7 @@ def cmd_report(args) -> None:
             "bigram_loss": bigram,
             "steps": cfg.get("steps"), "warmup": cfg.get("warmup"), "n_runs": len(runs),
             "total_wall_s": round(sum(r["wall_s"] for r in runs)), "paper": PAPER}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "schemes": summary}, indent=1))
+    (Path(args.runs).parent / "results.json").write_text(json.dumps({"meta": meta, "schemes": summary}, indent=1))
     (out / "table.md").write_text(
         "## LR sweep summary\n\n" + table_md(summary)
         + "\n## Seeds at each scheme's edge (diverged/run)\n\n" + edge_md(summary)

@@ -71,3 +71,18 @@ def test_runs_and_report(tmp_path):
     stamp = (out / "original.json").stat().st_mtime_ns
     cr.run_job(cfgs[0], str(out), str(work))
     assert (out / "original.json").stat().st_mtime_ns == stamp
+
+
+def test_report_regenerates_the_committed_table(tmp_path):
+    """The default `report` reads benchmarks/runs/conversion_recovery/runs_lr0.0003 (the committed runs) and the
+    table it writes is docs/conversion_recovery/table.md, the one the docs show."""
+    root = Path(__file__).resolve().parents[1]
+    args = cr.parse_args(["report"])
+    assert Path(args.runs) == root / "benchmarks" / "runs" / "conversion_recovery" / "runs_lr0.0003"
+    assert Path(args.out) == root / "docs" / "conversion_recovery"
+    runs = [json.loads(p.read_text()) for p in sorted(Path(args.runs).glob("*.json"))]
+    assert len(runs) == 8
+    cr.write_report(runs, tmp_path / "docs", tmp_path / "results.json")
+    assert (tmp_path / "docs" / "table.md").read_text() == (Path(args.out) / "table.md").read_text()
+    committed = json.loads((Path(args.runs).parent / "results.json").read_text())
+    assert json.loads((tmp_path / "results.json").read_text()) == committed

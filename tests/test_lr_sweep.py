@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -130,3 +131,31 @@ def test_edge_seeds_once_the_edge_is_bracketed():
     runs.append(rec(0.041, 0, 1.9))  # edge 0.041 / 0.055: bracketed
     tags = {c.tag() for c in lr_sweep.next_jobs(args, runs, bigram=2.48)}
     assert {"baseline_lr0.041_s1", "baseline_lr0.041_s2", "baseline_lr0.055_s1", "baseline_lr0.055_s2"} <= tags
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_paths_are_where_the_docs_say():
+    """Run records live under benchmarks/runs/ (bulk data out of docs/); the reports write docs/lr_sweep/."""
+    import lp_sweep
+
+    for mod, data in ((lr_sweep, "lr_sweep"), (lp_sweep, "lp_sweep")):
+        run, rep = mod.parse_args(["run"]), mod.parse_args(["report"])
+        assert Path(run.out) == Path(rep.runs) == ROOT / "benchmarks" / "runs" / data / "runs"
+        assert Path(rep.out) == ROOT / "docs" / "lr_sweep"
+        assert len(sc.load_runs(rep.runs)) >= 15, f"{rep.runs} holds the committed runs"
+    assert not list((ROOT / "docs").rglob("*.json")), "run data belongs under benchmarks/runs/, not docs/"
+
+
+def test_lp_report_regenerates_the_committed_summary(tmp_path):
+    """`lp_sweep.py report` on the committed runs writes the committed table and results.json, beside the runs."""
+    import shutil
+
+    import lp_sweep
+
+    data = ROOT / "benchmarks" / "runs" / "lp_sweep"
+    shutil.copytree(data / "runs", tmp_path / "runs")
+    lp_sweep.main(["report", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "docs")])
+    assert (tmp_path / "docs" / "lp_table.md").read_text() == (ROOT / "docs" / "lr_sweep" / "lp_table.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text()) == json.loads((data / "results.json").read_text())

@@ -1,6 +1,6 @@
 """The schemes and their settings: :class:`QKNormConfig` and its validation.
 
-A scheme says what changes in every attention layer (see ``DESIGN.md``):
+A scheme says what changes in every attention layer (the README's scheme table; details in docs/patching.md):
 
 ========== ==========================================================================
 scheme     change
