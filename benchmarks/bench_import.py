@@ -44,14 +44,21 @@ def main() -> None:
             rows[which].append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = statistics.median(r["transformers"] for r in rows["0"])
     ours = statistics.median(r["hf_qknorm"] for r in rows["1"])
-    import hf_qknorm
     import torch
     import transformers
 
-    result = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "rounds": args.rounds,
-              "transformers_and_llama_s": round(base, 3), "hf_qknorm_extra_s": round(ours, 3),
-              "hf_qknorm": hf_qknorm.__version__, "transformers": transformers.__version__,
-              "torch": torch.__version__, "python": sys.version.split()[0]}
+    import hf_qknorm
+
+    result = {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "rounds": args.rounds,
+        "transformers_and_llama_s": round(base, 3),
+        "hf_qknorm_extra_s": round(ours, 3),
+        "hf_qknorm": hf_qknorm.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
     print(f"import transformers + LlamaForCausalLM: {base:.3f} s (median of {args.rounds})")
     print(f"import hf_qknorm on top:                {ours:.3f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,10 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def parse_args(argv=None):
     from hf_qknorm.cli.help import DefaultsFormatter
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=DefaultsFormatter)
-    p.add_argument("--schemes", nargs="+", default=["qk_norm_cap", "qk_norm", "none"],
-                   help="'none' is the unpatched model (the monitor uses forward hooks there)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
+    p.add_argument(
+        "--schemes",
+        nargs="+",
+        default=["qk_norm_cap", "qk_norm", "none"],
+        help="'none' is the unpatched model (the monitor uses forward hooks there)",
+    )
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -89,18 +92,33 @@ def one_run(args, scheme: str, monitored: bool) -> list[tuple[int, float]]:
     import hf_qknorm
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=2048, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.context)
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.context,
+    )
     model = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype))
     if scheme != "none":
         hf_qknorm.patch_model(model, scheme)
     ids = torch.randint(0, 2048, (args.batch * (args.steps + args.warmup + 1), args.context))
     data = [{"input_ids": row, "labels": row} for row in ids]
-    targs = TrainingArguments(output_dir="/tmp/bench_monitor", max_steps=args.steps + args.warmup + 1,
-                              per_device_train_batch_size=args.batch, learning_rate=1e-3, logging_steps=10**6,
-                              save_strategy="no", report_to="none", use_cpu=args.device == "cpu",
-                              disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    targs = TrainingArguments(
+        output_dir="/tmp/bench_monitor",
+        max_steps=args.steps + args.warmup + 1,
+        per_device_train_batch_size=args.batch,
+        learning_rate=1e-3,
+        logging_steps=10**6,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=args.device == "cpu",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     trainer = Trainer(model=model, args=targs, train_dataset=data)
     if monitored:
         hf_qknorm.QKMonitorCallback.attach(trainer, every=args.every)
@@ -126,10 +144,14 @@ def measure(args, scheme: str) -> dict:
         recorded += rec
         unrecorded.append(base)
     off_m, on_m = statistics.median(off_means), statistics.median(on_means)
-    return {"step_ms_off": 1e3 * off_m, "step_ms_on": 1e3 * on_m,
-            "recorded_step_ms": 1e3 * statistics.median(recorded),
-            "unrecorded_step_ms": 1e3 * statistics.median(unrecorded),
-            "overhead_paired": statistics.median(paired), "overhead_ab": statistics.median(ratios)}
+    return {
+        "step_ms_off": 1e3 * off_m,
+        "step_ms_on": 1e3 * on_m,
+        "recorded_step_ms": 1e3 * statistics.median(recorded),
+        "unrecorded_step_ms": 1e3 * statistics.median(unrecorded),
+        "overhead_paired": statistics.median(paired),
+        "overhead_ab": statistics.median(ratios),
+    }
 
 
 def machine() -> dict:
@@ -137,25 +159,36 @@ def machine() -> dict:
     import transformers
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
-    return {"host_cpus": os.cpu_count(), "device_name": dev, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
+    return {
+        "host_cpus": os.cpu_count(),
+        "device_name": dev,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def write_markdown(rows: list[dict]) -> None:
-    lines = ["# Attention-logit monitor overhead", "",
-             "`QKMonitorCallback(every=N)` in a `Trainer` run: step time with the monitor off and on. `paired` is the",
-             "extra time of a recorded step over the median unrecorded step of the same run, divided by N steps",
-             "(the monitor's share of step time); `a/b` compares the mean step time of a monitored run with the",
-             "unmonitored run just before it (median over pairs; noisier on a busy machine). Generated by",
-             "`benchmarks/bench_monitor.py` from `monitor.jsonl`.", "",
-             "| date | device | threads | scheme | model (hidden x layers, heads/kv) | batch x context | N | "
-             "step off (ms) | step on (ms) | recorded step (ms) | overhead paired | overhead a/b |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Attention-logit monitor overhead",
+        "",
+        "`QKMonitorCallback(every=N)` in a `Trainer` run: step time with the monitor off and on. `paired` is the",
+        "extra time of a recorded step over the median unrecorded step of the same run, divided by N steps",
+        "(the monitor's share of step time); `a/b` compares the mean step time of a monitored run with the",
+        "unmonitored run just before it (median over pairs; noisier on a busy machine). Generated by",
+        "`benchmarks/bench_monitor.py` from `monitor.jsonl`.",
+        "",
+        "| date | device | threads | scheme | model (hidden x layers, heads/kv) | batch x context | N | "
+        "step off (ms) | step on (ms) | recorded step (ms) | overhead paired | overhead a/b |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['date'][:10]} | {r['device']} ({r['device_name']}) | {r['threads']} | {r['scheme']} | "
-                     f"{r['hidden']} x {r['layers']}, {r['heads']}/{r['kv_heads']} | {r['batch']} x {r['context']} | "
-                     f"{r['every']} | {r['step_ms_off']:.1f} | {r['step_ms_on']:.1f} | {r['recorded_step_ms']:.1f} | "
-                     f"{100 * r['overhead_paired']:.2f}% | {100 * r['overhead_ab']:.2f}% |")
+        lines.append(
+            f"| {r['date'][:10]} | {r['device']} ({r['device_name']}) | {r['threads']} | {r['scheme']} | "
+            f"{r['hidden']} x {r['layers']}, {r['heads']}/{r['kv_heads']} | {r['batch']} x {r['context']} | "
+            f"{r['every']} | {r['step_ms_off']:.1f} | {r['step_ms_on']:.1f} | {r['recorded_step_ms']:.1f} | "
+            f"{100 * r['overhead_paired']:.2f}% | {100 * r['overhead_ab']:.2f}% |"
+        )
     (RESULTS / "monitor.md").write_text("\n".join(lines) + "\n")
 
 
@@ -166,18 +199,38 @@ def main(argv=None):
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    base = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **machine(),
-            "device": args.device, "threads": args.threads, "dtype": args.dtype, "hidden": args.hidden,
-            "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads, "context": args.context,
-            "batch": args.batch, "steps": args.steps, "every": args.every, "repeats": args.repeats,
-            "command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:]))}
+    base = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **machine(),
+        "device": args.device,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "context": args.context,
+        "batch": args.batch,
+        "steps": args.steps,
+        "every": args.every,
+        "repeats": args.repeats,
+        "command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
+    }
     rows = []
     for scheme in args.schemes:
         row = {**base, "scheme": scheme, **measure(args, scheme)}
         rows.append(row)
-        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                          if k in ("scheme", "step_ms_off", "step_ms_on", "recorded_step_ms", "overhead_paired",
-                                   "overhead_ab")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: (round(v, 4) if isinstance(v, float) else v)
+                    for k, v in row.items()
+                    if k
+                    in ("scheme", "step_ms_off", "step_ms_on", "recorded_step_ms", "overhead_paired", "overhead_ab")
+                }
+            ),
+            flush=True,
+        )
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         with open(RESULTS / "monitor.jsonl", "a") as f:

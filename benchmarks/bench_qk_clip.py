@@ -32,9 +32,13 @@ RESULTS = Path(__file__).parent / "results"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schemes", nargs="+", default=["none", "qk_norm_cap"],
-                   help="'none': the unpatched model on sdpa; 'none_qknorm': the unpatched model on the \"qknorm\" "
-                        "backend (the same attention, uncapped; its telemetry comes from the attention's own pass)")
+    p.add_argument(
+        "--schemes",
+        nargs="+",
+        default=["none", "qk_norm_cap"],
+        help="'none': the unpatched model on sdpa; 'none_qknorm': the unpatched model on the \"qknorm\" "
+        "backend (the same attention, uncapped; its telemetry comes from the attention's own pass)",
+    )
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -56,9 +60,15 @@ def _model(args, scheme):
     import hf_qknorm
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=2048, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.context)
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.context,
+    )
     model = LlamaForCausalLM(config).train()
     if scheme == "none_qknorm":
         model.set_attn_implementation("qknorm")
@@ -107,10 +117,15 @@ def measure(args, scheme) -> dict:
             ratios[clock].append(meds[clock, True][-1] / meds[clock, False][-1] - 1.0)
     row = {}
     for clock, prefix in (("wall", ""), ("cpu", "cpu_")):
-        row.update({f"{prefix}step_ms_off": 1e3 * statistics.median(meds[clock, False]),
-                    f"{prefix}step_ms_on": 1e3 * statistics.median(meds[clock, True]),
-                    f"{prefix}overhead": statistics.median(ratios[clock]),
-                    f"{prefix}overhead_min": min(ratios[clock]), f"{prefix}overhead_max": max(ratios[clock])})
+        row.update(
+            {
+                f"{prefix}step_ms_off": 1e3 * statistics.median(meds[clock, False]),
+                f"{prefix}step_ms_on": 1e3 * statistics.median(meds[clock, True]),
+                f"{prefix}overhead": statistics.median(ratios[clock]),
+                f"{prefix}overhead_min": min(ratios[clock]),
+                f"{prefix}overhead_max": max(ratios[clock]),
+            }
+        )
     return row
 
 
@@ -122,22 +137,35 @@ def main(argv=None):
     import hf_qknorm
 
     torch.set_num_threads(args.threads)
-    base = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": platform.processor() or platform.machine(),
-            "threads": args.threads, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
-            "kv_heads": args.kv_heads, "batch": args.batch, "context": args.context, "rounds": args.rounds,
-            "steps": args.steps, "load_avg_1m": round(os.getloadavg()[0], 2), "hf_qknorm": hf_qknorm.__version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:]))}
+    base = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "batch": args.batch,
+        "context": args.context,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "hf_qknorm": hf_qknorm.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
+    }
     rows = []
     for scheme in args.schemes:
         row = {**base, "scheme": scheme, **measure(args, scheme)}
         rows.append(row)
         for prefix, clock in (("", "wall"), ("cpu_", "CPU ")):
-            print(f"{scheme:12s} {clock} step {row[prefix + 'step_ms_off']:.1f} ms -> "
-                  f"{row[prefix + 'step_ms_on']:.1f} ms with QK-Clip: overhead {100 * row[prefix + 'overhead']:.2f}% "
-                  f"(rounds {100 * row[prefix + 'overhead_min']:.2f}% to {100 * row[prefix + 'overhead_max']:.2f}%)",
-                  flush=True)
+            print(
+                f"{scheme:12s} {clock} step {row[prefix + 'step_ms_off']:.1f} ms -> "
+                f"{row[prefix + 'step_ms_on']:.1f} ms with QK-Clip: overhead {100 * row[prefix + 'overhead']:.2f}% "
+                f"(rounds {100 * row[prefix + 'overhead_min']:.2f}% to {100 * row[prefix + 'overhead_max']:.2f}%)",
+                flush=True,
+            )
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         with open(RESULTS / "qk_clip.jsonl", "a") as f:

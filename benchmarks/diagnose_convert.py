@@ -71,8 +71,7 @@ def least_squares(x, eps, per_head):
 def attention(attn, q, k, v, wq, wk, pe, eps, rope):
     qn, kn = (rms_n(q, eps) * wq).transpose(1, 2), (rms_n(k, eps) * wk).transpose(1, 2)
     qn, kn = rope(qn, kn, *pe)
-    o = F.scaled_dot_product_attention(qn, kn, v.transpose(1, 2), is_causal=True, scale=attn.scaling,
-                                       enable_gqa=True)
+    o = F.scaled_dot_product_attention(qn, kn, v.transpose(1, 2), is_causal=True, scale=attn.scaling, enable_gqa=True)
     return F.linear(o.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1), attn.o_proj.weight)
 
 
@@ -143,18 +142,35 @@ def run(args, variant, n_calib):
                 q, k, _ = projections(a, x)
             wq, wk = (least_squares(t, eps, variant == "ls_head") for t in (q, k))
         else:
-            wq, wk, before, after = fit(a, x, target, pe, eps, apply_rotary_pos_emb, variant == "fit_head",
-                                        variant == "fit_temp", args.steps, args.lr, args.seed + i)
+            wq, wk, before, after = fit(
+                a,
+                x,
+                target,
+                pe,
+                eps,
+                apply_rotary_pos_emb,
+                variant == "fit_head",
+                variant == "fit_temp",
+                args.steps,
+                args.lr,
+                args.seed + i,
+            )
             errors.append((before, after))
         a.q_norm, a.k_norm = Gains(wq, eps), Gains(wk, eps)
         with torch.no_grad():
             h_orig = lo(h_orig, position_embeddings=pe, attention_mask=None)
             h_conv = lc(h_conv, position_embeddings=pe, attention_mask=None)
-    return {"variant": variant, "calibration_blocks": n_calib, "eval_blocks": args.eval_blocks,
-            "steps": args.steps if variant.startswith("fit") else 0, "lr": args.lr,
-            "ppl_original": perplexity(original, evals, batch_size=4),
-            "ppl_calibrated": perplexity(model, evals, batch_size=4), "fit_seconds": time.time() - t0,
-            "layer_errors": errors}
+    return {
+        "variant": variant,
+        "calibration_blocks": n_calib,
+        "eval_blocks": args.eval_blocks,
+        "steps": args.steps if variant.startswith("fit") else 0,
+        "lr": args.lr,
+        "ppl_original": perplexity(original, evals, batch_size=4),
+        "ppl_calibrated": perplexity(model, evals, batch_size=4),
+        "fit_seconds": time.time() - t0,
+        "layer_errors": errors,
+    }
 
 
 @torch.no_grad()
@@ -170,9 +186,15 @@ def sinks(args):
     calib = _blocks(split_text(bundled_text("wikitext2"), 0.1)[0], tok, 256, 16, "calibration")
     model = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.float32).eval().requires_grad_(False)
     eps, xs, pe = model.config.rms_norm_eps, {}, {}
-    hooks = [model.model.layers[i].self_attn.register_forward_pre_hook(
-        lambda m, a, kw, i=i: xs.__setitem__(i, kw["hidden_states"]) or pe.__setitem__(0, kw["position_embeddings"]),
-        with_kwargs=True) for i in args.sink_layers]
+    hooks = [
+        model.model.layers[i].self_attn.register_forward_pre_hook(
+            lambda m, a, kw, i=i: (
+                xs.__setitem__(i, kw["hidden_states"]) or pe.__setitem__(0, kw["position_embeddings"])
+            ),
+            with_kwargs=True,
+        )
+        for i in args.sink_layers
+    ]
     model(input_ids=calib)
     for hk in hooks:
         hk.remove()
@@ -191,11 +213,14 @@ def sinks(args):
         q, k, _ = projections(a, xs[i])
         target = a(xs[i], position_embeddings=pe[0], attention_mask=None)[0]
         with torch.enable_grad():
-            wq, wk, _, _ = fit(a, xs[i], target, pe[0], eps, apply_rotary_pos_emb, False, False, args.steps, args.lr,
-                               args.seed + i)
-        versions = {"original": probs(a, q, k), "least squares": probs(a, q, k, least_squares(q, eps, False),
-                                                                       least_squares(k, eps, False)),
-                    "fit": probs(a, q, k, wq, wk)}
+            wq, wk, _, _ = fit(
+                a, xs[i], target, pe[0], eps, apply_rotary_pos_emb, False, False, args.steps, args.lr, args.seed + i
+            )
+        versions = {
+            "original": probs(a, q, k),
+            "least squares": probs(a, q, k, least_squares(q, eps, False), least_squares(k, eps, False)),
+            "fit": probs(a, q, k, wq, wk),
+        }
         kn = k.norm(dim=-1)
         row = {"layer": i, "key0_norm_ratio": (kn[:, 0].mean() / kn[:, 1:].mean()).item()}
         for name, p in versions.items():  # queries from position 16 on: a full context to choose from
@@ -225,16 +250,23 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     import transformers
 
-    meta = {"time": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
-            "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])])}
+    meta = {
+        "time": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": args.threads,
+        "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
+    }
     rows = [{"kind": "sinks", **r, **meta} for r in sinks(args)] if args.sinks else []
     for n in args.calibration_blocks:
         for variant in args.variants:
             row = {"kind": "variant", **run(args, variant, n), **meta}
             o, c = row["ppl_original"], row["ppl_calibrated"]
-            print(f"{variant:9s} calibration blocks {n:3d}: perplexity {o:.2f} -> {c:.2f} "
-                  f"({row['fit_seconds']:.0f} s)", flush=True)
+            print(
+                f"{variant:9s} calibration blocks {n:3d}: perplexity {o:.2f} -> {c:.2f} ({row['fit_seconds']:.0f} s)",
+                flush=True,
+            )
             rows.append(row)
     if not args.no_save:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -142,9 +142,7 @@ def tokenize_blocks(
         raise ValueError(f"stride must be >= 1, got {stride}")
     stream = tokenize_stream(text, tokenizer)
     if len(stream) < n_text:
-        raise ValueError(
-            f"text has {len(stream)} tokens, fewer than one block of {n_text} text tokens; give more text"
-        )
+        raise ValueError(f"text has {len(stream)} tokens, fewer than one block of {n_text} text tokens; give more text")
     blocks = stream.unfold(0, n_text, stride)  # (n_blocks, n_text), a view
     if max_blocks is not None:
         blocks = blocks[:max_blocks]

@@ -40,8 +40,9 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos[:, None] + rot * sin[:, None]
 
 
-def allowed_reference(q_len: int, kv_len: int, *, causal: bool, sliding_window: int | None = None,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+def allowed_reference(
+    q_len: int, kv_len: int, *, causal: bool, sliding_window: int | None = None, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Boolean ``(batch or 1, 1, q_len, kv_len)`` of the pairs a query may attend to.
 
     Causality is bottom-right aligned: query ``i`` sits at absolute position ``i + kv_len - q_len``. A sliding
@@ -59,8 +60,17 @@ def allowed_reference(q_len: int, kv_len: int, *, causal: bool, sliding_window: 
     return ok
 
 
-def attention_reference(q, k, v, *, scaling: float, softcap: float | None = None, causal: bool = True,
-                        mask: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+def attention_reference(
+    q,
+    k,
+    v,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """``softmax(mask(c * tanh(scaling * q k^T / c))) v``; rows with no allowed key give zeros.
     Returns ``(batch, heads, q_len, head_dim)``."""
     groups = q.shape[1] // k.shape[1]
@@ -78,10 +88,34 @@ def attention_reference(q, k, v, *, scaling: float, softcap: float | None = None
     return p @ v
 
 
-def attention_layer_reference(x, *, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, heads: int,
-                              kv_heads: int, head_dim: int, scaling: float, softcap=None, norm=None,
-                              q_norm=None, k_norm=None, v_norm=None, cos=None, sin=None, causal=True, mask=None,
-                              sliding_window=None, eps=1e-6, p=2.0):
+def attention_layer_reference(
+    x,
+    *,
+    wq,
+    wk,
+    wv,
+    wo,
+    bq=None,
+    bk=None,
+    bv=None,
+    bo=None,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+    softcap=None,
+    norm=None,
+    q_norm=None,
+    k_norm=None,
+    v_norm=None,
+    cos=None,
+    sin=None,
+    causal=True,
+    mask=None,
+    sliding_window=None,
+    eps=1e-6,
+    p=2.0,
+):
     """One patched attention layer from the formulas, on hidden states ``x`` of shape ``(batch, seq, hidden)``.
 
     ``w*`` are ``(out, in)`` matrices as in ``nn.Linear``. ``q_norm``/``k_norm``/``v_norm`` are dicts with the norm's
@@ -109,7 +143,8 @@ def attention_layer_reference(x, *, wq, wk, wv, wo, bq=None, bk=None, bv=None, b
     q, k, v = (a.transpose(1, 2) for a in (q, k, v))
     if cos is not None:
         q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
-    o = attention_reference(q, k, v, scaling=scaling, softcap=softcap, causal=causal, mask=mask,
-                            sliding_window=sliding_window)
+    o = attention_reference(
+        q, k, v, scaling=scaling, softcap=softcap, causal=causal, mask=mask, sliding_window=sliding_window
+    )
     o = o.transpose(1, 2).reshape(b, t, heads * head_dim)
     return o @ wo.T + (bo if bo is not None else 0)

@@ -44,13 +44,18 @@ class Blocks(torch.utils.data.Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
-def parser(doc: str, *, text: str, steps: int, lr: float, batch_size: int = 16, context: int = 128,
-           qk_lr: bool = True) -> argparse.ArgumentParser:
+def parser(
+    doc: str, *, text: str, steps: int, lr: float, batch_size: int = 16, context: int = 128, qk_lr: bool = True
+) -> argparse.ArgumentParser:
     """The arguments every recipe takes; a recipe adds its own."""
     p = argparse.ArgumentParser(description=doc, formatter_class=DefaultsFormatter)
     d = p.add_argument_group("data")
-    d.add_argument("--text", default=text, help="UTF-8 text file, or a bundled text name (tinyshakespeare, "
-                   "wikitext2); the last --val-fraction is held out")
+    d.add_argument(
+        "--text",
+        default=text,
+        help="UTF-8 text file, or a bundled text name (tinyshakespeare, "
+        "wikitext2); the last --val-fraction is held out",
+    )
     d.add_argument("--val-fraction", type=float, default=0.1)
     d.add_argument("--context", type=int, default=context, help="tokens per training block, BOS included")
     d.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks for the perplexity report")
@@ -71,19 +76,36 @@ def parser(doc: str, *, text: str, steps: int, lr: float, batch_size: int = 16, 
     t.add_argument("--logging-steps", type=int, default=10)
     t.add_argument("--report-to", default="none", help="Trainer reporters: none, tensorboard, wandb, all ...")
     t.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
-    t.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (full shard) instead of DDP (GPUs only: "
-                   "accelerate enables FSDP only there; on CPU use recipes/pretrain_sharded.py)")
+    t.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard with FSDP2 (full shard) instead of DDP (GPUs only: "
+        "accelerate enables FSDP only there; on CPU use recipes/pretrain_sharded.py)",
+    )
     q = p.add_argument_group("hf_qknorm")
     q.add_argument("--monitor-every", type=int, default=10, help="attention-logit monitor period (0: off)")
-    q.add_argument("--qk-clip-tau", type=float, default=None, help="QK-Clip (Kimi K2) with this threshold "
-                   "(default: off)")
+    q.add_argument(
+        "--qk-clip-tau", type=float, default=None, help="QK-Clip (Kimi K2) with this threshold (default: off)"
+    )
     if qk_lr:
-        q.add_argument("--qk-lr-tau", type=float, default=None,
-                       help="Anson & Aitchison Q/K learning-rate control with this tau (default: off)")
-        q.add_argument("--qk-lr-rule", choices=("norm_ratio", "constant"), default="norm_ratio",
-                       help="norm_ratio: lr(W_Q) = tau*lr*||W_K||_0/||W_K||, per head; constant: tau*lr")
-    q.add_argument("--dump-rank-state", default=None, metavar="DIR",
-                   help="write every rank's final parameters to DIR/rank<r>.safetensors (replica check)")
+        q.add_argument(
+            "--qk-lr-tau",
+            type=float,
+            default=None,
+            help="Anson & Aitchison Q/K learning-rate control with this tau (default: off)",
+        )
+        q.add_argument(
+            "--qk-lr-rule",
+            choices=("norm_ratio", "constant"),
+            default="norm_ratio",
+            help="norm_ratio: lr(W_Q) = tau*lr*||W_K||_0/||W_K||, per head; constant: tau*lr",
+        )
+    q.add_argument(
+        "--dump-rank-state",
+        default=None,
+        metavar="DIR",
+        help="write every rank's final parameters to DIR/rank<r>.safetensors (replica check)",
+    )
     return p
 
 
@@ -116,20 +138,38 @@ def text_blocks(args, tokenizer) -> tuple[Blocks, torch.Tensor]:
 def training_arguments(args, **overrides):
     from transformers import TrainingArguments
 
-    kw = dict(output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-              gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
-              warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip,
-              adam_beta2=0.95, seed=args.seed, data_seed=args.seed, logging_steps=args.logging_steps,
-              save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-              report_to=args.report_to, use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
-              dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False,
-              # the keywords' names depend on the Transformers version (renamed in 5.23)
-              **checkpointing_arguments(args.gradient_checkpointing, use_reentrant=False))
+    kw = dict(
+        output_dir=args.out,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.grad_clip,
+        adam_beta2=0.95,
+        seed=args.seed,
+        data_seed=args.seed,
+        logging_steps=args.logging_steps,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        report_to=args.report_to,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=args.bf16,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
+        # the keywords' names depend on the Transformers version (renamed in 5.23)
+        **checkpointing_arguments(args.gradient_checkpointing, use_reentrant=False),
+    )
     if args.fsdp:
         if not torch.cuda.is_available():
-            raise SystemExit("--fsdp needs GPUs: accelerate (and so Trainer) enables FSDP only for multi-GPU "
-                             "runs; on CPU the Trainer recipes use DDP over gloo, and recipes/pretrain_sharded.py "
-                             "trains with FSDP2 (fully_shard over gloo) in a plain loop")
+            raise SystemExit(
+                "--fsdp needs GPUs: accelerate (and so Trainer) enables FSDP only for multi-GPU "
+                "runs; on CPU the Trainer recipes use DDP over gloo, and recipes/pretrain_sharded.py "
+                "trains with FSDP2 (fully_shard over gloo) in a plain loop"
+            )
         kw.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
     kw.update(overrides)
     return TrainingArguments(**kw)
@@ -144,8 +184,7 @@ def make_trainer(model, args, train_ds, targs=None):
         callbacks.append(hf_qknorm.QKLearningRateCallback(tau=args.qk_lr_tau, rule=args.qk_lr_rule))
     if getattr(args, "qk_clip_tau", None) is not None:
         callbacks.append(hf_qknorm.QKClipCallback(tau=args.qk_clip_tau))
-    trainer = Trainer(model=model, args=targs or training_arguments(args), train_dataset=train_ds,
-                      callbacks=callbacks)
+    trainer = Trainer(model=model, args=targs or training_arguments(args), train_dataset=train_ds, callbacks=callbacks)
     trainer.qk_monitor = None
     if args.monitor_every:
         trainer.qk_monitor = hf_qknorm.QKMonitorCallback.attach(trainer, every=args.monitor_every)
@@ -155,21 +194,32 @@ def make_trainer(model, args, train_ds, targs=None):
 def add_model_args(p, *, scheme: str = "qk_norm_cap") -> None:
     """``--model`` and the conversion settings (continued pretraining and LoRA start from a converted model)."""
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, help="model folder (default: the bundled tiny Llama). A plain model "
-                   "is converted first (hf_qknorm.convert, calibrated on the training text) into <out>/converted; "
-                   "a patched one (qknorm_* or a converted qwen3 folder) is used as it is")
+    m.add_argument(
+        "--model",
+        default=None,
+        help="model folder (default: the bundled tiny Llama). A plain model "
+        "is converted first (hf_qknorm.convert, calibrated on the training text) into <out>/converted; "
+        "a patched one (qknorm_* or a converted qwen3 folder) is used as it is",
+    )
     m.add_argument("--scheme", choices=tuple(hf_qknorm.SCHEMES), default=scheme)
     m.add_argument("--norm", choices=hf_qknorm.NORMS, default=None, help="default layernorm")
     m.add_argument("--softcap", type=float, default=None, help="default 50 for capped schemes")
-    m.add_argument("--calib-steps", type=int, default=100, help="distillation steps of the calibration "
-                   "(0: closed-form fit only; -1: no calibration, identity init)")
+    m.add_argument(
+        "--calib-steps",
+        type=int,
+        default=100,
+        help="distillation steps of the calibration (0: closed-form fit only; -1: no calibration, identity init)",
+    )
     m.add_argument("--calib-blocks", type=int, default=32, help="calibration blocks of --context tokens")
 
 
 def _already_patched(folder: Path) -> bool:
     raw = json.loads((folder / "config.json").read_text())
-    return str(raw.get("model_type", "")).startswith("qknorm_") or raw.get("qknorm") is not None or \
-        (folder / "qknorm_conversion.json").is_file()
+    return (
+        str(raw.get("model_type", "")).startswith("qknorm_")
+        or raw.get("qknorm") is not None
+        or (folder / "qknorm_conversion.json").is_file()
+    )
 
 
 def _convert(src: Path, dst: Path, args) -> None:
@@ -186,15 +236,30 @@ def _convert(src: Path, dst: Path, args) -> None:
         model.save_pretrained(dst)
         load_tokenizer(src).save_pretrained(dst)
         return
-    settings = CalibrationSettings(block_len=args.context, calibration_blocks=args.calib_blocks,
-                                   eval_blocks=args.eval_blocks, steps=max(0, args.calib_steps), seed=args.seed)
+    settings = CalibrationSettings(
+        block_len=args.context,
+        calibration_blocks=args.calib_blocks,
+        eval_blocks=args.eval_blocks,
+        steps=max(0, args.calib_steps),
+        seed=args.seed,
+    )
     # quiet: the conversion's own report measures on blocks spread over the held-out text, the recipe on its first
     # --eval-blocks blocks; printing both gave two different "original" perplexities. The recipe prints its own.
-    convert(src, dst, config=hf_qknorm.QKNormConfig(scheme=args.scheme, norm=args.norm, softcap=args.softcap),
-            calibration=settings, calibrate=args.calib_steps >= 0, calibration_text=args.train_text,
-            eval_text=args.val_text, overwrite=True, progress=False, log=lambda *a: None)
-    print(f"converted {src} to {args.scheme} in {dst} (calibration report: {dst / 'qknorm_conversion.json'})",
-          flush=True)
+    convert(
+        src,
+        dst,
+        config=hf_qknorm.QKNormConfig(scheme=args.scheme, norm=args.norm, softcap=args.softcap),
+        calibration=settings,
+        calibrate=args.calib_steps >= 0,
+        calibration_text=args.train_text,
+        eval_text=args.val_text,
+        overwrite=True,
+        progress=False,
+        log=lambda *a: None,
+    )
+    print(
+        f"converted {src} to {args.scheme} in {dst} (calibration report: {dst / 'qknorm_conversion.json'})", flush=True
+    )
 
 
 def prepare_converted_run(args, recipe: str):
@@ -256,14 +321,23 @@ def finish(trainer, args, results: dict, save_model=None, tokenizer=None) -> dic
     monitor = getattr(trainer, "qk_monitor", None)
     history = monitor.history if monitor else []
     clip = next((c for c in trainer.callback_handler.callbacks if isinstance(c, hf_qknorm.QKClipCallback)), None)
-    results.update(steps=state.global_step, world_size=trainer.args.world_size,
-                   last_logged_loss=next((r["loss"] for r in reversed(state.log_history) if "loss" in r), None),
-                   monitor_last=history[-1] if history else None, monitor_alerts=monitor.alerts if monitor else [])
+    results.update(
+        steps=state.global_step,
+        world_size=trainer.args.world_size,
+        last_logged_loss=next((r["loss"] for r in reversed(state.log_history) if "loss" in r), None),
+        monitor_last=history[-1] if history else None,
+        monitor_alerts=monitor.alerts if monitor else [],
+    )
     if clip is not None:
         results["qk_clip"] = {"tau": clip.tau, "clipped_steps": clip.clip.clipped_steps, "steps": clip.clip.steps}
     if args.dump_rank_state:
-        dump_rank_state(trainer.model, args.dump_rank_state, trainer.args.process_index, trainer.args.world_size,
-                        {"monitor": history, "qk_clip": clip.history if clip is not None else []})
+        dump_rank_state(
+            trainer.model,
+            args.dump_rank_state,
+            trainer.args.process_index,
+            trainer.args.world_size,
+            {"monitor": history, "qk_clip": clip.history if clip is not None else []},
+        )
     out = Path(args.out)
     if save_model is trainer.model:
         trainer.save_model(str(out / "final"))  # every rank joins: gathers FSDP shards where there are any

@@ -1,7 +1,8 @@
 """Shared machinery of the evidence recipes (``lr_sweep.py``, ``lp_sweep.py``, ``conversion_recovery.py``).
 
 One training run = one small Llama built from a ``LlamaConfig``, patched with :func:`hf_qknorm.patch_model` (or left
-plain for the baseline and the architecture-preserving arms: the Q/K learning-rate rule, :class:`hf_qknorm.QKLearningRate`,
+plain for the baseline and the architecture-preserving arms: the Q/K learning-rate rule,
+:class:`hf_qknorm.QKLearningRate`,
 and QK-Clip, :class:`hf_qknorm.QKClip`), trained on character-level text with AdamW (or Muon on the hidden matrices,
 :class:`hf_qknorm.training.muon.MuonAdamW`) and a z-loss as in Wortsman et al. 2023 (arXiv:2309.14322), and measured
 along the way:
@@ -38,14 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 import hf_qknorm
 from hf_qknorm.data import read_text, split_text
 
+
 class Arm(NamedTuple):
     """One arm of the sweep: what is patched and how the model is optimised."""
 
-    scheme: str | None            # patch_model scheme, or None (the architecture stays as it is)
-    patch: dict                   # patch_model settings
-    qk_lr: bool = False           # Anson & Aitchison's per-head Q/K learning rates (QKLearningRate)
-    qk_clip: bool = False         # Kimi K2's QK-Clip after every step (QKClip)
-    optimizer: str = "adamw"      # "adamw", or "muon" (Muon on the hidden matrices, AdamW on the rest)
+    scheme: str | None  # patch_model scheme, or None (the architecture stays as it is)
+    patch: dict  # patch_model settings
+    qk_lr: bool = False  # Anson & Aitchison's per-head Q/K learning rates (QKLearningRate)
+    qk_clip: bool = False  # Kimi K2's QK-Clip after every step (QKClip)
+    optimizer: str = "adamw"  # "adamw", or "muon" (Muon on the hidden matrices, AdamW on the rest)
 
 
 SCHEMES: dict[str, Arm] = {
@@ -130,10 +132,17 @@ def build_model(cfg: RunConfig, vocab: int):
 
     torch.manual_seed(cfg.seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=cfg.hidden, intermediate_size=4 * cfg.hidden,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
-        head_dim=cfg.hidden // cfg.heads, max_position_embeddings=cfg.context, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, attn_implementation="sdpa",
+        vocab_size=vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=4 * cfg.hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.heads,
+        head_dim=cfg.hidden // cfg.heads,
+        max_position_embeddings=cfg.context,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
     )
     model = LlamaForCausalLM(config)
     apply_scheme(model, cfg.scheme, cfg.p)
@@ -175,9 +184,10 @@ class Monitor:
                 self.rms["qkv"][idx] = math.sqrt(acc[0] / acc[1])
             else:
                 self.rms[kind][idx] = float(o.pow(2).mean().sqrt())
+
         return hook
 
-    def at(self, step: int) -> "Monitor":
+    def at(self, step: int) -> Monitor:
         """Use as ``with monitor.at(step):`` so alerts name the step."""
         self.step = step
         return self
@@ -203,9 +213,11 @@ class Monitor:
     def snapshot(self) -> dict:
         n = len(self.model.model.layers)
         layer = lambda i, name: self.stats.get(f"qk/layer{i}/{name}")
-        return {"max_logit": [layer(i, "max_logit") for i in range(n)],
-                "entropy": [layer(i, "entropy") for i in range(n)],
-                **{f"rms_{k}": [v.get(i) for i in range(n)] for k, v in self.rms.items()}}
+        return {
+            "max_logit": [layer(i, "max_logit") for i in range(n)],
+            "entropy": [layer(i, "entropy") for i in range(n)],
+            **{f"rms_{k}": [v.get(i) for i in range(n)] for k, v in self.rms.items()},
+        }
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -230,9 +242,13 @@ def make_optimizer(model, cfg: RunConfig) -> torch.optim.Optimizer:
     if SCHEMES[cfg.scheme].optimizer == "muon":
         from hf_qknorm.training.muon import MuonAdamW
 
-        return MuonAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay / cfg.lr,
-                         muon_kwargs={"adjust_lr_fn": "match_rms_adamw"},
-                         adamw_kwargs={"betas": (0.9, 0.95), "eps": 1e-8})
+        return MuonAdamW(
+            model,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay / cfg.lr,
+            muon_kwargs={"adjust_lr_fn": "match_rms_adamw"},
+            adamw_kwargs={"betas": (0.9, 0.95), "eps": 1e-8},
+        )
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay / cfg.lr}, {"params": rest, "weight_decay": 0.0}]
@@ -318,9 +334,13 @@ def train_run(cfg: RunConfig, model=None, log=None) -> dict:
     rec["alerts"] = [{k: a[k] for k in ("step", "layer", "kind", "max_logit")} for a in mon.qk.alerts]
     if clip is not None:
         rec["qk_clip"] = {"tau": clip.tau, "clipped_steps": clip.clipped_steps, "steps": clip.steps}
-    rec.update(final_val=_finite(final), init_val=rec["val"][0][1], nonfinite=nonfinite,
-               wall_s=round(time.time() - t0, 1), versions={"torch": torch.__version__, "hf_qknorm":
-                                                            getattr(hf_qknorm, "__version__", "?")})
+    rec.update(
+        final_val=_finite(final),
+        init_val=rec["val"][0][1],
+        nonfinite=nonfinite,
+        wall_s=round(time.time() - t0, 1),
+        versions={"torch": torch.__version__, "hf_qknorm": getattr(hf_qknorm, "__version__", "?")},
+    )
     return rec
 
 

@@ -32,17 +32,24 @@ def main(argv=None):
 
     args = parse_args(argv)
     tokenizer, train_ds, val_blocks, targs, src, folder = C.prepare_converted_run(args, "continue_pretraining")
-    results = {"recipe": "continue_pretraining", "source": str(src), "converted": str(folder),
-               "ppl_source": C.ppl(AutoModelForCausalLM.from_pretrained(src), val_blocks)}
+    results = {
+        "recipe": "continue_pretraining",
+        "source": str(src),
+        "converted": str(folder),
+        "ppl_source": C.ppl(AutoModelForCausalLM.from_pretrained(src), val_blocks),
+    }
     model = AutoModelForCausalLM.from_pretrained(folder)
     results["ppl_converted"] = C.ppl(model, val_blocks)
     report = C.conversion_report(folder)
     if report is not None:
         results["conversion"] = {k: report.get(k) for k in ("export", "scheme", "calibration")}
     trainer = C.make_trainer(model, args, train_ds, targs)
-    C.log(trainer, f"{type(model).__name__} from {folder}: held-out perplexity on {val_blocks[:, 1:].numel():,} "
-          f"tokens: original {C.fmt(results['ppl_source'])}, converted {C.fmt(results['ppl_converted'])}; "
-          f"world size {trainer.args.world_size}")
+    C.log(
+        trainer,
+        f"{type(model).__name__} from {folder}: held-out perplexity on {val_blocks[:, 1:].numel():,} "
+        f"tokens: original {C.fmt(results['ppl_source'])}, converted {C.fmt(results['ppl_converted'])}; "
+        f"world size {trainer.args.world_size}",
+    )
     results.update(C.train(trainer, args))
     results["ppl_trained"] = C.ppl(model, val_blocks)
     C.log(trainer, f"held-out perplexity after {trainer.state.global_step} steps: {C.fmt(results['ppl_trained'])}")

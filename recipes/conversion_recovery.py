@@ -110,11 +110,18 @@ def convert_arm(cfg: ArmConfig, src: Path, train_text: str, val_text: str, work:
     """Convert ``src`` for this arm into ``work/<tag>`` (redone every time: conversion is part of the arm)."""
     dst = work / cfg.tag()
     t0 = time.time()
-    res = hf_qknorm.convert(src, dst, config=hf_qknorm.QKNormConfig(scheme=cfg.scheme,
-                            norm=cfg.norm if cfg.scheme != "soft_cap" else None),
-                            calibration=CalibrationSettings(**cfg.calibration), calibrate=cfg.init == "calibrated",
-                            calibration_text=train_text, eval_text=val_text, overwrite=True, progress=False,
-                            log=lambda *a: None)
+    res = hf_qknorm.convert(
+        src,
+        dst,
+        config=hf_qknorm.QKNormConfig(scheme=cfg.scheme, norm=cfg.norm if cfg.scheme != "soft_cap" else None),
+        calibration=CalibrationSettings(**cfg.calibration),
+        calibrate=cfg.init == "calibrated",
+        calibration_text=train_text,
+        eval_text=val_text,
+        overwrite=True,
+        progress=False,
+        log=lambda *a: None,
+    )
     info = {"convert_s": round(time.time() - t0, 1), "export": res.export}
     if res.report is not None:
         info["calibration"] = {k: v for k, v in res.report.to_dict().items() if k != "layers"}
@@ -144,8 +151,12 @@ def run_arm(cfg: ArmConfig, work: Path = WORK) -> dict:
     rec["model_type"] = model.config.model_type
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     gen = torch.Generator().manual_seed(cfg.seed)  # the same batches in every arm
     rec["final_initial"] = held_out_loss(model, val_blocks)
     rec["val"] = [[0, held_out_loss(model, curve_blocks)]]
@@ -207,18 +218,23 @@ def summarise(runs: list[dict]) -> dict:
     orig = by_tag["original"]
     ref_curve = orig["val"][0][1]  # the original model's loss on the curve blocks, before further training
     ref_final = orig["final_initial"]
-    out = {"reference": {"curve_blocks_loss": ref_curve, "held_out_loss": ref_final, "tolerance": TOLERANCE},
-           "arms": {}}
+    out = {
+        "reference": {"curve_blocks_loss": ref_curve, "held_out_loss": ref_final, "tolerance": TOLERANCE},
+        "arms": {},
+    }
     for tag, r in by_tag.items():
         cal = (r.get("conversion") or {}).get("calibration") or {}
         out["arms"][tag] = {
-            "scheme": r["config"]["scheme"], "init": r["config"]["init"],
+            "scheme": r["config"]["scheme"],
+            "init": r["config"]["init"],
             "loss_after_conversion": r["final_initial"],
             "gap_after_conversion_pct": 100 * (r["final_initial"] / ref_final - 1),
             "steps_to_recover": steps_to_recover(r["val"], ref_curve * (1 + TOLERANCE)),
             "steps_to_match_control": _steps_to_match(r["val"], orig["val"]),
-            "final_loss": r["final"], "final_vs_control_pct": 100 * (r["final"] / orig["final"] - 1),
-            "calibration_s": cal.get("seconds"), "train_s": r["train_s"],
+            "final_loss": r["final"],
+            "final_vs_control_pct": 100 * (r["final"] / orig["final"] - 1),
+            "calibration_s": cal.get("seconds"),
+            "train_s": r["train_s"],
         }
     return out
 
@@ -254,13 +270,19 @@ def write_report(runs: list[dict], out: Path, results: Path | None = None) -> di
     ]
     for tag, a in rows:
         rec = a["steps_to_recover"]
+        match = a["steps_to_match_control"]
+        matched = "–" if tag == "original" else fmt(match, "d") if match is not None else "never"
         lines.append(
             f"| {tag} | {fmt(a['loss_after_conversion'])} | {a['gap_after_conversion_pct']:+.1f}% | "
             f"{'not within ' + str(cfg['steps']) if rec is None else rec} | "
-            f"{'–' if tag == 'original' else fmt(a['steps_to_match_control'], 'd') if a['steps_to_match_control'] is not None else 'never'} | "
-            f"{fmt(a['final_loss'])} | {a['final_vs_control_pct']:+.2f}% |")
-    lines += ["", "Loss after conversion and final loss: all held-out blocks. Steps: first evaluation (every "
-              f"{cfg['eval_every']} steps, on the curve blocks) at or below 1.01 x the reference."]
+            f"{matched} | "
+            f"{fmt(a['final_loss'])} | {a['final_vs_control_pct']:+.2f}% |"
+        )
+    lines += [
+        "",
+        "Loss after conversion and final loss: all held-out blocks. Steps: first evaluation (every "
+        f"{cfg['eval_every']} steps, on the curve blocks) at or below 1.01 x the reference.",
+    ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text("\n".join(lines) + "\n")
     results = results or out / "results.json"
@@ -276,8 +298,13 @@ def _plot(runs, summary, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {None: "black", "soft_cap": "tab:orange", "qk_norm": "tab:blue", "qk_norm_cap": "tab:green",
-              "qkv_norm": "tab:red"}
+    colors = {
+        None: "black",
+        "soft_cap": "tab:orange",
+        "qk_norm": "tab:blue",
+        "qk_norm_cap": "tab:green",
+        "qkv_norm": "tab:red",
+    }
     ref = summary["reference"]["curve_blocks_loss"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, ylim in zip(axes, (None, (ref * 0.97, ref * 1.08))):
@@ -285,8 +312,14 @@ def _plot(runs, summary, path: Path) -> None:
             c = r["config"]
             tag = ArmConfig(**c).tag()
             steps, vals = zip(*[(s, v) for s, v in r["val"] if v is not None])
-            ax.plot(steps, vals, color=colors[c["scheme"]], lw=2 if c["scheme"] is None else 1.3,
-                    ls="--" if c["init"] == "identity" else "-", label=tag)
+            ax.plot(
+                steps,
+                vals,
+                color=colors[c["scheme"]],
+                lw=2 if c["scheme"] is None else 1.3,
+                ls="--" if c["init"] == "identity" else "-",
+                label=tag,
+            )
         ax.axhline(ref, color="gray", lw=0.8)
         ax.axhspan(ref, ref * (1 + TOLERANCE), color="gray", alpha=0.15, label="within 1% of original")
         ax.set_xlabel("continued-pretraining step")
@@ -330,8 +363,14 @@ def cmd_run(args) -> None:
     import multiprocessing as mp
 
     args.out = args.out or str(DATA / f"runs_lr{args.lr:g}")
-    base = dict(norm=args.norm, source=args.source, steps=args.steps, lr=args.lr, seed=args.seed,
-                warmup=max(1, args.steps // 10))
+    base = dict(
+        norm=args.norm,
+        source=args.source,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        warmup=max(1, args.steps // 10),
+    )
     todo = [c for c in arms(base, args.schemes) if not (Path(args.out) / f"{c.tag()}.json").exists()]
     print(f"{len(todo)} arm(s) to run", flush=True)
     if args.workers <= 1:

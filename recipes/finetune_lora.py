@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+
 import hf_qknorm  # noqa: E402
 
 
@@ -46,22 +47,29 @@ def main(argv=None):
         results["ppl_source"] = C.ppl(AutoModelForCausalLM.from_pretrained(src), val_blocks)
     base = AutoModelForCausalLM.from_pretrained(folder)
     results["ppl_base"] = C.ppl(base, val_blocks)
-    model = hf_qknorm.prepare_lora(base, r=args.r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                   train_norms=not args.freeze_norms)
+    model = hf_qknorm.prepare_lora(
+        base, r=args.r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, train_norms=not args.freeze_norms
+    )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results["trainable_parameters"] = trainable
     trainer = C.make_trainer(model, args, train_ds, targs)
-    C.log(trainer, f"LoRA r={args.r} on {type(base).__name__}: {trainable:,} trainable parameters "
-          f"(modules_to_save: {model.peft_config['default'].modules_to_save}); base held-out perplexity "
-          f"{C.fmt(results['ppl_base'])}; world size {trainer.args.world_size}")
+    C.log(
+        trainer,
+        f"LoRA r={args.r} on {type(base).__name__}: {trainable:,} trainable parameters "
+        f"(modules_to_save: {model.peft_config['default'].modules_to_save}); base held-out perplexity "
+        f"{C.fmt(results['ppl_base'])}; world size {trainer.args.world_size}",
+    )
     results.update(C.train(trainer, args))
     results["ppl_lora"] = C.ppl(model, val_blocks)
     if trainer.is_world_process_zero():
         model.save_pretrained(Path(args.out) / "adapter")
     merged = model.merge_and_unload()
     results["ppl_merged"] = C.ppl(merged, val_blocks)
-    C.log(trainer, f"held-out perplexity: base {C.fmt(results['ppl_base'])} -> LoRA {C.fmt(results['ppl_lora'])} "
-          f"(merged {C.fmt(results['ppl_merged'])}) after {trainer.state.global_step} steps")
+    C.log(
+        trainer,
+        f"held-out perplexity: base {C.fmt(results['ppl_base'])} -> LoRA {C.fmt(results['ppl_lora'])} "
+        f"(merged {C.fmt(results['ppl_merged'])}) after {trainer.state.global_step} steps",
+    )
     C.finish(trainer, args, results, save_model=merged, tokenizer=tokenizer)
 
 

@@ -51,8 +51,11 @@ def parse_args(argv=None):
 
 
 def jobs(args) -> list[RunConfig]:
-    return [RunConfig(scheme="lp4", p=p, lr=args.lr, seed=s, steps=args.steps, warmup=args.warmup, text=args.text)
-            for s in args.seeds for p in args.ps]
+    return [
+        RunConfig(scheme="lp4", p=p, lr=args.lr, seed=s, steps=args.steps, warmup=args.warmup, text=args.text)
+        for s in args.seeds
+        for p in args.ps
+    ]
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -69,11 +72,16 @@ def cmd_report(args) -> None:
     runs = load_runs(args.runs)
     summary = summarise(runs)
     cfg = runs[0]["config"] if runs else {}
-    rows = [f"LR {cfg.get('lr')}, {cfg.get('steps')} steps, final validation loss (nats/char) over seeds\n",
-            "| p | mean ± sd (n) | per seed | paper (6L nanoGPT) |", "|---|---|---|---|"]
+    rows = [
+        f"LR {cfg.get('lr')}, {cfg.get('steps')} steps, final validation loss (nats/char) over seeds\n",
+        "| p | mean ± sd (n) | per seed | paper (6L nanoGPT) |",
+        "|---|---|---|---|",
+    ]
     for s in summary.values():
-        rows.append(f"| {s['p']:g} | {s['mean']:.4f} ± {s['std'] or 0:.4f} ({len(s['losses'])}) | "
-                    f"{', '.join(f'{v:.4f}' for v in s['losses'])} | {s['paper'] or '–'} |")
+        rows.append(
+            f"| {s['p']:g} | {s['mean']:.4f} ± {s['std'] or 0:.4f} ({len(s['losses'])}) | "
+            f"{', '.join(f'{v:.4f}' for v in s['losses'])} | {s['paper'] or '–'} |"
+        )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "lp_table.md").write_text("\n".join(rows) + "\n")
     (Path(args.runs).parent / "results.json").write_text(json.dumps({"config": cfg, "summary": summary}, indent=1))

@@ -5,7 +5,7 @@ scheme over a log-spaced LR grid, one process per run with one thread, and recor
 attention logit per layer and the output RMS of the QKV, output-projection and second MLP layers::
 
     python recipes/lr_sweep.py run --workers 2        # resumable: one JSON per run in benchmarks/runs/lr_sweep/runs
-    python recipes/lr_sweep.py report                 # table.md and plots under docs/lr_sweep/, results.json beside the runs
+    python recipes/lr_sweep.py report                 # docs/lr_sweep/: table.md, plots; results.json beside the runs
 
 ``run`` first trains the coarse grid (seed 0) and the extra seeds at the ordinary LR, then adds one refining LR
 per scheme between its largest stable and smallest diverged grid LR, then (once a scheme's edge is bracketed within
@@ -14,7 +14,8 @@ stable LR between schemes is real or one seed's luck.
 
 Arms: the patched schemes, the plain baseline, and the architecture-preserving controls on the unpatched model --
 Anson & Aitchison's Q/K learning rates (``qk_lr``), Kimi K2's QK-Clip (``qk_clip``, tau 100), Muon on the hidden
-matrices (``muon``), and Muon with QK-Clip (``muon_qk_clip``, MuonClip) or with the Q/K rule (``muon_qk_lr``). Divergence rule (applied mechanically, see
+matrices (``muon``), and Muon with QK-Clip (``muon_qk_clip``, MuonClip) or with the Q/K rule (``muon_qk_lr``).
+Divergence rule (applied mechanically, see
 :func:`diverged`): a run diverged when its loss became non-finite, or its final validation loss is at or above the
 character-bigram loss of the validation text (2.48 nats: it does no better than a model without attention; Wortsman
 et al. compare diverged runs with a 0-layer bigram model), or its final validation loss is more than ``SPIKE`` nats
@@ -41,8 +42,13 @@ ORDINARY_LR = 3e-3
 SEEDS = (0, 1, 2)
 SPIKE = 0.2  # nats
 # Rybakov et al. 2024 (830M, see docs/evidence.md for the sources): max stable LR and perplexity at LR 3e-4
-PAPER = {"baseline": (6e-3, 11.19), "soft_cap": (40e-3, 11.24), "qk_norm": (40e-3, 10.84),
-         "qk_norm_cap": (60e-3, 11.00), "qkv_norm": (60e-3, 10.85)}
+PAPER = {
+    "baseline": (6e-3, 11.19),
+    "soft_cap": (40e-3, 11.24),
+    "qk_norm": (40e-3, 10.84),
+    "qk_norm_cap": (60e-3, 11.00),
+    "qkv_norm": (60e-3, 10.85),
+}
 
 
 def parse_args(argv=None):
@@ -57,8 +63,13 @@ def parse_args(argv=None):
     r.add_argument("--steps", type=int, default=RunConfig.steps)
     r.add_argument("--warmup", type=int, default=RunConfig.warmup)
     r.add_argument("--no-refine", action="store_true", help="skip the refining LR between stable and diverged")
-    r.add_argument("--edge-seeds", nargs="*", type=int, default=[1, 2],
-                   help="extra seeds at each scheme's max stable and first diverged LR (none: skip)")
+    r.add_argument(
+        "--edge-seeds",
+        nargs="*",
+        type=int,
+        default=[1, 2],
+        help="extra seeds at each scheme's max stable and first diverged LR (none: skip)",
+    )
     r.add_argument("--text", default="tinyshakespeare", help="UTF-8 text file, or a bundled text name")
     r.add_argument("--out", default=str(DATA / "runs"))
     rep = sub.add_parser("report", help="summarise the runs into tables, results.json and plots")
@@ -78,8 +89,9 @@ def bigram_loss(text: str = "tinyshakespeare", context: int = 128) -> float:
 
     train_ids, val_blocks, vocab = char_data(text, context)
     counts = torch.full((vocab, vocab), 0.5, dtype=torch.float64)
-    counts.index_put_((train_ids[:-1], train_ids[1:]), torch.ones(len(train_ids) - 1, dtype=torch.float64),
-                      accumulate=True)
+    counts.index_put_(
+        (train_ids[:-1], train_ids[1:]), torch.ones(len(train_ids) - 1, dtype=torch.float64), accumulate=True
+    )
     probs = counts / counts.sum(1, keepdim=True)
     x, y = val_blocks[:, :-1].reshape(-1), val_blocks[:, 1:].reshape(-1)
     return float(-probs[x, y].log().mean())
@@ -134,18 +146,28 @@ def summarise(runs: list[dict], bigram: float) -> dict:
             if lr is not None and lr != ORDINARY_LR:
                 edge[f"{lr:g}"] = {r["config"]["seed"]: diverged(r, bigram) for r in rs if r["config"]["lr"] == lr}
         out[scheme] = {
-            "max_stable_lr": stable, "first_diverged_lr": first_div,
+            "max_stable_lr": stable,
+            "first_diverged_lr": first_div,
             # LRs above the first diverged one that were not run count as l0 (they are assumed to diverge)
             "lr_sensitivity": lr_sensitivity(losses, init, grid) if len(grid) == len(SENS_GRID) else None,
-            "best_loss": finite.get(best_lr), "best_lr": best_lr, "init_loss": init,
-            "ordinary_lr": ORDINARY_LR, "ordinary_losses": ordinary,
+            "best_loss": finite.get(best_lr),
+            "best_lr": best_lr,
+            "init_loss": init,
+            "ordinary_lr": ORDINARY_LR,
+            "ordinary_losses": ordinary,
             "ordinary_mean": sum(ordinary) / len(ordinary) if ordinary else None,
             "ordinary_std": _std(ordinary),
             "edge_seeds": edge,
             "peak_logit_all": _peak_logit_all(rs),
-            "per_lr": {f"{lr:g}": {"final_val": r["final_val"], "diverged": points[lr],
-                                   "max_logit_peak": _peak_logit(r), "wall_s": r["wall_s"]}
-                       for lr, r in sorted(seed0.items())},
+            "per_lr": {
+                f"{lr:g}": {
+                    "final_val": r["final_val"],
+                    "diverged": points[lr],
+                    "max_logit_peak": _peak_logit(r),
+                    "wall_s": r["wall_s"],
+                }
+                for lr, r in sorted(seed0.items())
+            },
         }
     return out
 
@@ -175,15 +197,22 @@ def coarse_jobs(args) -> list[RunConfig]:  # the whole fixed grid (used by tests
     # ordinary LR first (all seeds), then outward: the edge-defining high LRs before the slow low-LR end
     order = sorted(args.grid, key=lambda lr: (lr != args.ordinary_lr, -lr if lr > args.ordinary_lr else 10 - lr))
     jobs = [RunConfig(scheme=s, lr=lr, seed=0, **base) for lr in order for s in args.schemes]
-    seeds = [RunConfig(scheme=s, lr=args.ordinary_lr, seed=seed, **base)
-             for seed in args.seeds if seed != 0 for s in args.schemes]
+    seeds = [
+        RunConfig(scheme=s, lr=args.ordinary_lr, seed=seed, **base)
+        for seed in args.seeds
+        if seed != 0
+        for s in args.schemes
+    ]
     lowest = len(jobs) - len(args.schemes) if min(args.grid) < args.ordinary_lr else len(jobs)
     return jobs[:lowest] + seeds + jobs[lowest:]  # the extra seeds before the lowest (least telling) LR
 
 
 def _known(runs: list[dict], scheme: str, bigram: float) -> dict[float, bool]:
-    return {r["config"]["lr"]: diverged(r, bigram) for r in runs
-            if r["config"]["scheme"] == scheme and r["config"]["seed"] == 0}
+    return {
+        r["config"]["lr"]: diverged(r, bigram)
+        for r in runs
+        if r["config"]["scheme"] == scheme and r["config"]["seed"] == 0
+    }
 
 
 def _edge_job(points: dict[float, bool], grid: list[float], start: float) -> float | None:
@@ -230,8 +259,9 @@ def next_jobs(args, runs: list[dict], bigram: float) -> list[RunConfig]:
         stable, first_div = max_stable_lr(_known(runs, s, bigram))
         if stable is not None and first_div is not None and (args.no_refine or first_div / stable <= 1.5):
             wanted += [mk(s, lr, seed) for lr in (stable, first_div) for seed in args.edge_seeds if seed != 0]
-    wanted += [mk(s, lr) for lr in sorted(grid, key=lambda x: abs(math.log(x / args.ordinary_lr)))
-               for s in args.schemes]
+    wanted += [
+        mk(s, lr) for lr in sorted(grid, key=lambda x: abs(math.log(x / args.ordinary_lr))) for s in args.schemes
+    ]
     seen, out = set(), []
     for c in wanted:
         if c.tag() not in seen:
@@ -285,38 +315,59 @@ def _fmt(x, spec=".3f"):
 
 
 def table_md(summary: dict) -> str:
-    rows = ["| scheme | max stable LR | first diverged LR | LR sensitivity | best loss (at LR) | "
-            f"loss at LR {ORDINARY_LR:g}, mean ± sd (n) | paper max stable LR | paper ppl |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| scheme | max stable LR | first diverged LR | LR sensitivity | best loss (at LR) | "
+        f"loss at LR {ORDINARY_LR:g}, mean ± sd (n) | paper max stable LR | paper ppl |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for scheme, s in summary.items():
         paper = PAPER.get(scheme, (None, None))
-        ordinary = (f"{s['ordinary_mean']:.3f} ± {_fmt(s['ordinary_std'])} ({len(s['ordinary_losses'])})"
-                    if s["ordinary_mean"] is not None else "–")
+        ordinary = (
+            f"{s['ordinary_mean']:.3f} ± {_fmt(s['ordinary_std'])} ({len(s['ordinary_losses'])})"
+            if s["ordinary_mean"] is not None
+            else "–"
+        )
         edge = ("≥ " if s["first_diverged_lr"] is None else "") + _fmt(s["max_stable_lr"], "g")  # not bracketed
-        rows.append(f"| {scheme} | {edge} | {_fmt(s['first_diverged_lr'], 'g')} | "
-                    f"{_fmt(s['lr_sensitivity'])} | {_fmt(s['best_loss'])} ({_fmt(s['best_lr'], 'g')}) | "
-                    f"{ordinary} | {_fmt(paper[0], 'g')} | {_fmt(paper[1], '.2f')} |")
+        rows.append(
+            f"| {scheme} | {edge} | {_fmt(s['first_diverged_lr'], 'g')} | "
+            f"{_fmt(s['lr_sensitivity'])} | {_fmt(s['best_loss'])} ({_fmt(s['best_lr'], 'g')}) | "
+            f"{ordinary} | {_fmt(paper[0], 'g')} | {_fmt(paper[1], '.2f')} |"
+        )
     return "\n".join(rows) + "\n"
 
 
 def edge_md(summary: dict) -> str:
     """Seeds that diverged at each scheme's seed-0 edge: a max stable LR is established when every seed is stable
     there and every seed diverges at the next LR."""
-    rows = ["| scheme | max stable LR (seeds diverged) | first diverged LR (seeds diverged) | established |",
-            "|---|---|---|---|"]
+    rows = [
+        "| scheme | max stable LR (seeds diverged) | first diverged LR (seeds diverged) | established |",
+        "|---|---|---|---|",
+    ]
     for scheme, s in summary.items():
         cells = []
         for lr in (s["max_stable_lr"], s["first_diverged_lr"]):
             seeds = s["edge_seeds"].get(f"{lr:g}", {}) if lr is not None else {}
             cells.append("–" if lr is None else f"{lr:g} ({sum(seeds.values())}/{len(seeds)})")
-        stable_ok = all(not d for d in s["edge_seeds"].get(f"{s['max_stable_lr']:g}", {0: True}).values()) \
-            if s["max_stable_lr"] is not None else False
-        div_ok = all(s["edge_seeds"].get(f"{s['first_diverged_lr']:g}", {0: False}).values()) \
-            if s["first_diverged_lr"] is not None else False
-        n = [len(s["edge_seeds"].get(f"{lr:g}", {})) for lr in (s["max_stable_lr"], s["first_diverged_lr"])
-             if lr is not None]
-        verdict = "yes" if stable_ok and div_ok and min(n, default=0) >= 3 else \
-            ("not yet (fewer than 3 seeds)" if min(n, default=0) < 3 else "no: seeds disagree")
+        stable_ok = (
+            all(not d for d in s["edge_seeds"].get(f"{s['max_stable_lr']:g}", {0: True}).values())
+            if s["max_stable_lr"] is not None
+            else False
+        )
+        div_ok = (
+            all(s["edge_seeds"].get(f"{s['first_diverged_lr']:g}", {0: False}).values())
+            if s["first_diverged_lr"] is not None
+            else False
+        )
+        n = [
+            len(s["edge_seeds"].get(f"{lr:g}", {}))
+            for lr in (s["max_stable_lr"], s["first_diverged_lr"])
+            if lr is not None
+        ]
+        verdict = (
+            "yes"
+            if stable_ok and div_ok and min(n, default=0) >= 3
+            else ("not yet (fewer than 3 seeds)" if min(n, default=0) < 3 else "no: seeds disagree")
+        )
         rows.append(f"| {scheme} | {cells[0]} | {cells[1]} | {verdict} |")
     return "\n".join(rows) + "\n"
 
@@ -341,8 +392,10 @@ def peak_logit_md(summary: dict) -> str:
     lrs = sorted({float(lr) for s in summary.values() for lr in s["per_lr"]})
     rows = ["| scheme | " + " | ".join(f"{lr:g}" for lr in lrs) + " |", "|---" * (len(lrs) + 1) + "|"]
     for scheme, s in summary.items():
-        cells = [_fmt((s["per_lr"].get(f"{lr:g}") or {}).get("max_logit_peak"), ".3g") if f"{lr:g}" in s["per_lr"]
-                 else "" for lr in lrs]
+        cells = [
+            _fmt((s["per_lr"].get(f"{lr:g}") or {}).get("max_logit_peak"), ".3g") if f"{lr:g}" in s["per_lr"] else ""
+            for lr in lrs
+        ]
         rows.append(f"| {scheme} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -352,19 +405,28 @@ def rms_md(runs: list[dict], lrs=(ORDINARY_LR, 1e-1)) -> str:
     rows = ["| scheme | LR | QKV out RMS | out-proj RMS | FC2 out RMS | largest logit |", "|---|---|---|---|---|---|"]
     for lr in lrs:
         for scheme in SCHEMES:
-            rec = next((r for r in runs if r["config"]["scheme"] == scheme and r["config"]["lr"] == lr
-                        and r["config"]["seed"] == 0), None)
+            rec = next(
+                (
+                    r
+                    for r in runs
+                    if r["config"]["scheme"] == scheme and r["config"]["lr"] == lr and r["config"]["seed"] == 0
+                ),
+                None,
+            )
             if rec is None:
                 continue
             last = rec["probe"][-1]
-            cells = [max((v for v in last[k] if v is not None), default=None)
-                     for k in ("rms_qkv", "rms_proj", "rms_fc2", "max_logit")]
+            cells = [
+                max((v for v in last[k] if v is not None), default=None)
+                for k in ("rms_qkv", "rms_proj", "rms_fc2", "max_logit")
+            ]
             rows.append(f"| {scheme} | {lr:g} | " + " | ".join(_fmt(c, ".3g") for c in cells) + " |")
     return "\n".join(rows) + "\n"
 
 
 def plot_loss_vs_lr(summary: dict, path: Path, bigram: float) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -392,19 +454,31 @@ def _style(scheme: str) -> dict:
     import matplotlib
 
     colours = matplotlib.colormaps["tab20"].colors
-    return {"color": colours[list(SCHEMES).index(scheme) * 2 % 20 + (list(SCHEMES).index(scheme) * 2 >= 20)],
-            "ls": "--" if scheme.startswith("muon") else "-"}
+    return {
+        "color": colours[list(SCHEMES).index(scheme) * 2 % 20 + (list(SCHEMES).index(scheme) * 2 >= 20)],
+        "ls": "--" if scheme.startswith("muon") else "-",
+    }
 
 
 def plot_logits_vs_step(runs: list[dict], lr: float, path: Path, key: str = "max_logit") -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     for scheme in SCHEMES:
-        rec = next((r for r in runs if r["config"]["scheme"] == scheme and r["config"]["lr"] == lr
-                    and r["config"]["seed"] == 0 and r["config"].get("p") is None), None)
+        rec = next(
+            (
+                r
+                for r in runs
+                if r["config"]["scheme"] == scheme
+                and r["config"]["lr"] == lr
+                and r["config"]["seed"] == 0
+                and r["config"].get("p") is None
+            ),
+            None,
+        )
         if rec is None:
             continue
         steps = [p["step"] for p in rec["probe"]]
@@ -416,9 +490,13 @@ def plot_logits_vs_step(runs: list[dict], lr: float, path: Path, key: str = "max
         ax.axhline(tau, color="grey", ls=":", lw=1, label=f"QK-Clip tau = {tau:g}")
     ax.set_yscale("linear" if key == "entropy" else "log")
     ax.set_xlabel("step")
-    label = {"entropy": "attention entropy, nats (min over layers)","max_logit": "largest attention logit (max over layers)", "rms_qkv": "QKV output RMS (max over layers)",
-             "rms_proj": "attention out-proj output RMS (max over layers)",
-             "rms_fc2": "second MLP layer output RMS (max over layers)"}[key]
+    label = {
+        "entropy": "attention entropy, nats (min over layers)",
+        "max_logit": "largest attention logit (max over layers)",
+        "rms_qkv": "QKV output RMS (max over layers)",
+        "rms_proj": "attention out-proj output RMS (max over layers)",
+        "rms_fc2": "second MLP layer output RMS (max over layers)",
+    }[key]
     ax.set_ylabel(label)
     ax.set_title(f"{label} at LR {lr:g}, seed 0")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
@@ -435,18 +513,31 @@ def cmd_report(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = runs[0]["config"] if runs else {}
-    meta = {"grid": GRID, "sensitivity_grid": SENS_GRID, "ordinary_lr": ORDINARY_LR, "spike_nats": SPIKE,
-            "bigram_loss": bigram,
-            "steps": cfg.get("steps"), "warmup": cfg.get("warmup"), "n_runs": len(runs),
-            "total_wall_s": round(sum(r["wall_s"] for r in runs)), "paper": PAPER}
+    meta = {
+        "grid": GRID,
+        "sensitivity_grid": SENS_GRID,
+        "ordinary_lr": ORDINARY_LR,
+        "spike_nats": SPIKE,
+        "bigram_loss": bigram,
+        "steps": cfg.get("steps"),
+        "warmup": cfg.get("warmup"),
+        "n_runs": len(runs),
+        "total_wall_s": round(sum(r["wall_s"] for r in runs)),
+        "paper": PAPER,
+    }
     (Path(args.runs).parent / "results.json").write_text(json.dumps({"meta": meta, "schemes": summary}, indent=1))
     (out / "table.md").write_text(
-        "## LR sweep summary\n\n" + table_md(summary)
-        + "\n## Seeds at each scheme's edge (diverged/run)\n\n" + edge_md(summary)
-        + "\n## Final validation loss per LR (seed 0; † = diverged)\n\n" + per_lr_md(summary)
+        "## LR sweep summary\n\n"
+        + table_md(summary)
+        + "\n## Seeds at each scheme's edge (diverged/run)\n\n"
+        + edge_md(summary)
+        + "\n## Final validation loss per LR (seed 0; † = diverged)\n\n"
+        + per_lr_md(summary)
         + "\n## Largest attention logit seen during the run (max over layers and probe steps; seed 0)\n\n"
         + peak_logit_md(summary)
-        + "\n## Output RMS and largest logit at the last step (max over layers; seed 0)\n\n" + rms_md(runs))
+        + "\n## Output RMS and largest logit at the last step (max over layers; seed 0)\n\n"
+        + rms_md(runs)
+    )
     plot_loss_vs_lr(summary, out / "loss_vs_lr.png", bigram)
     for lr in (1e-1, 3e-2):
         plot_logits_vs_step(runs, lr, out / f"max_logit_vs_step_lr{lr:g}.png")

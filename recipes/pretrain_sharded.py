@@ -36,17 +36,22 @@ import torch.distributed as dist  # noqa: E402
 import train_scratch  # noqa: E402
 
 import hf_qknorm  # noqa: E402
-from hf_qknorm.portable.layout import family_of, find_layers, unwrap  # noqa: E402
 from hf_qknorm.modeling.sharding import all_reduce_sum, local_part  # noqa: E402
+from hf_qknorm.portable.layout import family_of, find_layers, unwrap  # noqa: E402
 
 SHARDS = ("fsdp", "tp", "ddp")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=C.DefaultsFormatter)
-    p.add_argument("--shard", choices=SHARDS, default=None, help="fsdp: FSDP2 full shard; tp: tensor-parallel "
-                   "attention (hf_qknorm.parallelize_attention); ddp: replicas (default: fsdp, or what accelerate "
-                   "launch configured)")
+    p.add_argument(
+        "--shard",
+        choices=SHARDS,
+        default=None,
+        help="fsdp: FSDP2 full shard; tp: tensor-parallel "
+        "attention (hf_qknorm.parallelize_attention); ddp: replicas (default: fsdp, or what accelerate "
+        "launch configured)",
+    )
     p.add_argument("--no-reshard", action="store_true", help="FSDP2 reshard_after_forward=False")
     p.add_argument("--bf16", action="store_true", help="FSDP2 mixed precision: bf16 parameters, fp32 reduction")
     p.add_argument("--text", default="tinyshakespeare", help="UTF-8 text file or a bundled text name")
@@ -56,8 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/pretrain_sharded")
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=8, help="blocks per data-parallel rank per step")
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="muon: torch.optim.Muon on the "
-                   "hidden matrices, AdamW on the rest (hf_qknorm.training.muon.MuonAdamW)")
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: torch.optim.Muon on the hidden matrices, AdamW on the rest (hf_qknorm.training.muon.MuonAdamW)",
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (Muon's, with --optimizer muon)")
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -136,8 +145,11 @@ def make_optimizer(model, args):
         return MuonAdamW(model, lr=args.lr, adamw_lr=args.lr, weight_decay=args.weight_decay)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                              {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
 
 
 def optimizers(opt) -> list:
@@ -244,9 +256,14 @@ def train_step(model, opt, ctl, ids, step, args) -> dict:
     opt.zero_grad(set_to_none=True)
     mean_loss = loss.detach().float().reshape(1)
     dist.all_reduce(mean_loss)
-    return {"step": step + 1, "loss": float(mean_loss) / dist.get_world_size(), "grad_norm": grad_norm,
-            "clipped_heads": len(clipped), "clip_seconds": t_clip,
-            **({"max_logit": stats["qk/max_logit"]} if stats else {})}
+    return {
+        "step": step + 1,
+        "loss": float(mean_loss) / dist.get_world_size(),
+        "grad_norm": grad_norm,
+        "clipped_heads": len(clipped),
+        "clip_seconds": t_clip,
+        **({"max_logit": stats["qk/max_logit"]} if stats else {}),
+    }
 
 
 def save_final(model, args, tokenizer, rank: int) -> None:
@@ -274,29 +291,46 @@ def main(argv=None):
     if folder is not None:
         start, history = load_checkpoint(folder, model, opt, ctl)
     log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"{args.family} {args.scheme}, {args.shard} over {world} processes ({device.type}), "
+    log(
+        f"{args.family} {args.scheme}, {args.shard} over {world} processes ({device.type}), "
         f"{sum(p.numel() for p in model.parameters()):,} parameters"
-        + (f", resumed at step {start} from {folder}" if folder is not None else ""), flush=True)
+        + (f", resumed at step {start} from {folder}" if folder is not None else ""),
+        flush=True,
+    )
     t0 = time.time()
     for step in range(start, args.max_steps):
         ids = batch(train_ds.blocks, step, args, dp, rank % dp if dp > 1 else 0).to(device)
         row = train_step(model, opt, ctl, ids, step, args)
         history.append(row)
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
-                            if k != "clip_seconds"}), flush=True)
+            log(
+                json.dumps(
+                    {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k != "clip_seconds"}
+                ),
+                flush=True,
+            )
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(Path(args.out) / f"checkpoint-{step + 1}", model, opt, ctl, step + 1, history, rank)
-    results = {"recipe": "pretrain_sharded", "shard": args.shard, "world_size": world, "steps": args.max_steps,
-               "train_seconds": round(time.time() - t0, 1), "val_ppl": C.ppl(model, val_blocks),
-               "qknorm": getattr(unwrap(model).config, "qknorm", None), "last": history[-1] if history else None,
-               "clipped_steps": ctl["clip"].clipped_steps if ctl["clip"] else None,
-               "clip_step_seconds": round(sum(r.get("clip_seconds", 0.0) for r in history[start:]), 3)}
+    results = {
+        "recipe": "pretrain_sharded",
+        "shard": args.shard,
+        "world_size": world,
+        "steps": args.max_steps,
+        "train_seconds": round(time.time() - t0, 1),
+        "val_ppl": C.ppl(model, val_blocks),
+        "qknorm": getattr(unwrap(model).config, "qknorm", None),
+        "last": history[-1] if history else None,
+        "clipped_steps": ctl["clip"].clipped_steps if ctl["clip"] else None,
+        "clip_step_seconds": round(sum(r.get("clip_seconds", 0.0) for r in history[start:]), 3),
+    }
     save_final(model, args, tokenizer, rank)
     if rank == 0:
         (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-        log(f"held-out perplexity {C.fmt(results['val_ppl'])} after {args.max_steps} steps "
-            f"({results['train_seconds']:.0f} s); final model in {Path(args.out) / 'final'}", flush=True)
+        log(
+            f"held-out perplexity {C.fmt(results['val_ppl'])} after {args.max_steps} steps "
+            f"({results['train_seconds']:.0f} s); final model in {Path(args.out) / 'final'}",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

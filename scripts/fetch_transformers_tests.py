@@ -38,9 +38,19 @@ UNREACHABLE_EXIT = 3
 # not fetch does not make every later pytest run wait on network timeouts again).
 RETRY_AFTER_S = 900
 # pip's messages when no index could be contacted at all (as opposed to a version the index does not have).
-_NETWORK_SIGNS = ("Could not fetch URL", "connection broken by", "Max retries exceeded", "NewConnectionError",
-                  "Failed to establish a new connection", "Network is unreachable", "Name or service not known",
-                  "Temporary failure in name resolution", "ProxyError", "ConnectTimeout", "Read timed out")
+_NETWORK_SIGNS = (
+    "Could not fetch URL",
+    "connection broken by",
+    "Max retries exceeded",
+    "NewConnectionError",
+    "Failed to establish a new connection",
+    "Network is unreachable",
+    "Name or service not known",
+    "Temporary failure in name resolution",
+    "ProxyError",
+    "ConnectTimeout",
+    "Read timed out",
+)
 
 
 class Unreachable(RuntimeError):
@@ -52,8 +62,9 @@ class FetchError(RuntimeError):
 
 
 def cache_dir(version: str) -> Path:
-    root = os.environ.get("HF_QKNORM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
-                                                      "hf_qknorm")
+    root = os.environ.get("HF_QKNORM_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "hf_qknorm"
+    )
     return Path(root) / "transformers-tests" / version
 
 
@@ -62,8 +73,12 @@ def installed_version(python: str | None = None) -> str:
         from importlib.metadata import version
 
         return version("transformers")
-    out = subprocess.run([python, "-c", "from importlib.metadata import version; print(version('transformers'))"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [python, "-c", "from importlib.metadata import version; print(version('transformers'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 
@@ -108,8 +123,23 @@ def _marker(version: str) -> Path:
 
 
 def _download(version: str, dest: Path, timeout_s: int) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--disable-pip-version-check",
-           "--timeout", str(timeout_s), "--retries", "1", "-d", str(dest), f"transformers=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-binary",
+        ":all:",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--timeout",
+        str(timeout_s),
+        "--retries",
+        "1",
+        "-d",
+        str(dest),
+        f"transformers=={version}",
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True)
     log = run.stdout + run.stderr
     if run.returncode != 0:
@@ -166,8 +196,9 @@ def _remove_tree(path: Path) -> None:
 
 def banner(message: str) -> str:
     line = "!" * 100
-    return (f"\n{line}\n!! Transformers' common model tests are NOT available and will be SKIPPED:\n"
-            f"!! {message}\n{line}\n")
+    return (
+        f"\n{line}\n!! Transformers' common model tests are NOT available and will be SKIPPED:\n!! {message}\n{line}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,8 @@ def fit(split: float = SPLIT, degree: int = DEGREE, iterations: int = 200) -> tu
     x = np.linspace(1e-4, split, 20001)
     z = x * x
     t = np.tanh(x)
-    target = (t / x - 1) / z                  # P(z) should equal this
-    to_relative = x * z / t                   # an error e in P is an error e * x z / tanh(x) in tanh, relatively
+    target = (t / x - 1) / z  # P(z) should equal this
+    to_relative = x * z / t  # an error e in P is an error e * x z / tanh(x) in tanh, relatively
     basis = np.vander(z, degree + 1, increasing=True)
     weights = np.ones_like(z)
     for _ in range(iterations):

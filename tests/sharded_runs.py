@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import hf_qknorm
-from hf_qknorm.portable.layout import find_layers, family_of, unwrap
+from hf_qknorm.portable.layout import family_of, find_layers, unwrap
 from tiny_models import VOCAB, tiny_model
 
 STEPS, BATCH, SEQ = 3, 4, 12
@@ -69,7 +69,7 @@ def _amplify(model) -> None:
                 p.mul_(torch.linspace(2.0, 9.0, p.shape[0], dtype=p.dtype)[:, None])
             elif "c_attn.weight" in name:
                 e = p.shape[1] // 3
-                p[:, :2 * e].mul_(torch.linspace(2.0, 9.0, 2 * e, dtype=p.dtype)[None])
+                p[:, : 2 * e].mul_(torch.linspace(2.0, 9.0, 2 * e, dtype=p.dtype)[None])
 
 
 def build(spec: Spec):
@@ -80,8 +80,9 @@ def build(spec: Spec):
     if spec.lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], r=2,
-                                                 init_lora_weights=False))
+        model = get_peft_model(
+            model, LoraConfig(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], r=2, init_lora_weights=False)
+        )
     return model.train()
 
 
@@ -203,8 +204,17 @@ def run(name: str, rank: int = 0, world: int = 1, sharded: bool = False) -> dict
     with torch.no_grad():
         out["logits0"] = model(batches()[0]).logits.detach().clone()
     model.train()
-    train(model, opt, ctl, enumerate(batches()), out, rank=rank, world=world,
-          split=sharded and spec.shard == "fsdp", muon=spec.muon)
+    train(
+        model,
+        opt,
+        ctl,
+        enumerate(batches()),
+        out,
+        rank=rank,
+        world=world,
+        split=sharded and spec.shard == "fsdp",
+        muon=spec.muon,
+    )
     out["params"] = full_params(model)
     return out
 
@@ -268,16 +278,24 @@ def report(folder: str, world: int) -> list[str]:
             return max((abs(a - b) for a, b in pairs), default=float("nan"))
 
         weights = max(float((g["params"][k] - v).abs().max()) for g in ranks for k, v in ref["params"].items())
-        maxima = worst((a, b) for g in ranks for gs, rs in zip(g["S"], ref["S"]) for gl, rl in zip(gs, rs)
-                       for a, b in zip(gl, rl))
+        maxima = worst(
+            (a, b) for g in ranks for gs, rs in zip(g["S"], ref["S"]) for gl, rl in zip(gs, rs) for a, b in zip(gl, rl)
+        )
         stats = worst((g["monitor"][i][k], r[k]) for g in ranks for i, r in enumerate(ref["monitor"]) for k in r)
-        factors = worst((a, b) for g in ranks for gs, rs in zip(g["factors"], ref["factors"]) for gl, rl in zip(gs, rs)
-                        for a, b in zip(gl[0] + gl[1], rl[0] + rl[1]))
+        factors = worst(
+            (a, b)
+            for g in ranks
+            for gs, rs in zip(g["factors"], ref["factors"])
+            for gl, rl in zip(gs, rs)
+            for a, b in zip(gl[0] + gl[1], rl[0] + rl[1])
+        )
         same = all(g["clipped"] == ref["clipped"] for g in ranks)
         logits = float((ranks[0]["logits0"] - ref["logits0"]).abs().max()) if spec.shard == "tp" else float("nan")
-        rows.append(f"| {world} | {name} | {weights:.1e} | {maxima:.1e} | {stats:.1e} | "
-                    f"{'equal' if same else 'DIFFERENT'} ({sum(len(c) for c in ref['clipped'])} head-steps) | "
-                    f"{factors:.1e} | {logits:.1e} |")
+        rows.append(
+            f"| {world} | {name} | {weights:.1e} | {maxima:.1e} | {stats:.1e} | "
+            f"{'equal' if same else 'DIFFERENT'} ({sum(len(c) for c in ref['clipped'])} head-steps) | "
+            f"{factors:.1e} | {logits:.1e} |"
+        )
     return rows
 
 

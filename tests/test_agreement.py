@@ -9,14 +9,25 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_qknorm.conversion.agreement import (Prompt, _greedy_batch, agreement, answer_agreement, encode_prompt,
-                                            load_prompts, reference_continuations)
+from hf_qknorm.conversion.agreement import (
+    Prompt,
+    _greedy_batch,
+    agreement,
+    answer_agreement,
+    encode_prompt,
+    load_prompts,
+    reference_continuations,
+)
 from hf_qknorm.data import bundled_model_dir
 from tiny_models import VOCAB, tiny_model
 
-PROMPTS = [Prompt("First Citizen:\nBefore we proceed", "text"), Prompt("ROMEO:\n", "text"),
-           Prompt("What say you, my lord?", "chat", chat=True), Prompt("KING", "fact"),
-           Prompt("O, she doth teach the torches to burn bright! It seems", "text")]
+PROMPTS = [
+    Prompt("First Citizen:\nBefore we proceed", "text"),
+    Prompt("ROMEO:\n", "text"),
+    Prompt("What say you, my lord?", "chat", chat=True),
+    Prompt("KING", "fact"),
+    Prompt("O, she doth teach the torches to burn bright! It seems", "text"),
+]
 N = 12
 
 
@@ -39,9 +50,15 @@ def _perturbed(model, scale: float):
 
 def _hf_greedy(model, tok, prompt: Prompt) -> list[int]:
     ids = torch.tensor([encode_prompt(tok, prompt)])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-    return out[0, ids.shape[1]:].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=N,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def _expected(original, converted, tok) -> tuple[float, float]:
@@ -164,16 +181,20 @@ def test_conversion_reports_the_written_models_agreement(tmp_path, bundled):
     from hf_qknorm.conversion.calibrate import CalibrationSettings
     from test_convert_support import SHORT_TEXT, quiet
 
-    settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=5,
-                                   agreement_tokens=N)
-    result = hf_qknorm.convert(None, tmp_path / "out", calibration=settings, calibration_text=SHORT_TEXT,
-                               progress=False, log=quiet)
+    settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=5, agreement_tokens=N)
+    result = hf_qknorm.convert(
+        None, tmp_path / "out", calibration=settings, calibration_text=SHORT_TEXT, progress=False, log=quiet
+    )
     original, tok = bundled
     converted = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32).eval()
     expected = answer_agreement(original, converted, tok, new_tokens=N)
     got = result.report.agreement
-    assert (got["prefix"], got["top1"], got["whole"], got["new_tokens"]) == \
-        (expected.prefix, expected.top1, expected.whole, N)
+    assert (got["prefix"], got["top1"], got["whole"], got["new_tokens"]) == (
+        expected.prefix,
+        expected.top1,
+        expected.whole,
+        N,
+    )
     assert 0.0 < got["top1"] < 1.0
     saved = json.loads((result.path / "qknorm_conversion.json").read_text())["calibration"]["agreement"]
     assert saved == got
@@ -187,10 +208,10 @@ def test_agreement_tokens_zero_skips_the_check(tmp_path):
     from hf_qknorm.conversion.calibrate import CalibrationSettings
     from test_convert_support import SHORT_TEXT, quiet
 
-    settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=0,
-                                   agreement_tokens=0)
-    result = hf_qknorm.convert(None, tmp_path / "out", calibration=settings, calibration_text=SHORT_TEXT,
-                               progress=False, log=quiet)
+    settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=0, agreement_tokens=0)
+    result = hf_qknorm.convert(
+        None, tmp_path / "out", calibration=settings, calibration_text=SHORT_TEXT, progress=False, log=quiet
+    )
     assert result.report.agreement is None and "answer agreement" not in result.report.summary()
     assert "Answers kept" not in (result.path / "README.md").read_text()
     with pytest.raises(ValueError, match="agreement_tokens must be >= 0"):

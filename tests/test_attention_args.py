@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_qknorm.portable.eager import capped_eager_attention
 from hf_qknorm.attention.interface import qknorm_attention_forward
+from hf_qknorm.portable.eager import capped_eager_attention
 from hf_qknorm.portable.masks import check_attention_args
 from hf_qknorm.reference import attention_reference
 
@@ -22,9 +22,11 @@ class _Mod(torch.nn.Module):
 
 def _qkv(tq=TQ, tk=TK, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, tq, D, generator=g, dtype=torch.float64),
-            torch.randn(B, HKV, tk, D, generator=g, dtype=torch.float64),
-            torch.randn(B, HKV, tk, D, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(B, H, tq, D, generator=g, dtype=torch.float64),
+        torch.randn(B, HKV, tk, D, generator=g, dtype=torch.float64),
+        torch.randn(B, HKV, tk, D, generator=g, dtype=torch.float64),
+    )
 
 
 FUNCTIONS = {"qknorm": qknorm_attention_forward, "eager": capped_eager_attention}
@@ -62,15 +64,18 @@ def test_an_integer_mask_is_refused(fn, dtype):
 
 
 @pytest.mark.parametrize("fn", list(FUNCTIONS))
-@pytest.mark.parametrize("kwargs,match", [
-    ({"scaling": float("nan")}, r"scaling must be a finite number, got nan"),
-    ({"scaling": float("inf")}, r"scaling must be a finite number, got inf"),
-    ({"scaling": "0.25"}, r"scaling must be a finite number, got '0.25'"),
-    ({"scaling": True}, r"scaling must be a finite number, got True"),
-    ({"dropout": -0.1}, r"dropout must be a probability in \[0, 1\), got -0.1"),
-    ({"dropout": 1.0}, r"dropout must be a probability in \[0, 1\), got 1.0"),
-    ({"dropout": float("nan")}, r"dropout must be a probability in \[0, 1\), got nan"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"scaling": float("nan")}, r"scaling must be a finite number, got nan"),
+        ({"scaling": float("inf")}, r"scaling must be a finite number, got inf"),
+        ({"scaling": "0.25"}, r"scaling must be a finite number, got '0.25'"),
+        ({"scaling": True}, r"scaling must be a finite number, got True"),
+        ({"dropout": -0.1}, r"dropout must be a probability in \[0, 1\), got -0.1"),
+        ({"dropout": 1.0}, r"dropout must be a probability in \[0, 1\), got 1.0"),
+        ({"dropout": float("nan")}, r"dropout must be a probability in \[0, 1\), got nan"),
+    ],
+)
 def test_scalar_arguments_are_checked(fn, kwargs, match):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=match):

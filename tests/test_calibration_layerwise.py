@@ -22,20 +22,36 @@ from test_convert_support import SHORT_TEXT, bundled_copy, quiet, save_source
 from tiny_models import VOCAB
 
 FAST = CalibrationSettings(block_len=32, calibration_blocks=4, eval_blocks=6, local_steps=10, batch_size=4)
-CASES = [("llama", "qk_norm", "rmsnorm"), ("mistral", "qk_norm_cap", "layernorm"), ("qwen2", "qkv_norm", "layernorm"),
-         ("qwen3", "qk_norm", "rmsnorm"), ("gpt2", "qkv_norm", "layernorm"), ("llama", "qk_norm", "lp"),
-         ("llama", "soft_cap", None)]
+CASES = [
+    ("llama", "qk_norm", "rmsnorm"),
+    ("mistral", "qk_norm_cap", "layernorm"),
+    ("qwen2", "qkv_norm", "layernorm"),
+    ("qwen3", "qk_norm", "rmsnorm"),
+    ("gpt2", "qkv_norm", "layernorm"),
+    ("llama", "qk_norm", "lp"),
+    ("llama", "soft_cap", None),
+]
 # a Qwen2 whose layers differ in type (full then sliding attention): each block must get its own mask
-OVERRIDES = {"qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                           layer_types=["full_attention", "sliding_attention"]),
-             "mistral": dict(sliding_window=8)}
+OVERRIDES = {
+    "qwen2": dict(
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"],
+    ),
+    "mistral": dict(sliding_window=8),
+}
 
 
 def _run(tmp_path, family, scheme, norm, settings=FAST, seed=0):
     model = save_source(tmp_path / "src", family, max_shard_size="60KB", **OVERRIDES.get(family, {}))
     source = inspect_source(tmp_path / "src")
-    cfg = QKNormConfig(scheme, norm=norm, p=3.0 if norm == "lp" else None,
-                       eps=float(getattr(source.config, source.family.eps_attr, 1e-6)))
+    cfg = QKNormConfig(
+        scheme,
+        norm=norm,
+        p=3.0 if norm == "lp" else None,
+        eps=float(getattr(source.config, source.family.eps_attr, 1e-6)),
+    )
     gen = torch.Generator().manual_seed(seed)
     calib = torch.randint(0, VOCAB, (settings.calibration_blocks, settings.block_len), generator=gen)
     held = torch.randint(0, VOCAB, (settings.eval_blocks, settings.block_len), generator=gen)
@@ -45,8 +61,9 @@ def _run(tmp_path, family, scheme, norm, settings=FAST, seed=0):
 
 
 def _patched(model, cfg, values):
-    hf_qknorm.patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap,
-                          eps=cfg.eps, p=cfg.p)
+    hf_qknorm.patch_model(
+        model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps, p=cfg.p
+    )
     params = new_norm_parameters(model)
     assert set(params) == set(values)
     with torch.no_grad():
@@ -80,8 +97,11 @@ def test_one_block_in_memory_at_a_time(tmp_path, monkeypatch):
     def spy(self, i, values):
         pair = original_block(self, i, values)
         for model in (self.original, self.patched):
-            real = {n.split(".")[2] for n, p in model.named_parameters()
-                    if p.device.type != "meta" and n.startswith(self.prefix)}
+            real = {
+                n.split(".")[2]
+                for n, p in model.named_parameters()
+                if p.device.type != "meta" and n.startswith(self.prefix)
+            }
             seen.append(real)
         return pair
 
@@ -109,15 +129,23 @@ def test_bundled_model_recovers_without_distillation(tmp_path):
     """On the bundled tiny Llama the layer-wise fit alone removes most of identity init's perplexity increase, and
     more than the closed form; the written folder is the model that was measured."""
     settings = CalibrationSettings(block_len=128, calibration_blocks=8, eval_blocks=8, local_steps=60)
-    result = convert(None, tmp_path / "out", config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
-                     calibration=settings, calibration_text=SHORT_TEXT, progress=False, log=quiet)
+    result = convert(
+        None,
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
+        calibration=settings,
+        calibration_text=SHORT_TEXT,
+        progress=False,
+        log=quiet,
+    )
     r = result.report
     assert r.steps == 0 and r.kl_start is None and r.local_steps == 60
     assert r.recovered > 0.9, r.summary()
     assert r.ppl_calibrated < r.ppl_least_squares < r.ppl_identity
+    from transformers import AutoTokenizer
+
     from hf_qknorm.conversion.converter import _blocks
     from hf_qknorm.data import split_text
-    from transformers import AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(result.path)  # a plain qwen3 folder
     blocks = _blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), 128, 8, "held")
@@ -163,7 +191,8 @@ def test_new_settings_are_validated():
 
 
 def test_cli_defaults_are_the_library_defaults():
-    """An empty command line builds exactly the library's default settings (the flags carry no defaults of their own)."""
+    """An empty command line builds exactly the library's default settings (the flags carry no defaults of their
+    own)."""
     import argparse
 
     from hf_qknorm.cli.convert import _add_convert
@@ -179,12 +208,20 @@ def test_bf16_source_calibrates_against_the_written_bits(tmp_path):
     reproduces the reported calibrated perplexity."""
     src = bundled_copy(tmp_path / "src", dtype=torch.bfloat16)
     settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=10)
-    result = convert(src, tmp_path / "out", config=QKNormConfig(scheme="qkv_norm", norm="rmsnorm"),
-                     calibration=settings, calibration_text=SHORT_TEXT, progress=False, log=quiet)
+    result = convert(
+        src,
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qkv_norm", norm="rmsnorm"),
+        calibration=settings,
+        calibration_text=SHORT_TEXT,
+        progress=False,
+        log=quiet,
+    )
     model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32)
+    from transformers import AutoTokenizer
+
     from hf_qknorm.conversion.converter import _blocks
     from hf_qknorm.data import split_text
-    from transformers import AutoTokenizer
 
     blocks = _blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), 64, 4, "held")
     # the norm values are rounded to bf16 when written: close, not equal
@@ -200,15 +237,32 @@ def test_cli_logs_progress_when_stderr_is_not_a_terminal(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(SHORT_TEXT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    cmd = [sys.executable, "-m", "hf_qknorm.cli", "convert", "--calibration-text", str(text), "--block-len", "64",
-           "--calibration-blocks", "2", "--eval-blocks", "2", "--local-steps", "3", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_qknorm.cli",
+        "convert",
+        "--calibration-text",
+        str(text),
+        "--block-len",
+        "64",
+        "--calibration-blocks",
+        "2",
+        "--eval-blocks",
+        "2",
+        "--local-steps",
+        "3",
+        "--threads",
+        "1",
+    ]
     out = subprocess.run(cmd + ["-o", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "calibrating layer by layer: started (4 layers)" in out.stderr
     assert "calibrating layer by layer: done, 4/4 layers in" in out.stderr
     assert "\r" not in out.stderr  # no progress bar redraws in a log
-    quiet_run = subprocess.run(cmd + ["-o", str(tmp_path / "b"), "--quiet"], capture_output=True, text=True,
-                               env=env, timeout=600)
+    quiet_run = subprocess.run(
+        cmd + ["-o", str(tmp_path / "b"), "--quiet"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert quiet_run.returncode == 0 and "calibrating layer by layer" not in quiet_run.stderr
 
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import hf_qknorm.conversion.converter as converter
+from hf_qknorm import QKNormConfig
 from hf_qknorm.cli.main import main
 from test_convert_support import leftovers, save_source
-from hf_qknorm import QKNormConfig
 
 QUICK = ["--no-calibration", "--quiet", "--verify", "plugin"]
 
@@ -109,8 +109,12 @@ def test_read_only_destination(src, tmp_path, capsys, monkeypatch):
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_real_full_and_read_only_file_system(src, tmp_path, capsys):
@@ -155,8 +159,12 @@ def test_json_list_as_config(src, tmp_path, capsys, text, kind):
     """A config.json that is valid JSON but no object: one line naming the file and what it holds, from every
     command (our own check: Transformers' own message for it differs between versions)."""
     (src / "config.json").write_text(text)
-    for argv in (["convert", src, tmp_path / "o", *QUICK], ["inspect", src], ["verify", src],
-                 ["verify", src, "--no-plugin"]):
+    for argv in (
+        ["convert", src, tmp_path / "o", *QUICK],
+        ["inspect", src],
+        ["verify", src],
+        ["verify", src, "--no-plugin"],
+    ):
         code, _, err = run(capsys, *argv)
         line = one_line(err)
         assert code == 2 and f"config.json is not a model config: a JSON {kind}, not an object" in line, (argv, line)
@@ -167,7 +175,7 @@ def _overlapping(path: Path) -> tuple[str, str]:
     """Rewrite a safetensors file so that two tensors of the same size share their bytes."""
     data = path.read_bytes()
     n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     by_size: dict[int, list[str]] = {}
     for key, info in header.items():
         if key != "__metadata__":
@@ -176,7 +184,7 @@ def _overlapping(path: Path) -> tuple[str, str]:
     a, b = next(sorted(keys)[:2] for keys in by_size.values() if len(keys) >= 2)
     header[b]["data_offsets"] = list(header[a]["data_offsets"])  # b would silently read a's values
     raw = json.dumps(header).encode()
-    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
     return a, b
 
 
@@ -239,10 +247,12 @@ def test_invalid_repo_id_fails_before_any_work(src, tmp_path, capsys, monkeypatc
 # usage errors, internal errors, --debug
 # --------------------------------------------------------------------------------------------------------------------
 def test_usage_errors_are_one_line(capsys):
-    for argv, needle in ((["convert", "--threads", "x"], "--threads: invalid int value: 'x'"),
-                         (["convert", "--export", "onnx"], "invalid choice: 'onnx'"),
-                         ([], "the following arguments are required: command"),
-                         (["frobnicate"], "invalid choice: 'frobnicate'")):
+    for argv, needle in (
+        (["convert", "--threads", "x"], "--threads: invalid int value: 'x'"),
+        (["convert", "--export", "onnx"], "invalid choice: 'onnx'"),
+        ([], "the following arguments are required: command"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2 and needle in one_line(capsys.readouterr().err)
@@ -267,8 +277,12 @@ def test_internal_error_and_debug(src, tmp_path, capsys, monkeypatch):
 
 def test_module_entry_point_exit_status(tmp_path):
     """`python -m hf_qknorm.cli` (the console script calls the same main): the status reaches the shell."""
-    res = subprocess.run([sys.executable, "-m", "hf_qknorm.cli", "inspect", str(tmp_path / "none")],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "hf_qknorm.cli", "inspect", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2 and res.stderr.strip() == f"error: folder not found: {tmp_path / 'none'}"
 
 
@@ -278,8 +292,15 @@ def test_module_entry_point_exit_status(tmp_path):
 def test_inspect_prints_norm_statistics(src, tmp_path, capsys):
     import hf_qknorm
 
-    result = hf_qknorm.convert(src, tmp_path / "out", config=QKNormConfig(scheme="qkv_norm", norm="layernorm"),
-                               calibrate=False, progress=False, log=lambda *a: None, verify="plugin")
+    result = hf_qknorm.convert(
+        src,
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qkv_norm", norm="layernorm"),
+        calibrate=False,
+        progress=False,
+        log=lambda *a: None,
+        verify="plugin",
+    )
     from safetensors.torch import load_file
 
     weights = load_file(result.path / "model.safetensors")
@@ -291,8 +312,10 @@ def test_inspect_prints_norm_statistics(src, tmp_path, capsys):
     assert code == 0 and '"scheme": "qkv_norm"' in out
     rows = [line for line in out.splitlines() if line.startswith("| 1 | v_norm.weight")]
     t = torch.linspace(-1.0, 3.0, 16, dtype=torch.float64)
-    assert rows == [f"| 1 | v_norm.weight | (16,) | {t.mean().item():.4g} | {t.std(unbiased=False).item():.4g} | "
-                    f"-1 | 3 | F32 | ok |"]
+    assert rows == [
+        f"| 1 | v_norm.weight | (16,) | {t.mean().item():.4g} | {t.std(unbiased=False).item():.4g} | "
+        f"-1 | 3 | F32 | ok |"
+    ]
     names = [line.split(" | ")[1] for line in out.splitlines() if line.startswith("| 0 |")]
     assert names == ["q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias", "v_norm.weight", "v_norm.bias"]
     code, out, _ = run(capsys, "inspect", src)  # an unconverted Llama has no norms to show
@@ -308,13 +331,21 @@ def test_short_calibration_files_are_named(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("short.txt").write_text(bundled_text()[:3000])  # ~800 tokens: enough to calibrate, its last 10% is not
     Path("tiny.txt").write_text(bundled_text()[:100])
-    cases = [(["--calibration-text", "short.txt"], r"the held-out last 10% of the calibration text 'short.txt' "
-                                                   r"\(no eval text was given\) is too short: \d+ tokens, and one "
-                                                   r"block of 256 tokens \(255 of text \+ BOS\) is needed"),
-             (["--calibration-text", "tiny.txt"], r"^error: calibration text 'tiny.txt' is too short: \d+ tokens"),
-             (["--calibration-text", "short.txt", "--eval-text", "tiny.txt"], r"^error: eval text 'tiny.txt' is too "
-                                                                              r"short"),
-             (["--calibration-text", "nosuch"], r"^error: calibration text: text file not found: 'nosuch'")]
+    cases = [
+        (
+            ["--calibration-text", "short.txt"],
+            r"the held-out last 10% of the calibration text 'short.txt' "
+            r"\(no eval text was given\) is too short: \d+ tokens, and one "
+            r"block of 256 tokens \(255 of text \+ BOS\) is needed",
+        ),
+        (["--calibration-text", "tiny.txt"], r"^error: calibration text 'tiny.txt' is too short: \d+ tokens"),
+        (
+            ["--calibration-text", "short.txt", "--eval-text", "tiny.txt"],
+            r"^error: eval text 'tiny.txt' is too "
+            r"short",
+        ),
+        (["--calibration-text", "nosuch"], r"^error: calibration text: text file not found: 'nosuch'"),
+    ]
     for extra, pattern in cases:
         code, _, err = run(capsys, "convert", "-o", tmp_path / "o", "--quiet", *extra)
         assert code == 2 and re.search(pattern, one_line(err)), err
@@ -324,8 +355,9 @@ def test_short_calibration_files_are_named(tmp_path, capsys, monkeypatch):
 def test_inspect_flags_norm_weights_that_do_not_match_the_scheme(tmp_path, capsys):
     """Rows a saved folder lacks are shown as MISSING (they used to be left out), and rows it should not have, of
     another shape or not floating point, are flagged; exit 1 (issue 22)."""
-    import hf_qknorm
     from safetensors.torch import load_file, save_file
+
+    import hf_qknorm
     from tiny_models import tiny_model
 
     model = tiny_model("llama")
@@ -347,8 +379,9 @@ def test_inspect_flags_norm_weights_that_do_not_match_the_scheme(tmp_path, capsy
     assert rows[("| 0", "q_norm.bias")].endswith("| UNEXPECTED: not a weight of qk_norm / rmsnorm |")
     assert rows[("| 1", "k_norm.weight")].endswith("| I64 | not floating point |")
     assert rows[("| 1", "q_norm.weight")].endswith("| shape (32,), the scheme needs (16,) |")
-    assert out.rstrip().splitlines()[-1] == ("norm weights do not match the scheme: 4 tensors flagged above "
-                                             "(hf-qknorm verify fails this folder)")
+    assert out.rstrip().splitlines()[-1] == (
+        "norm weights do not match the scheme: 4 tensors flagged above (hf-qknorm verify fails this folder)"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -366,8 +399,9 @@ def test_convert_names_a_config_that_disagrees_with_the_weights(src, tmp_path, c
     code, _, err = run(capsys, "convert", src, tmp_path / "o", *QUICK)
     line = one_line(err)
     assert code == 2 and "config.json disagrees with the weights" in line, line
-    assert re.search(r"model\.embed_tokens\.weight is \(128, 64\) in model\.safetensors, \(128, 128\) by config\.json",
-                     line), line
+    assert re.search(
+        r"model\.embed_tokens\.weight is \(128, 64\) in model\.safetensors, \(128, 128\) by config\.json", line
+    ), line
     cfg["hidden_size"] = 64
     (src / "config.json").write_text(json.dumps(cfg))
     sd = load_file(src / "model.safetensors")
@@ -400,13 +434,25 @@ def test_convert_without_a_tokenizer_says_so(src, tmp_path, capsys):
 def test_convert_prints_answer_agreement_beside_perplexity(tmp_path, capsys):
     """The figure a user reads before pushing: on the line after the perplexity verdict; --agreement-tokens 0
     leaves it out."""
-    small = ["--block-len", "64", "--calibration-blocks", "4", "--eval-blocks", "4", "--local-steps", "3", "--quiet",
-             "--verify", "plugin"]
+    small = [
+        "--block-len",
+        "64",
+        "--calibration-blocks",
+        "4",
+        "--eval-blocks",
+        "4",
+        "--local-steps",
+        "3",
+        "--quiet",
+        "--verify",
+        "plugin",
+    ]
     code, out, _ = run(capsys, "convert", "-o", tmp_path / "a", *small, "--agreement-tokens", "4", "--json")
     lines = out.splitlines()
     verdict = next(i for i, line in enumerate(lines) if "of identity init's perplexity increase" in line)
-    assert code == 0 and lines[verdict + 1].startswith("answer agreement with the original on 46 prompts "
-                                                        "(greedy, first 4 new tokens): prefix ")
+    assert code == 0 and lines[verdict + 1].startswith(
+        "answer agreement with the original on 46 prompts (greedy, first 4 new tokens): prefix "
+    )
     report = json.loads(lines[-1])["report"]
     assert f"prefix {100 * report['agreement']['prefix']:.1f}%" in lines[verdict + 1]
     code, out, _ = run(capsys, "convert", "-o", tmp_path / "b", *small, "--agreement-tokens", "0")

@@ -110,9 +110,18 @@ def test_convert_takes_config_objects_and_warns_on_the_old_keywords(tmp_path):
     assert cfg == QKNormConfig("qk_norm") and cal == CalibrationSettings() and hub == HubSettings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg, cal, hub = settings_objects(None, None, None, {"scheme": "qkv_norm", "norm": "rmsnorm",
-                                                             "settings": CalibrationSettings(block_len=8),
-                                                             "push_to_hub": "me/x", "private": True})
+        cfg, cal, hub = settings_objects(
+            None,
+            None,
+            None,
+            {
+                "scheme": "qkv_norm",
+                "norm": "rmsnorm",
+                "settings": CalibrationSettings(block_len=8),
+                "push_to_hub": "me/x",
+                "private": True,
+            },
+        )
     assert cfg == QKNormConfig("qkv_norm", "rmsnorm") and cal.block_len == 8
     assert hub == HubSettings(repo_id="me/x", private=True)
     assert len(caught) == 3 and all(w.category is FutureWarning for w in caught)

@@ -17,7 +17,6 @@ import torch
 import hf_qknorm
 from tiny_models import VOCAB, tiny_model
 
-
 CASES = [("llama", "qk_norm_cap", "layernorm"), ("gpt2", "qkv_norm", "layernorm"), ("mistral", "qk_norm", "lp")]
 
 
@@ -31,8 +30,13 @@ def _inputs(seed=0):
 
 def _patched(family, scheme, norm, dtype=torch.float32):
     model = tiny_model(family, dtype=dtype)
-    hf_qknorm.patch_model(model, scheme, norm=norm, p=3.0 if norm == "lp" else None,
-                          softcap=2.0 if scheme in ("soft_cap", "qk_norm_cap") else None)
+    hf_qknorm.patch_model(
+        model,
+        scheme,
+        norm=norm,
+        p=3.0 if norm == "lp" else None,
+        softcap=2.0 if scheme in ("soft_cap", "qk_norm_cap") else None,
+    )
     return model
 
 
@@ -42,8 +46,11 @@ def test_no_graph_breaks_in_the_attention_path(family, scheme, norm):
     ids, mask = _inputs()
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(model)(ids, attention_mask=mask, labels=ids)
-    in_attention = [r for r in explanation.break_reasons
-                    if any("hf_qknorm" in frame.filename or "Attention" in frame.name for frame in r.user_stack)]
+    in_attention = [
+        r
+        for r in explanation.break_reasons
+        if any("hf_qknorm" in frame.filename or "Attention" in frame.name for frame in r.user_stack)
+    ]
     assert in_attention == [], [r.reason for r in in_attention]
     if family != "gpt2":  # GPT-2's loss path logs a transformers warning, a break outside attention
         assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
@@ -76,8 +83,10 @@ def test_compiled_matches_eager_and_the_monitor_traces_in():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
-@pytest.mark.skipif(os.environ.get("HF_QKNORM_TEST_INDUCTOR") != "1", reason="Inductor on CPU takes minutes; "
-                    "set HF_QKNORM_TEST_INDUCTOR=1")
+@pytest.mark.skipif(
+    os.environ.get("HF_QKNORM_TEST_INDUCTOR") != "1",
+    reason="Inductor on CPU takes minutes; set HF_QKNORM_TEST_INDUCTOR=1",
+)
 def test_inductor_matches_eager():
     eager = _patched("llama", "qk_norm_cap", "layernorm").train()
     model = _patched("llama", "qk_norm_cap", "layernorm").train()

@@ -11,14 +11,30 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import conversion_recovery as cr
 
-TINY = dict(steps=3, warmup=1, batch_size=2, context=64, eval_every=1, eval_blocks=2, final_eval_blocks=4,
-            calibration=dict(block_len=64, calibration_blocks=4, eval_blocks=4, steps=2, batch_size=2))
+TINY = dict(
+    steps=3,
+    warmup=1,
+    batch_size=2,
+    context=64,
+    eval_every=1,
+    eval_blocks=2,
+    final_eval_blocks=4,
+    calibration=dict(block_len=64, calibration_blocks=4, eval_blocks=4, steps=2, batch_size=2),
+)
 
 
 def test_arms_cover_every_scheme_and_init():
     tags = [a.tag() for a in cr.arms({})]
-    assert tags == ["original", "soft_cap", "qk_norm_identity", "qk_norm_calibrated", "qk_norm_cap_identity",
-                    "qk_norm_cap_calibrated", "qkv_norm_identity", "qkv_norm_calibrated"]
+    assert tags == [
+        "original",
+        "soft_cap",
+        "qk_norm_identity",
+        "qk_norm_calibrated",
+        "qk_norm_cap_identity",
+        "qk_norm_cap_calibrated",
+        "qkv_norm_identity",
+        "qkv_norm_calibrated",
+    ]
 
 
 def test_recovery_metrics():
@@ -45,12 +61,18 @@ def test_report_needs_the_control_arm():
 
 def test_runs_and_report(tmp_path):
     out, work = tmp_path / "runs", tmp_path / "work"
-    cfgs = [cr.ArmConfig(**TINY), cr.ArmConfig(scheme="qk_norm", init="identity", **TINY),
-            cr.ArmConfig(scheme="qk_norm", init="calibrated", **TINY)]
+    cfgs = [
+        cr.ArmConfig(**TINY),
+        cr.ArmConfig(scheme="qk_norm", init="identity", **TINY),
+        cr.ArmConfig(scheme="qk_norm", init="calibrated", **TINY),
+    ]
     for c in cfgs:
         cr.run_job(c, str(out), str(work))
-    assert sorted(p.name for p in out.glob("*.json")) == ["original.json", "qk_norm_calibrated.json",
-                                                          "qk_norm_identity.json"]
+    assert sorted(p.name for p in out.glob("*.json")) == [
+        "original.json",
+        "qk_norm_calibrated.json",
+        "qk_norm_identity.json",
+    ]
     assert not any(work.iterdir())  # converted checkpoints are removed once their arm is recorded
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     for r in runs:
@@ -63,7 +85,11 @@ def test_runs_and_report(tmp_path):
     s = cr.write_report(runs, tmp_path / "report")
     arms = s["arms"]
     assert arms["original"]["gap_after_conversion_pct"] == 0.0
-    assert 0 < arms["qk_norm_calibrated"]["gap_after_conversion_pct"] < arms["qk_norm_identity"]["gap_after_conversion_pct"]
+    assert (
+        0
+        < arms["qk_norm_calibrated"]["gap_after_conversion_pct"]
+        < arms["qk_norm_identity"]["gap_after_conversion_pct"]
+    )
     table = (tmp_path / "report" / "table.md").read_text()
     assert "| qk_norm_identity |" in table and "| qk_norm_calibrated |" in table
     assert (tmp_path / "report" / "loss_vs_step.png").stat().st_size > 0

@@ -12,13 +12,12 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_qknorm
-from hf_qknorm import convert
+from hf_qknorm import QKNormConfig, convert
 from hf_qknorm.conversion.calibrate import CalibrationSettings
 from hf_qknorm.conversion.converter import _blocks
 from hf_qknorm.data import bundled_model_dir, split_text
 from test_convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source, tree_hash
 from tiny_models import VOCAB, tiny_model
-from hf_qknorm import QKNormConfig
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +38,17 @@ def test_bundled_conversion_report_and_files(bundled_result):
     assert report.kl_end <= report.kl_start
     assert len(report.layers) == 4 and all(len(s.q_rms) == 4 and len(s.k_rms) == 2 for s in report.layers)
     assert all(s.max_logit_original > 0 and s.max_logit_converted > 0 for s in report.layers)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "README.md", "modeling_qknorm.py", "configuration_qknorm.py",
-                 "qknorm_conversion.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "README.md",
+        "modeling_qknorm.py",
+        "configuration_qknorm.py",
+        "qknorm_conversion.json",
+    ):
         assert name in result.files
     src = bundled_model_dir()
     for name in ("tokenizer.json", "generation_config.json"):  # carried over byte for byte
@@ -69,8 +76,16 @@ def test_written_model_is_the_calibrated_model(bundled_result):
 
 def test_bf16_source_stays_bf16(tmp_path):
     src = bundled_copy(tmp_path / "src", dtype=torch.bfloat16)
-    result = convert(src, tmp_path / "out", config=QKNormConfig(scheme="qkv_norm", norm="rmsnorm"), calibration=SMALL,
-                     calibration_text=SHORT_TEXT, progress=False, log=quiet, verify="plugin")
+    result = convert(
+        src,
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qkv_norm", norm="rmsnorm"),
+        calibration=SMALL,
+        calibration_text=SHORT_TEXT,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
     with safe_open(result.path / "model.safetensors", framework="pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
         assert "model.layers.0.self_attn.v_norm.weight" in f.keys()
@@ -82,8 +97,9 @@ def test_bf16_source_stays_bf16(tmp_path):
     assert result.report.ppl_calibrated < result.report.ppl_identity
 
 
-@pytest.mark.parametrize("scheme,norm", [("qk_norm_cap", "layernorm"), ("qkv_norm", "layernorm"), ("qk_norm", "lp"),
-                                         ("soft_cap", None)])
+@pytest.mark.parametrize(
+    "scheme,norm", [("qk_norm_cap", "layernorm"), ("qkv_norm", "layernorm"), ("qk_norm", "lp"), ("soft_cap", None)]
+)
 def test_sharded_identity_conversion_equals_patch_model(tmp_path, scheme, norm):
     """Without calibration the written checkpoint is exactly ``patch_model`` of the source, shard by shard
     (including the qkv_norm fold of the pre-norm into the projections)."""
@@ -91,8 +107,15 @@ def test_sharded_identity_conversion_equals_patch_model(tmp_path, scheme, norm):
     index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2
-    result = convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme=scheme, norm=norm,
-                     p=3.0 if norm == "lp" else None), calibrate=False, progress=False, log=quiet, verify="plugin")
+    result = convert(
+        tmp_path / "src",
+        tmp_path / "out",
+        config=QKNormConfig(scheme=scheme, norm=norm, p=3.0 if norm == "lp" else None),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
     assert result.report is None
     out_index = json.loads((result.path / "model.safetensors.index.json").read_text())
     assert sorted(set(out_index["weight_map"].values())) == shards
@@ -117,8 +140,15 @@ def test_gpt2_qkv_norm_fold_with_unprefixed_names(tmp_path):
     path = tmp_path / "src" / "model.safetensors"
     tensors = load_file(path)
     save_file({k.removeprefix("transformer."): v.contiguous() for k, v in tensors.items()}, path, {"format": "pt"})
-    result = convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qkv_norm"), calibrate=False,
-                     progress=False, log=quiet, verify="plugin")
+    result = convert(
+        tmp_path / "src",
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qkv_norm"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
     with safe_open(result.path / "model.safetensors", framework="pt") as f:
         assert "h.0.attn.v_norm.bias" in f.keys() and "h.0.ln_1.weight" not in f.keys()
     hf_qknorm.patch_model(model, "qkv_norm")
@@ -129,8 +159,15 @@ def test_gpt2_qkv_norm_fold_with_unprefixed_names(tmp_path):
 
 def test_qwen3_native_norm_carried_without_calibration(tmp_path):
     model = save_source(tmp_path / "src", "qwen3")
-    result = convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qk_norm_cap"), calibrate=False,
-                     progress=False, log=quiet, verify="plugin")
+    result = convert(
+        tmp_path / "src",
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qk_norm_cap"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
     hf_qknorm.patch_model(model, "qk_norm_cap")  # carries Qwen3's q/k norm gain into the layernorm
     loaded = AutoModelForCausalLM.from_pretrained(result.path)
     ids = torch.randint(0, VOCAB, (1, 9))
@@ -157,8 +194,15 @@ def test_writing_streams_one_shard_at_a_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors, "safe_open", spy_open)
     monkeypatch.setattr(safetensors.torch, "save_file", spy_save)
-    convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qk_norm"), calibrate=False,
-            progress=False, log=quiet, verify="plugin")
+    convert(
+        tmp_path / "src",
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qk_norm"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
     io = [e for e in events if e[1].startswith("model-")]
     assert io and all(io[i][0] == "read" and io[i + 1] == ("write", io[i][1]) for i in range(0, len(io), 2))
 
@@ -189,8 +233,14 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(export, "copy_side_files", boom)
     with pytest.raises(RuntimeError, match="disk full"):
-        convert(tmp_path / "src", tmp_path / "new" / "deeper" / "out", calibrate=False, progress=False, log=quiet,
-                verify="plugin")
+        convert(
+            tmp_path / "src",
+            tmp_path / "new" / "deeper" / "out",
+            calibrate=False,
+            progress=False,
+            log=quiet,
+            verify="plugin",
+        )
     assert not (tmp_path / "new").exists() and leftovers(tmp_path) == []
 
 
@@ -231,8 +281,9 @@ def test_bad_inputs_name_the_problem(tmp_path):
     LlamaModel(tiny_model("llama").config).save_pretrained(tmp_path / "base")
     with pytest.raises(ValueError, match="not a causal language model"):
         convert(tmp_path / "base", tmp_path / "o5", **run)
-    BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=37)).save_pretrained(tmp_path / "bert")
+    BertModel(
+        BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)
+    ).save_pretrained(tmp_path / "bert")
     with pytest.raises(ValueError, match="unsupported model family 'bert'"):
         convert(tmp_path / "bert", tmp_path / "o6", **run)
     convert(tmp_path / "src", tmp_path / "done", calibrate=False, **run)
@@ -249,13 +300,29 @@ def test_calibration_needs_a_tokenizer_and_enough_text(tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         convert(tmp_path / "src", tmp_path / "o", calibration=SMALL, progress=False, log=quiet, verify="plugin")
     bundled_copy(tmp_path / "tiny")
-    with pytest.raises(ValueError, match=r"calibration text \(the 31-character string given\) is too short: 10 "
-                                         r"tokens, and one block of 64 tokens \(63 of text \+ BOS\) is needed"):
-        convert(tmp_path / "tiny", tmp_path / "o", calibration=SMALL,
-                calibration_text="To be or not to be.\nThat is it.", progress=False, log=quiet, verify="plugin")
+    with pytest.raises(
+        ValueError,
+        match=r"calibration text \(the 31-character string given\) is too short: 10 "
+        r"tokens, and one block of 64 tokens \(63 of text \+ BOS\) is needed",
+    ):
+        convert(
+            tmp_path / "tiny",
+            tmp_path / "o",
+            calibration=SMALL,
+            calibration_text="To be or not to be.\nThat is it.",
+            progress=False,
+            log=quiet,
+            verify="plugin",
+        )
     with pytest.raises(FileNotFoundError, match="text file not found"):
-        convert(tmp_path / "tiny", tmp_path / "o", calibration_text="no/such/file.txt", progress=False, log=quiet,
-                verify="plugin")
+        convert(
+            tmp_path / "tiny",
+            tmp_path / "o",
+            calibration_text="no/such/file.txt",
+            progress=False,
+            log=quiet,
+            verify="plugin",
+        )
     assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
 
 
@@ -279,12 +346,25 @@ def test_calibrated_qwen3_export_is_the_calibrated_model(tmp_path):
     """Llama + rmsnorm qk_norm, calibrated, written as plain qwen3: Qwen3ForCausalLM reproduces the report."""
     from transformers import Qwen3ForCausalLM
 
-    result = convert(None, tmp_path / "q3", config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"), calibration=SMALL,
-                     calibration_text=SHORT_TEXT, progress=False, log=quiet, verify="plugin")
+    result = convert(
+        None,
+        tmp_path / "q3",
+        config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
+        calibration=SMALL,
+        calibration_text=SHORT_TEXT,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
     assert result.export == "qwen3"
     model = Qwen3ForCausalLM.from_pretrained(result.path)
-    blocks = _blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), SMALL.block_len,
-                     SMALL.eval_blocks, "held-out")
+    blocks = _blocks(
+        split_text(SHORT_TEXT, 0.1)[1],
+        AutoTokenizer.from_pretrained(result.path),
+        SMALL.block_len,
+        SMALL.eval_blocks,
+        "held-out",
+    )
     assert hf_qknorm.data.perplexity(model, blocks) == pytest.approx(result.report.ppl_calibrated, rel=1e-5)
     assert result.report.ppl_calibrated < result.report.ppl_identity
 
@@ -308,8 +388,15 @@ def test_patched_and_converted_models_start_from_the_same_norms(tmp_path, norm):
     patched = {n: p for n, p in model.state_dict().items() if "_norm." in n and ("q_norm" in n or "k_norm" in n)}
     if norm != "layernorm":
         assert patched["model.layers.0.self_attn.q_norm.weight"].item() == pytest.approx(henry_logit_scale(300))
-    result = convert(tmp_path / "src", tmp_path / "out", QKNormConfig("qk_norm", **kw), calibrate=False,
-                     progress=False, log=quiet, verify="off")
+    result = convert(
+        tmp_path / "src",
+        tmp_path / "out",
+        QKNormConfig("qk_norm", **kw),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="off",
+    )
     with safe_open(result.path / "model.safetensors", framework="pt") as f:
         for name, value in patched.items():
             torch.testing.assert_close(f.get_tensor(name), value, rtol=0, atol=0, msg=name)

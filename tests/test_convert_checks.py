@@ -14,9 +14,9 @@ import torch
 
 import hf_qknorm
 import hf_qknorm.conversion.converter as converter
+from hf_qknorm import QKNormConfig
 from hf_qknorm.conversion.checks import ConversionCheckError, check_report_finite
 from hf_qknorm.modeling import remote
-from hf_qknorm import QKNormConfig
 from test_convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source
 
 
@@ -29,8 +29,14 @@ def test_remote_code_that_skips_the_norm_fails_the_conversion(tmp_path, monkeypa
     would not. Only verify="full" (the remote code in a process without hf_qknorm) can see it."""
     save_source(tmp_path / "src", "llama")
     real = remote.remote_files
-    ok = hf_qknorm.convert(tmp_path / "src", tmp_path / "ok", config=QKNormConfig(scheme="qk_norm_cap"),
-                           calibrate=False, progress=False, log=quiet)  # unbroken: passes the full verification
+    ok = hf_qknorm.convert(
+        tmp_path / "src",
+        tmp_path / "ok",
+        config=QKNormConfig(scheme="qk_norm_cap"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+    )  # unbroken: passes the full verification
     assert (ok.path / "model.safetensors").is_file()
 
     def edited():
@@ -43,14 +49,30 @@ def test_remote_code_that_skips_the_norm_fails_the_conversion(tmp_path, monkeypa
     monkeypatch.setattr(remote, "remote_files", edited)
     messages = []
     dst = tmp_path / "out"
-    with pytest.raises(ConversionCheckError, match=r"failed verification \(without hf_qknorm, through its remote "
-                                                   r"code\): norms DROPPED.*nothing was written"):
-        hf_qknorm.convert(tmp_path / "src", dst, config=QKNormConfig(scheme="qk_norm_cap"), calibrate=False,
-                          progress=False, log=messages.append)
+    with pytest.raises(
+        ConversionCheckError,
+        match=r"failed verification \(without hf_qknorm, through its remote "
+        r"code\): norms DROPPED.*nothing was written",
+    ):
+        hf_qknorm.convert(
+            tmp_path / "src",
+            dst,
+            config=QKNormConfig(scheme="qk_norm_cap"),
+            calibrate=False,
+            progress=False,
+            log=messages.append,
+        )
     _no_output(tmp_path, dst)
     assert any("FAILED" in m for m in messages)  # the verifier's table is logged
-    hf_qknorm.convert(tmp_path / "src", dst, config=QKNormConfig(scheme="qk_norm_cap"), calibrate=False,
-                      progress=False, log=quiet, verify="plugin")  # the plugin alone cannot see what the shipped code does
+    hf_qknorm.convert(
+        tmp_path / "src",
+        dst,
+        config=QKNormConfig(scheme="qk_norm_cap"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )  # the plugin alone cannot see what the shipped code does
     assert dst.is_dir()
 
 
@@ -73,8 +95,9 @@ def test_a_dropped_norm_weight_fails_the_conversion(tmp_path, monkeypatch, layer
     monkeypatch.setattr(converter, "write_weights", lossy)
     dst = tmp_path / "out"
     with pytest.raises(ConversionCheckError, match=f"written weights.*{key} is missing.*nothing was written"):
-        hf_qknorm.convert(tmp_path / "src", dst, config=QKNormConfig(scheme="qk_norm"), calibrate=False,
-                          progress=False, log=quiet)
+        hf_qknorm.convert(
+            tmp_path / "src", dst, config=QKNormConfig(scheme="qk_norm"), calibrate=False, progress=False, log=quiet
+        )
     _no_output(tmp_path, dst)
 
 
@@ -94,8 +117,15 @@ def test_a_config_that_lost_its_cap_fails_the_conversion(tmp_path, monkeypatch):
     monkeypatch.setattr(export, "write_config", wrong_cap)
     dst = tmp_path / "out"
     with pytest.raises(ConversionCheckError, match="loads as QKNormLlamaForCausalLM with scheme .*1000000.*not "):
-        hf_qknorm.convert(tmp_path / "src", dst, config=QKNormConfig(scheme="qk_norm_cap"), calibrate=False,
-                          progress=False, log=quiet, verify="plugin")
+        hf_qknorm.convert(
+            tmp_path / "src",
+            dst,
+            config=QKNormConfig(scheme="qk_norm_cap"),
+            calibrate=False,
+            progress=False,
+            log=quiet,
+            verify="plugin",
+        )
     _no_output(tmp_path, dst)
 
 
@@ -109,10 +139,19 @@ def test_a_source_that_computes_nan_fails_the_conversion(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(src)
     dst = tmp_path / "out"
     for value, error, match in (
-            (float("inf"), ValueError, r"source tensor model\.layers\.1\.mlp\.down_proj\.weight in model\.safetensors "
-                                       r"has 0 NaN and 512 infinite value\(s\)"),
-            (3e38, ConversionCheckError, r"report is not finite \(original perplexity (nan|inf).*source model itself.*"
-                                         r"nothing was written")):
+        (
+            float("inf"),
+            ValueError,
+            r"source tensor model\.layers\.1\.mlp\.down_proj\.weight in model\.safetensors "
+            r"has 0 NaN and 512 infinite value\(s\)",
+        ),
+        (
+            3e38,
+            ConversionCheckError,
+            r"report is not finite \(original perplexity (nan|inf).*source model itself.*"
+            r"nothing was written",
+        ),
+    ):
         with torch.no_grad():
             model.model.layers[1].mlp.down_proj.weight[0, :] = value
         model.save_pretrained(src)
@@ -141,9 +180,21 @@ def test_report_checks_every_number():
     from hf_qknorm.conversion.calibrate import CalibrationReport, LayerStats
 
     def report(**changes):
-        base = dict(scheme={}, ppl_original=10.0, ppl_identity=30.0, ppl_least_squares=12.0, ppl_calibrated=10.5,
-                    calibration_tokens=1000, eval_tokens=500, steps=5, kl_start=0.2, kl_end=0.01, seconds=1.0,
-                    layers=[LayerStats(0, [1.0], [1.0], [0.5], 40.0, 30.0)], cap=50.0)
+        base = dict(
+            scheme={},
+            ppl_original=10.0,
+            ppl_identity=30.0,
+            ppl_least_squares=12.0,
+            ppl_calibrated=10.5,
+            calibration_tokens=1000,
+            eval_tokens=500,
+            steps=5,
+            kl_start=0.2,
+            kl_end=0.01,
+            seconds=1.0,
+            layers=[LayerStats(0, [1.0], [1.0], [0.5], 40.0, 30.0)],
+            cap=50.0,
+        )
         return CalibrationReport(**{**base, **changes})
 
     check_report_finite(report())

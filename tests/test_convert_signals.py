@@ -42,11 +42,28 @@ def _start(tmp_path: Path, dst: Path) -> tuple[subprocess.Popen, Path]:
     save_source(tmp_path / "src", "llama", max_shard_size="40KB")
     (tmp_path / "slow.py").write_text(SLOW_CONVERT)
     ready = tmp_path / "ready"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "slow.py"), str(ready), "convert", str(tmp_path / "src"),
-                             str(dst), "--no-calibration", "--quiet", "--verify", "plugin"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(tmp_path / "slow.py"),
+            str(ready),
+            "convert",
+            str(tmp_path / "src"),
+            str(dst),
+            "--no-calibration",
+            "--quiet",
+            "--verify",
+            "plugin",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     deadline = time.time() + 300
     while not ready.exists():
         if proc.poll() is not None or time.time() > deadline:
@@ -83,8 +100,10 @@ def test_sigkill_leftovers_are_removed_by_the_next_run(tmp_path, capsys):
     code = main(["convert", str(tmp_path / "src"), str(dst), "--no-calibration", "--quiet", "--verify", "plugin"])
     out = capsys.readouterr().out
     assert code == 0 and (dst / "model.safetensors.index.json").is_file()
-    assert f"removed {tmp_path / stale[0]}, left by an interrupted conversion (process {proc.pid}, no longer " \
-           f"running)" in out
+    assert (
+        f"removed {tmp_path / stale[0]}, left by an interrupted conversion (process {proc.pid}, no longer "
+        f"running)" in out
+    )
     assert leftovers(tmp_path) == [live.name]  # still running: kept
 
 

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from hf_qknorm.conversion.calibrate import CalibrationSettings
-from hf_qknorm.data import bundled_model_dir, bundled_text
 from hf_qknorm.conversion.shards import check_safetensors
+from hf_qknorm.data import bundled_model_dir, bundled_text
 from tiny_models import tiny_model
 
 # Calibration small enough for tests (a few seconds on a CPU): 8 blocks of 64 tokens, 10 distillation steps.
-SMALL = CalibrationSettings(block_len=64, calibration_blocks=8, eval_blocks=4, steps=10, batch_size=4,
-                            agreement_tokens=4)  # the agreement check runs, short: CI time
+SMALL = CalibrationSettings(
+    block_len=64, calibration_blocks=8, eval_blocks=4, steps=10, batch_size=4, agreement_tokens=4
+)  # the agreement check runs, short: CI time
 SHORT_TEXT = bundled_text()[:40_000]  # tokenising the whole corpus takes seconds; calibration needs little
 
 
@@ -29,7 +30,7 @@ def save_source(path: Path, family: str = "llama", dtype=torch.float32, max_shar
     """A tiny ``family`` model with trained-looking norms (so folds and carried weights matter), saved to ``path``."""
     model = tiny_model(family, dtype=dtype, **overrides)
     with torch.no_grad():
-        for name, prm in model.named_parameters():
+        for prm in model.parameters():
             if prm.dim() == 1:
                 prm.add_(0.3 * torch.randn_like(prm))
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -53,8 +54,11 @@ def bundled_copy(path: Path, dtype=None) -> Path:
 
 def tree_hash(path: Path) -> dict[str, str]:
     """sha256 of every file under ``path`` (plus their modification times), to prove a folder was not touched."""
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() + f"@{p.stat().st_mtime_ns}"
-            for p in sorted(Path(path).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() + f"@{p.stat().st_mtime_ns}"
+        for p in sorted(Path(path).rglob("*"))
+        if p.is_file()
+    }
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -74,10 +78,16 @@ def test_check_safetensors_accepts_a_whole_file(tmp_path):
     assert "model.layers.0.self_attn.q_proj.weight" in header
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("short", "truncated"), ("huge_header", "header length"), ("bad_json", "corrupt header"),
-    ("past_end", "truncated"), ("wrong_size", "corrupt entry"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("short", "truncated"),
+        ("huge_header", "header length"),
+        ("bad_json", "corrupt header"),
+        ("past_end", "truncated"),
+        ("wrong_size", "corrupt entry"),
+    ],
+)
 def test_check_safetensors_names_the_problem(tmp_path, case, needle):
     path = tmp_path / "x.safetensors"
     entry = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}

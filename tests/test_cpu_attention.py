@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_qknorm.attention.interface import qknorm_attention_forward
 from hf_qknorm.attention.chunked import chunked_attention
+from hf_qknorm.attention.interface import qknorm_attention_forward
 from hf_qknorm.reference import allowed_reference, attention_reference
 
 
@@ -37,8 +37,7 @@ def test_chunked_matches_reference(tq, tk, causal, window, monkeypatch):
         args = (q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_())
         out = chunked_attention(*args, scaling=0.25, softcap=2.0, mask=m, causal=causal, sliding_window=window)
         ref_args = tuple(a.clone().requires_grad_() for a in (q, k, v))
-        ref = attention_reference(*ref_args, scaling=0.25, softcap=2.0, causal=causal, mask=m,
-                                  sliding_window=window)
+        ref = attention_reference(*ref_args, scaling=0.25, softcap=2.0, causal=causal, mask=m, sliding_window=window)
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
         go = torch.randn_like(out)
         for a, b in zip(torch.autograd.grad(out, args, go), torch.autograd.grad(ref, ref_args, go)):
@@ -110,8 +109,9 @@ def test_interface_function_gqa_and_layout(softcap):
 def test_interface_packed_cu_seq_lens(softcap):
     q, k, v = _qkv(1, 2, 2, 12, 12, 8)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    out, _ = qknorm_attention_forward(_Mod(), q, k, v, None, scaling=0.4, softcap=softcap, cu_seq_lens_q=cu,
-                                      cu_seq_lens_k=cu)
+    out, _ = qknorm_attention_forward(
+        _Mod(), q, k, v, None, scaling=0.4, softcap=softcap, cu_seq_lens_q=cu, cu_seq_lens_k=cu
+    )
     for a, b in ((0, 5), (5, 12)):
         ref = attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scaling=0.4, softcap=softcap)
         torch.testing.assert_close(out[:, a:b], ref.transpose(1, 2), rtol=1e-10, atol=1e-10)
@@ -141,8 +141,10 @@ def _flash_rule_errors(dtype, cap, scale, seed=0):
     ref = attention_reference(*ref_in, scaling=d**-0.5, softcap=cap)
     ref_grads = torch.autograd.grad(ref, ref_in, do)
     errors = []
-    for fn in (lambda q, k, v: chunked_attention(q, k, v, scaling=d**-0.5, softcap=cap),
-               lambda q, k, v: attention_reference(q, k, v, scaling=d**-0.5, softcap=cap)):
+    for fn in (
+        lambda q, k, v: chunked_attention(q, k, v, scaling=d**-0.5, softcap=cap),
+        lambda q, k, v: attention_reference(q, k, v, scaling=d**-0.5, softcap=cap),
+    ):
         low = [x.to(dtype).requires_grad_() for x in (q64, k64, v64)]
         out = fn(*low)
         grads = torch.autograd.grad(out, low, do.to(dtype))

@@ -16,14 +16,14 @@ import torch
 
 import hf_qknorm
 from hf_qknorm import kernels
-from hf_qknorm.attention import KernelFallbackError, KernelPolicy, current_kernel_policy, kernel_policy
-from hf_qknorm.attention import dispatch
+from hf_qknorm.attention import KernelFallbackError, KernelPolicy, current_kernel_policy, dispatch, kernel_policy
 from hf_qknorm.attention.interface import qknorm_attention_forward
 
 ON_CPU = ("cuda", "cpu")
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or
-                                       not kernels.is_available(),
-                                       reason="needs triton and TRITON_INTERPRET=1 (set by conftest without CUDA)")
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not kernels.is_available(),
+    reason="needs triton and TRITON_INTERPRET=1 (set by conftest without CUDA)",
+)
 
 
 class _Attn(torch.nn.Module):
@@ -94,8 +94,7 @@ def test_policy_is_per_thread():
             barrier.wait()
 
     with kernel_policy(devices=(), use_fallback=False):
-        threads = [threading.Thread(target=worker, args=("a", ON_CPU)), threading.Thread(target=worker,
-                                                                                         args=("b", ()))]
+        threads = [threading.Thread(target=worker, args=("a", ON_CPU)), threading.Thread(target=worker, args=("b", ()))]
         for t in threads:
             t.start()
         for t in threads:
@@ -128,15 +127,22 @@ def test_devices_route_cpu_to_the_kernels_and_empty_forces_pytorch(kernel_calls)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case,match", [
-    ("float64", r"dtype torch.float64 is not supported"),
-    ("dropout", r"no attention dropout \(dropout=0.1\)"),
-    ("weights", r"attention weights were requested"),
-    ("no-interpreter", r"no CUDA device|Triton's interpreter"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("float64", r"dtype torch.float64 is not supported"),
+        ("dropout", r"no attention dropout \(dropout=0.1\)"),
+        ("weights", r"attention weights were requested"),
+        ("no-interpreter", r"no CUDA device|Triton's interpreter"),
+    ],
+)
 def test_no_fallback_raises_with_the_reason(case, match, kernel_calls, monkeypatch):
-    kwargs = {"float64": dict(dtype=torch.float64), "dropout": dict(module=_Attn().train(), dropout=0.1),
-              "weights": dict(output_attentions=True), "no-interpreter": {}}[case]
+    kwargs = {
+        "float64": dict(dtype=torch.float64),
+        "dropout": dict(module=_Attn().train(), dropout=0.1),
+        "weights": dict(output_attentions=True),
+        "no-interpreter": {},
+    }[case]
     if case == "no-interpreter":
         monkeypatch.delenv("TRITON_INTERPRET")
     with kernel_policy(devices=ON_CPU, use_fallback=False):
@@ -154,8 +160,10 @@ def test_fallback_warns_once_and_computes_on_the_pytorch_path(kernel_calls, fres
         _forward(output_attentions=True)  # asked for explicitly: honoured without a warning
     assert kernel_calls == []
     warned = [r.getMessage() for r in caplog.records]
-    assert warned == ["qknorm attention: using the PyTorch path on cpu because dtype torch.float64 is not supported "
-                      "by the Triton kernels (float16, bfloat16, float32)."]
+    assert warned == [
+        "qknorm attention: using the PyTorch path on cpu because dtype torch.float64 is not supported "
+        "by the Triton kernels (float16, bfloat16, float32)."
+    ]
     with kernel_policy(devices=()):
         torch.testing.assert_close(out, _forward(dtype=torch.float64), rtol=0, atol=0)
 

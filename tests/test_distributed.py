@@ -19,17 +19,43 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[1]
 FSDP_STEPS, FSDP_BATCH = 3, 4
 
 
 def _recipe_args(out: Path, text: Path) -> list[str]:
-    return ["--text", str(text), "--out", str(out / "run"), "--max-steps", "3", "--batch-size", "2",
-            "--context", "32", "--hidden-size", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1",
-            "--eval-blocks", "2", "--monitor-every", "1", "--qk-lr-tau", "0.5", "--qk-clip-tau", "1.0",
-            "--logging-steps", "1",
-            "--dump-rank-state", str(out / "ddp")]
+    return [
+        "--text",
+        str(text),
+        "--out",
+        str(out / "run"),
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--context",
+        "32",
+        "--hidden-size",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--eval-blocks",
+        "2",
+        "--monitor-every",
+        "1",
+        "--qk-lr-tau",
+        "0.5",
+        "--qk-clip-tau",
+        "1.0",
+        "--logging-steps",
+        "1",
+        "--dump-rank-state",
+        str(out / "ddp"),
+    ]
 
 
 def _fsdp_batches():
@@ -57,9 +83,8 @@ def _worker(out: Path) -> None:
     sys.path[:0] = [str(ROOT / "recipes"), str(ROOT / "tests")]
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
     import train_scratch
+    from torch.distributed.fsdp import fully_shard
 
     train_scratch.main(_recipe_args(out, out / "text.txt"))  # DDP through Trainer; accelerate set up gloo
 
@@ -101,11 +126,31 @@ def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
     from hf_qknorm.data import bundled_text
 
     (tmp_path / "text.txt").write_text(bundled_text("tinyshakespeare")[:40_000], encoding="utf-8")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), __file__, "--worker", str(tmp_path)]
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        __file__,
+        "--worker",
+        str(tmp_path),
+    ]
+    env = {
+        **os.environ,
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 

@@ -13,26 +13,38 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # repository-relative paths of source, docs and scripts, as they are written in prose
-PATH = re.compile(r"(?<![\w./-])((?:hf_qknorm|tests|docs|recipes|benchmarks|scripts)/[\w./-]*\w\.(?:py|md|sh|jsonl|json))(?![\w])")
+PATH = re.compile(
+    r"(?<![\w./-])((?:hf_qknorm|tests|docs|recipes|benchmarks|scripts)/[\w./-]*\w\.(?:py|md|sh|jsonl|json))(?![\w])"
+)
 # a Markdown file named on its own: not part of a longer path, a URL or a link target (links: tests/test_readme.py)
 BARE_MD = re.compile(r"(?<![\w./-])(?<!\]\()([A-Za-z_][\w-]*\.md)(?![\w/])")
 OUTPUTS = ("benchmarks/results/",)  # written by the benchmark runs themselves
-SOURCES = [*sorted((ROOT / "hf_qknorm").rglob("*.py")), ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
-           *sorted((ROOT / "recipes").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+SOURCES = [
+    *sorted((ROOT / "hf_qknorm").rglob("*.py")),
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
+    *sorted((ROOT / "recipes").glob("*.py")),
+    *sorted((ROOT / "benchmarks").glob("*.py")),
+]
 
 
 def _md_names() -> set[str]:
     """The names of the Markdown files the repository holds (tracked or not yet committed), in any folder."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     names = {Path(line).name for line in out.stdout.splitlines()}
     return names or {p.name for p in ROOT.rglob("*.md")}  # not a git checkout (an sdist)
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_paths_exist(source):
-    missing = sorted({m for m in PATH.findall(source.read_text()) if not (ROOT / m).exists()
-                      and not m.startswith(OUTPUTS)})
+    missing = sorted(
+        {m for m in PATH.findall(source.read_text()) if not (ROOT / m).exists() and not m.startswith(OUTPUTS)}
+    )
     assert not missing, f"{source.relative_to(ROOT)} names missing files: {missing}"
 
 

@@ -10,24 +10,27 @@ from hf_qknorm import QKNormConfig
 from tiny_models import VOCAB, tiny_model
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"scheme": "qk_nrom"}, r"unknown scheme 'qk_nrom'.*'qk_norm', 'soft_cap', 'qk_norm_cap', 'qkv_norm'"),
-    ({"scheme": "qk_norm", "norm": "batchnorm"}, r"unknown norm 'batchnorm'.*'layernorm', 'rmsnorm', 'l2', 'lp'"),
-    ({"scheme": "qk_norm_cap", "softcap": 0}, r"softcap must be a positive finite number up to 1e\+06, got 0"),
-    ({"scheme": "qk_norm_cap", "softcap": 1e39}, r"got 1e\+39"),  # inf in float32: every logit would be NaN
-    ({"scheme": "qk_norm_cap", "softcap": True}, r"got True"),
-    ({"scheme": "qk_norm", "eps": True}, r"eps must be a positive finite number, got True"),
-    ({"scheme": "qk_norm", "norm": "lp", "p": True}, r"p must be a finite number >= 1 for norm 'lp', got True"),
-    ({"scheme": "qk_norm_cap", "softcap": -5.0}, r"got -5.0"),
-    ({"scheme": "soft_cap", "softcap": float("inf")}, r"got inf"),
-    ({"scheme": "qk_norm", "softcap": 30.0}, r"scheme 'qk_norm' has no cap.*capped schemes"),
-    ({"scheme": "soft_cap", "norm": "rmsnorm"}, r"'soft_cap' has no norm"),
-    ({"scheme": "qk_norm", "norm": "lp"}, r"norm 'lp' needs an exponent p"),
-    ({"scheme": "qk_norm", "norm": "lp", "p": 0.5}, r"p must be a finite number >= 1.*got 0.5"),
-    ({"scheme": "qk_norm", "norm": "rmsnorm", "p": 3}, r"p=3 only applies to norm 'lp'"),
-    ({"scheme": "qk_norm", "norm": "l2", "p": 3}, r"norm 'l2' is the Lp norm with p=2"),
-    ({"scheme": "qk_norm", "eps": -1e-6}, r"eps must be a positive finite number"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"scheme": "qk_nrom"}, r"unknown scheme 'qk_nrom'.*'qk_norm', 'soft_cap', 'qk_norm_cap', 'qkv_norm'"),
+        ({"scheme": "qk_norm", "norm": "batchnorm"}, r"unknown norm 'batchnorm'.*'layernorm', 'rmsnorm', 'l2', 'lp'"),
+        ({"scheme": "qk_norm_cap", "softcap": 0}, r"softcap must be a positive finite number up to 1e\+06, got 0"),
+        ({"scheme": "qk_norm_cap", "softcap": 1e39}, r"got 1e\+39"),  # inf in float32: every logit would be NaN
+        ({"scheme": "qk_norm_cap", "softcap": True}, r"got True"),
+        ({"scheme": "qk_norm", "eps": True}, r"eps must be a positive finite number, got True"),
+        ({"scheme": "qk_norm", "norm": "lp", "p": True}, r"p must be a finite number >= 1 for norm 'lp', got True"),
+        ({"scheme": "qk_norm_cap", "softcap": -5.0}, r"got -5.0"),
+        ({"scheme": "soft_cap", "softcap": float("inf")}, r"got inf"),
+        ({"scheme": "qk_norm", "softcap": 30.0}, r"scheme 'qk_norm' has no cap.*capped schemes"),
+        ({"scheme": "soft_cap", "norm": "rmsnorm"}, r"'soft_cap' has no norm"),
+        ({"scheme": "qk_norm", "norm": "lp"}, r"norm 'lp' needs an exponent p"),
+        ({"scheme": "qk_norm", "norm": "lp", "p": 0.5}, r"p must be a finite number >= 1.*got 0.5"),
+        ({"scheme": "qk_norm", "norm": "rmsnorm", "p": 3}, r"p=3 only applies to norm 'lp'"),
+        ({"scheme": "qk_norm", "norm": "l2", "p": 3}, r"norm 'l2' is the Lp norm with p=2"),
+        ({"scheme": "qk_norm", "eps": -1e-6}, r"eps must be a positive finite number"),
+    ],
+)
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         QKNormConfig(**kwargs)
@@ -53,8 +56,9 @@ def test_patch_errors_are_clear():
 def test_unsupported_models():
     from transformers import BertConfig, BertModel
 
-    bert = BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                intermediate_size=64))
+    bert = BertModel(
+        BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    )
     with pytest.raises(ValueError, match=r"unsupported model family 'bert'.*gpt2, llama, mistral, qwen2, qwen3"):
         hf_qknorm.patch_model(bert)
     with pytest.raises(TypeError, match="expected a Transformers model"):
@@ -87,17 +91,22 @@ def test_qknorm_attention_rejects_bias_masks():
             qknorm_attention_forward(torch.nn.Module(), q, q, q, None, softcap=cap)
 
 
-@pytest.mark.parametrize("entry,match", [
-    ({}, r"lacks \['scheme', 'norm', 'softcap', 'eps', 'p'\]"),
-    ({"scheme": "qk_norm_cap", "norm": "layernorm", "eps": 1e-6, "p": None}, r"lacks \['softcap'\]"),
-    ({"scheme": "qk_norm_cap", "norm": "layernorm", "softcap": None, "eps": 1e-6, "p": None},
-     r"softcap=None, but scheme 'qk_norm_cap' .* means softcap=50.0"),
-    ({"scheme": "qk_norm", "norm": "layernorm", "softcap": None, "eps": None, "p": None}, r"eps null"),
-    ({"scheme": "soft_cap", "norm": None, "softcap": 0, "eps": 1e-6, "p": None}, r"softcap must be .* got 0"),
-    ({"scheme": "qk_norm_capp", "norm": None, "softcap": 5.0, "eps": 1e-6, "p": None}, r"unknown scheme"),
-    ({"scheme": "qk_norm", "norm": "layernorm", "softcap": None, "eps": 1e-6, "p": None, "gain": 2}, r"'gain'"),
-    ([("scheme", "qk_norm")], r"config.qknorm must be a dict"),
-])
+@pytest.mark.parametrize(
+    "entry,match",
+    [
+        ({}, r"lacks \['scheme', 'norm', 'softcap', 'eps', 'p'\]"),
+        ({"scheme": "qk_norm_cap", "norm": "layernorm", "eps": 1e-6, "p": None}, r"lacks \['softcap'\]"),
+        (
+            {"scheme": "qk_norm_cap", "norm": "layernorm", "softcap": None, "eps": 1e-6, "p": None},
+            r"softcap=None, but scheme 'qk_norm_cap' .* means softcap=50.0",
+        ),
+        ({"scheme": "qk_norm", "norm": "layernorm", "softcap": None, "eps": None, "p": None}, r"eps null"),
+        ({"scheme": "soft_cap", "norm": None, "softcap": 0, "eps": 1e-6, "p": None}, r"softcap must be .* got 0"),
+        ({"scheme": "qk_norm_capp", "norm": None, "softcap": 5.0, "eps": 1e-6, "p": None}, r"unknown scheme"),
+        ({"scheme": "qk_norm", "norm": "layernorm", "softcap": None, "eps": 1e-6, "p": None, "gain": 2}, r"'gain'"),
+        ([("scheme", "qk_norm")], r"config.qknorm must be a dict"),
+    ],
+)
 def test_saved_scheme_entries_are_not_trusted(entry, match, tmp_path):
     """A saved config.qknorm is validated with the same rules, and nothing is filled in from defaults: a missing
     softcap must not load with cap 50. The same check runs in the remote code (it is the same module)."""

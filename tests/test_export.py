@@ -22,21 +22,29 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.conversion.export import qwen3_blocker, resolve_export
-from hf_qknorm.portable.families import get_family
 from hf_qknorm.modeling.remote import add_remote_code, remote_files
+from hf_qknorm.portable.families import get_family
 from hf_qknorm.portable.schemes import QKNormConfig
 from test_convert_support import quiet, save_source
 from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
 
-CASES = [(f, "qk_norm_cap", "layernorm") for f in FAMILY_NAMES] + [(f, "qkv_norm", "rmsnorm") for f in FAMILY_NAMES] \
-    + [("llama", "qk_norm", "lp"), ("gpt2", "qk_norm_cap", "l2"), ("qwen3", "soft_cap", None),
-       ("mistral", "soft_cap", None)]
+CASES = (
+    [(f, "qk_norm_cap", "layernorm") for f in FAMILY_NAMES]
+    + [(f, "qkv_norm", "rmsnorm") for f in FAMILY_NAMES]
+    + [
+        ("llama", "qk_norm", "lp"),
+        ("gpt2", "qk_norm_cap", "l2"),
+        ("qwen3", "soft_cap", None),
+        ("mistral", "soft_cap", None),
+    ]
+)
 
 
 def _patched(family, scheme, norm, dtype=torch.float32, seed=0):
     model = tiny_model(family, dtype=dtype, seed=seed)
-    hf_qknorm.patch_model(model, scheme, norm=norm, p=3.0 if norm == "lp" else None,
-                          softcap=0.5 if "cap" in scheme else None)  # a cap that really bends the logits
+    hf_qknorm.patch_model(
+        model, scheme, norm=norm, p=3.0 if norm == "lp" else None, softcap=0.5 if "cap" in scheme else None
+    )  # a cap that really bends the logits
     with torch.no_grad():
         for name, prm in model.named_parameters():
             if "_norm." in name:
@@ -93,8 +101,13 @@ def run_without_plugin(tmp_path, jobs: list[dict]) -> dict:
     script = tmp_path / "load.py"
     script.write_text(_LOADER)
     python = os.environ.get("HF_QKNORM_PYTHON", sys.executable)
-    res = subprocess.run([python, str(script), str(tmp_path / "jobs.json"), str(tmp_path / "out.pt")],
-                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    res = subprocess.run(
+        [python, str(script), str(tmp_path / "jobs.json"), str(tmp_path / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return torch.load(tmp_path / "out.pt")
 
@@ -109,10 +122,26 @@ def test_saved_folders_load_without_the_plugin(tmp_path):
         model = _patched(family, scheme, norm).eval()
         model.save_pretrained(tmp_path / name)
         models[name] = model
-        extra = dict(generate=True, grads=True, packed_ids=ids[1, :16].tolist(),
-                     packed_positions=list(range(9)) + list(range(7))) if name == "llama-qk_norm_cap-layernorm" else {}
-        jobs.append({"name": name, "path": str(tmp_path / name), "remote": True, "ids": ids.tolist(),
-                     "mask": mask.tolist(), **extra})
+        extra = (
+            dict(
+                generate=True,
+                grads=True,
+                packed_ids=ids[1, :16].tolist(),
+                packed_positions=list(range(9)) + list(range(7)),
+            )
+            if name == "llama-qk_norm_cap-layernorm"
+            else {}
+        )
+        jobs.append(
+            {
+                "name": name,
+                "path": str(tmp_path / name),
+                "remote": True,
+                "ids": ids.tolist(),
+                "mask": mask.tolist(),
+                **extra,
+            }
+        )
     got = run_without_plugin(tmp_path, jobs)
     for name, model in models.items():
         row = got[name]
@@ -177,8 +206,15 @@ def test_qwen3_blockers():
 
 def test_auto_export_falls_back_with_a_reason(tmp_path):
     save_source(tmp_path / "src", "llama", mlp_bias=True)
-    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qk_norm",
-                               norm="rmsnorm"), calibrate=False, progress=False, log=quiet, verify="plugin")
+    result = hf_qknorm.convert(
+        tmp_path / "src",
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
     assert result.export == "qknorm" and "mlp_bias" in result.export_note
     assert json.loads((result.path / "config.json").read_text())["model_type"] == "qknorm_llama"
 
@@ -190,9 +226,18 @@ def _source(tmp_path, name, family, dtype=torch.float32, **overrides):
 def test_exports_load_without_the_plugin(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 30))
     cases = {  # name: (family, scheme, norm, expected format, dtype, config overrides)
-        "llama_qwen3": ("llama", "qk_norm", "rmsnorm", "qwen3", torch.float32,
-                        dict(attention_bias=True, tie_word_embeddings=True,
-                             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})),
+        "llama_qwen3": (
+            "llama",
+            "qk_norm",
+            "rmsnorm",
+            "qwen3",
+            torch.float32,
+            dict(
+                attention_bias=True,
+                tie_word_embeddings=True,
+                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+            ),
+        ),
         "mistral_qwen3": ("mistral", "qk_norm", "rmsnorm", "qwen3", torch.float32, {}),  # window 12 < 30
         "llama_cap_bf16": ("llama", "qk_norm_cap", "layernorm", "qknorm", torch.bfloat16, {}),
         "gpt2_qkv": ("gpt2", "qkv_norm", "layernorm", "qknorm", torch.float32, {}),
@@ -201,17 +246,30 @@ def test_exports_load_without_the_plugin(tmp_path):
     jobs, expected = [], {}
     for name, (family, scheme, norm, fmt, dtype, overrides) in cases.items():
         model = _source(tmp_path, name + "_src", family, dtype, **overrides)
-        result = hf_qknorm.convert(tmp_path / (name + "_src"), tmp_path / name, config=QKNormConfig(scheme=scheme,
-                                   norm=norm, p=3.0 if norm == "lp" else None), calibrate=False, progress=False,
-                                   log=quiet, verify="plugin")  # loading without the plugin is what this test checks below
+        result = hf_qknorm.convert(
+            tmp_path / (name + "_src"),
+            tmp_path / name,
+            config=QKNormConfig(scheme=scheme, norm=norm, p=3.0 if norm == "lp" else None),
+            calibrate=False,
+            progress=False,
+            log=quiet,
+            verify="plugin",
+        )  # loading without the plugin is what this test checks below
         assert result.export == fmt
         hf_qknorm.patch_model(model, scheme, norm=norm, p=3.0 if norm == "lp" else None)
         with torch.no_grad():
             expected[name] = model(ids).logits
-        jobs.append({"name": name, "path": str(result.path), "remote": fmt == "qknorm", "ids": ids.tolist(),
-                     "mask": torch.ones_like(ids).tolist()})
+        jobs.append(
+            {
+                "name": name,
+                "path": str(result.path),
+                "remote": fmt == "qknorm",
+                "ids": ids.tolist(),
+                "mask": torch.ones_like(ids).tolist(),
+            }
+        )
     got = run_without_plugin(tmp_path, jobs)
-    for name, (family, scheme, norm, fmt, dtype, _) in cases.items():
+    for name, (_, _, _, fmt, dtype, _) in cases.items():
         row = got[name]
         if fmt == "qwen3":
             assert row["cls"] == "Qwen3ForCausalLM" and row["module"].startswith("transformers.models.qwen3")
@@ -247,17 +305,26 @@ def test_portable_modules_import_only_the_standard_library_torch_and_each_other(
 def test_an_import_the_table_cannot_map_is_refused_at_export(monkeypatch, tmp_path):
     from hf_qknorm.modeling import remote
 
-    for line in ("from . import norms\n", "from hf_qknorm.portable.norms import make_norm\n",
-                 "from ..attention import interface\n", "from .nowhere import x\n"):
+    for line in (
+        "from . import norms\n",
+        "from hf_qknorm.portable.norms import make_norm\n",
+        "from ..attention import interface\n",
+        "from .nowhere import x\n",
+    ):
         (tmp_path / "bad.py").write_text('"""doc"""\n' + line)
         monkeypatch.setattr(remote, "_PORTABLE", tmp_path)
         with pytest.raises(RuntimeError, match="bad.py imports"):
             remote.shipped_source("bad")
 
 
-@pytest.mark.parametrize("old,new", [(f"hf_qknorm.modeling.{m}", f"hf_qknorm.portable.{m}")
-                                     for m in ("families", "fold", "hooks", "layout", "norms", "schemes", "structure")]
-                         + [(f"hf_qknorm.attention.{m}", f"hf_qknorm.portable.{m}") for m in ("masks", "eager")])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (f"hf_qknorm.modeling.{m}", f"hf_qknorm.portable.{m}")
+        for m in ("families", "fold", "hooks", "layout", "norms", "schemes", "structure")
+    ]
+    + [(f"hf_qknorm.attention.{m}", f"hf_qknorm.portable.{m}") for m in ("masks", "eager")],
+)
 def test_moved_modules_keep_their_old_path_for_a_release(old, new):
     """The modules that moved into hf_qknorm.portable still import from their old path -- as the very same module,
     so no second copy of their globals exists -- and say where they live now."""

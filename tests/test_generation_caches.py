@@ -20,9 +20,20 @@ NEW_TOKENS = 5
 def _gemma2(**overrides):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                       sliding_window=8, attn_logit_softcapping=3.0, query_pre_attn_scalar=16, **overrides)
+    cfg = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_window=8,
+        attn_logit_softcapping=3.0,
+        query_pre_attn_scalar=16,
+        **overrides,
+    )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM._from_config(cfg, attn_implementation="qknorm").eval()
     with torch.no_grad():  # large q/k weights so that the cap of 3 bites
@@ -62,8 +73,16 @@ def check_generation(model, cache_implementation, padded, rtol=2e-5, atol=2e-5):
     model.generation_config.pad_token_id = 0
     ids, mask = _prompt(padded)
     kwargs = {} if cache_implementation is None else {"cache_implementation": cache_implementation}
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
-                         return_dict_in_generate=True, output_logits=True, **kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        min_new_tokens=NEW_TOKENS,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
     seq = out.sequences
     full_mask = torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
     # the positions generate gives a left-padded row (GPT-2's absolute embeddings see them; RoPE is relative)
@@ -72,13 +91,23 @@ def check_generation(model, cache_implementation, padded, rtol=2e-5, atol=2e-5):
         ref = model(seq, attention_mask=full_mask, position_ids=positions, use_cache=False).logits
     for step, logits in enumerate(out.logits):
         pos = ids.shape[1] - 1 + step
-        torch.testing.assert_close(logits, ref[:, pos], rtol=rtol, atol=atol,
-                                   msg=lambda m: f"step {step} ({cache_implementation}, padded={padded}): {m}")
+        torch.testing.assert_close(
+            logits,
+            ref[:, pos],
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m: f"step {step} ({cache_implementation}, padded={padded}): {m}",  # noqa: B023 (called within the iteration)
+        )
 
 
 CASES = [(f, "qk_norm_cap", "qknorm") for f in FAMILY_NAMES] + [
-    ("llama", "soft_cap", "qknorm"), ("qwen3", "soft_cap", "qknorm"), ("mistral", "qk_norm", "qknorm"),
-    ("qwen2", "qk_norm", "sdpa"), ("llama", None, "qknorm"), ("gpt2", None, "qknorm")]
+    ("llama", "soft_cap", "qknorm"),
+    ("qwen3", "soft_cap", "qknorm"),
+    ("mistral", "qk_norm", "qknorm"),
+    ("qwen2", "qk_norm", "sdpa"),
+    ("llama", None, "qknorm"),
+    ("gpt2", None, "qknorm"),
+]
 
 
 @pytest.mark.parametrize("family,scheme,backend", CASES)
@@ -136,8 +165,14 @@ def test_assisted_generation_with_output_attentions():
     target.generation_config.pad_token_id = assistant.generation_config.pad_token_id = 0
     ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
     plain = target.generate(ids, max_new_tokens=6, do_sample=False)
-    assisted = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=assistant,
-                               output_attentions=True, return_dict_in_generate=True)
+    assisted = target.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=False,
+        assistant_model=assistant,
+        output_attentions=True,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(assisted.sequences, plain) and assisted.attentions is not None
 
 
@@ -159,8 +194,17 @@ def test_generate_returns_each_steps_attentions_and_hidden_states(family, cache)
     model.generation_config.pad_token_id = 0
     ids, mask = _prompt(padded=True, length=9)
     kwargs = {} if cache is None else {"cache_implementation": cache}
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                         output_attentions=True, output_hidden_states=True, return_dict_in_generate=True, **kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=3,
+        min_new_tokens=3,
+        do_sample=False,
+        output_attentions=True,
+        output_hidden_states=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
     seq, t = out.sequences, ids.shape[1]
     full_mask = torch.cat([mask, torch.ones(2, seq.shape[1] - t, dtype=mask.dtype)], dim=1)
     ref = _uncached(model, seq, full_mask, output_attentions=True, output_hidden_states=True)
@@ -171,8 +215,13 @@ def test_generate_returns_each_steps_attentions_and_hidden_states(family, cache)
         assert len(attns) == model.config.num_hidden_layers
         for got, want in zip(attns, ref.attentions):
             assert torch.all(got[..., keys:] == 0)  # a static cache's unused slots
-            torch.testing.assert_close(got[..., :keys], want[:, :, rows, :keys], rtol=2e-5, atol=2e-6,
-                                       msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(
+                got[..., :keys],
+                want[:, :, rows, :keys],
+                rtol=2e-5,
+                atol=2e-6,
+                msg=lambda m: f"step {step}: {m}",  # noqa: B023 (called within the iteration)
+            )
         real = full_mask[:, rows].bool()  # padding positions' states mean nothing (GPT-2 embeds them anyhow)
         for got, want in zip(hiddens, ref.hidden_states):
             torch.testing.assert_close(got[real], want[:, rows][real], rtol=2e-5, atol=2e-5)
@@ -187,11 +236,22 @@ def test_assisted_decoding_logits_match_the_uncached_forward(family, mode):
     model.generation_config.pad_token_id = 0
     ids = torch.randint(1, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
     ids[0, 5:8] = ids[0, :3]  # something for prompt lookup to find
-    extra = {"assistant_model": _patched(family, "qk_norm_cap", "qknorm")} if mode == "assistant" else \
-        {"prompt_lookup_num_tokens": 3}
+    extra = (
+        {"assistant_model": _patched(family, "qk_norm_cap", "qknorm")}
+        if mode == "assistant"
+        else {"prompt_lookup_num_tokens": 3}
+    )
     plain = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
-                         output_attentions=True, return_dict_in_generate=True, **extra)
+    out = model.generate(
+        ids,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        output_attentions=True,
+        return_dict_in_generate=True,
+        **extra,
+    )
     assert torch.equal(out.sequences, plain) and out.attentions is not None
     ref = _uncached(model, out.sequences, torch.ones_like(out.sequences)).logits
     for step, logits in enumerate(out.logits):
@@ -205,9 +265,21 @@ def test_beam_search_with_a_cache_matches_beam_search_without(family):
     model = _patched(family, "qk_norm_cap", "qknorm")
     model.generation_config.pad_token_id = 0
     ids, mask = _prompt(padded=True, length=8)
-    runs = [model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, num_beams=3,
-                           num_return_sequences=2, do_sample=False, output_scores=True,
-                           return_dict_in_generate=True, use_cache=use_cache) for use_cache in (True, False)]
+    runs = [
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            min_new_tokens=4,
+            num_beams=3,
+            num_return_sequences=2,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            use_cache=use_cache,
+        )
+        for use_cache in (True, False)
+    ]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     torch.testing.assert_close(runs[0].sequences_scores, runs[1].sequences_scores, rtol=1e-5, atol=1e-5)
 
@@ -220,17 +292,33 @@ def test_generate_from_embeddings_and_continue_from_a_cache(family):
     model.generation_config.pad_token_id = 0
     ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
-    once = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True)
+    once = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     embeds = model.get_input_embeddings()(ids)
-    from_embeds = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
-                                 do_sample=False)
-    assert torch.equal(from_embeds, once.sequences[:, ids.shape[1]:])
-    first = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                           return_dict_in_generate=True)
-    more = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences),
-                          past_key_values=first.past_key_values, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True)
+    from_embeds = model.generate(
+        inputs_embeds=embeds, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False
+    )
+    assert torch.equal(from_embeds, once.sequences[:, ids.shape[1] :])
+    first = model.generate(
+        ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True
+    )
+    more = model.generate(
+        first.sequences,
+        attention_mask=torch.ones_like(first.sequences),
+        past_key_values=first.past_key_values,
+        max_new_tokens=3,
+        min_new_tokens=3,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(more.sequences, once.sequences)
     for got, want in zip(more.logits, once.logits[3:]):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

@@ -14,8 +14,9 @@ import pytest
 from hf_qknorm.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p for folder in ("recipes", "benchmarks") for p in (ROOT / folder).glob("*.py")
-                 if not p.name.startswith("_"))
+SCRIPTS = sorted(
+    p for folder in ("recipes", "benchmarks") for p in (ROOT / folder).glob("*.py") if not p.name.startswith("_")
+)
 
 
 def _options(text: str) -> dict[str, str]:

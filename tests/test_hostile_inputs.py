@@ -81,16 +81,19 @@ def test_scheme_names_with_odd_case_or_whitespace(scheme):
     assert str(err.value) == f"unknown scheme {scheme!r}; valid schemes: {SCHEMES}"
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"eps": "1e-6"}, r"eps must be a positive finite number, got '1e-6'"),
-    ({"eps": True}, r"eps must be a positive finite number, got True"),
-    ({"eps": torch.tensor(1e-6)}, r"eps must be a positive finite number, got tensor\("),
-    ({"scheme": "soft_cap", "softcap": "50"}, r"softcap must be a positive finite number up to 1e\+06, got '50'"),
-    ({"scheme": "soft_cap", "softcap": torch.tensor(30.0)}, r"softcap must be .* got tensor\(30\.\)"),
-    ({"norm": "lp", "p": "3"}, r"p must be a finite number >= 1 for norm 'lp', got '3'"),
-    ({"norm": "lp", "p": float("inf")}, r"p must be a finite number >= 1 for norm 'lp', got inf"),
-    ({"norm": "RMSNorm"}, r"unknown norm 'RMSNorm'; valid norms: 'layernorm', 'rmsnorm', 'l2', 'lp'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"eps": "1e-6"}, r"eps must be a positive finite number, got '1e-6'"),
+        ({"eps": True}, r"eps must be a positive finite number, got True"),
+        ({"eps": torch.tensor(1e-6)}, r"eps must be a positive finite number, got tensor\("),
+        ({"scheme": "soft_cap", "softcap": "50"}, r"softcap must be a positive finite number up to 1e\+06, got '50'"),
+        ({"scheme": "soft_cap", "softcap": torch.tensor(30.0)}, r"softcap must be .* got tensor\(30\.\)"),
+        ({"norm": "lp", "p": "3"}, r"p must be a finite number >= 1 for norm 'lp', got '3'"),
+        ({"norm": "lp", "p": float("inf")}, r"p must be a finite number >= 1 for norm 'lp', got inf"),
+        ({"norm": "RMSNorm"}, r"unknown norm 'RMSNorm'; valid norms: 'layernorm', 'rmsnorm', 'l2', 'lp'"),
+    ],
+)
 def test_settings_that_are_not_numbers(kwargs, match):
     """A string, a bool or a tensor where a number belongs (a tensor would also make the setting device-bound)."""
     kwargs = {"scheme": "qk_norm", **kwargs}
@@ -124,10 +127,18 @@ def test_an_ill_fitting_4d_mask_through_a_whole_model():
 # saved folders
 # --------------------------------------------------------------------------------------------------------------------
 NEWER = {  # a config.qknorm entry written by a newer version of this package
-    "unknown-field": (lambda c: c["qknorm"].update(temperature=2.0), r"unknown keys in config.qknorm: \['temperature'\]"),
-    "unknown-scheme": (lambda c: c["qknorm"].update(scheme="qk_norm_gated"),
-                       r"unknown scheme 'qk_norm_gated' in config.qknorm; valid: 'qk_norm'"),
-    "unknown-norm": (lambda c: c["qknorm"].update(norm="dyt"), r"unknown norm 'dyt' in config.qknorm; valid: 'layernorm'"),
+    "unknown-field": (
+        lambda c: c["qknorm"].update(temperature=2.0),
+        r"unknown keys in config.qknorm: \['temperature'\]",
+    ),
+    "unknown-scheme": (
+        lambda c: c["qknorm"].update(scheme="qk_norm_gated"),
+        r"unknown scheme 'qk_norm_gated' in config.qknorm; valid: 'qk_norm'",
+    ),
+    "unknown-norm": (
+        lambda c: c["qknorm"].update(norm="dyt"),
+        r"unknown norm 'dyt' in config.qknorm; valid: 'layernorm'",
+    ),
 }
 
 
@@ -188,14 +199,19 @@ def test_non_finite_norm_weights_in_a_saved_folder(saved, capsys, value):
     assert code == 1 and row and row[0].endswith("| F32 | NaN/inf values |"), out
     code, out, _ = run(capsys, "verify", saved)
     last = out.rstrip().splitlines()[-1]
-    assert code == 1 and last.startswith("FAILED: weights:") and \
-        "model.layers.0.self_attn.k_norm.weight with NaN/inf values" in last, last
+    assert (
+        code == 1
+        and last.startswith("FAILED: weights:")
+        and "model.layers.0.self_attn.k_norm.weight with NaN/inf values" in last
+    ), last
 
 
 def test_a_norm_weight_stored_as_bool(saved, capsys):
     """bool gains load cast to 0/1 (Transformers casts every tensor to the model's dtype); inspect and verify fail
     the folder, naming the tensor and its dtype."""
-    edit_weights(saved, lambda sd: sd.update({"model.layers.1.self_attn.q_norm.weight": torch.ones(16, dtype=torch.bool)}))
+    edit_weights(
+        saved, lambda sd: sd.update({"model.layers.1.self_attn.q_norm.weight": torch.ones(16, dtype=torch.bool)})
+    )
     code, out, _ = run(capsys, "inspect", saved)
     assert code == 1 and "| 1 | q_norm.weight | (16,) | 1 | 0 | 1 | 1 | BOOL | not floating point |" in out, out
     code, out, _ = run(capsys, "verify", saved)
@@ -214,8 +230,10 @@ def test_remote_code_of_an_older_version(saved, capsys):
     (here from "0.1.0", and broken) never run. inspect says which version wrote them; add_remote_code replaces them."""
     for f in saved.glob("*qknorm*.py"):
         text = f.read_text().split("\n", 1)[1]
-        f.write_text(f"# Written by hf_qknorm 0.1.0 from somewhere; it is regenerated on every save.\n"
-                     f"raise ImportError('old shipped code ran')\n{text}")
+        f.write_text(
+            f"# Written by hf_qknorm 0.1.0 from somewhere; it is regenerated on every save.\n"
+            f"raise ImportError('old shipped code ran')\n{text}"
+        )
     model = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=True)
     assert type(model).__module__ == "hf_qknorm.modeling.classes"
     code, out, _ = run(capsys, "inspect", saved)
@@ -242,8 +260,9 @@ def test_a_patched_models_adapter_loaded_into_an_unpatched_model(tmp_path):
     wrong = PeftModel.from_pretrained(tiny_model("llama", seed=1), tmp_path / "adapter")
     report = hf_qknorm.verify(wrong, generate=False)
     assert not report.ok and "peft adapter 'default' trains k_norm, q_norm (modules_to_save)" in str(report)
-    right = PeftModel.from_pretrained(hf_qknorm.patch_model(tiny_model("llama", seed=1), "qk_norm", norm="rmsnorm"),
-                                      tmp_path / "adapter")
+    right = PeftModel.from_pretrained(
+        hf_qknorm.patch_model(tiny_model("llama", seed=1), "qk_norm", norm="rmsnorm"), tmp_path / "adapter"
+    )
     assert hf_qknorm.verify(right, generate=False).ok
 
     plain = get_peft_model(tiny_model("llama", seed=1), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
@@ -256,10 +275,13 @@ def test_a_patched_models_adapter_loaded_into_an_unpatched_model(tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 # conversion
 # --------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("key,where,value", [
-    ("model.layers.0.self_attn.k_proj.weight", (0, 0), float("nan")),
-    ("model.embed_tokens.weight", (5, 3), float("-inf")),
-])
+@pytest.mark.parametrize(
+    "key,where,value",
+    [
+        ("model.layers.0.self_attn.k_proj.weight", (0, 0), float("nan")),
+        ("model.embed_tokens.weight", (5, 3), float("-inf")),
+    ],
+)
 @pytest.mark.parametrize("verify", ["plugin", "off"])
 def test_non_finite_weights_in_a_source_checkpoint(src, tmp_path, capsys, key, where, value, verify):
     """Used to be caught only by the written model's verification, in a multi-line report ("norms not verified"),
@@ -279,8 +301,23 @@ def test_non_finite_gain_folded_by_qkv_norm_and_in_calibration(src, tmp_path, ca
     assert code == 2 and "source tensor model.layers.1.input_layernorm.weight" in one_line(err)
     tiny = bundled_copy(tmp_path / "tiny")
     edit_weights(tiny, lambda sd: sd["model.layers.1.self_attn.q_proj.weight"].__setitem__((1, 1), float("nan")))
-    code, _, err = run(capsys, "convert", tiny, tmp_path / "o", "--quiet", "--verify", "off", "--block-len", "32",
-                       "--calibration-blocks", "2", "--eval-blocks", "2", "--local-steps", "0")
+    code, _, err = run(
+        capsys,
+        "convert",
+        tiny,
+        tmp_path / "o",
+        "--quiet",
+        "--verify",
+        "off",
+        "--block-len",
+        "32",
+        "--calibration-blocks",
+        "2",
+        "--eval-blocks",
+        "2",
+        "--local-steps",
+        "0",
+    )
     assert code == 2 and "source tensor model.layers.1.self_attn.q_proj.weight" in one_line(err)
     assert not (tmp_path / "o").exists() and not leftovers(tmp_path)
 
@@ -301,8 +338,12 @@ def test_a_tokenizer_larger_than_the_embedding(tmp_path, capsys):
         assert code == 2 and f"has {rows + 100:,} tokens but the embedding has {rows:,} rows" in line, line
     assert not (tmp_path / "o").exists()
     edit_config(tiny, lambda c: c.update(vocab_size=rows + 128))  # a padded embedding: more rows than tokens
-    edit_weights(tiny, lambda sd: sd.update({k: torch.cat([v, torch.zeros(128, v.shape[1])])
-                                             for k, v in list(sd.items()) if v.shape[0] == rows}))
+    edit_weights(
+        tiny,
+        lambda sd: sd.update(
+            {k: torch.cat([v, torch.zeros(128, v.shape[1])]) for k, v in list(sd.items()) if v.shape[0] == rows}
+        ),
+    )
     code, _, err = run(capsys, "convert", tiny, tmp_path / "o", *QUICK)
     assert code == 0, err
 
@@ -345,12 +386,15 @@ def test_a_destination_name_with_control_characters(src, tmp_path, capsys, name)
     assert hf_qknorm.qknorm_config(loaded).scheme == "qk_norm_cap"
 
 
-@pytest.mark.parametrize("flag,value,match", [
-    ("--scheme", "QK_NORM", rf"unknown scheme 'QK_NORM'; valid schemes: {SCHEMES}"),
-    ("--norm", "RMSNorm", r"unknown norm 'RMSNorm'; valid norms: 'layernorm', 'rmsnorm', 'l2', 'lp'"),
-    ("--softcap", "nan", r"softcap must be a positive finite number up to 1e\+06, got nan"),
-    ("--eps", "-1", r"eps must be a positive finite number, got -1.0"),
-])
+@pytest.mark.parametrize(
+    "flag,value,match",
+    [
+        ("--scheme", "QK_NORM", rf"unknown scheme 'QK_NORM'; valid schemes: {SCHEMES}"),
+        ("--norm", "RMSNorm", r"unknown norm 'RMSNorm'; valid norms: 'layernorm', 'rmsnorm', 'l2', 'lp'"),
+        ("--softcap", "nan", r"softcap must be a positive finite number up to 1e\+06, got nan"),
+        ("--eps", "-1", r"eps must be a positive finite number, got -1.0"),
+    ],
+)
 def test_cli_settings_with_odd_case_or_values(src, tmp_path, capsys, flag, value, match):
     code, _, err = run(capsys, "convert", src, tmp_path / "o", *QUICK, flag, value)
     assert code == 2 and re.search(match, one_line(err)), err
@@ -375,19 +419,24 @@ def test_calibration_text_that_is_not_text(tmp_path, capsys, case):
         path.write_bytes(bytes(range(256)) * 4)
     elif case == "empty":
         path.write_text("")
-    code, _, err = run(capsys, "convert", tiny, tmp_path / "o", "--quiet", "--verify", "off", "--calibration-text", path)
+    code, _, err = run(
+        capsys, "convert", tiny, tmp_path / "o", "--quiet", "--verify", "off", "--calibration-text", path
+    )
     line = one_line(err)
     wanted = {"binary": "is not UTF-8 text", "empty": "text file is empty", "a-folder": "not a regular file"}[case]
     assert code == 2 and wanted in line and str(path.name) in line, line
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("flag,value,match", [
-    ("--block-len", "1", r"block_len must be >= 2, got 1"),
-    ("--calibration-blocks", "0", r"calibration_blocks must be >= 1, got 0"),
-    ("--local-lr", "nan", r"local_lr must be positive, got nan"),
-    ("--local-steps", "-3", r"local_steps must be >= 0, got -3"),
-])
+@pytest.mark.parametrize(
+    "flag,value,match",
+    [
+        ("--block-len", "1", r"block_len must be >= 2, got 1"),
+        ("--calibration-blocks", "0", r"calibration_blocks must be >= 1, got 0"),
+        ("--local-lr", "nan", r"local_lr must be positive, got nan"),
+        ("--local-steps", "-3", r"local_steps must be >= 0, got -3"),
+    ],
+)
 def test_calibration_settings_out_of_range(src, tmp_path, capsys, flag, value, match):
     code, _, err = run(capsys, "convert", src, tmp_path / "o", "--quiet", "--verify", "off", flag, value)
     assert code == 2 and re.search(match, one_line(err)), err

@@ -11,13 +11,20 @@ import pytest
 from huggingface_hub import ModelCard
 
 import hf_qknorm
+from hf_qknorm import HubSettings
 from hf_qknorm.cli.main import main as cli_main
-from hf_qknorm.conversion.hub import (build_model_card, card_for_repo, card_metadata, check_repo_id, push,
-                                      template_path, upload_files)
+from hf_qknorm.conversion.hub import (
+    build_model_card,
+    card_for_repo,
+    card_metadata,
+    check_repo_id,
+    push,
+    template_path,
+    upload_files,
+)
 from hf_qknorm.modeling.remote import remote_files
 from hf_qknorm.portable.schemes import QKNormConfig
 from test_convert_support import leftovers, quiet, save_source
-from hf_qknorm import HubSettings
 
 LICENSED_README = "---\nlicense: apache-2.0\nlanguage: en\n---\n# a source model\n"
 
@@ -38,8 +45,15 @@ def converted(tmp_path):
     save_source(tmp_path / "src", "llama")
     (tmp_path / "src" / "README.md").write_text(LICENSED_README)
     (tmp_path / "src" / "LICENSE").write_text("Apache License 2.0\n")
-    return hf_qknorm.convert(tmp_path / "src", tmp_path / "my-model", config=QKNormConfig(scheme="qk_norm_cap"),
-                             calibrate=False, progress=False, log=quiet, verify="plugin")
+    return hf_qknorm.convert(
+        tmp_path / "src",
+        tmp_path / "my-model",
+        config=QKNormConfig(scheme="qk_norm_cap"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
 
 
 def test_card_metadata_and_content(converted):
@@ -57,13 +71,29 @@ def test_card_metadata_and_content(converted):
 def test_card_with_report_and_hub_base_model(tmp_path):
     from hf_qknorm.conversion.calibrate import CalibrationReport, LayerStats
 
-    report = CalibrationReport(scheme={}, ppl_original=10.0, ppl_identity=30.0, ppl_least_squares=12.0,
-                               ppl_calibrated=10.5, calibration_tokens=1000, eval_tokens=500, steps=50,
-                               kl_start=0.2, kl_end=0.01, seconds=1.0,
-                               layers=[LayerStats(0, [1.0], [1.0], [0.5], 40.0, 30.0)], cap=50.0,
-                               warnings=["layer 0: largest logit 30.00 ..."])
-    card = build_model_card(base_model="meta-llama/Llama-3.2-1B", cfg=QKNormConfig("qk_norm", norm="rmsnorm"),
-                            export="qwen3", report=report, model_name="me/llama-qk")
+    report = CalibrationReport(
+        scheme={},
+        ppl_original=10.0,
+        ppl_identity=30.0,
+        ppl_least_squares=12.0,
+        ppl_calibrated=10.5,
+        calibration_tokens=1000,
+        eval_tokens=500,
+        steps=50,
+        kl_start=0.2,
+        kl_end=0.01,
+        seconds=1.0,
+        layers=[LayerStats(0, [1.0], [1.0], [0.5], 40.0, 30.0)],
+        cap=50.0,
+        warnings=["layer 0: largest logit 30.00 ..."],
+    )
+    card = build_model_card(
+        base_model="meta-llama/Llama-3.2-1B",
+        cfg=QKNormConfig("qk_norm", norm="rmsnorm"),
+        export="qwen3",
+        report=report,
+        model_name="me/llama-qk",
+    )
     assert card.data.base_model == "meta-llama/Llama-3.2-1B" and "qwen3" in card.data.tags
     assert "| converted, calibrated init (least squares + KL distillation) | 10.500 |" in card.text
     assert "removes **97.5%**" in card.text and "**Warning:** layer 0" in card.text
@@ -91,18 +121,33 @@ def test_push_uploads_the_folder(converted, monkeypatch):
     before = {p.name: p.read_bytes() for p in converted.path.iterdir()}
     url = push(converted.path, "me/my-model", private=True, revision="v1", commit_message="first", api=api)
     assert url.endswith("/commit/abc")
-    api.create_repo.assert_called_once_with("me/my-model", token="hf_fake_token", private=True, repo_type="model",
-                                            exist_ok=True)
-    api.create_branch.assert_called_once_with("me/my-model", branch="v1", token="hf_fake_token",
-                                              repo_type="model", exist_ok=True)
+    api.create_repo.assert_called_once_with(
+        "me/my-model", token="hf_fake_token", private=True, repo_type="model", exist_ok=True
+    )
+    api.create_branch.assert_called_once_with(
+        "me/my-model", branch="v1", token="hf_fake_token", repo_type="model", exist_ok=True
+    )
     kwargs = api.create_commit.call_args.kwargs
     assert api.create_commit.call_args.args == ("me/my-model",) and kwargs["revision"] == "v1"
     assert kwargs["commit_message"] == "first" and kwargs["token"] == "hf_fake_token"
     remote = set(remote_files())  # the remote code every patched folder carries
     uploaded = _commit(api)
-    assert sorted(uploaded) == upload_files(converted.path) == sorted(converted.files) == sorted(
-        ["LICENSE", "README.md", "config.json", "generation_config.json", "model.safetensors",
-         "qknorm_conversion.json", *remote])
+    assert (
+        sorted(uploaded)
+        == upload_files(converted.path)
+        == sorted(converted.files)
+        == sorted(
+            [
+                "LICENSE",
+                "README.md",
+                "config.json",
+                "generation_config.json",
+                "model.safetensors",
+                "qknorm_conversion.json",
+                *remote,
+            ]
+        )
+    )
     # the card on the Hub loads from the repo, not from the local folder name; the folder is not modified
     card = uploaded["README.md"].decode()
     assert 'from_pretrained("me/my-model", trust_remote_code=True)' in card
@@ -128,8 +173,15 @@ def test_push_without_a_token_fails_before_the_network(converted, no_token):
 def test_convert_with_push_and_no_token_writes_nothing(tmp_path, no_token):
     save_source(tmp_path / "src")
     with pytest.raises(ValueError, match="no Hugging Face token"):
-        hf_qknorm.convert(tmp_path / "src", tmp_path / "out", hub=HubSettings(repo_id="me/x"), calibrate=False,
-                          progress=False, log=quiet, verify="plugin")
+        hf_qknorm.convert(
+            tmp_path / "src",
+            tmp_path / "out",
+            hub=HubSettings(repo_id="me/x"),
+            calibrate=False,
+            progress=False,
+            log=quiet,
+            verify="plugin",
+        )
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -149,9 +201,25 @@ def test_cli_convert_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         cli_main(["convert", "--help"])
     text = capsys.readouterr().out
-    for option in ("--scheme", "--norm", "--softcap", "--eps", "--p", "--calibration-text", "--eval-text",
-                   "--no-calibration", "--steps", "--export", "--overwrite", "--push-to-hub", "--private",
-                   "--revision", "--commit-message", "--token", "examples:"):
+    for option in (
+        "--scheme",
+        "--norm",
+        "--softcap",
+        "--eps",
+        "--p",
+        "--calibration-text",
+        "--eval-text",
+        "--no-calibration",
+        "--steps",
+        "--export",
+        "--overwrite",
+        "--push-to-hub",
+        "--private",
+        "--revision",
+        "--commit-message",
+        "--token",
+        "examples:",
+    ):
         assert option in text
 
 
@@ -162,12 +230,38 @@ def test_cli_convert_errors_and_success(tmp_path, capsys, monkeypatch):
     assert cli_main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "o")]) == 2
     assert "source folder not found" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)
-    assert cli_main(["convert", str(tmp_path / "src"), "--no-calibration", "--quiet", "--scheme", "qk_norm",
-                     "--norm", "rmsnorm"]) == 0
+    assert (
+        cli_main(
+            [
+                "convert",
+                str(tmp_path / "src"),
+                "--no-calibration",
+                "--quiet",
+                "--scheme",
+                "qk_norm",
+                "--norm",
+                "rmsnorm",
+            ]
+        )
+        == 0
+    )
     assert "as qwen3" in capsys.readouterr().out
     assert (tmp_path / "converted" / "src-qk_norm-rmsnorm" / "config.json").is_file()
-    assert cli_main(["convert", str(tmp_path / "src"), "--no-calibration", "--quiet", "--scheme", "qk_norm",
-                     "--norm", "rmsnorm"]) == 2
+    assert (
+        cli_main(
+            [
+                "convert",
+                str(tmp_path / "src"),
+                "--no-calibration",
+                "--quiet",
+                "--scheme",
+                "qk_norm",
+                "--norm",
+                "rmsnorm",
+            ]
+        )
+        == 2
+    )
     assert "already exists" in capsys.readouterr().err
     assert os.listdir(tmp_path / "converted") == ["src-qk_norm-rmsnorm"]
 
@@ -175,10 +269,21 @@ def test_cli_convert_errors_and_success(tmp_path, capsys, monkeypatch):
 def test_soft_cap_card_says_there_is_nothing_to_initialise():
     from hf_qknorm.conversion.calibrate import CalibrationReport, LayerStats
 
-    report = CalibrationReport(scheme={"scheme": "soft_cap"}, ppl_original=10.0, ppl_identity=10.2,
-                               ppl_least_squares=10.2, ppl_calibrated=10.2, calibration_tokens=100, eval_tokens=50,
-                               steps=0, kl_start=None, kl_end=None, seconds=0.1,
-                               layers=[LayerStats(0, [1.0], [1.0], [1.0], 30.0, 30.0)], cap=50.0)
+    report = CalibrationReport(
+        scheme={"scheme": "soft_cap"},
+        ppl_original=10.0,
+        ppl_identity=10.2,
+        ppl_least_squares=10.2,
+        ppl_calibrated=10.2,
+        calibration_tokens=100,
+        eval_tokens=50,
+        steps=0,
+        kl_start=None,
+        kl_end=None,
+        seconds=0.1,
+        layers=[LayerStats(0, [1.0], [1.0], [1.0], 30.0, 30.0)],
+        cap=50.0,
+    )
     card = build_model_card(base_model=None, cfg=QKNormConfig("soft_cap"), export="qknorm", report=report)
     assert "adds no weights" in card.text and "10.000" in card.text and "least-squares" not in card.text
     assert "nothing to calibrate" in report.summary() and "identity init" not in report.summary()
@@ -191,8 +296,15 @@ def test_convert_push_to_hub_uploads_the_written_folder(tmp_path, monkeypatch):
     api = mock.Mock()
     api.create_commit.return_value = mock.Mock(commit_url="https://huggingface.co/me/x/commit/1")
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda: api)
-    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", hub=HubSettings(repo_id="me/x", private=True,
-                               token="hf_tok"), calibrate=False, progress=False, log=quiet, verify="plugin")
+    result = hf_qknorm.convert(
+        tmp_path / "src",
+        tmp_path / "out",
+        hub=HubSettings(repo_id="me/x", private=True, token="hf_tok"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
     assert result.pushed_url.endswith("/commit/1")
     assert sorted(_commit(api)) == sorted(result.files)
     assert api.create_repo.call_args.kwargs["private"] is True
@@ -205,8 +317,10 @@ def test_convert_push_to_hub_uploads_the_written_folder(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------------------------------
 HOSTILE_SOURCE = "<img src=x onerror=alert(1)>"
 HOSTILE_DESTINATION = 'out"); import os; os.system("pwned"); ("`<script>alert(2)<b onmouseover=x>\n\n# Injected\u202e'
-HOSTILE_README = ('---\nlicense: "<script>alert(3)</script>"\nlicense_name: "x\\n---\\ninjected: true"\n'
-                  'license_link: "javascript:alert(4)"\n---\n# source\n')
+HOSTILE_README = (
+    '---\nlicense: "<script>alert(3)</script>"\nlicense_name: "x\\n---\\ninjected: true"\n'
+    'license_link: "javascript:alert(4)"\n---\n# source\n'
+)
 
 
 def _snippet_calls(card_text: str) -> tuple[list, set]:
@@ -215,8 +329,11 @@ def _snippet_calls(card_text: str) -> tuple[list, set]:
 
     code = card_text.split("```python\n", 1)[1].split("\n```", 1)[0]
     tree = ast.parse(code)
-    calls = [ast.literal_eval(node.args[0]) for node in ast.walk(tree)
-             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "from_pretrained"]
+    calls = [
+        ast.literal_eval(node.args[0])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "from_pretrained"
+    ]
     imports = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imports |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     return calls, imports
@@ -227,8 +344,15 @@ def hostile(tmp_path):
     src = tmp_path / HOSTILE_SOURCE
     save_source(src, "llama")
     (src / "README.md").write_text(HOSTILE_README)
-    return hf_qknorm.convert(src, tmp_path / HOSTILE_DESTINATION, config=QKNormConfig(scheme="qk_norm_cap"),
-                             calibrate=False, progress=False, log=quiet, verify="plugin")
+    return hf_qknorm.convert(
+        src,
+        tmp_path / HOSTILE_DESTINATION,
+        config=QKNormConfig(scheme="qk_norm_cap"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
 
 
 def test_card_escapes_hostile_names_and_licence(hostile):
@@ -259,10 +383,12 @@ def test_card_renders_without_html(hostile):
 
 def test_licence_that_is_an_id_is_inherited(tmp_path):
     save_source(tmp_path / "src", "llama")
-    (tmp_path / "src" / "README.md").write_text("---\nlicense: other\nlicense_name: my-licence-1.0\n"
-                                                "license_link: LICENSE\n---\n")
-    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "o", calibrate=False, progress=False, log=quiet,
-                               verify="plugin")
+    (tmp_path / "src" / "README.md").write_text(
+        "---\nlicense: other\nlicense_name: my-licence-1.0\nlicense_link: LICENSE\n---\n"
+    )
+    result = hf_qknorm.convert(
+        tmp_path / "src", tmp_path / "o", calibrate=False, progress=False, log=quiet, verify="plugin"
+    )
     data = card_metadata(result.path)
     assert (data["license"], data["license_name"], data["license_link"]) == ("other", "my-licence-1.0", "LICENSE")
     assert "Licence: `other`, inherited" in (result.path / "README.md").read_text()
@@ -275,7 +401,9 @@ def test_push_names_the_repo_in_the_card_of_a_hostile_folder(hostile, monkeypatc
     push(hostile.path, "me/m", token="hf_x", api=api)
     card = _commit(api)["README.md"].decode()
     calls, _ = _snippet_calls(card)
-    assert calls == ["me/m"] * 2 and "\n# me/m\n" in card  # no tokenizer in the source: no tokenizer call and "<script" not in card
+    assert (
+        calls == ["me/m"] * 2 and "\n# me/m\n" in card
+    )  # no tokenizer in the source: no tokenizer call and "<script" not in card
     assert (hostile.path / "README.md").read_bytes() == before
 
 

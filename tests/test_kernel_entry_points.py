@@ -49,9 +49,14 @@ def _max_logits_reference(q, k, *, scaling, causal=True, sliding_window=None, ma
 
 
 def test_public_names():
-    assert set(kernels.__all__) >= {"qknorm_attn_func", "qknorm_attn_varlen_func", "qknorm_attn_with_kvcache",
-                                    "qknorm_attn_func_with_max_logits", "qknorm_attn_varlen_func_with_max_logits",
-                                    "AttnOutputWithMaxLogits"}
+    assert set(kernels.__all__) >= {
+        "qknorm_attn_func",
+        "qknorm_attn_varlen_func",
+        "qknorm_attn_with_kvcache",
+        "qknorm_attn_func_with_max_logits",
+        "qknorm_attn_varlen_func_with_max_logits",
+        "AttnOutputWithMaxLogits",
+    }
     assert "triton_attention" not in kernels.__all__  # deprecated: reachable, not advertised
     assert kernels.qknorm_attn_func is api.qknorm_attn_func
 
@@ -63,8 +68,9 @@ def test_padded_entry_point_and_its_max_logits():
     kw = dict(scaling=32**-0.5, softcap=3.0, causal=True, attn_mask=mask, sliding_window=9)
     out = api.qknorm_attn_func(q, k, v, **kw)
     assert type(out) is torch.Tensor and out.shape == q.shape and out.dtype == q.dtype
-    ref = attention_reference(q.double(), k.double(), v.double(), scaling=32**-0.5, softcap=3.0, causal=True,
-                              mask=mask, sliding_window=9)
+    ref = attention_reference(
+        q.double(), k.double(), v.double(), scaling=32**-0.5, softcap=3.0, causal=True, mask=mask, sliding_window=9
+    )
     _close(out, ref)
     both = api.qknorm_attn_func_with_max_logits(q, k, v, **kw)
     assert isinstance(both, api.AttnOutputWithMaxLogits) and both._fields == ("out", "max_logits")
@@ -78,8 +84,9 @@ def test_padded_entry_point_and_its_max_logits():
 
 def test_scaling_defaults_to_head_dim():
     q, k, v = _qkv(1, 2, 1, 5, 5, d=16, seed=2)
-    assert torch.equal(api.qknorm_attn_func(q, k, v, softcap=4.0), api.qknorm_attn_func(q, k, v, scaling=0.25,
-                                                                                        softcap=4.0))
+    assert torch.equal(
+        api.qknorm_attn_func(q, k, v, softcap=4.0), api.qknorm_attn_func(q, k, v, scaling=0.25, softcap=4.0)
+    )
 
 
 def test_varlen_entry_point_and_its_max_logits():
@@ -179,8 +186,9 @@ def test_entry_points_under_torch_compile(entry):
     cu = torch.tensor([0, 4, 11], dtype=torch.int32, device=DEVICE)
     fns = {
         "func": lambda a, b, c: api.qknorm_attn_func(a, b, c, scaling=0.2, softcap=3.0),
-        "func_with_max_logits": lambda a, b, c: api.qknorm_attn_func_with_max_logits(a, b, c, scaling=0.2,
-                                                                                      softcap=3.0).out,
+        "func_with_max_logits": lambda a, b, c: (
+            api.qknorm_attn_func_with_max_logits(a, b, c, scaling=0.2, softcap=3.0).out
+        ),
         "varlen_func": lambda a, b, c: api.qknorm_attn_varlen_func(a, b, c, cu, cu, 7, 7, scaling=0.2, softcap=3.0),
         "with_kvcache": lambda a, b, c: api.qknorm_attn_with_kvcache(a, b, c, scaling=0.2, softcap=3.0),
     }

@@ -35,8 +35,10 @@ from hf_qknorm.reference import attention_reference  # noqa: E402
 
 INTERPRETED = is_interpreted(attn_mod._attn_fwd_kernel)
 if not INTERPRETED and not torch.cuda.is_available():
-    raise RuntimeError("hf_qknorm.kernels was imported in compiled mode on a machine without CUDA: set "
-                       "TRITON_INTERPRET=1 before anything imports the kernels (e.g. in conftest.py)")
+    raise RuntimeError(
+        "hf_qknorm.kernels was imported in compiled mode on a machine without CUDA: set "
+        "TRITON_INTERPRET=1 before anything imports the kernels (e.g. in conftest.py)"
+    )
 DEVICE = "cpu" if INTERPRETED else "cuda"
 FP32_TOL = 1e-4  # max error relative to the largest reference value; measured ~1e-6 under the interpreter
 
@@ -68,8 +70,9 @@ def _call(q, k, v, **kw):
     """The public entry point for the call's shape: varlen when ``cu_seqlens_q`` is given, else padded."""
     if "cu_seqlens_q" in kw:
         cu = kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_k")
-        return api.qknorm_attn_varlen_func(q, k, v, *cu, kw.pop("max_seqlen_q", None), kw.pop("max_seqlen_k", None),
-                                           **kw)
+        return api.qknorm_attn_varlen_func(
+            q, k, v, *cu, kw.pop("max_seqlen_q", None), kw.pop("max_seqlen_k", None), **kw
+        )
     return api.qknorm_attn_func(q, k, v, **kw)
 
 
@@ -142,8 +145,9 @@ def test_attention_decode_paths(case):
     q, k, v, do = _qkv(b, h, hkv, tq, tk, 64, scale=math.sqrt(cap), seed=21)
     mask = _padding_mask(b, tq, tk, [0, 150][:b]) if with_mask else None
     kw = dict(scaling=0.125, softcap=cap, causal=causal, sliding_window=window, attn_mask=mask)
-    ref, ref_grads = _reference(q, k, v, do, scaling=0.125, softcap=cap, causal=causal, sliding_window=window,
-                                mask=mask)
+    ref, ref_grads = _reference(
+        q, k, v, do, scaling=0.125, softcap=cap, causal=causal, sliding_window=window, mask=mask
+    )
     out, lse = attn_mod.attn_fwd(q, k, v, **kw, decode=decode, num_splits=splits)
     assert _rel_err(out, ref) < FP32_TOL
     for g, r in zip(attn_mod.attn_bwd(do, q, k, v, out, lse, **kw), ref_grads):
@@ -206,19 +210,38 @@ def test_attention_varlen(window):
     total_q, total_k = sum(lens_q) + 3, sum(lens_k)
     cap = 5.0
     q, k, v, do = _qkv(1, 4, 2, total_q, total_k, 64, scale=math.sqrt(cap), seed=11)
-    out, (dq, dk, dv) = _kernel(q, k, v, do, scaling=0.125, softcap=cap, causal=True, sliding_window=window,
-                                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q))
+    out, (dq, dk, dv) = _kernel(
+        q,
+        k,
+        v,
+        do,
+        scaling=0.125,
+        softcap=cap,
+        causal=True,
+        sliding_window=window,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max(lens_q),
+    )
     for i in range(len(lens_q)):
         qs, qe, ks, ke = cu_q[i].item(), cu_q[i + 1].item(), cu_k[i].item(), cu_k[i + 1].item()
         if qe == qs:
             continue
-        ref, (rq, rk, rv) = _reference(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], do[:, :, qs:qe],
-                                       scaling=0.125, softcap=cap, causal=True, sliding_window=window)
+        ref, (rq, rk, rv) = _reference(
+            q[:, :, qs:qe],
+            k[:, :, ks:ke],
+            v[:, :, ks:ke],
+            do[:, :, qs:qe],
+            scaling=0.125,
+            softcap=cap,
+            causal=True,
+            sliding_window=window,
+        )
         assert _rel_err(out[:, :, qs:qe], ref) < FP32_TOL, f"sequence {i}"
         assert _rel_err(dq[:, :, qs:qe], rq) < FP32_TOL
         assert _rel_err(dk[:, :, ks:ke], rk) < FP32_TOL
         assert _rel_err(dv[:, :, ks:ke], rv) < FP32_TOL
-    assert (out[:, :, sum(lens_q):] == 0).all() and (dq[:, :, sum(lens_q):] == 0).all()
+    assert (out[:, :, sum(lens_q) :] == 0).all() and (dq[:, :, sum(lens_q) :] == 0).all()
 
 
 def test_attention_lse_and_its_gradient():
@@ -318,8 +341,9 @@ def test_attention_errors():
         f(q, k, v, scaling=0.1, softcap=0.0)
     cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="packed"):
-        api.qknorm_attn_varlen_func(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), cu,
-                                    cu, scaling=0.1)
+        api.qknorm_attn_varlen_func(
+            q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), cu, cu, scaling=0.1
+        )
     with pytest.raises(ValueError, match="int32"):
         api.qknorm_attn_varlen_func(q, k, v, cu.long(), cu.long(), scaling=0.1)
 
@@ -334,17 +358,21 @@ def test_attention_opcheck():
     cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEVICE)
     packed = [t[:1].detach().requires_grad_() for t in (q, k, v)]
     opcheck(torch.ops.hf_qknorm.attn_fwd.default, (*packed, None, cu, cu, 13, 13, 0.2, None, False, None))
-    out, lse = torch.ops.hf_qknorm.attn_fwd(*[t.detach() for t in leaves], mask, None, None, 20, 24, 0.2, 3.0,
-                                            True, None)
-    opcheck(torch.ops.hf_qknorm.attn_bwd.default,
-            (do, *[t.detach() for t in leaves], out, lse, None, mask, None, None, 20, 24, 0.2, 3.0, True, None))
+    out, lse = torch.ops.hf_qknorm.attn_fwd(
+        *[t.detach() for t in leaves], mask, None, None, 20, 24, 0.2, 3.0, True, None
+    )
+    opcheck(
+        torch.ops.hf_qknorm.attn_bwd.default,
+        (do, *[t.detach() for t in leaves], out, lse, None, mask, None, None, 20, 24, 0.2, 3.0, True, None),
+    )
 
 
 def test_attention_under_torch_compile():
     """fullgraph=True: the custom op is traced as one node (no graph break), forward and backward."""
     q, k, v, do = _qkv(1, 2, 1, 17, 17, 32, scale=2.0)
-    fn = torch.compile(lambda a, b, c: api.qknorm_attn_func(a, b, c, scaling=0.2, softcap=3.0),
-                       backend="aot_eager", fullgraph=True)
+    fn = torch.compile(
+        lambda a, b, c: api.qknorm_attn_func(a, b, c, scaling=0.2, softcap=3.0), backend="aot_eager", fullgraph=True
+    )
     ref, ref_grads = _reference(q, k, v, do, scaling=0.2, softcap=3.0, causal=True)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out = fn(*leaves)
@@ -355,12 +383,16 @@ def test_attention_under_torch_compile():
 
 def test_package_imports_without_triton():
     """`import hf_qknorm.kernels` must work, and explain itself, where triton is missing."""
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "import hf_qknorm.kernels as k\n"
-            "assert not k.is_available() and 'pip install' in k.unavailable_reason()\n"
-            "try:\n    k.qknorm_attn_func\nexcept ImportError as e:\n    print('ok', e)\n")
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import hf_qknorm.kernels as k\n"
+        "assert not k.is_available() and 'pip install' in k.unavailable_reason()\n"
+        "try:\n    k.qknorm_attn_func\nexcept ImportError as e:\n    print('ok', e)\n"
+    )
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("ok") and "triton is not installed" in res.stdout
 
@@ -370,15 +402,25 @@ def test_no_gpu_means_unavailable():
     `hf-qknorm info` and `kernels.is_available()` must not claim them on a CPU-only machine."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    code = ("import hf_qknorm.kernels as k\n"
-            "assert not k.is_available(), 'claims the kernels on a machine with no GPU'\n"
-            "print(k.unavailable_reason())\n")
+    code = (
+        "import hf_qknorm.kernels as k\n"
+        "assert not k.is_available(), 'claims the kernels on a machine with no GPU'\n"
+        "print(k.unavailable_reason())\n"
+    )
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("no CUDA device")
-    res = subprocess.run([sys.executable, "-m", "hf_qknorm.cli", "info"], capture_output=True, text=True, env=env,
-                         timeout=120, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "hf_qknorm.cli", "info"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert res.returncode == 0 and "triton kernels: unavailable (no CUDA device" in res.stdout, res.stdout + res.stderr
 
 

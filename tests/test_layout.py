@@ -77,7 +77,7 @@ def test_no_import_cycles():
             if nxt.startswith(node + ".") or node == "hf_qknorm":  # a package importing its own parts is no cycle
                 continue
             if state.get(nxt) == "open":
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -122,6 +122,5 @@ def test_package_imports_no_test_tools():
 
 @pytest.mark.parametrize("sub", SUBPACKAGES)
 def test_each_subpackage_imports_alone(sub):
-    res = subprocess.run([sys.executable, "-c", f"import hf_qknorm.{sub}"], capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run([sys.executable, "-c", f"import hf_qknorm.{sub}"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr

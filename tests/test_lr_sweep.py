@@ -14,8 +14,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import _sweep_common as sc
 import lr_sweep
 
-TINY = dict(steps=4, warmup=2, layers=2, hidden=32, heads=2, context=32, batch_size=4, eval_every=2,
-            eval_blocks=4, final_eval_blocks=8, probe_every=2)
+TINY = dict(
+    steps=4,
+    warmup=2,
+    layers=2,
+    hidden=32,
+    heads=2,
+    context=32,
+    batch_size=4,
+    eval_every=2,
+    eval_blocks=4,
+    final_eval_blocks=8,
+    probe_every=2,
+)
 
 
 @pytest.mark.parametrize("scheme", list(sc.SCHEMES))
@@ -75,9 +86,16 @@ def test_resume_skips_finished_runs(tmp_path):
 
 def test_divergence_rule_and_summary():
     def rec(lr, final, vals=(3.0,), nonfinite=False):
-        return {"config": {"scheme": "baseline", "lr": lr, "seed": 0, "p": None}, "final_val": final,
-                "init_val": 4.2, "nonfinite": nonfinite, "val": [[0, 4.2], *[[1, v] for v in vals], [2, final]],
-                "probe": [{"max_logit": [1.0, 2.0]}], "wall_s": 1.0}
+        return {
+            "config": {"scheme": "baseline", "lr": lr, "seed": 0, "p": None},
+            "final_val": final,
+            "init_val": 4.2,
+            "nonfinite": nonfinite,
+            "val": [[0, 4.2], *[[1, v] for v in vals], [2, final]],
+            "probe": [{"max_logit": [1.0, 2.0]}],
+            "wall_s": 1.0,
+        }
+
     assert not lr_sweep.diverged(rec(1e-3, 2.0), bigram=3.3)
     assert lr_sweep.diverged(rec(1e-3, None, nonfinite=True), bigram=3.3)
     assert lr_sweep.diverged(rec(1e-3, 3.4, vals=(3.5,)), bigram=3.3)  # no better than bigram
@@ -119,8 +137,12 @@ def test_edge_seeds_once_the_edge_is_bracketed():
     args = lr_sweep.parse_args(["run", "--schemes", "baseline"])
 
     def rec(lr, seed, final):
-        return {"config": {"scheme": "baseline", "lr": lr, "seed": seed, "p": None}, "final_val": final,
-                "nonfinite": False, "val": [[0, 4.0], [10, 2.0], [20, final]]}
+        return {
+            "config": {"scheme": "baseline", "lr": lr, "seed": seed, "p": None},
+            "final_val": final,
+            "nonfinite": False,
+            "val": [[0, 4.0], [10, 2.0], [20, final]],
+        }
 
     runs = [rec(3e-3, 0, 1.8), rec(3e-2, 0, 1.9), rec(1e-1, 0, 3.0)]  # edge 0.03 / 0.1: not yet refined
     tags = {c.tag() for c in lr_sweep.next_jobs(args, runs, bigram=2.48)}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
+from tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 
 def test_llama_rmsnorm_qk_norm_is_qwen3():
@@ -20,13 +20,22 @@ def test_llama_rmsnorm_qk_norm_is_qwen3():
             if "_norm" in name:
                 prm.copy_(1 + 0.5 * torch.randn_like(prm))
     c = llama.config
-    qcfg = Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                       num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                       num_key_value_heads=c.num_key_value_heads, head_dim=16, max_position_embeddings=128,
-                       rms_norm_eps=c.rms_norm_eps, rope_parameters=c.rope_parameters, tie_word_embeddings=False,
-                       attention_bias=False)
+    qcfg = Qwen3Config(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=c.rope_parameters,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    )
     qwen = Qwen3ForCausalLM(qcfg).eval()
-    missing, unexpected = qwen.load_state_dict(llama.state_dict(), strict=True), None
+    qwen.load_state_dict(llama.state_dict(), strict=True)  # every key, both ways
     ids = torch.randint(0, VOCAB, (2, 19))
     torch.testing.assert_close(llama(ids).logits, qwen(ids).logits, rtol=1e-5, atol=1e-5)
 
@@ -35,9 +44,19 @@ def test_qknorm_attention_on_gemma2_matches_eager():
     """The "qknorm" backend applies Gemma 2's own softcap exactly like Gemma 2's eager attention."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                       sliding_window=8, attn_logit_softcapping=5.0, query_pre_attn_scalar=16)
+    cfg = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_window=8,
+        attn_logit_softcapping=5.0,
+        query_pre_attn_scalar=16,
+    )
     torch.manual_seed(0)
     eager = Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():  # large q/k weights so that the cap of 5 really bites
@@ -110,7 +129,7 @@ def test_packed_sequences_match_separate(family, scheme, norm):
     start = 0
     for s in seqs:
         single = model(s[None]).logits[0]
-        torch.testing.assert_close(packed[start:start + len(s)], single, rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(packed[start : start + len(s)], single, rtol=1e-7, atol=1e-7)
         start += len(s)
 
 
@@ -153,8 +172,7 @@ def test_peft_wrapped_model():
     from peft import LoraConfig, get_peft_model
 
     model = tiny_model("llama")
-    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"],
-                                                  lora_dropout=0.0))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], lora_dropout=0.0))
     out = hf_qknorm.patch_model(peft_model, "qk_norm_cap")
     assert out is peft_model
     attn = peft_model.get_base_model().model.layers[0].self_attn

@@ -14,7 +14,6 @@ from hf_qknorm.training.monitor import QKMonitor, attention_stats
 from tiny_models import VOCAB, tiny_model
 
 
-
 def _brute_force(q, k, allowed, scaling, softcap):
     groups = q.shape[1] // k.shape[1]
     s = scaling * q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2)
@@ -27,8 +26,7 @@ def _brute_force(q, k, allowed, scaling, softcap):
     rows = allowed.any(-1)
     raw = scaling * q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2)
     per_head = raw.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))  # each head over batch and pairs
-    return torch.cat([torch.stack([best, ent[rows].mean(), q.pow(2).mean().sqrt(), k.pow(2).mean().sqrt()]),
-                      per_head])
+    return torch.cat([torch.stack([best, ent[rows].mean(), q.pow(2).mean().sqrt(), k.pow(2).mean().sqrt()]), per_head])
 
 
 @pytest.mark.parametrize("mask_kind", ["causal", "bool_padding", "additive_per_head"])
@@ -153,8 +151,9 @@ class _Reporter:
 
     def __getattr__(self, name):
         if name.startswith("on_"):
-            return lambda args, state, control, logs=None, **kw: self.logs.append(dict(logs)) if name == "on_log" \
-                else None
+            return lambda args, state, control, logs=None, **kw: (
+                self.logs.append(dict(logs)) if name == "on_log" else None
+            )
         raise AttributeError(name)
 
 
@@ -166,9 +165,16 @@ def test_trainer_logs_reach_reporters(tmp_path):
     model = tiny_model("qwen3")
     hf_qknorm.patch_model(model, "qk_norm_cap")
     reporter = _Reporter()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=4,
-                             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                             disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=5,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=CountingText(n=24), callbacks=[reporter])
     monitor = hf_qknorm.QKMonitorCallback.attach(trainer, every=2)
     trainer.train()

@@ -65,6 +65,7 @@ def test_first_step_matches_a_hand_written_muon_update():
 def test_qk_learning_rate_is_an_exact_per_head_rate_with_muon():
     """Two identical models, one step each with the same gradients: with the Q/K rule (constant factor 0.5) the
     W_Q / W_K update is exactly half of plain Muon's, everything else identical."""
+
     def one_step(rule):
         model = tiny_model("llama", dtype=torch.float64).train()
         opt = MuonAdamW(model, lr=0.02, weight_decay=0.1)
@@ -86,6 +87,7 @@ def test_qk_learning_rate_is_an_exact_per_head_rate_with_muon():
 def test_muonclip_bounds_the_logits():
     """Muon at a learning rate where the plain model's largest logit passes 20 x tau: with QK-Clip as the
     optimizer's post-step hook every forward stays within tau plus one step's growth (under 3 x tau here)."""
+
     def run(clip_on):
         torch.manual_seed(0)
         model = tiny_model("llama", num_key_value_heads=4).train()
@@ -120,9 +122,13 @@ def test_trainer_with_muon(tmp_path):
     model = tiny_model("llama", seed=3)
     hf_qknorm.patch_model(model, "qk_norm_cap", softcap=20.0)
     opt = MuonAdamW(model, lr=0.02)
-    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=4, save_strategy="no"),
-                      train_dataset=CountingText(), optimizers=(opt, None),
-                      callbacks=[hf_qknorm.QKLearningRateCallback(tau=0.5)])
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, max_steps=4, save_strategy="no"),
+        train_dataset=CountingText(),
+        optimizers=(opt, None),
+        callbacks=[hf_qknorm.QKLearningRateCallback(tau=0.5)],
+    )
     out = trainer.train()
     assert math.isfinite(out.training_loss)
 

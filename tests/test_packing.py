@@ -22,7 +22,8 @@ def _packed():
 
     seqs = [torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 5, 11)]
     batch = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True)(
-        [{"input_ids": s.tolist()} for s in seqs])
+        [{"input_ids": s.tolist()} for s in seqs]
+    )
     return seqs, batch
 
 
@@ -42,7 +43,7 @@ def test_packed_with_the_cache_on_matches_separate(family, scheme):
     packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits[0]
     start = 0
     for s in seqs:
-        torch.testing.assert_close(packed[start:start + len(s)], model(s[None]).logits[0], rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(packed[start : start + len(s)], model(s[None]).logits[0], rtol=1e-7, atol=1e-7)
         start += len(s)
 
 
@@ -58,7 +59,7 @@ def test_packed_through_the_kernels_with_the_cache_on():
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits[0]
     start = 0
     for s in seqs:
-        torch.testing.assert_close(packed[start:start + len(s)], model(s[None]).logits[0], rtol=2e-4, atol=2e-4)
+        torch.testing.assert_close(packed[start : start + len(s)], model(s[None]).logits[0], rtol=2e-4, atol=2e-4)
         start += len(s)
 
 
@@ -83,11 +84,12 @@ def test_packed_prefill_into_a_static_cache():
     model = _model("llama", "qk_norm_cap")
     seqs, batch = _packed()
     cache = StaticCache(config=model.config, max_cache_len=40)
-    packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], past_key_values=cache,
-                   use_cache=True).logits[0]
+    packed = model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], past_key_values=cache, use_cache=True
+    ).logits[0]
     start = 0
     for s in seqs:
-        torch.testing.assert_close(packed[start:start + len(s)], model(s[None]).logits[0], rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(packed[start : start + len(s)], model(s[None]).logits[0], rtol=1e-7, atol=1e-7)
         start += len(s)
 
 
@@ -97,8 +99,9 @@ def test_consecutive_positions_keep_the_fast_path():
 
     assert packed_sequence_mask(torch.arange(7)[None] + 3, 7, 7) is None
     mask = packed_sequence_mask(torch.tensor([[0, 1, 2, 0, 1]]), 5, 5)
-    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]],
-                            dtype=torch.bool)
+    expected = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool
+    )
     assert torch.equal(mask[0, 0], expected)
 
 
@@ -107,5 +110,15 @@ def test_cu_seq_lens_with_a_batch_is_refused(softcap):
     q = torch.randn(2, 2, 6, 8)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"one row of concatenated sequences, batch 1; got a batch of 2"):
-        qknorm_attention_forward(torch.nn.Module(), q, q, q, None, softcap=softcap, cu_seq_lens_q=cu,
-                                 cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
+        qknorm_attention_forward(
+            torch.nn.Module(),
+            q,
+            q,
+            q,
+            None,
+            softcap=softcap,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=4,
+            max_length_k=4,
+        )

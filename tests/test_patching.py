@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import hf_qknorm
+from hf_qknorm import QKNormConfig
 from hf_qknorm.portable.norms import HeadRMSNorm
 from hf_qknorm.reference import norm_reference
 from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
-from hf_qknorm import QKNormConfig
 
 
 def _ids(seed=0, batch=2, seq=11):
@@ -36,8 +36,9 @@ def test_patching_never_changes_the_callers_config(family, tmp_path):
     first = AutoModelForCausalLM.from_config(config)
     hf_qknorm.patch_model(first, "qk_norm_cap")
     assert config.to_dict() == before and type(config).__name__ == type(config).__name__.removeprefix("QKNorm")
-    assert first.config is not config and all(m.config is first.config for m in first.modules()
-                                               if "config" in m.__dict__)
+    assert first.config is not config and all(
+        m.config is first.config for m in first.modules() if "config" in m.__dict__
+    )
     second = AutoModelForCausalLM.from_config(config)  # the same config object, built again
     assert not hf_qknorm.is_patched(second)
     second.save_pretrained(tmp_path)
@@ -203,8 +204,14 @@ def test_qkv_norm_fold_patch_and_conversion_agree_in_bf16(family, tmp_path):
             if "input_layernorm" in name or "ln_1" in name:
                 prm.copy_(1 + 0.3 * torch.randn_like(prm) if name.endswith("weight") else 0.3 * torch.randn_like(prm))
     source.save_pretrained(tmp_path / "src")
-    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "out", config=QKNormConfig(scheme="qkv_norm",
-                               norm="rmsnorm"), calibrate=False, progress=False, log=quiet)
+    result = hf_qknorm.convert(
+        tmp_path / "src",
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qkv_norm", norm="rmsnorm"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+    )
     converted = load_file(result.path / "model.safetensors")
     hf_qknorm.patch_model(source, "qkv_norm", norm="rmsnorm")
     patched = source.state_dict()
@@ -212,7 +219,7 @@ def test_qkv_norm_fold_patch_and_conversion_agree_in_bf16(family, tmp_path):
     folded = [k for k in patched if any(p in k for p in ("q_proj", "k_proj", "v_proj", "c_attn"))]
     assert folded
     for key in folded:
-        assert torch.equal(converted[key[len(prefix):] if key[len(prefix):] in converted else key], patched[key]), key
+        assert torch.equal(converted[key[len(prefix) :] if key[len(prefix) :] in converted else key], patched[key]), key
 
 
 # --------------------------------------------------------------------------------------------------------------------

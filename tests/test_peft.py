@@ -11,7 +11,6 @@ from hf_qknorm.training.lora import lora_target_modules, trainable_norm_modules
 from tiny_models import VOCAB, tiny_model
 
 
-
 def _ids(seed=0, batch=2, seq=12):
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 

@@ -35,8 +35,9 @@ def _capture(module, q, k, v, mask, scaling=None, dropout=0.0, softcap=None, **k
         allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
     per_head = s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
     SEEN[module.layer_idx] = torch.maximum(SEEN.get(module.layer_idx, per_head), per_head)
-    out = attention_reference(q, k, v, scaling=scaling, softcap=softcap, causal=mask is None,
-                              mask=None if mask is None else allowed)
+    out = attention_reference(
+        q, k, v, scaling=scaling, softcap=softcap, causal=mask is None, mask=None if mask is None else allowed
+    )
     return out.transpose(1, 2).to(q.dtype), None
 
 
@@ -77,9 +78,14 @@ def _record_inputs(model, ids):
 
     calls, handles = [], []
     for attn in attention_modules(model)[1]:
-        handles.append(attn.register_forward_pre_hook(
-            lambda m, args, kwargs: calls.append((args, {k: v for k, v in kwargs.items()
-                                                         if k != "past_key_values"})), with_kwargs=True))
+        handles.append(
+            attn.register_forward_pre_hook(
+                lambda m, args, kwargs: calls.append(
+                    (args, {k: v for k, v in kwargs.items() if k != "past_key_values"})
+                ),
+                with_kwargs=True,
+            )
+        )
     with torch.no_grad():
         model(ids, use_cache=False)
     for h in handles:
@@ -116,7 +122,7 @@ def _expected_rows(before, maxima, tau, alpha, heads, kv_heads, head_dim, conv1d
         else:
             after[rows] *= gamma[h] ** alpha
     for g in range(kv_heads):
-        f = gamma[g * groups:(g + 1) * groups].min() ** (1 - alpha)
+        f = gamma[g * groups : (g + 1) * groups].min() ** (1 - alpha)
         rows = slice(offset_k + g * head_dim, offset_k + (g + 1) * head_dim)
         if conv1d:
             after[:, rows] *= f
@@ -131,8 +137,9 @@ def test_rescaling_matches_the_formula_and_bounds_the_logits(family, alpha, kv_h
     if family == "gpt2" and kv_heads == 2:
         pytest.skip("GPT-2 has no GQA")
     tau = 5.0
-    model = _big(tiny_model(family, dtype=torch.float64, **({} if family == "gpt2" else
-                                                             {"num_key_value_heads": kv_heads})), 20.0).train()
+    model = _big(
+        tiny_model(family, dtype=torch.float64, **({} if family == "gpt2" else {"num_key_value_heads": kv_heads})), 20.0
+    ).train()
     if family == "qwen2":
         with torch.no_grad():  # biases that matter
             for layer in model.model.layers:
@@ -151,8 +158,9 @@ def test_rescaling_matches_the_formula_and_bounds_the_logits(family, alpha, kv_h
         before_w, before_b = attn.c_attn.weight.detach().clone(), attn.c_attn.bias.detach().clone()
     else:
         before = {n: getattr(attn, n).weight.detach().clone() for n in ("q_proj", "k_proj")}
-        before_b = {n: getattr(attn, n).bias.detach().clone() for n in ("q_proj", "k_proj")
-                    if getattr(attn, n).bias is not None}
+        before_b = {
+            n: getattr(attn, n).bias.detach().clone() for n in ("q_proj", "k_proj") if getattr(attn, n).bias is not None
+        }
     for recorded, expected in zip(clip.maxima, true):
         torch.testing.assert_close(recorded, expected, rtol=1e-9, atol=1e-9)  # the telemetry, by brute force
     inputs = _record_inputs(model, ids)
@@ -168,12 +176,12 @@ def test_rescaling_matches_the_formula_and_bounds_the_logits(family, alpha, kv_h
         both = torch.cat([before["q_proj"], before["k_proj"]])
         want = _expected_rows(both, true[0], tau, alpha, heads, kv, d, False, heads * d)
         torch.testing.assert_close(attn.q_proj.weight, want[: heads * d])
-        torch.testing.assert_close(attn.k_proj.weight, want[heads * d:])
+        torch.testing.assert_close(attn.k_proj.weight, want[heads * d :])
         if before_b:
             both_b = torch.cat([before_b["q_proj"], before_b["k_proj"]])[:, None]
             want_b = _expected_rows(both_b, true[0], tau, alpha, heads, kv, d, False, heads * d)[:, 0]
             torch.testing.assert_close(attn.q_proj.bias, want_b[: heads * d])
-            torch.testing.assert_close(attn.k_proj.bias, want_b[heads * d:])
+            torch.testing.assert_close(attn.k_proj.bias, want_b[heads * d :])
     after = _true_maxima(model, ids, replay=inputs)
     for layer, (old, new) in enumerate(zip(true, after)):
         assert torch.all(new <= tau * (1 + 1e-9)), (layer, new)
@@ -197,8 +205,9 @@ def test_heads_below_tau_and_eval_forwards_are_left_alone():
 @pytest.mark.parametrize("scheme,norm", [("qk_norm_cap", "layernorm"), ("qk_norm", "rmsnorm"), ("qk_norm", "lp")])
 def test_normalised_models_clip_the_shared_gains(scheme, norm):
     model = tiny_model("llama", dtype=torch.float64)
-    hf_qknorm.patch_model(model, scheme, norm=norm, p=3.0 if norm == "lp" else None,
-                          softcap=1e6 if scheme == "qk_norm_cap" else None)
+    hf_qknorm.patch_model(
+        model, scheme, norm=norm, p=3.0 if norm == "lp" else None, softcap=1e6 if scheme == "qk_norm_cap" else None
+    )
     with torch.no_grad():
         for name, prm in model.named_parameters():
             if "q_norm" in name or "k_norm" in name:
@@ -278,8 +287,10 @@ def test_non_finite_and_non_positive_maxima_are_safe(family, caplog):
             model.transformer.h[0].attn.c_attn.bias.normal_()  # zero at init: make the bias's scaling visible
     clip = hf_qknorm.QKClip(model.train(), tau=2.0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    clip.maxima = [torch.tensor([-3.0, 0.0, float("nan"), 8.0], dtype=torch.float64),
-                   torch.tensor([float("inf"), -0.0, float("-inf"), 1.0], dtype=torch.float64)]
+    clip.maxima = [
+        torch.tensor([-3.0, 0.0, float("nan"), 8.0], dtype=torch.float64),
+        torch.tensor([float("inf"), -0.0, float("-inf"), 1.0], dtype=torch.float64),
+    ]
     with caplog.at_level("WARNING", logger="hf_qknorm"):
         clipped = clip.step()
     assert [(i, h) for i, h, *_ in clipped] == [(0, 3)] and clipped[0][3] == pytest.approx(0.25)
@@ -290,20 +301,21 @@ def test_non_finite_and_non_positive_maxima_are_safe(family, caplog):
         assert torch.isfinite(p).all(), name
         if not torch.equal(p, before[name]):
             changed.add(name)
-    attn = (model.transformer.h[0].attn if family == "gpt2" else model.model.layers[0].self_attn)
+    attn = model.transformer.h[0].attn if family == "gpt2" else model.model.layers[0].self_attn
     d = attn.head_dim
     if family == "gpt2":
         assert changed == {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"}
         w, w0 = attn.c_attn.weight, before["transformer.h.0.attn.c_attn.weight"]
         e = w.shape[1] // 3
-        torch.testing.assert_close(w[:, 3 * d:4 * d], w0[:, 3 * d:4 * d] * 0.5)  # query head 3: 0.25 ** 0.5
-        torch.testing.assert_close(w[:, e + 3 * d:e + 4 * d], w0[:, e + 3 * d:e + 4 * d] * 0.5)  # its key head
-        assert torch.equal(w[:, :3 * d], w0[:, :3 * d]) and torch.equal(w[:, 2 * e:], w0[:, 2 * e:])
+        torch.testing.assert_close(w[:, 3 * d : 4 * d], w0[:, 3 * d : 4 * d] * 0.5)  # query head 3: 0.25 ** 0.5
+        torch.testing.assert_close(w[:, e + 3 * d : e + 4 * d], w0[:, e + 3 * d : e + 4 * d] * 0.5)  # its key head
+        assert torch.equal(w[:, : 3 * d], w0[:, : 3 * d]) and torch.equal(w[:, 2 * e :], w0[:, 2 * e :])
     else:
         assert changed == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"}
-        torch.testing.assert_close(attn.q_proj.weight[3 * d:], before["model.layers.0.self_attn.q_proj.weight"][3 * d:]
-                                   * 0.5)
-        assert torch.equal(attn.q_proj.weight[:3 * d], before["model.layers.0.self_attn.q_proj.weight"][:3 * d])
+        torch.testing.assert_close(
+            attn.q_proj.weight[3 * d :], before["model.layers.0.self_attn.q_proj.weight"][3 * d :] * 0.5
+        )
+        assert torch.equal(attn.q_proj.weight[: 3 * d], before["model.layers.0.self_attn.q_proj.weight"][: 3 * d])
 
 
 def test_deepspeed_is_refused_by_the_weight_editing_controls():
@@ -333,6 +345,7 @@ def test_bad_settings_are_refused():
 def test_training_at_an_exploding_lr_stays_bounded():
     """At a learning rate where the unpatched model's largest logit runs away (past 10 x tau in 100 steps), QK-Clip
     keeps it bounded: each step's forward sees at most tau plus what one optimizer step adds (under 2 x tau here)."""
+
     def run(clip_on: bool):
         torch.manual_seed(0)
         model = tiny_model("llama", num_key_value_heads=4).train()
@@ -368,8 +381,12 @@ def test_trainer_callback(tmp_path):
 
     model = _big(tiny_model("llama", seed=3), 20.0)
     callback = hf_qknorm.QKClipCallback(tau=5.0)
-    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=4, save_strategy="no"),
-                      train_dataset=CountingText(), callbacks=[callback])
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, max_steps=4, save_strategy="no"),
+        train_dataset=CountingText(),
+        callbacks=[callback],
+    )
     trainer.train()
     clip = callback.clip
     assert clip.steps == 4 and clip.clipped_steps >= 1 and not clip._tap.attached
@@ -382,8 +399,18 @@ def test_two_processes_clip_identically(tmp_path):
     """Only rank 0's batch has the large logits; the all-reduced maxima make both ranks clip the same heads by the
     same factors, so their weights stay identical."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           __file__, "--worker", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        __file__,
+        "--worker",
+        str(tmp_path),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     w0, w1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))

@@ -11,7 +11,6 @@ from hf_qknorm.training.qk_lr import QKLearningRate
 from tiny_models import VOCAB, tiny_model
 
 
-
 def _batch(seed, batch=4, seq=16):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, seq), generator=g)
@@ -46,8 +45,9 @@ def test_factors_follow_the_rule_with_gqa():
     per_layer = QKLearningRate(model, tau=1.0, per_head=False, initial_norms=qk.initial_norms)
     fq_layer = per_layer.factors()[0][0]
     nk0 = torch.tensor(qk.initial_norms["k"][0], dtype=torch.float64)
-    torch.testing.assert_close(fq_layer, torch.full((4,), float(nk0.norm() / torch.stack([2 * nk0[0], nk0[1]]).norm()),
-                                                    dtype=torch.float64))
+    torch.testing.assert_close(
+        fq_layer, torch.full((4,), float(nk0.norm() / torch.stack([2 * nk0[0], nk0[1]]).norm()), dtype=torch.float64)
+    )
 
 
 def _reference_adamw(model, steps, lr, wd, tau, betas=(0.9, 0.95), eps=1e-8):
@@ -61,8 +61,10 @@ def _reference_adamw(model, steps, lr, wd, tau, betas=(0.9, 0.95), eps=1e-8):
 
     init = {}
     for i, layer in enumerate(model.model.layers):
-        init[i] = (head_norms(layer.self_attn.q_proj.weight.detach(), heads),
-                   head_norms(layer.self_attn.k_proj.weight.detach(), kv))
+        init[i] = (
+            head_norms(layer.self_attn.q_proj.weight.detach(), heads),
+            head_norms(layer.self_attn.k_proj.weight.detach(), kv),
+        )
     for t in range(1, steps + 1):
         model.zero_grad()
         _loss(model, t).backward()
@@ -110,7 +112,7 @@ def test_gpt2_fused_c_attn_rescales_q_and_k_columns_only():
     qk = QKLearningRate(model, tau=1.0, rule="constant")
     qk.tau = 0.25  # a constant factor: Q and K columns move a quarter as far, V columns and the rest as plain
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for m, opt in zip((model, plain), opts):
+    for m in (model, plain):
         _loss(m, 0).backward()
     qk.step(opts[0])
     opts[1].step()
@@ -119,7 +121,7 @@ def test_gpt2_fused_c_attn_rescales_q_and_k_columns_only():
         if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
             old = before[name]
             expected = b.detach().clone()
-            expected[..., :2 * e] = old[..., :2 * e] + 0.25 * (b[..., :2 * e] - old[..., :2 * e])
+            expected[..., : 2 * e] = old[..., : 2 * e] + 0.25 * (b[..., : 2 * e] - old[..., : 2 * e])
             torch.testing.assert_close(a, expected, rtol=1e-12, atol=1e-14, msg=name)
         else:
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hf_qknorm import QKNormConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,8 +23,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("HF_QKNORM_REAL_MODEL") != "1",
-                       reason="opt-in: set HF_QKNORM_REAL_MODEL=1 to convert SmolLM2-135M (about 5 minutes on CPU)"),
+    pytest.mark.skipif(
+        os.environ.get("HF_QKNORM_REAL_MODEL") != "1",
+        reason="opt-in: set HF_QKNORM_REAL_MODEL=1 to convert SmolLM2-135M (about 5 minutes on CPU)",
+    ),
 ]
 
 
@@ -50,9 +53,8 @@ def smollm2():
 
 def test_built_folder_is_the_packaged_model(smollm2):
     """The safetensors folder holds exactly the dequantised GGUF weights: same logits as loading the GGUF."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from build_smollm2 import gguf_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = gguf_path()
     ids = AutoTokenizer.from_pretrained(smollm2)("The capital of France is", return_tensors="pt").input_ids
@@ -73,8 +75,14 @@ def test_default_conversion_recovers_the_real_model(smollm2, tmp_path):
     from hf_qknorm.conversion.converter import _blocks
     from hf_qknorm.data import bundled_text, perplexity, split_text
 
-    result = hf_qknorm.convert(smollm2, tmp_path / "out", config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
-                               calibration_text="wikitext2", progress=False, log=lambda *a: None)
+    result = hf_qknorm.convert(
+        smollm2,
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
+        calibration_text="wikitext2",
+        progress=False,
+        log=lambda *a: None,
+    )
     r = result.report
     assert result.export == "qwen3"
     assert r.ppl_identity > 5 * r.ppl_original  # the conversion is hard: identity init loses most of the model

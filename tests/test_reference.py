@@ -9,8 +9,9 @@ import hf_qknorm
 from hf_qknorm.reference import allowed_reference, attention_layer_reference, norm_reference
 from tiny_models import FAMILY_NAMES, tiny_model
 
-COMBOS = [("soft_cap", None)] + [(s, n) for s in ("qk_norm", "qk_norm_cap", "qkv_norm")
-                                  for n in ("layernorm", "rmsnorm", "l2", "lp")]
+COMBOS = [("soft_cap", None)] + [
+    (s, n) for s in ("qk_norm", "qk_norm_cap", "qkv_norm") for n in ("layernorm", "rmsnorm", "l2", "lp")
+]
 
 
 def _randomise_norms(model, gen):
@@ -32,7 +33,16 @@ def _layer_weights(attn, family):
     if f.fused_qkv:
         w, b = attn.c_attn.weight.T, attn.c_attn.bias
         e = w.shape[1]
-        return (w[:e], w[e:2 * e], w[2 * e:], attn.c_proj.weight.T, b[:e], b[e:2 * e], b[2 * e:], attn.c_proj.bias)
+        return (
+            w[:e],
+            w[e : 2 * e],
+            w[2 * e :],
+            attn.c_proj.weight.T,
+            b[:e],
+            b[e : 2 * e],
+            b[2 * e :],
+            attn.c_proj.bias,
+        )
     lin = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     return tuple(l.weight for l in lin) + tuple(l.bias for l in lin)
 
@@ -53,8 +63,9 @@ def _run_layer(model, family, x, backend):
     mask = None
     if backend == "sdpa":
         window = getattr(attn, "sliding_window", getattr(model.config, "sliding_window", None))
-        mask = allowed_reference(x.shape[1], x.shape[1], causal=True,
-                                 sliding_window=window if family != "gpt2" else None)
+        mask = allowed_reference(
+            x.shape[1], x.shape[1], causal=True, sliding_window=window if family != "gpt2" else None
+        )
     if family == "gpt2":
         return attn, None, attn(x, attention_mask=mask)[0]
     pos = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
@@ -67,14 +78,36 @@ def _reference(attn, family, x, rope, cfg, model):
     heads = model.config.num_attention_heads
     kv_heads = getattr(model.config, "num_key_value_heads", heads)
     scaling = 1.0 if cfg.norm in ("l2", "lp") else attn.scaling
-    window = getattr(attn, "sliding_window", getattr(model.config, "sliding_window", None)) if family != "gpt2" else None
+    window = (
+        getattr(attn, "sliding_window", getattr(model.config, "sliding_window", None)) if family != "gpt2" else None
+    )
     cos, sin = rope if rope is not None else (None, None)
     return attention_layer_reference(
-        x, wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo, heads=heads, kv_heads=kv_heads,
-        head_dim=attn.head_dim, scaling=scaling, softcap=cfg.softcap, norm=cfg.norm or "rmsnorm",
-        q_norm=_norm_params(getattr(attn, "q_norm", None)), k_norm=_norm_params(getattr(attn, "k_norm", None)),
-        v_norm=_norm_params(getattr(attn, "v_norm", None)), cos=cos, sin=sin, causal=True,
-        sliding_window=window, eps=cfg.eps, p=cfg.p or 2.0)
+        x,
+        wq=wq,
+        wk=wk,
+        wv=wv,
+        wo=wo,
+        bq=bq,
+        bk=bk,
+        bv=bv,
+        bo=bo,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=attn.head_dim,
+        scaling=scaling,
+        softcap=cfg.softcap,
+        norm=cfg.norm or "rmsnorm",
+        q_norm=_norm_params(getattr(attn, "q_norm", None)),
+        k_norm=_norm_params(getattr(attn, "k_norm", None)),
+        v_norm=_norm_params(getattr(attn, "v_norm", None)),
+        cos=cos,
+        sin=sin,
+        causal=True,
+        sliding_window=window,
+        eps=cfg.eps,
+        p=cfg.p or 2.0,
+    )
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -135,10 +168,12 @@ def test_norms_match_reference():
 
 @pytest.mark.parametrize("scheme,norm", [("qk_norm_cap", "layernorm"), ("qkv_norm", "rmsnorm"), ("qk_norm", "lp")])
 def test_gradcheck_patched_layer(scheme, norm):
-    model = tiny_model("llama", dtype=torch.float64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
-                       intermediate_size=32)
-    hf_qknorm.patch_model(model, scheme, norm=norm, softcap=2.0 if "cap" in scheme else None,
-                          p=3.0 if norm == "lp" else None)
+    model = tiny_model(
+        "llama", dtype=torch.float64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32
+    )
+    hf_qknorm.patch_model(
+        model, scheme, norm=norm, softcap=2.0 if "cap" in scheme else None, p=3.0 if norm == "lp" else None
+    )
     attn = model.model.layers[0].self_attn
     x = torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True)
     pos = torch.arange(5)[None]

@@ -16,8 +16,9 @@ from tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-@pytest.mark.parametrize("scheme,norm", [("qk_norm_cap", "layernorm"), ("qkv_norm", "rmsnorm"), ("qk_norm", "lp"),
-                                         ("soft_cap", None)])
+@pytest.mark.parametrize(
+    "scheme,norm", [("qk_norm_cap", "layernorm"), ("qkv_norm", "rmsnorm"), ("qk_norm", "lp"), ("soft_cap", None)]
+)
 def test_round_trip(tmp_path, family, scheme, norm):
     model = tiny_model(family)
     hf_qknorm.patch_model(model, scheme, norm=norm, p=4.0 if norm == "lp" else None)
@@ -62,8 +63,9 @@ def test_without_plugin_loading_asks_for_the_shipped_code(tmp_path):
         print("LOADED SILENTLY")
         sys.exit(1)
     """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "REFUSED" in res.stdout and "trust_remote_code=True" in res.stdout
 
@@ -90,19 +92,37 @@ def _add(key, make):
 # (family, scheme, norm, edit, key named in the error). Saved by save_pretrained, then edited.
 BROKEN_FOLDERS = {
     "every-q_norm-deleted": ("llama", "qk_norm_cap", "layernorm", _drop("q_norm"), "self_attn.q_norm.weight"),
-    "one-bias-deleted": ("qwen2", "qk_norm", "layernorm", _drop("layers.1.self_attn.k_norm.bias"),
-                         "missing model.layers.1.self_attn.k_norm.bias"),
+    "one-bias-deleted": (
+        "qwen2",
+        "qk_norm",
+        "layernorm",
+        _drop("layers.1.self_attn.k_norm.bias"),
+        "missing model.layers.1.self_attn.k_norm.bias",
+    ),
     "lp-logit-scale-deleted": ("gpt2", "qk_norm", "lp", _drop("q_norm.weight"), "attn.q_norm.weight"),
     "v_norm-deleted": ("mistral", "qkv_norm", "rmsnorm", _drop("v_norm"), "v_norm.weight"),
     "qwen3-own-norm-deleted": ("qwen3", "soft_cap", None, _drop("layers.0.self_attn.k_norm"), "k_norm.weight"),
-    "unexpected-v_norm": ("llama", "qk_norm", "rmsnorm",
-                          _add("model.layers.0.self_attn.v_norm.weight", lambda sd: torch.ones(16)), "v_norm.weight"),
-    "unexpected-bias-on-rmsnorm": ("llama", "qk_norm", "rmsnorm",
-                                   _add("model.layers.1.self_attn.q_norm.bias", lambda sd: torch.zeros(16)),
-                                   "q_norm.bias"),
-    "unexpected-prenorm-of-qkv_norm": ("llama", "qkv_norm", "layernorm",
-                                       _add("model.layers.0.input_layernorm.weight", lambda sd: torch.ones(64)),
-                                       "input_layernorm.weight"),
+    "unexpected-v_norm": (
+        "llama",
+        "qk_norm",
+        "rmsnorm",
+        _add("model.layers.0.self_attn.v_norm.weight", lambda sd: torch.ones(16)),
+        "v_norm.weight",
+    ),
+    "unexpected-bias-on-rmsnorm": (
+        "llama",
+        "qk_norm",
+        "rmsnorm",
+        _add("model.layers.1.self_attn.q_norm.bias", lambda sd: torch.zeros(16)),
+        "q_norm.bias",
+    ),
+    "unexpected-prenorm-of-qkv_norm": (
+        "llama",
+        "qkv_norm",
+        "layernorm",
+        _add("model.layers.0.input_layernorm.weight", lambda sd: torch.ones(64)),
+        "input_layernorm.weight",
+    ),
 }
 
 
@@ -143,12 +163,15 @@ def test_the_shipped_code_refuses_them_too(tmp_path):
             except ValueError as exc:
                 print("REFUSED", type(exc).__name__, exc)
     """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if line.startswith(("LOADED", "REFUSED"))]
     assert len(lines) == 2 and all(line.startswith("REFUSED SchemeWeightsError") for line in lines), res.stdout
-    assert "missing model.layers.*.self_attn.q_norm.bias (layers 0, 1), model.layers.*.self_attn.q_norm.weight" in lines[0]
+    assert (
+        "missing model.layers.*.self_attn.q_norm.bias (layers 0, 1), model.layers.*.self_attn.q_norm.weight" in lines[0]
+    )
     assert "unexpected model.layers.1.self_attn.q_norm.bias" in lines[1]
 
 
@@ -176,20 +199,23 @@ def test_transformers_loading_keywords_keep_working(tmp_path):
     model = tiny_model("llama")
     hf_qknorm.patch_model(model, "qk_norm_cap")
     model.save_pretrained(tmp_path / "lm")
-    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "lm", output_loading_info=True,
-                                                        ignore_mismatched_sizes=True)
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "lm", output_loading_info=True, ignore_mismatched_sizes=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     clf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=3)
     clf.save_pretrained(tmp_path / "clf")
-    again, info = AutoModelForSequenceClassification.from_pretrained(tmp_path / "clf", num_labels=5,
-                                                                     ignore_mismatched_sizes=True,
-                                                                     output_loading_info=True)
+    again, info = AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "clf", num_labels=5, ignore_mismatched_sizes=True, output_loading_info=True
+    )
     assert again.score.weight.shape[0] == 5 and [k for k, *_ in info["mismatched_keys"]] == ["score.weight"]
-    one_layer, info = AutoModelForCausalLM.from_pretrained(tmp_path / "lm", num_hidden_layers=1,
-                                                           output_loading_info=True)
+    one_layer, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "lm", num_hidden_layers=1, output_loading_info=True
+    )
     assert len(one_layer.model.layers) == 1 and "model.layers.1.self_attn.q_norm.weight" in info["unexpected_keys"]
-    torch.testing.assert_close(one_layer.model.layers[0].self_attn.q_norm.weight,
-                               model.model.layers[0].self_attn.q_norm.weight, rtol=0, atol=0)
+    torch.testing.assert_close(
+        one_layer.model.layers[0].self_attn.q_norm.weight, model.model.layers[0].self_attn.q_norm.weight, rtol=0, atol=0
+    )
 
 
 def test_a_plain_checkpoint_is_not_loaded_into_a_patched_class(tmp_path):

@@ -12,7 +12,10 @@ from hf_qknorm.data import bundled_model_dir
 def test_topics_are_wikitext_titles_then_line_openings():
     text = " = Robert Boulter = \n\n Robert Boulter is an English actor .\n = = Career = = \n\n = = = 2000 = = = \n"
     assert topics(text, 3) == ["Robert Boulter", "Career", "2000"]
-    assert topics("one two three four five\nsix seven eight nine\n", 5) == ["one two three four", "six seven eight nine"]
+    assert topics("one two three four five\nsix seven eight nine\n", 5) == [
+        "one two three four",
+        "six seven eight nine",
+    ]
 
 
 def test_mixed_text_share_and_interleaving():

@@ -35,10 +35,24 @@ def _launch(world: int, tmp_path_factory) -> Path:
     """Run the worker once per world size (every scenario in one launch: process start-up dominates)."""
     if world not in _LAUNCHED:
         out = tmp_path_factory.mktemp(f"world{world}")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-               str(_free_port()), __file__, "--worker", str(out)]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(world),
+            "--master_port",
+            str(_free_port()),
+            __file__,
+            "--worker",
+            str(out),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
         _LAUNCHED[world] = out
@@ -77,13 +91,15 @@ def test_sharded_training_equals_one_process(world, name, tmp_path_factory):
         for g_heads, r_heads in zip(got["heads"], ref["heads"]):
             assert g_heads.keys() == r_heads.keys()
             for i in g_heads:
-                torch.testing.assert_close(torch.tensor(g_heads[i]), torch.tensor(r_heads[i]), rtol=rtol * 10,
-                                           atol=atol)
+                torch.testing.assert_close(
+                    torch.tensor(g_heads[i]), torch.tensor(r_heads[i]), rtol=rtol * 10, atol=atol
+                )
         assert len(got["factors"]) == len(ref["factors"])
         for g_step, r_step in zip(got["factors"], ref["factors"]):  # per step, per layer: (f_Q, f_K)
             for g_f, r_f in zip(g_step, r_step):
-                torch.testing.assert_close(torch.tensor(g_f[0] + g_f[1]), torch.tensor(r_f[0] + r_f[1]), rtol=rtol,
-                                           atol=atol)
+                torch.testing.assert_close(
+                    torch.tensor(g_f[0] + g_f[1]), torch.tensor(r_f[0] + r_f[1]), rtol=rtol, atol=atol
+                )
         assert got["params"].keys() == ref["params"].keys()
         for key, value in ref["params"].items():
             assert torch.isfinite(got["params"][key]).all(), key
@@ -160,15 +176,53 @@ def test_recipe_fsdp_resumes_identically(tmp_path):
     from hf_qknorm.data import bundled_text
 
     (tmp_path / "text.txt").write_text(bundled_text("tinyshakespeare")[:20_000], encoding="utf-8")
-    common = ["--text", str(tmp_path / "text.txt"), "--max-steps", "4", "--batch-size", "2", "--context", "32",
-              "--hidden-size", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--eval-blocks", "2",
-              "--monitor-every", "1", "--logging-steps", "1", "--qk-clip-tau", "2.0", "--qk-lr-tau", "0.5"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")])}
+    common = [
+        "--text",
+        str(tmp_path / "text.txt"),
+        "--max-steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--context",
+        "32",
+        "--hidden-size",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--eval-blocks",
+        "2",
+        "--monitor-every",
+        "1",
+        "--logging-steps",
+        "1",
+        "--qk-clip-tau",
+        "2.0",
+        "--qk-lr-tau",
+        "0.5",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
 
     def launch(*args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(ROOT / "recipes" / "pretrain_sharded.py"), *common, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(ROOT / "recipes" / "pretrain_sharded.py"),
+            *common,
+            *args,
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
         return res.stdout
@@ -206,8 +260,12 @@ def _checkpoint(out: Path, rank: int, world: int) -> None:
     trains the same 2 steps; the resumed model is also saved whole with ``save_pretrained``."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
 
     from hf_qknorm.portable.layout import unwrap
 
@@ -253,8 +311,14 @@ def _nonfinite(out: Path, rank: int, world: int) -> None:
     clip = hf_qknorm.QKClip(model, tau=NONFINITE_TAU)
     clip.maxima = [torch.tensor(m, dtype=torch.float64) for m in NONFINITE[rank]]
     clipped = clip.step()
-    torch.save({"clipped": [(i, h) for i, h, *_ in clipped], "skipped": [(i, h) for i, h, _ in clip.last_skipped],
-                "params": S.full_params(model)}, out / f"nonfinite.rank{rank}.pt")
+    torch.save(
+        {
+            "clipped": [(i, h) for i, h, *_ in clipped],
+            "skipped": [(i, h) for i, h, _ in clip.last_skipped],
+            "params": S.full_params(model),
+        },
+        out / f"nonfinite.rank{rank}.pt",
+    )
 
 
 def _refusals(out: Path, rank: int, world: int) -> None:
@@ -281,8 +345,16 @@ def _refusals(out: Path, rank: int, world: int) -> None:
     refuse("patch_after_ddp", lambda: hf_qknorm.patch_model(ddp, "qk_norm"))
     qwen3 = tiny_model("qwen3", dtype=torch.float64, **{**S.TP_SHAPE, "head_dim": 8})
     for layer in qwen3.model.layers:  # torch's own parallelize_module: Qwen3's q_norm/k_norm gradients left partial
-        parallelize_module(layer.self_attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                                                   "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        parallelize_module(
+            layer.self_attn,
+            mesh,
+            {
+                "q_proj": ColwiseParallel(),
+                "k_proj": ColwiseParallel(),
+                "v_proj": ColwiseParallel(),
+                "o_proj": RowwiseParallel(),
+            },
+        )
     refuse("unsynced_tp", lambda: hf_qknorm.QKClip(qwen3))
     from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -13,8 +13,8 @@ import torch
 
 import hf_qknorm.attention.tiles as tiles
 from hf_qknorm import upstream
-from hf_qknorm.attention.chunked import chunked_attention, max_logits
 from hf_qknorm.attention import kernel_policy
+from hf_qknorm.attention.chunked import chunked_attention, max_logits
 from hf_qknorm.attention.interface import qknorm_attention_forward
 
 INF = float("inf")
@@ -111,8 +111,9 @@ def test_tiled_path_max_logits(case, softcap, dtype, monkeypatch):
     _plant(q, k, ~allowed[0, 0])
     want = _brute(q, k, allowed, 0.3)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    out, top = chunked_attention(q, k, v, scaling=0.3, softcap=softcap, mask=mask, causal=causal,
-                                 sliding_window=window, return_max_logits=True)
+    out, top = chunked_attention(
+        q, k, v, scaling=0.3, softcap=softcap, mask=mask, causal=causal, sliding_window=window, return_max_logits=True
+    )
     _close(top, want, dtype)
     plain = chunked_attention(q, k, v, scaling=0.3, softcap=softcap, mask=mask, causal=causal, sliding_window=window)
     torch.testing.assert_close(out, plain, rtol=1e-12 if dtype == torch.float64 else 1e-5, atol=1e-6)
@@ -141,8 +142,9 @@ def test_side_computation_max_logits(kind, dtype, monkeypatch):
         q, allowed = q[:, :, -1:], torch.ones(1, 1, 1, t, dtype=torch.bool)
     _plant(q, k, ~allowed.expand(b, h, q.shape[2], t)[0, 0])
     want = _brute(q, k, allowed, 0.4)
-    got = head_max_logits(q.to(dtype), k.to(dtype), mask if mask is None or mask.dtype == torch.bool else
-                          mask.to(dtype), scaling=0.4)
+    got = head_max_logits(
+        q.to(dtype), k.to(dtype), mask if mask is None or mask.dtype == torch.bool else mask.to(dtype), scaling=0.4
+    )
     _close(got, want, dtype)
 
 
@@ -188,7 +190,7 @@ def _interface_case(name, dtype):
     elif name == "packed_position_ids":  # sequences of 6 and 34 in each row
         kwargs["position_ids"] = torch.cat([torch.arange(6), torch.arange(34)])[None].expand(b, t)
         seq = torch.tensor([0] * 6 + [1] * 34)
-        allowed = (allowed & (seq[:, None] == seq[None, :]))
+        allowed = allowed & (seq[:, None] == seq[None, :])
     elif name == "cu_seq_lens":
         q, k, v = q[:1], k[:1], v[:1]
         cu = torch.tensor([0, 4, 11, 40], dtype=torch.int32)
@@ -205,8 +207,17 @@ def _interface_case(name, dtype):
     return q.to(dtype), k.to(dtype), v.to(dtype), mask, kwargs, want
 
 
-INTERFACE_CASES = ["causal", "static_prefill", "padding", "additive", "sliding_window", "packed_position_ids",
-                   "cu_seq_lens", "decode", "output_attentions"]
+INTERFACE_CASES = [
+    "causal",
+    "static_prefill",
+    "padding",
+    "additive",
+    "sliding_window",
+    "packed_position_ids",
+    "cu_seq_lens",
+    "decode",
+    "output_attentions",
+]
 
 
 def _call_with_probe(q, k, v, mask, kwargs, softcap, training=False, dropout=0.0):
@@ -236,8 +247,16 @@ def test_interface_max_logits(name, softcap, tiled_from, monkeypatch):
     _close(top, want, torch.float64)
     # a max-only pass on the side: on the materialising path (it is for inspection), and for short uncapped calls
     assert len(side) == (name == "output_attentions" or (softcap is None and tiled_from > 1))
-    plain, _ = qknorm_attention_forward(_Mod().eval(), q, k, v, mask, scaling=0.35, softcap=softcap,
-                                        **{key: val for key, val in kwargs.items() if key != "output_attentions"})
+    plain, _ = qknorm_attention_forward(
+        _Mod().eval(),
+        q,
+        k,
+        v,
+        mask,
+        scaling=0.35,
+        softcap=softcap,
+        **{key: val for key, val in kwargs.items() if key != "output_attentions"},
+    )
     torch.testing.assert_close(out, plain, rtol=1e-10, atol=1e-10)  # telemetry changes nothing in the output
 
 
@@ -257,8 +276,9 @@ def test_no_probe_wanting_max_logits_gets_none():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
-@pytest.mark.parametrize("name", ["causal", "static_prefill", "padding", "sliding_window", "packed_position_ids",
-                                  "cu_seq_lens", "decode"])
+@pytest.mark.parametrize(
+    "name", ["causal", "static_prefill", "padding", "sliding_window", "packed_position_ids", "cu_seq_lens", "decode"]
+)
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_triton_kernels_max_logits(name, softcap, monkeypatch):
     import hf_qknorm.modeling.telemetry as telemetry
@@ -278,8 +298,13 @@ def _spy_entry_points(monkeypatch) -> list:
     import hf_qknorm.kernels.attn_interface as api
 
     calls = []
-    for name in ("qknorm_attn_func", "qknorm_attn_func_with_max_logits", "qknorm_attn_varlen_func",
-                 "qknorm_attn_varlen_func_with_max_logits", "qknorm_attn_with_kvcache"):
+    for name in (
+        "qknorm_attn_func",
+        "qknorm_attn_func_with_max_logits",
+        "qknorm_attn_varlen_func",
+        "qknorm_attn_varlen_func_with_max_logits",
+        "qknorm_attn_with_kvcache",
+    ):
         original = getattr(api, name)
         monkeypatch.setattr(api, name, lambda *a, _name=name, _f=original, **kw: calls.append(_name) or _f(*a, **kw))
     return calls

@@ -13,7 +13,6 @@ from hf_qknorm import upstream
 from tiny_models import VOCAB, tiny_model
 
 
-
 class CountingText(torch.utils.data.Dataset):
     """Learnable synthetic text: each row counts upward from a random start with stride 1 or 2."""
 
@@ -33,10 +32,26 @@ class CountingText(torch.utils.data.Dataset):
 def _args(out, max_steps=6, **kw):
     from transformers import TrainingArguments
 
-    base = dict(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=3e-3,
-                lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0, logging_steps=1,
-                save_strategy="steps", save_steps=3, report_to="none", use_cpu=True, seed=0, data_seed=0,
-                dataloader_num_workers=0, disable_tqdm=True, **upstream.checkpointing_arguments(use_reentrant=False))
+    base = dict(
+        output_dir=str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=3,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **upstream.checkpointing_arguments(use_reentrant=False),
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -45,8 +60,12 @@ def _trainer(out, **kw):
 
     model = tiny_model("llama", seed=3)
     hf_qknorm.patch_model(model, "qk_norm_cap", softcap=20.0)
-    return Trainer(model=model, args=_args(out, **kw), train_dataset=CountingText(),
-                   callbacks=[hf_qknorm.QKLearningRateCallback(tau=0.5)])
+    return Trainer(
+        model=model,
+        args=_args(out, **kw),
+        train_dataset=CountingText(),
+        callbacks=[hf_qknorm.QKLearningRateCallback(tau=0.5)],
+    )
 
 
 def test_trains_with_checkpointing_and_resumes_identically(tmp_path):
@@ -88,7 +107,6 @@ def _recipe(name):
 def test_recipes_help_and_tiny_runs(tmp_path, capsys):
     """Every recipe answers --help; continued pretraining converts the bundled tiny Llama and trains it, and LoRA
     fine-tunes the result and merges it (from-scratch pretraining runs in tests/test_distributed.py)."""
-    import pytest
 
     from hf_qknorm.data import bundled_text
 
@@ -98,10 +116,25 @@ def test_recipes_help_and_tiny_runs(tmp_path, capsys):
         assert exit_info.value.code == 0 and "--text" in capsys.readouterr().out
     text = tmp_path / "text.txt"
     text.write_text(bundled_text("wikitext2")[:30_000], encoding="utf-8")
-    tiny = ["--text", str(text), "--max-steps", "2", "--batch-size", "2", "--context", "64", "--eval-blocks", "2",
-            "--monitor-every", "1", "--logging-steps", "1"]
-    _recipe("continue_pretraining").main(tiny + ["--out", str(tmp_path / "cpt"), "--calib-steps", "0",
-                                                 "--calib-blocks", "2", "--qk-lr-tau", "1.0"])
+    tiny = [
+        "--text",
+        str(text),
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--context",
+        "64",
+        "--eval-blocks",
+        "2",
+        "--monitor-every",
+        "1",
+        "--logging-steps",
+        "1",
+    ]
+    _recipe("continue_pretraining").main(
+        tiny + ["--out", str(tmp_path / "cpt"), "--calib-steps", "0", "--calib-blocks", "2", "--qk-lr-tau", "1.0"]
+    )
     cpt = json.loads((tmp_path / "cpt" / "results.json").read_text())
     assert cpt["steps"] == 2 and cpt["monitor_last"]["qk/layer3/q_rms"] > 0
     assert abs(cpt["ppl_converted"] / cpt["ppl_source"] - 1) < 0.5  # calibrated: close to the original
@@ -123,10 +156,40 @@ def test_pretrain_tiny_recipe_tiny_run(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(bundled_text("tinyshakespeare")[:20_000], encoding="utf-8")
     out = tmp_path / "tiny"
-    _recipe("pretrain_tiny").main(["--text", str(text), "--out", str(out), "--steps", "2", "--warmup", "1",
-                                   "--batch-size", "2", "--context", "32", "--vocab-size", "300", "--hidden-size",
-                                   "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate-size",
-                                   "64", "--max-positions", "64", "--eval-every", "1", "--eval-blocks", "2"])
+    _recipe("pretrain_tiny").main(
+        [
+            "--text",
+            str(text),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--batch-size",
+            "2",
+            "--context",
+            "32",
+            "--vocab-size",
+            "300",
+            "--hidden-size",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--intermediate-size",
+            "64",
+            "--max-positions",
+            "64",
+            "--eval-every",
+            "1",
+            "--eval-blocks",
+            "2",
+        ]
+    )
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == len(tok) <= 300

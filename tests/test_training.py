@@ -33,8 +33,16 @@ def _train(model, steps=30, lr=3e-3):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("scheme,norm", [("qk_norm", "layernorm"), ("soft_cap", None), ("qk_norm_cap", "rmsnorm"),
-                                         ("qkv_norm", "layernorm"), ("qk_norm", "lp")])
+@pytest.mark.parametrize(
+    "scheme,norm",
+    [
+        ("qk_norm", "layernorm"),
+        ("soft_cap", None),
+        ("qk_norm_cap", "rmsnorm"),
+        ("qkv_norm", "layernorm"),
+        ("qk_norm", "lp"),
+    ],
+)
 def test_loss_falls(family, scheme, norm):
     model = tiny_model(family)
     hf_qknorm.patch_model(model, scheme, norm=norm, p=4.0 if norm == "lp" else None)
@@ -44,11 +52,11 @@ def test_loss_falls(family, scheme, norm):
     assert last < 0.8 * first, losses
 
 
-def _reference_attention(module, q, k, v, mask, scaling=None, dropout=0.0, softcap=None, sliding_window=None,
-                         **kwargs):
+def _reference_attention(module, q, k, v, mask, scaling=None, dropout=0.0, softcap=None, sliding_window=None, **kwargs):
     softcap = softcap if softcap is not None else module._qknorm_softcap  # a patched module carries its cap
-    out = attention_reference(q, k, v, scaling=scaling, softcap=softcap, causal=mask is None, mask=mask,
-                              sliding_window=sliding_window)
+    out = attention_reference(
+        q, k, v, scaling=scaling, softcap=softcap, causal=mask is None, mask=mask, sliding_window=sliding_window
+    )
     return out.transpose(1, 2), None
 
 

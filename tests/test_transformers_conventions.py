@@ -39,8 +39,9 @@ def test_trainer_label_smoothing_shifts_the_labels_of_a_loaded_patched_model(tmp
     _saved(tmp_path / "m", "qk_norm")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     assert type(loaded).__name__ == "QKNormLlamaForCausalLM"
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), label_smoothing_factor=0.1, report_to="none",
-                             use_cpu=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), label_smoothing_factor=0.1, report_to="none", use_cpu=True
+    )
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     trainer = Trainer(model=loaded, args=args)
     with torch.no_grad():
@@ -143,8 +144,9 @@ def test_a_checkpoint_without_the_norms_is_refused_and_trained_norms_round_trip(
     with pytest.raises(SchemeWeightsError, match=r"missing .*q_norm.weight.*unexpected .*input_layernorm.weight"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "plain", config=config)
 
-    loaded = hf_qknorm.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path / "plain"), "qkv_norm", norm=norm,
-                                   **settings)
+    loaded = hf_qknorm.patch_model(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "plain"), "qkv_norm", norm=norm, **settings
+    )
     attn = loaded.model.layers[1].self_attn
     scale = henry_logit_scale(config.max_position_embeddings)
     q_expected = torch.full_like(attn.q_norm.weight, scale if norm in ("l2", "lp") else 1.0)
@@ -191,7 +193,6 @@ def test_patched_gpt2_is_initialised_like_gpt2(head):
     for name in ("fresh", "missing"):
         for key, value in states["plain"].items():
             if key.endswith("c_proj.weight"):
-                torch.testing.assert_close(states[name][key].std(), value.std(), rtol=0.25, atol=0,
-                                           msg=f"{name} {key}")
+                torch.testing.assert_close(states[name][key].std(), value.std(), rtol=0.25, atol=0, msg=f"{name} {key}")
     for key, value in states["plain"].items():
         torch.testing.assert_close(states["fresh"][key], value, rtol=0, atol=0, msg=key)

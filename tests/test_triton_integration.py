@@ -17,12 +17,18 @@ from hf_qknorm.attention import kernel_policy
 from tiny_models import VOCAB, tiny_model
 
 ON_CPU = ("cuda", "cpu")
-ENTRY_POINTS = ("qknorm_attn_func", "qknorm_attn_func_with_max_logits", "qknorm_attn_varlen_func",
-                "qknorm_attn_varlen_func_with_max_logits", "qknorm_attn_with_kvcache")
+ENTRY_POINTS = (
+    "qknorm_attn_func",
+    "qknorm_attn_func_with_max_logits",
+    "qknorm_attn_varlen_func",
+    "qknorm_attn_varlen_func_with_max_logits",
+    "qknorm_attn_with_kvcache",
+)
 
 pytestmark = pytest.mark.skipif(
     not kernels.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs triton and TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
+    reason="needs triton and TRITON_INTERPRET=1 (set by conftest on machines without CUDA)",
+)
 
 
 @pytest.fixture
@@ -58,8 +64,15 @@ def _pair(family, scheme, norm, **kw):
     return a
 
 
-@pytest.mark.parametrize("family,scheme,norm", [("llama", "qk_norm_cap", "layernorm"), ("qwen3", "qk_norm", "rmsnorm"),
-                                                ("mistral", "qk_norm_cap", "lp"), ("gpt2", "qkv_norm", "layernorm")])
+@pytest.mark.parametrize(
+    "family,scheme,norm",
+    [
+        ("llama", "qk_norm_cap", "layernorm"),
+        ("qwen3", "qk_norm", "rmsnorm"),
+        ("mistral", "qk_norm_cap", "lp"),
+        ("gpt2", "qkv_norm", "layernorm"),
+    ],
+)
 def test_padded_forward_and_grads_match_torch_path(family, scheme, norm, kernel_calls):
     model = _pair(family, scheme, norm)
     model.set_attn_implementation("qknorm")
@@ -94,12 +107,13 @@ def test_packed_sequences_through_kernels(kernel_calls):
     batch = collate([{"input_ids": s.tolist()} for s in seqs])
     kwargs = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
     with kernel_policy(devices=ON_CPU):
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                       **kwargs).logits[0]
+        packed = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **kwargs
+        ).logits[0]
     assert kernel_calls["attention"] == kernel_calls["qknorm_attn_varlen_func"] == model.config.num_hidden_layers
     start = 0
     for s in seqs:
-        torch.testing.assert_close(packed[start:start + len(s)], model(s[None]).logits[0], rtol=2e-4, atol=2e-4)
+        torch.testing.assert_close(packed[start : start + len(s)], model(s[None]).logits[0], rtol=2e-4, atol=2e-4)
         start += len(s)
 
 

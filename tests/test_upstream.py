@@ -32,7 +32,6 @@ def test_version_gate():
 
 def test_installed_version_is_in_the_declared_range():
     import tomllib
-
     import transformers
 
     spec = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["dependencies"]
@@ -45,15 +44,19 @@ def test_installed_version_is_in_the_declared_range():
 
 def test_ci_lanes_are_the_versions_the_readme_names():
     """.ci/run runs a lane at each end and one in the middle, and the README names exactly those versions."""
-    oldest, middle, newest = (upstream._version_tuple(v) for v in (upstream.OLDEST_TESTED, upstream.MIDDLE_TESTED,
-                                                                    upstream.NEWEST_TESTED))
+    oldest, middle, newest = (
+        upstream._version_tuple(v) for v in (upstream.OLDEST_TESTED, upstream.MIDDLE_TESTED, upstream.NEWEST_TESTED)
+    )
     assert oldest < middle < newest
     ci = (TESTS.parent / ".ci" / "run").read_text()
-    assert all(f"bash scripts/{lane}\n" in ci for lane in ("test.sh", "test_version.sh oldest",
-                                                             "test_version.sh middle"))
+    assert all(
+        f"bash scripts/{lane}\n" in ci for lane in ("test.sh", "test_version.sh oldest", "test_version.sh middle")
+    )
     readme = (TESTS.parent / "README.md").read_text()
-    named = (f"Transformers {upstream.OLDEST_TESTED}, {upstream.MIDDLE_TESTED} and "
-             f"{upstream.NEWEST_TESTED.rsplit('.', 1)[0]}.x")
+    named = (
+        f"Transformers {upstream.OLDEST_TESTED}, {upstream.MIDDLE_TESTED} and "
+        f"{upstream.NEWEST_TESTED.rsplit('.', 1)[0]}.x"
+    )
     assert named in readme and "docs/compatibility.md" in readme, named
 
 
@@ -116,8 +119,9 @@ def test_checkpointing_shim_follows_the_installed_version():
     import transformers
     from transformers import TrainingArguments
 
-    renamed = upstream._version_tuple(transformers.__version__) >= \
-        upstream._version_tuple(upstream.ACTIVATION_CHECKPOINTING_SINCE)
+    renamed = upstream._version_tuple(transformers.__version__) >= upstream._version_tuple(
+        upstream.ACTIVATION_CHECKPOINTING_SINCE
+    )
     name = "activation" if renamed else "gradient"
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
@@ -125,7 +129,9 @@ def test_checkpointing_shim_follows_the_installed_version():
         kw = upstream.checkpointing_arguments(True, use_reentrant=False)
         assert set(kw) == {f"{name}_checkpointing", f"{name}_checkpointing_kwargs"}
         args = TrainingArguments("unused", use_cpu=True, report_to="none", **kw)
-        assert args.gradient_checkpointing and args.to_dict()[f"{name}_checkpointing_kwargs"] == {"use_reentrant": False}
+        assert args.gradient_checkpointing and args.to_dict()[f"{name}_checkpointing_kwargs"] == {
+            "use_reentrant": False
+        }
         model = tiny_model("llama")
         ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
         model.train()

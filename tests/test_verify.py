@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import hf_qknorm
+from hf_qknorm import QKNormConfig
 from hf_qknorm.portable import hooks
 from hf_qknorm.verification import checks, layers, probe
 from hf_qknorm.verification.command import main
 from hf_qknorm.verification.report import Check, VerifyReport
 from test_convert_support import quiet, save_source
 from tiny_models import tiny_model
-from hf_qknorm import QKNormConfig
 
 
 def _ids(value):
@@ -78,15 +78,15 @@ def _real_qknorm(name="qknorm"):
 # --------------------------------------------------------------------------------------------------------------------
 CORRECT = [  # family, scheme, norm, dtype, extra config
     ("llama", "qk_norm_cap", "layernorm", torch.float32, {}),
-    ("mistral", "qk_norm", "rmsnorm", torch.float32, {}),      # window 12 < probe length 20: exercised
-    ("qwen2", "qkv_norm", "layernorm", torch.float32, {}),     # pre-norm removed, v normalised
-    ("qwen3", "soft_cap", None, torch.float32, {}),            # Qwen3's own q/k norms kept
-    ("gpt2", "qk_norm_cap", "l2", torch.float32, {}),          # fused Conv1D c_attn, learnable logit scale
+    ("mistral", "qk_norm", "rmsnorm", torch.float32, {}),  # window 12 < probe length 20: exercised
+    ("qwen2", "qkv_norm", "layernorm", torch.float32, {}),  # pre-norm removed, v normalised
+    ("qwen3", "soft_cap", None, torch.float32, {}),  # Qwen3's own q/k norms kept
+    ("gpt2", "qk_norm_cap", "l2", torch.float32, {}),  # fused Conv1D c_attn, learnable logit scale
     ("gpt2", "qkv_norm", "rmsnorm", torch.float64, {}),
     ("qwen2", "qk_norm", "lp", torch.float32, {}),
-    ("llama", "soft_cap", None, torch.bfloat16, {}),           # stress probe upcast to float32
+    ("llama", "soft_cap", None, torch.bfloat16, {}),  # stress probe upcast to float32
     ("llama", None, None, torch.float32, {"attn_implementation": "eager"}),  # unpatched: plain attention
-    ("qwen3", None, None, torch.float32, {}),                  # unpatched Qwen3: its own q/k RMSNorm
+    ("qwen3", None, None, torch.float32, {}),  # unpatched Qwen3: its own q/k RMSNorm
 ]
 
 
@@ -104,15 +104,22 @@ def _verified(model, family, window):
     return report, cfg
 
 
-@pytest.mark.parametrize("family,scheme,norm,dtype,extra", CORRECT,
-                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{str(c[3])[6:]}" for c in CORRECT])
+@pytest.mark.parametrize(
+    "family,scheme,norm,dtype,extra", CORRECT, ids=[f"{c[0]}-{c[1]}-{c[2]}-{str(c[3])[6:]}" for c in CORRECT]
+)
 def test_correct_models_verify(family, scheme, norm, dtype, extra):
     model = _patched(family, scheme, norm, dtype, **extra)
     report, cfg = _verified(model, family, window=("applied",))
     assert report.mechanism("prenorm") == ("removed" if cfg is not None and cfg.removes_prenorm else "applied")
     probes = {c.probe for c in report.checks}
-    assert {"unpadded", "padded", "cache-unpadded", "cache-padded", "logits cache-unpadded",
-            "logits cache-padded"} <= probes
+    assert {
+        "unpadded",
+        "padded",
+        "cache-unpadded",
+        "cache-padded",
+        "logits cache-unpadded",
+        "logits cache-padded",
+    } <= probes
     assert ("stress" in probes) == (cfg is not None and cfg.caps)
     assert str(report).rstrip().endswith("OK")
 
@@ -120,24 +127,33 @@ def test_correct_models_verify(family, scheme, norm, dtype, extra):
 # Every family and scheme in half precision, with every 1-d weight moved (``biases=True``): GPT-2's and Qwen2's
 # attention output is then dominated by biases, and causality and padding change it by about as much as bfloat16
 # rounds it (~3e-3 of max|out|) -- below the tolerance, so the plain probes cannot tell.
-HALF = [(family, scheme, norm, dtype) for dtype in (torch.bfloat16, torch.float16)
-        for family in ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-        for scheme, norm in (("qk_norm", "rmsnorm"), ("qk_norm_cap", "layernorm"), ("qkv_norm", "rmsnorm"),
-                             ("soft_cap", None), (None, None))]
+HALF = [
+    (family, scheme, norm, dtype)
+    for dtype in (torch.bfloat16, torch.float16)
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+    for scheme, norm in (
+        ("qk_norm", "rmsnorm"),
+        ("qk_norm_cap", "layernorm"),
+        ("qkv_norm", "rmsnorm"),
+        ("soft_cap", None),
+        (None, None),
+    )
+]
 HALF += [("gpt2", "qk_norm", norm, dtype) for norm in ("l2", "lp") for dtype in (torch.bfloat16, torch.float16)]
 HALF += [("qwen2", "qkv_norm", "layernorm", torch.bfloat16)]
 
 
-@pytest.mark.parametrize("family,scheme,norm,dtype", HALF,
-                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{str(c[3])[6:]}" for c in HALF])
+@pytest.mark.parametrize("family,scheme,norm,dtype", HALF, ids=[f"{c[0]}-{c[1]}-{c[2]}-{str(c[3])[6:]}" for c in HALF])
 def test_correct_half_precision_models_verify(family, scheme, norm, dtype):
     model = _patched(family, scheme, norm, dtype, biases=True)
     report, _ = _verified(model, family, window=("applied", "not exercised"))
     assert all(c.error <= c.tolerance for c in report.checks)
 
 
-@pytest.mark.parametrize("family,norm,seed", [("qwen2", "lp", 0), ("llama", "lp", 0), ("llama", "lp", 2),
-                                               ("llama", "l2", 3), ("gpt2", "lp", 1)])
+@pytest.mark.parametrize(
+    "family,norm,seed",
+    [("qwen2", "lp", 0), ("llama", "lp", 0), ("llama", "lp", 2), ("llama", "l2", 3), ("gpt2", "lp", 1)],
+)
 def test_half_precision_tolerance_grows_with_the_logits(family, norm, seed):
     """``lp``/``l2`` carry a learned logit scale of ``log2(L^2 - L)`` (30 for a 32k context): logits reach 40-50,
     and bfloat16's rounding of q and k moves such a logit by ~0.1 -- errors of 2-4e-2 on a correct model, over the
@@ -180,13 +196,19 @@ def test_verify_is_the_function_whatever_was_imported_first():
 # --------------------------------------------------------------------------------------------------------------------
 # the cap
 # --------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family,scheme,dtype,biases", [("llama", "qk_norm_cap", torch.float32, False),
-                                                        ("llama", "soft_cap", torch.float32, False),
-                                                        ("gpt2", "soft_cap", torch.float32, False),
-                                                        ("qwen3", "soft_cap", torch.float32, False),
-                                                        ("llama", "qk_norm_cap", torch.bfloat16, False),
-                                                        ("gpt2", "qk_norm_cap", torch.bfloat16, True),
-                                                        ("qwen2", "soft_cap", torch.float16, True)], ids=_ids)
+@pytest.mark.parametrize(
+    "family,scheme,dtype,biases",
+    [
+        ("llama", "qk_norm_cap", torch.float32, False),
+        ("llama", "soft_cap", torch.float32, False),
+        ("gpt2", "soft_cap", torch.float32, False),
+        ("qwen3", "soft_cap", torch.float32, False),
+        ("llama", "qk_norm_cap", torch.bfloat16, False),
+        ("gpt2", "qk_norm_cap", torch.bfloat16, True),
+        ("qwen2", "soft_cap", torch.float16, True),
+    ],
+    ids=_ids,
+)
 def test_catches_a_backend_that_drops_the_cap(family, scheme, dtype, biases):
     """The default cap of 50 never bites on probe text (a normalised q.k/sqrt(d) is at most sqrt(d) times the
     gains): only the stress probe sees it. A "qknorm" function that is plain sdpa must be caught."""
@@ -204,8 +226,11 @@ def test_catches_a_backend_that_drops_the_cap(family, scheme, dtype, biases):
     assert stress and all(not c.ok and c.mechanisms["cap"] == "DROPPED" for c in stress)
 
 
-@pytest.mark.parametrize("family,dtype,biases", [("llama", torch.float32, False), ("llama", torch.bfloat16, False),
-                                                 ("gpt2", torch.bfloat16, True)], ids=_ids)
+@pytest.mark.parametrize(
+    "family,dtype,biases",
+    [("llama", torch.float32, False), ("llama", torch.bfloat16, False), ("gpt2", torch.bfloat16, True)],
+    ids=_ids,
+)
 def test_catches_sdpa_forced_under_a_capped_model(monkeypatch, family, dtype, biases):
     model = _patched(family, "qk_norm_cap", "layernorm", dtype, biases=biases)
     assert hf_qknorm.verify(model, generate=False).ok
@@ -220,12 +245,18 @@ def test_catches_sdpa_forced_under_a_capped_model(monkeypatch, family, dtype, bi
 # --------------------------------------------------------------------------------------------------------------------
 # the norms and the mask
 # --------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family,scheme,dtype,biases", [("llama", "qk_norm", torch.float32, False),
-                                                        ("gpt2", "qk_norm", torch.float32, False),
-                                                        ("llama", "qk_norm", torch.bfloat16, False),
-                                                        ("gpt2", "qk_norm", torch.bfloat16, True),
-                                                        ("gpt2", "qkv_norm", torch.bfloat16, True),
-                                                        ("qwen2", "qk_norm", torch.float16, True)], ids=_ids)
+@pytest.mark.parametrize(
+    "family,scheme,dtype,biases",
+    [
+        ("llama", "qk_norm", torch.float32, False),
+        ("gpt2", "qk_norm", torch.float32, False),
+        ("llama", "qk_norm", torch.bfloat16, False),
+        ("gpt2", "qk_norm", torch.bfloat16, True),
+        ("gpt2", "qkv_norm", torch.bfloat16, True),
+        ("qwen2", "qk_norm", torch.float16, True),
+    ],
+    ids=_ids,
+)
 def test_catches_norm_hooks_removed(family, scheme, dtype, biases):
     model = _patched(family, scheme, "layernorm", dtype, biases=biases)
     good = hf_qknorm.verify(model, generate=False)
@@ -238,10 +269,16 @@ def test_catches_norm_hooks_removed(family, scheme, dtype, biases):
     assert not bad.ok and bad.mechanism("norms") == "DROPPED", str(bad)
 
 
-@pytest.mark.parametrize("family,scheme,dtype,biases", [("llama", "qk_norm_cap", torch.float32, False),
-                                                        ("llama", "qk_norm_cap", torch.bfloat16, False),
-                                                        ("gpt2", "qkv_norm", torch.bfloat16, True),
-                                                        ("gpt2", "qk_norm", torch.float16, True)], ids=_ids)
+@pytest.mark.parametrize(
+    "family,scheme,dtype,biases",
+    [
+        ("llama", "qk_norm_cap", torch.float32, False),
+        ("llama", "qk_norm_cap", torch.bfloat16, False),
+        ("gpt2", "qkv_norm", torch.bfloat16, True),
+        ("gpt2", "qk_norm", torch.float16, True),
+    ],
+    ids=_ids,
+)
 def test_catches_a_backend_that_ignores_padding(family, scheme, dtype, biases):
     """In half precision on a model whose output hardly depends on what it attends to (``biases=True``), the padded
     probe's error stays within tolerance; the amplified padded probe must catch it."""
@@ -279,11 +316,17 @@ def _empty_slots_backend(name="qknorm"):
     return attends_empty_slots
 
 
-@pytest.mark.parametrize("family,scheme,dtype,biases", [("llama", "qk_norm_cap", torch.float32, False),
-                                                        ("llama", "qk_norm_cap", torch.bfloat16, False),
-                                                        ("gpt2", "qkv_norm", torch.bfloat16, True),
-                                                        ("mistral", "qk_norm_cap", torch.float32, False),
-                                                        ("mistral", "qk_norm", torch.float32, False)], ids=_ids)
+@pytest.mark.parametrize(
+    "family,scheme,dtype,biases",
+    [
+        ("llama", "qk_norm_cap", torch.float32, False),
+        ("llama", "qk_norm_cap", torch.bfloat16, False),
+        ("gpt2", "qkv_norm", torch.bfloat16, True),
+        ("mistral", "qk_norm_cap", torch.float32, False),
+        ("mistral", "qk_norm", torch.float32, False),
+    ],
+    ids=_ids,
+)
 def test_catches_a_prefill_that_reads_empty_static_cache_slots(family, scheme, dtype, biases):
     # Mistral: a window longer than the probe's 14 tokens (a real model's is 4096); with a shorter one Transformers
     # builds a mask for the prefill and the backend never has to infer the alignment
@@ -323,8 +366,9 @@ def test_lora_weights_are_base_plus_delta(family, monkeypatch):
     assert report.ok, str(report)
     # the check can fail: a reference without the LoRA deltas is off
     real = layers._effective
-    monkeypatch.setattr(layers, "_effective", lambda module, conv1d: real(getattr(module, "base_layer", module),
-                                                                          conv1d))
+    monkeypatch.setattr(
+        layers, "_effective", lambda module, conv1d: real(getattr(module, "base_layer", module), conv1d)
+    )
     assert not hf_qknorm.verify(peft_model, generate=False).ok
 
 
@@ -333,8 +377,16 @@ def test_lora_weights_are_base_plus_delta(family, monkeypatch):
 # --------------------------------------------------------------------------------------------------------------------
 def test_report_fails_when_a_required_mechanism_is_never_exercised():
     check = Check(0, "unpadded", 1e-7, 1e-4, {"cap": "not exercised", "norms": "applied", "causal": "applied"})
-    report = VerifyReport("M", "qk_norm_cap", "qknorm", "dynamic", "float32", [check],
-                          expected=("cap", "causal", "norms"), required=("cap", "causal", "norms"))
+    report = VerifyReport(
+        "M",
+        "qk_norm_cap",
+        "qknorm",
+        "dynamic",
+        "float32",
+        [check],
+        expected=("cap", "causal", "norms"),
+        required=("cap", "causal", "norms"),
+    )
     assert check.ok and not report.ok
     assert report.problems() == ["cap not exercised: no probe exercised it"]
     assert checks.mechanism_status(e=1e-7, e_m=0.5, d_m=0.5, tol=1e-4) == "applied"
@@ -342,7 +394,7 @@ def test_report_fails_when_a_required_mechanism_is_never_exercised():
     assert checks.mechanism_status(e=0.5, e_m=0.4, d_m=0.5, tol=1e-4) == "?"
     # below 3 tolerances the measured errors decide: a third of d_m or less
     assert checks.mechanism_status(e=1e-4, e_m=1.5e-4, d_m=2e-4, tol=1e-4) == "not exercised"
-    assert checks.mechanism_status(e=3e-3, e_m=1.2e-2, d_m=1e-2, tol=3e-2) == "applied"      # bfloat16
+    assert checks.mechanism_status(e=3e-3, e_m=1.2e-2, d_m=1e-2, tol=3e-2) == "applied"  # bfloat16
     assert checks.mechanism_status(e=1.2e-2, e_m=3e-3, d_m=1e-2, tol=3e-2) == "DROPPED"
     assert checks.mechanism_status(e=4e-3, e_m=7e-3, d_m=1e-2, tol=3e-2) == "not exercised"  # 3 e > d_m
     assert checks.mechanism_status(e=0.5, e_m=0.4, d_m=2e-4, tol=1e-4) == "not exercised"
@@ -364,8 +416,9 @@ def _layer_pairs(model):
                     yield ref, checks.layer_reference(spec, *args, drop=(m,)), rows, tol
 
 
-@pytest.mark.parametrize("family,scheme,dtype", [("gpt2", "qkv_norm", torch.bfloat16),
-                                                 ("qwen2", "qk_norm", torch.float16)], ids=_ids)
+@pytest.mark.parametrize(
+    "family,scheme,dtype", [("gpt2", "qkv_norm", torch.bfloat16), ("qwen2", "qk_norm", torch.float16)], ids=_ids
+)
 def test_rounding_noise_fakes_no_verdict(family, scheme, dtype):
     """Outputs built from a real layer's references (plain probes of a model whose d_m is often near the rounding):
     the reference without m plus noise -- its rounding to the model's dtype, or random noise up to 3 times m's
@@ -376,8 +429,11 @@ def test_rounding_noise_fakes_no_verdict(family, scheme, dtype):
     seen = collections.Counter()
     for ref, ref_m, rows, tol in _layer_pairs(model):
         d_m, top = checks.relative_error(ref_m, ref, rows), float(ref[rows].abs().max())
-        noises = [None] + [size * d_m * top * (2 * kind(ref.shape, generator=gen, dtype=torch.float64) - 1)
-                           for size in (0.1, 0.5, 1.0, 3.0) for kind in (torch.rand, torch.randn)]
+        noises = [None] + [
+            size * d_m * top * (2 * kind(ref.shape, generator=gen, dtype=torch.float64) - 1)
+            for size in (0.1, 0.5, 1.0, 3.0)
+            for kind in (torch.rand, torch.randn)
+        ]
         for noise in noises:
             for target, forbidden in ((ref_m, "applied"), (ref, "DROPPED")):
                 out = target.to(dtype).double() if noise is None else target + noise
@@ -436,8 +492,14 @@ def test_command_without_the_plugin(tmp_path, capsys):
     shutil.copytree(tmp_path / "bf16", tmp_path / "bf16-edited")
     _skip_the_norm(tmp_path / "bf16-edited")
     save_source(tmp_path / "src", "llama")
-    result = hf_qknorm.convert(tmp_path / "src", tmp_path / "qwen3", config=QKNormConfig(scheme="qk_norm",
-                               norm="rmsnorm"), calibrate=False, progress=False, log=quiet)
+    result = hf_qknorm.convert(
+        tmp_path / "src",
+        tmp_path / "qwen3",
+        config=QKNormConfig(scheme="qk_norm", norm="rmsnorm"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+    )
     assert result.export == "qwen3"
 
     folders = ("capped", "edited", "qwen3", "bf16", "bf16-edited")
@@ -475,19 +537,29 @@ def test_command_fails_a_folder_whose_weights_were_edited(tmp_path, capsys, no_p
     _patched("llama", "qk_norm_cap", "layernorm").save_pretrained(tmp_path / "no-q-norm")
     _edit_weights(tmp_path / "no-q-norm", lambda sd: {k: v for k, v in sd.items() if "q_norm" not in k})
     save_source(tmp_path / "src", "llama")
-    hf_qknorm.convert(tmp_path / "src", tmp_path / "qwen3", scheme="qk_norm", norm="rmsnorm", calibrate=False,
-                      progress=False, log=quiet)
+    hf_qknorm.convert(
+        tmp_path / "src",
+        tmp_path / "qwen3",
+        scheme="qk_norm",
+        norm="rmsnorm",
+        calibrate=False,
+        progress=False,
+        log=quiet,
+    )
     _edit_weights(tmp_path / "qwen3", lambda sd: {k: v for k, v in sd.items() if "layers.1.self_attn.q_proj" not in k})
     _patched("qwen2", "qk_norm", "rmsnorm").save_pretrained(tmp_path / "int-gain")
-    _edit_weights(tmp_path / "int-gain", lambda sd: {k: v.round().to(torch.int64) if "k_norm" in k else v
-                                                     for k, v in sd.items()})
+    _edit_weights(
+        tmp_path / "int-gain", lambda sd: {k: v.round().to(torch.int64) if "k_norm" in k else v for k, v in sd.items()}
+    )
     folders = ("no-q-norm", "qwen3", "int-gain")
     status = main([str(tmp_path / f) for f in folders] + (["--no-plugin"] if no_plugin else []))
     no_q_norm, qwen3, int_gain = _reports(capsys.readouterr().out)
     assert status == 1
     assert _last_line(no_q_norm).startswith("FAILED: weights: ")
-    assert "missing model.layers.*.self_attn.q_norm.bias (layers 0, 1), model.layers.*.self_attn.q_norm.weight " \
+    assert (
+        "missing model.layers.*.self_attn.q_norm.bias (layers 0, 1), model.layers.*.self_attn.q_norm.weight "
         "(layers 0, 1)" in _last_line(no_q_norm)
+    )
     assert _last_line(qwen3).startswith("FAILED: weights: ")
     assert "missing model.layers.1.self_attn.q_proj.weight" in _last_line(qwen3)
     assert _last_line(int_gain).startswith("FAILED: weights: ")

@@ -10,9 +10,16 @@ VOCAB = 128
 def tiny_config(family: str, **overrides):
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  tie_word_embeddings=False)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     if family == "llama":
         cfg = LlamaConfig(**common)
     elif family == "mistral":
@@ -22,8 +29,16 @@ def tiny_config(family: str, **overrides):
     elif family == "qwen3":
         cfg = Qwen3Config(**{**common, "head_dim": 16})
     elif family == "gpt2":
-        cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, attn_pdrop=0.0,
-                         resid_pdrop=0.0, embd_pdrop=0.0)
+        cfg = GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+        )
     else:
         raise ValueError(family)
     for k, v in overrides.items():

@@ -92,8 +92,9 @@ _NO_SHIFT_LIMIT = {torch.float32: 80.0, torch.float64: 700.0}
 class _Call:
     """The fixed facts of one call, shared by forward and backward."""
 
-    def __init__(self, q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed, tile_elements=None,
-                 query_rows=None):
+    def __init__(
+        self, q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed, tile_elements=None, query_rows=None
+    ):
         self.batch, self.heads, self.q_len, self.head_dim = q.shape
         self.kv_heads, self.kv_len = k.shape[1], k.shape[2]
         self.groups = self.heads // self.kv_heads
@@ -111,13 +112,25 @@ class _Call:
         if tile_elements is None:  # several threads: larger tiles, fewer parallel regions
             threads = 1 if torch.compiler.is_compiling() else max(1, torch.get_num_threads())
             tile_elements = _tiles.TILE_ELEMENTS * threads
-        self.tiles = _tiles.plan(self.n, self.q_len, self.kv_len, self.groups, causal, sliding_window,
-                                 tile_elements=tile_elements, query_rows=query_rows)
-        self.tile_max = max((t[1] - t[0]) * (t[3] - t[2]) * self.groups * (t[5] - t[4]) for t in self.tiles) \
-            if self.tiles else 0
+        self.tiles = _tiles.plan(
+            self.n,
+            self.q_len,
+            self.kv_len,
+            self.groups,
+            causal,
+            sliding_window,
+            tile_elements=tile_elements,
+            query_rows=query_rows,
+        )
+        self.tile_max = (
+            max((t[1] - t[0]) * (t[3] - t[2]) * self.groups * (t[5] - t[4]) for t in self.tiles) if self.tiles else 0
+        )
         # scratch for the products that land in strided outputs: (rows, queries, head_dim) and (rows, head_dim, keys)
-        self.out_max = max((t[1] - t[0]) * self.head_dim * max((t[3] - t[2]) * self.groups, t[5] - t[4])
-                           for t in self.tiles) if self.tiles else 0
+        self.out_max = (
+            max((t[1] - t[0]) * self.head_dim * max((t[3] - t[2]) * self.groups, t[5] - t[4]) for t in self.tiles)
+            if self.tiles
+            else 0
+        )
         self.clamp = True
         self._edges: dict = {}
 
@@ -136,9 +149,14 @@ class _Call:
         key = (start, end, lo)
         if key not in self._edges:
             self._edges[key] = [
-                (slice(c0 - lo, c1 - lo),
-                 ~position_mask(start, end, c0, c1, self.q_len, self.kv_len, self.causal, self.window, device)[:, None])
-                for c0, c1 in edges]
+                (
+                    slice(c0 - lo, c1 - lo),
+                    ~position_mask(start, end, c0, c1, self.q_len, self.kv_len, self.causal, self.window, device)[
+                        :, None
+                    ],
+                )
+                for c0, c1 in edges
+            ]
         out = list(self._edges[key])
         if self.mask is not None:
             out.append((slice(None), ~user_mask_tile(self.mask, tile, self.kv_heads, self.groups)))
@@ -156,8 +174,9 @@ class _Call:
 
     def pack(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """``(batch, heads, q_len, d)`` -> ``(batch * kv_heads, q_len * groups, d)`` in the accumulation dtype."""
-        out = torch.empty((self.batch, self.kv_heads, self.q_len, self.groups, self.head_dim), dtype=self.acc,
-                          device=x.device)
+        out = torch.empty(
+            (self.batch, self.kv_heads, self.q_len, self.groups, self.head_dim), dtype=self.acc, device=x.device
+        )
         out.copy_(x.unflatten(1, (self.kv_heads, self.groups)).transpose(2, 3))
         if scale is not None:
             out.mul_(scale)
@@ -167,7 +186,8 @@ class _Call:
         """The inverse of :meth:`pack` as a ``(batch, q_len, heads, d)`` tensor of ``dtype``."""
         out = torch.empty((self.batch, self.q_len, self.heads, self.head_dim), dtype=dtype, device=x.device)
         out.view(self.batch, self.q_len, self.kv_heads, self.groups, self.head_dim).copy_(
-            x.view(self.batch, self.kv_heads, self.q_len, self.groups, self.head_dim).transpose(1, 2))
+            x.view(self.batch, self.kv_heads, self.q_len, self.groups, self.head_dim).transpose(1, 2)
+        )
         return out
 
 
@@ -183,8 +203,11 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) 
         if head_max is not None:
             head_max[n0:n1] = torch.maximum(head_max[n0:n1], top.view(n1 - n0, end - start, c.groups).amax(1))
         if c.row_shift:  # a row with no allowed key: tanh(-inf) = -1, or 0 without a cap
-            shift = _tanh_(top.clone(), torch.empty_like(top), True).mul_(c.gain) if c.softcap is not None \
+            shift = (
+                _tanh_(top.clone(), torch.empty_like(top), True).mul_(c.gain)
+                if c.softcap is not None
                 else torch.where(torch.isfinite(top), top, 0.0)
+            )
     base = torch.zeros((), dtype=s.dtype, device=s.device) if shift is None else shift.neg_()
     if c.softcap is None:
         p = torch.add(base, s, alpha=c.gain, out=s).exp2_()
@@ -249,8 +272,9 @@ class TiledAttention(torch.autograd.Function):
         for rows in c.uncovered_rows():
             out[:, rows] = 0.0
         lse = torch.full((*qp.shape[:2], 1), float("inf"), dtype=c.acc, device=q.device)
-        head_max = torch.full((c.n, c.groups), float("-inf"), dtype=c.acc, device=q.device) \
-            if return_max_logits else None
+        head_max = (
+            torch.full((c.n, c.groups), float("-inf"), dtype=c.acc, device=q.device) if return_max_logits else None
+        )
         bufs = [torch.empty(n, dtype=c.acc, device=q.device) for n in (c.tile_max, c.tile_max, c.out_max)]
         for i, tile in enumerate(c.tiles):
             _forward_tile(c, i, tile, qp, kp, vp, out, lse, head_max, bufs)
@@ -288,8 +312,19 @@ class TiledAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-def chunked_attention(q, k, v, *, scaling, softcap=None, mask=None, causal=True, sliding_window=None,
-                      dropout_p=0.0, return_max_logits=False):
+def chunked_attention(
+    q,
+    k,
+    v,
+    *,
+    scaling,
+    softcap=None,
+    mask=None,
+    causal=True,
+    sliding_window=None,
+    dropout_p=0.0,
+    return_max_logits=False,
+):
     """Attention with an optional cap whose memory grows linearly with sequence length.
 
     ``q`` ``(B, H, Tq, D)``; ``k``, ``v`` ``(B, Hkv, Tk, D)``; ``mask`` boolean (True = attend) broadcastable to
@@ -297,8 +332,19 @@ def chunked_attention(q, k, v, *, scaling, softcap=None, mask=None, causal=True,
     ``(B, H, Tq, D)``, and with ``return_max_logits`` also the per-head largest pre-cap logit ``(H,)`` (see
     :class:`TiledAttention`)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item()) if dropout_p > 0 else 0
-    return TiledAttention.apply(q, k, v, mask, float(scaling), None if softcap is None else float(softcap),
-                                bool(causal), sliding_window, float(dropout_p), seed, bool(return_max_logits))
+    return TiledAttention.apply(
+        q,
+        k,
+        v,
+        mask,
+        float(scaling),
+        None if softcap is None else float(softcap),
+        bool(causal),
+        sliding_window,
+        float(dropout_p),
+        seed,
+        bool(return_max_logits),
+    )
 
 
 # The max-only pass does one matmul and two light passes per tile: smaller query blocks than the attention's waste
@@ -314,8 +360,19 @@ def max_logits(q, k, *, scaling, mask=None, causal=True, sliding_window=None, ti
 
     ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)``, ``mask`` as for :func:`chunked_attention`. Returns ``(H,)``
     in float32 (float64 for float64 inputs), ``-inf`` for a head with no allowed pair."""
-    c = _Call(q, k, mask, scaling, None, causal, sliding_window, 0.0, 0, tile_elements=tile_elements,
-              query_rows=MAX_QUERY_ROWS)
+    c = _Call(
+        q,
+        k,
+        mask,
+        scaling,
+        None,
+        causal,
+        sliding_window,
+        0.0,
+        0,
+        tile_elements=tile_elements,
+        query_rows=MAX_QUERY_ROWS,
+    )
     # max(scaling * x) = scaling * max(x) for scaling >= 0: then contiguous MHA inputs are used as they are
     post = scaling > 0 and c.groups == 1 and q.dtype == c.acc and q.is_contiguous()
     qp = q.view(c.n, c.q_len, c.head_dim) if post else c.pack(q, scaling)

@@ -69,19 +69,23 @@ class KernelPolicy:
         try:
             devices = tuple(devices)
         except TypeError:
-            raise TypeError(f"devices must be a tuple of device types from {DEVICE_TYPES}, got {self.devices!r}") \
-                from None
+            raise TypeError(
+                f"devices must be a tuple of device types from {DEVICE_TYPES}, got {self.devices!r}"
+            ) from None
         unknown = [d for d in devices if d not in DEVICE_TYPES]
         if unknown:
-            raise ValueError(f"unknown device type {unknown[0]!r} in devices={devices!r}; the kernels run on "
-                             f"{', '.join(map(repr, DEVICE_TYPES))}")
+            raise ValueError(
+                f"unknown device type {unknown[0]!r} in devices={devices!r}; the kernels run on "
+                f"{', '.join(map(repr, DEVICE_TYPES))}"
+            )
         if not isinstance(self.use_fallback, bool):
             raise TypeError(f"use_fallback must be True or False, got {self.use_fallback!r}")
         object.__setattr__(self, "devices", tuple(dict.fromkeys(devices)))
 
 
-_POLICY: contextvars.ContextVar[KernelPolicy] = contextvars.ContextVar("hf_qknorm_kernel_policy",
-                                                                      default=KernelPolicy())
+_POLICY: contextvars.ContextVar[KernelPolicy] = contextvars.ContextVar(
+    "hf_qknorm_kernel_policy", default=KernelPolicy()
+)
 _KEEP = object()  # "as in the enclosing policy"
 
 
@@ -94,8 +98,9 @@ def current_kernel_policy() -> KernelPolicy:
 def kernel_policy(*, devices=_KEEP, use_fallback=_KEEP):
     """Set the kernel policy for the ``with`` block (see the module docstring); yields the :class:`KernelPolicy` in
     force. An argument left out keeps the enclosing policy's value."""
-    changes = {name: value for name, value in (("devices", devices), ("use_fallback", use_fallback))
-               if value is not _KEEP}
+    changes = {
+        name: value for name, value in (("devices", devices), ("use_fallback", use_fallback)) if value is not _KEEP
+    }
     policy = dataclasses.replace(_POLICY.get(), **changes)
     token = _POLICY.set(policy)
     try:
@@ -117,8 +122,10 @@ def _why_not(device_type: str, dtype: torch.dtype, dropout: float, weights: bool
     if reason is not None:
         return reason
     if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return ("CPU tensors run the kernels only under Triton's interpreter (TRITON_INTERPRET=1, set before "
-                "hf_qknorm.kernels is imported)")
+        return (
+            "CPU tensors run the kernels only under Triton's interpreter (TRITON_INTERPRET=1, set before "
+            "hf_qknorm.kernels is imported)"
+        )
     if dtype not in KERNEL_DTYPES:
         return f"dtype {dtype} is not supported by the Triton kernels (float16, bfloat16, float32)"
     if dropout > 0:
@@ -147,5 +154,7 @@ def route(device_type: str, dtype: torch.dtype, dropout: float, weights: bool) -
 
 
 def fallback_message(device_type: str, reason: str) -> str:
-    return (f"qknorm attention: the Triton kernels cannot run this call on {device_type}: {reason}; the PyTorch path "
-            "is forbidden by kernel_policy(use_fallback=False)")
+    return (
+        f"qknorm attention: the Triton kernels cannot run this call on {device_type}: {reason}; the PyTorch path "
+        "is forbidden by kernel_policy(use_fallback=False)"
+    )

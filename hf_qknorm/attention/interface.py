@@ -29,12 +29,12 @@ import warnings
 import torch
 from torch.nn import functional as F
 
+from ..portable.eager import capped_eager_attention
+from ..portable.masks import bool_mask, check_attention_args, implicit_causal, packed_sequence_mask
+from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import check_softcap
 from .chunked import chunked_attention, max_logits
 from .dispatch import KernelFallbackError, fallback_message, kernel_policy, route
-from ..portable.eager import capped_eager_attention
-from ..portable.names import ATTN_IMPLEMENTATION
-from ..portable.masks import bool_mask, check_attention_args, implicit_causal, packed_sequence_mask
 from .tiles import chunk_allowed
 
 try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
@@ -62,15 +62,18 @@ def weights_requested(module: torch.nn.Module, kwargs: dict) -> bool:
     return bool(getattr(getattr(module, "config", None), "output_attentions", False))
 
 
-def _varlen_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int, causal: bool,
-                 mask: torch.Tensor | None) -> torch.Tensor:
+def _varlen_mask(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int, causal: bool, mask: torch.Tensor | None
+) -> torch.Tensor:
     """Block-diagonal boolean ``(1, 1, q_len, kv_len)`` mask of packed sequences given their cumulative lengths,
     causal within each sequence (bottom-right aligned, as the kernels' varlen mode) when ``causal``, intersected with
     ``mask``."""
+
     def seq_ids(cu, n):
         ids = torch.zeros(n, dtype=torch.long, device=cu.device)
         ids[cu[1:-1].long()] = 1
         return ids.cumsum(0)
+
     same = (seq_ids(cu_q, q_len)[:, None] == seq_ids(cu_k, kv_len)[None, :])[None, None]
     if causal:
         same = same & chunk_allowed(None, 0, q_len, q_len, kv_len, True, None, cu_q.device)
@@ -81,15 +84,28 @@ def triton_on_cpu(enabled: bool = True):
     """Deprecated (removed in the next release): ``kernel_policy(devices=("cuda", "cpu"))`` from
     :mod:`hf_qknorm.attention`, which is scoped per thread. Sends CPU tensors to the Triton kernels too (under
     ``TRITON_INTERPRET=1``), or with ``enabled=False`` only CUDA tensors."""
-    warnings.warn("hf_qknorm.attention.triton_on_cpu is deprecated and will be removed in the next release: use "
-                  "kernel_policy(devices=('cuda', 'cpu'))", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "hf_qknorm.attention.triton_on_cpu is deprecated and will be removed in the next release: use "
+        "kernel_policy(devices=('cuda', 'cpu'))",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return kernel_policy(devices=("cuda", "cpu") if enabled else ("cuda",))
 
 
-def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, scaling: float | None = None,
-                             dropout: float = 0.0, softcap: float | None = None, sliding_window: int | None = None,
-                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+def qknorm_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with an optional logit cap, in the ``AttentionInterface`` calling convention.
 
     Args:
@@ -116,11 +132,35 @@ def qknorm_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         softcap = check_softcap(softcap)
     probes = tuple(getattr(module, "_qknorm_probes", {}).values())  # hf_qknorm.modeling.telemetry.LogitTap
     if not probes:
-        return _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window,
-                          is_causal, False, kwargs)[:2]
+        return _attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling,
+            dropout,
+            softcap,
+            sliding_window,
+            is_causal,
+            False,
+            kwargs,
+        )[:2]
     want_max = any(_wants_max(probe, module) for probe in probes)
-    out, weights, top = _attention(module, query, key, value, attention_mask, scaling, dropout, softcap,
-                                   sliding_window, is_causal, want_max, kwargs)
+    out, weights, top = _attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling,
+        dropout,
+        softcap,
+        sliding_window,
+        is_causal,
+        want_max,
+        kwargs,
+    )
     for probe in probes:
         probe(module, query, key, attention_mask=attention_mask, scaling=scaling, softcap=softcap, max_logits=top)
     return out, weights
@@ -132,39 +172,54 @@ def _wants_max(probe, module) -> bool:
     return bool(wants(module) if callable(wants) else wants)
 
 
-def _attention(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window, is_causal,
-               want_max, kwargs):
+def _attention(
+    module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window, is_causal, want_max, kwargs
+):
     """The attention proper: ``(output, weights or None, per-head max logits or None)``."""
     if not module.training:
         dropout = 0.0
     causal = declared_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    key, value, mask, causal, sliding_window = _resolve_mask(query, key, value, attention_mask, causal,
-                                                             sliding_window, kwargs)
+    key, value, mask, causal, sliding_window = _resolve_mask(
+        query, key, value, attention_mask, causal, sliding_window, kwargs
+    )
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if weights_requested(module, kwargs):
         _use_kernels(query, dropout, weights=True)  # raises if the policy forbids the fallback
-        return _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal,
-                             want_max)
+        return _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, want_max)
 
     if _use_kernels(query, dropout, weights=False):
         if cu_q is not None:  # the packing is the mask: causal within each sequence as the module declares
             mask, causal = None, declared_causal
-        out, top = _kernel_attention(query, key, value, mask, cu_q, cu_k, scaling, softcap, causal, sliding_window,
-                                     want_max, kwargs)
+        out, top = _kernel_attention(
+            query, key, value, mask, cu_q, cu_k, scaling, softcap, causal, sliding_window, want_max, kwargs
+        )
         return out.transpose(1, 2).contiguous(), None, top
 
     if cu_q is not None:  # packed sequences in one row, described by their cumulative lengths
-        mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, query.shape[2], key.shape[2], causal,
-                                    mask), False
+        mask, causal = (
+            _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, query.shape[2], key.shape[2], causal, mask),
+            False,
+        )
     top = None
     if softcap is None and (not want_max or query.shape[2] < TILED_MAX_MIN_LEN):
         out = _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window)
         if want_max:  # short sequences: sdpa plus a max-only pass beats the tiled attention (measured)
-            top = max_logits(query.detach(), key.detach(), scaling=scaling, mask=mask, causal=causal,
-                             sliding_window=sliding_window)
+            top = max_logits(
+                query.detach(), key.detach(), scaling=scaling, mask=mask, causal=causal, sliding_window=sliding_window
+            )
     else:  # the tiled path: caps, and yields the per-head max logits from its own pass
-        out = chunked_attention(query, key, value, scaling=scaling, softcap=softcap, mask=mask, causal=causal,
-                                sliding_window=sliding_window, dropout_p=dropout, return_max_logits=want_max)
+        out = chunked_attention(
+            query,
+            key,
+            value,
+            scaling=scaling,
+            softcap=softcap,
+            mask=mask,
+            causal=causal,
+            sliding_window=sliding_window,
+            dropout_p=dropout,
+            return_max_logits=want_max,
+        )
         out, top = out if want_max else (out, None)
     return out.transpose(1, 2).contiguous(), None, top
 
@@ -178,8 +233,7 @@ def _use_kernels(query, dropout, weights: bool) -> bool:
     return use
 
 
-def _kernel_attention(query, key, value, mask, cu_q, cu_k, scaling, softcap, causal, sliding_window, want_max,
-                      kwargs):
+def _kernel_attention(query, key, value, mask, cu_q, cu_k, scaling, softcap, causal, sliding_window, want_max, kwargs):
     """The Triton kernels through the entry point of the call's shape: ``(output (batch, heads, q_len, head_dim),
     per-head max logits or None)``."""
     from ..kernels import attn_interface as kernels  # the dispatch policy checked that they can run
@@ -187,8 +241,15 @@ def _kernel_attention(query, key, value, mask, cu_q, cu_k, scaling, softcap, cau
     key, value = key.to(query.dtype).contiguous(), value.to(query.dtype).contiguous()
     common = dict(scaling=scaling, softcap=softcap, sliding_window=sliding_window)
     if cu_q is not None:
-        packed = (query, key, value, cu_q, cu_k if cu_k is not None else cu_q, kwargs.get("max_length_q"),
-                  kwargs.get("max_length_k"))
+        packed = (
+            query,
+            key,
+            value,
+            cu_q,
+            cu_k if cu_k is not None else cu_q,
+            kwargs.get("max_length_q"),
+            kwargs.get("max_length_k"),
+        )
         if want_max:
             return kernels.qknorm_attn_varlen_func_with_max_logits(*packed, causal=causal, **common)
         return kernels.qknorm_attn_varlen_func(*packed, causal=causal, **common), None
@@ -205,10 +266,15 @@ def _resolve_mask(query, key, value, attention_mask, causal, sliding_window, kwa
     mask = bool_mask(attention_mask)
     cu_q = kwargs.get("cu_seq_lens_q")
     if cu_q is not None and query.shape[0] != 1:
-        raise ValueError(f"packed sequences (cu_seq_lens_q) must come as one row of concatenated sequences, batch 1; "
-                         f"got a batch of {query.shape[0]} (query {tuple(query.shape)})")
-    packed = None if cu_q is not None or not causal else \
-        packed_sequence_mask(kwargs.get("position_ids"), q_len, kv_len, mask)
+        raise ValueError(
+            f"packed sequences (cu_seq_lens_q) must come as one row of concatenated sequences, batch 1; "
+            f"got a batch of {query.shape[0]} (query {tuple(query.shape)})"
+        )
+    packed = (
+        None
+        if cu_q is not None or not causal
+        else packed_sequence_mask(kwargs.get("position_ids"), q_len, kv_len, mask)
+    )
     if mask is not None:
         sliding_window, causal = None, False  # the mask is complete...
         if packed is not None:  # ...except for packing with the cache on: Transformers leaves it out then
@@ -234,8 +300,9 @@ def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout,
         mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, q_len, kv_len, causal, mask), False
     if mask is None and causal:
         mask = implicit_causal(q_len, kv_len, query.device)[None, None]
-    out, weights = capped_eager_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout,
-                                          softcap=softcap, is_causal=False)
+    out, weights = capped_eager_attention(
+        module, query, key, value, mask, scaling=scaling, dropout=dropout, softcap=softcap, is_causal=False
+    )
     top = None
     if want_max:  # the mask is boolean and complete here
         top = max_logits(query.detach(), key.detach(), scaling=scaling, mask=mask, causal=False)
@@ -250,8 +317,9 @@ def _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_win
         mask = chunk_allowed(None, 0, q_len, q_len, kv_len, causal, sliding_window, query.device)[None, None]
         causal = False
     groups = query.shape[1] // key.shape[1]
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                          scale=scaling, enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=groups > 1
+    )
 
 
 def register() -> None:

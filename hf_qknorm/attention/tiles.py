@@ -58,8 +58,16 @@ def edge_columns(start, end, lo, hi, q_len, kv_len, causal, sliding_window) -> t
     return tuple((a, b) for a, b in spans)
 
 
-def plan(batch_heads: int, q_len: int, kv_len: int, groups: int, causal: bool, sliding_window: int | None,
-         tile_elements: int | None = None, query_rows: int | None = None) -> list[tuple]:
+def plan(
+    batch_heads: int,
+    q_len: int,
+    kv_len: int,
+    groups: int,
+    causal: bool,
+    sliding_window: int | None,
+    tile_elements: int | None = None,
+    query_rows: int | None = None,
+) -> list[tuple]:
     """The tiles of one call, in a fixed order (the backward replays them, dropout masks included)."""
     tile_elements = TILE_ELEMENTS if tile_elements is None else tile_elements
     if query_rows is None:

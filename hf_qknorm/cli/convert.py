@@ -30,43 +30,75 @@ model_type qknorm_<base> and loads with trust_remote_code=True (code shipped in 
 
 def _add_convert(sub):
     p = sub.add_parser(
-        "convert", help="convert a pretrained checkpoint (calibrated init, Hub-ready folder)",
+        "convert",
+        help="convert a pretrained checkpoint (calibrated init, Hub-ready folder)",
         description=textwrap.fill(
             "Add QK-norm / softmax capping / QKV-norm to a pretrained checkpoint for continued pretraining. The new "
             "norm weights are initialised from calibration text so that the converted model stays close to the "
             "original, and the perplexity of the original, identity-initialised and calibrated models on held-out "
             "text is reported. The source is never modified; the output is written to a temporary folder and "
-            "renamed into place when complete.", 100),
-        epilog=_CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", nargs="?", default=None,
-                   help="source model: a local folder with config.json and safetensors weights, or a Hub id when the "
-                        "Hub is reachable (default: the tiny Llama bundled with hf_qknorm)")
-    p.add_argument("dst", nargs="?", default=None,
-                   help="output folder (default: converted/<source>-<scheme>-<norm>); refused if it exists "
-                        "unless --overwrite")
+            "renamed into place when complete.",
+            100,
+        ),
+        epilog=_CONVERT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "src",
+        nargs="?",
+        default=None,
+        help="source model: a local folder with config.json and safetensors weights, or a Hub id when the "
+        "Hub is reachable (default: the tiny Llama bundled with hf_qknorm)",
+    )
+    p.add_argument(
+        "dst",
+        nargs="?",
+        default=None,
+        help="output folder (default: converted/<source>-<scheme>-<norm>); refused if it exists unless --overwrite",
+    )
     p.add_argument("-o", "--output", default=None, help="output folder, for use without SRC (same as DST)")
     add_fields(p.add_argument_group("scheme (hf_qknorm.QKNormConfig, as for hf_qknorm.patch_model)"), QKNormConfig)
-    g = p.add_argument_group("calibration (hf_qknorm.CalibrationSettings; layer by layer, float32: memory for one "
-                             "decoder block)")
-    g.add_argument("--calibration-text", default=None, metavar="FILE",
-                   help="text run through the original model: a UTF-8 file or a bundled name (tinyshakespeare, "
-                        "wikitext2); default tinyshakespeare")
-    g.add_argument("--eval-text", default=None, metavar="FILE",
-                   help="held-out text for the perplexity report, a file or bundled name (default: the last 10%% of "
-                        "the calibration text, which calibration then does not use)")
-    g.add_argument("--no-calibration", action="store_true",
-                   help="keep identity init (weight 1, bias 0); never loads the model, writes shard by shard only")
+    g = p.add_argument_group(
+        "calibration (hf_qknorm.CalibrationSettings; layer by layer, float32: memory for one decoder block)"
+    )
+    g.add_argument(
+        "--calibration-text",
+        default=None,
+        metavar="FILE",
+        help="text run through the original model: a UTF-8 file or a bundled name (tinyshakespeare, "
+        "wikitext2); default tinyshakespeare",
+    )
+    g.add_argument(
+        "--eval-text",
+        default=None,
+        metavar="FILE",
+        help="held-out text for the perplexity report, a file or bundled name (default: the last 10%% of "
+        "the calibration text, which calibration then does not use)",
+    )
+    g.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="keep identity init (weight 1, bias 0); never loads the model, writes shard by shard only",
+    )
     add_fields(g, CalibrationSettings)
     g = p.add_argument_group("output")
-    g.add_argument("--export", choices=("auto", "qwen3", "qknorm"), default="auto",
-                   help="auto: plain qwen3 when the result is a Qwen3 model (Llama/Mistral + rmsnorm qk_norm), else "
-                        "qknorm_<base> with trust_remote_code code; qwen3: fail if impossible; qknorm: always the "
-                        "remote-code format (default: auto)")
+    g.add_argument(
+        "--export",
+        choices=("auto", "qwen3", "qknorm"),
+        default="auto",
+        help="auto: plain qwen3 when the result is a Qwen3 model (Llama/Mistral + rmsnorm qk_norm), else "
+        "qknorm_<base> with trust_remote_code code; qwen3: fail if impossible; qknorm: always the "
+        "remote-code format (default: auto)",
+    )
     g.add_argument("--overwrite", action="store_true", help="replace an existing output folder (atomically)")
-    g.add_argument("--verify", choices=("full", "plugin", "off"), default="full",
-                   help="check the written model against the float64 reference before it is renamed into place "
-                        "(first layers, small probe): full = with hf_qknorm and, for remote-code folders, without it "
-                        "in a subprocess; plugin = with hf_qknorm only; off = skip (default: full)")
+    g.add_argument(
+        "--verify",
+        choices=("full", "plugin", "off"),
+        default="full",
+        help="check the written model against the float64 reference before it is renamed into place "
+        "(first layers, small probe): full = with hf_qknorm and, for remote-code folders, without it "
+        "in a subprocess; plugin = with hf_qknorm only; off = skip (default: full)",
+    )
     g.add_argument("--quiet", action="store_true", help="no progress bars or progress log lines")
     g.add_argument("--json", action="store_true", help="also print the result as JSON on the last line")
     _add_hub_options(p, convert=True)
@@ -74,8 +106,11 @@ def _add_convert(sub):
 
 
 def _add_hub_options(p, convert: bool):
-    add_fields(p.add_argument_group("Hugging Face Hub (hf_qknorm.conversion.hub.HubSettings)"), HubSettings,
-               exclude=() if convert else ("repo_id",))
+    add_fields(
+        p.add_argument_group("Hugging Face Hub (hf_qknorm.conversion.hub.HubSettings)"),
+        HubSettings,
+        exclude=() if convert else ("repo_id",),
+    )
 
 
 def _cmd_convert(args) -> int:
@@ -86,15 +121,32 @@ def _cmd_convert(args) -> int:
     from ..conversion.progress import show_progress_logs
 
     show_progress_logs(not args.quiet)
-    result = convert(args.src, args.dst or args.output, from_args(QKNormConfig, args),
-                     from_args(CalibrationSettings, args), from_args(HubSettings, args),
-                     calibration_text=_text_file(args.calibration_text), eval_text=_text_file(args.eval_text),
-                     verify=args.verify, calibrate=not args.no_calibration, export=args.export,
-                     overwrite=args.overwrite, progress=not args.quiet)
+    result = convert(
+        args.src,
+        args.dst or args.output,
+        from_args(QKNormConfig, args),
+        from_args(CalibrationSettings, args),
+        from_args(HubSettings, args),
+        calibration_text=_text_file(args.calibration_text),
+        eval_text=_text_file(args.eval_text),
+        verify=args.verify,
+        calibrate=not args.no_calibration,
+        export=args.export,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
     if args.json:
-        print(json.dumps({"path": str(result.path), "export": result.export, "files": result.files,
-                          "report": None if result.report is None else result.report.to_dict(),
-                          "pushed_url": result.pushed_url}))
+        print(
+            json.dumps(
+                {
+                    "path": str(result.path),
+                    "export": result.export,
+                    "files": result.files,
+                    "report": None if result.report is None else result.report.to_dict(),
+                    "pushed_url": result.pushed_url,
+                }
+            )
+        )
     return 0
 
 
@@ -111,17 +163,22 @@ def _text_file(value):
 
 def _add_push(sub):
     p = sub.add_parser(
-        "push", help="upload a converted folder to the Hugging Face Hub",
+        "push",
+        help="upload a converted folder to the Hugging Face Hub",
         description="Create the Hub repo REPO_ID if needed and upload DIR (a folder written by `hf-qknorm convert`) "
-                    "with huggingface_hub, in one commit. Hidden files are not uploaded. The uploaded model card "
-                    "(README.md) names REPO_ID in its load snippet and title; the card in DIR is not changed. "
-                    "Without a token (--token, HF_TOKEN or `hf auth login`) nothing is contacted and the command "
-                    "fails.")
+        "with huggingface_hub, in one commit. Hidden files are not uploaded. The uploaded model card "
+        "(README.md) names REPO_ID in its load snippet and title; the card in DIR is not changed. "
+        "Without a token (--token, HF_TOKEN or `hf auth login`) nothing is contacted and the command "
+        "fails.",
+    )
     p.add_argument("dir", type=Path, help="folder written by `hf-qknorm convert`")
     p.add_argument("repo_id", help="Hub repo id, e.g. your-name/llama-qknorm")
     _add_hub_options(p, convert=False)
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the files and card metadata that would be uploaded; contact nothing")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the files and card metadata that would be uploaded; contact nothing",
+    )
     return p
 
 
@@ -132,14 +189,19 @@ def _cmd_push(args) -> int:
         check_folder(args.dir)
         check_repo_id(args.repo_id)
         hub = {k: v for k, v in given_fields(HubSettings, args).items() if k != "repo_id"}
-        print(f"would upload to {args.repo_id}" + (f" (branch {hub['revision']})" if hub.get("revision") else "")
-              + (" as a private repo" if hub.get("private") else ""))
+        print(
+            f"would upload to {args.repo_id}"
+            + (f" (branch {hub['revision']})" if hub.get("revision") else "")
+            + (" as a private repo" if hub.get("private") else "")
+        )
         for name in upload_files(args.dir):
             print(f"  {name}")
         print("card metadata: " + json.dumps(card_metadata(args.dir), sort_keys=True))
         if card_for_repo(args.dir, args.repo_id) is not None:
-            print(f"the uploaded README.md names {args.repo_id} in its load snippet and title "
-                  f"({args.dir / 'README.md'} is not changed)")
+            print(
+                f"the uploaded README.md names {args.repo_id} in its load snippet and title "
+                f"({args.dir / 'README.md'} is not changed)"
+            )
         return 0
     hub = {k: v for k, v in given_fields(HubSettings, args).items() if k != "repo_id"}  # repo_id: the positional
     url = push(args.dir, args.repo_id, **hub)

@@ -58,12 +58,16 @@ def describe(exc: BaseException) -> tuple[str | None, str]:
     if isinstance(exc, ConversionCheckError):
         return "check", _one_line(exc)
     if _out_of_memory(exc):
-        return "input", (f"out of memory ({_one_line(exc)[:200]}); use a smaller --batch-size or --block-len, another "
-                         "--device, or a machine with more memory")
+        return "input", (
+            f"out of memory ({_one_line(exc)[:200]}); use a smaller --batch-size or --block-len, another "
+            "--device, or a machine with more memory"
+        )
     if isinstance(exc, OSError):
         return "input", _one_line(_os_message(exc))
     if isinstance(exc, (ValueError, ImportError)):
         return "input", _one_line(exc) or type(exc).__name__
     message = _one_line(exc) or "(no message)"
-    return "internal", (f"internal error: {type(exc).__name__}: {message}. This is a bug in hf_qknorm: rerun with "
-                        "--debug and report the traceback")
+    return "internal", (
+        f"internal error: {type(exc).__name__}: {message}. This is a bug in hf_qknorm: rerun with "
+        "--debug and report the traceback"
+    )

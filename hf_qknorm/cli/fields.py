@@ -3,7 +3,8 @@
 
 Every field of a settings dataclass (``QKNormConfig``, ``CalibrationSettings``, ...) carries its help text in
 ``metadata["help"]``. :func:`add_fields` turns the fields into ``--flag`` options: the type comes from the field's
-annotation (``Literal[...]`` lists its values, checked by the dataclass, ``X | None`` takes an ``X``, ``bool`` an on/off pair), the default shown
+annotation (``Literal[...]`` lists its values, checked by the dataclass, ``X | None`` takes an ``X``, ``bool`` an
+on/off pair), the default shown
 in ``--help`` is the field's own, and a flag the user does not give is left out of the namespace, so
 :func:`from_args` builds the dataclass from what was given and the dataclass's defaults and validation apply, in one
 place.
@@ -56,8 +57,9 @@ def field_help(cls: type, name: str) -> str:
     return text
 
 
-def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, exclude=(),
-               prefix: str = "") -> None:
+def add_fields(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, exclude=(), prefix: str = ""
+) -> None:
     """Add a ``--flag`` for each field of dataclass ``cls`` (but those in ``exclude``), named after the field
     (``block_len`` -> ``--block-len``, after ``prefix``), with the field's help and default."""
     hints = typing.get_type_hints(cls)
@@ -69,8 +71,12 @@ def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
         flag, dest = _flag(field, prefix), prefix + field.name
         common = dict(dest=dest, default=argparse.SUPPRESS)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=text + _default_text(field) +
-                                (" (default: on)" if field.default is True else ""), **common)
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                help=text + _default_text(field) + (" (default: on)" if field.default is True else ""),
+                **common,
+            )
         elif typing.get_origin(kind) is Literal:  # the dataclass checks the value: one message, the library's own
             metavar = "{" + ",".join(map(str, typing.get_args(kind))) + "}"
             parser.add_argument(flag, metavar=metavar, help=text + _default_text(field), **common)

@@ -12,8 +12,11 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text.lower() or any(action.default is v for v in (None, False, argparse.SUPPRESS)) or \
-                isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # `is`: 0 == False
+        if (
+            "default" in text.lower()
+            or any(action.default is v for v in (None, False, argparse.SUPPRESS))
+            or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        ):  # `is`: 0 == False
             return text
         if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
             return f"{text} (default: %(default)s)"

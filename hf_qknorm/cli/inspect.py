@@ -38,13 +38,23 @@ def norm_statistics(folder: Path) -> list[dict]:
         with safe_open(path, framework="pt") as f:
             for key, m in keys:
                 t = f.get_tensor(key)
-                row = {"layer": int(m.group(1)), "name": f"{m.group(2)}.{m.group(3)}", "shape": list(t.shape),
-                       "dtype": header[key]["dtype"],
-                       "finite": not t.is_floating_point() or bool(torch.isfinite(t).all())}
+                row = {
+                    "layer": int(m.group(1)),
+                    "name": f"{m.group(2)}.{m.group(3)}",
+                    "shape": list(t.shape),
+                    "dtype": header[key]["dtype"],
+                    "finite": not t.is_floating_point() or bool(torch.isfinite(t).all()),
+                }
                 t = t.to(torch.float64)
-                rows.append({**row, "mean": t.mean().item(), "std": t.std(unbiased=False).item() if t.numel() else 0.0,
-                             "min": t.min().item() if t.numel() else math.nan,
-                             "max": t.max().item() if t.numel() else math.nan})
+                rows.append(
+                    {
+                        **row,
+                        "mean": t.mean().item(),
+                        "std": t.std(unbiased=False).item() if t.numel() else 0.0,
+                        "min": t.min().item() if t.numel() else math.nan,
+                        "max": t.max().item() if t.numel() else math.nan,
+                    }
+                )
     return sorted(rows, key=_row_order)
 
 
@@ -78,8 +88,11 @@ def expected_norms(cfg: dict) -> tuple[str, dict[tuple[int, str], list[int]]] | 
     else:
         what = f"{scheme.scheme} / {scheme.norm}"
         roles = ("q", "k", "v") if scheme.norms_v else ("q", "k")
-        params = {f"{role}_norm.{name}": list(prm.shape) for role in roles
-                  for name, prm in make_norm(scheme.norm, role, head_dim, 1e-6, scheme.p).named_parameters()}
+        params = {
+            f"{role}_norm.{name}": list(prm.shape)
+            for role in roles
+            for name, prm in make_norm(scheme.norm, role, head_dim, 1e-6, scheme.p).named_parameters()
+        }
     return what, {(i, name): shape for i in range(layers) for name, shape in params.items()}
 
 
@@ -100,8 +113,11 @@ def check_rows(rows: list[dict], expected) -> list[dict]:
         else:
             check = _value_check(r) or "ok"
         out.append({**r, "check": check})
-    out += [{"layer": layer, "name": name, "shape": shape, "check": "MISSING"}
-            for (layer, name), shape in shapes.items() if (layer, name) not in seen]
+    out += [
+        {"layer": layer, "name": name, "shape": shape, "check": "MISSING"}
+        for (layer, name), shape in shapes.items()
+        if (layer, name) not in seen
+    ]
     return sorted(out, key=_row_order)
 
 
@@ -121,8 +137,10 @@ def _remote_code_line(folder: Path) -> list[str]:
     version = m.group(1) if m else "unknown"
     if version == __version__:
         return [f"remote code: written by hf_qknorm {version} (this version)"]
-    return [f"remote code: written by hf_qknorm {version}, not this version ({__version__}): without the plugin "
-            "that code runs; hf_qknorm.add_remote_code(DIR) replaces it with this version's"]
+    return [
+        f"remote code: written by hf_qknorm {version}, not this version ({__version__}): without the plugin "
+        "that code runs; hf_qknorm.add_remote_code(DIR) replaces it with this version's"
+    ]
 
 
 def _value_check(row: dict) -> str | None:
@@ -136,21 +154,32 @@ def _value_check(row: dict) -> str | None:
 def folder_summary(folder: Path) -> tuple[str, int]:
     """The text ``hf-qknorm inspect`` prints, and how many norm tensors it flags."""
     cfg = read_config(folder)
-    lines = [f"model_type: {cfg.get('model_type')}", f"architectures: {cfg.get('architectures')}",
-             f"qknorm: {json.dumps(cfg.get('qknorm'))}", *_remote_code_line(folder)]
+    lines = [
+        f"model_type: {cfg.get('model_type')}",
+        f"architectures: {cfg.get('architectures')}",
+        f"qknorm: {json.dumps(cfg.get('qknorm'))}",
+        *_remote_code_line(folder),
+    ]
     rows = check_rows(norm_statistics(folder), expected_norms(cfg))
     if not rows:
         lines.append("norm weights: none (no q_norm / k_norm / v_norm tensors in the safetensors files)")
         return "\n".join(lines), 0
-    lines += ["", "norm weights per layer (statistics over the tensor's elements; check: against the scheme):",
-              "| layer | tensor | shape | mean | std | min | max | dtype | check |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "norm weights per layer (statistics over the tensor's elements; check: against the scheme):",
+        "| layer | tensor | shape | mean | std | min | max | dtype | check |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         stats = " | ".join(f"{r[k]:.4g}" if k in r else "-" for k in ("mean", "std", "min", "max"))
-        lines.append(f"| {r['layer']} | {r['name']} | {tuple(r['shape'])} | {stats} | {r.get('dtype', '-')} | "
-                     f"{r['check']} |")
+        lines.append(
+            f"| {r['layer']} | {r['name']} | {tuple(r['shape'])} | {stats} | {r.get('dtype', '-')} | {r['check']} |"
+        )
     flagged = sum(r["check"] != "ok" for r in rows)
     if flagged:
-        lines += ["", f"norm weights do not match the scheme: {flagged} tensor{'s' if flagged > 1 else ''} flagged "
-                      "above (hf-qknorm verify fails this folder)"]
+        lines += [
+            "",
+            f"norm weights do not match the scheme: {flagged} tensor{'s' if flagged > 1 else ''} flagged "
+            "above (hf-qknorm verify fails this folder)",
+        ]
     return "\n".join(lines), flagged

@@ -10,7 +10,6 @@ Every subcommand reports a failure as one line on stderr, ``error: ...``, and an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -23,9 +22,12 @@ EXTRA_COMMANDS: list[tuple[str, object, object]] = []
 
 
 def _add_demo(sub):
-    p = sub.add_parser("demo", help="patch a tiny Llama built from a config and show what changed",
-                       description="Build a tiny Llama (no download), patch it with a scheme, and print the new "
-                                   "modules, parameters and attention backend, plus a forward/backward check.")
+    p = sub.add_parser(
+        "demo",
+        help="patch a tiny Llama built from a config and show what changed",
+        description="Build a tiny Llama (no download), patch it with a scheme, and print the new "
+        "modules, parameters and attention backend, plus a forward/backward check.",
+    )
     from ..portable.schemes import QKNormConfig
     from .fields import add_fields
 
@@ -40,8 +42,15 @@ def _cmd_demo(args) -> int:
     import hf_qknorm
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(cfg).eval()
     before = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     ids = torch.randint(0, 256, (2, 24))
@@ -52,8 +61,10 @@ def _cmd_demo(args) -> int:
     hf_qknorm.patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, p=cfg.p)
     after = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     print(f"patched with {hf_qknorm.qknorm_config(model)}")
-    print(f"class: {type(model).__name__}, config.model_type: {model.config.model_type}, "
-          f"attention backend: {model.config._attn_implementation}")
+    print(
+        f"class: {type(model).__name__}, config.model_type: {model.config.model_type}, "
+        f"attention backend: {model.config._attn_implementation}"
+    )
     print("added parameters:")
     for k in sorted(set(after) - set(before)):
         print(f"  + {k} {after[k]}")
@@ -67,12 +78,15 @@ def _cmd_demo(args) -> int:
 
 
 def _add_inspect(sub):
-    p = sub.add_parser("inspect", help="show the scheme and per-layer norm weight statistics of a saved model folder",
-                       description="Print a saved folder's model type, architectures and qknorm scheme, and for every "
-                                   "layer the statistics (mean, std, min, max) of its q/k/v norm weights and biases, "
-                                   "read from the safetensors files (no model is built), each checked against the "
-                                   "scheme: a missing, unexpected, misshapen or non-float norm tensor is flagged and "
-                                   "the exit status is 1.")
+    p = sub.add_parser(
+        "inspect",
+        help="show the scheme and per-layer norm weight statistics of a saved model folder",
+        description="Print a saved folder's model type, architectures and qknorm scheme, and for every "
+        "layer the statistics (mean, std, min, max) of its q/k/v norm weights and biases, "
+        "read from the safetensors files (no model is built), each checked against the "
+        "scheme: a missing, unexpected, misshapen or non-float norm tensor is flagged and "
+        "the exit status is 1.",
+    )
     p.add_argument("path", type=Path, help="saved model folder (config.json and *.safetensors)")
     return p
 
@@ -109,19 +123,26 @@ _DEBUG_HELP = "on an error, print the traceback as well as the one-line message"
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = OneLineParser(prog="hf-qknorm", description="QK-norm, softmax capping and QKV-norm for Hugging Face "
-                           "Transformers models.", epilog="exit status: 0 done; 1 a check failed (a model that does "
-                           "not verify, a conversion whose result failed its checks); 2 an error in the input or the "
-                           "environment (one line on stderr); 3 an unexpected internal error (rerun with --debug and "
-                           "report it); 130 interrupted; 143 terminated (SIGTERM)")
+    parser = OneLineParser(
+        prog="hf-qknorm",
+        description="QK-norm, softmax capping and QKV-norm for Hugging Face Transformers models.",
+        epilog="exit status: 0 done; 1 a check failed (a model that does "
+        "not verify, a conversion whose result failed its checks); 2 an error in the input or the "
+        "environment (one line on stderr); 3 an unexpected internal error (rerun with --debug and "
+        "report it); 130 interrupted; 143 terminated (SIGTERM)",
+    )
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     runners = {}
     from ..verification import command as verify_command
 
-    for name, add, run in [("demo", _add_demo, _cmd_demo), ("inspect", _add_inspect, _cmd_inspect),
-                           ("info", _add_info, _cmd_info), (verify_command.NAME, verify_command.add_parser,
-                                                            verify_command.run), *_extra_commands()]:
+    for name, add, run in [
+        ("demo", _add_demo, _cmd_demo),
+        ("inspect", _add_inspect, _cmd_inspect),
+        ("info", _add_info, _cmd_info),
+        (verify_command.NAME, verify_command.add_parser, verify_command.run),
+        *_extra_commands(),
+    ]:
         p = add(sub)
         if p is not None:  # also after the subcommand; SUPPRESS keeps the global flag when it is not given here
             p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)

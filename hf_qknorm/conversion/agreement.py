@@ -26,9 +26,16 @@ from importlib import resources
 
 import torch
 
-__all__ = ["AgreementReport", "Prompt", "agreement", "answer_agreement", "encode_prompt", "folder_agreement",
-           "load_prompts",
-           "reference_continuations"]
+__all__ = [
+    "AgreementReport",
+    "Prompt",
+    "agreement",
+    "answer_agreement",
+    "encode_prompt",
+    "folder_agreement",
+    "load_prompts",
+    "reference_continuations",
+]
 
 DEFAULT_NEW_TOKENS = 16
 
@@ -44,11 +51,11 @@ class Prompt:
 class AgreementReport:
     """Agreement of a converted model's answers with the original's (module docstring)."""
 
-    prefix: float        # mean fraction of the reference reproduced up to the first different token
-    top1: float          # fraction of reference positions where the converted model's argmax is the reference token
-    whole: int           # prompts whose whole reference is reproduced
+    prefix: float  # mean fraction of the reference reproduced up to the first different token
+    top1: float  # fraction of reference positions where the converted model's argmax is the reference token
+    whole: int  # prompts whose whole reference is reproduced
     prompts: int
-    new_tokens: int      # the most tokens per reference (fewer where the original ended its answer)
+    new_tokens: int  # the most tokens per reference (fewer where the original ended its answer)
     by_kind: dict = field(default_factory=dict)  # kind -> {"prefix", "top1", "prompts"}
 
     def to_dict(self) -> dict:
@@ -82,8 +89,9 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of ``prompt``: through the chat template (user turn + assistant header) for a chat prompt when the
     tokenizer has one, else the text with the tokenizer's own special tokens (BOS where it adds one)."""
     if prompt.chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], tokenize=False, add_generation_prompt=True
+        )
         ids = tokenizer(text, add_special_tokens=False).input_ids  # the template writes its own special tokens
     else:
         ids = tokenizer(prompt.text).input_ids
@@ -94,8 +102,10 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
 
 def _end_tokens(model, tokenizer) -> set[int]:
     ends = set()
-    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                  getattr(tokenizer, "eos_token_id", None)):
+    for value in (
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
         if isinstance(value, int):
             ends.add(value)
         elif isinstance(value, (list, tuple)):
@@ -108,8 +118,9 @@ def _device(model) -> torch.device:
 
 
 @torch.no_grad()
-def reference_continuations(model, tokenizer, prompts: list[Prompt], new_tokens: int = DEFAULT_NEW_TOKENS,
-                            batch_size: int = 16) -> list[list[int]]:
+def reference_continuations(
+    model, tokenizer, prompts: list[Prompt], new_tokens: int = DEFAULT_NEW_TOKENS, batch_size: int = 16
+) -> list[list[int]]:
     """``model``'s greedy continuation of each prompt: ``new_tokens`` tokens, or fewer ending in an end token.
 
     Prompts go ``batch_size`` at a time, left-padded (masked, positions counted from each prompt's first token),
@@ -120,7 +131,7 @@ def reference_continuations(model, tokenizer, prompts: list[Prompt], new_tokens:
     ends = _end_tokens(model, tokenizer)
     out = []
     for start in range(0, len(prompts), batch_size):
-        encoded = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
+        encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
         out += _greedy_batch(model, encoded, new_tokens, ends)
     return out
 
@@ -134,8 +145,7 @@ def _greedy_batch(model, encoded: list[list[int]], new_tokens: int, ends: set[in
     done = [False] * len(encoded)
     past = None
     for _ in range(new_tokens):
-        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
-                     use_cache=True)
+        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
         past, tokens = step.past_key_values, step.logits[:, -1].float().argmax(-1).tolist()
         for row, token in enumerate(tokens):
             if not done[row]:
@@ -150,8 +160,9 @@ def _greedy_batch(model, encoded: list[list[int]], new_tokens: int, ends: set[in
 
 
 @torch.no_grad()
-def agreement(model, tokenizer, prompts: list[Prompt], reference: list[list[int]], batch_size: int = 16
-              ) -> AgreementReport:
+def agreement(
+    model, tokenizer, prompts: list[Prompt], reference: list[list[int]], batch_size: int = 16
+) -> AgreementReport:
     """Agreement of ``model``'s answers with ``reference`` (the original's :func:`reference_continuations`).
 
     Prompt + reference go ``batch_size`` at a time, right-padded and without a mask: attention is causal, so no
@@ -162,40 +173,49 @@ def agreement(model, tokenizer, prompts: list[Prompt], reference: list[list[int]
         raise ValueError("a reference continuation is empty")
     rows = []
     for start in range(0, len(prompts), batch_size):
-        encoded = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
-        conts = reference[start:start + batch_size]
+        encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        conts = reference[start : start + batch_size]
         width = max(len(e) + len(c) for e, c in zip(encoded, conts))
-        x = torch.tensor([e + c + [0] * (width - len(e) - len(c)) for e, c in zip(encoded, conts)],
-                         device=_device(model))
+        x = torch.tensor(
+            [e + c + [0] * (width - len(e) - len(c)) for e, c in zip(encoded, conts)], device=_device(model)
+        )
         argmax = model(input_ids=x, use_cache=False).logits.float().argmax(-1).tolist()
-        for prompt, e, cont, row in zip(prompts[start:start + batch_size], encoded, conts, argmax):
-            hits = [int(p == r) for p, r in zip(row[len(e) - 1:len(e) - 1 + len(cont)], cont)]
+        for prompt, e, cont, row in zip(prompts[start : start + batch_size], encoded, conts, argmax):
+            hits = [int(p == r) for p, r in zip(row[len(e) - 1 : len(e) - 1 + len(cont)], cont)]
             first_miss = hits.index(0) if 0 in hits else len(hits)
             rows.append((prompt.kind, first_miss / len(cont), sum(hits), len(cont)))
     by_kind = {}
     for kind in dict.fromkeys(r[0] for r in rows):
         mine = [r for r in rows if r[0] == kind]
-        by_kind[kind] = {"prefix": sum(r[1] for r in mine) / len(mine),
-                         "top1": sum(r[2] for r in mine) / sum(r[3] for r in mine), "prompts": len(mine)}
-    return AgreementReport(prefix=sum(r[1] for r in rows) / len(rows),
-                           top1=sum(r[2] for r in rows) / sum(r[3] for r in rows),
-                           whole=sum(r[1] == 1.0 for r in rows), prompts=len(rows),
-                           new_tokens=max(len(c) for c in reference), by_kind=by_kind)
+        by_kind[kind] = {
+            "prefix": sum(r[1] for r in mine) / len(mine),
+            "top1": sum(r[2] for r in mine) / sum(r[3] for r in mine),
+            "prompts": len(mine),
+        }
+    return AgreementReport(
+        prefix=sum(r[1] for r in rows) / len(rows),
+        top1=sum(r[2] for r in rows) / sum(r[3] for r in rows),
+        whole=sum(r[1] == 1.0 for r in rows),
+        prompts=len(rows),
+        new_tokens=max(len(c) for c in reference),
+        by_kind=by_kind,
+    )
 
 
-def answer_agreement(original, converted, tokenizer, prompts: list[Prompt] | None = None,
-                     new_tokens: int = DEFAULT_NEW_TOKENS) -> AgreementReport:
+def answer_agreement(
+    original, converted, tokenizer, prompts: list[Prompt] | None = None, new_tokens: int = DEFAULT_NEW_TOKENS
+) -> AgreementReport:
     """Greedy prefix agreement and teacher-forced top-1 agreement of ``converted`` with ``original`` over
     ``prompts`` (default: :func:`load_prompts`), on the first ``new_tokens`` new tokens."""
     prompts = load_prompts() if prompts is None else list(prompts)
-    report = agreement(converted, tokenizer, prompts, reference_continuations(original, tokenizer, prompts,
-                                                                              new_tokens))
+    report = agreement(converted, tokenizer, prompts, reference_continuations(original, tokenizer, prompts, new_tokens))
     report.new_tokens = new_tokens
     return report
 
 
-def folder_agreement(original_dir, converted_dir, *, new_tokens: int = DEFAULT_NEW_TOKENS, prompts=None,
-                     device="cpu") -> AgreementReport:
+def folder_agreement(
+    original_dir, converted_dir, *, new_tokens: int = DEFAULT_NEW_TOKENS, prompts=None, device="cpu"
+) -> AgreementReport:
     """:func:`answer_agreement` of two model folders in float32, loading one model at a time (the original for the
     reference, then the converted one): memory for one whole model, unlike the layer-by-layer calibration."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..portable.norms import NORM_CLASSES
 from .progress import Stage
 from .stats import CalibrationReport, LayerStats, converted_max_logits
-from ..portable.norms import NORM_CLASSES
 
 __all__ = ["CalibrationReport", "CalibrationSettings", "LayerStats", "distill", "new_norm_parameters", "polish"]
 
@@ -47,34 +47,57 @@ class CalibrationSettings:
     the layer-wise pass needs memory for one decoder block plus the activations, whatever the model size."""
 
     # metadata["help"]: the command line's help for each field (`hf-qknorm convert`'s flags are made from these)
-    block_len: int = field(default=256, metadata={
-        "help": "tokens per calibration block, BOS included (capped at the model's context length)"})
-    calibration_blocks: int = field(default=16, metadata={
-        "help": "blocks of calibration text read (statistics, layer-wise fit, distillation)"})
+    block_len: int = field(
+        default=256,
+        metadata={"help": "tokens per calibration block, BOS included (capped at the model's context length)"},
+    )
+    calibration_blocks: int = field(
+        default=16, metadata={"help": "blocks of calibration text read (statistics, layer-wise fit, distillation)"}
+    )
     eval_blocks: int = field(default=16, metadata={"help": "held-out blocks for the perplexity report"})
-    local_steps: int = field(default=100, metadata={
-        "help": "Adam steps per layer fitting the new norms to the original attention layer's output, one "
-                "calibration block per step; 0 keeps the least-squares fit"})
-    local_lr: float = field(default=0.1, metadata={
-        "help": "layer-wise step size: relative change of a gain per step"})
-    steps: int = field(default=0, metadata={
-        "help": "Adam steps of end-to-end KL distillation of the new norm parameters after the layer-wise fit; "
-                "loads the whole model (0: none)"})
+    local_steps: int = field(
+        default=100,
+        metadata={
+            "help": "Adam steps per layer fitting the new norms to the original attention layer's output, one "
+            "calibration block per step; 0 keeps the least-squares fit"
+        },
+    )
+    local_lr: float = field(default=0.1, metadata={"help": "layer-wise step size: relative change of a gain per step"})
+    steps: int = field(
+        default=0,
+        metadata={
+            "help": "Adam steps of end-to-end KL distillation of the new norm parameters after the layer-wise fit; "
+            "loads the whole model (0: none)"
+        },
+    )
     batch_size: int = field(default=4, metadata={"help": "blocks per distillation step and per forward pass"})
-    lr: float = field(default=0.3, metadata={
-        "help": "distillation step size, relative to each tensor's initial RMS"})
-    teacher_budget_mb: int = field(default=1024, metadata={
-        "help": "memory (MiB) for the cached teacher log-probs of the distillation; fewer blocks if exceeded"})
+    lr: float = field(default=0.3, metadata={"help": "distillation step size, relative to each tensor's initial RMS"})
+    teacher_budget_mb: int = field(
+        default=1024,
+        metadata={
+            "help": "memory (MiB) for the cached teacher log-probs of the distillation; fewer blocks if exceeded"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "random seed of the distillation batches"})
-    device: str = field(default="auto", metadata={
-        "help": "where calibration runs: auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ..."})
-    threads: int | None = field(default=None, metadata={
-        "help": "CPU threads for calibration (default: 1 for models under 20M parameters, whose matrices gain "
-                "nothing from more; torch's default otherwise)"})
-    agreement_tokens: int = field(default=16, metadata={
-        "help": "after writing, compare the greedy answers of the written model with the original's on the bundled "
-                "prompts (facts, arithmetic, code, instructions, chat turns) over this many new tokens; loads each "
-                "whole model in float32 in turn; 0 skips it"})
+    device: str = field(
+        default="auto",
+        metadata={"help": "where calibration runs: auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ..."},
+    )
+    threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "CPU threads for calibration (default: 1 for models under 20M parameters, whose matrices gain "
+            "nothing from more; torch's default otherwise)"
+        },
+    )
+    agreement_tokens: int = field(
+        default=16,
+        metadata={
+            "help": "after writing, compare the greedy answers of the written model with the original's on the bundled "
+            "prompts (facts, arithmetic, code, instructions, chat turns) over this many new tokens; loads each "
+            "whole model in float32 in turn; 0 skips it"
+        },
+    )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -107,8 +130,9 @@ def new_norm_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
-def distill(model: nn.Module, blocks: torch.Tensor, teacher: torch.Tensor, settings: CalibrationSettings,
-            progress: bool = True) -> tuple[float, float]:
+def distill(
+    model: nn.Module, blocks: torch.Tensor, teacher: torch.Tensor, settings: CalibrationSettings, progress: bool = True
+) -> tuple[float, float]:
     """Train only the new norm parameters to match ``teacher`` (float16 log-probs ``(n_blocks, seq, vocab)``).
 
     Returns the mean KL (nats per token) on a fixed monitor batch before and after. Adam on tensors of very
@@ -123,8 +147,10 @@ def distill(model: nn.Module, blocks: torch.Tensor, teacher: torch.Tensor, setti
     gen = torch.Generator().manual_seed(settings.seed)
     monitor = torch.arange(min(len(blocks), settings.batch_size))
     try:
-        groups = [{"params": [p], "lr": settings.lr * max(p.detach().pow(2).mean().sqrt().item(), 1e-2)}
-                  for p in params.values()]
+        groups = [
+            {"params": [p], "lr": settings.lr * max(p.detach().pow(2).mean().sqrt().item(), 1e-2)}
+            for p in params.values()
+        ]
         for g in groups:
             g["base_lr"] = g["lr"]
         opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
@@ -169,20 +195,34 @@ def _kl(model, ids, teacher, grad: bool = False):
 
 
 @torch.no_grad()
-def teacher_log_probs(model: nn.Module, blocks: torch.Tensor, batch_size: int, progress: bool = True,
-                      desc: str = "running the original model") -> torch.Tensor:
+def teacher_log_probs(
+    model: nn.Module,
+    blocks: torch.Tensor,
+    batch_size: int,
+    progress: bool = True,
+    desc: str = "running the original model",
+) -> torch.Tensor:
     """Float16 next-token log-probabilities ``(n_blocks, seq, vocab)`` of ``model`` on ``blocks``."""
     out = []
     with Stage(desc, len(blocks), "blocks", progress) as stage:
         for start in range(0, len(blocks), batch_size):
-            logits = model(input_ids=blocks[start:start + batch_size].to(_device(model))).logits.float()
+            logits = model(input_ids=blocks[start : start + batch_size].to(_device(model))).logits.float()
             out.append(F.log_softmax(logits, dim=-1).to(torch.float16).cpu())  # the cache lives in host memory
             stage.update(min(batch_size, len(blocks) - start))
     return torch.cat(out)
 
 
-def polish(src, family, cfg, values: dict, calib_blocks: torch.Tensor, eval_blocks: torch.Tensor,
-           settings: CalibrationSettings, report: CalibrationReport, progress: bool = True) -> dict:
+def polish(
+    src,
+    family,
+    cfg,
+    values: dict,
+    calib_blocks: torch.Tensor,
+    eval_blocks: torch.Tensor,
+    settings: CalibrationSettings,
+    report: CalibrationReport,
+    progress: bool = True,
+) -> dict:
     """End-to-end KL distillation from the layer-wise ``values``, on the whole model loaded from ``src`` in float32
     (needs the model, plus its log-probabilities on the calibration text, in memory). Updates ``report`` (KL,
     calibrated perplexity, converted max logits) and returns the polished values."""
@@ -197,8 +237,7 @@ def polish(src, family, cfg, values: dict, calib_blocks: torch.Tensor, eval_bloc
     per_block = calib_blocks.shape[1] * model.config.get_text_config().vocab_size * 2
     n_teacher = max(1, min(len(calib_blocks), settings.teacher_budget_mb * 2**20 // per_block))
     teacher = teacher_log_probs(model, calib_blocks[:n_teacher], bs, progress)
-    patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps,
-                p=cfg.p)
+    patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps, p=cfg.p)
     params = new_norm_parameters(model)
     with torch.no_grad():
         for name, p in params.items():

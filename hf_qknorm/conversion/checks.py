@@ -27,8 +27,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ConversionCheckError", "VERIFY_LAYERS", "VERIFY_MODES", "check_device", "check_report_finite",
-           "check_request", "check_written", "verify_output"]
+__all__ = [
+    "ConversionCheckError",
+    "VERIFY_LAYERS",
+    "VERIFY_MODES",
+    "check_device",
+    "check_report_finite",
+    "check_request",
+    "check_written",
+    "verify_output",
+]
 
 VERIFY_LAYERS = 2  # layers loaded for the verification probe: every layer runs the same code
 VERIFY_MODES = ("full", "plugin", "off")
@@ -51,14 +59,19 @@ def check_device(device: str) -> None:
         raise ValueError(f"unknown device {device!r} (--device); choose auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            why = (f"this torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
-                   else "no CUDA device is visible")
-            raise ValueError(f"device {device!r} (--device): CUDA is not available on this machine ({why}); "
-                             "use --device cpu or auto")
+            why = (
+                f"this torch {torch.__version__} is built without CUDA"
+                if torch.version.cuda is None
+                else "no CUDA device is visible"
+            )
+            raise ValueError(
+                f"device {device!r} (--device): CUDA is not available on this machine ({why}); use --device cpu or auto"
+            )
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device {device!r} (--device): this machine has {count} CUDA device(s), "
-                             f"cuda:0 to cuda:{count - 1}")
+            raise ValueError(
+                f"device {device!r} (--device): this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
     elif dev.type != "cpu":
         backend = getattr(torch, dev.type, None) or getattr(torch.backends, dev.type, None)
         if not (hasattr(backend, "is_available") and backend.is_available()):
@@ -85,10 +98,14 @@ def check_request(settings, push_to_hub: str | None, token: str | None) -> str |
 def check_report_finite(report) -> None:
     """Fail when a number of the calibration report is NaN or infinite (a model that computes NaN must not be
     written as if it worked)."""
-    values = {"original perplexity": report.ppl_original, "identity-init perplexity": report.ppl_identity,
-              "least-squares-init perplexity": report.ppl_least_squares,
-              "calibrated perplexity": report.ppl_calibrated, "KL at the start": report.kl_start,
-              "KL at the end": report.kl_end}
+    values = {
+        "original perplexity": report.ppl_original,
+        "identity-init perplexity": report.ppl_identity,
+        "least-squares-init perplexity": report.ppl_least_squares,
+        "calibrated perplexity": report.ppl_calibrated,
+        "KL at the start": report.kl_start,
+        "KL at the end": report.kl_end,
+    }
     for s in report.layers:
         values[f"layer {s.layer} max logit (original)"] = s.max_logit_original
         values[f"layer {s.layer} max logit (converted)"] = s.max_logit_converted
@@ -99,8 +116,10 @@ def check_report_finite(report) -> None:
     if "original perplexity" in bad:
         why = "the source model itself computes non-finite values on the held-out text (NaN/inf in its weights?)"
     else:
-        why = ("the converted model computes non-finite values: the scheme cannot be computed for this model with "
-               "these settings (an extreme --softcap, --eps or --p?)")
+        why = (
+            "the converted model computes non-finite values: the scheme cannot be computed for this model with "
+            "these settings (an extreme --softcap, --eps or --p?)"
+        )
     raise ConversionCheckError(f"the conversion's report is not finite ({listed}): {why}; nothing was written")
 
 
@@ -126,8 +145,10 @@ def check_written(folder: Path, plan) -> None:
                 problems.append(f"{key} differs from the value the conversion computed")
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ConversionCheckError(f"the written weights are not what the conversion computed: "
-                                   f"{'; '.join(problems[:3])}{more}; nothing was written")
+        raise ConversionCheckError(
+            f"the written weights are not what the conversion computed: "
+            f"{'; '.join(problems[:3])}{more}; nothing was written"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -166,8 +187,10 @@ def verify_output(folder: Path, cfg, kind: str, mode: str = "full", log=None) ->
             say(str(report))
             _fail(f"the written model failed verification ({how}): {'; '.join(report.problems()[:3])}")
     ways = "with and without the plugin" if len(reports) == 2 else "with the plugin"
-    say(f"verified the written model ({ways}, first {VERIFY_LAYERS} layers in float32, float64 reference): "
-        f"{reports[0].summary()}")
+    say(
+        f"verified the written model ({ways}, first {VERIFY_LAYERS} layers in float32, float64 reference): "
+        f"{reports[0].summary()}"
+    )
 
 
 def _fail(message: str):

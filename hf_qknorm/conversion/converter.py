@@ -1,7 +1,8 @@
 """Checkpoint conversion: ``hf_qknorm.convert`` and ``hf-qknorm convert``.
 
 Takes a pretrained checkpoint, adds the scheme's norm weights initialised by calibration
-(:mod:`hf_qknorm.conversion.calibrate`), and writes a folder that loads anywhere (:mod:`hf_qknorm.conversion.export`) with a model card
+(:mod:`hf_qknorm.conversion.calibrate`), and writes a folder that loads anywhere (:mod:`hf_qknorm.conversion.export`)
+with a model card
 (:mod:`hf_qknorm.conversion.hub`). Safe by construction:
 
 - the source is only read, never written;
@@ -26,17 +27,16 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
-from .hub import HubSettings
-from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
+from ..modeling.saved import read_config
 from ..portable.families import Family, get_family
 from ..portable.names import PREFIX
 from ..portable.norms import initial_value
 from ..portable.schemes import QKNormConfig
-from ..modeling.saved import read_config
 from ..upstream import installed_versions
-from .shards import (SourceWeights, WeightPlan, check_matches_config, plan_weights, read_source_weights,
-                     write_weights)
+from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
+from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
+from .hub import HubSettings
+from .shards import SourceWeights, WeightPlan, check_matches_config, plan_weights, read_source_weights, write_weights
 from .tempdirs import check_writable, staging
 
 __all__ = ["ConversionResult", "convert", "default_destination"]
@@ -95,8 +95,10 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as exc:  # offline, unknown repo, gated...: say which and why
-        raise FileNotFoundError(f"source {repo_id!r} is not a local folder and could not be downloaded from the "
-                                f"Hugging Face Hub ({type(exc).__name__}: {exc})") from exc
+        raise FileNotFoundError(
+            f"source {repo_id!r} is not a local folder and could not be downloaded from the "
+            f"Hugging Face Hub ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def inspect_source(src) -> Source:
@@ -113,8 +115,10 @@ def inspect_source(src) -> Source:
     family = get_family(model_type)
     archs = raw.get("architectures") or []
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        raise ValueError(f"{path} is not a causal language model (architectures {archs}); "
-                         "hf_qknorm converts *ForCausalLM / *LMHeadModel checkpoints")
+        raise ValueError(
+            f"{path} is not a causal language model (architectures {archs}); "
+            "hf_qknorm converts *ForCausalLM / *LMHeadModel checkpoints"
+        )
     config = AutoConfig.from_pretrained(path)
     weights = read_source_weights(path, family)
     check_matches_config(weights, config)
@@ -149,8 +153,12 @@ def _names_a_file(value) -> bool:
     """Whether :func:`load_text` reads ``value`` as a file (or bundled text) name rather than as the text itself."""
     from ..data import BUNDLED_TEXTS
 
-    return isinstance(value, os.PathLike) or "\n" not in value and len(value) < 4096 and (
-        value in BUNDLED_TEXTS or os.path.exists(value) or value.lower().endswith(_TEXT_SUFFIXES))
+    return (
+        isinstance(value, os.PathLike)
+        or "\n" not in value
+        and len(value) < 4096
+        and (value in BUNDLED_TEXTS or os.path.exists(value) or value.lower().endswith(_TEXT_SUFFIXES))
+    )
 
 
 def _text_label(value, what: str) -> str:
@@ -172,9 +180,11 @@ def _blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str) ->
     n_text = block_len - int(bos is not None)
     stream = tokenize_stream(text, tokenizer)  # tokenised once: a whole corpus can take seconds
     if len(stream) < n_text:
-        raise ValueError(f"{what} is too short: {len(stream):,} tokens, and one block of {block_len} tokens "
-                         f"({n_text} of text{' + BOS' if bos is not None else ''}) is needed; give more text or a "
-                         "smaller block length (--block-len)")
+        raise ValueError(
+            f"{what} is too short: {len(stream):,} tokens, and one block of {block_len} tokens "
+            f"({n_text} of text{' + BOS' if bos is not None else ''}) is needed; give more text or a "
+            "smaller block length (--block-len)"
+        )
     n_blocks = min(max_blocks, len(stream) // n_text)
     spread = n_blocks < len(stream) // n_text and n_blocks > 1  # else back to back, as tokenize_blocks does
     stride = max(n_text, (len(stream) - n_text) // (n_blocks - 1)) if spread else n_text
@@ -208,11 +218,23 @@ def _check_destination(dst: Path, src: Path, overwrite: bool) -> Path:
 # --------------------------------------------------------------------------------------------------------------------
 # conversion
 # --------------------------------------------------------------------------------------------------------------------
-def convert(src=None, dst=None, config: QKNormConfig | str | None = None,
-            calibration: CalibrationSettings | None = None, hub: HubSettings | None = None, *,
-            calibrate: bool = True, calibration_text=None, eval_text=None, export: str = "auto",
-            overwrite: bool = False, verify: str = "full", progress: bool = True, log=print,
-            **deprecated) -> ConversionResult:
+def convert(
+    src=None,
+    dst=None,
+    config: QKNormConfig | str | None = None,
+    calibration: CalibrationSettings | None = None,
+    hub: HubSettings | None = None,
+    *,
+    calibrate: bool = True,
+    calibration_text=None,
+    eval_text=None,
+    export: str = "auto",
+    overwrite: bool = False,
+    verify: str = "full",
+    progress: bool = True,
+    log=print,
+    **deprecated,
+) -> ConversionResult:
     """Convert a pretrained checkpoint to the scheme of ``config`` and write it to ``dst``.
 
     Args:
@@ -252,22 +274,27 @@ def convert(src=None, dst=None, config: QKNormConfig | str | None = None,
     token = check_request(settings, hub.repo_id, hub.token)  # a bad repo id or no token: fail now, not after hours
     source = inspect_source(src)
     config, family = source.config, source.family
-    cfg = QKNormConfig(**{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None else family.norm_eps(config, "; pass --eps")})
-    dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path,
-                             overwrite)
+    cfg = QKNormConfig(
+        **{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None else family.norm_eps(config, "; pass --eps")}
+    )
+    dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path, overwrite)
     check_writable(dst)
     kind, note = resolve_export(export, config, cfg, family)
     texts = _texts(calibration_text, eval_text) if calibrate else None
     if has_tokenizer(source.path):
         check_tokenizer_fits(source.path, source.config)
     elif not calibrate:  # calibration would have needed it (a clear error there)
-        log(f"WARNING: {source.path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab/merges): the "
+        log(
+            f"WARNING: {source.path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab/merges): the "
             "converted folder will have none either; add the tokenizer the model was trained with before using or "
-            "publishing it")
+            "publishing it"
+        )
 
-    log(f"converting {source.name} ({family.model_type}, {source.weights.dtype}, "
+    log(
+        f"converting {source.name} ({family.model_type}, {source.weights.dtype}, "
         f"{len(source.weights.files)} weight file(s)) to {cfg.scheme}"
-        f"{'' if not cfg.norms_qk else ' / ' + cfg.norm} -> {dst} as {kind}")
+        f"{'' if not cfg.norms_qk else ' / ' + cfg.norm} -> {dst} as {kind}"
+    )
     if calibrate:
         patched_config, new_values, report = _calibrated(source, cfg, texts, settings, progress)
     else:
@@ -276,8 +303,18 @@ def convert(src=None, dst=None, config: QKNormConfig | str | None = None,
         check_report_finite(report)
     result = ConversionResult(path=dst, export=kind, export_note=note, scheme=cfg, report=report)
     with staging(dst, overwrite, log) as tmp:
-        plan = _write_folder(tmp, source, cfg, kind, patched_config, new_values, result, progress,
-                             model_name=hub.repo_id or dst.name, settings=settings)
+        plan = _write_folder(
+            tmp,
+            source,
+            cfg,
+            kind,
+            patched_config,
+            new_values,
+            result,
+            progress,
+            model_name=hub.repo_id or dst.name,
+            settings=settings,
+        )
         check_written(tmp, plan)
         verify_output(tmp, cfg, kind, verify, log)
     result.files = sorted(str(f.relative_to(dst)) for f in dst.rglob("*") if f.is_file())
@@ -290,18 +327,31 @@ def convert(src=None, dst=None, config: QKNormConfig | str | None = None,
         from .hub import push
 
         try:
-            result.pushed_url = push(dst, hub.repo_id, private=hub.private, revision=hub.revision,
-                                     commit_message=hub.commit_message, token=token)
+            result.pushed_url = push(
+                dst,
+                hub.repo_id,
+                private=hub.private,
+                revision=hub.revision,
+                commit_message=hub.commit_message,
+                token=token,
+            )
         except OSError as exc:
-            raise OSError(f"{exc}; the converted model is complete in {dst}: upload it later with "
-                          f"`hf-qknorm push {dst} {hub.repo_id}`") from exc
+            raise OSError(
+                f"{exc}; the converted model is complete in {dst}: upload it later with "
+                f"`hf-qknorm push {dst} {hub.repo_id}`"
+            ) from exc
         log(f"pushed to {result.pushed_url}")
     return result
 
 
 _SCHEME_KEYWORDS = ("scheme", "norm", "softcap", "eps", "p")
-_HUB_KEYWORDS = {"push_to_hub": "repo_id", "private": "private", "revision": "revision",
-                 "commit_message": "commit_message", "token": "token"}
+_HUB_KEYWORDS = {
+    "push_to_hub": "repo_id",
+    "private": "private",
+    "revision": "revision",
+    "commit_message": "commit_message",
+    "token": "token",
+}
 
 
 def settings_objects(config, calibration, hub, deprecated: dict):
@@ -314,12 +364,18 @@ def settings_objects(config, calibration, hub, deprecated: dict):
         raise TypeError(f"convert() got an unexpected keyword argument {sorted(unknown)[0]!r}")
     old_scheme = {k: deprecated[k] for k in _SCHEME_KEYWORDS if k in deprecated}
     old_hub = {_HUB_KEYWORDS[k]: deprecated[k] for k in _HUB_KEYWORDS if k in deprecated}
-    for what, given, new in (("scheme keywords", old_scheme, "config=QKNormConfig(...)"),
-                             ("settings=", "settings" in deprecated, "calibration=CalibrationSettings(...)"),
-                             ("Hub keywords", old_hub, "hub=HubSettings(...)")):
+    for what, given, new in (
+        ("scheme keywords", old_scheme, "config=QKNormConfig(...)"),
+        ("settings=", "settings" in deprecated, "calibration=CalibrationSettings(...)"),
+        ("Hub keywords", old_hub, "hub=HubSettings(...)"),
+    ):
         if given:
-            warnings.warn(f"convert(): the {what} {sorted(given) if isinstance(given, dict) else ''} are "
-                          f"deprecated and go in the next release; pass {new}", FutureWarning, stacklevel=3)
+            warnings.warn(
+                f"convert(): the {what} {sorted(given) if isinstance(given, dict) else ''} are "
+                f"deprecated and go in the next release; pass {new}",
+                FutureWarning,
+                stacklevel=3,
+            )
     if old_scheme:
         if config is not None:
             raise TypeError("convert(): give the scheme once, as config=QKNormConfig(...), not also as keywords")
@@ -335,8 +391,11 @@ def settings_objects(config, calibration, hub, deprecated: dict):
     config = QKNormConfig(scheme=config) if isinstance(config, str) else config or QKNormConfig()
     calibration = calibration if calibration is not None else CalibrationSettings()
     hub = hub if hub is not None else HubSettings()
-    for value, cls, name in ((config, QKNormConfig, "config"), (calibration, CalibrationSettings, "calibration"),
-                             (hub, HubSettings, "hub")):
+    for value, cls, name in (
+        (config, QKNormConfig, "config"),
+        (calibration, CalibrationSettings, "calibration"),
+        (hub, HubSettings, "hub"),
+    ):
         if not isinstance(value, cls):
             raise TypeError(f"convert(): {name} must be a {cls.__name__}, got {type(value).__name__}")
     return config, calibration, hub
@@ -374,9 +433,11 @@ def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progr
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path)
     except Exception as exc:
-        raise ValueError(f"calibration needs the source's tokenizer, which could not be loaded from "
-                         f"{source.path} ({type(exc).__name__}: {exc}); add it, or pass calibrate=False "
-                         "(--no-calibration)") from exc
+        raise ValueError(
+            f"calibration needs the source's tokenizer, which could not be loaded from "
+            f"{source.path} ({type(exc).__name__}: {exc}); add it, or pass calibrate=False "
+            "(--no-calibration)"
+        ) from exc
     block_len = min(settings.block_len, source.family.training_length(source.config))
     calib_blocks = _blocks(texts[0], tokenizer, block_len, settings.calibration_blocks, texts[2])
     eval_blocks = _blocks(texts[1], tokenizer, block_len, settings.eval_blocks, texts[3])
@@ -387,8 +448,9 @@ def _calibrated(source: Source, cfg, texts, settings: CalibrationSettings, progr
         stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, device)
         values, report = calibrate_checkpoint(stream, cfg, calib_blocks, eval_blocks, settings, progress)
         if settings.steps > 0 and cfg.norms_qk:
-            values = polish(source.path, source.family, cfg, values, calib_blocks, eval_blocks, settings, report,
-                            progress)
+            values = polish(
+                source.path, source.family, cfg, values, calib_blocks, eval_blocks, settings, report, progress
+            )
     return stream.patched.config, values, report
 
 
@@ -400,10 +462,10 @@ def _identity(source: Source, cfg):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(source.config)
-    patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps,
-                p=cfg.p)
-    return model.config, {name: torch.full(prm.shape, initial_value(model, name))
-                          for name, prm in new_norm_parameters(model).items()}
+    patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps, p=cfg.p)
+    return model.config, {
+        name: torch.full(prm.shape, initial_value(model, name)) for name, prm in new_norm_parameters(model).items()
+    }
 
 
 def _answer_agreement(source: Source, folder: Path, settings: CalibrationSettings, progress: bool) -> dict:
@@ -417,30 +479,61 @@ def _answer_agreement(source: Source, folder: Path, settings: CalibrationSetting
 
     device = settings.resolved_device()
     n_params = sum(math.prod(shape) for shape in source.weights.shapes.values())
-    with Stage("answer agreement", 1, "checks", progress) as stage, \
-            calibration_threads(n_params, device, settings.threads):
+    with (
+        Stage("answer agreement", 1, "checks", progress) as stage,
+        calibration_threads(n_params, device, settings.threads),
+    ):
         report = folder_agreement(source.path, folder, new_tokens=settings.agreement_tokens, device=device)
         stage.update(1, note=f"prefix {100 * report.prefix:.1f}%, top-1 {100 * report.top1:.1f}%")
     return report.to_dict()
 
 
-def _write_folder(tmp: Path, source: Source, cfg, kind, patched_config, new_values, result, progress,
-                  model_name: str, settings: CalibrationSettings) -> WeightPlan:
+def _write_folder(
+    tmp: Path,
+    source: Source,
+    cfg,
+    kind,
+    patched_config,
+    new_values,
+    result,
+    progress,
+    model_name: str,
+    settings: CalibrationSettings,
+) -> WeightPlan:
     from .export import copy_side_files, write_config
     from .hub import write_model_card
 
-    plan: WeightPlan = plan_weights(source.weights, source.family, cfg, new_values,
-                                    source.config.get_text_config().num_hidden_layers,
-                                    carry_native=result.report is None)
+    plan: WeightPlan = plan_weights(
+        source.weights,
+        source.family,
+        cfg,
+        new_values,
+        source.config.get_text_config().num_hidden_layers,
+        carry_native=result.report is None,
+    )
     write_weights(source.weights, plan, tmp, progress)
     write_config(tmp, kind, patched_config, source.weights.dtype)
     copy_side_files(source.path, tmp)
     if result.report is not None and settings.agreement_tokens > 0:
         result.report.agreement = _answer_agreement(source, tmp, settings, progress)
-    report = {"source": source.name, "export": kind, "export_note": result.export_note, "scheme": cfg.to_dict(),
-              "calibration": None if result.report is None else result.report.to_dict(),
-              "versions": installed_versions(), "card_model_name": model_name}
+    report = {
+        "source": source.name,
+        "export": kind,
+        "export_note": result.export_note,
+        "scheme": cfg.to_dict(),
+        "calibration": None if result.report is None else result.report.to_dict(),
+        "versions": installed_versions(),
+        "card_model_name": model_name,
+    }
     (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    write_model_card(tmp, model_name=model_name, source_dir=source.path, base_model=source.name, cfg=cfg,
-                     export=kind, report=result.report, export_note=result.export_note)
+    write_model_card(
+        tmp,
+        model_name=model_name,
+        source_dir=source.path,
+        base_model=source.name,
+        cfg=cfg,
+        export=kind,
+        report=result.report,
+        export_note=result.export_note,
+    )
     return plan

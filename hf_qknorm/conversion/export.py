@@ -27,11 +27,31 @@ EXPORTS = ("auto", "qwen3", "qknorm")
 
 # Files carried over from the source folder besides the weights and config (tokenizer, generation config, licence).
 # The files that make up a tokenizer (copied with SIDE_FILE_PATTERNS): a folder without any has none.
-TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.*", "merges.txt",
-                      "*.tiktoken", "spiece.model")
-SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                      "*.model", "*.tiktoken", "chat_template.*", "generation_config.json", "preprocessor_config.json",
-                      "LICENSE*", "LICENCE*", "NOTICE*", "USE_POLICY*")
+TOKENIZER_PATTERNS = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "spiece.model",
+)
+SIDE_FILE_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template.*",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "LICENSE*",
+    "LICENCE*",
+    "NOTICE*",
+    "USE_POLICY*",
+)
 
 
 def qwen3_blocker(config, cfg: QKNormConfig, family: Family) -> str | None:
@@ -39,13 +59,17 @@ def qwen3_blocker(config, cfg: QKNormConfig, family: Family) -> str | None:
     if family.model_type not in ("llama", "mistral"):
         return f"only Llama and Mistral models become Qwen3 models, this is {family.model_type!r}"
     if cfg.scheme != "qk_norm" or cfg.norm != "rmsnorm":
-        return (f"Qwen3 is scheme 'qk_norm' with norm 'rmsnorm' (no cap, no value norm); "
-                f"this conversion is scheme {cfg.scheme!r} with norm {cfg.norm!r}")
+        return (
+            f"Qwen3 is scheme 'qk_norm' with norm 'rmsnorm' (no cap, no value norm); "
+            f"this conversion is scheme {cfg.scheme!r} with norm {cfg.norm!r}"
+        )
     if getattr(config, "mlp_bias", False):
         return "the source has mlp_bias=True and Qwen3's MLP has no biases"
     if cfg.eps is not None and float(cfg.eps) != float(config.rms_norm_eps):
-        return (f"Qwen3's q/k norms use the model's rms_norm_eps ({config.rms_norm_eps:g}), "
-                f"but the conversion asked for eps={cfg.eps:g}")
+        return (
+            f"Qwen3's q/k norms use the model's rms_norm_eps ({config.rms_norm_eps:g}), "
+            f"but the conversion asked for eps={cfg.eps:g}"
+        )
     if getattr(config, "rope_parameters", None) is None:
         return "the source config has no rope parameters Qwen3 can take"
     return None
@@ -59,17 +83,31 @@ def qwen3_config(config, dtype: torch.dtype):
     window = getattr(config, "sliding_window", None) if base_model_type(config.model_type) == "mistral" else None
     layers = config.num_hidden_layers
     return Qwen3Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=head_dim, hidden_act=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings, initializer_range=config.initializer_range,
-        rms_norm_eps=config.rms_norm_eps, use_cache=config.use_cache, tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters=dict(config.rope_parameters), attention_bias=getattr(config, "attention_bias", False),
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
+        rms_norm_eps=config.rms_norm_eps,
+        use_cache=config.use_cache,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters=dict(config.rope_parameters),
+        attention_bias=getattr(config, "attention_bias", False),
         # Mistral's window applies to every layer; Qwen3 applies it to layers >= max_window_layers
-        use_sliding_window=window is not None, sliding_window=window, max_window_layers=0,
+        use_sliding_window=window is not None,
+        sliding_window=window,
+        max_window_layers=0,
         layer_types=["sliding_attention" if window is not None else "full_attention"] * layers,
-        attention_dropout=config.attention_dropout, pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, architectures=["Qwen3ForCausalLM"],
+        attention_dropout=config.attention_dropout,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        architectures=["Qwen3ForCausalLM"],
         dtype=dtype,
     )
 
@@ -117,9 +155,11 @@ def check_tokenizer_fits(folder: Path, config) -> None:
     except Exception:  # noqa: BLE001 -- an unloadable tokenizer is reported where it is needed (calibration)
         return
     if isinstance(rows, int) and len(tokenizer) > rows:
-        raise ValueError(f"the tokenizer in {folder} has {len(tokenizer):,} tokens but the embedding has "
-                         f"{rows:,} rows (vocab_size in config.json, checked against the weights): ids from {rows:,} "
-                         "up index nothing; is it the tokenizer this model was trained with?")
+        raise ValueError(
+            f"the tokenizer in {folder} has {len(tokenizer):,} tokens but the embedding has "
+            f"{rows:,} rows (vocab_size in config.json, checked against the weights): ids from {rows:,} "
+            "up index nothing; is it the tokenizer this model was trained with?"
+        )
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

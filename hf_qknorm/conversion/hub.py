@@ -30,14 +30,24 @@ TEMPLATE = "qknorm_model_card.md"
 REQUIRED_FILES = ("config.json", "README.md")
 
 _SCHEMES = {
-    "qk_norm": ("QK-norm", "a per-head norm on every query and key, before RoPE (Henry et al. 2020; Dehghani et al. "
-                           "2023; Qwen3)."),
-    "soft_cap": ("softmax capping", "attention logits `s` become `c * tanh(s / c)` before the mask and softmax "
-                                    "(Gemma 2)."),
-    "qk_norm_cap": ("QK-norm + softmax capping", "a per-head norm on every query and key before RoPE, and logits "
-                                                 "`s` capped to `c * tanh(s / c)` (Rybakov et al. 2024)."),
-    "qkv_norm": ("QKV-norm", "a per-head norm on every query, key and value; the block's pre-attention norm is "
-                             "removed and its gain folded into the projections (Rybakov et al. 2024)."),
+    "qk_norm": (
+        "QK-norm",
+        "a per-head norm on every query and key, before RoPE (Henry et al. 2020; Dehghani et al. 2023; Qwen3).",
+    ),
+    "soft_cap": (
+        "softmax capping",
+        "attention logits `s` become `c * tanh(s / c)` before the mask and softmax (Gemma 2).",
+    ),
+    "qk_norm_cap": (
+        "QK-norm + softmax capping",
+        "a per-head norm on every query and key before RoPE, and logits "
+        "`s` capped to `c * tanh(s / c)` (Rybakov et al. 2024).",
+    ),
+    "qkv_norm": (
+        "QKV-norm",
+        "a per-head norm on every query, key and value; the block's pre-attention norm is "
+        "removed and its gain folded into the projections (Rybakov et al. 2024).",
+    ),
 }
 
 
@@ -53,15 +63,23 @@ class HubSettings:
     id and the token are checked before any conversion work; the upload is :func:`push`."""
 
     # metadata["help"] (and "flag"): the command line's flags are made from these fields
-    repo_id: str | None = field(default=None, metadata={
-        "help": "upload the folder to this Hub repo once written (created if missing)", "flag": "push-to-hub",
-        "metavar": "REPO_ID"})
+    repo_id: str | None = field(
+        default=None,
+        metadata={
+            "help": "upload the folder to this Hub repo once written (created if missing)",
+            "flag": "push-to-hub",
+            "metavar": "REPO_ID",
+        },
+    )
     private: bool | None = field(default=None, metadata={"help": "create the repo as private"})
-    revision: str | None = field(default=None, metadata={
-        "help": "branch to upload to (created if missing; default main)"})
+    revision: str | None = field(
+        default=None, metadata={"help": "branch to upload to (created if missing; default main)"}
+    )
     commit_message: str | None = field(default=None, metadata={"help": "commit message of the upload"})
-    token: str | None = field(default=None, metadata={
-        "help": "Hub token (default: the HF_TOKEN environment variable, else the `hf auth login` cache)"})
+    token: str | None = field(
+        default=None,
+        metadata={"help": "Hub token (default: the HF_TOKEN environment variable, else the `hf auth login` cache)"},
+    )
 
     def __post_init__(self):
         if self.repo_id is not None:
@@ -99,8 +117,9 @@ def check_repo_id(repo_id) -> str:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as exc:
-        raise ValueError(f"invalid Hub repo id {repo_id!r}: {exc} Use <user or organisation>/<name>, e.g. "
-                         "me/llama-qknorm") from None
+        raise ValueError(
+            f"invalid Hub repo id {repo_id!r}: {exc} Use <user or organisation>/<name>, e.g. me/llama-qknorm"
+        ) from None
     if not repo_id:
         raise ValueError("invalid Hub repo id '': give <user or organisation>/<name>, e.g. me/llama-qknorm")
     return repo_id
@@ -132,34 +151,51 @@ def _load_snippet(export: str, name: str, tokenizer: bool = True) -> tuple[str, 
     snippet, note = _model_snippet(export, name)
     if tokenizer:
         return snippet, note
-    snippet = snippet.replace(", AutoTokenizer", "").replace(f"\ntokenizer = AutoTokenizer.from_pretrained({py_str(name)})", "")
-    return snippet, note + (" This folder has no tokenizer: the checkpoint it was converted from had none; use the "
-                            "tokenizer the model was trained with.")
+    snippet = snippet.replace(", AutoTokenizer", "").replace(
+        f"\ntokenizer = AutoTokenizer.from_pretrained({py_str(name)})", ""
+    )
+    return snippet, note + (
+        " This folder has no tokenizer: the checkpoint it was converted from had none; use the "
+        "tokenizer the model was trained with."
+    )
 
 
 def _model_snippet(export: str, name: str) -> tuple[str, str]:
     name = py_str(name)
     if export == "qwen3":
-        return (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
-                f'model = AutoModelForCausalLM.from_pretrained({name})  # a plain Qwen3ForCausalLM\n'
-                f'tokenizer = AutoTokenizer.from_pretrained({name})',
-                "This is exactly a Qwen3 model (per-head RMSNorm on queries and keys before RoPE), so plain "
-                "Transformers loads it with no plugin and no remote code.")
-    return (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
-            f'# without hf_qknorm: the modelling code shipped in this folder\n'
-            f'model = AutoModelForCausalLM.from_pretrained({name}, trust_remote_code=True)\n\n'
-            f'# with hf_qknorm installed: fused kernels and a memory-lean capped attention\n'
-            f'import hf_qknorm\n'
-            f'model = AutoModelForCausalLM.from_pretrained({name})\n'
-            f'tokenizer = AutoTokenizer.from_pretrained({name})',
-            "`model_type` is `qknorm_<base>`: Transformers alone refuses the folder rather than loading it as the "
-            "base model without its norms. `modeling_qknorm.py` and `configuration_qknorm.py` here rebuild it "
-            "with `trust_remote_code=True`; `import hf_qknorm` registers the same model type natively.")
+        return (
+            f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f"model = AutoModelForCausalLM.from_pretrained({name})  # a plain Qwen3ForCausalLM\n"
+            f"tokenizer = AutoTokenizer.from_pretrained({name})",
+            "This is exactly a Qwen3 model (per-head RMSNorm on queries and keys before RoPE), so plain "
+            "Transformers loads it with no plugin and no remote code.",
+        )
+    return (
+        f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+        f"# without hf_qknorm: the modelling code shipped in this folder\n"
+        f"model = AutoModelForCausalLM.from_pretrained({name}, trust_remote_code=True)\n\n"
+        f"# with hf_qknorm installed: fused kernels and a memory-lean capped attention\n"
+        f"import hf_qknorm\n"
+        f"model = AutoModelForCausalLM.from_pretrained({name})\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({name})",
+        "`model_type` is `qknorm_<base>`: Transformers alone refuses the folder rather than loading it as the "
+        "base model without its norms. `modeling_qknorm.py` and `configuration_qknorm.py` here rebuild it "
+        "with `trust_remote_code=True`; `import hf_qknorm` registers the same model type natively.",
+    )
 
 
-def build_model_card(*, base_model: str | None, cfg, export: str, report=None, dtype: str = "float32",
-                     model_name: str = "converted model", source_dir: Path | None = None,
-                     export_note: str | None = None, versions: dict | None = None):
+def build_model_card(
+    *,
+    base_model: str | None,
+    cfg,
+    export: str,
+    report=None,
+    dtype: str = "float32",
+    model_name: str = "converted model",
+    source_dir: Path | None = None,
+    export_note: str | None = None,
+    versions: dict | None = None,
+):
     """The filled :class:`huggingface_hub.ModelCard` of a converted folder."""
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -173,34 +209,49 @@ def build_model_card(*, base_model: str | None, cfg, export: str, report=None, d
     tags += ["qwen3"] if export == "qwen3" else ["custom_code"]
     licence = source_licence(source_dir)
     unusable = licence.pop("unusable", False)
-    data = ModelCardData(base_model=hub_base, library_name="transformers", pipeline_tag="text-generation",
-                         tags=tags, **licence)
+    data = ModelCardData(
+        base_model=hub_base, library_name="transformers", pipeline_tag="text-generation", tags=tags, **licence
+    )
     title, description = _SCHEMES[scheme["scheme"]]
     from .export import has_tokenizer
 
     snippet, note = _load_snippet(export, model_name, source_dir is None or has_tokenizer(source_dir))
-    fmt = ("plain `qwen3` (no plugin needed)" if export == "qwen3"
-           else "`qknorm_<base>` with `trust_remote_code` modelling code")
+    fmt = (
+        "plain `qwen3` (no plugin needed)"
+        if export == "qwen3"
+        else "`qknorm_<base>` with `trust_remote_code` modelling code"
+    )
     if export_note and export != "qwen3":
         fmt += f" (not `qwen3`: {md_text(export_note)})"
     return ModelCard.from_template(
-        data, template_path=str(template_path()), model_name=md_text(model_name),
+        data,
+        template_path=str(template_path()),
+        model_name=md_text(model_name),
         base_model_sentence=md_name(base_model) if base_model else "A pretrained model",
-        scheme=scheme, scheme_title=title, scheme_description=description, format_description=fmt,
-        dtype=dtype, load_snippet=snippet, load_note=note, report=report,
+        scheme=scheme,
+        scheme_title=title,
+        scheme_description=description,
+        format_description=fmt,
+        dtype=dtype,
+        load_snippet=snippet,
+        load_note=note,
+        report=report,
         perplexity_table=report.perplexity_table() if report else "",
         layer_table=report.layer_table() if report else "",
         recovered=f"{100 * report.recovered:.1f}%" if report else "",
         versions=versions or installed_versions(),
-        licence_note=_licence_note(licence, unusable))
+        licence_note=_licence_note(licence, unusable),
+    )
 
 
 def _licence_note(licence: dict, unusable: bool) -> str:
     if licence.get("license"):
         return f"Licence: {md_name(licence['license'])}, inherited from the source model."
     if unusable:
-        return ("The source model's card names a licence that is not a Hub licence id, so it was not carried "
-                "over; check the source's terms before sharing.")
+        return (
+            "The source model's card names a licence that is not a Hub licence id, so it was not carried "
+            "over; check the source's terms before sharing."
+        )
     return "The source model's card gave no licence; check its terms before sharing."
 
 
@@ -214,16 +265,24 @@ def _is_repo_id(name: str) -> bool:
     return "/" in name
 
 
-def write_model_card(folder: Path, *, model_name: str, source_dir, base_model, cfg, export, report,
-                     export_note=None) -> Path:
+def write_model_card(
+    folder: Path, *, model_name: str, source_dir, base_model, cfg, export, report, export_note=None
+) -> Path:
     """Write ``README.md`` (the model card) into ``folder``."""
     import json
 
     folder = Path(folder)
     dtype = json.loads((folder / "config.json").read_text()).get("dtype", "float32")
-    card = build_model_card(base_model=base_model, cfg=cfg, export=export, report=report, dtype=str(dtype),
-                            model_name=model_name, source_dir=source_dir,
-                            export_note=export_note)
+    card = build_model_card(
+        base_model=base_model,
+        cfg=cfg,
+        export=export,
+        report=report,
+        dtype=str(dtype),
+        model_name=model_name,
+        source_dir=source_dir,
+        export_note=export_note,
+    )
     card.save(folder / "README.md")
     return folder / "README.md"
 
@@ -237,16 +296,21 @@ def resolve_token(token: str | None = None) -> str:
 
     token = token or get_token()
     if not token:
-        raise ValueError("no Hugging Face token found: pass --token (token=...), set HF_TOKEN, or run "
-                         "`hf auth login` first; nothing was uploaded")
+        raise ValueError(
+            "no Hugging Face token found: pass --token (token=...), set HF_TOKEN, or run "
+            "`hf auth login` first; nothing was uploaded"
+        )
     return token
 
 
 def upload_files(folder: Path) -> list[str]:
     """The files :func:`push` uploads (every file of the folder except hidden ones), relative to it."""
     folder = Path(folder)
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
 
 
 def card_metadata(folder: Path) -> dict:
@@ -265,8 +329,10 @@ def check_folder(folder: Path) -> None:
     if not any(folder.glob("*.safetensors")):
         missing.append("*.safetensors")
     if missing:
-        raise ValueError(f"{folder} is not a converted model folder (missing {', '.join(missing)}); "
-                         "create it with `hf-qknorm convert`")
+        raise ValueError(
+            f"{folder} is not a converted model folder (missing {', '.join(missing)}); "
+            "create it with `hf-qknorm convert`"
+        )
 
 
 def card_for_repo(folder: Path, repo_id: str) -> str | None:
@@ -292,8 +358,16 @@ def card_for_repo(folder: Path, repo_id: str) -> str | None:
     return text.replace(f"\n# {md_text(old)}\n", f"\n# {md_text(repo_id)}\n", 1)
 
 
-def push(folder, repo_id: str, *, private: bool | None = None, revision: str | None = None,
-         commit_message: str | None = None, token: str | None = None, api=None) -> str:
+def push(
+    folder,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+    api=None,
+) -> str:
     """Create ``repo_id`` (if needed) and upload ``folder`` to it in one commit; returns the commit URL.
 
     The uploaded model card names ``repo_id`` in its load snippet and title (:func:`card_for_repo`); the local
@@ -307,8 +381,11 @@ def push(folder, repo_id: str, *, private: bool | None = None, revision: str | N
     check_folder(folder)
     token = resolve_token(token)
     card = card_for_repo(folder, repo_id)
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name))
-                  for name in upload_files(folder) if not (card is not None and name == "README.md")]
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name))
+        for name in upload_files(folder)
+        if not (card is not None and name == "README.md")
+    ]
     if card is not None:
         operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
     api = api if api is not None else HfApi()
@@ -316,11 +393,17 @@ def push(folder, repo_id: str, *, private: bool | None = None, revision: str | N
         api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
         if revision:
             api.create_branch(repo_id, branch=revision, token=token, repo_type="model", exist_ok=True)
-        info = api.create_commit(repo_id, operations=operations, repo_type="model", revision=revision,
-                                 commit_message=commit_message or f"Upload {folder.name} (hf_qknorm convert)",
-                                 token=token)
+        info = api.create_commit(
+            repo_id,
+            operations=operations,
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message or f"Upload {folder.name} (hf_qknorm convert)",
+            token=token,
+        )
     except Exception as exc:  # unreachable, refused, rate-limited...: one line naming the repo and the cause
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise OSError(f"could not upload {folder} to the Hugging Face Hub repo {repo_id!r}: "
-                      f"{type(exc).__name__}: {first}") from exc
+        raise OSError(
+            f"could not upload {folder} to the Hugging Face Hub repo {repo_id!r}: {type(exc).__name__}: {first}"
+        ) from exc
     return str(getattr(info, "commit_url", info))

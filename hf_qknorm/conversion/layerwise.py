@@ -28,8 +28,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-from ..portable.schemes import QKNormConfig
 from ..modeling.telemetry import LogitTap, head_max_logits
+from ..portable.schemes import QKNormConfig
 from .localfit import closed_form, fit_attention, norm_parameters
 from .progress import Stage
 from .stats import CAP_WARN_FRACTION, ActivationRecorder, CalibrationReport, cap_warning
@@ -62,8 +62,14 @@ def _layer_values(values: dict, prefix: str) -> dict:
     return {k: v for k, v in values.items() if k.startswith(prefix)}
 
 
-def calibrate_checkpoint(stream: StreamedCheckpoint, cfg: QKNormConfig, calib_blocks: torch.Tensor,
-                         eval_blocks: torch.Tensor, settings, progress: bool = True):
+def calibrate_checkpoint(
+    stream: StreamedCheckpoint,
+    cfg: QKNormConfig,
+    calib_blocks: torch.Tensor,
+    eval_blocks: torch.Tensor,
+    settings,
+    progress: bool = True,
+):
     """Calibrate every new norm of ``stream``'s patched model layer by layer (module docstring).
 
     Returns ``(values, report)``: the calibrated values by state-dict name (float32, on the CPU) and the
@@ -78,11 +84,19 @@ def calibrate_checkpoint(stream: StreamedCheckpoint, cfg: QKNormConfig, calib_bl
     # soft_cap adds no weights: identity, least squares and calibrated are one model, scored once
     names = STREAMS if ident else ("original", "identity")
     streams = {name: [h.clone() for h in held] for name in names}
-    logger.log(logging.INFO if progress else logging.DEBUG,
-               "calibration: %d blocks of %d tokens, %d held-out blocks, %d layers, %d layer-wise steps per layer, "
-               "on %s with %d thread(s); embedded in %.1f s", len(calib_blocks), calib_blocks.shape[1],
-               len(eval_blocks), stream.num_layers, settings.local_steps, stream.device, torch.get_num_threads(),
-               time.time() - t0)
+    logger.log(
+        logging.INFO if progress else logging.DEBUG,
+        "calibration: %d blocks of %d tokens, %d held-out blocks, %d layers, %d layer-wise steps per layer, "
+        "on %s with %d thread(s); embedded in %.1f s",
+        len(calib_blocks),
+        calib_blocks.shape[1],
+        len(eval_blocks),
+        stream.num_layers,
+        settings.local_steps,
+        stream.device,
+        torch.get_num_threads(),
+        time.time() - t0,
+    )
     layers = []
     with Stage("calibrating layer by layer", stream.num_layers, "layers", progress) as stage:
         for i in range(stream.num_layers):
@@ -92,15 +106,27 @@ def calibrate_checkpoint(stream: StreamedCheckpoint, cfg: QKNormConfig, calib_bl
             for name in _layer_values(values, prefix):
                 values[name] = stream.patched.get_parameter(name).detach().float().cpu().clone()
             least_squares.update(stats.pop("least_squares"))
-            versions = {"identity": _layer_values(ident, prefix),
-                        "least_squares": _layer_values(least_squares, prefix),
-                        "calibrated": _layer_values(values, prefix)}
-            _advance_eval(stream, orig, patched, streams, eval_calls[i], {k: versions[k] for k in names[1:]},
-                          lambda name, i=i: stage.update(0, note=f"layer {i}: held-out {name}"))
+            versions = {
+                "identity": _layer_values(ident, prefix),
+                "least_squares": _layer_values(least_squares, prefix),
+                "calibrated": _layer_values(values, prefix),
+            }
+            _advance_eval(
+                stream,
+                orig,
+                patched,
+                streams,
+                eval_calls[i],
+                {k: versions[k] for k in names[1:]},
+                lambda name, i=i: stage.update(0, note=f"layer {i}: held-out {name}"),
+            )
             stream.release(i)
             layers.append(stats["layer"])
-            stage.update(1, note=f"layer {i}: output error {stats['layer'].fit_error_closed_form:.4f} -> "
-                                 f"{stats['layer'].fit_error:.4f}")
+            stage.update(
+                1,
+                note=f"layer {i}: output error {stats['layer'].fit_error_closed_form:.4f} -> "
+                f"{stats['layer'].fit_error:.4f}",
+            )
     with stream.outer():
         ppl = {name: _perplexity(stream, streams[name], eval_blocks, settings.batch_size) for name in names}
     report = _report(cfg, ppl, calib_blocks, eval_blocks, layers, settings.local_steps if ident else 0)
@@ -112,10 +138,21 @@ def _report(cfg, ppl: dict, calib_blocks, eval_blocks, layers, local_steps: int)
     for name in STREAMS:
         ppl.setdefault(name, ppl["identity"])
     report = CalibrationReport(
-        scheme=cfg.to_dict(), ppl_original=ppl["original"], ppl_identity=ppl["identity"],
-        ppl_least_squares=ppl["least_squares"], ppl_calibrated=ppl["calibrated"],
-        calibration_tokens=calib_blocks.numel(), eval_tokens=eval_blocks[:, 1:].numel(), steps=0, kl_start=None,
-        kl_end=None, seconds=0.0, layers=layers, cap=cfg.softcap, local_steps=local_steps)
+        scheme=cfg.to_dict(),
+        ppl_original=ppl["original"],
+        ppl_identity=ppl["identity"],
+        ppl_least_squares=ppl["least_squares"],
+        ppl_calibrated=ppl["calibrated"],
+        calibration_tokens=calib_blocks.numel(),
+        eval_tokens=eval_blocks[:, 1:].numel(),
+        steps=0,
+        kl_start=None,
+        kl_end=None,
+        seconds=0.0,
+        layers=layers,
+        cap=cfg.softcap,
+        local_steps=local_steps,
+    )
     for s in layers:
         top = max(s.max_logit_converted or 0.0, s.max_logit_original)
         if report.cap is not None and top >= CAP_WARN_FRACTION * report.cap:
@@ -130,8 +167,7 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
     o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
     recorder = ActivationRecorder([o_attn], family, cfg, stream.device, indices=[i])
     targets, attn_calls, out = [], [], []
-    h_t = o_attn.register_forward_hook(lambda m, a, o: targets.append((o[0] if isinstance(o, tuple) else o)
-                                                                       .detach()))
+    h_t = o_attn.register_forward_hook(lambda m, a, o: targets.append((o[0] if isinstance(o, tuple) else o).detach()))
     with torch.no_grad(), recorder:
         try:
             for h, call in zip(calib, calls):
@@ -146,10 +182,17 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
     prefix = f"{stream.prefix}{i}.{family.attention}."
     ls = {prefix + k: p.detach().float().cpu().clone() for k, p in norm_parameters(p_attn).items()}
     every = max(1, settings.local_steps // 4)
-    fit = fit_attention(p_attn, attn_calls, targets, steps=settings.local_steps, lr=settings.local_lr,
-                        seed=settings.seed + i,
-                        on_step=lambda s: stage.update(0, note=f"layer {i}: step {s + 1}/{settings.local_steps}")
-                        if (s + 1) % every == 0 else None)
+    fit = fit_attention(
+        p_attn,
+        attn_calls,
+        targets,
+        steps=settings.local_steps,
+        lr=settings.local_lr,
+        seed=settings.seed + i,
+        on_step=lambda s: (
+            stage.update(0, note=f"layer {i}: step {s + 1}/{settings.local_steps}") if (s + 1) % every == 0 else None
+        ),
+    )
     layer.fit_error_closed_form, layer.fit_error = fit.error_closed_form, fit.error
     layer.max_logit_converted = _max_logit(stream, p_attn, attn_calls)
     return {"layer": layer, "least_squares": ls}, out
@@ -183,8 +226,7 @@ def _max_logit(stream, attn, calls: list[BlockCall]) -> float:
     from .localfit import attention_output
 
     best = [0.0]
-    index = next(j for j, b in enumerate(stream.patched_blocks)
-                 if getattr(b, stream.family.attention) is attn)
+    index = next(j for j, b in enumerate(stream.patched_blocks) if getattr(b, stream.family.attention) is attn)
 
     def consume(idx, module, q, k, mask, scaling, softcap):
         if idx == index:
@@ -219,9 +261,9 @@ def _perplexity(stream, hidden: list[torch.Tensor], blocks: torch.Tensor, batch_
     head = stream.original.get_output_embeddings()
     nll, count = 0.0, 0
     for j, h in enumerate(hidden):
-        ids = blocks[j * batch_size:(j + 1) * batch_size].to(h.device)
+        ids = blocks[j * batch_size : (j + 1) * batch_size].to(h.device)
         for row in range(len(ids)):  # one block at a time: the logits of a large vocabulary dominate memory here
-            logits = head(stream.final_hidden(h[row:row + 1]))[0, :-1].float()
+            logits = head(stream.final_hidden(h[row : row + 1]))[0, :-1].float()
             nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
             count += ids.shape[1] - 1
     return math.exp(nll / count)

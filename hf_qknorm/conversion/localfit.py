@@ -36,8 +36,8 @@ ROLES = ("q", "k", "v")
 @dataclass
 class FitResult:
     error_closed_form: float  # relative squared error of the attention output with the closed form
-    error: float              # ... with the kept parameters
-    kept_fit: bool            # False when the local fit did not improve on the closed form
+    error: float  # ... with the kept parameters
+    kept_fit: bool  # False when the local fit did not improve on the closed form
 
 
 def closed_form(attn: nn.Module, moments: dict, scaling: float) -> None:
@@ -81,8 +81,9 @@ def attention_output(attn: nn.Module, call: BlockCall, overrides: dict | None = 
 
 
 @torch.no_grad()
-def relative_error(attn: nn.Module, calls: list[BlockCall], targets: list[torch.Tensor], denom: float,
-                   overrides: dict | None = None) -> float:
+def relative_error(
+    attn: nn.Module, calls: list[BlockCall], targets: list[torch.Tensor], denom: float, overrides: dict | None = None
+) -> float:
     total = sum((attention_output(attn, c, overrides) - t).float().pow(2).sum().item() for c, t in zip(calls, targets))
     return total / max(1, sum(t.numel() for t in targets)) / denom
 
@@ -96,7 +97,7 @@ class _Reparam:
         self.scale = {}
         for k, p in self.base.items():
             if k.endswith(".bias"):
-                w = self.base.get(k[:-len("bias")] + "weight")
+                w = self.base.get(k[: -len("bias")] + "weight")
                 ref = w if w is not None else p
                 self.scale[k] = max(ref.pow(2).mean().sqrt().item(), 1e-3)
 
@@ -107,14 +108,21 @@ class _Reparam:
         return out
 
 
-def fit_attention(attn: nn.Module, calls: list[BlockCall], targets: list[torch.Tensor], *, steps: int, lr: float,
-                  seed: int = 0, on_step=None) -> FitResult:
+def fit_attention(
+    attn: nn.Module,
+    calls: list[BlockCall],
+    targets: list[torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    seed: int = 0,
+    on_step=None,
+) -> FitResult:
     """Fit the new norms of the patched ``attn`` (already set to the closed form) to ``targets``: the original
     attention layer's outputs for the recorded ``calls`` (one per calibration block). Leaves ``attn`` with the
     better of the closed form and the fit; ``on_step(step)`` is called after every step (progress)."""
     params = norm_parameters(attn)
-    denom = max(sum(t.float().pow(2).sum().item() for t in targets) / max(1, sum(t.numel() for t in targets)),
-                1e-30)
+    denom = max(sum(t.float().pow(2).sum().item() for t in targets) / max(1, sum(t.numel() for t in targets)), 1e-30)
     error_cf = relative_error(attn, calls, targets, denom)
     if steps <= 0 or not params:
         return FitResult(error_cf, error_cf, False)

@@ -62,8 +62,17 @@ class Stage:
         self._last = self._clock()
         state = "done" if final else "running"
         note = f"; {self.note}" if self.note else ""
-        logger.log(level, "%s: %s, %d/%d %s in %.1f s%s", self.desc, state, self.done, self.total,
-                   self.unit or "units", self.elapsed, note)
+        logger.log(
+            level,
+            "%s: %s, %d/%d %s in %.1f s%s",
+            self.desc,
+            state,
+            self.done,
+            self.total,
+            self.unit or "units",
+            self.elapsed,
+            note,
+        )
 
     def __enter__(self):
         return self

@@ -16,8 +16,12 @@ import torch
 
 __all__ = ["mixed_text", "self_generated_text", "topics"]
 
-_QUESTIONS = ("Tell me about {}.", "What do you know about {}?", "Write a short paragraph about {}.",
-              "Explain {} in simple terms.")
+_QUESTIONS = (
+    "Tell me about {}.",
+    "What do you know about {}?",
+    "Write a short paragraph about {}.",
+    "Explain {} in simple terms.",
+)
 _OPENINGS = ("def ", "import ", "class ", "# ", "for ", "The ", "In ", "A ", "It ", "When ")
 
 
@@ -33,8 +37,9 @@ def topics(text: str, n: int) -> list[str]:
 
 
 @torch.no_grad()
-def _sample(model, tokenizer, prompts: list[list[int]], new_tokens: int, gen: torch.Generator,
-            temperature: float) -> list[list[int]]:
+def _sample(
+    model, tokenizer, prompts: list[list[int]], new_tokens: int, gen: torch.Generator, temperature: float
+) -> list[list[int]]:
     """Sampled continuations, left-padded batch with the KV cache (as the agreement reference is generated)."""
     device, width = next(model.parameters()).device, max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -54,23 +59,38 @@ def _sample(model, tokenizer, prompts: list[list[int]], new_tokens: int, gen: to
     return out
 
 
-def self_generated_text(model, tokenizer, source_text: str, *, chats: int = 32, openings: int = 16,
-                        new_tokens: int = 128, temperature: float = 0.8, seed: int = 0, batch_size: int = 16) -> str:
+def self_generated_text(
+    model,
+    tokenizer,
+    source_text: str,
+    *,
+    chats: int = 32,
+    openings: int = 16,
+    new_tokens: int = 128,
+    temperature: float = 0.8,
+    seed: int = 0,
+    batch_size: int = 16,
+) -> str:
     """The original model's own answers and continuations (module docstring), as one text of documents separated by
     blank lines. Costs ``(chats + openings) / batch_size`` batched generations of ``new_tokens`` steps."""
     gen = torch.Generator().manual_seed(seed)
     subjects = topics(source_text, chats)
     texts = []
     if getattr(tokenizer, "chat_template", None):
-        texts += [tokenizer.apply_chat_template([{"role": "user", "content": _QUESTIONS[j % len(_QUESTIONS)]
-                                                  .format(s)}], tokenize=False, add_generation_prompt=True)
-                  for j, s in enumerate(subjects)]
+        texts += [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": _QUESTIONS[j % len(_QUESTIONS)].format(s)}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for j, s in enumerate(subjects)
+        ]
     else:
         texts += [_QUESTIONS[j % len(_QUESTIONS)].format(s) + "\n" for j, s in enumerate(subjects)]
     texts += [_OPENINGS[j % len(_OPENINGS)] for j in range(openings)]
     docs = []
     for start in range(0, len(texts), batch_size):
-        batch = texts[start:start + batch_size]
+        batch = texts[start : start + batch_size]
         encoded = [tokenizer(t, add_special_tokens="<|" not in t).input_ids for t in batch]
         for prompt, cont in zip(batch, _sample(model, tokenizer, encoded, new_tokens, gen, temperature)):
             docs.append(prompt + tokenizer.decode(cont, skip_special_tokens=False))
@@ -85,6 +105,6 @@ def mixed_text(calibration_text: str, generated: str, share: float = 0.5) -> str
     cal = calibration_text[:n_cal]
     parts = []
     for j in range(8):
-        parts.append(cal[j * len(cal) // 8:(j + 1) * len(cal) // 8])
-        parts.append(generated[j * n_gen // 8:(j + 1) * n_gen // 8])
+        parts.append(cal[j * len(cal) // 8 : (j + 1) * len(cal) // 8])
+        parts.append(generated[j * n_gen // 8 : (j + 1) * n_gen // 8])
     return "\n\n".join(p for p in parts if p)

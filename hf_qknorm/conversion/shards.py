@@ -25,10 +25,20 @@ from ..portable.schemes import QKNormConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
-           "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4), "I16": (torch.int16, 2),
-           "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
-           "F8_E4M3": (None, 1), "F8_E5M2": (None, 1)}
+_DTYPES = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (None, 1),
+    "F8_E5M2": (None, 1),
+}
 _MAX_HEADER = 100 * 2**20
 
 
@@ -46,7 +56,7 @@ class SourceWeights:
 
     def source_key(self, canonical: str) -> str:
         """The source's name of a tensor named ``canonical`` in the loaded model's state dict."""
-        return canonical[len(self.strip):] if self.strip and canonical.startswith(self.strip) else canonical
+        return canonical[len(self.strip) :] if self.strip and canonical.startswith(self.strip) else canonical
 
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -61,9 +71,11 @@ def check_finite(tensor: torch.Tensor, key: str, file: str) -> torch.Tensor:
     One pass over a tensor being read anyway; checked where the source is read, so nothing is written first."""
     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
         nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
-        raise ValueError(f"source tensor {key} in {file} has {nan} NaN and {inf} infinite value(s) of "
-                         f"{tensor.numel()}: a checkpoint with non-finite weights cannot be converted (repair or "
-                         "re-download it)")
+        raise ValueError(
+            f"source tensor {key} in {file} has {nan} NaN and {inf} infinite value(s) of "
+            f"{tensor.numel()}: a checkpoint with non-finite weights cannot be converted (repair or "
+            "re-download it)"
+        )
     return tensor
 
 
@@ -122,8 +134,10 @@ def read_source_weights(folder: Path, family: Family) -> SourceWeights:
     elif (folder / SINGLE_FILE).is_file():
         files, weight_map = [SINGLE_FILE], None
     elif any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth")):
-        raise ValueError(f"{folder} holds PyTorch pickle weights only; hf_qknorm converts safetensors checkpoints. "
-                         "Re-save it with model.save_pretrained(folder, safe_serialization=True)")
+        raise ValueError(
+            f"{folder} holds PyTorch pickle weights only; hf_qknorm converts safetensors checkpoints. "
+            "Re-save it with model.save_pretrained(folder, safe_serialization=True)"
+        )
     else:
         raise FileNotFoundError(f"{folder} has no model weights ({SINGLE_FILE} or {INDEX_FILE})")
     key_file, shapes, dtypes = {}, {}, {}
@@ -157,8 +171,9 @@ def check_matches_config(weights: SourceWeights, config) -> None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as exc:  # sizes that build no model (e.g. heads that do not divide the width)
-        raise ValueError(f"{weights.folder / 'config.json'} describes no model Transformers can build "
-                         f"({type(exc).__name__}: {exc})") from None
+        raise ValueError(
+            f"{weights.folder / 'config.json'} describes no model Transformers can build ({type(exc).__name__}: {exc})"
+        ) from None
     mismatched, missing, seen = [], [], {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         seen.setdefault(id(tensor), []).append((name, list(tensor.shape)))
@@ -173,12 +188,16 @@ def check_matches_config(weights: SourceWeights, config) -> None:
     if mismatched:  # the first in the model's order (the embedding, when the width is off)
         key, saved, want = mismatched[0]
         more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
-        raise ValueError(f"{weights.folder / 'config.json'} disagrees with the weights: {key} is {tuple(saved)} in "
-                         f"{weights.key_file[key]}, {tuple(want)} by config.json{more}; fix the sizes in config.json")
+        raise ValueError(
+            f"{weights.folder / 'config.json'} disagrees with the weights: {key} is {tuple(saved)} in "
+            f"{weights.key_file[key]}, {tuple(want)} by config.json{more}; fix the sizes in config.json"
+        )
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{weights.folder} lacks {missing[0]}{more}, which its config.json's model has; "
-                         "convert a complete checkpoint")
+        raise ValueError(
+            f"{weights.folder} lacks {missing[0]}{more}, which its config.json's model has; "
+            "convert a complete checkpoint"
+        )
 
 
 def _proj_key(family: Family, layer: int, proj: str, param: str) -> str:
@@ -190,10 +209,12 @@ def _missing_prefix(weights: SourceWeights, family: Family) -> str:
     if canonical in weights.key_file:
         return ""
     head = canonical.split(".", 1)[0] + "."
-    if canonical[len(head):] in weights.key_file:
+    if canonical[len(head) :] in weights.key_file:
         return head
-    raise ValueError(f"{weights.folder}: unexpected tensor names for a {family.model_type} checkpoint "
-                     f"(no {canonical!r}); is it a {family.model_type} causal LM?")
+    raise ValueError(
+        f"{weights.folder}: unexpected tensor names for a {family.model_type} checkpoint "
+        f"(no {canonical!r}); is it a {family.model_type} causal LM?"
+    )
 
 
 @dataclass
@@ -209,8 +230,14 @@ class WeightPlan:
     conv1d: bool = False
 
 
-def plan_weights(weights: SourceWeights, family: Family, cfg: QKNormConfig, new_values: dict[str, torch.Tensor],
-                 num_layers: int, carry_native: bool = False) -> WeightPlan:
+def plan_weights(
+    weights: SourceWeights,
+    family: Family,
+    cfg: QKNormConfig,
+    new_values: dict[str, torch.Tensor],
+    num_layers: int,
+    carry_native: bool = False,
+) -> WeightPlan:
     """Plan the new tensors ``new_values`` (state-dict names) and, for ``qkv_norm``, the pre-norm fold.
 
     ``carry_native``: a new norm weight that the source already has with the same shape (Qwen3's own q/k norms)
@@ -276,8 +303,11 @@ def write_weights(weights: SourceWeights, plan: WeightPlan, out: Path, progress:
             for key in f.keys():
                 if key in plan.drop:
                     continue
-                tensors[key] = plan.new[key] if key in plan.new else _transform(
-                    key, check_finite(f.get_tensor(key), key, name), plan)
+                tensors[key] = (
+                    plan.new[key]
+                    if key in plan.new
+                    else _transform(key, check_finite(f.get_tensor(key), key, name), plan)
+                )
         tensors.update({k: v for k, v in plan.new.items() if plan.new_file[k] == name and k not in tensors})
         metadata.setdefault("format", "pt")
         _save(save_file, tensors, Path(out) / name, metadata)
@@ -287,8 +317,11 @@ def write_weights(weights: SourceWeights, plan: WeightPlan, out: Path, progress:
         del tensors
     if weights.index is None:
         return list(weights.files)
-    index = {**weights.index, "metadata": {**weights.index.get("metadata", {}), "total_size": total},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        **weights.index,
+        "metadata": {**weights.index.get("metadata", {}), "total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (Path(out) / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return [*weights.files, INDEX_FILE]
 

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ..portable.families import Family
-from ..portable.norms import HeadLpNorm, make_norm
-from ..portable.layout import find_layers, rotary_function
 from ..modeling.telemetry import LogitTap, head_max_logits
+from ..portable.families import Family
+from ..portable.layout import find_layers, rotary_function
+from ..portable.norms import HeadLpNorm, make_norm
 from ..portable.schemes import QKNormConfig
 
 CAP_WARN_FRACTION = 0.5
@@ -31,7 +31,7 @@ class LayerStats:
     q_rms: list[float]
     k_rms: list[float]
     v_rms: list[float]
-    max_logit_original: float           # largest |scaling * q.k| over causal pairs, original model
+    max_logit_original: float  # largest |scaling * q.k| over causal pairs, original model
     max_logit_converted: float | None = None  # the same in the converted model (before any cap)
     # relative squared error of the converted attention layer's output against the original's on the calibration
     # text (the layer-wise objective), with the closed-form init and with the calibrated init
@@ -58,7 +58,7 @@ class CalibrationReport:
     layers: list[LayerStats] = field(default_factory=list)
     cap: float | None = None
     warnings: list[str] = field(default_factory=list)
-    local_steps: int = 0   # Adam steps of the layer-wise fit per layer (0: closed form only)
+    local_steps: int = 0  # Adam steps of the layer-wise fit per layer (0: closed form only)
     # answer agreement of the written model with the original (hf_qknorm.conversion.agreement.AgreementReport as a
     # dict); None when not measured
     agreement: dict | None = None
@@ -75,11 +75,17 @@ class CalibrationReport:
 
     def perplexity_table(self) -> str:
         """Markdown table of the perplexities (original, identity, least-squares and calibrated init)."""
-        how = ["least squares"] + (["layer-wise fit"] if self.local_steps else []) + \
-            (["KL distillation"] if self.steps else [])
-        rows = [("original model", self.ppl_original), ("converted, identity init", self.ppl_identity),
-                ("converted, per-channel least-squares init", self.ppl_least_squares),
-                (f"converted, calibrated init ({' + '.join(how)})", self.ppl_calibrated)]
+        how = (
+            ["least squares"]
+            + (["layer-wise fit"] if self.local_steps else [])
+            + (["KL distillation"] if self.steps else [])
+        )
+        rows = [
+            ("original model", self.ppl_original),
+            ("converted, identity init", self.ppl_identity),
+            ("converted, per-channel least-squares init", self.ppl_least_squares),
+            (f"converted, calibrated init ({' + '.join(how)})", self.ppl_calibrated),
+        ]
         if not self.adds_weights:
             rows = [rows[0], ("converted (capped; no weights to initialise)", self.ppl_calibrated)]
         lines = ["| model | held-out perplexity |", "|---|---|"]
@@ -88,13 +94,18 @@ class CalibrationReport:
 
     def layer_table(self) -> str:
         """Markdown table of per-layer statistics (RMS averaged over heads, largest logit)."""
-        lines = ["| layer | q RMS | k RMS | v RMS | max logit (original) | max logit (converted) | "
-                 "output error (least squares) | output error (calibrated) |", "|---|---|---|---|---|---|---|---|"]
+        lines = [
+            "| layer | q RMS | k RMS | v RMS | max logit (original) | max logit (converted) | "
+            "output error (least squares) | output error (calibrated) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for s in self.layers:
             conv = "-" if s.max_logit_converted is None else f"{s.max_logit_converted:.2f}"
-            lines.append(f"| {s.layer} | {_mean(s.q_rms):.3f} | {_mean(s.k_rms):.3f} | {_mean(s.v_rms):.3f} | "
-                         f"{s.max_logit_original:.2f} | {conv} | {_fmt(s.fit_error_closed_form)} | "
-                         f"{_fmt(s.fit_error)} |")
+            lines.append(
+                f"| {s.layer} | {_mean(s.q_rms):.3f} | {_mean(s.k_rms):.3f} | {_mean(s.v_rms):.3f} | "
+                f"{s.max_logit_original:.2f} | {conv} | {_fmt(s.fit_error_closed_form)} | "
+                f"{_fmt(s.fit_error)} |"
+            )
         return "\n".join(lines)
 
     @property
@@ -104,10 +115,15 @@ class CalibrationReport:
     def verdict(self) -> str:
         """One sentence on what calibration achieved."""
         if not self.adds_weights:
-            return (f"soft_cap adds no weights, so there is nothing to calibrate: the cap alone moves held-out "
-                    f"perplexity from {self.ppl_original:.3f} to {self.ppl_calibrated:.3f}")
-        kl = (f" (KL to the original: {_fmt(self.kl_start)} -> {_fmt(self.kl_end)} nats/token)"
-              if self.kl_start is not None else "")
+            return (
+                f"soft_cap adds no weights, so there is nothing to calibrate: the cap alone moves held-out "
+                f"perplexity from {self.ppl_original:.3f} to {self.ppl_calibrated:.3f}"
+            )
+        kl = (
+            f" (KL to the original: {_fmt(self.kl_start)} -> {_fmt(self.kl_end)} nats/token)"
+            if self.kl_start is not None
+            else ""
+        )
         return f"calibrated init removes {100 * self.recovered:.1f}% of identity init's perplexity increase{kl}"
 
     def agreement_lines(self) -> list[str]:
@@ -115,22 +131,31 @@ class CalibrationReport:
         a = self.agreement
         if not a:
             return []
-        return [f"answer agreement with the original on {a['prompts']} prompts (greedy, first {a['new_tokens']} new "
-                f"tokens): prefix {100 * a['prefix']:.1f}% ({a['whole']}/{a['prompts']} answers identical), "
-                f"next-token top-1 {100 * a['top1']:.1f}%"]
+        return [
+            f"answer agreement with the original on {a['prompts']} prompts (greedy, first {a['new_tokens']} new "
+            f"tokens): prefix {100 * a['prefix']:.1f}% ({a['whole']}/{a['prompts']} answers identical), "
+            f"next-token top-1 {100 * a['top1']:.1f}%"
+        ]
 
     def summary(self) -> str:
         """The report printed by ``hf-qknorm convert``."""
-        out = [f"perplexity on {self.eval_tokens:,} held-out tokens, in float32 (calibration used "
-               f"{self.calibration_tokens:,} other tokens, {self.local_steps} layer-wise steps per layer, "
-               f"{self.steps} distillation steps, {self.seconds:.0f} s):",
-               self.perplexity_table(), self.verdict(), *self.agreement_lines(), "",
-               "per-layer statistics on the calibration text (per-head RMS before RoPE, averaged over heads; output "
-               "error: squared error of the attention layer's output relative to its mean square):",
-               self.layer_table()]
+        out = [
+            f"perplexity on {self.eval_tokens:,} held-out tokens, in float32 (calibration used "
+            f"{self.calibration_tokens:,} other tokens, {self.local_steps} layer-wise steps per layer, "
+            f"{self.steps} distillation steps, {self.seconds:.0f} s):",
+            self.perplexity_table(),
+            self.verdict(),
+            *self.agreement_lines(),
+            "",
+            "per-layer statistics on the calibration text (per-head RMS before RoPE, averaged over heads; output "
+            "error: squared error of the attention layer's output relative to its mean square):",
+            self.layer_table(),
+        ]
         if self.cap is not None:
-            out.append(f"cap c = {self.cap:g}: largest converted logit "
-                       f"{max((s.max_logit_converted or 0.0) for s in self.layers):.2f}")
+            out.append(
+                f"cap c = {self.cap:g}: largest converted logit "
+                f"{max((s.max_logit_converted or 0.0) for s in self.layers):.2f}"
+            )
         out += [f"WARNING: {w}" for w in self.warnings]
         return "\n".join(out)
 
@@ -219,8 +244,14 @@ class ActivationRecorder:
     """Forward pre-hooks on attention modules of the original model (``attns``, the layers numbered ``indices``),
     accumulating :class:`_Moments` for q, k and v and the largest logit per layer."""
 
-    def __init__(self, attns: list[nn.Module], family: Family, cfg: QKNormConfig, device: torch.device,
-                 indices: list[int] | None = None):
+    def __init__(
+        self,
+        attns: list[nn.Module],
+        family: Family,
+        cfg: QKNormConfig,
+        device: torch.device,
+        indices: list[int] | None = None,
+    ):
         self.family, self.cfg = family, cfg
         self.attns = list(attns)
         self.indices = list(indices) if indices is not None else list(range(len(self.attns)))
@@ -252,6 +283,7 @@ class ActivationRecorder:
                     rope = rotary_function(attn)
                     q, k = rope(q, k, *kwargs["position_embeddings"])
                 self.max_logit[i] = max(self.max_logit[i], max_logit(q, k, float(attn.scaling)))
+
         return hook
 
     def layer_stats(self) -> list[LayerStats]:
@@ -277,7 +309,7 @@ def converted_max_logits(model, family, blocks, report: CalibrationReport, batch
     tap.attach()
     try:
         for start in range(0, len(blocks), batch_size):
-            model(input_ids=blocks[start:start + batch_size].to(next(model.parameters()).device))
+            model(input_ids=blocks[start : start + batch_size].to(next(model.parameters()).device))
     finally:
         tap.detach()
     for stats, value in zip(report.layers, seen):
@@ -291,7 +323,9 @@ def cap_warning(stats: LayerStats, c: float) -> str:
     """The warning for a layer whose largest logit (original or converted, before the cap) reaches ``c / 2``."""
     value = stats.max_logit_converted or 0.0
     top = max(value, stats.max_logit_original)
-    return (f"layer {stats.layer}: the cap bites -- the largest logit on the calibration text is "
-            f"{stats.max_logit_original:.2f} in the original model and {value:.2f} in the converted one before "
-            f"the cap, and c*tanh(s/c) bends logits above c/2 = {c / 2:g} (s = {top:.2f} becomes "
-            f"{c * math.tanh(top / c):.2f}); --softcap {math.ceil(2 * top)} or more keeps them nearly unchanged")
+    return (
+        f"layer {stats.layer}: the cap bites -- the largest logit on the calibration text is "
+        f"{stats.max_logit_original:.2f} in the original model and {value:.2f} in the converted one before "
+        f"the cap, and c*tanh(s/c) bends logits above c/2 = {c / 2:g} (s = {top:.2f} becomes "
+        f"{c * math.tanh(top / c):.2f}); --softcap {math.ceil(2 * top)} or more keeps them nearly unchanged"
+    )

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..modeling.patch import patch_model
 from ..portable.families import Family
 from ..portable.layout import find_layers
-from ..modeling.patch import patch_model
 from ..portable.schemes import QKNormConfig
 from .shards import SourceWeights, WeightPlan, _transform, plan_weights
+
 
 class _Stop(Exception):
     """Raised by the last block's recorder: nothing after the blocks needs to run."""
@@ -60,8 +61,9 @@ class StreamedCheckpoint:
         with init_empty_weights(include_buffers=False):
             self.original = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             self.patched = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        patch_model(self.patched, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap,
-                    eps=cfg.eps, p=cfg.p)
+        patch_model(
+            self.patched, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps, p=cfg.p
+        )
         for model in (self.original, self.patched):
             model.eval()
             for buf_owner in model.modules():
@@ -150,7 +152,7 @@ class StreamedCheckpoint:
             base = self.original.get_decoder() if hasattr(self.original, "get_decoder") else self.original
             for start in range(0, len(ids), batch_size):
                 try:
-                    base(input_ids=ids[start:start + batch_size].to(self.device), use_cache=False)
+                    base(input_ids=ids[start : start + batch_size].to(self.device), use_cache=False)
                 except _Stop:
                     pass
         finally:
@@ -169,8 +171,9 @@ class StreamedCheckpoint:
             x = args[0] if in_args else kwargs.pop("hidden_states")
             rest = args[1:] if in_args else ()
             kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", "past_key_values", "past_key_value")}
-            calls[index].append(BlockCall(tuple(None if a is not None and _is_cache(a) else a for a in rest),
-                                          kwargs, in_args))
+            calls[index].append(
+                BlockCall(tuple(None if a is not None and _is_cache(a) else a for a in rest), kwargs, in_args)
+            )
             if index == 0:
                 hidden.append(x.detach().clone())
             if last:

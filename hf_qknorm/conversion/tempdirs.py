@@ -27,12 +27,13 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["SignalGuard", "Terminated", "check_writable", "make_temp", "remove_stale", "staging",
-           "stop_signals_raise"]
+__all__ = ["SignalGuard", "Terminated", "check_writable", "make_temp", "remove_stale", "staging", "stop_signals_raise"]
 
 # .<dst name>.<tmp|old>-<pid>.<start ticks>@<machine>-<mkdtemp's random suffix>
-_NAME = re.compile(r"^\.(?P<dst>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)\.(?P<start>\d+)@(?P<machine>[0-9a-f]{12})-"
-                   r"[A-Za-z0-9_]+$")
+_NAME = re.compile(
+    r"^\.(?P<dst>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)\.(?P<start>\d+)@(?P<machine>[0-9a-f]{12})-"
+    r"[A-Za-z0-9_]+$"
+)
 
 
 class Terminated(SystemExit):
@@ -57,7 +58,7 @@ def _start_ticks(pid: int) -> int | None:
     except OSError:
         return None
     try:  # the command name (field 2) may contain spaces and parentheses: split after its closing one
-        return int(stat[stat.rindex(")") + 2:].split()[19])
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
     except (ValueError, IndexError):
         return None
 
@@ -172,8 +173,10 @@ def staging(dst: Path, overwrite: bool = True, log=None):
             os.chmod(tmp, 0o755)
             with guard.critical():  # no signal between the renames
                 if dst.exists() and not overwrite:
-                    raise FileExistsError(f"destination {dst} appeared while converting; nothing was replaced "
-                                          "(pass overwrite=True / --overwrite to replace it)")
+                    raise FileExistsError(
+                        f"destination {dst} appeared while converting; nothing was replaced "
+                        "(pass overwrite=True / --overwrite to replace it)"
+                    )
                 if dst.exists():  # --overwrite: swap the old folder out only now that the new one is complete
                     old = make_temp(dst, "old")
                     os.replace(dst, old / "previous")
@@ -190,8 +193,11 @@ def staging(dst: Path, overwrite: bool = True, log=None):
             with guard.critical():  # a second signal must not cut the cleanup short
                 shutil.rmtree(tmp, ignore_errors=True)
                 _remove_created(created)
-            if isinstance(exc, OSError) and exc.errno is not None and (
-                    exc.filename is None or str(exc.filename).startswith((str(tmp), str(dst)))):
+            if (
+                isinstance(exc, OSError)
+                and exc.errno is not None
+                and (exc.filename is None or str(exc.filename).startswith((str(tmp), str(dst))))
+            ):
                 raise _write_error(exc, dst) from exc
             raise
 
@@ -207,8 +213,9 @@ def _remove_created(created: list[Path]) -> None:
 def _write_error(exc: OSError, dst: Path) -> OSError:
     """``exc`` (a full disk, a read-only file system...) as one line that names the destination."""
     name = errno.errorcode.get(exc.errno, str(exc.errno))
-    return OSError(exc.errno, f"cannot write {dst}: {exc.strerror or exc} ({name}); nothing was left behind and "
-                              f"{dst} is unchanged")
+    return OSError(
+        exc.errno, f"cannot write {dst}: {exc.strerror or exc} ({name}); nothing was left behind and {dst} is unchanged"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------

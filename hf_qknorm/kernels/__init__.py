@@ -66,8 +66,10 @@ def unavailable_reason() -> str | None:
         import torch
 
         if not torch.cuda.is_available():  # asks the driver; does not initialise a CUDA context
-            return ("no CUDA device: the kernels run on NVIDIA GPUs (on CPU, tests run them through Triton's "
-                    "interpreter with TRITON_INTERPRET=1)")
+            return (
+                "no CUDA device: the kernels run on NVIDIA GPUs (on CPU, tests run them through Triton's "
+                "interpreter with TRITON_INTERPRET=1)"
+            )
     return None
 
 

@@ -52,12 +52,16 @@ def _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softc
             raise ValueError("attn_mask cannot be combined with cu_seqlens: the packing already defines the mask")
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
-            raise TypeError(f"attn_mask must be boolean (True = attend), got {attn_mask.dtype}; convert an additive "
-                            "mask with `mask == 0` if it only holds 0 and -inf")
+            raise TypeError(
+                f"attn_mask must be boolean (True = attend), got {attn_mask.dtype}; convert an additive "
+                "mask with `mask == 0` if it only holds 0 and -inf"
+            )
         want = (batch, heads, q.shape[2], k.shape[2])
         if attn_mask.dim() != 4 or any(m not in (1, w) for m, w in zip(attn_mask.shape, want)):
-            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, 1 or "
-                             f"heads, q_len, kv_len) = {want}")
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, 1 or "
+                f"heads, q_len, kv_len) = {want}"
+            )
 
 
 def _mask_args(attn_mask, q, k):

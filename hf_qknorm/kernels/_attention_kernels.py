@@ -107,8 +107,16 @@ def _mask_tile(mask_base, qpos, kpos, ok, stride_mm, stride_mn):
 
 
 @triton.jit
-def _key_range(m0, k_len, diag, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _key_range(
+    m0,
+    k_len,
+    diag,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
     """Key blocks that a query block ``[m0, m0 + BLOCK_M)`` can see: skipping the rest is where causal and
     windowed attention save their work. ``lo`` is a multiple of BLOCK_N; ``hi <= lo`` means nothing to do."""
     lo = 0
@@ -123,18 +131,51 @@ def _key_range(m0, k_len, diag, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, MX, MASK, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    stride_lb, stride_lh,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    num_heads, groups, seqlen_q, seqlen_k,
-    qk_scale, cap_log2, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, RETURN_MAX: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    MX,
+    MASK,
+    CU_Q,
+    CU_K,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_lb,
+    stride_lh,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    num_heads,
+    groups,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    cap_log2,
+    window,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    RETURN_MAX: tl.constexpr,
 ):
     """One program = BLOCK_M query rows of one (sequence, query head). Grid: (cdiv(max_seqlen_q, BLOCK_M),
     batch * heads). Writes O (input dtype), LSE (fp32, natural log) and, with RETURN_MAX, MX (fp32, LSE's layout)."""
@@ -155,8 +196,9 @@ def _attn_fwd_kernel(
     d_ok = offs_d < HEAD_DIM  # BLOCK_D is head_dim padded to a power of two (80 -> 128)
 
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_start * stride_qm
-    q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=(rows[:, None] < q_len) & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=(rows[:, None] < q_len) & d_ok[None, :], other=0.0
+    )
     k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_start * stride_kn
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_start * stride_vn
     mask_base = MASK + b64 * stride_mb + h.to(tl.int64) * stride_mh
@@ -168,8 +210,11 @@ def _attn_fwd_kernel(
     lo, hi = _key_range(m0, k_len, diag, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
-        kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None],
-                     mask=(cols[None, :] < k_len) & d_ok[:, None], other=0.0)
+        kt = tl.load(
+            k_base + cols[None, :] * stride_kn + offs_d[:, None],
+            mask=(cols[None, :] < k_len) & d_ok[:, None],
+            other=0.0,
+        )
         qk = dot(q, kt, None, DOT_PRECISION)
         s, _t = _logits(qk, qk_scale, cap_log2, HAS_CAP)  # cap before the mask, as in Gemma 2
         ok = _allowed(rows[:, None], cols[None, :], q_len, k_len, diag, window, IS_CAUSAL, HAS_WINDOW)
@@ -184,8 +229,11 @@ def _attn_fwd_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :],
-                    mask=(cols[:, None] < k_len) & d_ok[None, :], other=0.0)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vn + offs_d[None, :],
+            mask=(cols[:, None] < k_len) & d_ok[None, :],
+            other=0.0,
+        )
         # P is rounded to the input dtype for the tensor-core product, as in FlashAttention-2.
         acc = dot(to_dtype(p, v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
@@ -195,8 +243,11 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]  # empty rows: acc is 0, so the output is 0
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     o_base = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_start * stride_om
-    tl.store(o_base + rows[:, None] * stride_om + offs_d[None, :], to_dtype(out, O.dtype.element_ty),
-             mask=(rows[:, None] < q_len) & d_ok[None, :])
+    tl.store(
+        o_base + rows[:, None] * stride_om + offs_d[None, :],
+        to_dtype(out, O.dtype.element_ty),
+        mask=(rows[:, None] < q_len) & d_ok[None, :],
+    )
     row_off = b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start
     tl.store(LSE + row_off + rows, lse, mask=rows < q_len)
     if RETURN_MAX:
@@ -215,11 +266,22 @@ def _pre_cap_max(m_i, x_max, cap_log2, HAS_CAP: tl.constexpr):
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA,
-    stride_ob, stride_oh, stride_om,
-    stride_dob, stride_doh, stride_dom,
-    num_heads, seqlen,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+    O,
+    DO,
+    DLSE,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    num_heads,
+    seqlen,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
     """``delta = rowsum(dO * O) - dLSE`` in fp32, shape (batch, heads, seq) contiguous.
 
@@ -233,8 +295,9 @@ def _attn_bwd_preprocess_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :], mask=ok, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-                 mask=ok, other=0.0)
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :], mask=ok, other=0.0
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     row_base = pid_bh.to(tl.int64) * seqlen
     if HAS_DLSE:
@@ -244,20 +307,59 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    stride_lb, stride_lh,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    num_kv_heads, groups, seqlen_q, seqlen_k,
-    qk_scale, cap_log2, scaling, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    MASK,
+    CU_Q,
+    CU_K,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_lb,
+    stride_lh,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    num_kv_heads,
+    groups,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    cap_log2,
+    scaling,
+    window,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One program = BLOCK_N keys of one (sequence, KV head); it loops over the ``groups`` query heads that share
     the KV head and over their query blocks, so dK and dV are summed over the GQA group in registers (no atomics,
@@ -302,10 +404,12 @@ def _attn_bwd_dkdv_kernel(
         for m0 in range(lo, hi, BLOCK_M):
             rows = m0 + offs_m
             row_ok = rows < q_len
-            qt = tl.load(q_base + rows[None, :] * stride_qm + offs_d[:, None],
-                         mask=row_ok[None, :] & d_ok[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :],
-                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            qt = tl.load(
+                q_base + rows[None, :] * stride_qm + offs_d[:, None], mask=row_ok[None, :] & d_ok[:, None], other=0.0
+            )
+            do = tl.load(
+                do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+            )
             lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
             st, tt = _logits(dot(k, qt, None, DOT_PRECISION), qk_scale, cap_log2, HAS_CAP)
@@ -328,19 +432,55 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
-    stride_dqb, stride_dqh, stride_dqm,
-    stride_lb, stride_lh,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    num_heads, groups, seqlen_q, seqlen_k,
-    qk_scale, cap_log2, scaling, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    MASK,
+    CU_Q,
+    CU_K,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_lb,
+    stride_lh,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    num_heads,
+    groups,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    cap_log2,
+    scaling,
+    window,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One program = BLOCK_M query rows of one (sequence, query head); recomputes P from the saved LSE over the
     same key blocks as the forward. Grid: (cdiv(max_seqlen_q, BLOCK_M), batch * heads)."""
@@ -362,10 +502,16 @@ def _attn_bwd_dq_kernel(
     d_ok = offs_d < HEAD_DIM
     row_ok = rows < q_len
     q_ok = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + (q_start + rows[:, None]) * stride_qm + offs_d[None, :],
-                mask=q_ok, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + (q_start + rows[:, None]) * stride_dom
-                 + offs_d[None, :], mask=q_ok, other=0.0)
+    q = tl.load(
+        Q + b64 * stride_qb + h64 * stride_qh + (q_start + rows[:, None]) * stride_qm + offs_d[None, :],
+        mask=q_ok,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b64 * stride_dob + h64 * stride_doh + (q_start + rows[:, None]) * stride_dom + offs_d[None, :],
+        mask=q_ok,
+        other=0.0,
+    )
     row_base = b64 * stride_lb + h64 * stride_lh + q_start
     lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
@@ -391,5 +537,8 @@ def _attn_bwd_dq_kernel(
             ds = ds * (1.0 - t * t)
         dq = dot(to_dtype(ds, kt.dtype), tl.trans(kt), dq, DOT_PRECISION)
     dq *= scaling
-    tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :],
-             to_dtype(dq, DQ.dtype.element_ty), mask=q_ok)
+    tl.store(
+        DQ + b64 * stride_dqb + h64 * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :],
+        to_dtype(dq, DQ.dtype.element_ty),
+        mask=q_ok,
+    )

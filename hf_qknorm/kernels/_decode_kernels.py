@@ -26,16 +26,46 @@ from ._common import dot, to_dtype
 
 @triton.jit
 def _attn_fwd_split_kernel(
-    Q, K, V, OP, LSEP, MXP, MASK,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    batch, num_heads, num_kv_heads, groups, seqlen_q, seqlen_k, split_len,
-    qk_scale, cap_log2, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, RETURN_MAX: tl.constexpr,
+    Q,
+    K,
+    V,
+    OP,
+    LSEP,
+    MXP,
+    MASK,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    batch,
+    num_heads,
+    num_kv_heads,
+    groups,
+    seqlen_q,
+    seqlen_k,
+    split_len,
+    qk_scale,
+    cap_log2,
+    window,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    RETURN_MAX: tl.constexpr,
 ):
     """Grid: (num_splits, batch * kv_heads, cdiv(q_len * groups, BLOCK_M)). Row ``r`` of a tile is query
     ``r // groups`` of head ``kv_head * groups + r % groups``. Keys ``[split * split_len, (split + 1) * split_len)``
@@ -80,9 +110,10 @@ def _attn_fwd_split_kernel(
     x_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
-        kv_ok = (cols < seqlen_k)
-        kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None],
-                     other=0.0)
+        kv_ok = cols < seqlen_k
+        kt = tl.load(
+            k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
+        )
         qk = dot(q, kt, None, DOT_PRECISION)
         s, _t = _logits(qk, qk_scale, cap_log2, HAS_CAP)
         ok = _allowed(qi[:, None], cols[None, :], seqlen_q, seqlen_k, diag, window, IS_CAUSAL, HAS_WINDOW)
@@ -97,8 +128,9 @@ def _attn_fwd_split_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0
+        )
         acc = dot(to_dtype(p, v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
@@ -107,8 +139,9 @@ def _attn_fwd_split_kernel(
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     # partial row index ((split * batch + b) * heads + h) * q_len + qi
     prow = ((pid_s * batch + b).to(tl.int64) * num_heads + h) * seqlen_q + qi
-    tl.store(OP + prow[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        OP + prow[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None] & d_ok[None, :]
+    )
     tl.store(LSEP + prow, lse2, mask=row_ok)
     if RETURN_MAX:
         tl.store(MXP + prow, _pre_cap_max(m_i, x_max, cap_log2, HAS_CAP), mask=row_ok)
@@ -116,10 +149,20 @@ def _attn_fwd_split_kernel(
 
 @triton.jit
 def _attn_combine_kernel(
-    OP, LSEP, O, LSE,
-    stride_ob, stride_oh, stride_om,
-    num_splits, split_stride, num_heads, seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    OP,
+    LSEP,
+    O,
+    LSE,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_splits,
+    split_stride,
+    num_heads,
+    seqlen_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """Merge the splits: ``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``. Grid:
     (cdiv(q_len, BLOCK_M), batch * heads). Writes O (output dtype, any strides) and LSE (fp32, contiguous,

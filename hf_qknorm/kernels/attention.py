@@ -28,12 +28,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._attention_kernels import (
-    _attn_bwd_dkdv_kernel,
-    _attn_bwd_dq_kernel,
-    _attn_bwd_preprocess_kernel,
-    _attn_fwd_kernel,
-)
 from ._attention_args import (  # noqa: F401 (MAX_HEAD_DIM: part of this module's interface)
     MAX_HEAD_DIM,
     _check_inputs,
@@ -43,6 +37,12 @@ from ._attention_args import (  # noqa: F401 (MAX_HEAD_DIM: part of this module'
     _scales,
     _strides3,
     _varlen_args,
+)
+from ._attention_kernels import (
+    _attn_bwd_dkdv_kernel,
+    _attn_bwd_dq_kernel,
+    _attn_bwd_preprocess_kernel,
+    _attn_fwd_kernel,
 )
 from ._common import block_dim, dot_precision, is_interpreted, launch_context
 from ._decode_kernels import _attn_combine_kernel, _attn_fwd_split_kernel
@@ -81,10 +81,26 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool) -
 DECODE_MAX_ROWS = 64
 
 
-def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: bool = True, attn_mask=None,
-             sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None, block_m: int | None = None, block_n: int | None = None,
-             decode: bool | None = None, num_splits: int | None = None, return_max: bool = False):
+def attn_fwd(
+    q,
+    k,
+    v,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    causal: bool = True,
+    attn_mask=None,
+    sliding_window: int | None = None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    decode: bool | None = None,
+    num_splits: int | None = None,
+    return_max: bool = False,
+):
     """Forward launcher. Returns ``(out, lse)``: ``out`` like ``q`` (contiguous, q's dtype), ``lse`` fp32
     ``q.shape[:3]``; with ``return_max``, ``(out, lse, row_max)`` (see the module docstring). ``block_m``/``block_n``
     override the tile sizes (tests use this to stress block edges). ``decode`` picks the GQA-packed split-KV forward
@@ -92,8 +108,9 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
     splits."""
     _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
     q, k, v = (_last_contiguous(t) for t in (q, k, v))
-    varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, _ = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                     max_seqlen_k, q, k)
+    varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, _ = _varlen_args(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
+    )
     # Packed rows past cu_seqlens_q[-1] belong to no sequence: zero them rather than leave garbage.
     out = (torch.zeros if varlen else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     lse = (torch.full if varlen else _empty_full)(q.shape[:3], float("inf"), dtype=torch.float32, device=q.device)
@@ -109,8 +126,9 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
     if decode:
         if varlen:
             raise ValueError("the decoding forward does not take packed sequences")
-        _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window,
-                    num_splits)
+        _decode_fwd(
+            q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window, num_splits
+        )
         return done
     bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, is_interpreted(_attn_fwd_kernel))
     bm, bn = block_m or bm, block_n or bn
@@ -118,15 +136,42 @@ def attn_fwd(q, k, v, *, scaling: float, softcap: float | None = None, causal: b
     grid = (triton.cdiv(grid_q, bm), batch * q.shape[1])
     with launch_context(q.device):
         _attn_fwd_kernel[grid](
-            q, k, v, out, lse, lse if row_max is None else row_max, mask, cu_q, cu_k,
-            *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
-            0 if varlen else lse.stride(0), lse.stride(1), *mask_strides,
-            q.shape[1], q.shape[1] // k.shape[1], seqlen_q, seqlen_k,
-            qk_scale, cap_log2, sliding_window or 0,
-            HEAD_DIM=q.shape[3], BLOCK_D=block_dim(q.shape[3]), BLOCK_M=bm, BLOCK_N=bn,
-            IS_CAUSAL=causal, HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
-            HAS_MASK=attn_mask is not None, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype),
-            RETURN_MAX=return_max, num_warps=warps, num_stages=stages,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            lse if row_max is None else row_max,
+            mask,
+            cu_q,
+            cu_k,
+            *_strides3(q, varlen),
+            *_strides3(k, varlen),
+            *_strides3(v, varlen),
+            *_strides3(out, varlen),
+            0 if varlen else lse.stride(0),
+            lse.stride(1),
+            *mask_strides,
+            q.shape[1],
+            q.shape[1] // k.shape[1],
+            seqlen_q,
+            seqlen_k,
+            qk_scale,
+            cap_log2,
+            sliding_window or 0,
+            HEAD_DIM=q.shape[3],
+            BLOCK_D=block_dim(q.shape[3]),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            IS_CAUSAL=causal,
+            HAS_CAP=softcap is not None,
+            HAS_WINDOW=sliding_window is not None,
+            HAS_MASK=attn_mask is not None,
+            VARLEN=varlen,
+            DOT_PRECISION=dot_precision(q.dtype),
+            RETURN_MAX=return_max,
+            num_warps=warps,
+            num_stages=stages,
         )
     return done
 
@@ -141,8 +186,7 @@ def _auto_splits(programs: int, kv_len: int, block_n: int, device: torch.device,
     return max(1, min(triton.cdiv(2 * sms, programs), most, 128))
 
 
-def _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window,
-                num_splits):
+def _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window, num_splits):
     """GQA-packed split-KV forward into ``out``/``lse`` (and ``row_max`` unless None; see _decode_kernels.py)."""
     mask, mask_strides = _mask_args(attn_mask, q, k)
     batch, heads, q_len, head_dim = q.shape
@@ -166,37 +210,92 @@ def _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causa
     max_part = torch.empty_like(lse_part) if row_max is not None else lse_part
     with launch_context(q.device):
         _attn_fwd_split_kernel[(num_splits, batch * kv_heads, m_blocks)](
-            q, k, v, o_part, lse_part, max_part, mask,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask_strides,
-            batch, heads, kv_heads, groups, q_len, kv_len, split_len, qk_scale, cap_log2, sliding_window or 0,
-            HEAD_DIM=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=causal,
-            HAS_CAP=softcap is not None, HAS_WINDOW=sliding_window is not None, HAS_MASK=attn_mask is not None,
-            DOT_PRECISION=dot_precision(q.dtype), RETURN_MAX=row_max is not None, num_warps=warps,
+            q,
+            k,
+            v,
+            o_part,
+            lse_part,
+            max_part,
+            mask,
+            *q.stride()[:3],
+            *k.stride()[:3],
+            *v.stride()[:3],
+            *mask_strides,
+            batch,
+            heads,
+            kv_heads,
+            groups,
+            q_len,
+            kv_len,
+            split_len,
+            qk_scale,
+            cap_log2,
+            sliding_window or 0,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_dim(head_dim),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            IS_CAUSAL=causal,
+            HAS_CAP=softcap is not None,
+            HAS_WINDOW=sliding_window is not None,
+            HAS_MASK=attn_mask is not None,
+            DOT_PRECISION=dot_precision(q.dtype),
+            RETURN_MAX=row_max is not None,
+            num_warps=warps,
             num_stages=stages,
         )
         cm = min(64, max(16, triton.next_power_of_2(q_len)))
         _attn_combine_kernel[(triton.cdiv(q_len, cm), batch * heads)](
-            o_part, lse_part, out, lse, *out.stride()[:3], num_splits, batch * heads * q_len, heads, q_len,
-            HEAD_DIM=head_dim, BLOCK_D=block_dim(head_dim), BLOCK_M=cm,
+            o_part,
+            lse_part,
+            out,
+            lse,
+            *out.stride()[:3],
+            num_splits,
+            batch * heads * q_len,
+            heads,
+            q_len,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_dim(head_dim),
+            BLOCK_M=cm,
         )
     if row_max is not None:
         torch.amax(max_part, dim=0, out=row_max)
 
 
-def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None = None, causal: bool = True,
-             attn_mask=None, sliding_window: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, dlse=None, block_m: int | None = None,
-             block_n: int | None = None):
+def attn_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    causal: bool = True,
+    attn_mask=None,
+    sliding_window: int | None = None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dlse=None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+):
     """Backward launcher: ``(dq, dk, dv)``, contiguous, in the inputs' dtype. ``out``/``lse`` come from
     :func:`attn_fwd` with the same arguments; ``dlse`` (optional) is a gradient flowing into the LSE output."""
     _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
-        raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)}, lse {tuple(lse.shape)} do not match "
-                         f"q {tuple(q.shape)}")
+        raise ValueError(
+            f"dout {tuple(dout.shape)}, out {tuple(out.shape)}, lse {tuple(lse.shape)} do not match q {tuple(q.shape)}"
+        )
     q, k, v, out, dout = (_last_contiguous(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
-    varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, grid_k = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                          max_seqlen_k, q, k)
+    varlen, cu_q, cu_k, seqlen_q, seqlen_k, grid_q, grid_k = _varlen_args(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
+    )
     # Every row of a padded batch is written by the kernels; packed rows past cu_seqlens[-1] are not.
     alloc = torch.zeros if varlen else torch.empty
     dq, dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -211,35 +310,93 @@ def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None =
     delta = torch.empty_like(lse)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    flags = dict(HEAD_DIM=head_dim, BLOCK_D=bd, IS_CAUSAL=causal, HAS_CAP=softcap is not None,
-                 HAS_WINDOW=sliding_window is not None, HAS_MASK=attn_mask is not None, VARLEN=varlen,
-                 DOT_PRECISION=dot_precision(q.dtype))
+    flags = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=bd,
+        IS_CAUSAL=causal,
+        HAS_CAP=softcap is not None,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_MASK=attn_mask is not None,
+        VARLEN=varlen,
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
     lse_strides = (0 if varlen else lse.stride(0), lse.stride(1))
     scalars = (q.shape[1] // k.shape[1], seqlen_q, seqlen_k, qk_scale, cap_log2, scaling, sliding_window or 0)
     with launch_context(q.device):
         pre_m = 32 if interpreted else max(16, 8192 // bd)
         _attn_bwd_preprocess_kernel[(triton.cdiv(q.shape[2], pre_m), q.shape[0] * heads)](
-            out, dout, dlse if dlse is not None else lse, delta,
-            *out.stride()[:3], *dout.stride()[:3], heads, q.shape[2],
-            HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
+            out,
+            dout,
+            dlse if dlse is not None else lse,
+            delta,
+            *out.stride()[:3],
+            *dout.stride()[:3],
+            heads,
+            q.shape[2],
+            HEAD_DIM=head_dim,
+            BLOCK_D=bd,
+            BLOCK_M=pre_m,
+            HAS_DLSE=dlse is not None,
         )
         # dK/dV: BLOCK_N keys resident, query blocks of every head in the GQA group streamed.
         bm, bn, warps, stages = _config("dkdv", head_dim, q.dtype, interpreted)
         bm, bn = block_m or bm, block_n or bn
         _attn_bwd_dkdv_kernel[(triton.cdiv(grid_k, bn), batch * kv_heads)](
-            q, k, v, dout, lse, delta, dk, dv, mask, cu_q, cu_k,
-            *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
-            *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides, *mask_strides, kv_heads, *scalars,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dk,
+            dv,
+            mask,
+            cu_q,
+            cu_k,
+            *_strides3(q, varlen),
+            *_strides3(k, varlen),
+            *_strides3(v, varlen),
+            *_strides3(dout, varlen),
+            *_strides3(dk, varlen),
+            *_strides3(dv, varlen),
+            *lse_strides,
+            *mask_strides,
+            kv_heads,
+            *scalars,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=warps,
+            num_stages=stages,
+            **flags,
         )
         # dQ: BLOCK_M queries resident, key blocks streamed (the forward's loop).
         bm, bn, warps, stages = _config("dq", head_dim, q.dtype, interpreted)
         bm, bn = block_m or bm, block_n or bn
         _attn_bwd_dq_kernel[(triton.cdiv(grid_q, bm), batch * heads)](
-            q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
-            *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
-            *_strides3(dq, varlen), *lse_strides, *mask_strides, heads, *scalars,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dq,
+            mask,
+            cu_q,
+            cu_k,
+            *_strides3(q, varlen),
+            *_strides3(k, varlen),
+            *_strides3(v, varlen),
+            *_strides3(dout, varlen),
+            *_strides3(dq, varlen),
+            *lse_strides,
+            *mask_strides,
+            heads,
+            *scalars,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=warps,
+            num_stages=stages,
+            **flags,
         )
     return dq, dk, dv
 
@@ -249,15 +406,26 @@ def attn_bwd(dout, q, k, v, out, lse, *, scaling: float, softcap: float | None =
 # autograd formula that calls the backward op. Schemas are spelled out so that nothing depends on annotations.
 # --------------------------------------------------------------------------------------------------------------
 
-_ARGS = ("Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
-         "float scaling, float? softcap, bool causal, SymInt? sliding_window")
+_ARGS = (
+    "Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+    "float scaling, float? softcap, bool causal, SymInt? sliding_window"
+)
 
 
-def _launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap, causal,
-                     sliding_window) -> dict:
-    return dict(attn_mask=attn_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k, scaling=scaling, softcap=softcap, causal=causal,
-                sliding_window=sliding_window)
+def _launcher_kwargs(
+    attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap, causal, sliding_window
+) -> dict:
+    return dict(
+        attn_mask=attn_mask,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        scaling=scaling,
+        softcap=softcap,
+        causal=causal,
+        sliding_window=sliding_window,
+    )
 
 
 # The forward ops also take the forward's path: ``decode`` None picks by shape (see attn_fwd), True/False forces it;
@@ -265,13 +433,35 @@ def _launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 _FWD_ARGS = f"{_ARGS}, bool? decode=None, SymInt? num_splits=None"
 
 
-@torch.library.custom_op("hf_qknorm::attn_fwd", mutates_args=(),
-                         schema=f"(Tensor q, Tensor k, Tensor v, {_FWD_ARGS}) -> (Tensor, Tensor)")
-def _attn_fwd_op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap,
-                 causal, sliding_window, decode=None, num_splits=None):
-    return attn_fwd(q, k, v, decode=decode, num_splits=num_splits,
-                    **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling,
-                                       softcap, causal, sliding_window))
+@torch.library.custom_op(
+    "hf_qknorm::attn_fwd", mutates_args=(), schema=f"(Tensor q, Tensor k, Tensor v, {_FWD_ARGS}) -> (Tensor, Tensor)"
+)
+def _attn_fwd_op(
+    q,
+    k,
+    v,
+    attn_mask,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scaling,
+    softcap,
+    causal,
+    sliding_window,
+    decode=None,
+    num_splits=None,
+):
+    return attn_fwd(
+        q,
+        k,
+        v,
+        decode=decode,
+        num_splits=num_splits,
+        **_launcher_kwargs(
+            attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap, causal, sliding_window
+        ),
+    )
 
 
 @_attn_fwd_op.register_fake
@@ -279,30 +469,86 @@ def _attn_fwd_fake(q, k, v, *args):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("hf_qknorm::attn_fwd_max", mutates_args=(),
-                         schema=f"(Tensor q, Tensor k, Tensor v, {_FWD_ARGS}) -> (Tensor, Tensor, Tensor)")
-def _attn_fwd_max_op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap,
-                     causal, sliding_window, decode=None, num_splits=None):
+@torch.library.custom_op(
+    "hf_qknorm::attn_fwd_max",
+    mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_FWD_ARGS}) -> (Tensor, Tensor, Tensor)",
+)
+def _attn_fwd_max_op(
+    q,
+    k,
+    v,
+    attn_mask,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scaling,
+    softcap,
+    causal,
+    sliding_window,
+    decode=None,
+    num_splits=None,
+):
     """``attn_fwd`` that also returns each row's largest pre-cap logit (the ``RETURN_MAX`` kernel variant)."""
-    return attn_fwd(q, k, v, return_max=True, decode=decode, num_splits=num_splits,
-                    **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling,
-                                       softcap, causal, sliding_window))
+    return attn_fwd(
+        q,
+        k,
+        v,
+        return_max=True,
+        decode=decode,
+        num_splits=num_splits,
+        **_launcher_kwargs(
+            attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap, causal, sliding_window
+        ),
+    )
 
 
 @_attn_fwd_max_op.register_fake
 def _attn_fwd_max_fake(q, k, v, *args):
-    return (q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32),
-            q.new_empty(q.shape[:3], dtype=torch.float32))
+    return (
+        q.new_empty(q.shape),
+        q.new_empty(q.shape[:3], dtype=torch.float32),
+        q.new_empty(q.shape[:3], dtype=torch.float32),
+    )
 
 
-@torch.library.custom_op("hf_qknorm::attn_bwd", mutates_args=(),
-                         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
-                                f"{_ARGS}) -> (Tensor, Tensor, Tensor)")
-def _attn_bwd_op(dout, q, k, v, out, lse, dlse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 scaling, softcap, causal, sliding_window):
-    return attn_bwd(dout, q, k, v, out, lse, dlse=dlse,
-                    **_launcher_kwargs(attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling,
-                                       softcap, causal, sliding_window))
+@torch.library.custom_op(
+    "hf_qknorm::attn_bwd",
+    mutates_args=(),
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+    f"{_ARGS}) -> (Tensor, Tensor, Tensor)",
+)
+def _attn_bwd_op(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    attn_mask,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scaling,
+    softcap,
+    causal,
+    sliding_window,
+):
+    return attn_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dlse=dlse,
+        **_launcher_kwargs(
+            attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling, softcap, causal, sliding_window
+        ),
+    )
 
 
 @_attn_bwd_op.register_fake
@@ -321,8 +567,9 @@ def _attn_backward(ctx, dout, dlse, *_):
     q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.hf_qknorm.attn_bwd(dout, q, k, v, out, lse, dlse, attn_mask, cu_seqlens_q, cu_seqlens_k,
-                                              *ctx.params)
+    dq, dk, dv = torch.ops.hf_qknorm.attn_bwd(
+        dout, q, k, v, out, lse, dlse, attn_mask, cu_seqlens_q, cu_seqlens_k, *ctx.params
+    )
     return (dq, dk, dv) + (None,) * 11  # attn_mask .. num_splits take no gradient
 
 

@@ -63,9 +63,24 @@ class AttnOutputWithMaxLogits(NamedTuple):
     max_logits: torch.Tensor
 
 
-def _run(q, k, v, *, scaling, softcap, causal, attn_mask=None, sliding_window=None, cu_seqlens_q=None,
-         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, decode=None, num_splits=None,
-         with_max: bool = False):
+def _run(
+    q,
+    k,
+    v,
+    *,
+    scaling,
+    softcap,
+    causal,
+    attn_mask=None,
+    sliding_window=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    decode=None,
+    num_splits=None,
+    with_max: bool = False,
+):
     """The custom op call behind every entry point: ``out``, or ``(out, (heads,) max logits)`` with ``with_max``."""
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
@@ -75,17 +90,38 @@ def _run(q, k, v, *, scaling, softcap, causal, attn_mask=None, sliding_window=No
     else:
         max_seqlen_q, max_seqlen_k = q.shape[2], k.shape[2]
     op = torch.ops.hf_qknorm.attn_fwd_max if with_max else torch.ops.hf_qknorm.attn_fwd
-    out, _, *row_max = op(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(scaling),
-                          None if softcap is None else float(softcap), bool(causal), sliding_window, decode,
-                          num_splits)
+    out, _, *row_max = op(
+        q,
+        k,
+        v,
+        attn_mask,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        float(scaling),
+        None if softcap is None else float(softcap),
+        bool(causal),
+        sliding_window,
+        decode,
+        num_splits,
+    )
     if not with_max:
         return out
     return out, row_max[0].detach().amax(dim=(0, 2))
 
 
-def qknorm_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
-                     softcap: float | None = None, causal: bool = True, attn_mask: torch.Tensor | None = None,
-                     sliding_window: int | None = None) -> torch.Tensor:
+def qknorm_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Capped attention over a padded batch (see the module docstring for the common arguments).
 
     Args:
@@ -100,25 +136,53 @@ def qknorm_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scali
     speculative verification) run the GQA-packed split-KV forward, the rest the general one; both give the same
     output and LSE, and share the backward.
     """
-    return _run(q, k, v, scaling=scaling, softcap=softcap, causal=causal, attn_mask=attn_mask,
-                sliding_window=sliding_window)
+    return _run(
+        q, k, v, scaling=scaling, softcap=softcap, causal=causal, attn_mask=attn_mask, sliding_window=sliding_window
+    )
 
 
-def qknorm_attn_func_with_max_logits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                                     scaling: float | None = None, softcap: float | None = None,
-                                     causal: bool = True, attn_mask: torch.Tensor | None = None,
-                                     sliding_window: int | None = None) -> AttnOutputWithMaxLogits:
+def qknorm_attn_func_with_max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> AttnOutputWithMaxLogits:
     """:func:`qknorm_attn_func` that also returns the per-head largest pre-cap logit
     (:class:`AttnOutputWithMaxLogits`), from the kernel's ``RETURN_MAX`` variant -- no second pass over q and k."""
-    return AttnOutputWithMaxLogits(*_run(q, k, v, scaling=scaling, softcap=softcap, causal=causal,
-                                         attn_mask=attn_mask, sliding_window=sliding_window, with_max=True))
+    return AttnOutputWithMaxLogits(
+        *_run(
+            q,
+            k,
+            v,
+            scaling=scaling,
+            softcap=softcap,
+            causal=causal,
+            attn_mask=attn_mask,
+            sliding_window=sliding_window,
+            with_max=True,
+        )
+    )
 
 
-def qknorm_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
-                            max_seqlen_k: int | None = None, *, scaling: float | None = None,
-                            softcap: float | None = None, causal: bool = True,
-                            sliding_window: int | None = None) -> torch.Tensor:
+def qknorm_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Capped attention over packed sequences, each attended separately (flash-attn's varlen convention).
 
     Args:
@@ -133,29 +197,67 @@ def qknorm_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     Returns:
         ``(1, heads, total_q, head_dim)`` in q's dtype, contiguous.
     """
-    return _run(q, k, v, scaling=scaling, softcap=softcap, causal=causal, sliding_window=sliding_window,
-                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k)
+    return _run(
+        q,
+        k,
+        v,
+        scaling=scaling,
+        softcap=softcap,
+        causal=causal,
+        sliding_window=sliding_window,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
 
 
-def qknorm_attn_varlen_func_with_max_logits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                                            max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *,
-                                            scaling: float | None = None, softcap: float | None = None,
-                                            causal: bool = True,
-                                            sliding_window: int | None = None) -> AttnOutputWithMaxLogits:
+def qknorm_attn_varlen_func_with_max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+) -> AttnOutputWithMaxLogits:
     """:func:`qknorm_attn_varlen_func` that also returns the per-head largest pre-cap logit over all packed
     sequences (:class:`AttnOutputWithMaxLogits`)."""
-    return AttnOutputWithMaxLogits(*_run(q, k, v, scaling=scaling, softcap=softcap, causal=causal,
-                                         sliding_window=sliding_window, cu_seqlens_q=cu_seqlens_q,
-                                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                         max_seqlen_k=max_seqlen_k, with_max=True))
+    return AttnOutputWithMaxLogits(
+        *_run(
+            q,
+            k,
+            v,
+            scaling=scaling,
+            softcap=softcap,
+            causal=causal,
+            sliding_window=sliding_window,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            with_max=True,
+        )
+    )
 
 
-def qknorm_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-                             scaling: float | None = None, softcap: float | None = None, causal: bool = True,
-                             attn_mask: torch.Tensor | None = None, sliding_window: int | None = None,
-                             num_splits: int | None = None) -> torch.Tensor:
+def qknorm_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Capped attention of a few new queries against a KV cache, on the decoding forward: the query heads of each
     KV group packed into one tile (the cache is read once per KV head) and the keys split across programs
     (flash-decoding), merged exactly.
@@ -177,23 +279,65 @@ def qknorm_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None (automatic), got {num_splits!r}")
-    return _run(q, k_cache, v_cache, scaling=scaling, softcap=softcap, causal=causal, attn_mask=attn_mask,
-                sliding_window=sliding_window, decode=True, num_splits=num_splits)
+    return _run(
+        q,
+        k_cache,
+        v_cache,
+        scaling=scaling,
+        softcap=softcap,
+        causal=causal,
+        attn_mask=attn_mask,
+        sliding_window=sliding_window,
+        decode=True,
+        num_splits=num_splits,
+    )
 
 
-def triton_attention(q, k, v, *, scaling: float, softcap=None, causal=True, attn_mask=None, sliding_window=None,
-                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                     dropout_p: float = 0.0, return_max_logits: bool = False):
+def triton_attention(
+    q,
+    k,
+    v,
+    *,
+    scaling: float,
+    softcap=None,
+    causal=True,
+    attn_mask=None,
+    sliding_window=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p: float = 0.0,
+    return_max_logits: bool = False,
+):
     """Deprecated (removed in the next release): :func:`qknorm_attn_func`, :func:`qknorm_attn_varlen_func` and their
     ``..._with_max_logits`` variants, which each return one type. Returns the output, or ``(output, max_logits)``
     with ``return_max_logits``, as before."""
-    warnings.warn("hf_qknorm.kernels.triton_attention is deprecated and will be removed in the next release: use "
-                  "qknorm_attn_func (padded), qknorm_attn_varlen_func (cu_seqlens), qknorm_attn_with_kvcache, or "
-                  "their ..._with_max_logits variants", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "hf_qknorm.kernels.triton_attention is deprecated and will be removed in the next release: use "
+        "qknorm_attn_func (padded), qknorm_attn_varlen_func (cu_seqlens), qknorm_attn_with_kvcache, or "
+        "their ..._with_max_logits variants",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if dropout_p:
-        raise ValueError(f"hf_qknorm's Triton attention has no attention dropout (got dropout_p={dropout_p}); use "
-                         "the PyTorch path (hf_qknorm.attention) or set the model's attention dropout to 0")
-    result = _run(q, k, v, scaling=scaling, softcap=softcap, causal=causal, attn_mask=attn_mask,
-                  sliding_window=sliding_window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, with_max=return_max_logits)
+        raise ValueError(
+            f"hf_qknorm's Triton attention has no attention dropout (got dropout_p={dropout_p}); use "
+            "the PyTorch path (hf_qknorm.attention) or set the model's attention dropout to 0"
+        )
+    result = _run(
+        q,
+        k,
+        v,
+        scaling=scaling,
+        softcap=softcap,
+        causal=causal,
+        attn_mask=attn_mask,
+        sliding_window=sliding_window,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        with_max=return_max_logits,
+    )
     return tuple(result) if return_max_logits else result

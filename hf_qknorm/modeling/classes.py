@@ -28,9 +28,11 @@ def _saving_remote_code(cls: type):
         from .remote import add_remote_code
 
         if push_to_hub:
-            raise ValueError("push a patched model's folder with model.push_to_hub(repo_id), "
-                             "model.save_pretrained(dir, push_to_hub=True) or `hf-qknorm push DIR REPO_ID`, which "
-                             "upload the remote code with the config")
+            raise ValueError(
+                "push a patched model's folder with model.push_to_hub(repo_id), "
+                "model.save_pretrained(dir, push_to_hub=True) or `hf-qknorm push DIR REPO_ID`, which "
+                "upload the remote code with the config"
+            )
         super(cls, self).save_pretrained(save_directory, **kwargs)
         add_remote_code(save_directory)
 
@@ -77,5 +79,6 @@ def register_auto_classes() -> None:
         for auto_name, mapping_name in AUTO_HEADS:
             mapping = getattr(modeling_auto, mapping_name)
             if base_cfg in mapping:
-                getattr(transformers, auto_name).register(cfg_cls, model_class(mapping[base_cfg], model_type),
-                                                          exist_ok=True)
+                getattr(transformers, auto_name).register(
+                    cfg_cls, model_class(mapping[base_cfg], model_type), exist_ok=True
+                )

@@ -12,18 +12,25 @@ import logging
 
 from torch import nn
 
-from .classes import mark_patched
 from ..portable.layout import unwrap
-from ..portable.schemes import QKNormConfig
-from .sharding import refuse_distributed
 from ..portable.names import ATTN_IMPLEMENTATION
+from ..portable.schemes import QKNormConfig
 from ..portable.structure import apply_scheme, own_config, plan_scheme
+from .classes import mark_patched
+from .sharding import refuse_distributed
 
 logger = logging.getLogger(__name__)
 
 
-def patch_model(model: nn.Module, scheme: str | QKNormConfig = "qk_norm_cap", *, norm: str | None = None,
-                softcap: float | None = None, eps: float | None = None, p: float | None = None) -> nn.Module:
+def patch_model(
+    model: nn.Module,
+    scheme: str | QKNormConfig = "qk_norm_cap",
+    *,
+    norm: str | None = None,
+    softcap: float | None = None,
+    eps: float | None = None,
+    p: float | None = None,
+) -> nn.Module:
     """Patch every attention layer of ``model`` with ``scheme``; returns the same (patched) model.
 
     Args:
@@ -51,8 +58,11 @@ def patch_model(model: nn.Module, scheme: str | QKNormConfig = "qk_norm_cap", *,
     apply_scheme(target, plan)
     mark_patched(target.config, plan.cfg)
     if plan.switch_backend:
-        logger.info("attention implementation %r cannot cap logits; switching to %r",
-                    target.config._attn_implementation, ATTN_IMPLEMENTATION)
+        logger.info(
+            "attention implementation %r cannot cap logits; switching to %r",
+            target.config._attn_implementation,
+            ATTN_IMPLEMENTATION,
+        )
         target.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
 
@@ -72,7 +82,9 @@ def _resolve_config(scheme, **settings) -> QKNormConfig:
     if isinstance(scheme, QKNormConfig):
         given = {k: v for k, v in settings.items() if v is not None}
         if given:
-            raise ValueError(f"patch_model got a QKNormConfig and also {sorted(given)}; put every setting in the "
-                             "config (dataclasses.replace(config, ...))")
+            raise ValueError(
+                f"patch_model got a QKNormConfig and also {sorted(given)}; put every setting in the "
+                "config (dataclasses.replace(config, ...))"
+            )
         return scheme
     return QKNormConfig(scheme=scheme, **settings)

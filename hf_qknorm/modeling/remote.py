@@ -33,16 +33,20 @@ def shipped_source(module: str) -> str:
         if isinstance(node, ast.ImportFrom) and node.level:
             if node.level != 1 or node.module not in SHIPPED:
                 what = "." * node.level + (node.module or "")
-                raise RuntimeError(f"hf_qknorm/portable/{module}.py imports from {what!r}, which a saved folder does "
-                                   f"not carry; shipped code imports only from . + one of {sorted(SHIPPED)}")
+                raise RuntimeError(
+                    f"hf_qknorm/portable/{module}.py imports from {what!r}, which a saved folder does "
+                    f"not carry; shipped code imports only from . + one of {sorted(SHIPPED)}"
+                )
             line = lines[node.lineno - 1]
             flat = SHIPPED[node.module][:-3]
             lines[node.lineno - 1] = line.replace(f"from .{node.module} import", f"from .{flat} import", 1)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             if any(n.split(".")[0] == "hf_qknorm" for n in names):
-                raise RuntimeError(f"hf_qknorm/portable/{module}.py imports {names}: shipped code cannot import the "
-                                   "plugin (a saved folder loads without it)")
+                raise RuntimeError(
+                    f"hf_qknorm/portable/{module}.py imports {names}: shipped code cannot import the "
+                    "plugin (a saved folder loads without it)"
+                )
     return "".join(lines)
 
 
@@ -67,8 +71,10 @@ def add_remote_code(folder) -> None:
     config_file = folder / "config.json"
     model_type = json.loads(config_file.read_text()).get("model_type", "") if config_file.is_file() else ""
     if not str(model_type).startswith(PREFIX):
-        raise ValueError(f"{folder} was not saved from a model patched by hf_qknorm (model_type {model_type!r}); "
-                         "only qknorm_<base> folders carry the remote code")
+        raise ValueError(
+            f"{folder} was not saved from a model patched by hf_qknorm (model_type {model_type!r}); "
+            "only qknorm_<base> folders carry the remote code"
+        )
     for name, text in remote_files().items():
         _write_atomic(folder / name, text)
     data = json.loads(config_file.read_text())

@@ -12,8 +12,7 @@ from pathlib import Path
 
 from ..portable.families import check_saved_model_type
 
-_JSON_TYPES = {list: "array (list)", str: "string", int: "number", float: "number", bool: "boolean",
-               type(None): "null"}
+_JSON_TYPES = {list: "array (list)", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def read_config(folder) -> dict:

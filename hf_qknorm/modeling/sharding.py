@@ -81,7 +81,8 @@ def local_part(t: torch.Tensor, where: str = "tensor") -> LocalPart:
             raise NotImplementedError(
                 f"{where}: DTensor placement {placement} is not supported by the per-head training controls "
                 "(supported: Shard and Replicate on a 1-D or N-D mesh: FSDP2 alone, tensor parallelism alone, "
-                "HSDP; not FSDP2 on top of tensor parallelism)")
+                "HSDP; not FSDP2 on top of tensor parallelism)"
+            )
         d = placement.dim % t.dim()
         ranks, coord = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
         chunk = -(-size[d] // ranks)  # torch.chunk: ceil(n / ranks) per rank, the last ones shorter or empty
@@ -91,8 +92,10 @@ def local_part(t: torch.Tensor, where: str = "tensor") -> LocalPart:
         groups.append(mesh.get_group(mesh_dim))
     local = t.to_local()
     if list(local.shape) != size:
-        raise RuntimeError(f"{where}: local shard of shape {tuple(local.shape)} where the placements "
-                           f"{t.placements} give {tuple(size)}; this sharding layout is not supported")
+        raise RuntimeError(
+            f"{where}: local shard of shape {tuple(local.shape)} where the placements "
+            f"{t.placements} give {tuple(size)}; this sharding layout is not supported"
+        )
     return LocalPart(local, tuple(start), shape, tuple(groups))
 
 
@@ -169,9 +172,11 @@ def refuse_distributed(model: nn.Module) -> None:
     if how is None and any(is_dtensor(p) for p in model.parameters()):
         how = "sharded (DTensor parameters: tensor parallelism?)"
     if how is not None:
-        raise ValueError(f"patch_model got a model already {how}: the norms it adds would not be synchronised "
-                         "across ranks. Patch first, then wrap or shard it (DDP, fully_shard, or "
-                         "hf_qknorm.parallelize_attention for tensor parallelism)")
+        raise ValueError(
+            f"patch_model got a model already {how}: the norms it adds would not be synchronised "
+            "across ranks. Patch first, then wrap or shard it (DDP, fully_shard, or "
+            "hf_qknorm.parallelize_attention for tensor parallelism)"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -225,25 +230,37 @@ def parallelize_attention(model: nn.Module, mesh) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if mesh.ndim != 1:
-        raise ValueError(f"parallelize_attention takes a 1-D tensor-parallel mesh, got {mesh.ndim} dimensions "
-                         "(pass mesh['tp'] of a 2-D mesh)")
+        raise ValueError(
+            f"parallelize_attention takes a 1-D tensor-parallel mesh, got {mesh.ndim} dimensions "
+            "(pass mesh['tp'] of a 2-D mesh)"
+        )
     sites = attention_sites(model)
     fam, config, ranks = sites[0].family, unwrap(model).config, mesh.size()
     if fam.fused_qkv:
-        raise NotImplementedError(f"tensor parallelism of {fam.model_type}'s fused {fam.qkv_proj} is not supported "
-                                  "(column-wise sharding of a fused Q/K/V projection would give one rank the queries "
-                                  "and another the keys); use FSDP2 or DDP for this family")
+        raise NotImplementedError(
+            f"tensor parallelism of {fam.model_type}'s fused {fam.qkv_proj} is not supported "
+            "(column-wise sharding of a fused Q/K/V projection would give one rank the queries "
+            "and another the keys); use FSDP2 or DDP for this family"
+        )
     heads, kv_heads = num_heads(sites[0].module, config)
     if heads % ranks or kv_heads % ranks:
-        raise ValueError(f"tensor parallelism over {ranks} ranks needs heads and key/value heads divisible by "
-                         f"{ranks}; this model has {heads} heads and {kv_heads} key/value heads")
-    plan = {fam.q_proj: ColwiseParallel(), fam.k_proj: ColwiseParallel(), fam.v_proj: ColwiseParallel(),
-            fam.out_proj: RowwiseParallel()}
+        raise ValueError(
+            f"tensor parallelism over {ranks} ranks needs heads and key/value heads divisible by "
+            f"{ranks}; this model has {heads} heads and {kv_heads} key/value heads"
+        )
+    plan = {
+        fam.q_proj: ColwiseParallel(),
+        fam.k_proj: ColwiseParallel(),
+        fam.v_proj: ColwiseParallel(),
+        fam.out_proj: RowwiseParallel(),
+    }
     for site in sites:
         attn = site.module
         if any(hasattr(getattr(attn, name), "base_layer") for name in plan):
-            raise NotImplementedError(f"layer {site.index}: a peft-wrapped projection cannot be tensor-parallelised "
-                                      "here; apply LoRA under FSDP2 or DDP instead")
+            raise NotImplementedError(
+                f"layer {site.index}: a peft-wrapped projection cannot be tensor-parallelised "
+                "here; apply LoRA under FSDP2 or DDP instead"
+            )
         parallelize_module(attn, mesh, plan)
         _reattach_norm_hooks(attn)
         attn.__dict__[_TP_MARK] = mesh
@@ -292,14 +309,18 @@ def refuse_engines(model: nn.Module, what: str, training_args=None) -> None:
         inner = nxt
     names = set(chain) | {type(m).__name__ for m in unwrap(model).modules()}
     if "FullyShardedDataParallel" in names:
-        raise NotImplementedError(f"{what} does not support FSDP version 1 (FullyShardedDataParallel: flat "
-                                  "parameters hide each head's rows); shard with FSDP2 (torch.distributed.fsdp."
-                                  "fully_shard) instead")
+        raise NotImplementedError(
+            f"{what} does not support FSDP version 1 (FullyShardedDataParallel: flat "
+            "parameters hide each head's rows); shard with FSDP2 (torch.distributed.fsdp."
+            "fully_shard) instead"
+        )
     deepspeed = training_args is not None and bool(getattr(training_args, "deepspeed", None))
     if deepspeed or "DeepSpeedEngine" in names or any(hasattr(p, "ds_id") for p in unwrap(model).parameters()):
-        raise NotImplementedError(f"{what} does not support DeepSpeed: ZeRO keeps its own fp32 master copy of the "
-                                  "weights (ZeRO-3 also partitions them), which a rescale of the model's weights "
-                                  "would not reach; use DDP, FSDP2 or tensor parallelism")
+        raise NotImplementedError(
+            f"{what} does not support DeepSpeed: ZeRO keeps its own fp32 master copy of the "
+            "weights (ZeRO-3 also partitions them), which a rescale of the model's weights "
+            "would not reach; use DDP, FSDP2 or tensor parallelism"
+        )
 
 
 def check_tensor_parallel(model: nn.Module) -> list[bool]:
@@ -314,12 +335,16 @@ def check_tensor_parallel(model: nn.Module) -> list[bool]:
         if not tp:
             continue
         if site.family.fused_qkv:
-            raise NotImplementedError(f"layer {site.index}: tensor parallelism of a fused Q/K/V projection "
-                                      f"({site.family.qkv_proj}) is not supported; use FSDP2 or DDP")
+            raise NotImplementedError(
+                f"layer {site.index}: tensor parallelism of a fused Q/K/V projection "
+                f"({site.family.qkv_proj}) is not supported; use FSDP2 or DDP"
+            )
         unsynced = [n for n, p in _norm_params(site.module) if p.requires_grad and getattr(p, _SYNCED, None) is None]
         if unsynced:
-            raise ValueError(f"layer {site.index} is tensor-parallel but the gradients of {', '.join(unsynced)} are "
-                             "not summed across ranks (each rank would train them on its own heads): shard with "
-                             "hf_qknorm.parallelize_attention(model, mesh), or call "
-                             "hf_qknorm.modeling.sharding.sync_norm_grads(model, group) after parallelize_module")
+            raise ValueError(
+                f"layer {site.index} is tensor-parallel but the gradients of {', '.join(unsynced)} are "
+                "not summed across ranks (each rank would train them on its own heads): shard with "
+                "hf_qknorm.parallelize_attention(model, mesh), or call "
+                "hf_qknorm.modeling.sharding.sync_norm_grads(model, group) after parallelize_module"
+            )
     return out

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from ..attention.chunked import max_logits
-from ..portable.masks import bool_mask
 from ..portable.layout import attention_sites, rotary_function
+from ..portable.masks import bool_mask
 from ..portable.names import ATTN_IMPLEMENTATION
 
 TILE_ELEMENTS = 1 << 21  # logits per chunk: 8 MiB in float32
@@ -60,8 +60,15 @@ def causal_rows(mask, causal: bool, q_len: int, kv_len: int):
     return causal, (min(kv_len, q_len) if causal else kv_len)
 
 
-def logit_tiles(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None, *, scaling: float,
-                causal: bool, tile_elements: int = TILE_ELEMENTS):
+def logit_tiles(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float,
+    causal: bool,
+    tile_elements: int = TILE_ELEMENTS,
+):
     """The pre-cap logits ``scaling * q.k`` of one attention call in query-row chunks, for statistics.
 
     Yields ``(s, ok)``: ``s`` ``(batch, kv_heads, groups, rows, keys)`` in float32 (float64 for float64 inputs) with
@@ -95,8 +102,15 @@ def logit_tiles(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor |
 
 
 @torch.no_grad()
-def head_max_logits(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                    scaling: float, causal: bool = True, tile_elements: int | None = None) -> torch.Tensor:
+def head_max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    scaling: float,
+    causal: bool = True,
+    tile_elements: int | None = None,
+) -> torch.Tensor:
     """The largest pre-cap logit ``scaling * q.k`` of each query head, over the batch and the allowed pairs.
 
     ``q`` ``(batch, heads, q_len, head_dim)``, ``k`` ``(batch, kv_heads, kv_len, head_dim)`` (GQA: query head ``h``
@@ -134,13 +148,19 @@ class LogitTap:
             if self.training_only and not attn.training:
                 return
             if self.max_logits and max_logits is None:  # a backend that does not produce them: on the side
-                max_logits = head_max_logits(q.detach(), k.detach(), attention_mask, scaling=float(scaling),
-                                             causal=getattr(attn, "is_causal", True))
+                max_logits = head_max_logits(
+                    q.detach(),
+                    k.detach(),
+                    attention_mask,
+                    scaling=float(scaling),
+                    causal=getattr(attn, "is_causal", True),
+                )
             self._deliver(index, attn, q, k, attention_mask, scaling, softcap, max_logits)
 
         # read by the backend before it attends: whether to produce the per-head maxima in its own pass
-        probe.wants_max_logits = (lambda attn: attn.training) if self.max_logits and self.training_only \
-            else self.max_logits
+        probe.wants_max_logits = (
+            (lambda attn: attn.training) if self.max_logits and self.training_only else self.max_logits
+        )
         return probe
 
     def _deliver(self, index, attn, q, k, mask, scaling, softcap, max_logits) -> None:
@@ -185,6 +205,7 @@ class LogitTap:
         def capture(name):
             def hook(module, args, output):
                 ctx[name] = output.detach()  # nothing here may join the autograd graph (checkpointing)
+
             return hook
 
         def post(module, args, kwargs, output):
@@ -193,8 +214,13 @@ class LogitTap:
                 return
             with torch.no_grad():
                 q, k = _rebuild_qk(attn, fam, ctx)
-                top = head_max_logits(q, k, ctx.get("mask"), scaling=float(attn.scaling),
-                                      causal=getattr(attn, "is_causal", True)) if self.max_logits else None
+                top = (
+                    head_max_logits(
+                        q, k, ctx.get("mask"), scaling=float(attn.scaling), causal=getattr(attn, "is_causal", True)
+                    )
+                    if self.max_logits
+                    else None
+                )
             self._deliver(index, attn, q, k, ctx.get("mask"), attn.scaling, attn.__dict__.get("_qknorm_softcap"), top)
             ctx.clear()
 

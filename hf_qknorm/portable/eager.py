@@ -15,8 +15,9 @@ from torch.nn import functional as F
 from .masks import allowed_pairs, bool_mask, check_attention_args, packed_sequence_mask
 
 
-def capped_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
-                           is_causal=None, **kwargs):
+def capped_eager_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, is_causal=None, **kwargs
+):
     """``softmax(mask(c * tanh(scaling * q k^T / c))) v`` in the ``AttentionInterface`` calling convention.
 
     ``query`` ``(batch, heads, q_len, head_dim)``; ``key``/``value`` ``(batch, kv_heads, kv_len, head_dim)``.

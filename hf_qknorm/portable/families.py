@@ -28,7 +28,8 @@ class Family:
         q_proj, k_proj, v_proj: projection attributes of the attention module; ``None`` when fused into ``qkv_proj``.
         qkv_proj: the fused projection attribute (GPT-2's ``c_attn``), or ``None``.
         out_proj: the output projection attribute.
-        conv1d: projections are ``transformers.Conv1D`` (weight ``(in, out)``) rather than ``nn.Linear`` (``(out, in)``).
+        conv1d: projections are ``transformers.Conv1D`` (weight ``(in, out)``) rather than ``nn.Linear`` (``(out,
+        in)``).
         rope: the family rotates q and k with RoPE (the norm goes before it).
         native_qk_norm: the family already has ``q_norm``/``k_norm`` (Qwen3's per-head RMSNorm).
         eps_attr: config attribute holding the model's own norm epsilon.
@@ -85,10 +86,23 @@ class Family:
 
 
 def _rope_family(model_type: str, attention_class: str, native_qk_norm: bool = False) -> Family:
-    return Family(model_type=model_type, attention_class=attention_class, layers="model.layers",
-                  attention="self_attn", prenorm="input_layernorm", q_proj="q_proj", k_proj="k_proj",
-                  v_proj="v_proj", qkv_proj=None, out_proj="o_proj", conv1d=False, rope=True,
-                  native_qk_norm=native_qk_norm, eps_attr="rms_norm_eps", max_len_attr="max_position_embeddings")
+    return Family(
+        model_type=model_type,
+        attention_class=attention_class,
+        layers="model.layers",
+        attention="self_attn",
+        prenorm="input_layernorm",
+        q_proj="q_proj",
+        k_proj="k_proj",
+        v_proj="v_proj",
+        qkv_proj=None,
+        out_proj="o_proj",
+        conv1d=False,
+        rope=True,
+        native_qk_norm=native_qk_norm,
+        eps_attr="rms_norm_eps",
+        max_len_attr="max_position_embeddings",
+    )
 
 
 FAMILIES: dict[str, Family] = {
@@ -96,17 +110,31 @@ FAMILIES: dict[str, Family] = {
     "mistral": _rope_family("mistral", "MistralAttention"),
     "qwen2": _rope_family("qwen2", "Qwen2Attention"),
     "qwen3": _rope_family("qwen3", "Qwen3Attention", native_qk_norm=True),
-    "gpt2": Family(model_type="gpt2", attention_class="GPT2Attention", layers="transformer.h", attention="attn",
-                   prenorm="ln_1", q_proj=None, k_proj=None, v_proj=None, qkv_proj="c_attn", out_proj="c_proj",
-                   conv1d=True, rope=False, native_qk_norm=False, eps_attr="layer_norm_epsilon",
-                   max_len_attr="n_positions", final_norm="ln_f"),
+    "gpt2": Family(
+        model_type="gpt2",
+        attention_class="GPT2Attention",
+        layers="transformer.h",
+        attention="attn",
+        prenorm="ln_1",
+        q_proj=None,
+        k_proj=None,
+        v_proj=None,
+        qkv_proj="c_attn",
+        out_proj="c_proj",
+        conv1d=True,
+        rope=False,
+        native_qk_norm=False,
+        eps_attr="layer_norm_epsilon",
+        max_len_attr="n_positions",
+        final_norm="ln_f",
+    ),
 }
 
 
 def base_model_type(model_type) -> str:
     """``llama`` for ``llama`` and for ``qknorm_llama``."""
     model_type = str(model_type)
-    return model_type[len(PREFIX):] if model_type.startswith(PREFIX) else model_type
+    return model_type[len(PREFIX) :] if model_type.startswith(PREFIX) else model_type
 
 
 def check_saved_model_type(model_type, where) -> None:
@@ -114,8 +142,10 @@ def check_saved_model_type(model_type, where) -> None:
     hf_qknorm, or edited -- named in one line (Transformers would otherwise look for remote code and ask on stdin)."""
     model_type = str(model_type)
     if model_type.startswith(PREFIX) and base_model_type(model_type) not in FAMILIES:
-        raise ValueError(f"{where}: model_type {model_type!r} names no family this hf_qknorm knows (it knows "
-                         f"{', '.join(PREFIX + f for f in sorted(FAMILIES))}); was it written by a newer hf_qknorm?")
+        raise ValueError(
+            f"{where}: model_type {model_type!r} names no family this hf_qknorm knows (it knows "
+            f"{', '.join(PREFIX + f for f in sorted(FAMILIES))}); was it written by a newer hf_qknorm?"
+        )
 
 
 def family_of_config(config) -> Family:

@@ -15,7 +15,8 @@ module, or the LoRA delta would be added after the norm. The attention module's 
 (``QKNorm<Attention>``) whose ``__setattr__`` moves the hook whenever a hooked slot is reassigned; its ``forward``
 checks that the attention backend can apply the module's cap, then calls the upstream forward.
 
-This module imports nothing but ``torch`` and :mod:`.names`: it is also copied into exported folders (``trust_remote_code``).
+This module imports nothing but ``torch`` and :mod:`.names`: it is also copied into exported folders
+(``trust_remote_code``).
 """
 
 from __future__ import annotations
@@ -90,9 +91,11 @@ def _setattr(self, name, value):
 def check_cap_backend(impl) -> None:
     """Refuse to run a capped module through a backend that would drop its cap."""
     if impl not in CAP_READING_BACKENDS:
-        raise ValueError(f"attention implementation {impl!r} cannot apply the softcap of this patched model "
-                         f"(it would be dropped silently); use {CAP_READING_BACKENDS[0]!r}: "
-                         f"model.set_attn_implementation({CAP_READING_BACKENDS[0]!r})")
+        raise ValueError(
+            f"attention implementation {impl!r} cannot apply the softcap of this patched model "
+            f"(it would be dropped silently); use {CAP_READING_BACKENDS[0]!r}: "
+            f"model.set_attn_implementation({CAP_READING_BACKENDS[0]!r})"
+        )
 
 
 def attention_class(base: type) -> type:
@@ -100,13 +103,17 @@ def attention_class(base: type) -> type:
     if base in _ATTENTION_CLASSES.values():
         return base
     if base not in _ATTENTION_CLASSES:
+
         def forward(self, *args, **kwargs):
             if self.__dict__.get("_qknorm_softcap") is not None:
                 check_cap_backend(self.config._attn_implementation)
             return base.forward(self, *args, **kwargs)  # the upstream forward, unmodified
 
-        cls = type(f"{CLASS_PREFIX}{base.__name__}", (base,),
-                   {"__setattr__": _setattr, "forward": forward, "__module__": __name__})
+        cls = type(
+            f"{CLASS_PREFIX}{base.__name__}",
+            (base,),
+            {"__setattr__": _setattr, "forward": forward, "__module__": __name__},
+        )
         globals()[cls.__name__] = cls  # importable by name: pickling and copying work
         _ATTENTION_CLASSES[base] = cls
     return _ATTENTION_CLASSES[base]
@@ -117,8 +124,7 @@ def is_installed(attn: nn.Module) -> bool:
     return "_qknorm_slots" in attn.__dict__
 
 
-def install(attn: nn.Module, slots: dict[str, tuple[str, ...]], softcap: float | None,
-            scaling: float | None) -> None:
+def install(attn: nn.Module, slots: dict[str, tuple[str, ...]], softcap: float | None, scaling: float | None) -> None:
     """Make ``attn`` a patched attention module: hooks on ``slots``, its cap, and (``l2``/``lp``) its scaling.
 
     The norm modules themselves must already be attributes of ``attn`` (``q_norm``, ``k_norm``, ``v_norm``)."""

@@ -28,8 +28,10 @@ def unwrap(model: nn.Module) -> nn.Module:
         else:
             break
     if not isinstance(inner, nn.Module) or getattr(inner, "config", None) is None:
-        raise TypeError(f"expected a Transformers model (or one wrapped by peft, DDP, FSDP or torch.compile), "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"expected a Transformers model (or one wrapped by peft, DDP, FSDP or torch.compile), "
+            f"got {type(model).__name__}"
+        )
     return inner
 
 
@@ -51,12 +53,17 @@ def find_layers(model: nn.Module, family: Family) -> nn.ModuleList:
                 break
         if isinstance(obj, nn.ModuleList):
             return obj
-    found = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
-             and all(hasattr(block, family.attention) for block in m)]
+    found = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) and all(hasattr(block, family.attention) for block in m)
+    ]
     if len(found) == 1:
         return found[0]
-    raise ValueError(f"could not find the decoder blocks of this {family.model_type} model at "
-                     f"{family.layers!r} (model class {type(model).__name__})")
+    raise ValueError(
+        f"could not find the decoder blocks of this {family.model_type} model at "
+        f"{family.layers!r} (model class {type(model).__name__})"
+    )
 
 
 def attention_modules(model: nn.Module) -> tuple[Family, list[nn.Module]]:
@@ -87,7 +94,7 @@ class AttentionSite:
 
 def num_heads(attn: nn.Module, config) -> tuple[int, int]:
     """``(query heads, key/value heads)`` of an attention module (the whole model's, not one rank's share)."""
-    heads = getattr(config, "num_attention_heads", None) or getattr(attn, "num_heads")
+    heads = getattr(config, "num_attention_heads", None) or attn.num_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     return int(heads), int(kv)
 
@@ -108,4 +115,4 @@ def rotary_function(attn: nn.Module):
     calls between the projections and the backend (listed in :data:`hf_qknorm.upstream.RELIANCES`)."""
     import sys
 
-    return getattr(sys.modules[upstream_class(attn).__module__], "apply_rotary_pos_emb")
+    return sys.modules[upstream_class(attn).__module__].apply_rotary_pos_emb

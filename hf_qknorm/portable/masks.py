@@ -26,21 +26,35 @@ def check_attention_args(query, key, mask, scaling, dropout, sliding_window) -> 
     if mask is not None:
         batch, heads, q_len, kv_len = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
         shape = tuple(mask.shape)
-        if mask.dim() != 4 or shape[0] not in (1, batch) or shape[1] not in (1, heads) \
-                or shape[2] not in (1, q_len) or shape[3] != kv_len:
-            raise ValueError(f"attention mask of shape {shape} does not fit query {tuple(query.shape)} and key "
-                             f"{tuple(key.shape)}: expected (batch|1, 1|heads, q_len|1, kv_len) = "
-                             f"({batch}|1, 1|{heads}, {q_len}|1, {kv_len})")
+        if (
+            mask.dim() != 4
+            or shape[0] not in (1, batch)
+            or shape[1] not in (1, heads)
+            or shape[2] not in (1, q_len)
+            or shape[3] != kv_len
+        ):
+            raise ValueError(
+                f"attention mask of shape {shape} does not fit query {tuple(query.shape)} and key "
+                f"{tuple(key.shape)}: expected (batch|1, 1|heads, q_len|1, kv_len) = "
+                f"({batch}|1, 1|{heads}, {q_len}|1, {kv_len})"
+            )
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-            raise ValueError(f"attention mask of dtype {mask.dtype}: expected torch.bool (True = attend) or an "
-                             "additive floating-point mask of 0 and -inf")
-    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not scaling == scaling \
-            or scaling in (float("inf"), float("-inf")):
+            raise ValueError(
+                f"attention mask of dtype {mask.dtype}: expected torch.bool (True = attend) or an "
+                "additive floating-point mask of 0 and -inf"
+            )
+    if (
+        not isinstance(scaling, (int, float))
+        or isinstance(scaling, bool)
+        or not scaling == scaling
+        or scaling in (float("inf"), float("-inf"))
+    ):
         raise ValueError(f"attention scaling must be a finite number, got {scaling!r}")
     if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ValueError(f"attention dropout must be a probability in [0, 1), got {dropout!r}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
         raise ValueError(f"sliding_window must be a positive number of positions (or None), got {sliding_window!r}")
 
 
@@ -49,12 +63,16 @@ def bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask is None or mask.dtype == torch.bool:
         return mask
     if not mask.dtype.is_floating_point:
-        raise ValueError(f"attention mask of dtype {mask.dtype}: expected torch.bool (True = attend) or an "
-                         "additive floating-point mask of 0 and -inf")
+        raise ValueError(
+            f"attention mask of dtype {mask.dtype}: expected torch.bool (True = attend) or an "
+            "additive floating-point mask of 0 and -inf"
+        )
     blocked = mask <= torch.finfo(mask.dtype).min / 2
     if not bool(torch.all(blocked | (mask == 0))):
-        raise ValueError("qknorm attention takes boolean masks or additive masks of 0 and -inf only; got an additive "
-                         "mask with other values (a position bias?). Use attn_implementation='eager' for such masks.")
+        raise ValueError(
+            "qknorm attention takes boolean masks or additive masks of 0 and -inf only; got an additive "
+            "mask with other values (a position bias?). Use attn_implementation='eager' for such masks."
+        )
     return ~blocked
 
 
@@ -83,8 +101,9 @@ def _restarts(position_ids: torch.Tensor) -> torch.Tensor:
     return position_ids[..., 1:] != position_ids[..., :-1] + 1
 
 
-def packed_sequence_mask(position_ids: torch.Tensor | None, q_len: int, kv_len: int,
-                         mask: torch.Tensor | None = None) -> torch.Tensor | None:
+def packed_sequence_mask(
+    position_ids: torch.Tensor | None, q_len: int, kv_len: int, mask: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """The block-diagonal causal ``(batch, 1, q_len, kv_len)`` mask of sequences packed into a row, recognised where
     ``position_ids`` restart (``DataCollatorWithFlattening``), or ``None`` when they do not.
 
@@ -104,9 +123,11 @@ def packed_sequence_mask(position_ids: torch.Tensor | None, q_len: int, kv_len: 
         if not _RESTART_CACHE[2]:
             return None
         if kv_len != q_len and mask is not None and bool(mask[..., q_len:].any()):
-            raise ValueError(f"packed sequences (position_ids restart within a row) appended to a cache that holds "
-                             f"{kv_len - q_len} earlier tokens: hf_qknorm cannot tell which cached keys belong to "
-                             "which sequence; run packed batches with use_cache=False")
+            raise ValueError(
+                f"packed sequences (position_ids restart within a row) appended to a cache that holds "
+                f"{kv_len - q_len} earlier tokens: hf_qknorm cannot tell which cached keys belong to "
+                "which sequence; run packed batches with use_cache=False"
+            )
     elif kv_len != q_len:
         return None
     seq = torch.nn.functional.pad(_restarts(position_ids).long().cumsum(-1), (1, 0))  # (B, T) sequence index

@@ -129,8 +129,9 @@ def henry_logit_scale(seq_len: int) -> float:
     return math.log2(seq_len * seq_len - seq_len)
 
 
-def make_norm(kind: str, role: str, head_dim: int, eps: float, p: float | None = None,
-              logit_scale: float = 1.0) -> nn.Module:
+def make_norm(
+    kind: str, role: str, head_dim: int, eps: float, p: float | None = None, logit_scale: float = 1.0
+) -> nn.Module:
     """Build the norm for ``role`` in ``("q", "k", "v")``.
 
     For ``layernorm``/``rmsnorm`` the three roles are the same module type. For ``l2``/``lp`` the query norm holds
@@ -159,7 +160,9 @@ def initial_value(model: nn.Module, name: str) -> float:
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     if not isinstance(owner, NORM_CLASSES):
-        raise ValueError(f"{name} is not a parameter of a norm added by hf_qknorm (its module is {type(owner).__name__})")
+        raise ValueError(
+            f"{name} is not a parameter of a norm added by hf_qknorm (its module is {type(owner).__name__})"
+        )
     return owner.initial_values()[leaf]
 
 

@@ -30,7 +30,7 @@ MAX_SOFTCAP = 1e6
 # The smallest eps accepted: float32's smallest normal number, 2**-126. The norms compute in float32 for float32 and
 # half-precision models (and the Triton kernels flush subnormals to 0): a smaller eps becomes 0 there, and a zero
 # query or key vector -- a padding token, a zeroed embedding -- gives 0 / 0 = NaN logits.
-MIN_EPS = 2.0 ** -126
+MIN_EPS = 2.0**-126
 
 
 def _is_number(value) -> bool:
@@ -44,15 +44,18 @@ def check_softcap(value, what: str = "softcap") -> float:
         raise ValueError(f"{what} must be a positive finite number up to {MAX_SOFTCAP:g}, got {value!r}")
     return float(value)
 
+
 def check_eps(value, what: str = "") -> float:
     """``value`` as a float if it is a usable norm epsilon (finite, at least :data:`MIN_EPS`), else a ``ValueError``
     naming it (``what`` says where it came from)."""
     if not _is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"eps must be a positive finite number, got {value!r}{what}")
     if value < MIN_EPS:
-        raise ValueError(f"eps must be a positive finite number of at least {MIN_EPS:.3g} (float32's smallest normal "
-                         f"number: the norms compute in float32, where a smaller eps becomes 0 and a zero query or "
-                         f"key gives NaN), got {value!r}{what}")
+        raise ValueError(
+            f"eps must be a positive finite number of at least {MIN_EPS:.3g} (float32's smallest normal "
+            f"number: the norms compute in float32, where a smaller eps becomes 0 and a zero query or "
+            f"key gives NaN), got {value!r}{what}"
+        )
     return float(value)
 
 
@@ -80,10 +83,16 @@ class QKNormConfig:
 
     # metadata["help"]: the command line's help for each field (its flags are made from these fields)
     scheme: Scheme = field(default="qk_norm_cap", metadata={"help": "what changes in every attention layer"})
-    norm: Norm | None = field(default=None, metadata={
-        "help": "the norm on queries and keys (and values for qkv_norm); default layernorm; not for soft_cap"})
-    softcap: float | None = field(default=None, metadata={
-        "help": "the cap c in c*tanh(s/c), > 0 (default 50 for the capped schemes; an error for the others)"})
+    norm: Norm | None = field(
+        default=None,
+        metadata={
+            "help": "the norm on queries and keys (and values for qkv_norm); default layernorm; not for soft_cap"
+        },
+    )
+    softcap: float | None = field(
+        default=None,
+        metadata={"help": "the cap c in c*tanh(s/c), > 0 (default 50 for the capped schemes; an error for the others)"},
+    )
     eps: float | None = field(default=None, metadata={"help": "epsilon of the new norms (default: the model's own)"})
     p: float | None = field(default=None, metadata={"help": "exponent of the lp norm (p >= 1)"})
 
@@ -99,8 +108,10 @@ class QKNormConfig:
         norm, p = self.norm, self.p
         if self.scheme == "soft_cap":
             if norm is not None:
-                raise ValueError(f"scheme 'soft_cap' has no norm, but norm={norm!r} was given; "
-                                 f"use one of {_choices(_NORMED)} for a norm")
+                raise ValueError(
+                    f"scheme 'soft_cap' has no norm, but norm={norm!r} was given; "
+                    f"use one of {_choices(_NORMED)} for a norm"
+                )
             if p is not None:
                 raise ValueError(f"scheme 'soft_cap' has no norm, so p={p!r} has no meaning")
             return
@@ -127,8 +138,10 @@ class QKNormConfig:
         cap = self.softcap
         if self.scheme not in _CAPPED:
             if cap is not None:
-                raise ValueError(f"scheme {self.scheme!r} has no cap, but softcap={cap!r} was given; "
-                                 f"capped schemes: {_choices(_CAPPED)}")
+                raise ValueError(
+                    f"scheme {self.scheme!r} has no cap, but softcap={cap!r} was given; "
+                    f"capped schemes: {_choices(_CAPPED)}"
+                )
             return
         object.__setattr__(self, "softcap", check_softcap(DEFAULT_SOFTCAP if cap is None else cap))
 
@@ -162,7 +175,7 @@ class QKNormConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "QKNormConfig":
+    def from_dict(cls, d: dict[str, Any]) -> QKNormConfig:
         """The config a saved ``config.qknorm`` describes. A saved config states every field exactly as
         :meth:`to_dict` writes it (``eps`` resolved, ``softcap`` present for capped schemes, ``p`` for ``lp``/``l2``):
         nothing is filled in from defaults, so a hand-edited or truncated entry fails here, naming the field,
@@ -173,8 +186,10 @@ class QKNormConfig:
         if unknown:
             raise ValueError(f"unknown keys in config.qknorm: {unknown}; valid keys: {_choices(_FIELDS)}{_NEWER}")
         if missing:
-            raise ValueError(f"config.qknorm lacks {missing}: a saved scheme states every field "
-                             f"({_choices(_FIELDS)}; null where it does not apply)")
+            raise ValueError(
+                f"config.qknorm lacks {missing}: a saved scheme states every field "
+                f"({_choices(_FIELDS)}; null where it does not apply)"
+            )
         for key, known in (("scheme", SCHEMES), ("norm", NORMS)):  # a name from a newer version (not a typo here)
             if isinstance(d[key], str) and d[key] not in known and d[key].strip().lower() not in known:
                 raise ValueError(f"unknown {key} {d[key]!r} in config.qknorm; valid: {_choices(known)}{_NEWER}")
@@ -185,8 +200,10 @@ class QKNormConfig:
             raise ValueError("config.qknorm has eps null: a saved scheme states the epsilon its norms use")
         for key in ("norm", "softcap", "p"):  # what the constructor would otherwise fill in from defaults
             if stated[key] != resolved[key]:
-                raise ValueError(f"config.qknorm has {key}={stated[key]!r}, but scheme {cfg.scheme!r} with these "
-                                 f"settings means {key}={resolved[key]!r}; write it explicitly")
+                raise ValueError(
+                    f"config.qknorm has {key}={stated[key]!r}, but scheme {cfg.scheme!r} with these "
+                    f"settings means {key}={resolved[key]!r}; write it explicitly"
+                )
         return cfg
 
 

@@ -27,7 +27,7 @@ from .hooks import hook_slots, install, is_installed
 from .layout import find_layers
 from .names import ATTN_IMPLEMENTATION, CLASS_PREFIX, PREFIX
 from .norms import henry_logit_scale, init_unloaded_norms, make_norm
-from .schemes import QKNormConfig, check_eps
+from .schemes import QKNormConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,36 +40,42 @@ REPLACEABLE_BACKENDS = (None, "eager", "sdpa")
 # --------------------------------------------------------------------------------------------------------------------
 @dataclass
 class Plan:
-    cfg: QKNormConfig           # eps resolved
+    cfg: QKNormConfig  # eps resolved
     family: Family
     blocks: nn.ModuleList
     attentions: list[nn.Module]
-    logit_scale: float          # l2/lp initial logit scale
-    switch_backend: bool        # a capped scheme on eager/sdpa moves to "qknorm"
+    logit_scale: float  # l2/lp initial logit scale
+    switch_backend: bool  # a capped scheme on eager/sdpa moves to "qknorm"
 
 
 def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -> Plan:
     """Check that ``cfg`` can be applied to ``model`` and say how; raises ``ValueError`` naming the problem.
     ``loading``: the model is being built from a saved ``qknorm_<base>`` config (already marked)."""
     config = model.config
-    if not loading and (getattr(config, "qknorm", None) is not None
-                        or str(getattr(config, "model_type", "")).startswith(PREFIX)):
-        raise ValueError(f"model is already patched with {getattr(config, 'qknorm', None)!r}; "
-                         "patching twice is not supported: patch the original model once")
+    if not loading and (
+        getattr(config, "qknorm", None) is not None or str(getattr(config, "model_type", "")).startswith(PREFIX)
+    ):
+        raise ValueError(
+            f"model is already patched with {getattr(config, 'qknorm', None)!r}; "
+            "patching twice is not supported: patch the original model once"
+        )
     family = get_family(getattr(config, "model_type", None)) if not loading else family_of_config(config)
     if cfg.eps is None:
         cfg = QKNormConfig(**{**cfg.to_dict(), "eps": family.norm_eps(config)})
     if family.fused_qkv and getattr(config, "add_cross_attention", False):
-        raise ValueError(f"this {family.model_type} model has cross-attention layers; hf_qknorm patches "
-                         "self-attention only")
+        raise ValueError(
+            f"this {family.model_type} model has cross-attention layers; hf_qknorm patches self-attention only"
+        )
     blocks = find_layers(model, family)
     attentions = []
     for i, block in enumerate(blocks):
         attn = getattr(block, family.attention, None)
         names = [c.__name__ for c in type(attn).__mro__] if attn is not None else []
         if family.attention_class not in names:
-            raise ValueError(f"expected {family.attention_class} at .{family.attention} of each "
-                             f"{family.model_type} block, found {names[0] if names else 'nothing'} (block {i})")
+            raise ValueError(
+                f"expected {family.attention_class} at .{family.attention} of each "
+                f"{family.model_type} block, found {names[0] if names else 'nothing'} (block {i})"
+            )
         if cfg.removes_prenorm:
             _check_fold(block, attn, family, i)
         attentions.append(attn)
@@ -77,9 +83,11 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
     if cfg.caps:
         impl = getattr(config, "_attn_implementation", None)
         if impl not in (ATTN_IMPLEMENTATION, *REPLACEABLE_BACKENDS):
-            raise ValueError(f"attention implementation {impl!r} would drop the softcap of scheme {cfg.scheme!r}; "
-                             f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r} (or 'sdpa'/'eager', "
-                             f"which patch_model switches to {ATTN_IMPLEMENTATION!r})")
+            raise ValueError(
+                f"attention implementation {impl!r} would drop the softcap of scheme {cfg.scheme!r}; "
+                f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r} (or 'sdpa'/'eager', "
+                f"which patch_model switches to {ATTN_IMPLEMENTATION!r})"
+            )
         switch = impl != ATTN_IMPLEMENTATION
     if family.native_qk_norm and cfg.norms_qk and cfg.learned_logit_scale and not loading:
         _warn_dropped_native_gain(attentions[0], cfg)
@@ -94,17 +102,22 @@ def _check_fold(block, attn, family: Family, index: int) -> None:
     if getattr(prenorm, "bias", None) is not None:
         for name in _prenorm_readers(family):
             if _base(getattr(attn, name)).bias is None:
-                raise ValueError(f"cannot fold the bias of .{family.prenorm} (block {index}) into .{name}: the "
-                                 "projection has no bias")
+                raise ValueError(
+                    f"cannot fold the bias of .{family.prenorm} (block {index}) into .{name}: the "
+                    "projection has no bias"
+                )
 
 
 def _warn_dropped_native_gain(attn, cfg: QKNormConfig) -> None:
     native = getattr(attn, "q_norm", None)
     weight = getattr(native, "weight", None)
     if weight is not None and not torch.all(weight == 1):
-        logger.warning("Qwen3's own per-channel q/k norm gains cannot be carried into norm %r (one scalar logit "
-                       "scale): they are replaced, so the patched model starts from different attention. Use "
-                       "norm='rmsnorm' or 'layernorm' to keep them.", cfg.norm)
+        logger.warning(
+            "Qwen3's own per-channel q/k norm gains cannot be carried into norm %r (one scalar logit "
+            "scale): they are replaced, so the patched model starts from different attention. Use "
+            "norm='rmsnorm' or 'layernorm' to keep them.",
+            cfg.norm,
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -192,8 +205,7 @@ def patch_on_init(model: nn.Module) -> None:
     then loaded into it). The scheme is validated with the same rules as :class:`QKNormConfig`."""
     settings = getattr(model.config, "qknorm", None)
     if settings is None:
-        raise ValueError(f"{type(model.config).__name__} has no 'qknorm' entry: this config was not saved by "
-                         "hf_qknorm")
+        raise ValueError(f"{type(model.config).__name__} has no 'qknorm' entry: this config was not saved by hf_qknorm")
     plan = plan_scheme(model, QKNormConfig.from_dict(settings), loading=True)
     if all(is_installed(attn) for attn in plan.attentions):
         return  # built from already-patched parts (a head class whose base model is made by AutoModel)
@@ -249,7 +261,8 @@ def check_scheme_weights(model: nn.Module, loading_info) -> None:
         f"{where}: the norm weights do not match scheme {scheme}{norm}: {'; '.join(parts)}. A folder written by "
         "save_pretrained or hf-qknorm convert holds exactly its scheme's norm weights, so this one was edited or "
         "mixed up; loading it would run fresh norms in place of trained ones. To start from fresh norms, load the "
-        "unpatched model and call hf_qknorm.patch_model")
+        "unpatched model and call hf_qknorm.patch_model"
+    )
 
 
 def _scheme_key(model: nn.Module, key: str, prenorm: str | None) -> bool:
@@ -271,7 +284,7 @@ def keys_text(keys) -> str:
     for key in sorted(keys):
         parts = key.split(".")
         at = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)  # the layer index
-        pattern = key if at is None else ".".join(parts[:at] + ["*"] + parts[at + 1:])
+        pattern = key if at is None else ".".join(parts[:at] + ["*"] + parts[at + 1 :])
         groups.setdefault(pattern, []).append((-1 if at is None else int(parts[at]), key))
     items = []
     for pattern, members in sorted(groups.items()):
@@ -345,23 +358,32 @@ def auto_map(config_class_name: str, architectures) -> dict:
         auto = "AutoModelForCausalLM" if head in ("ForCausalLM", "LMHeadModel") else f"AutoModel{head or ''}"
         out[auto] = f"{REMOTE_MODELING_MODULE}.{arch}"
         if head is not None:  # the base model loads from any head's folder
-            out.setdefault("AutoModel", f"{REMOTE_MODELING_MODULE}.{arch[:-len(head)]}Model")
+            out.setdefault("AutoModel", f"{REMOTE_MODELING_MODULE}.{arch[: -len(head)]}Model")
     return out
 
 
-_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForSequenceClassification", "ForTokenClassification",
-                  "ForQuestionAnswering")
+_HEAD_SUFFIXES = (
+    "ForCausalLM",
+    "LMHeadModel",
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+)
 
 
 def make_config_class(base_config: type, model_type: str, module: str) -> type:
     """``QKNorm<Base>Config``: ``base_config`` with ``model_type`` ``qknorm_<model_type>``, defined in ``module``."""
-    return type(CLASS_PREFIX + base_config.__name__, (PatchedConfigMixin, base_config),
-                {"model_type": PREFIX + model_type, "__module__": module})
+    return type(
+        CLASS_PREFIX + base_config.__name__,
+        (PatchedConfigMixin, base_config),
+        {"model_type": PREFIX + model_type, "__module__": module},
+    )
 
 
 def make_model_class(base_model: type, config_class: type, module: str) -> type:
     """``QKNorm<Base>``: builds ``base_model``, then its patched structure from ``config.qknorm``, so a saved
     folder's norm weights have somewhere to load into."""
+
     def __init__(self, config, *args, **kwargs):
         base_model.__init__(self, config, *args, **kwargs)
         patch_on_init(self)

@@ -34,10 +34,12 @@ class HeadRows:
         self.dim = 1 if conv1d else 0  # the weight's output-channel dimension
         out_dim = self.weight.shape[self.dim]  # a DTensor's shape is the global one
         if out_dim < offset + heads * head_dim:
-            raise NotImplementedError(f"{where}: the weight has {out_dim} output channels where {heads} heads of "
-                                      f"{head_dim} need {offset + heads * head_dim} (sharded without DTensor?); "
-                                      "per-head control needs whole weights or DTensor shards (FSDP2, "
-                                      "tensor parallelism)")
+            raise NotImplementedError(
+                f"{where}: the weight has {out_dim} output channels where {heads} heads of "
+                f"{head_dim} need {offset + heads * head_dim} (sharded without DTensor?); "
+                "per-head control needs whole weights or DTensor shards (FSDP2, "
+                "tensor parallelism)"
+            )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -69,9 +71,11 @@ class HeadRows:
     def check_at_rest(self, fsdp_owned: bool) -> None:
         """Refuse to edit a weight FSDP2 has gathered for a forward: the edit would be lost at the next reshard."""
         if fsdp_owned and not is_dtensor(self.weight):
-            raise RuntimeError(f"{self.where}: FSDP2 holds this weight unsharded (between a forward and its "
-                               "backward?); call the training control after optimizer.step(), when parameters are "
-                               "sharded again")
+            raise RuntimeError(
+                f"{self.where}: FSDP2 holds this weight unsharded (between a forward and its "
+                "backward?); call the training control after optimizer.step(), when parameters are "
+                "sharded again"
+            )
 
     # -- norms -------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -101,8 +105,9 @@ class HeadRows:
             if t.numel() == 0:
                 continue
             acc = torch.promote_types(t.dtype, torch.float32)
-            f = torch.where(valid, factor.to(device=t.device, dtype=acc)[head], torch.ones((), dtype=acc,
-                                                                                         device=t.device))
+            f = torch.where(
+                valid, factor.to(device=t.device, dtype=acc)[head], torch.ones((), dtype=acc, device=t.device)
+            )
             t.copy_(t.to(acc) * f.view(_along(t, dim)))
 
     @torch.no_grad()
@@ -132,8 +137,10 @@ class HeadRows:
         part = local_part(self.weight, f"{self.where} weight")
         start, rows = part.start[self.dim] - self.offset, part.tensor.shape[self.dim]
         if start % self.head_dim or rows != seen * self.head_dim:
-            raise RuntimeError(f"{self.where}: a forward ran {seen} of {self.heads} heads, but this rank's rows "
-                               f"[{start}, {start + rows}) of the weight are not those heads")
+            raise RuntimeError(
+                f"{self.where}: a forward ran {seen} of {self.heads} heads, but this rank's rows "
+                f"[{start}, {start + rows}) of the weight are not those heads"
+            )
         return start // self.head_dim
 
 
@@ -168,7 +175,11 @@ def layer_rows(site, config) -> tuple[HeadRows, HeadRows]:
     where = f"layer {site.index}"
     if fam.fused_qkv:
         proj = getattr(attn, fam.qkv_proj)
-        return (HeadRows(proj, 0, heads, d, fam.conv1d, where + " W_Q"),
-                HeadRows(proj, heads * d, kv_heads, d, fam.conv1d, where + " W_K"))
-    return (HeadRows(getattr(attn, fam.q_proj), 0, heads, d, fam.conv1d, where + " W_Q"),
-            HeadRows(getattr(attn, fam.k_proj), 0, kv_heads, d, fam.conv1d, where + " W_K"))
+        return (
+            HeadRows(proj, 0, heads, d, fam.conv1d, where + " W_Q"),
+            HeadRows(proj, heads * d, kv_heads, d, fam.conv1d, where + " W_K"),
+        )
+    return (
+        HeadRows(getattr(attn, fam.q_proj), 0, heads, d, fam.conv1d, where + " W_Q"),
+        HeadRows(getattr(attn, fam.k_proj), 0, kv_heads, d, fam.conv1d, where + " W_K"),
+    )

@@ -40,12 +40,16 @@ def trainable_norm_modules(model: nn.Module) -> list[str]:
     if not sites:
         return []
     attn = sites[0].module
-    return [n for n in NORM_NAMES
-            if isinstance(getattr(attn, n, None), nn.Module) and any(True for _ in getattr(attn, n).parameters())]
+    return [
+        n
+        for n in NORM_NAMES
+        if isinstance(getattr(attn, n, None), nn.Module) and any(True for _ in getattr(attn, n).parameters())
+    ]
 
 
-def lora_config(model: nn.Module, *, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
-                train_norms: bool = True, **kwargs):
+def lora_config(
+    model: nn.Module, *, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0, train_norms: bool = True, **kwargs
+):
     """A ``peft.LoraConfig`` for LoRA on ``model``'s attention projections, with the norm weights trainable.
 
     Args:
@@ -63,9 +67,14 @@ def lora_config(model: nn.Module, *, r: int = 8, lora_alpha: int = 16, lora_drop
     kwargs.setdefault("task_type", TaskType.CAUSAL_LM)
     if fam.conv1d:
         kwargs.setdefault("fan_in_fan_out", True)
-    return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                      target_modules=kwargs.pop("target_modules", lora_target_modules(model)),
-                      modules_to_save=to_save or None, **kwargs)
+    return LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=kwargs.pop("target_modules", lora_target_modules(model)),
+        modules_to_save=to_save or None,
+        **kwargs,
+    )
 
 
 def prepare_lora(model: nn.Module, **kwargs):

@@ -31,7 +31,6 @@ from ..modeling.telemetry import TILE_ELEMENTS, LogitTap, logit_tiles
 from .heads import layer_rows
 from .sites import unwrap
 
-
 logger = logging.getLogger(__name__)
 
 STATS = ("max_logit", "entropy", "q_rms", "k_rms")
@@ -42,9 +41,16 @@ DIVERGENCE_LOGIT = 1e4  # Wortsman et al. 2023: a largest attention logit above 
 # the statistics
 # --------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                    scaling: float, softcap: float | None = None, causal: bool = True,
-                    tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+def attention_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    causal: bool = True,
+    tile_elements: int = TILE_ELEMENTS,
+) -> torch.Tensor:
     """``[largest pre-cap logit, mean attention entropy (nats), rms(q), rms(k), max logit of head 0, 1, ...]`` of one
     attention call.
 
@@ -61,15 +67,23 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tens
         a float tensor of ``4 + heads`` values (float64 for float64 inputs, else float32), on ``q``'s device. The
         maxima are over allowed positions; the entropy is averaged over query rows with at least one allowed key.
     """
-    sums = attention_sums(q, k, attention_mask, scaling=scaling, softcap=softcap, causal=causal,
-                          tile_elements=tile_elements)
+    sums = attention_sums(
+        q, k, attention_mask, scaling=scaling, softcap=softcap, causal=causal, tile_elements=tile_elements
+    )
     return _ratios(sums)
 
 
 @torch.no_grad()
-def attention_sums(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   scaling: float, softcap: float | None = None, causal: bool = True,
-                   tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+def attention_sums(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    causal: bool = True,
+    tile_elements: int = TILE_ELEMENTS,
+) -> torch.Tensor:
     """What :func:`attention_stats` is made of, as quantities that add up across processes: ``[largest logit,
     entropy sum, rows with an allowed key, sum q^2, q elements, sum k^2, k elements, max logit of each head]``
     (``len(SUMS) + heads`` values; same arguments and dtype)."""
@@ -96,8 +110,9 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tenso
     sq_q = torch.linalg.vector_norm(q, dtype=acc).square()
     sq_k = torch.linalg.vector_norm(k, dtype=acc).square()
     counts = [torch.tensor(float(n), dtype=acc, device=q.device) for n in (q.numel(), k.numel())]
-    return torch.cat([torch.stack([best.max(), ent_sum, n_rows, sq_q, counts[0], sq_k, counts[1]]),
-                      best.reshape(heads)])
+    return torch.cat(
+        [torch.stack([best.max(), ent_sum, n_rows, sq_q, counts[0], sq_k, counts[1]]), best.reshape(heads)]
+    )
 
 
 SUMS = ("max_logit", "entropy_sum", "rows", "q_sq", "q_elements", "k_sq", "k_elements")
@@ -105,10 +120,11 @@ SUMS = ("max_logit", "entropy_sum", "rows", "q_sq", "q_elements", "k_sq", "k_ele
 
 def _ratios(sums: torch.Tensor) -> torch.Tensor:
     """:func:`attention_sums`' layout -> :func:`attention_stats`' (works on ``(..., len(SUMS) + heads)``)."""
-    top, ent, rows, sq_q, n_q, sq_k, n_k = sums[..., :len(SUMS)].unbind(-1)
-    stats = torch.stack([top, ent / rows.clamp_min(1), (sq_q / n_q.clamp_min(1)).sqrt(),
-                         (sq_k / n_k.clamp_min(1)).sqrt()], dim=-1)
-    return torch.cat([stats, sums[..., len(SUMS):]], dim=-1)
+    top, ent, rows, sq_q, n_q, sq_k, n_k = sums[..., : len(SUMS)].unbind(-1)
+    stats = torch.stack(
+        [top, ent / rows.clamp_min(1), (sq_q / n_q.clamp_min(1)).sqrt(), (sq_k / n_k.clamp_min(1)).sqrt()], dim=-1
+    )
+    return torch.cat([stats, sums[..., len(SUMS) :]], dim=-1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -139,9 +155,17 @@ class QKMonitor:
     own heads and the per-head maxima land at their global head index. ``sync=False`` keeps each rank's own.
     """
 
-    def __init__(self, model: nn.Module, *, prefix: str = "qk/", tile_elements: int = TILE_ELEMENTS,
-                 cap_warn_fraction: float = 0.8, warn_logit: float = 1e3, diverge_logit: float = DIVERGENCE_LOGIT,
-                 sync: bool | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        prefix: str = "qk/",
+        tile_elements: int = TILE_ELEMENTS,
+        cap_warn_fraction: float = 0.8,
+        warn_logit: float = 1e3,
+        diverge_logit: float = DIVERGENCE_LOGIT,
+        sync: bool | None = None,
+    ):
         check_tensor_parallel(model)  # refuses tensor-parallel layouts it cannot read, saying what is supported
         self.model = model
         self.tap = LogitTap(model, lambda *args: self._measure(*args))
@@ -190,8 +214,15 @@ class QKMonitor:
     def _measure(self, index: int, attn: nn.Module, q, k, attention_mask, scaling, softcap) -> None:
         if index in self._results:  # gradient checkpointing recomputes; accumulation repeats: first call only
             return
-        vals = attention_sums(q.detach(), k.detach(), attention_mask, scaling=float(scaling), softcap=softcap,
-                              causal=getattr(attn, "is_causal", True), tile_elements=self.tile_elements)
+        vals = attention_sums(
+            q.detach(),
+            k.detach(),
+            attention_mask,
+            scaling=float(scaling),
+            softcap=softcap,
+            causal=getattr(attn, "is_causal", True),
+            tile_elements=self.tile_elements,
+        )
         self._results[index] = (vals, softcap)
 
     # -- reporting ---------------------------------------------------------------------------------------------------
@@ -200,14 +231,14 @@ class QKMonitor:
         run), over all ranks when synchronised: one all-gather for all layers."""
         width = 1 + len(SUMS) + max(q.heads for q in self._q_rows)
         table = torch.zeros(len(self.sites), width, dtype=torch.float64)
-        table[:, 1 + len(SUMS):] = float("-inf")
+        table[:, 1 + len(SUMS) :] = float("-inf")
         table[:, 1] = float("-inf")
         for i, (vals, _) in self._results.items():
             vals = vals.to(torch.float64).cpu()
             seen = vals.numel() - len(SUMS)
             first = 1 + len(SUMS) + self._q_rows[i].local_heads(seen)
             table[i, 0] = 1.0
-            table[i, 1:1 + len(SUMS)], table[i, first:first + seen] = vals[:len(SUMS)], vals[len(SUMS):]
+            table[i, 1 : 1 + len(SUMS)], table[i, first : first + seen] = vals[: len(SUMS)], vals[len(SUMS) :]
         sync = self.sync if self.sync is not None else world_size() > 1
         if not sync:
             return table
@@ -219,7 +250,7 @@ class QKMonitor:
         out = every.sum(0)  # the counts and sums add up ...
         out[:, 0] = every[:, :, 0].amax(0)
         out[:, 1] = every[:, :, 1].amax(0)  # ... the maxima do not (amax keeps a NaN: every rank sees it)
-        out[:, 1 + len(SUMS):] = every[:, :, 1 + len(SUMS):].amax(0)
+        out[:, 1 + len(SUMS) :] = every[:, :, 1 + len(SUMS) :].amax(0)
         return out
 
     def _collect(self) -> dict[str, float]:
@@ -233,13 +264,16 @@ class QKMonitor:
         if not order:
             return {}
         stats_rows = _ratios(table[order, 1:]).tolist()
-        self.head_max_logits = {i: row[len(STATS):len(STATS) + self._q_rows[i].heads]
-                                for i, row in zip(order, stats_rows)}
+        self.head_max_logits = {
+            i: row[len(STATS) : len(STATS) + self._q_rows[i].heads] for i, row in zip(order, stats_rows)
+        }
         p = self.prefix
-        stats = {f"{p}max_logit": max(row[0] for row in stats_rows),
-                 f"{p}min_entropy": min(row[1] for row in stats_rows)}
+        stats = {
+            f"{p}max_logit": max(row[0] for row in stats_rows),
+            f"{p}min_entropy": min(row[1] for row in stats_rows),
+        }
         for i, row in zip(order, stats_rows):
-            stats.update({f"{p}layer{i}/{name}": value for name, value in zip(STATS, row[:len(STATS)])})
+            stats.update({f"{p}layer{i}/{name}": value for name, value in zip(STATS, row[: len(STATS)])})
         cap = next((c for c in softcaps.values() if c is not None), None)  # the scheme's one cap, if any
         self._softcaps = {i: softcaps.get(i, cap) for i in order}
         return stats
@@ -262,14 +296,20 @@ class QKMonitor:
     def _alert(self, step, layer, kind, logit, softcap) -> None:
         where = f"step {step}, layer {layer}" if step is not None else f"layer {layer}"
         if kind == "cap":
-            msg = (f"{where}: largest pre-cap attention logit {logit:.4g} is at {logit / softcap:.0%} of the cap "
-                   f"{softcap:g}; c*tanh(s/c) saturates there (lower the learning rate or raise the cap)")
+            msg = (
+                f"{where}: largest pre-cap attention logit {logit:.4g} is at {logit / softcap:.0%} of the cap "
+                f"{softcap:g}; c*tanh(s/c) saturates there (lower the learning rate or raise the cap)"
+            )
         elif kind == "diverge":
-            msg = (f"{where}: largest attention logit {logit:.4g} is above {self.diverge_logit:g}, where "
-                   "Wortsman et al. 2023's runs diverged (attention-logit growth); consider QK-norm or a lower LR")
+            msg = (
+                f"{where}: largest attention logit {logit:.4g} is above {self.diverge_logit:g}, where "
+                "Wortsman et al. 2023's runs diverged (attention-logit growth); consider QK-norm or a lower LR"
+            )
         else:
-            msg = (f"{where}: largest attention logit {logit:.4g} is growing toward the divergence regime "
-                   f"(runs diverged above {self.diverge_logit:g}, Wortsman et al. 2023)")
+            msg = (
+                f"{where}: largest attention logit {logit:.4g} is growing toward the divergence regime "
+                f"(runs diverged above {self.diverge_logit:g}, Wortsman et al. 2023)"
+            )
         logger.warning(msg)
         self.alerts.append({"step": step, "layer": layer, "kind": kind, "max_logit": logit, "message": msg})
 
@@ -302,7 +342,7 @@ class QKMonitorCallback(TrainerCallback):
         self._warned = False
 
     @classmethod
-    def attach(cls, trainer, every: int = 10, **monitor_kwargs) -> "QKMonitorCallback":
+    def attach(cls, trainer, every: int = 10, **monitor_kwargs) -> QKMonitorCallback:
         callback = cls(every, trainer=trainer, **monitor_kwargs)
         trainer.add_callback(callback)
         return callback
@@ -333,8 +373,10 @@ class QKMonitorCallback(TrainerCallback):
             return
         if not self._warned:
             self._warned = True
-            logger.warning("QKMonitorCallback was added without a trainer: statistics go to state.log_history and "
-                           "callback.history only; use QKMonitorCallback.attach(trainer) to reach the reporters")
+            logger.warning(
+                "QKMonitorCallback was added without a trainer: statistics go to state.log_history and "
+                "callback.history only; use QKMonitorCallback.attach(trainer) to reach the reporters"
+            )
         state.log_history.append({**stats, "step": state.global_step})
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -47,16 +47,27 @@ class MuonAdamW(torch.optim.Optimizer):
         muon_kwargs, adamw_kwargs: passed on (``momentum``, ``adjust_lr_fn``; ``betas``, ``eps``).
     """
 
-    def __init__(self, model: nn.Module, lr: float = 0.02, *, adamw_lr: float | None = None,
-                 weight_decay: float = 0.0, muon_kwargs: dict | None = None, adamw_kwargs: dict | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.02,
+        *,
+        adamw_lr: float | None = None,
+        weight_decay: float = 0.0,
+        muon_kwargs: dict | None = None,
+        adamw_kwargs: dict | None = None,
+    ):
         matrices, rest = muon_split(model)
         if not matrices:
             raise ValueError("the model has no trainable hidden weight matrices for Muon")
         adamw_lr = lr if adamw_lr is None else adamw_lr
         decay, no_decay = [p for p in rest if p.dim() >= 2], [p for p in rest if p.dim() < 2]
         self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, **(muon_kwargs or {}))
-        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        groups = [
+            g
+            for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]
+        ]
         self.adamw = torch.optim.AdamW(groups, lr=adamw_lr, **(adamw_kwargs or {}))
         # the base class sees the union of both optimizers' groups (the same dicts: a scheduler's change reaches them)
         super().__init__([{"params": []}], {"lr": lr})

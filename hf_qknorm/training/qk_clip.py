@@ -50,13 +50,18 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
-from ..modeling.sharding import (check_tensor_parallel, collective_device, fsdp_owned, local_part, refuse_engines,
-                                 world_size)
+from ..modeling.sharding import (
+    check_tensor_parallel,
+    collective_device,
+    fsdp_owned,
+    local_part,
+    refuse_engines,
+    world_size,
+)
 from ..modeling.telemetry import LogitTap
+from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from .heads import layer_rows
 from .sites import attention_sites, unwrap
-
 
 logger = logging.getLogger(__name__)
 
@@ -131,13 +136,13 @@ class QKClip:
             if top is None:
                 continue
             first = start + q_rows.local_heads(top.numel())
-            flat[first:first + top.numel()] = _nan_as_inf(top.to(device=device, dtype=torch.float64))
+            flat[first : first + top.numel()] = _nan_as_inf(top.to(device=device, dtype=torch.float64))
         if distributed:
             torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
         flat = flat.cpu()
         out = []
         for start, h in zip(starts, self.heads):
-            part = flat[start:start + h]
+            part = flat[start : start + h]
             out.append(part if bool((part > float("-inf")).any()) else None)
         return out
 
@@ -175,13 +180,18 @@ class QKClip:
             k_rows.scale(gamma.view(k_rows.heads, groups).amin(1).pow(1.0 - self.alpha))
         self.last_skipped = skipped
         if skipped:
-            logger.warning("QK-Clip: non-finite attention logits, heads left unclipped: %s",
-                           ", ".join(f"layer {i} head {h}: {s}" for i, h, s in skipped))
+            logger.warning(
+                "QK-Clip: non-finite attention logits, heads left unclipped: %s",
+                ", ".join(f"layer {i} head {h}: {s}" for i, h, s in skipped),
+            )
         if clipped:
             self.clipped_steps += 1
             self.last_clipped = clipped
-            logger.info("QK-Clip (tau %g): %s", self.tau,
-                        ", ".join(f"layer {i} head {h}: {s:.4g} -> x{g:.4f}" for i, h, s, g in clipped))
+            logger.info(
+                "QK-Clip (tau %g): %s",
+                self.tau,
+                ", ".join(f"layer {i} head {h}: {s:.4g} -> x{g:.4f}" for i, h, s, g in clipped),
+            )
         return clipped
 
     def _check_at_rest(self) -> None:
@@ -224,19 +234,20 @@ def _normed_gains(site):
         return None
     q_norm, k_norm = (getattr(n, "original_module", n) for n in (q_norm, k_norm))  # peft modules_to_save
     if not (isinstance(q_norm, _GAINED_NORMS) or type(q_norm).__name__.endswith("RMSNorm")):
-        raise NotImplementedError(f"layer {site.index}: q/k norm {type(q_norm).__name__} is not one QK-Clip knows "
-                                  "how to scale")
+        raise NotImplementedError(
+            f"layer {site.index}: q/k norm {type(q_norm).__name__} is not one QK-Clip knows how to scale"
+        )
     return attn, q_norm, k_norm
 
 
 def _scale_norm_gains(norms, gamma: float, alpha: float) -> None:
     """Scale the shared q/k norm gains so that every head's logits scale by at most ``gamma``."""
     attn = norms[0]
-    q_norm, k_norm = getattr(attn, "q_norm"), getattr(attn, "k_norm")
+    q_norm, k_norm = attn.q_norm, attn.k_norm
     if isinstance(getattr(k_norm, "original_module", k_norm), HeadLpNorm):  # one logit scale, on q_norm
         q_factor, k_factor = gamma, 1.0
     else:
-        q_factor, k_factor = gamma ** alpha, gamma ** (1.0 - alpha)
+        q_factor, k_factor = gamma**alpha, gamma ** (1.0 - alpha)
     for norm, factor in ((q_norm, q_factor), (k_norm, k_factor)):
         for module in _norm_copies(norm):
             for name in ("weight", "bias"):
@@ -273,8 +284,11 @@ class QKClipCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         clipped = self.clip.step()
         if clipped or self.clip.last_skipped:
-            entry = {"step": state.global_step + 1,  # the step this optimizer update completes
-                     "clipped": [list(c) for c in clipped], "skipped": [list(c) for c in self.clip.last_skipped]}
+            entry = {
+                "step": state.global_step + 1,  # the step this optimizer update completes
+                "clipped": [list(c) for c in clipped],
+                "skipped": [list(c) for c in self.clip.last_skipped],
+            }
             self.history.append(entry)
             state.log_history.append({"qk_clip/clipped_heads": len(clipped), "step": entry["step"]})
 

@@ -41,7 +41,6 @@ from ..modeling.sharding import check_tensor_parallel, fsdp_owned, refuse_engine
 from .heads import HeadRows, head_norms, layer_rows
 from .sites import attention_sites, unwrap
 
-
 logger = logging.getLogger(__name__)
 
 RULES = ("norm_ratio", "constant")
@@ -52,8 +51,9 @@ class _Snapshot:
 
     def __init__(self, rows: HeadRows):
         if not rows.weight.requires_grad:
-            raise ValueError(f"{rows.where} is frozen (a LoRA base weight?): Q/K learning-rate control needs "
-                             "trainable W_Q and W_K")
+            raise ValueError(
+                f"{rows.where} is frozen (a LoRA base weight?): Q/K learning-rate control needs trainable W_Q and W_K"
+            )
         self.rows, self.heads = rows, rows.heads
         self.snapshot: list[torch.Tensor] | None = None
 
@@ -91,8 +91,15 @@ class QKLearningRate:
         qk.step(optimizer)          # = qk.pre_step(); optimizer.step(); qk.post_step()
     """
 
-    def __init__(self, model: nn.Module, *, tau: float = 1.0, rule: str = "norm_ratio", per_head: bool = True,
-                 initial_norms: dict | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tau: float = 1.0,
+        rule: str = "norm_ratio",
+        per_head: bool = True,
+        initial_norms: dict | None = None,
+    ):
         if rule not in RULES:
             raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
         if not tau > 0:
@@ -105,8 +112,9 @@ class QKLearningRate:
         self.layers = [_layer_rows(site, config) for site in self.sites]
         self.initial_norms = initial_norms if initial_norms is not None else self._current_norms()
         if len(self.initial_norms["q"]) != len(self.layers):
-            raise ValueError(f"initial_norms cover {len(self.initial_norms['q'])} layers, the model has "
-                             f"{len(self.layers)}")
+            raise ValueError(
+                f"initial_norms cover {len(self.initial_norms['q'])} layers, the model has {len(self.layers)}"
+            )
         self.last_factors: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _current_norms(self) -> dict:
@@ -126,8 +134,12 @@ class QKLearningRate:
         norms = self._norms() if self.rule != "constant" else [None] * len(self.layers)
         for i, ((q, k), current) in enumerate(zip(self.layers, norms)):
             if self.rule == "constant":
-                out.append((torch.full((q.heads,), self.tau, dtype=torch.float64),
-                            torch.full((k.heads,), self.tau, dtype=torch.float64)))
+                out.append(
+                    (
+                        torch.full((q.heads,), self.tau, dtype=torch.float64),
+                        torch.full((k.heads,), self.tau, dtype=torch.float64),
+                    )
+                )
                 continue
             nq, nk = current
             nq0 = torch.tensor(self.initial_norms["q"][i], dtype=torch.float64)
@@ -190,15 +202,18 @@ class QKLearningRateCallback(TrainerCallback, ExportableState):
     DeepSpeed and FSDP version 1 are refused.
     """
 
-    def __init__(self, tau: float = 1.0, rule: str = "norm_ratio", per_head: bool = True,
-                 initial_norms: dict | None = None):
+    def __init__(
+        self, tau: float = 1.0, rule: str = "norm_ratio", per_head: bool = True, initial_norms: dict | None = None
+    ):
         self.tau, self.rule, self.per_head, self.initial_norms = tau, rule, per_head, initial_norms
         self.controller: QKLearningRate | None = None
 
     def state(self) -> dict:
         norms = self.controller.initial_norms if self.controller is not None else self.initial_norms
-        return {"args": {"tau": self.tau, "rule": self.rule, "per_head": self.per_head},
-                "attributes": {"initial_norms": norms}}
+        return {
+            "args": {"tau": self.tau, "rule": self.rule, "per_head": self.per_head},
+            "attributes": {"initial_norms": norms},
+        }
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.initial_norms is None:  # resuming: our own saved state, whether or not the Trainer restores it
@@ -207,8 +222,9 @@ class QKLearningRateCallback(TrainerCallback, ExportableState):
             if isinstance(saved, dict):
                 self.initial_norms = saved.get("attributes", {}).get("initial_norms")
         refuse_engines(model, "Q/K learning-rate control", args)
-        self.controller = QKLearningRate(model, tau=self.tau, rule=self.rule, per_head=self.per_head,
-                                         initial_norms=self.initial_norms)
+        self.controller = QKLearningRate(
+            model, tau=self.tau, rule=self.rule, per_head=self.per_head, initial_norms=self.initial_norms
+        )
         self.initial_norms = self.controller.initial_norms
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -218,8 +234,7 @@ class QKLearningRateCallback(TrainerCallback, ExportableState):
         self.controller.post_step()
 
 
-def qk_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0,
-                    qk_lr_factor: float = 1.0) -> list[dict]:
+def qk_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0, qk_lr_factor: float = 1.0) -> list[dict]:
     """Optimizer parameter groups: matrices with ``weight_decay``; vectors (norms, biases, the lp logit scale)
     without; and ``W_Q``/``W_K`` of every layer in their own group at ``lr * qk_lr_factor`` (with decay).
 
@@ -230,8 +245,10 @@ def qk_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0,
     """
     sites = attention_sites(model)
     if sites and sites[0].family.fused_qkv:
-        raise ValueError(f"{sites[0].family.model_type} fuses Q, K and V in one weight ({sites[0].family.qkv_proj}); "
-                         "use QKLearningRate(model, tau=factor, rule='constant') for a Q/K factor")
+        raise ValueError(
+            f"{sites[0].family.model_type} fuses Q, K and V in one weight ({sites[0].family.qkv_proj}); "
+            "use QKLearningRate(model, tau=factor, rule='constant') for a Q/K factor"
+        )
     qk_ids = set()
     for site in sites:
         for name in (site.family.q_proj, site.family.k_proj):
@@ -242,6 +259,9 @@ def qk_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0,
         if not param.requires_grad:
             continue
         (qk if id(param) in qk_ids else decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0},
-              {"params": qk, "weight_decay": weight_decay, "lr": lr * qk_lr_factor}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+        {"params": qk, "weight_decay": weight_decay, "lr": lr * qk_lr_factor},
+    ]
     return [g for g in groups if g["params"]]

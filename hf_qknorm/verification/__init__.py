@@ -3,7 +3,8 @@
 The probes (:mod:`.probe`) run the model through its live attention backend and its generation cache and record
 what every attention layer saw and returned; the checks (:mod:`.checks`) recompute each layer from its weights with
 the float64 formula reference (:mod:`hf_qknorm.reference`) and say whether the cap, the norms and the mask are
-applied. ``hf-qknorm verify DIR [--no-plugin]`` (:mod:`.command`; also ``python -m hf_qknorm.verification``) does the same for a saved folder, optionally
+applied. ``hf-qknorm verify DIR [--no-plugin]`` (:mod:`.command`; also ``python -m hf_qknorm.verification``) does the
+same for a saved folder, optionally
 loaded the way a user without the plugin would load it.
 """
 
@@ -13,5 +14,13 @@ from .api import FolderResult, capture_without_plugin, verify, verify_folder, ve
 from .checks import TOLERANCE
 from .report import Check, VerifyReport
 
-__all__ = ["Check", "FolderResult", "TOLERANCE", "VerifyReport", "capture_without_plugin", "verify", "verify_folder",
-           "verify_folders"]
+__all__ = [
+    "Check",
+    "FolderResult",
+    "TOLERANCE",
+    "VerifyReport",
+    "capture_without_plugin",
+    "verify",
+    "verify_folder",
+    "verify_folders",
+]

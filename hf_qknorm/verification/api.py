@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..modeling.saved import read_config
 from ..portable.names import PREFIX
 from ..portable.structure import NORM_SLOTS
-from ..modeling.saved import read_config
 from .checks import build_report, check_tolerance
 from .layers import ReferenceModel
 from .loading import FolderWeightsError, load_folder, weights_report
@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 def verify(model: nn.Module, *, tolerance: float | None = None, generate: bool = True) -> VerifyReport:
     """Check that ``model`` -- as configured: its attention backend, its generation cache -- computes its scheme.
 
-    Runs the probes of :mod:`hf_qknorm.verification.probe` through ``model`` (a supported model, patched or not, possibly
+    Runs the probes of :mod:`hf_qknorm.verification.probe` through ``model`` (a supported model, patched or not,
+    possibly
     wrapped by ``peft`` or ``torch.compile``) and compares every attention layer's output with
     :func:`hf_qknorm.reference.attention_layer_reference` in float64. ``tolerance`` overrides the per-dtype relative
     tolerance (:data:`hf_qknorm.verification.checks.TOLERANCE`); ``generate=False`` skips the cached-generation probes.
@@ -61,9 +62,11 @@ def _adapter_problems(model) -> list[str]:
     for adapter, config in configs.items():
         lacking = sorted(set(getattr(config, "modules_to_save", None) or ()) & set(NORM_SLOTS) - have)
         if lacking:
-            out.append(f"peft adapter {adapter!r} trains {', '.join(lacking)} (modules_to_save), which this model "
-                       "lacks: the adapter was saved from a model patched by hf_qknorm; patch the base model with "
-                       "the same scheme before loading it")
+            out.append(
+                f"peft adapter {adapter!r} trains {', '.join(lacking)} (modules_to_save), which this model "
+                "lacks: the adapter was saved from a model patched by hf_qknorm; patch the base model with "
+                "the same scheme before loading it"
+            )
     return out
 
 
@@ -78,8 +81,15 @@ class FolderResult:
     traceback: str | None = None
 
 
-def verify_folder(path, *, no_plugin: bool = False, device: str = "cpu", tolerance: float | None = None,
-                  generate: bool = True, timeout: float = 1800) -> VerifyReport:
+def verify_folder(
+    path,
+    *,
+    no_plugin: bool = False,
+    device: str = "cpu",
+    tolerance: float | None = None,
+    generate: bool = True,
+    timeout: float = 1800,
+) -> VerifyReport:
     """Verify a saved model folder.
 
     ``no_plugin=False``: load it with the plugin (``AutoModelForCausalLM.from_pretrained``) and :func:`verify` it.
@@ -90,15 +100,23 @@ def verify_folder(path, *, no_plugin: bool = False, device: str = "cpu", toleran
     with the plugin). A folder whose weights are not exactly its model's (a tensor missing or unexpected, a norm
     stored as integers) gets a failed report (:mod:`.loading`). Raises ``FileNotFoundError``/``ValueError``/
     ``RuntimeError`` when the folder cannot be verified at all."""
-    result = verify_folders([path], no_plugin=no_plugin, device=device, tolerance=tolerance, generate=generate,
-                            timeout=timeout)[0]
+    result = verify_folders(
+        [path], no_plugin=no_plugin, device=device, tolerance=tolerance, generate=generate, timeout=timeout
+    )[0]
     if result.report is None:
         raise RuntimeError(result.error)
     return result.report
 
 
-def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", tolerance: float | None = None,
-                   generate: bool = True, timeout: float = 1800) -> list[FolderResult]:
+def verify_folders(
+    paths,
+    *,
+    no_plugin: bool = False,
+    device: str = "cpu",
+    tolerance: float | None = None,
+    generate: bool = True,
+    timeout: float = 1800,
+) -> list[FolderResult]:
     """:func:`verify_folder` for several folders; with ``no_plugin`` they share one subprocess. One folder's error
     is recorded in its :class:`FolderResult` and does not stop the others."""
     tolerance = check_tolerance(tolerance)
@@ -117,8 +135,15 @@ def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", toler
                 continue
             refs[i] = ReferenceModel(model)
             model_type = str(config.get("model_type", ""))
-            jobs.append({"key": str(i), "path": str(res.path.resolve()), "remote": model_type.startswith(PREFIX),
-                         "device": device, "plan": refs[i].plan(generate=generate)})
+            jobs.append(
+                {
+                    "key": str(i),
+                    "path": str(res.path.resolve()),
+                    "remote": model_type.startswith(PREFIX),
+                    "device": device,
+                    "plan": refs[i].plan(generate=generate),
+                }
+            )
         except FolderWeightsError as exc:  # the folder is not the model it claims to be: verification fails
             res.report = _log(weights_report(res.path, _one_line(exc), "loaded with hf_qknorm"))
         except Exception as exc:  # reported per folder, in one line (the traceback for --debug)
@@ -136,8 +161,11 @@ def verify_folders(paths, *, no_plugin: bool = False, device: str = "cpu", toler
                 results[i].traceback = got.get("traceback")
                 continue
             how = "remote code, trust_remote_code=True" if job["remote"] else "plain Transformers"
-            results[i].report = _log(build_report(refs[i], got, tolerance=tolerance,
-                                                  source=f"{results[i].path}, loaded without hf_qknorm ({how})"))
+            results[i].report = _log(
+                build_report(
+                    refs[i], got, tolerance=tolerance, source=f"{results[i].path}, loaded without hf_qknorm ({how})"
+                )
+            )
     return results
 
 
@@ -196,8 +224,14 @@ def capture_without_plugin(jobs: list[dict], *, timeout: float = 1800) -> dict:
         (tmp / "runner.py").write_text(_RUNNER)
         env = {**os.environ, "HF_MODULES_CACHE": str(tmp / "modules")}
         python = os.environ.get("HF_QKNORM_PYTHON", sys.executable)
-        cmd = [python, str(tmp / "runner.py"), str(tmp / "jobs.json"), str(tmp / "out.pt"),
-               str(Path(__file__).with_name("probe.py")), str(torch.get_num_threads())]
+        cmd = [
+            python,
+            str(tmp / "runner.py"),
+            str(tmp / "jobs.json"),
+            str(tmp / "out.pt"),
+            str(Path(__file__).with_name("probe.py")),
+            str(torch.get_num_threads()),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp, env=env)
         if res.returncode != 0:
             tail = [line for line in (res.stderr or res.stdout).strip().splitlines() if line.strip()]

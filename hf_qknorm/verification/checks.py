@@ -53,9 +53,15 @@ EXERCISED = 3.0
 LOGIT_REFERENCE = 10.0
 
 # Which mechanisms each probe judges (each costs one more reference per layer).
-PROBE_MECHANISMS = {"unpadded": ("norms", "cap", "causal", "window"), "padded": ("padding", "window"),
-                    "cache-unpadded": ("window",), "cache-padded": ("padding", "window"), "stress": ("cap", "norms"),
-                    "amplified": ("norms", "causal", "window"), "amplified-padded": ("padding", "window")}
+PROBE_MECHANISMS = {
+    "unpadded": ("norms", "cap", "causal", "window"),
+    "padded": ("padding", "window"),
+    "cache-unpadded": ("window",),
+    "cache-padded": ("padding", "window"),
+    "stress": ("cap", "norms"),
+    "amplified": ("norms", "causal", "window"),
+    "amplified-padded": ("padding", "window"),
+}
 
 
 def check_tolerance(value) -> float | None:
@@ -66,8 +72,9 @@ def check_tolerance(value) -> float | None:
         return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 < value < 1
     if not ok:
-        raise ValueError(f"tolerance must be a number between 0 and 1 (exclusive), a relative error such as 1e-4; "
-                         f"got {value!r}")
+        raise ValueError(
+            f"tolerance must be a number between 0 and 1 (exclusive), a relative error such as 1e-4; got {value!r}"
+        )
     return float(value)
 
 
@@ -105,10 +112,25 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
             w["bq"] = None if w["bq"] is None else q_gain * w["bq"]
     mask = None if "padding" in drop else tokens[:, None, None, :]
     return attention_layer_reference(
-        x, **w, heads=spec.heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim, scaling=spec.scaling,
-        softcap=None if "cap" in drop else spec.softcap, norm=spec.norm or "rmsnorm", q_norm=norms["q"],
-        k_norm=norms["k"], v_norm=norms["v"], cos=cos, sin=sin, causal="causal" not in drop, mask=mask,
-        sliding_window=None if "window" in drop else spec.window, eps=spec.eps, p=spec.p)
+        x,
+        **w,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        scaling=spec.scaling,
+        softcap=None if "cap" in drop else spec.softcap,
+        norm=spec.norm or "rmsnorm",
+        q_norm=norms["q"],
+        k_norm=norms["k"],
+        v_norm=norms["v"],
+        cos=cos,
+        sin=sin,
+        causal="causal" not in drop,
+        mask=mask,
+        sliding_window=None if "window" in drop else spec.window,
+        eps=spec.eps,
+        p=spec.p,
+    )
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None):
@@ -162,8 +184,7 @@ def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0) -> 
     return float(s.abs().masked_fill(~ok, 0.0).max()) if bool(ok.any()) else 0.0
 
 
-def check_layer(spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, tol: float,
-                widen: bool = False) -> Check:
+def check_layer(spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, tol: float, widen: bool = False) -> Check:
     """Compare one layer's recorded output on one probe with the reference (and the references without each
     mechanism the probe judges). ``rec``: ``x``, ``out``, ``cos``, ``sin`` (and ``alpha`` for the stress probe).
     ``widen``: a half-precision check, whose tolerance grows with the largest logit (:func:`widened`)."""
@@ -171,8 +192,13 @@ def check_layer(spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, to
     cos, sin = _f64(rec["cos"]), _f64(rec["sin"])
     tokens = tokens.to(torch.bool)
     if x.shape[:2] != tokens.shape:
-        return Check(spec.index, probe, math.nan, tol, note=f"recorded {tuple(x.shape[:2])} positions for a "
-                                                           f"{tuple(tokens.shape)} probe")
+        return Check(
+            spec.index,
+            probe,
+            math.nan,
+            tol,
+            note=f"recorded {tuple(x.shape[:2])} positions for a {tuple(tokens.shape)} probe",
+        )
     gain = float(rec.get("alpha", 1.0))
     if widen:
         tol = widened(tol, largest_logit(spec, x, cos, sin, tokens, gain))
@@ -183,8 +209,9 @@ def check_layer(spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, to
         if m not in applicable(spec, tokens):
             continue
         ref_m = layer_reference(spec, x, cos, sin, tokens, drop=(m,), q_gain=gain)
-        mechanisms[m] = mechanism_status(e, relative_error(out, ref_m, tokens, ref),
-                                         relative_error(ref_m, ref, tokens), tol)
+        mechanisms[m] = mechanism_status(
+            e, relative_error(out, ref_m, tokens, ref), relative_error(ref_m, ref, tokens), tol
+        )
     return Check(spec.index, probe, e, tol, mechanisms)
 
 
@@ -200,12 +227,14 @@ def check_prenorm(spec: LayerSpec, rec: dict, tol: float) -> Check:
         ref, other = norm_reference(block, pn["kind"], pn["weight"], pn["bias"], eps=pn["eps"]), block
     e = relative_error(got, ref, rows)
     status = mechanism_status(e, relative_error(got, other, rows, ref), relative_error(other, ref, rows), tol)
-    return Check(spec.index, "prenorm", e, tol, {"prenorm": status if pn is not None else
-                                                 {APPLIED: REMOVED}.get(status, status)})
+    return Check(
+        spec.index, "prenorm", e, tol, {"prenorm": status if pn is not None else {APPLIED: REMOVED}.get(status, status)}
+    )
 
 
-def build_report(ref: ReferenceModel, captured: dict, *, tolerance: float | None = None,
-                 source: str = "") -> VerifyReport:
+def build_report(
+    ref: ReferenceModel, captured: dict, *, tolerance: float | None = None, source: str = ""
+) -> VerifyReport:
     """The report of ``captured`` (from :func:`.probe.run_probes`) against ``ref``'s layers."""
     meta = captured["meta"]
     dtype = getattr(torch, meta["dtype"], torch.float32)
@@ -241,17 +270,33 @@ def build_report(ref: ReferenceModel, captured: dict, *, tolerance: float | None
                 checks.append(check_layer(spec, "stress", rec, stress_tokens, stress_tol))
     for name, logits in captured["logits"].items():
         if "error" in logits:
-            checks.append(Check(None, f"logits {name}", math.nan, tol, note=f"uncached forward failed: "
-                                                                             f"{logits['error']}"))
+            checks.append(
+                Check(None, f"logits {name}", math.nan, tol, note=f"uncached forward failed: {logits['error']}")
+            )
             continue
         cached, uncached = _f64(logits["cached"]), _f64(logits["uncached"])
         rows = torch.ones(cached.shape[:2], dtype=torch.bool)
-        checks.append(Check(None, f"logits {name}", relative_error(cached, uncached, rows), tol,
-                            note="cached generation vs uncached forward"))
+        checks.append(
+            Check(
+                None,
+                f"logits {name}",
+                relative_error(cached, uncached, rows),
+                tol,
+                note="cached generation vs uncached forward",
+            )
+        )
     required = tuple(m for m in ("norms", "cap", "padding", "causal") if m in expected)
-    return VerifyReport(model=meta["class"], scheme=_scheme(ref), backend=meta["backend"],
-                        cache=_cache(meta, probes), dtype=meta["dtype"], checks=checks,
-                        expected=tuple(sorted(expected)), required=required, source=source)
+    return VerifyReport(
+        model=meta["class"],
+        scheme=_scheme(ref),
+        backend=meta["backend"],
+        cache=_cache(meta, probes),
+        dtype=meta["dtype"],
+        checks=checks,
+        expected=tuple(sorted(expected)),
+        required=required,
+        source=source,
+    )
 
 
 def _scheme(ref: ReferenceModel) -> str:
@@ -265,8 +310,12 @@ def _scheme(ref: ReferenceModel) -> str:
 
 
 def _cache(meta: dict, probes: dict) -> str:
-    kinds = {layer.get("cache") for name, p in probes.items() if name.startswith("cache") and "layers" in p
-             for layer in p["layers"]}
+    kinds = {
+        layer.get("cache")
+        for name, p in probes.items()
+        if name.startswith("cache") and "layers" in p
+        for layer in p["layers"]
+    }
     kinds.discard(None)
     impl = meta.get("cache_implementation") or "default"
     return impl + (" (" + ", ".join(sorted(kinds)) + ")" if kinds else "")

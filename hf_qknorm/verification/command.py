@@ -16,26 +16,37 @@ HELP = "check that a saved model computes its scheme (cap, norms, mask) against 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``verify`` subcommand to an ``argparse`` subparsers object; returns its parser."""
-    p = subparsers.add_parser(NAME, help=HELP, description=(
-        "Run a small probe batch (unpadded and left-padded, without a cache and with the folder's configured "
-        "generation cache, plus a stress probe whose logits exceed the cap) through a saved model, and compare "
-        "every attention layer with the float64 formula reference of its scheme. Exit status 1 when a layer is "
-        "off or a cap, norm or mask is not applied."))
+    p = subparsers.add_parser(
+        NAME,
+        help=HELP,
+        description=(
+            "Run a small probe batch (unpadded and left-padded, without a cache and with the folder's configured "
+            "generation cache, plus a stress probe whose logits exceed the cap) through a saved model, and compare "
+            "every attention layer with the float64 formula reference of its scheme. Exit status 1 when a layer is "
+            "off or a cap, norm or mask is not applied."
+        ),
+    )
     fill_parser(p)
     return p
 
 
 def fill_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", type=Path, metavar="DIR", help="saved model folder(s)")
-    p.add_argument("--no-plugin", action="store_true",
-                   help="load the folder without hf_qknorm, as a user without the package would (remote code with "
-                        "trust_remote_code=True for qknorm_<base> folders, plain Transformers otherwise), in a "
-                        "subprocess that cannot import hf_qknorm")
+    p.add_argument(
+        "--no-plugin",
+        action="store_true",
+        help="load the folder without hf_qknorm, as a user without the package would (remote code with "
+        "trust_remote_code=True for qknorm_<base> folders, plain Transformers otherwise), in a "
+        "subprocess that cannot import hf_qknorm",
+    )
     p.add_argument("--device", default="cpu", help="device to run the model on (default: cpu)")
-    p.add_argument("--tolerance", type=_tolerance, default=None,
-                   help="relative error tolerance (default: by dtype; float32 1e-4, bfloat16 3e-2)")
-    p.add_argument("--no-generate", dest="generate", action="store_false",
-                   help="skip the cached-generation probes")
+    p.add_argument(
+        "--tolerance",
+        type=_tolerance,
+        default=None,
+        help="relative error tolerance (default: by dtype; float32 1e-4, bfloat16 3e-2)",
+    )
+    p.add_argument("--no-generate", dest="generate", action="store_false", help="skip the cached-generation probes")
     return p
 
 
@@ -46,8 +57,9 @@ def _tolerance(text: str) -> float:
     try:
         return check_tolerance(float(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1 (exclusive), a relative error such "
-                                         f"as 1e-4; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"must be a number between 0 and 1 (exclusive), a relative error such as 1e-4; got {text!r}"
+        ) from None
 
 
 def run(args) -> int:
@@ -61,8 +73,9 @@ def run(args) -> int:
             print(f"error: --device {args.device}: CUDA is not available on this machine", file=sys.stderr)
             return 2
     status = 0
-    for res in verify_folders(args.paths, no_plugin=args.no_plugin, device=args.device, tolerance=args.tolerance,
-                              generate=args.generate):
+    for res in verify_folders(
+        args.paths, no_plugin=args.no_plugin, device=args.device, tolerance=args.tolerance, generate=args.generate
+    ):
         if res.report is None:
             if getattr(args, "debug", False) and res.traceback:
                 print(res.traceback.rstrip(), file=sys.stderr)

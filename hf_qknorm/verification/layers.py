@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..modeling.patch import qknorm_config
 from ..portable.families import Family, family_of_config
 from ..portable.layout import find_layers, unwrap
-from ..modeling.patch import qknorm_config
 from ..portable.schemes import QKNormConfig
 from .probe import probe_tokens
 
@@ -80,11 +80,11 @@ class ReferenceModel:
         if self.scheme is not None and self.scheme.learned_logit_scale:
             return 1.0  # the query norm's learnable scale replaces 1/sqrt(head_dim)
         if self.family.model_type == "gpt2":
-            s = head_dim ** -0.5 if getattr(self.config, "scale_attn_weights", True) else 1.0
+            s = head_dim**-0.5 if getattr(self.config, "scale_attn_weights", True) else 1.0
             if getattr(self.config, "scale_attn_by_inverse_layer_idx", False):
                 s /= float(index + 1)
             return s
-        return head_dim ** -0.5
+        return head_dim**-0.5
 
     def window(self, index: int) -> int | None:
         types = getattr(self.config, "layer_types", None)
@@ -111,22 +111,39 @@ class ReferenceModel:
             wanted = kind is not None and (role != "v" or on_v)
             module = getattr(attn, f"{role}_norm", None) if wanted else None
             if wanted and module is None:
-                raise ValueError(f"layer {index}: the scheme has a {role} norm but the attention module has no "
-                                 f"{role}_norm")
+                raise ValueError(
+                    f"layer {index}: the scheme has a {role} norm but the attention module has no {role}_norm"
+                )
             norms[role] = _norm_params(module) if wanted else None
-        return LayerSpec(index=index, weights=self._weights(attn), heads=heads, kv_heads=kv, head_dim=head_dim,
-                         scaling=self.scaling(index, head_dim), softcap=self.scheme.softcap if self.scheme else None,
-                         norm=kind, eps=eps, p=p, q_norm=norms["q"], k_norm=norms["k"], v_norm=norms["v"],
-                         window=self.window(index), prenorm=self._prenorm(block))
+        return LayerSpec(
+            index=index,
+            weights=self._weights(attn),
+            heads=heads,
+            kv_heads=kv,
+            head_dim=head_dim,
+            scaling=self.scaling(index, head_dim),
+            softcap=self.scheme.softcap if self.scheme else None,
+            norm=kind,
+            eps=eps,
+            p=p,
+            q_norm=norms["q"],
+            k_norm=norms["k"],
+            v_norm=norms["v"],
+            window=self.window(index),
+            prenorm=self._prenorm(block),
+        )
 
     def _weights(self, attn) -> dict:
         f = self.family
         if f.fused_qkv:
             w, b = _effective(getattr(attn, f.qkv_proj), f.conv1d)
             e = w.shape[0] // 3
-            out = {"wq": w[:e], "wk": w[e:2 * e], "wv": w[2 * e:]}
-            out.update({"bq": None, "bk": None, "bv": None} if b is None else
-                       {"bq": b[:e], "bk": b[e:2 * e], "bv": b[2 * e:]})
+            out = {"wq": w[:e], "wk": w[e : 2 * e], "wv": w[2 * e :]}
+            out.update(
+                {"bq": None, "bk": None, "bv": None}
+                if b is None
+                else {"bq": b[:e], "bk": b[e : 2 * e], "bv": b[2 * e :]}
+            )
         else:
             out = {}
             for role, name in f.projections.items():
@@ -139,8 +156,7 @@ class ReferenceModel:
             return None  # qkv_norm: the attention reads the residual stream itself
         module = getattr(block, self.family.prenorm)
         kind = "layernorm" if isinstance(module, nn.LayerNorm) else "rmsnorm"
-        return {"kind": kind, "eps": float(getattr(self.config, self.family.eps_attr)),
-                **_norm_params(module)}
+        return {"kind": kind, "eps": float(getattr(self.config, self.family.eps_attr)), **_norm_params(module)}
 
     # ---------------------------------------------------------------------------------------------------------------
     def name(self, module: nn.Module) -> str:
@@ -155,14 +171,25 @@ class ReferenceModel:
         layers = []
         for i, (attn, block) in enumerate(zip(self.attns, self.blocks)):
             _, _, head_dim = self.head_counts(attn)
-            layers.append({"attn": self.name(attn), "block": self.name(block), "q": self._producer(attn, "q"),
-                           "k": self._producer(attn, "k"), "head_dim": head_dim,
-                           "scaling": self.scaling(i, head_dim),
-                           "cap": self.scheme.softcap if self.scheme else None})
+            layers.append(
+                {
+                    "attn": self.name(attn),
+                    "block": self.name(block),
+                    "q": self._producer(attn, "q"),
+                    "k": self._producer(attn, "k"),
+                    "head_dim": head_dim,
+                    "scaling": self.scaling(i, head_dim),
+                    "cap": self.scheme.softcap if self.scheme else None,
+                }
+            )
         gen = getattr(self.inner, "generation_config", None)
         can_generate = generate and callable(getattr(self.inner, "can_generate", None)) and self.inner.can_generate()
-        return {"layers": layers, **probe_tokens(self.config.vocab_size, seed), "generate": bool(can_generate),
-                "pad_token_id": getattr(gen, "pad_token_id", None)}
+        return {
+            "layers": layers,
+            **probe_tokens(self.config.vocab_size, seed),
+            "generate": bool(can_generate),
+            "pad_token_id": getattr(gen, "pad_token_id", None),
+        }
 
     def _producer(self, attn, role: str) -> list:
         """``[module name, part, parts]`` of the module whose output is the final pre-RoPE ``role`` vector: the
@@ -210,8 +237,10 @@ def _effective(module: nn.Module, conv1d: bool) -> tuple[torch.Tensor, torch.Ten
             if name not in module.lora_A or name in merged:
                 continue  # a merged adapter is in the base weight already
             if getattr(module, "use_dora", {}).get(name):
-                raise ValueError(f"adapter {name!r} uses DoRA, which the verifier's reference does not model; "
-                                 "merge it (merge_and_unload) and verify the merged model")
+                raise ValueError(
+                    f"adapter {name!r} uses DoRA, which the verifier's reference does not model; "
+                    "merge it (merge_and_unload) and verify the merged model"
+                )
             weight = weight + _f64(module.get_delta_weight(name))  # in the base layer's layout
             if getattr(module, "lora_bias", {}).get(name):
                 lb = module.lora_B[name].bias

@@ -31,26 +31,34 @@ def load_folder(path: Path):
 
     try:  # ignore_mismatched_sizes: the mismatch comes back in the info, to be named below
         with quiet_transformers():  # its load report is multi-line and says less than the line below
-            model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
-                                                               ignore_mismatched_sizes=True)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, output_loading_info=True, ignore_mismatched_sizes=True
+            )
     except SchemeWeightsError as exc:  # the patched classes' own rule (hf_qknorm.portable.structure)
         raise FolderWeightsError(str(exc)) from exc
     mismatched = sorted(info.get("mismatched_keys") or ())
     if mismatched:
         key, saved, wanted = mismatched[0]
         more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
-        raise ValueError(f"config.json disagrees with the weights: {key} is {tuple(saved)} in the "
-                         f"checkpoint, {tuple(wanted)} by config.json{more}; fix the sizes in config.json")
+        raise ValueError(
+            f"config.json disagrees with the weights: {key} is {tuple(saved)} in the "
+            f"checkpoint, {tuple(wanted)} by config.json{more}; fix the sizes in config.json"
+        )
     missing, unexpected = _outside_the_head(model, info.get("missing_keys"), info.get("unexpected_keys"))
     problems = [f"missing {keys_text(missing)}"] if missing else []
     problems += [f"unexpected {keys_text(unexpected)}"] if unexpected else []
     bad_values = _bad_norm_values(path)
-    problems += [f"{keys_text(keys)} stored as {dtype} (not floating point)"
-                 for dtype, keys in sorted(bad_values.items()) if dtype != _NON_FINITE]
+    problems += [
+        f"{keys_text(keys)} stored as {dtype} (not floating point)"
+        for dtype, keys in sorted(bad_values.items())
+        if dtype != _NON_FINITE
+    ]
     problems += [f"{keys_text(bad_values[_NON_FINITE])} with NaN/inf values"] if _NON_FINITE in bad_values else []
     if problems:
-        raise FolderWeightsError(f"{'; '.join(problems)}: the model loaded from these weights is not the saved "
-                                 "model (Transformers would initialise what is missing afresh and skip the rest)")
+        raise FolderWeightsError(
+            f"{'; '.join(problems)}: the model loaded from these weights is not the saved "
+            "model (Transformers would initialise what is missing afresh and skip the rest)"
+        )
     return model
 
 
@@ -111,9 +119,15 @@ def weights_report(path: Path, reason: str, how: str) -> VerifyReport:
     archs = raw.get("architectures") or [raw.get("model_type", "?")]
     qknorm = raw.get("qknorm") if isinstance(raw.get("qknorm"), dict) else {}
     scheme = qknorm.get("scheme", "unpatched") + (f" / {qknorm['norm']}" if qknorm.get("norm") else "")
-    return VerifyReport(model=str(archs[0]), scheme=scheme, backend=None, cache="-",
-                        dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "?"),
-                        checks=[Check(None, "weights", math.nan, math.nan, note=reason)], source=f"{path}, {how}")
+    return VerifyReport(
+        model=str(archs[0]),
+        scheme=scheme,
+        backend=None,
+        cache="-",
+        dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "?"),
+        checks=[Check(None, "weights", math.nan, math.nan, note=reason)],
+        source=f"{path}, {how}",
+    )
 
 
 @contextmanager

@@ -39,13 +39,13 @@ import math
 import torch
 
 BATCH = 2
-PROBE_LEN = 20       # longer than the tiny test models' sliding window (12)
-PAD = 5              # left padding of row 0 in the padded probes
+PROBE_LEN = 20  # longer than the tiny test models' sliding window (12)
+PAD = 5  # left padding of row 0 in the padded probes
 PROMPT_LEN = 8
 NEW_TOKENS = 6
 STRESS_TARGET = 3.0  # bound on the largest stressed logit, in caps: c*tanh(3) is 0.995 c, far from 3 c
 AMPLIFY_SPREAD = 0.25  # wanted spread of a layer's output over positions, as a fraction of its largest entry
-AMPLIFY_MAX = 1024     # the largest factor on the input's deviations from its mean
+AMPLIFY_MAX = 1024  # the largest factor on the input's deviations from its mean
 AMPLIFIED = {"unpadded": "amplified", "padded": "amplified-padded"}  # probe -> its amplified probe
 AMPLIFY_LOGITS = 10.0  # the logit bound an amplification may reach (or 1.25 times the layer's own, when larger)
 
@@ -55,9 +55,12 @@ def probe_tokens(vocab_size: int, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     # below 32000: the top ids of large vocabularies are often added tokens whose embeddings were never trained
     high = max(2, min(int(vocab_size), 32000))
-    return {"ids": torch.randint(1, high, (BATCH, PROBE_LEN), generator=gen).tolist(),
-            "prompt": torch.randint(1, high, (BATCH, PROMPT_LEN), generator=gen).tolist(),
-            "pad": PAD, "new_tokens": NEW_TOKENS}
+    return {
+        "ids": torch.randint(1, high, (BATCH, PROBE_LEN), generator=gen).tolist(),
+        "prompt": torch.randint(1, high, (BATCH, PROMPT_LEN), generator=gen).tolist(),
+        "pad": PAD,
+        "new_tokens": NEW_TOKENS,
+    }
 
 
 def left_padding(batch: int, length: int, pad: int) -> torch.Tensor:
@@ -109,18 +112,23 @@ class _Recorder:
         def hook(module, args, kwargs, output):
             rope = kwargs.get("position_embeddings")
             cache = kwargs.get("past_key_values")
-            call = {"x": _cpu(_hidden(args, kwargs)), "out": _cpu(_first(output)),
-                    "cos": _cpu(rope[0]) if rope is not None else None,
-                    "sin": _cpu(rope[1]) if rope is not None else None,
-                    "cache": None if cache is None else type(cache).__name__}
+            call = {
+                "x": _cpu(_hidden(args, kwargs)),
+                "out": _cpu(_first(output)),
+                "cos": _cpu(rope[0]) if rope is not None else None,
+                "sin": _cpu(rope[1]) if rope is not None else None,
+                "cache": None if cache is None else type(cache).__name__,
+            }
             if self.keep_call:
                 call["call"] = (args, dict(kwargs))
             self.calls[i].append(call)
+
         return hook
 
     def _block_hook(self, i):
         def hook(module, args, kwargs, output):
             self.block_inputs[i].append(_cpu(_hidden(args, kwargs)))
+
         return hook
 
     def layers(self) -> list[dict]:
@@ -132,8 +140,10 @@ def _join(calls: list[dict]) -> dict:
     """One layer's calls joined along the sequence: ``x``/``out`` ``(batch, seq, hidden)``, ``cos``/``sin``."""
     if not calls:
         raise RuntimeError("an attention module was never called")
-    join = {k: (torch.cat([c[k] for c in calls], dim=1) if calls[0][k] is not None else None)
-            for k in ("x", "out", "cos", "sin")}
+    join = {
+        k: (torch.cat([c[k] for c in calls], dim=1) if calls[0][k] is not None else None)
+        for k in ("x", "out", "cos", "sin")
+    }
     join["steps"] = len(calls)
     join["cache"] = calls[-1]["cache"]
     return join
@@ -151,25 +161,32 @@ def _part(output, part, parts):
     if parts == 1:
         return out
     size = out.shape[-1] // parts
-    return out[..., part * size:(part + 1) * size]
+    return out[..., part * size : (part + 1) * size]
 
 
 def _norm_hook(store: list, part: int, parts: int, head_dim: int):
     """Record the largest per-head vector norm of a query (or key) producing module's output."""
+
     def hook(module, args, output):
         t = _part(output, part, parts).detach().float()
         store.append(float(t.reshape(-1, head_dim).norm(dim=-1).max()))
+
     return hook
 
 
 def _watch_q_k(modules: dict, layer: dict, store: dict) -> list:
     """Hooks recording the largest query and key norms of one layer into ``store["q"]``/``store["k"]``."""
-    return [_module(modules, layer[r][0]).register_forward_hook(
-        _norm_hook(store[r], layer[r][1], layer[r][2], layer["head_dim"])) for r in ("q", "k")]
+    return [
+        _module(modules, layer[r][0]).register_forward_hook(
+            _norm_hook(store[r], layer[r][1], layer[r][2], layer["head_dim"])
+        )
+        for r in ("q", "k")
+    ]
 
 
 def _gain_hook(alpha: float, part: int, parts: int):
     """Multiply the query part of the output by ``alpha`` (a new tensor: the module's own output is not changed)."""
+
     def hook(module, args, output):
         out = _first(output)
         if parts == 1:
@@ -180,6 +197,7 @@ def _gain_hook(alpha: float, part: int, parts: int):
             pieces[part] = pieces[part] * alpha
             scaled = torch.cat(pieces, dim=-1)
         return (scaled, *output[1:]) if isinstance(output, tuple) else scaled
+
     return hook
 
 
@@ -233,16 +251,25 @@ def run_probes(model, plan: dict) -> dict:
     ids = torch.tensor(plan["ids"], device=device)
     prompt = torch.tensor(plan["prompt"], device=device)
     pad, new = plan["pad"], plan["new_tokens"]
-    result = {"meta": _meta(model), "probes": {}, "stress": {}, "amplified": {}, "prenorm": {}, "logits": {},
-              "_calls": {}}
+    result = {
+        "meta": _meta(model),
+        "probes": {},
+        "stress": {},
+        "amplified": {},
+        "prenorm": {},
+        "logits": {},
+        "_calls": {},
+    }
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             norms = _forward_probes(model, plan, recorder, modules, ids, pad, result)
             if plan.get("generate", True):
-                for name, mask in (("cache-unpadded", torch.ones_like(prompt)),
-                                   ("cache-padded", left_padding(*prompt.shape, pad).to(device))):
+                for name, mask in (
+                    ("cache-unpadded", torch.ones_like(prompt)),
+                    ("cache-padded", left_padding(*prompt.shape, pad).to(device)),
+                ):
                     _cache_probe(model, plan, recorder, name, prompt, mask, new, result)
             if next(model.parameters()).dtype in _HALF:
                 _amplify(plan, recorder, modules, norms, result)
@@ -258,9 +285,14 @@ def _meta(model) -> dict:
     config = model.config
     gen = getattr(model, "generation_config", None)
     param = next(model.parameters())
-    return {"class": type(model).__name__, "module": type(model).__module__,
-            "backend": getattr(config, "_attn_implementation", None), "dtype": str(param.dtype).replace("torch.", ""),
-            "device": str(param.device), "cache_implementation": getattr(gen, "cache_implementation", None)}
+    return {
+        "class": type(model).__name__,
+        "module": type(model).__module__,
+        "backend": getattr(config, "_attn_implementation", None),
+        "dtype": str(param.dtype).replace("torch.", ""),
+        "device": str(param.device),
+        "cache_implementation": getattr(gen, "cache_implementation", None),
+    }
 
 
 def _forward_probes(model, plan, recorder, modules, ids, pad, result) -> dict:
@@ -277,8 +309,11 @@ def _forward_probes(model, plan, recorder, modules, ids, pad, result) -> dict:
             result["probes"][name] = {"mask": _cpu(mask), "layers": recorder.layers()}
             result["_calls"][name] = ([c[0]["call"] for c in recorder.calls], mask)
             if name == "unpadded":
-                result["prenorm"] = {i: {"block": b[0], "attn": c[0]["x"]}
-                                     for i, (b, c) in enumerate(zip(recorder.block_inputs, recorder.calls)) if b}
+                result["prenorm"] = {
+                    i: {"block": b[0], "attn": c[0]["x"]}
+                    for i, (b, c) in enumerate(zip(recorder.block_inputs, recorder.calls))
+                    if b
+                }
         except Exception as exc:  # a model that cannot run the probe fails verification; say why
             result["probes"][name] = {"error": _error(exc)}
         finally:
@@ -298,8 +333,16 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
         pad_id = (pad_id[0] if isinstance(pad_id, (list, tuple)) else pad_id) or 0
     recorder.start()
     try:
-        out = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id)
+        out = model.generate(
+            input_ids=prompt,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad_id,
+        )
         layers = recorder.layers()
     except Exception as exc:
         result["probes"][name] = {"error": _error(exc)}
@@ -315,8 +358,10 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
         # the positions generate gives left-padded rows: count of real tokens so far, minus one
         pos = (full[:, :fed].long().cumsum(-1) - 1).masked_fill(full[:, :fed] == 0, 0)
         logits = model(input_ids=seq[:, :fed], attention_mask=full[:, :fed], position_ids=pos, use_cache=False).logits
-        result["logits"][name] = {"cached": _cpu(torch.stack(list(out.logits), dim=1)),
-                                  "uncached": _cpu(logits[:, prompt.shape[1] - 1:])}
+        result["logits"][name] = {
+            "cached": _cpu(torch.stack(list(out.logits), dim=1)),
+            "uncached": _cpu(logits[:, prompt.shape[1] - 1 :]),
+        }
     except Exception as exc:
         result["logits"][name] = {"error": _error(exc)}
 
@@ -335,8 +380,11 @@ def _stress(plan, recorder, modules, norms, result):
             continue
         amp = amplified.get(i, {})
         scale = amp.get("scale", 1.0)
-        q, k = (amp["q"], amp["k"]) if "scale" in amp else (max(norms[i]["q"], default=0.0),
-                                                            max(norms[i]["k"], default=0.0))
+        q, k = (
+            (amp["q"], amp["k"])
+            if "scale" in amp
+            else (max(norms[i]["q"], default=0.0), max(norms[i]["k"], default=0.0))
+        )
         bound = layer["scaling"] * q * k
         alpha = STRESS_TARGET * cap / bound if bound > 0 and math.isfinite(bound) else 1.0
         mod, part, parts = layer["q"]
@@ -418,8 +466,9 @@ def _amplify(plan, recorder, modules, norms, result):
                 continue
             own = layer["scaling"] * max(norms[i]["q"], default=0.0) * max(norms[i]["k"], default=0.0)
             try:  # 1.25: the bound of a normed layer is the same at any amplification, up to rounding
-                rec = _amplify_layer(recorder.attns[i], calls[i], mask, layer, modules, recorder, i,
-                                     max(AMPLIFY_LOGITS, 1.25 * own))
+                rec = _amplify_layer(
+                    recorder.attns[i], calls[i], mask, layer, modules, recorder, i, max(AMPLIFY_LOGITS, 1.25 * own)
+                )
             except Exception as exc:  # the module ran on the probe; failing on an amplified input is a finding
                 rec = {"error": _error(exc)}
             if rec is not None:

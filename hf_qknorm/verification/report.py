@@ -43,9 +43,9 @@ class VerifyReport:
     cache: str
     dtype: str
     checks: list[Check] = field(default_factory=list)
-    expected: tuple[str, ...] = ()   # mechanisms the model has (n/a for the others)
-    required: tuple[str, ...] = ()   # mechanisms that must be exercised somewhere
-    source: str = ""                 # how the model was run (in process, or the folder without the plugin)
+    expected: tuple[str, ...] = ()  # mechanisms the model has (n/a for the others)
+    required: tuple[str, ...] = ()  # mechanisms that must be exercised somewhere
+    source: str = ""  # how the model was run (in process, or the folder without the plugin)
 
     def mechanism(self, name: str) -> str:
         """Overall status of a mechanism: ``DROPPED`` (somewhere), else ``applied`` (``removed`` for the pre-norm
@@ -65,14 +65,20 @@ class VerifyReport:
         for name in MECHANISMS:
             status = self.mechanism(name)
             if status == DROPPED:
-                layers = sorted({c.layer for c in self.checks if c.mechanisms.get(name) == DROPPED
-                                 and c.layer is not None})
+                layers = sorted(
+                    {c.layer for c in self.checks if c.mechanisms.get(name) == DROPPED and c.layer is not None}
+                )
                 out.append(f"{name} DROPPED (layers {', '.join(map(str, layers))})")
             elif status in ("not verified", UNEXERCISED) and name in self.required:
-                out.append(f"{name} {status}: " + ("the layers are off for another reason" if status != UNEXERCISED
-                                                   else "no probe exercised it"))
-        out += [f"{_where(c)}: error {c.error:.3g} > tolerance {c.tolerance:.1g}"
-                for c in self.checks if not c.ok and math.isfinite(c.error)]
+                out.append(
+                    f"{name} {status}: "
+                    + ("the layers are off for another reason" if status != UNEXERCISED else "no probe exercised it")
+                )
+        out += [
+            f"{_where(c)}: error {c.error:.3g} > tolerance {c.tolerance:.1g}"
+            for c in self.checks
+            if not c.ok and math.isfinite(c.error)
+        ]
         return out
 
     @property
@@ -85,16 +91,20 @@ class VerifyReport:
         for c in self.checks:
             err = "-" if not math.isfinite(c.error) else f"{c.error:.2e}"
             mech = ", ".join(f"{k} {v}" for k, v in c.mechanisms.items())
-            lines.append(f"{'-' if c.layer is None else c.layer:>5}  {c.probe:<22} {err:>9} {c.tolerance:>9.0e}  "
-                         f"{'yes' if c.ok else 'NO':<3} {mech or c.note}")
+            lines.append(
+                f"{'-' if c.layer is None else c.layer:>5}  {c.probe:<22} {err:>9} {c.tolerance:>9.0e}  "
+                f"{'yes' if c.ok else 'NO':<3} {mech or c.note}"
+            )
         return "\n".join(lines)
 
     def summary(self) -> str:
         return "; ".join(f"{m} {self.mechanism(m)}" for m in MECHANISMS)
 
     def __str__(self) -> str:
-        header = (f"hf_qknorm verify: {self.model}{f' ({self.source})' if self.source else ''}\n"
-                  f"scheme {self.scheme}, attention backend {self.backend!r}, cache {self.cache}, dtype {self.dtype}")
+        header = (
+            f"hf_qknorm verify: {self.model}{f' ({self.source})' if self.source else ''}\n"
+            f"scheme {self.scheme}, attention backend {self.backend!r}, cache {self.cache}, dtype {self.dtype}"
+        )
         verdict = "OK" if self.ok else "FAILED: " + "; ".join(self.problems()[:8])
         return f"{header}\n{self.table()}\nmechanisms: {self.summary()}\n{verdict}"
 

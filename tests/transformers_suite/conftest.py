@@ -17,9 +17,8 @@ import re
 import sys
 from collections import Counter, defaultdict
 
-import pytest
-
 import differences
+import pytest
 
 # The stand-ins are imported as part of Transformers' test package (upstream_tests.py), never collected on their own.
 collect_ignore = ["shims"]
@@ -76,8 +75,13 @@ def pytest_runtest_makereport(item, call):
     message = _describe(call.excinfo)
     baseline = RESULTS.get((family, "baseline", test), {}).get("got")
     verdict = differences.judge(ENTRIES, family, variant, test, got, message, baseline)
-    RESULTS[ident] = {"got": got, "verdict": verdict.outcome, "entry": verdict.entry, "note": verdict.note,
-                      "message": message.strip().splitlines()[0][:300] if message.strip() else ""}
+    RESULTS[ident] = {
+        "got": got,
+        "verdict": verdict.outcome,
+        "entry": verdict.entry,
+        "note": verdict.note,
+        "message": message.strip().splitlines()[0][:300] if message.strip() else "",
+    }
     if verdict.outcome == "listed":
         rep.outcome, rep.wasxfail = "skipped", verdict.note
     elif verdict.outcome == "fail" and got == "fail":
@@ -112,8 +116,16 @@ def summarize() -> dict:
         counts[f"{family}/{variant}"][r["verdict"] if r["verdict"] in ("listed", "fail") else r["got"]] += 1
         base = RESULTS.get((family, "baseline", test), {}).get("got")
         if variant != "baseline" and base == "pass" and r["got"] != "pass":
-            diffs.append({"family": family, "variant": variant, "test": test, "got": r["got"],
-                          "entry": r["entry"] if r["verdict"] == "listed" else None, "message": r["message"]})
+            diffs.append(
+                {
+                    "family": family,
+                    "variant": variant,
+                    "test": test,
+                    "got": r["got"],
+                    "entry": r["entry"] if r["verdict"] == "listed" else None,
+                    "message": r["message"],
+                }
+            )
     return {"counts": {k: dict(v) for k, v in counts.items()}, "differences": diffs}
 
 
@@ -136,14 +148,23 @@ def pytest_terminal_summary(terminalreporter):
     for key, c in summary["counts"].items():
         write(f"{key:34} {c.get('pass', 0):>5} {c.get('skip', 0):>5} {c.get('listed', 0):>7} {c.get('fail', 0):>5}")
     by_entry = Counter(d["entry"] or "NOT LISTED" for d in summary["differences"])
-    write("differences from the unpatched run, by entry of expected_differences.toml: "
-          + (", ".join(f"{k}: {v}" for k, v in sorted(by_entry.items())) or "none"))
+    write(
+        "differences from the unpatched run, by entry of expected_differences.toml: "
+        + (", ".join(f"{k}: {v}" for k, v in sorted(by_entry.items())) or "none")
+    )
     for d in summary["differences"]:
         if d["entry"] is None:
             write(f"  NOT LISTED: {d['family']}/{d['variant']} {d['test']} ({d['got']}): {d['message']}", red=True)
     path = os.environ.get(REPORT_ENV)
     if path:
         with open(path, "w") as f:
-            json.dump({"transformers": UPSTREAM.version, **summary,
-                       "results": {"/".join(k): v for k, v in sorted(RESULTS.items())}}, f, indent=1)
+            json.dump(
+                {
+                    "transformers": UPSTREAM.version,
+                    **summary,
+                    "results": {"/".join(k): v for k, v in sorted(RESULTS.items())},
+                },
+                f,
+                indent=1,
+            )
         write(f"report written to {path}")

@@ -7,9 +7,8 @@ import io
 import json
 import tarfile
 
-import pytest
-
 import differences
+import pytest
 import test_transformers_common as suite
 import upstream_tests
 from differences import Difference, judge
@@ -17,8 +16,16 @@ from variants import BASELINE, FAMILIES, VARIANTS
 
 
 def _entry(**kw):
-    base = dict(id="x", tests=("test_a*",), variants=("cap-*",), families=("*",), outcome="fail", match="boom",
-                reason="r", kind="intended")
+    base = dict(
+        id="x",
+        tests=("test_a*",),
+        variants=("cap-*",),
+        families=("*",),
+        outcome="fail",
+        match="boom",
+        reason="r",
+        kind="intended",
+    )
     return Difference(**{**base, **kw})
 
 
@@ -85,8 +92,11 @@ def test_every_entry_names_real_tests_variants_and_families():
 def _cases():
     if suite.UPSTREAM.unavailable is not None:
         return []
-    return [obj for obj in vars(suite).values() if isinstance(obj, type) and hasattr(obj, "_tester_class")
-            and obj.__name__.startswith("Test_")]
+    return [
+        obj
+        for obj in vars(suite).values()
+        if isinstance(obj, type) and hasattr(obj, "_tester_class") and obj.__name__.startswith("Test_")
+    ]
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c.__name__)

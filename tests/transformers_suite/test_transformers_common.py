@@ -16,33 +16,61 @@ import zlib
 
 import pytest
 import transformers
-
-import hf_qknorm  # noqa: F401  (registers the backend and the qknorm_<base> model types, as a user's import does)
 import upstream_tests
 from testers import TESTERS
 from variants import selected_families, selected_variants
+
+import hf_qknorm  # noqa: F401  (registers the backend and the qknorm_<base> model types, as a user's import does)
 
 UPSTREAM = upstream_tests.load()
 
 # Every head class a family has in Transformers' Auto mappings, plus GPT-2's double-heads model (which
 # patch_model accepts too).
 HEADS = {
-    "llama": ("LlamaModel", "LlamaForCausalLM", "LlamaForSequenceClassification", "LlamaForQuestionAnswering",
-              "LlamaForTokenClassification"),
-    "mistral": ("MistralModel", "MistralForCausalLM", "MistralForSequenceClassification",
-                "MistralForQuestionAnswering", "MistralForTokenClassification"),
-    "qwen2": ("Qwen2Model", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2ForQuestionAnswering",
-              "Qwen2ForTokenClassification"),
-    "qwen3": ("Qwen3Model", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3ForQuestionAnswering",
-              "Qwen3ForTokenClassification"),
-    "gpt2": ("GPT2Model", "GPT2LMHeadModel", "GPT2DoubleHeadsModel", "GPT2ForSequenceClassification",
-             "GPT2ForQuestionAnswering", "GPT2ForTokenClassification"),
+    "llama": (
+        "LlamaModel",
+        "LlamaForCausalLM",
+        "LlamaForSequenceClassification",
+        "LlamaForQuestionAnswering",
+        "LlamaForTokenClassification",
+    ),
+    "mistral": (
+        "MistralModel",
+        "MistralForCausalLM",
+        "MistralForSequenceClassification",
+        "MistralForQuestionAnswering",
+        "MistralForTokenClassification",
+    ),
+    "qwen2": (
+        "Qwen2Model",
+        "Qwen2ForCausalLM",
+        "Qwen2ForSequenceClassification",
+        "Qwen2ForQuestionAnswering",
+        "Qwen2ForTokenClassification",
+    ),
+    "qwen3": (
+        "Qwen3Model",
+        "Qwen3ForCausalLM",
+        "Qwen3ForSequenceClassification",
+        "Qwen3ForQuestionAnswering",
+        "Qwen3ForTokenClassification",
+    ),
+    "gpt2": (
+        "GPT2Model",
+        "GPT2LMHeadModel",
+        "GPT2DoubleHeadsModel",
+        "GPT2ForSequenceClassification",
+        "GPT2ForQuestionAnswering",
+        "GPT2ForTokenClassification",
+    ),
 }
 # Non-default sizes ConfigTester checks round trips of (Transformers' testers pass such values too).
 CONFIG_TESTER_KWARGS = {"gpt2": {"n_embd": 64, "n_head": 4}}  # the others: DEFAULT_CONFIG_TESTER_KWARGS
 DEFAULT_CONFIG_TESTER_KWARGS = {"hidden_size": 64, "num_attention_heads": 4}
-NO_GENERATION_MIXIN = ("Transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist; "
-                       "generation is tested by tests/test_generation_caches.py")
+NO_GENERATION_MIXIN = (
+    "Transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist; "
+    "generation is tested by tests/test_generation_caches.py"
+)
 
 
 class _SubTestsUntilFailure:
@@ -88,8 +116,11 @@ class _SuiteCase(_SubTestsUntilFailure):
         qknorm = getattr(self.model_tester.get_config(), "qknorm", None)
         extra = {} if qknorm is None else {"qknorm": qknorm}
         self.config_tester = UPSTREAM.configuration.ConfigTester(
-            self, config_class=self.model_tester.config_class(),
-            **CONFIG_TESTER_KWARGS.get(self.family, DEFAULT_CONFIG_TESTER_KWARGS), **extra)
+            self,
+            config_class=self.model_tester.config_class(),
+            **CONFIG_TESTER_KWARGS.get(self.family, DEFAULT_CONFIG_TESTER_KWARGS),
+            **extra,
+        )
 
     def test_config(self):
         self.config_tester.run_common_tests()
@@ -105,9 +136,13 @@ class _SuiteCase(_SubTestsUntilFailure):
 
             t = self.model_tester
             ids = inputs["input_ids"].unsqueeze(1).expand(-1, t.num_choices, -1).contiguous()
-            inputs.update(input_ids=ids, labels=ids, attention_mask=None,
-                          mc_token_ids=torch.zeros(t.batch_size, t.num_choices, dtype=torch.long),
-                          mc_labels=torch.zeros(t.batch_size, dtype=torch.long))
+            inputs.update(
+                input_ids=ids,
+                labels=ids,
+                attention_mask=None,
+                mc_token_ids=torch.zeros(t.batch_size, t.num_choices, dtype=torch.long),
+                mc_labels=torch.zeros(t.batch_size, dtype=torch.long),
+            )
         return inputs
 
 
@@ -126,8 +161,14 @@ def _make_case(family: str, variant) -> type:
     tester = TESTERS[family]
     bases = [getattr(transformers, head) for head in HEADS[family]]
     classes = tuple(_under_base_name(variant.model_class(base, family), base) for base in bases)
-    attrs = {"family": family, "variant": variant, "_tester_class": tester, "all_model_classes": classes,
-             "__module__": __name__, "__qualname__": name}
+    attrs = {
+        "family": family,
+        "variant": variant,
+        "_tester_class": tester,
+        "all_model_classes": classes,
+        "__module__": __name__,
+        "__qualname__": name,
+    }
     # test_can_init_all_missing_weights runs only for models whose config file carries a copyright year >= 2023
     # (or with this flag): a QKNorm config is defined in hf_qknorm, so without the flag it would be skipped there
     # while the baseline runs it. With the flag it runs on every family and variant.
@@ -150,6 +191,7 @@ if UPSTREAM.unavailable is None:
             globals()[_case.__name__] = _case
     del _case, _variant, _family
 else:
+
     @pytest.mark.skip(reason=f"Transformers {UPSTREAM.version}'s common tests are unavailable: {UPSTREAM.unavailable}")
     def test_transformers_common_tests_unavailable():
         """Stands for the whole suite when its sources could not be fetched (the summary prints a banner)."""

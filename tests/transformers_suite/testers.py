@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
 from variants import Variant
 
 # Sizes as in Transformers' own testers (vocab 99, width 32, 2 layers, batch 13 x 7 tokens); 4 query heads over 2
@@ -58,8 +57,9 @@ class DecoderTester:
 
     # -- inputs ------------------------------------------------------------------------------------------------------
     def prepare_config_and_inputs(self):
-        from upstream_tests import PACKAGE  # noqa: F401  (ids_tensor lives in the upstream module)
         import sys
+
+        from upstream_tests import PACKAGE  # noqa: F401  (ids_tensor lives in the upstream module)
 
         ids_tensor = sys.modules[f"{PACKAGE}.test_modeling_common"].ids_tensor
         input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
@@ -74,10 +74,20 @@ class DecoderTester:
 
 class _RopeTester(DecoderTester):
     def config_kwargs(self) -> dict:
-        return dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                    num_key_value_heads=KV_HEADS, intermediate_size=INTERMEDIATE, hidden_act="gelu",
-                    max_position_embeddings=512, initializer_range=0.02, pad_token_id=0, bos_token_id=1,
-                    eos_token_id=2)
+        return dict(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            intermediate_size=INTERMEDIATE,
+            hidden_act="gelu",
+            max_position_embeddings=512,
+            initializer_range=0.02,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
 
 
 class LlamaTester(_RopeTester):
@@ -130,11 +140,24 @@ class GPT2Tester(DecoderTester):
         return GPT2Config
 
     def config_kwargs(self):
-        return dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=INTERMEDIATE,
-                    activation_function="gelu", n_positions=512, initializer_range=0.02, resid_pdrop=0.1,
-                    embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=VOCAB - 1,
-                    eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1)
+        return dict(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            n_inner=INTERMEDIATE,
+            activation_function="gelu",
+            n_positions=512,
+            initializer_range=0.02,
+            resid_pdrop=0.1,
+            embd_pdrop=0.1,
+            attn_pdrop=0.1,
+            bos_token_id=VOCAB - 1,
+            eos_token_id=VOCAB - 1,
+            pad_token_id=VOCAB - 1,
+        )
 
 
-TESTERS: dict[str, type[DecoderTester]] = {t.model_type: t for t in
-                                           (LlamaTester, MistralTester, Qwen2Tester, Qwen3Tester, GPT2Tester)}
+TESTERS: dict[str, type[DecoderTester]] = {
+    t.model_type: t for t in (LlamaTester, MistralTester, Qwen2Tester, Qwen3Tester, GPT2Tester)
+}

@@ -26,10 +26,10 @@ class Upstream:
     """What the suite takes from Transformers' test code, or why it is unavailable."""
 
     version: str
-    modeling: types.ModuleType | None = None     # tests/test_modeling_common.py
+    modeling: types.ModuleType | None = None  # tests/test_modeling_common.py
     configuration: types.ModuleType | None = None  # tests/test_configuration_common.py
     folder: Path | None = None
-    unavailable: str | None = None               # the skip reason when the sources could not be had
+    unavailable: str | None = None  # the skip reason when the sources could not be had
 
 
 def fetch_module() -> types.ModuleType:
@@ -64,6 +64,8 @@ def load() -> Upstream:
         modeling = importlib.import_module(f"{PACKAGE}.test_modeling_common")
         configuration = importlib.import_module(f"{PACKAGE}.test_configuration_common")
     except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(f"Transformers {version}'s common tests (in {folder}) need {exc.name!r}, which is "
-                                  "not installed: pip install -e '.[dev]'") from exc
+        raise ModuleNotFoundError(
+            f"Transformers {version}'s common tests (in {folder}) need {exc.name!r}, which is "
+            "not installed: pip install -e '.[dev]'"
+        ) from exc
     return Upstream(version, modeling, configuration, folder)

@@ -92,8 +92,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("qkv_norm-rmsnorm", {"scheme": "qkv_norm", "norm": "rmsnorm"}),
     Variant("soft_cap-2", {"scheme": "soft_cap", "softcap": 2.0}),
     Variant("qk_norm-lp3", {"scheme": "qk_norm", "norm": "lp", "p": 3.0}),
-    Variant("patch_model-qk_norm_cap-2", {"scheme": "qk_norm_cap", "norm": "layernorm", "softcap": 2.0},
-            route="patch_model"),
+    Variant(
+        "patch_model-qk_norm_cap-2", {"scheme": "qk_norm_cap", "norm": "layernorm", "softcap": 2.0}, route="patch_model"
+    ),
 )
 # CI runs every family on these (the baseline plus the variant that changes most: norms and a cap that bites).
 CI_VARIANTS = ("baseline", "qk_norm_cap-2")
@@ -103,15 +104,16 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 # The CI subset also leaves out 22 of the 25 eager-vs-sdpa cases (kept: fp32 left and right padding, and the
 # output_attentions case): on the baseline they cost half of the subset's time, and on a capped model they all stop
 # at the same refusal of eager attention. HF_QKNORM_FULL_SUITE=1 runs them all.
-CI_EAGER_SDPA_KEPT = ("test_eager_matches_sdpa_inference_09_fp32_pad_left",
-                      "test_eager_matches_sdpa_inference_13_fp32_pad_right",
-                      "test_eager_matches_sdpa_inference_24_fp32_pad_left_output_attentions")
+CI_EAGER_SDPA_KEPT = (
+    "test_eager_matches_sdpa_inference_09_fp32_pad_left",
+    "test_eager_matches_sdpa_inference_13_fp32_pad_right",
+    "test_eager_matches_sdpa_inference_24_fp32_pad_left_output_attentions",
+)
 
 
 def deselected(test: str) -> bool:
     """Whether the CI subset leaves ``test`` out (never in the full suite)."""
-    return (not full_suite() and test.startswith("test_eager_matches_sdpa_inference_")
-            and test not in CI_EAGER_SDPA_KEPT)
+    return not full_suite() and test.startswith("test_eager_matches_sdpa_inference_") and test not in CI_EAGER_SDPA_KEPT
 
 
 def full_suite() -> bool:

@@ -8,7 +8,6 @@ scheme lives in ``config.qknorm`` (scheme, norm, softcap, eps, p) and is validat
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 # {SHIPPED_IMPORTS}
-
 from .qknorm_families import FAMILIES
 from .qknorm_structure import make_config_class
 

@@ -12,7 +12,6 @@ capped attention that materialises the logits, unless the plugin (the ``hf_qknor
 source with ``pip install .``: fused kernels and a memory-lean path) registered it first.
 """
 
-import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -20,7 +19,6 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 # {SHIPPED_IMPORTS}
-
 from .configuration_qknorm import CONFIG_CLASSES
 from .qknorm_eager import capped_eager_attention
 from .qknorm_families import FAMILIES
