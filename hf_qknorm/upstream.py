@@ -3,7 +3,7 @@ the package relies on, with what it relies on and the test that re-checks it.
 
 The patch copies no upstream code: a patched model runs Transformers' own attention forward, with the norms applied
 by hooks on the projections and the cap read by the ``"qknorm"`` backend. What remains are the reliances listed in
-:data:`RELIANCES`; ``tests/test_upstream.py`` checks each of them and names what to re-check when one changes.
+:data:`RELIANCES`; ``tests/project/test_upstream.py`` checks each of them and names what to re-check when one changes.
 """
 
 from __future__ import annotations
@@ -135,83 +135,83 @@ RELIANCES: tuple[Reliance, ...] = (
         "calls self.q_proj/k_proj/v_proj(hidden_states) and views the result as (..., heads, head_dim) before "
         "RoPE; passes scaling=self.scaling and **kwargs to the attention interface with the module first "
         "(same for Mistral, Qwen2)",
-        "tests/test_reference.py::test_layer_matches_reference",
+        "tests/verification/test_reference.py::test_layer_matches_reference",
     ),
     Reliance(
         "transformers.models.qwen3.modeling_qwen3.Qwen3Attention.forward",
         "portable/hooks.py",
         "calls self.q_norm / self.k_norm on the (..., heads, head_dim) projections before RoPE",
-        "tests/test_reference.py::test_layer_matches_reference",
+        "tests/verification/test_reference.py::test_layer_matches_reference",
     ),
     Reliance(
         "transformers.models.gpt2.modeling_gpt2.GPT2Attention.forward",
         "portable/hooks.py",
         "calls self.c_attn(hidden_states) whose output is [q | k | v] (split_size each) viewed as "
         "(..., heads, head_dim); passes scaling=self.scaling to the attention interface",
-        "tests/test_reference.py::test_layer_matches_reference",
+        "tests/verification/test_reference.py::test_layer_matches_reference",
     ),
     Reliance(
         "transformers.AttentionInterface.register",
         "attention/interface.py",
         "registers 'qknorm' so that set_attn_implementation('qknorm') dispatches to it",
-        "tests/test_upstream.py::test_backend_is_registered",
+        "tests/project/test_upstream.py::test_backend_is_registered",
     ),
     Reliance(
         "transformers.masking_utils.AttentionMaskInterface.register",
         "attention/interface.py",
         "registers sdpa_mask for 'qknorm': boolean masks, None only where top-left causal is exact",
-        "tests/test_models.py::test_generate_with_cache_matches_uncached",
+        "tests/modeling/test_models.py::test_generate_with_cache_matches_uncached",
     ),
     Reliance(
         "transformers.masking_utils.sdpa_mask",
         "portable/masks.py",
         "the mask convention the backend follows (see portable/masks.py)",
-        "tests/test_models.py::test_padded_batch_matches_unbatched",
+        "tests/modeling/test_models.py::test_padded_batch_matches_unbatched",
     ),
     Reliance(
         "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS.valid_keys",
         "portable/entry/modeling_qknorm.py",
         "lists registered attention implementations (the remote code registers 'qknorm' only if missing)",
-        "tests/test_export.py::test_saved_folders_load_without_the_plugin",
+        "tests/modeling/test_export.py::test_saved_folders_load_without_the_plugin",
     ),
     Reliance(
         "transformers.models.auto.modeling_auto.MODEL_MAPPING",
         "portable/structure.py (AUTO_HEADS)",
         "config class -> head class mappings (MODEL_FOR_CAUSAL_LM_MAPPING and the classification / QA ones)",
-        "tests/test_patching.py::test_every_head_class_round_trips",
+        "tests/modeling/test_patching.py::test_every_head_class_round_trips",
     ),
     Reliance(
         "transformers.PreTrainedModel.set_attn_implementation",
         "modeling/patch.py",
         "switches a model (and its sub-configs) to a registered attention implementation",
-        "tests/test_errors.py::test_cap_is_never_dropped",
+        "tests/cli/test_errors.py::test_cap_is_never_dropped",
     ),
     Reliance(
         "transformers.models.llama.modeling_llama.apply_rotary_pos_emb",
         "portable/layout.py (rotary_function)",
         "each RoPE family's modelling file has apply_rotary_pos_emb(q, k, cos, sin) -> (q, k), the rotation its "
         "forward applies (the monitor and calibration statistics rebuild the backend's q and k with it)",
-        "tests/test_upstream.py::test_rotary_function_is_the_forwards_rotation",
+        "tests/project/test_upstream.py::test_rotary_function_is_the_forwards_rotation",
     ),
     Reliance(
         "transformers.PretrainedConfig.to_dict",
         "portable/structure.py (PatchedConfigMixin)",
         "the dict save_pretrained writes as config.json (architectures and auto_map rewritten)",
-        "tests/test_save_load.py::test_round_trip",
+        "tests/modeling/test_save_load.py::test_round_trip",
     ),
     Reliance(
         "transformers.utils.output_capturing._active_collector",
         "attention/interface.py (weights_requested)",
         "while a model's output capture runs, .get() is the dict of outputs it collects, with an 'attentions' "
         "key when attention weights were asked for (output_attentions=True or config.output_attentions)",
-        "tests/test_transformers_conventions.py::test_output_attentions_returns_weights_on_every_family",
+        "tests/modeling/test_transformers_conventions.py::test_output_attentions_returns_weights_on_every_family",
     ),
     Reliance(
         "transformers.PretrainedConfig.output_attentions",
         "portable/structure.py (PatchedConfigMixin)",
         "a property whose setter refuses True unless the attention implementation is eager; a patched config "
         "accepts 'qknorm' too and otherwise defers to it",
-        "tests/test_transformers_conventions.py::test_config_output_attentions_returns_weights_on_a_capped_model",
+        "tests/modeling/test_transformers_conventions.py::test_config_output_attentions_returns_weights_on_a_capped_model",
     ),
     Reliance(
         "transformers.PreTrainedModel._initialize_missing_keys",
@@ -219,7 +219,7 @@ RELIANCES: tuple[Reliance, ...] = (
         "from_pretrained calls it once the checkpoint is loaded; loaded tensors carry _is_hf_initialized, the "
         "rest is initialised by the family's _init_weights (the norms a checkpoint lacks get their initial "
         "values after it, before the load is refused)",
-        "tests/test_transformers_conventions.py::test_patched_gpt2_is_initialised_like_gpt2",
+        "tests/modeling/test_transformers_conventions.py::test_patched_gpt2_is_initialised_like_gpt2",
     ),
     Reliance(
         "transformers.PreTrainedModel._adjust_missing_and_unexpected_keys",
@@ -227,7 +227,7 @@ RELIANCES: tuple[Reliance, ...] = (
         "from_pretrained calls it with the LoadStateDictInfo (missing_keys, unexpected_keys, mismatched_keys as "
         "(key, checkpoint shape, model shape)) after its own ignore rules, before its report; an exception "
         "raised there leaves from_pretrained",
-        "tests/test_save_load.py::test_a_folder_whose_norm_weights_do_not_match_its_scheme_never_loads",
+        "tests/modeling/test_save_load.py::test_a_folder_whose_norm_weights_do_not_match_its_scheme_never_loads",
     ),
     Reliance(
         "transformers.PreTrainedModel.initialize_weights",
@@ -235,13 +235,13 @@ RELIANCES: tuple[Reliance, ...] = (
         "skips _init_weights on modules without parameters of their own for custom code: is_custom_code() (5.23; "
         "true for classes outside Transformers' package, so QKNorm classes answer as their base class) or "
         "is_remote_code() (5.4)",
-        "tests/test_transformers_conventions.py::test_patched_gpt2_is_initialised_like_gpt2",
+        "tests/modeling/test_transformers_conventions.py::test_patched_gpt2_is_initialised_like_gpt2",
     ),
     Reliance(
         "transformers.Trainer.compute_loss",
         "portable/structure.py (make_model_class: _get_name)",
         "label smoothing shifts the labels when model._get_name() is in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-        "tests/test_transformers_conventions.py::"
+        "tests/modeling/test_transformers_conventions.py::"
         "test_trainer_label_smoothing_shifts_the_labels_of_a_loaded_patched_model",
     ),
     Reliance(
@@ -250,7 +250,7 @@ RELIANCES: tuple[Reliance, ...] = (
         f"has activation_checkpointing[_kwargs] fields from {ACTIVATION_CHECKPOINTING_SINCE} on, "
         "gradient_checkpointing[_kwargs] (deprecated from then on) before; Trainer then enables checkpointing "
         "on the model",
-        "tests/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
+        "tests/project/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
     ),
     Reliance(
         "transformers.PreTrainedModel.gradient_checkpointing_enable",
@@ -258,6 +258,6 @@ RELIANCES: tuple[Reliance, ...] = (
         f"activation_checkpointing_enable(activation_checkpointing_kwargs=...) and is_activation_checkpointing "
         f"from {ACTIVATION_CHECKPOINTING_SINCE} on; gradient_checkpointing_enable(gradient_checkpointing_kwargs="
         "...) and is_gradient_checkpointing (deprecated from then on) before",
-        "tests/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
+        "tests/project/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
     ),
 )

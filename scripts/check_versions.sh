@@ -23,10 +23,10 @@ else
   mapfile -t FOLDERS < <(for d in "$VENV_DIR"/*/; do [ -x "$d/bin/python" ] && basename "$d"; done | sort -V)
 fi
 # groups, as the table's columns (by test file, or file::test)
-RECIPES="tests/test_trainer.py::test_recipes_help_and_tiny_runs tests/test_trainer.py::test_pretrain_tiny_recipe_tiny_run
-  tests/test_lr_sweep.py tests/test_conversion_recovery.py tests/test_distributed.py"
-TRAINING="tests/test_trainer.py tests/test_qk_clip.py tests/test_muon.py tests/test_monitor.py tests/test_qk_lr.py tests/test_training.py"
-CLI="tests/test_cli.py tests/test_upstream.py"
+RECIPES="tests/training/test_trainer.py::test_recipes_help_and_tiny_runs tests/training/test_trainer.py::test_pretrain_tiny_recipe_tiny_run
+  tests/recipes/test_lr_sweep.py tests/recipes/test_conversion_recovery.py tests/training/test_distributed.py"
+TRAINING="tests/training/test_trainer.py tests/training/test_qk_clip.py tests/training/test_muon.py tests/training/test_monitor.py tests/training/test_qk_lr.py tests/training/test_training.py"
+CLI="tests/cli/test_cli.py tests/project/test_upstream.py"
 export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX512_CORE_BF16} TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's hf_qknorm, not an installed one
 for folder in "${FOLDERS[@]}"; do
@@ -37,10 +37,10 @@ for folder in "${FOLDERS[@]}"; do
     continue
   fi
   start=$(date +%s)
-  # $RECIPES' entries in tests/test_trainer.py are left out here: $TRAINING runs that file whole
+  # $RECIPES' entries in tests/training/test_trainer.py are left out here: $TRAINING runs that file whole
   # shellcheck disable=SC2086
   HF_QKNORM_PYTHON="$py" "$py" -m pytest -q -p no:cacheprovider --junitxml="$OUT/$folder.xml" \
-    $(printf '%s\n' $RECIPES | grep -v '^tests/test_trainer.py::') $TRAINING $CLI > "$OUT/$folder.log" 2>&1
+    $(printf '%s\n' $RECIPES | grep -v '^tests/training/test_trainer.py::') $TRAINING $CLI > "$OUT/$folder.log" 2>&1
   echo "$folder $version $(( $(date +%s) - start ))" >> "$OUT/times.txt"
 done
 python3 - "$OUT" "$RECIPES" "$TRAINING" "$CLI" "${FOLDERS[@]}" <<'PY' | tee "$OUT/table.md"

@@ -42,10 +42,10 @@ if [ "$fetch_rc" -eq 3 ]; then
 elif [ "$fetch_rc" -ne 0 ]; then
   exit "$fetch_rc"
 fi
-CORE=(tests/test_reference.py tests/test_patching.py tests/test_save_load.py tests/test_export.py tests/test_models.py
-      tests/test_upstream.py tests/test_cpu_attention.py tests/test_errors.py tests/test_cli.py tests/transformers_suite)
-TRAINING=(tests/test_trainer.py tests/test_qk_clip.py tests/test_muon.py tests/test_monitor.py tests/test_qk_lr.py
-          tests/test_training.py tests/test_lr_sweep.py tests/test_conversion_recovery.py tests/test_distributed.py)
+CORE=(tests/verification/test_reference.py tests/modeling/test_patching.py tests/modeling/test_save_load.py tests/modeling/test_export.py tests/modeling/test_models.py
+      tests/project/test_upstream.py tests/attention/test_cpu_attention.py tests/cli/test_errors.py tests/cli/test_cli.py tests/transformers_suite)
+TRAINING=(tests/training/test_trainer.py tests/training/test_qk_clip.py tests/training/test_muon.py tests/training/test_monitor.py tests/training/test_qk_lr.py
+          tests/training/test_training.py tests/recipes/test_lr_sweep.py tests/recipes/test_conversion_recovery.py tests/training/test_distributed.py)
 VENV_ABS=$(cd "$VENV" && pwd)
 HF_QKNORM_SUITE_FAMILIES=llama,gpt2 HF_QKNORM_PYTHON="$VENV_ABS/bin/python" "$VENV/bin/python" -m pytest -q \
   -p no:cacheprovider "${CORE[@]}" "${TRAINING[@]}" "$@"

@@ -1,4 +1,5 @@
-"""Training runs shared by the multi-process tests (``tests/test_sharded.py``) and their single-process references:
+"""Training runs shared by the multi-process tests (``tests/training/test_sharded.py``) and their single-process
+references:
 the same tiny model, data, optimizer and training controls (QK-Clip, the monitor, the Q/K learning-rate rule), with
 the model whole in one process or sharded over gloo processes (FSDP2 ``fully_shard``, tensor parallelism).
 
@@ -266,7 +267,7 @@ def reference_mixed(name: str, world: int) -> dict:
 
 def report(folder: str, world: int) -> list[str]:
     """Markdown rows: the largest differences between the sharded runs a worker saved in ``folder``
-    (``torchrun --nproc_per_node WORLD tests/test_sharded.py --worker FOLDER``) and one process."""
+    (``torchrun --nproc_per_node WORLD tests/training/test_sharded.py --worker FOLDER``) and one process."""
     rows = []
     for name, spec in SPECS.items():
         if world not in spec.worlds:

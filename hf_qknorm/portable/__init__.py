@@ -1,7 +1,7 @@
 """The code every saved ``qknorm_<base>`` folder carries, so that it loads without the plugin.
 
 Everything here imports only the standard library, ``torch`` and the other modules of this subpackage (a test,
-``tests/test_export.py``, holds it). Saving a patched model copies these modules into the folder under
+``tests/modeling/test_export.py``, holds it). Saving a patched model copies these modules into the folder under
 flat names (``norms.py`` -> ``qknorm_norms.py``), rewriting each ``from .x import`` through the table below, and adds
 the two entry files of ``entry/`` (which alone import ``transformers``) that build the classes from them. The plugin
 runs the very same modules, so a folder computes what the plugin computes.

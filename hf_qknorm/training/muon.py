@@ -7,7 +7,8 @@ drops into ``Trainer(optimizers=(opt, None))``, a learning-rate scheduler (each 
 :class:`~hf_qknorm.QKLearningRate` (``qk.step(opt)``) and :meth:`~hf_qknorm.QKClip.attach` (MuonClip).
 
 Muon's whole update, weight decay included, is proportional to its learning rate, so the Q/K learning-rate rule's
-per-head rescaling of the update is exactly a per-head learning rate with Muon too (``tests/test_muon.py`` checks it
+per-head rescaling of the update is exactly a per-head learning rate with Muon too (``tests/training/test_muon.py``
+checks it
 against a hand-written Muon step).
 """
 

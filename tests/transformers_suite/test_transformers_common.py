@@ -69,7 +69,7 @@ CONFIG_TESTER_KWARGS = {"gpt2": {"n_embd": 64, "n_head": 4}}  # the others: DEFA
 DEFAULT_CONFIG_TESTER_KWARGS = {"hidden_size": 64, "num_attention_heads": 4}
 NO_GENERATION_MIXIN = (
     "Transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist; "
-    "generation is tested by tests/test_generation_caches.py"
+    "generation is tested by tests/attention/test_generation_caches.py"
 )
 
 

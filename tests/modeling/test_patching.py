@@ -1,0 +1,265 @@
+"""What patch_model promises beyond the arithmetic: it never changes the caller's config, a refused patch leaves the
+model exactly as it was, every head class of a family patches, saves and loads back, the base model keeps its
+hidden-state and attention outputs, and the patch survives wrappers (peft replacing a projection, DDP, compile)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_qknorm
+from hf_qknorm import QKNormConfig
+from hf_qknorm.portable.norms import HeadRMSNorm
+from hf_qknorm.reference import norm_reference
+from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
+
+
+def _ids(seed=0, batch=2, seq=11):
+    return torch.randint(1, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the caller's config
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_patching_never_changes_the_callers_config(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family)
+    before = config.to_dict()
+    first = AutoModelForCausalLM.from_config(config)
+    hf_qknorm.patch_model(first, "qk_norm_cap")
+    assert config.to_dict() == before and type(config).__name__ == type(config).__name__.removeprefix("QKNorm")
+    assert first.config is not config and all(
+        m.config is first.config for m in first.modules() if "config" in m.__dict__
+    )
+    second = AutoModelForCausalLM.from_config(config)  # the same config object, built again
+    assert not hf_qknorm.is_patched(second)
+    second.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not hf_qknorm.is_patched(reloaded) and reloaded.config.model_type == family
+    hf_qknorm.patch_model(second, "qk_norm")  # and it can still be patched
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# refusals leave no trace
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["paged|eager", "flash_attention_2", "flex_attention"])
+def test_refused_patch_leaves_the_model_untouched(impl):
+    model = tiny_model("llama")
+    model.config._attn_implementation = impl  # as if loaded with it (flash-attn is not installed here)
+    state, cls, modules = _state(model), type(model.model.layers[0].self_attn), dict(model.named_modules())
+    with pytest.raises(ValueError, match=f"{impl!r} would drop the softcap"):
+        hf_qknorm.patch_model(model, "qk_norm_cap")
+    assert not hf_qknorm.is_patched(model) and model.config._attn_implementation == impl
+    assert type(model.model.layers[0].self_attn) is cls and dict(model.named_modules()).keys() == modules.keys()
+    assert all(not m._forward_hooks for m in model.modules())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    model.config._attn_implementation = "sdpa"
+    hf_qknorm.patch_model(model, "qk_norm_cap")  # a valid backend: the patch goes through once
+    assert hf_qknorm.is_patched(model) and model.config._attn_implementation == "qknorm"
+
+
+def test_refused_qkv_norm_fold_leaves_the_model_untouched():
+    model = tiny_model("gpt2")
+    model.transformer.h[1].attn.c_attn.bias = None  # the pre-norm's bias cannot be folded into this block
+    state = _state(model)
+    with pytest.raises(ValueError, match=r"cannot fold the bias of \.ln_1 \(block 1\) into \.c_attn"):
+        hf_qknorm.patch_model(model, "qkv_norm")
+    assert not hf_qknorm.is_patched(model) and not isinstance(model.transformer.h[0].ln_1, torch.nn.Identity)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_cross_attention_gpt2_is_refused_up_front():
+    model = tiny_model("gpt2", add_cross_attention=True)
+    with pytest.raises(ValueError, match="cross-attention"):
+        hf_qknorm.patch_model(model, "qk_norm")
+    assert not hf_qknorm.is_patched(model)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# every head class, and the base model's outputs
+# --------------------------------------------------------------------------------------------------------------------
+def _head_classes(family):
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_qknorm.portable.structure import AUTO_HEADS
+
+    base = CONFIG_MAPPING[family]
+    return [(auto, getattr(modeling_auto, m)[base]) for auto, m in AUTO_HEADS if base in getattr(modeling_auto, m)]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_every_head_class_round_trips(family, tmp_path):
+    import transformers
+
+    heads = _head_classes(family)
+    assert len(heads) == 5, heads  # base, causal LM, sequence / token classification, question answering
+    ids = _ids()
+    for auto, cls in heads:
+        torch.manual_seed(0)
+        config = tiny_config(family, num_labels=3, pad_token_id=0)
+        model = cls(config).eval()
+        hf_qknorm.patch_model(model, "qk_norm_cap", softcap=2.0)
+        with torch.no_grad():
+            for name, prm in model.named_parameters():
+                if "_norm." in name:
+                    prm.add_(0.3 * torch.randn_like(prm))
+            expected = model(ids)
+        folder = tmp_path / f"{family}-{cls.__name__}"
+        model.save_pretrained(folder)
+        loaded = getattr(transformers, auto).from_pretrained(folder).eval()
+        assert type(loaded).__name__ == f"QKNorm{cls.__name__}" and hf_qknorm.is_patched(loaded)
+        with torch.no_grad():
+            got = loaded(ids)
+        for key in expected.keys():
+            if torch.is_tensor(expected[key]):
+                torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-5, msg=f"{cls.__name__} {key}")
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_base_model_keeps_hidden_states_and_attention_outputs(family):
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    torch.manual_seed(0)
+    config = tiny_config(family)
+    model = modeling_auto.MODEL_MAPPING[CONFIG_MAPPING[family]](config).eval()
+    hf_qknorm.patch_model(model, "qk_norm")
+    model.set_attn_implementation("eager")  # an uncapped scheme may return weights through eager attention
+    out = model(_ids(), output_hidden_states=True, output_attentions=True)
+    assert out.hidden_states is not None and len(out.hidden_states) == config.num_hidden_layers + 1
+    assert out.attentions is not None and len(out.attentions) == config.num_hidden_layers
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# API
+# --------------------------------------------------------------------------------------------------------------------
+def test_config_object_in_keyword_arguments_out():
+    cfg = hf_qknorm.QKNormConfig("qk_norm_cap", norm="rmsnorm", softcap=30.0)
+    a, b = tiny_model("llama"), tiny_model("llama")
+    hf_qknorm.patch_model(a, cfg)
+    hf_qknorm.patch_model(b, "qk_norm_cap", norm="rmsnorm", softcap=30.0)
+    assert hf_qknorm.qknorm_config(a) == hf_qknorm.qknorm_config(b)
+    torch.testing.assert_close(a(_ids()).logits, b(_ids()).logits)
+    with pytest.raises(ValueError, match=r"got a QKNormConfig and also \['softcap'\]"):
+        hf_qknorm.patch_model(tiny_model("llama"), cfg, softcap=10.0)
+
+
+def test_rmsnorm_eps_is_settable():
+    norm = HeadRMSNorm(8, eps=1e-6)
+    norm.eps = 1e-2  # Transformers' common tests (and users) set it
+    x = 1e-2 * torch.randn(3, 8, dtype=torch.float64)
+    norm = norm.double()
+    torch.testing.assert_close(norm(x), norm_reference(x, "rmsnorm", norm.weight, eps=1e-2))
+
+
+def test_lp_norm_with_a_large_exponent_stays_finite_and_exact():
+    """||x||_p overflows float32 for large p (|x|^64 > 3.4e38 once |x| > 4): the norm rescales by max|x| first."""
+    from hf_qknorm.portable.norms import HeadLpNorm
+
+    norm = HeadLpNorm(16, p=64.0, eps=1e-6, scale="channel")
+    x = (20 * torch.randn(2, 5, 4, 16, generator=torch.Generator().manual_seed(0))).requires_grad_(True)
+    y = norm(x)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    x64 = x.detach().double().requires_grad_(True)
+    ref = norm_reference(x64, "lp", norm.weight.double(), p=64.0, eps=1e-6)  # float64 does not overflow here
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", ["l2", "lp"])
+def test_half_precision_models_keep_their_dtype_through_every_norm(norm, dtype):
+    """Each norm returns its input's dtype (it computes in float32): a bf16 lp model runs and trains."""
+    model = tiny_model("llama", dtype=dtype)
+    hf_qknorm.patch_model(model, "qk_norm_cap", norm=norm, p=3.0 if norm == "lp" else None)
+    ids = _ids()
+    out = model(ids, labels=ids)
+    assert out.logits.dtype == dtype and torch.isfinite(out.loss)
+    out.loss.backward()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one rule for the qkv_norm fold: patch and conversion write the same bits
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_qkv_norm_fold_patch_and_conversion_agree_in_bf16(family, tmp_path):
+    from safetensors.torch import load_file
+
+    from convert_support import quiet, save_source
+
+    source = save_source(tmp_path / "src", family, dtype=torch.bfloat16)
+    with torch.no_grad():  # non-trivial pre-norm gains (and GPT-2 biases), saved again
+        for name, prm in source.named_parameters():
+            if "input_layernorm" in name or "ln_1" in name:
+                prm.copy_(1 + 0.3 * torch.randn_like(prm) if name.endswith("weight") else 0.3 * torch.randn_like(prm))
+    source.save_pretrained(tmp_path / "src")
+    result = hf_qknorm.convert(
+        tmp_path / "src",
+        tmp_path / "out",
+        config=QKNormConfig(scheme="qkv_norm", norm="rmsnorm"),
+        calibrate=False,
+        progress=False,
+        log=quiet,
+    )
+    converted = load_file(result.path / "model.safetensors")
+    hf_qknorm.patch_model(source, "qkv_norm", norm="rmsnorm")
+    patched = source.state_dict()
+    prefix = "transformer." if family == "gpt2" else ""
+    folded = [k for k in patched if any(p in k for p in ("q_proj", "k_proj", "v_proj", "c_attn"))]
+    assert folded
+    for key in folded:
+        assert torch.equal(converted[key[len(prefix) :] if key[len(prefix) :] in converted else key], patched[key]), key
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# wrappers
+# --------------------------------------------------------------------------------------------------------------------
+def test_peft_replacing_a_projection_moves_the_norm_hook():
+    """get_peft_model after patching: the norm must see base(x) + LoRA delta, and merge_and_unload moves it back."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama", dtype=torch.float64)
+    hf_qknorm.patch_model(model, "qk_norm", norm="rmsnorm")
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["q_proj"], r=4, init_lora_weights=False))
+    attn = peft_model.get_base_model().model.layers[0].self_attn
+    seen = {}
+    attn.q_norm.register_forward_hook(lambda m, args, out: seen.update(norm_in=args[0]))
+    attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(lora_out=out), prepend=True)
+    ids = _ids()
+    expected = peft_model(ids).logits
+    torch.testing.assert_close(seen["norm_in"], seen["lora_out"].view_as(seen["norm_in"]))
+    assert len(attn.q_proj.base_layer._forward_hooks) == 0  # moved, not duplicated
+    merged = peft_model.merge_and_unload()
+    torch.testing.assert_close(merged(ids).logits, expected)
+    assert len(merged.model.layers[0].self_attn.q_proj._forward_hooks) == 1
+
+
+def test_is_patched_and_patch_through_wrappers():
+    model = tiny_model("llama")
+    compiled = torch.compile(model, backend="eager")
+    hf_qknorm.patch_model(compiled, "qk_norm")  # patches the model inside
+    assert hf_qknorm.is_patched(model) and hf_qknorm.is_patched(compiled)
+    ddp_like = torch.nn.DataParallel(model)
+    assert hf_qknorm.is_patched(ddp_like) and hf_qknorm.qknorm_config(ddp_like).scheme == "qk_norm"
+    with pytest.raises(TypeError, match="expected a Transformers model"):
+        hf_qknorm.is_patched(torch.nn.Linear(2, 2))
+
+
+def test_qwen3_gains_dropped_by_lp_are_announced(caplog):
+    model = tiny_model("qwen3")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_norm.weight.mul_(1.5)
+    with caplog.at_level(logging.WARNING, logger="hf_qknorm"):
+        hf_qknorm.patch_model(model, "qk_norm", norm="l2")
+    assert any("per-channel q/k norm gains" in r.message for r in caplog.records)

@@ -1,0 +1,126 @@
+"""The package's architecture, checked: no import cycles (function-level imports included), the floors import
+one way only (portable <- kernels <- attention <- modeling <- conversion / training / verification <- cli; see
+docs/architecture.md), kernels know nothing of Transformers, and every subpackage imports on its own in a fresh
+interpreter."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_qknorm"
+SUBPACKAGES = ("portable", "kernels", "attention", "modeling", "conversion", "training", "verification", "cli")
+# what each floor may import from the package besides itself: whole floors, never single modules
+RUNTIME = {"portable", "kernels", "attention", "modeling", "_version", "upstream"}
+ALLOWED = {
+    "portable": set(),  # and only torch and the standard library: tests/modeling/test_export.py
+    "kernels": set(),
+    "attention": {"portable", "kernels", "_version", "upstream", "_moved"},  # _moved: old paths of moved modules
+    "modeling": {"portable", "kernels", "attention", "_version", "upstream", "_moved"},
+    "conversion": RUNTIME | {"data", "reference", "verification"},
+    "training": RUNTIME | {"data"},
+    "verification": RUNTIME | {"reference"},
+    "cli": RUNTIME | {"conversion", "training", "verification", "data", "reference"},
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every hf_qknorm module ``path`` imports, at any depth (function-level imports included)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("hf_qknorm"):
+                out.add(target)
+                out.update(f"{target}.{a.name}" for a in node.names)  # `from . import hooks` imports a module
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("hf_qknorm"))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py") if "entry" not in p.parts}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {m for m in _imports(path) if m in modules and m != name}
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # Tarjan-free check: depth-first search for a back edge, reporting the cycle
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + ".") or node == "hf_qknorm":  # a package importing its own parts is no cycle
+                continue
+            if state.get(nxt) == "open":
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_dependency_direction():
+    graph = _graph()
+    for name, deps in graph.items():
+        parts = name.split(".")
+        if len(parts) < 2 or parts[1] not in ALLOWED:
+            continue
+        own = parts[1]
+        for dep in deps:
+            dparts = dep.split(".")
+            if dep == "hf_qknorm" or dparts[1] == own:
+                continue
+            assert dparts[1] in ALLOWED[own], f"{name} imports {dep}: the {own} floor may import {sorted(ALLOWED[own])}"
+
+
+def test_kernels_know_nothing_of_transformers():
+    for path in (PACKAGE / "kernels").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any(n.startswith("transformers") for n in names), path
+
+
+def test_package_imports_no_test_tools():
+    """Developer tools that patch with ``unittest.mock`` (scripts/compile_kernels.py) live outside the package."""
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any(n.split(".")[0] in ("unittest", "pytest") for n in names), path
+
+
+@pytest.mark.parametrize("sub", SUBPACKAGES)
+def test_each_subpackage_imports_alone(sub):
+    res = subprocess.run([sys.executable, "-c", f"import hf_qknorm.{sub}"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr

@@ -1,0 +1,114 @@
+"""The conversion-recovery recipe on a few steps: arms, conversion per init, the recovery metrics, the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+import conversion_recovery as cr
+
+TINY = dict(
+    steps=3,
+    warmup=1,
+    batch_size=2,
+    context=64,
+    eval_every=1,
+    eval_blocks=2,
+    final_eval_blocks=4,
+    calibration=dict(block_len=64, calibration_blocks=4, eval_blocks=4, steps=2, batch_size=2),
+)
+
+
+def test_arms_cover_every_scheme_and_init():
+    tags = [a.tag() for a in cr.arms({})]
+    assert tags == [
+        "original",
+        "soft_cap",
+        "qk_norm_identity",
+        "qk_norm_calibrated",
+        "qk_norm_cap_identity",
+        "qk_norm_cap_calibrated",
+        "qkv_norm_identity",
+        "qkv_norm_calibrated",
+    ]
+
+
+def test_recovery_metrics():
+    curve = [[0, 4.0], [10, 3.6], [20, 3.52], [30, 3.4]]
+    assert cr.steps_to_recover(curve, 3.5 * 1.01) == 20
+    assert cr.steps_to_recover(curve, 3.0) is None
+    assert cr.steps_to_recover([[0, 3.5]], 3.5) == 0  # conversion itself within tolerance
+    control = [[0, 3.5], [10, 3.45], [20, 3.40], [30, 3.38]]
+    assert cr._steps_to_match(curve, control) == 30  # 3.4 <= 3.38 * 1.01, 3.52 > 3.40 * 1.01
+
+
+def test_bad_arm_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown scheme 'qk_nrom'.*qk_norm"):
+        cr.run_arm(cr.ArmConfig(scheme="qk_nrom", **TINY), tmp_path)
+    with pytest.raises(ValueError, match="unknown init 'zeros'"):
+        cr.run_arm(cr.ArmConfig(scheme="qk_norm", init="zeros", **TINY), tmp_path)
+
+
+def test_report_needs_the_control_arm():
+    rec = {"config": {**cr.asdict(cr.ArmConfig(scheme="qk_norm", init="identity"))}, "val": [[0, 4.0]]}
+    with pytest.raises(ValueError, match="control arm 'original'"):
+        cr.summarise([rec])
+
+
+def test_runs_and_report(tmp_path):
+    out, work = tmp_path / "runs", tmp_path / "work"
+    cfgs = [
+        cr.ArmConfig(**TINY),
+        cr.ArmConfig(scheme="qk_norm", init="identity", **TINY),
+        cr.ArmConfig(scheme="qk_norm", init="calibrated", **TINY),
+    ]
+    for c in cfgs:
+        cr.run_job(c, str(out), str(work))
+    assert sorted(p.name for p in out.glob("*.json")) == [
+        "original.json",
+        "qk_norm_calibrated.json",
+        "qk_norm_identity.json",
+    ]
+    assert not any(work.iterdir())  # converted checkpoints are removed once their arm is recorded
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    for r in runs:
+        assert [s for s, _ in r["val"]] == [0, 1, 2, 3]
+    by = {cr.ArmConfig(**r["config"]).tag(): r for r in runs}
+    assert by["qk_norm_identity"]["model_type"] == "qknorm_llama"
+    assert by["qk_norm_calibrated"]["conversion"]["calibration"]["steps"] == 2
+    assert "calibration" not in by["qk_norm_identity"]["conversion"]
+    # the control arm's step-0 loss is the unconverted model's: calibrated init starts closer to it than identity
+    s = cr.write_report(runs, tmp_path / "report")
+    arms = s["arms"]
+    assert arms["original"]["gap_after_conversion_pct"] == 0.0
+    assert (
+        0
+        < arms["qk_norm_calibrated"]["gap_after_conversion_pct"]
+        < arms["qk_norm_identity"]["gap_after_conversion_pct"]
+    )
+    table = (tmp_path / "report" / "table.md").read_text()
+    assert "| qk_norm_identity |" in table and "| qk_norm_calibrated |" in table
+    assert (tmp_path / "report" / "loss_vs_step.png").stat().st_size > 0
+    # resumable: a finished arm is not rerun
+    stamp = (out / "original.json").stat().st_mtime_ns
+    cr.run_job(cfgs[0], str(out), str(work))
+    assert (out / "original.json").stat().st_mtime_ns == stamp
+
+
+def test_report_regenerates_the_committed_table(tmp_path):
+    """The default `report` reads benchmarks/runs/conversion_recovery/runs_lr0.0003 (the committed runs) and the
+    table it writes is docs/conversion_recovery/table.md, the one the docs show."""
+    root = Path(__file__).resolve().parents[2]
+    args = cr.parse_args(["report"])
+    assert Path(args.runs) == root / "benchmarks" / "runs" / "conversion_recovery" / "runs_lr0.0003"
+    assert Path(args.out) == root / "docs" / "conversion_recovery"
+    runs = [json.loads(p.read_text()) for p in sorted(Path(args.runs).glob("*.json"))]
+    assert len(runs) == 8
+    cr.write_report(runs, tmp_path / "docs", tmp_path / "results.json")
+    assert (tmp_path / "docs" / "table.md").read_text() == (Path(args.out) / "table.md").read_text()
+    committed = json.loads((Path(args.runs).parent / "results.json").read_text())
+    assert json.loads((tmp_path / "results.json").read_text()) == committed
