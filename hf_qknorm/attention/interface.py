@@ -131,22 +131,7 @@ def qknorm_attention_forward(
     if softcap is not None:
         softcap = check_softcap(softcap)
     probes = tuple(getattr(module, "_qknorm_probes", {}).values())  # hf_qknorm.modeling.telemetry.LogitTap
-    if not probes:
-        return _attention(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            scaling,
-            dropout,
-            softcap,
-            sliding_window,
-            is_causal,
-            False,
-            kwargs,
-        )[:2]
-    want_max = any(_wants_max(probe, module) for probe in probes)
+    want_max = bool(probes) and any(_wants_max(probe, module) for probe in probes)
     out, weights, top = _attention(
         module,
         query,
