@@ -49,8 +49,9 @@ def test_ci_lanes_are_the_versions_the_readme_names():
     )
     assert oldest < middle < newest
     ci = (TESTS.parent / ".ci" / "run").read_text()
+    code = "\n".join(line for line in ci.splitlines() if not line.lstrip().startswith("#"))  # run, not mentioned
     assert all(
-        f"bash scripts/{lane}\n" in ci for lane in ("test.sh", "test_version.sh oldest", "test_version.sh middle")
+        f"bash scripts/{lane}" in code for lane in ("test.sh", "test_version.sh oldest", "test_version.sh middle")
     )
     readme = (TESTS.parent / "README.md").read_text()
     named = (
