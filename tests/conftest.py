@@ -43,3 +43,16 @@ def tiny():
     from tiny_models import tiny_model
 
     return tiny_model
+
+
+@pytest.fixture
+def kernels_on_cpu():
+    """For tests that push CPU tensors through the Triton kernels: those run only under Triton's interpreter
+    (``TRITON_INTERPRET=1``, as CI and scripts/test.sh run), so elsewhere -- a GPU machine, where tests/kernels runs
+    the kernels on CUDA -- the test is skipped with the reason, never run through a compiler that needs a GPU."""
+    from hf_qknorm import kernels
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors through the Triton kernels need TRITON_INTERPRET=1")
+    if (reason := kernels.unavailable_reason()) is not None:
+        pytest.skip(reason)

@@ -130,12 +130,9 @@ def test_gemma2_own_cap_and_hybrid_cache(cache, padded):
     check_generation(_gemma2(), cache, padded, rtol=1e-4, atol=1e-4)
 
 
-def test_static_cache_through_the_kernels():
-    from hf_qknorm import kernels
+def test_static_cache_through_the_kernels(kernels_on_cpu):
     from hf_qknorm.attention import kernel_policy
 
-    if kernels.unavailable_reason() is not None:
-        pytest.skip(kernels.unavailable_reason())
     model = _patched("llama", "qk_norm_cap", "qknorm")
     with kernel_policy(devices=("cuda", "cpu")):
         check_generation(model, "static", padded=False, rtol=2e-4, atol=2e-4)

@@ -47,12 +47,9 @@ def test_packed_with_the_cache_on_matches_separate(family, scheme):
         start += len(s)
 
 
-def test_packed_through_the_kernels_with_the_cache_on():
-    from hf_qknorm import kernels
+def test_packed_through_the_kernels_with_the_cache_on(kernels_on_cpu):
     from hf_qknorm.attention import kernel_policy
 
-    if kernels.unavailable_reason() is not None:
-        pytest.skip(kernels.unavailable_reason())
     model = _model("llama", "qk_norm_cap", dtype=torch.float32)
     seqs, batch = _packed()
     with kernel_policy(devices=("cuda", "cpu")):

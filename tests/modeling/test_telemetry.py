@@ -280,7 +280,7 @@ def test_no_probe_wanting_max_logits_gets_none():
     "name", ["causal", "static_prefill", "padding", "sliding_window", "packed_position_ids", "cu_seq_lens", "decode"]
 )
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_triton_kernels_max_logits(name, softcap, monkeypatch):
+def test_triton_kernels_max_logits(name, softcap, monkeypatch, kernels_on_cpu):
     import hf_qknorm.modeling.telemetry as telemetry
 
     pytest.importorskip("triton")
