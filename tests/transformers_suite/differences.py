@@ -135,6 +135,9 @@ def judge(
         )
     if listed:
         entry = listed[0]
+        if got == "skip" != entry.outcome and baseline == "skip":
+            # skipped patched and unpatched alike (this Transformers skips the test itself): no difference to judge
+            return Verdict(got)
         if got == entry.outcome and entry.explains(message):
             return Verdict("listed", f"[{entry.id}] {entry.reason}", entry.id)
         if got == "pass":

@@ -42,6 +42,14 @@ def test_a_listed_difference_that_no_longer_occurs_fails():
     assert verdict.outcome == "fail" and "no longer occurs" in verdict.note
 
 
+def test_a_listed_test_skipped_unpatched_too_is_a_skip():
+    """A Transformers version that skips the test itself (both sides skipped): nothing to compare, not a failure;
+    skipped on the patched side only, it still fails."""
+    assert judge([_entry()], "llama", "cap-2", "test_a1", "skip", "Skipped: not a priority", "skip").outcome == "skip"
+    verdict = judge([_entry()], "llama", "cap-2", "test_a1", "skip", "Skipped: not a priority", "pass")
+    assert verdict.outcome == "fail" and "expects fail" in verdict.note
+
+
 def test_an_unlisted_failure_or_lost_test_fails_and_says_whether_it_is_new():
     new = judge([_entry()], "llama", "cap-2", "test_b", "fail", "AssertionError", "pass")
     assert new.outcome == "fail" and "NEW difference" in new.note
