@@ -106,9 +106,7 @@ def inspect_source(src) -> Source:
     from transformers import AutoConfig
 
     path, name = resolve_source(src)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not a Transformers model folder")
-    raw = read_config(path)
+    raw = read_config(path)  # one-line errors for a missing config.json or one that is no JSON object
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type.startswith(PREFIX) or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")

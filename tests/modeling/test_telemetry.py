@@ -283,7 +283,6 @@ def test_no_probe_wanting_max_logits_gets_none():
 def test_triton_kernels_max_logits(name, softcap, monkeypatch, kernels_on_cpu):
     import hf_qknorm.modeling.telemetry as telemetry
 
-    pytest.importorskip("triton")
     calls = _spy_entry_points(monkeypatch)
     monkeypatch.setattr(telemetry, "head_max_logits", lambda *a, **kw: pytest.fail("an extra pass"))
     q, k, v, mask, kwargs, want = _interface_case(name, torch.float32)
@@ -459,11 +458,9 @@ def test_checkpoint_recomputation_and_eval_forwards(backend, scheme, capture_bac
         torch.testing.assert_close(recorded.double(), expected, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
-def test_qk_clip_record_through_the_triton_kernels(capture_backend, monkeypatch):
+def test_qk_clip_record_through_the_triton_kernels(capture_backend, monkeypatch, kernels_on_cpu):
     import hf_qknorm
 
-    pytest.importorskip("triton")
     model = _model("llama", "qk_norm_cap", "qknorm", dtype=torch.float32)
     batches = [_batch("padding", 0, seq=40), _batch("causal", 1, seq=40)]
     truth = _truth(model, batches)
