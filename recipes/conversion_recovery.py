@@ -8,7 +8,18 @@ the same batches, schedule and seed as the unconverted original (the control arm
     python recipes/conversion_recovery.py run --workers 2    # resumable: one JSON per arm
     python recipes/conversion_recovery.py report             # docs/conversion_recovery/{table.md,loss_vs_step.png}
 
-The run records go to ``benchmarks/runs/conversion_recovery/runs_lr<lr>/``, ``results.json`` beside them.
+The run records go to ``benchmarks/runs/conversion_recovery/runs_lr<lr>/``, ``results.json`` beside them. A real
+checkpoint (SmolLM2-135M, ``scripts/build_smollm2.py``) on the WikiText-2 test text, as docs/conversion.md reports::
+
+    python recipes/conversion_recovery.py run --source models/smollm2-135m --text path/to/wikitext2_test.raw \\
+        --schemes qk_norm_cap qkv_norm --batch-size 4 --steps 80 --lr 1e-4 --eval-every 8 --eval-blocks 8 \\
+        --final-eval-blocks 32 --out benchmarks/runs/conversion_recovery/smollm2_135m
+    python recipes/conversion_recovery.py report --runs benchmarks/runs/conversion_recovery/smollm2_135m \\
+        --out docs/conversion_recovery/smollm2_135m
+
+While an arm trains, ``<tag>.partial.json`` beside the records holds its curve so far (rewritten atomically after
+each evaluation, removed when the arm's record is written); ``report --include-unfinished`` shows such curves,
+marked, beside the finished arms.
 
 Reported per arm: the held-out loss right after conversion, along continued pretraining (every ``--eval-every``
 steps on fixed held-out blocks) and at the end, and the number of steps after which the held-out loss is back
@@ -46,6 +57,7 @@ WORK = ROOT / "runs" / "conversion_recovery"  # converted checkpoints (not commi
 SCHEMES = ("soft_cap", "qk_norm", "qk_norm_cap", "qkv_norm")
 INITS = ("identity", "calibrated")
 TOLERANCE = 0.01  # "back within 1% of the original loss"
+DEFAULT_RUNS = DATA / "runs_lr0.0003"  # the committed runs of the bundled tiny Llama (docs/evidence.md)
 
 
 @dataclass
@@ -114,7 +126,7 @@ def convert_arm(cfg: ArmConfig, src: Path, train_text: str, val_text: str, work:
         src,
         dst,
         config=hf_qknorm.QKNormConfig(scheme=cfg.scheme, norm=cfg.norm if cfg.scheme != "soft_cap" else None),
-        calibration=CalibrationSettings(**cfg.calibration),
+        calibration=CalibrationSettings(**{"agreement_tokens": 0, **cfg.calibration}),
         calibrate=cfg.init == "calibrated",
         calibration_text=train_text,
         eval_text=val_text,
@@ -128,7 +140,8 @@ def convert_arm(cfg: ArmConfig, src: Path, train_text: str, val_text: str, work:
     return dst, info
 
 
-def run_arm(cfg: ArmConfig, work: Path = WORK) -> dict:
+def run_arm(cfg: ArmConfig, work: Path = WORK, progress=None) -> dict:
+    """Convert (unless the control arm), then train; ``progress(record)`` is called after every evaluation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
@@ -180,21 +193,30 @@ def run_arm(cfg: ArmConfig, work: Path = WORK) -> dict:
             rec["train"].append([step, float(loss.detach())])
         if (step + 1) % cfg.eval_every == 0:
             rec["val"].append([step + 1, held_out_loss(model, curve_blocks)])
+            rec["train_s"] = round(time.time() - t0, 1)
+            if progress is not None:
+                progress(rec)
     rec["final"] = held_out_loss(model, val_blocks)
     rec["train_s"] = round(time.time() - t0, 1)
     rec["versions"] = {"torch": torch.__version__, "hf_qknorm": hf_qknorm.__version__}
     return rec
 
 
+def _write_json(path: Path, rec: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rec, allow_nan=False))
+    os.replace(tmp, path)
+
+
 def run_job(cfg: ArmConfig, out_dir: str, work: str) -> str:
     out = Path(out_dir) / f"{cfg.tag()}.json"
     if out.exists():
         return str(out)
-    rec = run_arm(cfg, Path(work))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rec, allow_nan=False))
-    os.replace(tmp, out)
+    partial = out.with_name(f"{cfg.tag()}.partial.json")
+    rec = run_arm(cfg, Path(work), progress=lambda r: _write_json(partial, {**r, "unfinished": True}))
+    _write_json(out, rec)
+    partial.unlink(missing_ok=True)
     if cfg.scheme is not None:
         shutil.rmtree(Path(work) / cfg.tag(), ignore_errors=True)
     return str(out)
@@ -224,18 +246,25 @@ def summarise(runs: list[dict]) -> dict:
     }
     for tag, r in by_tag.items():
         cal = (r.get("conversion") or {}).get("calibration") or {}
+        per_step = r["config"]["batch_size"] * r["config"]["context"]
+        recovered = steps_to_recover(r["val"], ref_curve * (1 + TOLERANCE))
+        final, orig_final = r.get("final"), orig.get("final")
         out["arms"][tag] = {
             "scheme": r["config"]["scheme"],
             "init": r["config"]["init"],
             "loss_after_conversion": r["final_initial"],
             "gap_after_conversion_pct": 100 * (r["final_initial"] / ref_final - 1),
-            "steps_to_recover": steps_to_recover(r["val"], ref_curve * (1 + TOLERANCE)),
+            "steps_to_recover": recovered,
+            "tokens_to_recover": None if recovered is None else recovered * per_step,
             "steps_to_match_control": _steps_to_match(r["val"], orig["val"]),
-            "final_loss": r["final"],
-            "final_vs_control_pct": 100 * (r["final"] / orig["final"] - 1),
+            "steps_run": r["val"][-1][0],
+            "final_loss": final,
+            "final_vs_control_pct": None if final is None or orig_final is None else 100 * (final / orig_final - 1),
             "calibration_s": cal.get("seconds"),
             "train_s": r["train_s"],
         }
+        if r.get("unfinished"):
+            out["arms"][tag]["unfinished"] = True
     return out
 
 
@@ -264,24 +293,28 @@ def write_report(runs: list[dict], out: Path, results: Path | None = None) -> di
         f"peak LR {cfg['lr']:g}, {cfg['warmup']} warmup steps, cosine to {cfg['min_lr_ratio']:g} x peak, weight "
         f"decay {cfg['weight_decay']:g}, seed {cfg['seed']}; the same batches in every arm. Norms: {cfg['norm']}.",
         "",
-        "| arm | loss after conversion | gap | steps to within 1% of original | steps to within 1% of control "
+        "| arm | loss after conversion | gap | steps (tokens) to within 1% of original | steps to within 1% of control "
         "| final loss | final vs control |",
         "|---|---|---|---|---|---|---|",
     ]
+    per_step = cfg["batch_size"] * cfg["context"]
     for tag, a in rows:
-        rec = a["steps_to_recover"]
-        match = a["steps_to_match_control"]
-        matched = "–" if tag == "original" else fmt(match, "d") if match is not None else "never"
+        rec, match, ran = a["steps_to_recover"], a["steps_to_match_control"], a["steps_run"]
+        matched = "–" if tag == "original" else f"not within {ran}" if match is None else str(match)
+        steps = f"not within {ran}" if rec is None else str(rec)
+        vs_control = a["final_vs_control_pct"]
+        name = f"{tag} (stopped at step {ran})" if a.get("unfinished") else tag
         lines.append(
-            f"| {tag} | {fmt(a['loss_after_conversion'])} | {a['gap_after_conversion_pct']:+.1f}% | "
-            f"{'not within ' + str(cfg['steps']) if rec is None else rec} | "
-            f"{matched} | "
-            f"{fmt(a['final_loss'])} | {a['final_vs_control_pct']:+.2f}% |"
+            f"| {name} | {fmt(a['loss_after_conversion'])} | {a['gap_after_conversion_pct']:+.1f}% | "
+            f"{steps} ({(rec if rec is not None else ran) * per_step:,} tokens) | {matched} | "
+            f"{fmt(a['final_loss'])} | {'–' if vs_control is None else format(vs_control, '+.2f') + '%'} |"
         )
+    n_final = cfg["final_eval_blocks"]
     lines += [
         "",
-        "Loss after conversion and final loss: all held-out blocks. Steps: first evaluation (every "
-        f"{cfg['eval_every']} steps, on the curve blocks) at or below 1.01 x the reference.",
+        f"Loss after conversion and final loss: {'all' if n_final is None else n_final} held-out blocks. Steps: first "
+        f"evaluation (every {cfg['eval_every']} steps, on the curve blocks) at or below 1.01 x the reference; "
+        f"{per_step:,} training tokens per step.",
     ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text("\n".join(lines) + "\n")
@@ -307,22 +340,24 @@ def _plot(runs, summary, path: Path) -> None:
     }
     ref = summary["reference"]["curve_blocks_loss"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, ylim in zip(axes, (None, (ref * 0.97, ref * 1.08))):
+    lowest = min(v for r in runs for _, v in r["val"] if v is not None)
+    for ax, ylim in zip(axes, (None, (min(ref * 0.97, lowest * 0.99), ref * 1.08))):
         for r in runs:
             c = r["config"]
             tag = ArmConfig(**c).tag()
-            steps, vals = zip(*[(s, v) for s, v in r["val"] if v is not None])
+            per_step = c["batch_size"] * c["context"]
+            tokens, vals = zip(*[(s * per_step, v) for s, v in r["val"] if v is not None])
             ax.plot(
-                steps,
+                tokens,
                 vals,
                 color=colors[c["scheme"]],
                 lw=2 if c["scheme"] is None else 1.3,
                 ls="--" if c["init"] == "identity" else "-",
-                label=tag,
+                label=f"{tag} (unfinished)" if r.get("unfinished") else tag,
             )
         ax.axhline(ref, color="gray", lw=0.8)
         ax.axhspan(ref, ref * (1 + TOLERANCE), color="gray", alpha=0.15, label="within 1% of original")
-        ax.set_xlabel("continued-pretraining step")
+        ax.set_xlabel("continued-pretraining tokens")
         ax.set_ylabel("held-out loss (nats/token)")
         if ylim:
             ax.set_ylim(*ylim)
@@ -347,14 +382,32 @@ def parse_args(argv=None):
     r.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     r.add_argument("--norm", default="layernorm", choices=list(hf_qknorm.NORMS))
     r.add_argument("--source", default=None, help="pretrained model folder (default: the bundled tiny Llama)")
+    r.add_argument("--only", nargs="+", default=None, metavar="ARM", help="run only these arms (e.g. original)")
+    r.add_argument("--text", default=ArmConfig.text, help="training text: a bundled name or a UTF-8 file")
     r.add_argument("--steps", type=int, default=ArmConfig.steps)
+    r.add_argument("--warmup", type=int, default=None, help="warmup steps (default: a tenth of --steps)")
     r.add_argument("--lr", type=float, default=ArmConfig.lr)
+    r.add_argument("--batch-size", type=int, default=ArmConfig.batch_size, help="blocks per step")
+    r.add_argument("--context", type=int, default=ArmConfig.context, help="tokens per block")
+    r.add_argument("--eval-every", type=int, default=ArmConfig.eval_every, help="steps between held-out evaluations")
+    r.add_argument("--eval-blocks", type=int, default=ArmConfig.eval_blocks, help="held-out blocks for the curve")
+    r.add_argument(
+        "--final-eval-blocks", type=int, default=None, help="held-out blocks before and after training (default: all)"
+    )
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default=None, help="run records (default: benchmarks/runs/conversion_recovery/runs_lr<lr>)")
     r.add_argument("--work", default=str(WORK), help="where converted checkpoints are written (then removed)")
     rep = sub.add_parser("report", help="table.md, results.json and loss_vs_step.png from the runs")
-    rep.add_argument("--runs", default=str(DATA / f"runs_lr{ArmConfig.lr:g}"))
+    rep.add_argument("--runs", default=str(DEFAULT_RUNS))
     rep.add_argument("--out", default=str(OUT))
+    rep.add_argument(
+        "--results",
+        default=None,
+        help="the summary JSON (default: results.json beside the default runs folder, results_<RUNS>.json otherwise)",
+    )
+    rep.add_argument(
+        "--include-unfinished", action="store_true", help="also show arms still training (their *.partial.json)"
+    )
     return p.parse_args(argv)
 
 
@@ -363,15 +416,33 @@ def cmd_run(args) -> None:
     import multiprocessing as mp
 
     args.out = args.out or str(DATA / f"runs_lr{args.lr:g}")
+    for name in ("steps", "batch_size", "context", "eval_every", "eval_blocks"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    try:
+        read_text(args.text)  # a missing or empty text file fails here, before any arm starts
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--text: {err}") from None
     base = dict(
         norm=args.norm,
         source=args.source,
+        text=args.text,
         steps=args.steps,
         lr=args.lr,
         seed=args.seed,
-        warmup=max(1, args.steps // 10),
+        warmup=max(1, args.steps // 10) if args.warmup is None else args.warmup,
+        batch_size=args.batch_size,
+        context=args.context,
+        eval_every=args.eval_every,
+        eval_blocks=args.eval_blocks,
+        final_eval_blocks=args.final_eval_blocks,
     )
-    todo = [c for c in arms(base, args.schemes) if not (Path(args.out) / f"{c.tag()}.json").exists()]
+    every = arms(base, args.schemes)
+    unknown = sorted(set(args.only or ()) - {c.tag() for c in every})
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}; the arms of these schemes are {[c.tag() for c in every]}")
+    chosen = [c for c in every if args.only is None or c.tag() in args.only]
+    todo = [c for c in chosen if not (Path(args.out) / f"{c.tag()}.json").exists()]
     print(f"{len(todo)} arm(s) to run", flush=True)
     if args.workers <= 1:
         for c in todo:
@@ -385,15 +456,27 @@ def cmd_run(args) -> None:
             print(f"{'FAILED' if err else 'done'} {futs[f].tag()} {err or ''}", flush=True)
 
 
+def results_path(runs: Path) -> Path:
+    """Where ``report`` writes the summary of ``runs``: beside the folder, one file per folder."""
+    if runs.resolve() == DEFAULT_RUNS.resolve():
+        return runs.parent / "results.json"
+    return runs.parent / f"results_{runs.name}.json"
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.cmd == "run":
         cmd_run(args)
     else:
-        runs = [json.loads(p.read_text()) for p in sorted(Path(args.runs).glob("*.json"))]
+        paths = sorted(Path(args.runs).glob("*.json"))
+        if not args.include_unfinished:  # <tag>.partial.json: an arm still training
+            paths = [p for p in paths if not p.name.endswith(".partial.json")]
+        runs = [json.loads(p.read_text()) for p in paths]
+        finished = {ArmConfig(**r["config"]).tag() for r in runs if not r.get("unfinished")}
+        runs = [r for r in runs if not r.get("unfinished") or ArmConfig(**r["config"]).tag() not in finished]
         if not runs:
             raise SystemExit(f"no runs in {args.runs}; run `python recipes/conversion_recovery.py run` first")
-        write_report(runs, Path(args.out), Path(args.runs).parent / "results.json")
+        write_report(runs, Path(args.out), Path(args.results) if args.results else results_path(Path(args.runs)))
         print((Path(args.out) / "table.md").read_text())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -68,6 +69,7 @@ def test_runs_and_report(tmp_path):
     ]
     for c in cfgs:
         cr.run_job(c, str(out), str(work))
+    # the curve so far is kept while an arm trains and removed once its record is written
     assert sorted(p.name for p in out.glob("*.json")) == [
         "original.json",
         "qk_norm_calibrated.json",
@@ -92,6 +94,11 @@ def test_runs_and_report(tmp_path):
     )
     table = (tmp_path / "report" / "table.md").read_text()
     assert "| qk_norm_identity |" in table and "| qk_norm_calibrated |" in table
+    # recovery in tokens: steps x batch x context (TINY: 2 x 64 per step)
+    for a in arms.values():
+        rec = a["steps_to_recover"]
+        assert a["tokens_to_recover"] == (None if rec is None else rec * 128)
+        assert a["steps_run"] == 3
     assert (tmp_path / "report" / "loss_vs_step.png").stat().st_size > 0
     # resumable: a finished arm is not rerun
     stamp = (out / "original.json").stat().st_mtime_ns
@@ -112,3 +119,52 @@ def test_report_regenerates_the_committed_table(tmp_path):
     assert (tmp_path / "docs" / "table.md").read_text() == (Path(args.out) / "table.md").read_text()
     committed = json.loads((Path(args.runs).parent / "results.json").read_text())
     assert json.loads((tmp_path / "results.json").read_text()) == committed
+
+
+def test_an_arm_in_training_leaves_its_curve_so_far(tmp_path):
+    seen = []
+    cfg = cr.ArmConfig(scheme="qk_norm", init="identity", **TINY)
+    rec = cr.run_arm(cfg, tmp_path, progress=lambda r: seen.append([s for s, _ in r["val"]]))
+    assert seen == [[0, 1], [0, 1, 2], [0, 1, 2, 3]]  # after every evaluation, before the final one
+    assert [s for s, _ in rec["val"]] == [0, 1, 2, 3] and "final" in rec
+
+
+def test_report_shows_unfinished_arms_only_when_asked(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    base = {**cr.asdict(cr.ArmConfig(**TINY)), "source": "x"}
+    done = {"config": base, "source": "x", "final_initial": 3.5, "final": 3.4, "train_s": 1}
+    done["val"] = [[0, 3.5], [1, 3.45]]
+    cfg = {**base, "scheme": "qk_norm", "init": "identity"}
+    partial = {"config": cfg, "source": "x", "final_initial": 4.0, "val": [[0, 4.0], [1, 3.9]], "train_s": 1}
+    (runs / "original.json").write_text(json.dumps(done))
+    (runs / "qk_norm_identity.partial.json").write_text(json.dumps({**partial, "unfinished": True}))
+    out, results = tmp_path / "report", tmp_path / "summary.json"
+    cr.main(["report", "--runs", str(runs), "--out", str(out), "--results", str(results)])
+    assert "qk_norm_identity" not in (out / "table.md").read_text()
+    cr.main(["report", "--runs", str(runs), "--out", str(out), "--results", str(results), "--include-unfinished"])
+    table = (out / "table.md").read_text()
+    assert "| qk_norm_identity (stopped at step 1) |" in table
+    assert "not within 1 (128 tokens)" in table  # recovered neither to 3.5 x 1.01 nor to the control
+    assert json.loads(results.read_text())["arms"]["qk_norm_identity"]["unfinished"] is True
+    capsys.readouterr()
+
+
+def test_report_of_another_runs_folder_does_not_overwrite_the_committed_summary(tmp_path):
+    assert cr.results_path(cr.DEFAULT_RUNS) == cr.DATA / "results.json"
+    assert cr.results_path(tmp_path / "smollm2") == tmp_path / "results_smollm2.json"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--only", "qk_norm_cap_identiy"], "unknown arm(s) ['qk_norm_cap_identiy']"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--batch-size", "-2"], "--batch-size must be at least 1, got -2"),
+        (["--text", "no/such/file.txt"], "text file not found"),
+    ],
+)
+def test_run_refuses_bad_flags_before_any_arm(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        cr.main(["run", "--out", str(tmp_path / "runs"), "--workers", "1", *argv])
+    assert not (tmp_path / "runs").exists()
