@@ -8,12 +8,13 @@ the same batches, schedule and seed as the unconverted original (the control arm
     python recipes/conversion_recovery.py run --workers 2    # resumable: one JSON per arm
     python recipes/conversion_recovery.py report             # docs/conversion_recovery/{table.md,loss_vs_step.png}
 
-The run records go to ``benchmarks/runs/conversion_recovery/runs_lr<lr>/``, ``results.json`` beside them. A real
-checkpoint (SmolLM2-135M, ``scripts/build_smollm2.py``) on the WikiText-2 test text, as docs/conversion.md reports::
+The run records go to ``benchmarks/runs/conversion_recovery/runs_lr<lr>/``, ``results.json`` beside them (another
+``--runs`` folder: ``results_<folder>.json``). A real checkpoint (SmolLM2-135M, ``scripts/build_smollm2.py``) on the
+WikiText-2 raw test split, as docs/evidence.md reports::
 
     python recipes/conversion_recovery.py run --source models/smollm2-135m --text path/to/wikitext2_test.raw \\
-        --schemes qk_norm_cap qkv_norm --batch-size 4 --steps 80 --lr 1e-4 --eval-every 8 --eval-blocks 8 \\
-        --final-eval-blocks 32 --out benchmarks/runs/conversion_recovery/smollm2_135m
+        --schemes qk_norm qk_norm_cap qkv_norm --batch-size 4 --steps 80 --warmup 8 --lr 1e-4 --eval-every 8 \\
+        --eval-blocks 8 --final-eval-blocks 32 --out benchmarks/runs/conversion_recovery/smollm2_135m
     python recipes/conversion_recovery.py report --runs benchmarks/runs/conversion_recovery/smollm2_135m \\
         --out docs/conversion_recovery/smollm2_135m
 

@@ -168,3 +168,23 @@ def test_run_refuses_bad_flags_before_any_arm(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
         cr.main(["run", "--out", str(tmp_path / "runs"), "--workers", "1", *argv])
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_smollm2_table_comes_from_its_committed_records(tmp_path):
+    """docs/conversion_recovery/smollm2_135m/table.md (shown in docs/evidence.md) is what `report` makes of the
+    committed SmolLM2-135M records, and every arm of the three schemes ran to its last step."""
+    root = Path(__file__).resolve().parents[2]
+    runs_dir = root / "benchmarks" / "runs" / "conversion_recovery" / "smollm2_135m"
+    runs = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))]
+    assert sorted(cr.ArmConfig(**r["config"]).tag() for r in runs) == sorted(
+        a.tag() for a in cr.arms({}, ("qk_norm", "qk_norm_cap", "qkv_norm"))
+    )
+    assert all(not r.get("unfinished") and r["val"][-1][0] == r["config"]["steps"] for r in runs)
+    cr.write_report(runs, tmp_path / "docs", tmp_path / "results.json")
+    docs = root / "docs" / "conversion_recovery" / "smollm2_135m"
+    assert (tmp_path / "docs" / "table.md").read_text() == (docs / "table.md").read_text()
+    committed = json.loads((runs_dir.parent / "results_smollm2_135m.json").read_text())
+    assert json.loads((tmp_path / "results.json").read_text()) == committed
+    rows = [line for line in (docs / "table.md").read_text().splitlines() if line.startswith("| ")]
+    evidence = (root / "docs" / "evidence.md").read_text()
+    assert all(row in evidence for row in rows)  # the table docs/evidence.md shows is this one
