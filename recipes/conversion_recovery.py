@@ -88,6 +88,11 @@ class ArmConfig:
         return self.scheme if self.init is None else f"{self.scheme}_{self.init}"
 
 
+def tokens_per_step(config: dict) -> int:
+    """Training tokens per step of a run record's ``config``."""
+    return config["batch_size"] * config["context"]
+
+
 def arms(base: dict, schemes=SCHEMES) -> list[ArmConfig]:
     out = [ArmConfig(**base)]
     for s in schemes:
@@ -247,7 +252,7 @@ def summarise(runs: list[dict]) -> dict:
     }
     for tag, r in by_tag.items():
         cal = (r.get("conversion") or {}).get("calibration") or {}
-        per_step = r["config"]["batch_size"] * r["config"]["context"]
+        per_step = tokens_per_step(r["config"])
         recovered = steps_to_recover(r["val"], ref_curve * (1 + TOLERANCE))
         final, orig_final = r.get("final"), orig.get("final")
         out["arms"][tag] = {
@@ -298,7 +303,7 @@ def write_report(runs: list[dict], out: Path, results: Path | None = None) -> di
         "| final loss | final vs control |",
         "|---|---|---|---|---|---|---|",
     ]
-    per_step = cfg["batch_size"] * cfg["context"]
+    per_step = tokens_per_step(cfg)
     for tag, a in rows:
         rec, match, ran = a["steps_to_recover"], a["steps_to_match_control"], a["steps_run"]
         matched = "–" if tag == "original" else f"not within {ran}" if match is None else str(match)
@@ -346,8 +351,7 @@ def _plot(runs, summary, path: Path) -> None:
         for r in runs:
             c = r["config"]
             tag = ArmConfig(**c).tag()
-            per_step = c["batch_size"] * c["context"]
-            tokens, vals = zip(*[(s * per_step, v) for s, v in r["val"] if v is not None])
+            tokens, vals = zip(*[(s * tokens_per_step(c), v) for s, v in r["val"] if v is not None])
             ax.plot(
                 tokens,
                 vals,
