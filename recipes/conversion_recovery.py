@@ -154,6 +154,13 @@ def run_arm(cfg: ArmConfig, work: Path = WORK, progress=None) -> dict:
     src = Path(cfg.source) if cfg.source else bundled_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(src)
     train_blocks, val_blocks, train_text, val_text = _data(cfg, tokenizer)
+    for name in ("eval_blocks", "final_eval_blocks"):
+        wanted = getattr(cfg, name)
+        if wanted is not None and wanted > val_blocks.shape[0]:
+            raise ValueError(
+                f"{name}={wanted}, but the held-out part of {cfg.text!r} has {val_blocks.shape[0]} blocks of "
+                f"{cfg.context} tokens; ask for at most {val_blocks.shape[0]}"
+            )
     curve_blocks = val_blocks[: cfg.eval_blocks]
     val_blocks = val_blocks[: cfg.final_eval_blocks]
     rec = {"config": asdict(cfg), "source": str(src)}
@@ -421,9 +428,13 @@ def cmd_run(args) -> None:
     import multiprocessing as mp
 
     args.out = args.out or str(DATA / f"runs_lr{args.lr:g}")
-    for name in ("steps", "batch_size", "context", "eval_every", "eval_blocks"):
-        if getattr(args, name) < 1:
+    for name in ("steps", "batch_size", "context", "eval_every", "eval_blocks", "final_eval_blocks"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup is not None and not 0 <= args.warmup <= args.steps:
+        raise SystemExit(f"--warmup must be between 0 and --steps ({args.steps}), got {args.warmup}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise SystemExit(f"--lr must be a positive number, got {args.lr}")
     try:
         read_text(args.text)  # a missing or empty text file fails here, before any arm starts
     except (OSError, ValueError) as err:

@@ -54,6 +54,14 @@ def test_bad_arm_is_refused(tmp_path):
         cr.run_arm(cr.ArmConfig(scheme="qk_norm", init="zeros", **TINY), tmp_path)
 
 
+def test_more_held_out_blocks_than_the_text_has_is_refused(tmp_path):
+    """Asking for more evaluation blocks than exist would silently evaluate on fewer than the record says."""
+    for name in ("eval_blocks", "final_eval_blocks"):
+        cfg = cr.ArmConfig(**{**TINY, name: 10**6})
+        with pytest.raises(ValueError, match=rf"{name}=1000000, but the held-out part of 'tinyshakespeare' has \d+"):
+            cr.run_arm(cfg, tmp_path)
+
+
 def test_report_needs_the_control_arm():
     rec = {"config": {**cr.asdict(cr.ArmConfig(scheme="qk_norm", init="identity"))}, "val": [[0, 4.0]]}
     with pytest.raises(ValueError, match="control arm 'original'"):
@@ -161,6 +169,10 @@ def test_report_of_another_runs_folder_does_not_overwrite_the_committed_summary(
         (["--only", "qk_norm_cap_identiy"], "unknown arm(s) ['qk_norm_cap_identiy']"),
         (["--steps", "0"], "--steps must be at least 1, got 0"),
         (["--batch-size", "-2"], "--batch-size must be at least 1, got -2"),
+        (["--final-eval-blocks", "0"], "--final-eval-blocks must be at least 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be between 0 and --steps (300), got -1"),
+        (["--lr", "nan"], "--lr must be a positive number, got nan"),
+        (["--lr", "0"], "--lr must be a positive number, got 0.0"),
         (["--text", "no/such/file.txt"], "text file not found"),
     ],
 )
