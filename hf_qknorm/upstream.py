@@ -3,7 +3,7 @@ the package relies on, with what it relies on and the test that re-checks it.
 
 The patch copies no upstream code: a patched model runs Transformers' own attention forward, with the norms applied
 by hooks on the projections and the cap read by the ``"qknorm"`` backend. What remains are the reliances listed in
-:data:`RELIANCES`; ``tests/project/test_upstream.py`` checks each of them and names what to re-check when one changes.
+:data:`RELIANCES`; ``tests/test_upstream.py`` checks each of them and names what to re-check when one changes.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ RELIANCES: tuple[Reliance, ...] = (
         "transformers.AttentionInterface.register",
         "attention/interface.py",
         "registers 'qknorm' so that set_attn_implementation('qknorm') dispatches to it",
-        "tests/project/test_upstream.py::test_backend_is_registered",
+        "tests/test_upstream.py::test_backend_is_registered",
     ),
     Reliance(
         "transformers.masking_utils.AttentionMaskInterface.register",
@@ -191,7 +191,7 @@ RELIANCES: tuple[Reliance, ...] = (
         "portable/layout.py (rotary_function)",
         "each RoPE family's modelling file has apply_rotary_pos_emb(q, k, cos, sin) -> (q, k), the rotation its "
         "forward applies (the monitor and calibration statistics rebuild the backend's q and k with it)",
-        "tests/project/test_upstream.py::test_rotary_function_is_the_forwards_rotation",
+        "tests/test_upstream.py::test_rotary_function_is_the_forwards_rotation",
     ),
     Reliance(
         "transformers.PretrainedConfig.to_dict",
@@ -250,7 +250,7 @@ RELIANCES: tuple[Reliance, ...] = (
         f"has activation_checkpointing[_kwargs] fields from {ACTIVATION_CHECKPOINTING_SINCE} on, "
         "gradient_checkpointing[_kwargs] (deprecated from then on) before; Trainer then enables checkpointing "
         "on the model",
-        "tests/project/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
+        "tests/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
     ),
     Reliance(
         "transformers.PreTrainedModel.gradient_checkpointing_enable",
@@ -258,6 +258,6 @@ RELIANCES: tuple[Reliance, ...] = (
         f"activation_checkpointing_enable(activation_checkpointing_kwargs=...) and is_activation_checkpointing "
         f"from {ACTIVATION_CHECKPOINTING_SINCE} on; gradient_checkpointing_enable(gradient_checkpointing_kwargs="
         "...) and is_gradient_checkpointing (deprecated from then on) before",
-        "tests/project/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
+        "tests/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
     ),
 )

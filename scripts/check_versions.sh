@@ -26,7 +26,7 @@ fi
 RECIPES="tests/training/test_trainer.py::test_recipes_help_and_tiny_runs tests/training/test_trainer.py::test_pretrain_tiny_recipe_tiny_run
   tests/recipes/test_lr_sweep.py tests/recipes/test_conversion_recovery.py tests/training/test_distributed.py"
 TRAINING="tests/training/test_trainer.py tests/training/test_qk_clip.py tests/training/test_muon.py tests/training/test_monitor.py tests/training/test_qk_lr.py tests/training/test_training.py"
-CLI="tests/cli/test_cli.py tests/project/test_upstream.py"
+CLI="tests/cli/test_cli.py tests/test_upstream.py"
 export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX512_CORE_BF16} TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's hf_qknorm, not an installed one
 for folder in "${FOLDERS[@]}"; do

@@ -11,7 +11,7 @@ kernel whose shared memory exceeds the architecture's limit, or that fails to co
 
 Must run in a process where ``TRITON_INTERPRET`` is unset (the kernels must be decorated for compilation). A
 maintainer's tool, not part of the package: it swaps the kernels for recorders with ``unittest.mock``.
-tests/kernel/test_kernels_compile.py runs ``--quick``.
+tests/kernels/test_kernels_compile.py runs ``--quick``.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ elif [ "$fetch_rc" -ne 0 ]; then
   exit "$fetch_rc"
 fi
 CORE=(tests/verification/test_reference.py tests/modeling/test_patching.py tests/modeling/test_save_load.py tests/modeling/test_export.py tests/modeling/test_models.py
-      tests/project/test_upstream.py tests/attention/test_cpu_attention.py tests/cli/test_errors.py tests/cli/test_cli.py tests/transformers_suite)
+      tests/test_upstream.py tests/attention/test_cpu_attention.py tests/cli/test_errors.py tests/cli/test_cli.py tests/transformers_suite)
 TRAINING=(tests/training/test_trainer.py tests/training/test_qk_clip.py tests/training/test_muon.py tests/training/test_monitor.py tests/training/test_qk_lr.py
           tests/training/test_training.py tests/recipes/test_lr_sweep.py tests/recipes/test_conversion_recovery.py tests/training/test_distributed.py)
 VENV_ABS=$(cd "$VENV" && pwd)

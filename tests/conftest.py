@@ -40,7 +40,7 @@ def one_thread():
 
 @pytest.fixture
 def tiny():
-    from tiny_models import tiny_model
+    from tests._support.tiny_models import tiny_model
 
     return tiny_model
 
@@ -48,7 +48,7 @@ def tiny():
 @pytest.fixture
 def kernels_on_cpu():
     """For tests that push CPU tensors through the Triton kernels: those run only under Triton's interpreter
-    (``TRITON_INTERPRET=1``, as CI and scripts/test.sh run), so elsewhere -- a GPU machine, where tests/kernel runs
+    (``TRITON_INTERPRET=1``, as CI and scripts/test.sh run), so elsewhere -- a GPU machine, where tests/kernels runs
     the kernels on CUDA -- the test is skipped with the reason, never run through a compiler that needs a GPU."""
     from hf_qknorm import kernels
 

@@ -1,6 +1,6 @@
 """Per-family facts, as data: one row per supported ``model_type``.
 
-Adding a family is one row here plus one case in ``tests/tiny_models.py``. Nothing else in the package knows a
+Adding a family is one row here plus one case in ``tests/_support/tiny_models.py``. Nothing else in the package knows a
 model family by name. This module imports nothing but the standard library: it is also copied into exported folders.
 """
 

@@ -205,7 +205,7 @@ def test_policy_under_torch_compile_is_read_when_tracing():
 def test_compiled_model_follows_the_policy_it_was_traced_with():
     """A whole patched model, fullgraph: traced under the CPU-kernels policy its graph holds the kernels' op, once per
     layer, and it matches the eager PyTorch path."""
-    from tiny_models import VOCAB, tiny_model
+    from tests._support.tiny_models import VOCAB, tiny_model
 
     model = tiny_model("llama").eval()
     hf_qknorm.patch_model(model, "qk_norm_cap", norm="layernorm")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from tiny_models import FAMILY_NAMES, VOCAB, tiny_model
+from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 NEW_TOKENS = 5
 

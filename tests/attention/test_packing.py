@@ -14,7 +14,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.attention import qknorm_attention_forward
-from tiny_models import FAMILY_NAMES, VOCAB, tiny_model
+from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 
 def _packed():

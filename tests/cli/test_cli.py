@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import hf_qknorm.conversion.converter as converter
-from convert_support import leftovers, save_source
 from hf_qknorm import QKNormConfig
 from hf_qknorm.cli.main import main
+from tests._support.convert_support import leftovers, save_source
 
 QUICK = ["--no-calibration", "--quiet", "--verify", "plugin"]
 
@@ -358,7 +358,7 @@ def test_inspect_flags_norm_weights_that_do_not_match_the_scheme(tmp_path, capsy
     from safetensors.torch import load_file, save_file
 
     import hf_qknorm
-    from tiny_models import tiny_model
+    from tests._support.tiny_models import tiny_model
 
     model = tiny_model("llama")
     hf_qknorm.patch_model(model, "qk_norm", norm="rmsnorm")
@@ -417,8 +417,8 @@ def test_convert_without_a_tokenizer_says_so(src, tmp_path, capsys):
     """A source without tokenizer files (weights-only checkpoints are legitimate sources) used to give a folder
     without one, silently, and a model card whose snippet loads a tokenizer. Now a WARNING line (also with --quiet)
     and a card that says the folder has none (issue 22; the choice is explained in docs/conversion.md)."""
-    from convert_support import bundled_copy
     from hf_qknorm.conversion.export import has_tokenizer
+    from tests._support.convert_support import bundled_copy
 
     code, out, _ = run(capsys, "convert", src, tmp_path / "o", *QUICK)
     assert code == 0 and not has_tokenizer(tmp_path / "o")

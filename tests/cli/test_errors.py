@@ -7,7 +7,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm import QKNormConfig
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 
 @pytest.mark.parametrize(

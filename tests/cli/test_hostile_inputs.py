@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import hf_qknorm
-from convert_support import bundled_copy, leftovers, save_source
 from hf_qknorm.cli.main import main
-from tiny_models import tiny_model
+from tests._support.convert_support import bundled_copy, leftovers, save_source
+from tests._support.tiny_models import tiny_model
 
 QUICK = ["--no-calibration", "--quiet", "--verify", "plugin"]
 SCHEMES = "'qk_norm', 'soft_cap', 'qk_norm_cap', 'qkv_norm'"

@@ -19,7 +19,7 @@ from hf_qknorm.conversion.agreement import (
     reference_continuations,
 )
 from hf_qknorm.data import bundled_model_dir
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 PROMPTS = [
     Prompt("First Citizen:\nBefore we proceed", "text"),
@@ -178,8 +178,8 @@ def test_conversion_reports_the_written_models_agreement(tmp_path, bundled):
     """convert() measures the folder it writes: its figure is the one computed here from the reloaded folder, and
     the JSON report, the model card and the printed summary carry it."""
     import hf_qknorm
-    from convert_support import SHORT_TEXT, quiet
     from hf_qknorm.conversion.calibrate import CalibrationSettings
+    from tests._support.convert_support import SHORT_TEXT, quiet
 
     settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=5, agreement_tokens=N)
     result = hf_qknorm.convert(
@@ -205,8 +205,8 @@ def test_conversion_reports_the_written_models_agreement(tmp_path, bundled):
 
 def test_agreement_tokens_zero_skips_the_check(tmp_path):
     import hf_qknorm
-    from convert_support import SHORT_TEXT, quiet
     from hf_qknorm.conversion.calibrate import CalibrationSettings
+    from tests._support.convert_support import SHORT_TEXT, quiet
 
     settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=0, agreement_tokens=0)
     result = hf_qknorm.convert(

@@ -10,7 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_qknorm
-from convert_support import SHORT_TEXT, bundled_copy, quiet, save_source
 from hf_qknorm import convert
 from hf_qknorm.conversion import progress as progress_mod
 from hf_qknorm.conversion.calibrate import CalibrationSettings, new_norm_parameters
@@ -19,7 +18,8 @@ from hf_qknorm.conversion.layerwise import calibrate_checkpoint
 from hf_qknorm.conversion.streaming import StreamedCheckpoint
 from hf_qknorm.data import perplexity
 from hf_qknorm.portable.schemes import QKNormConfig
-from tiny_models import VOCAB
+from tests._support.convert_support import SHORT_TEXT, bundled_copy, quiet, save_source
+from tests._support.tiny_models import VOCAB
 
 FAST = CalibrationSettings(block_len=32, calibration_blocks=4, eval_blocks=6, local_steps=10, batch_size=4)
 CASES = [

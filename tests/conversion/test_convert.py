@@ -12,12 +12,12 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_qknorm
-from convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source, tree_hash
 from hf_qknorm import QKNormConfig, convert
 from hf_qknorm.conversion.calibrate import CalibrationSettings
 from hf_qknorm.conversion.converter import _blocks
 from hf_qknorm.data import bundled_model_dir, split_text
-from tiny_models import VOCAB, tiny_model
+from tests._support.convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source, tree_hash
+from tests._support.tiny_models import VOCAB, tiny_model
 
 
 @pytest.fixture(scope="module")

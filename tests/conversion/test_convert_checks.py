@@ -14,10 +14,10 @@ import torch
 
 import hf_qknorm
 import hf_qknorm.conversion.converter as converter
-from convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source
 from hf_qknorm import QKNormConfig
 from hf_qknorm.conversion.checks import ConversionCheckError, check_report_finite
 from hf_qknorm.modeling import remote
+from tests._support.convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source
 
 
 def _no_output(tmp_path, dst) -> None:

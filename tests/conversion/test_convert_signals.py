@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from convert_support import leftovers, save_source
 from hf_qknorm.cli.main import main
 from hf_qknorm.conversion import tempdirs
+from tests._support.convert_support import leftovers, save_source
 
 # The real command line, slowed down after the first shard is written so that the signal lands mid-write.
 SLOW_CONVERT = textwrap.dedent("""

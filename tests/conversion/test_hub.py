@@ -11,7 +11,6 @@ import pytest
 from huggingface_hub import ModelCard
 
 import hf_qknorm
-from convert_support import leftovers, quiet, save_source
 from hf_qknorm import HubSettings
 from hf_qknorm.cli.main import main as cli_main
 from hf_qknorm.conversion.hub import (
@@ -25,6 +24,7 @@ from hf_qknorm.conversion.hub import (
 )
 from hf_qknorm.modeling.remote import remote_files
 from hf_qknorm.portable.schemes import QKNormConfig
+from tests._support.convert_support import leftovers, quiet, save_source
 
 LICENSED_README = "---\nlicense: apache-2.0\nlanguage: en\n---\n# a source model\n"
 

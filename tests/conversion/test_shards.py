@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from convert_support import save_source
 from hf_qknorm.conversion.shards import check_safetensors
+from tests._support.convert_support import save_source
 
 
 def _header_file(path: Path, header: dict, data: bytes) -> Path:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 CASES = [("llama", "qk_norm_cap", "layernorm"), ("gpt2", "qkv_norm", "layernorm"), ("mistral", "qk_norm", "lp")]
 

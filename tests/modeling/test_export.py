@@ -15,18 +15,17 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 import hf_qknorm
-from convert_support import quiet, save_source
 from hf_qknorm.conversion.export import qwen3_blocker, resolve_export
 from hf_qknorm.modeling.remote import add_remote_code, remote_files
 from hf_qknorm.portable.families import get_family
 from hf_qknorm.portable.schemes import QKNormConfig
-from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
+from tests._support.convert_support import quiet, save_source
+from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
 
 CASES = (
     [(f, "qk_norm_cap", "layernorm") for f in FAMILY_NAMES]
@@ -279,27 +278,6 @@ def test_exports_load_without_the_plugin(tmp_path):
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
             torch.testing.assert_close(row["logits"], expected[name], rtol=tol, atol=tol)
         assert row["dtype"] == str(dtype)
-
-
-def test_portable_modules_import_only_the_standard_library_torch_and_each_other():
-    """The boundary of hf_qknorm/portable: checked on the package's own files (so a bad import fails here, not
-    when a user saves a model), and every module file of the subpackage is in the shipped table."""
-    from hf_qknorm import portable
-    from hf_qknorm.modeling.remote import shipped_source
-
-    folder = Path(portable.__file__).parent
-    assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(portable.SHIPPED)
-    for module in portable.SHIPPED:
-        tree = ast.parse((folder / f"{module}.py").read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                assert node.level == 1 and node.module in portable.SHIPPED, (module, ast.dump(node))
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
-                for name in names:
-                    root = name.split(".")[0]
-                    assert root == "torch" or root in sys.stdlib_module_names, (module, name)
-        shipped_source(module)  # maps every import
 
 
 def test_an_import_the_table_cannot_map_is_refused_at_export(monkeypatch, tmp_path):

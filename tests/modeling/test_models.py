@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from tiny_models import FAMILY_NAMES, VOCAB, tiny_model
+from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 
 def test_llama_rmsnorm_qk_norm_is_qwen3():

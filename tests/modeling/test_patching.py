@@ -13,7 +13,7 @@ import hf_qknorm
 from hf_qknorm import QKNormConfig
 from hf_qknorm.portable.norms import HeadRMSNorm
 from hf_qknorm.reference import norm_reference
-from tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
+from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_config, tiny_model
 
 
 def _ids(seed=0, batch=2, seq=11):
@@ -196,7 +196,7 @@ def test_half_precision_models_keep_their_dtype_through_every_norm(norm, dtype):
 def test_qkv_norm_fold_patch_and_conversion_agree_in_bf16(family, tmp_path):
     from safetensors.torch import load_file
 
-    from convert_support import quiet, save_source
+    from tests._support.convert_support import quiet, save_source
 
     source = save_source(tmp_path / "src", family, dtype=torch.bfloat16)
     with torch.no_grad():  # non-trivial pre-norm gains (and GPT-2 biases), saved again

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_qknorm
-from tiny_models import FAMILY_NAMES, VOCAB, tiny_model
+from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -223,7 +223,7 @@ def test_a_plain_checkpoint_is_not_loaded_into_a_patched_class(tmp_path):
     pre-attention norm's gain, which only patch_model and convert fold): patch_model is the way."""
     from hf_qknorm.modeling.classes import config_class
     from hf_qknorm.portable.structure import SchemeWeightsError
-    from tiny_models import tiny_config
+    from tests._support.tiny_models import tiny_config
 
     tiny_model("llama").save_pretrained(tmp_path)
     base = tiny_config("llama")

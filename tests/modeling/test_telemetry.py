@@ -371,7 +371,7 @@ def _truth(model, batches):
 
 
 def _batch(kind, seed=0, batch=2, seq=20):
-    from tiny_models import VOCAB
+    from tests._support.tiny_models import VOCAB
 
     ids = torch.randint(1, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
     out = {"input_ids": ids, "use_cache": False}
@@ -387,7 +387,7 @@ def _batch(kind, seed=0, batch=2, seq=20):
 
 def _model(family, scheme, backend, dtype=torch.float64, **overrides):
     import hf_qknorm
-    from tiny_models import tiny_model
+    from tests._support.tiny_models import tiny_model
 
     model = tiny_model(family, dtype=dtype, **overrides)
     if scheme is not None:

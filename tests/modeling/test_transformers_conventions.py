@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from tiny_models import FAMILY_NAMES, VOCAB, tiny_model
+from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 
 def _saved(tmp_path, scheme, **settings):
@@ -119,7 +119,7 @@ def test_output_attentions_stays_refused_where_no_weights_come_back(tmp_path):
 def _patched_config(family, scheme, **settings):
     from hf_qknorm.modeling.classes import config_class
     from hf_qknorm.portable.families import get_family
-    from tiny_models import tiny_config
+    from tests._support.tiny_models import tiny_config
 
     base = tiny_config(family)
     eps = float(getattr(base, get_family(family).eps_attr))
@@ -174,7 +174,7 @@ def test_patched_gpt2_is_initialised_like_gpt2(head):
 
     base_cls = getattr(transformers, head)
     from hf_qknorm.modeling.classes import model_class
-    from tiny_models import tiny_config
+    from tests._support.tiny_models import tiny_config
 
     patched_cls = model_class(base_cls, "gpt2")
     config = _patched_config("gpt2", "qk_norm_cap")

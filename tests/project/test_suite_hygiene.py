@@ -20,18 +20,16 @@ def test_no_module_defines_a_test_twice():
     assert not repeated, f"defined more than once (only the last runs): {repeated}"
 
 
-def test_no_test_folder_shadows_a_package():
-    """tests/ is on sys.path (pyproject: pythonpath), so each folder in it is importable as a namespace package of
-    its name: a folder named like a package some library looks for makes that library believe it is installed
-    (a folder named ``kernels`` made Transformers 5.4 read the version of the ``kernels`` package, 'N/A', and fail
-    to import its own tests)."""
-    import importlib.metadata
-    import re
+def test_tests_are_a_package_and_not_on_sys_path():
+    """tests/ is a package imported in pytest's importlib mode (pyproject), never a folder on sys.path: a test folder
+    on sys.path is importable under its bare name, and one named like a package some library looks for makes that
+    library believe it is installed (a folder named ``kernels`` once made Transformers read the version of the
+    ``kernels`` package, 'N/A', and fail to import its own tests). Every folder with test code is a package, so
+    helpers are imported as ``tests._support...``."""
+    import sys
 
-    import transformers.utils.import_utils as import_utils
-
-    probed = set(re.findall(r"_is_package_available\(\s*\"(\w+)\"", Path(import_utils.__file__).read_text()))
-    installed = set(importlib.metadata.packages_distributions())
-    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
-    assert folders, TESTS
-    assert not folders & (probed | installed), sorted(folders & (probed | installed))
+    assert 'addopts = ["--import-mode=importlib"]' in (TESTS.parent / "pyproject.toml").read_text()
+    assert str(TESTS) not in {str(Path(p).resolve()) for p in sys.path if p}
+    shims = TESTS / "transformers_suite" / "shims"  # a search path of Transformers' test package, not ours
+    folders = {p.parent for p in TESTS.rglob("*.py") if shims not in p.parents and "__pycache__" not in p.parts}
+    assert not {f for f in folders if not (f / "__init__.py").is_file()}, "add an __init__.py"

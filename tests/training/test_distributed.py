@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._support.trainer_runs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDP_STEPS, FSDP_BATCH = 3, 4
@@ -61,7 +62,7 @@ def _recipe_args(out: Path, text: Path) -> list[str]:
 def _fsdp_batches():
     import torch
 
-    from tiny_models import VOCAB
+    from tests._support.tiny_models import VOCAB
 
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, VOCAB, (FSDP_BATCH, 16), generator=g) for _ in range(FSDP_STEPS)]
@@ -71,7 +72,7 @@ def _fsdp_model():
     import torch
 
     import hf_qknorm
-    from tiny_models import tiny_model
+    from tests._support.tiny_models import tiny_model
 
     model = tiny_model("llama", dtype=torch.float64, seed=2)
     hf_qknorm.patch_model(model, "qk_norm_cap", softcap=20.0)
@@ -80,7 +81,7 @@ def _fsdp_model():
 
 
 def _worker(out: Path) -> None:
-    sys.path[:0] = [str(ROOT / "recipes"), str(ROOT / "tests")]
+    sys.path.insert(0, str(ROOT / "recipes"))
     import torch
     import torch.distributed as dist
     import train_scratch
@@ -112,12 +113,6 @@ def _worker(out: Path) -> None:
     torch.save({"params": full, "sharded": sharded, "logits": logits}, out / f"fsdp_rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
     import torch
     from safetensors import safe_open
@@ -140,7 +135,7 @@ def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         __file__,
         "--worker",
         str(tmp_path),
@@ -178,7 +173,6 @@ def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
     # on the whole batch, the monitor's logged maxima included
     f0, f1 = (torch.load(tmp_path / f"fsdp_rank{r}.pt") for r in range(2))
     assert f0["sharded"] == "DTensor" and f0["logits"] == f1["logits"]
-    sys.path.insert(0, str(ROOT / "tests"))
     ref = _fsdp_model()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     monitor, qk = hf_qknorm.QKMonitor(ref), hf_qknorm.QKLearningRate(ref, tau=0.5)

@@ -11,7 +11,7 @@ import torch
 import hf_qknorm
 from hf_qknorm import upstream
 from hf_qknorm.training.monitor import QKMonitor, attention_stats
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 
 def _brute_force(q, k, allowed, scaling, softcap):
@@ -158,8 +158,9 @@ class _Reporter:
 
 
 def test_trainer_logs_reach_reporters(tmp_path):
-    from test_trainer import CountingText
     from transformers import Trainer, TrainingArguments
+
+    from tests._support.trainer_runs import CountingText
 
     model = tiny_model("qwen3")
     hf_qknorm.patch_model(model, "qk_norm_cap")

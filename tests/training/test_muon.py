@@ -10,7 +10,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.training.muon import MuonAdamW, muon_split
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 
 def _ids(seed=0, batch=4, seq=24):
@@ -115,15 +115,16 @@ def test_muonclip_bounds_the_logits():
 
 
 def test_trainer_with_muon(tmp_path):
-    from test_trainer import CountingText, _args
     from transformers import Trainer
+
+    from tests._support.trainer_runs import CountingText, training_args
 
     model = tiny_model("llama", seed=3)
     hf_qknorm.patch_model(model, "qk_norm_cap", softcap=20.0)
     opt = MuonAdamW(model, lr=0.02)
     trainer = Trainer(
         model=model,
-        args=_args(tmp_path, max_steps=4, save_strategy="no"),
+        args=training_args(tmp_path, max_steps=4, save_strategy="no"),
         train_dataset=CountingText(),
         optimizers=(opt, None),
         callbacks=[hf_qknorm.QKLearningRateCallback(tau=0.5)],

@@ -8,7 +8,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.training.lora import lora_target_modules, trainable_norm_modules
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 
 def _ids(seed=0, batch=2, seq=12):

@@ -16,7 +16,8 @@ import torch
 import hf_qknorm
 from hf_qknorm.portable import hooks
 from hf_qknorm.reference import attention_reference
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
+from tests._support.trainer_runs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURE = "qkclip_test_capture"
@@ -375,14 +376,15 @@ def test_training_at_an_exploding_lr_stays_bounded():
 def test_trainer_callback(tmp_path):
     """QKClipCallback clips after every optimizer step of a Trainer run (gradient checkpointing on: the
     recomputation is recorded too, and changes nothing since it is the same forward)."""
-    from test_trainer import CountingText, _args
     from transformers import Trainer
+
+    from tests._support.trainer_runs import CountingText, training_args
 
     model = _big(tiny_model("llama", seed=3), 20.0)
     callback = hf_qknorm.QKClipCallback(tau=5.0)
     trainer = Trainer(
         model=model,
-        args=_args(tmp_path, max_steps=4, save_strategy="no"),
+        args=training_args(tmp_path, max_steps=4, save_strategy="no"),
         train_dataset=CountingText(),
         callbacks=[callback],
     )
@@ -397,7 +399,7 @@ def test_trainer_callback(tmp_path):
 def test_two_processes_clip_identically(tmp_path):
     """Only rank 0's batch has the large logits; the all-reduced maxima make both ranks clip the same heads by the
     same factors, so their weights stay identical."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [
         sys.executable,
         "-m",
@@ -405,7 +407,7 @@ def test_two_processes_clip_identically(tmp_path):
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         __file__,
         "--worker",
         str(tmp_path),
@@ -417,14 +419,6 @@ def test_two_processes_clip_identically(tmp_path):
     assert w0["clipped"] and w0["clipped"] == w1["clipped"]
     for key in w0["state"]:
         assert torch.equal(w0["state"][key], w1["state"][key]), key
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(out: Path) -> None:
@@ -443,5 +437,4 @@ def _worker(out: Path) -> None:
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    sys.path.insert(0, str(ROOT / "tests"))
     _worker(Path(sys.argv[sys.argv.index("--worker") + 1]))

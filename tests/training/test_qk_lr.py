@@ -8,7 +8,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.training.qk_lr import QKLearningRate
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 
 def _batch(seed, batch=4, seq=16):

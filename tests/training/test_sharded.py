@@ -4,7 +4,7 @@ FSDP2 (``fully_shard``: reshard after forward on and off, bf16/fp32 mixed precis
 ``Conv1D``, uneven shards with heads straddling ranks) and tensor parallelism (``hf_qknorm.parallelize_attention``):
 QK-Clip, the monitor and the Q/K learning-rate rule train three steps, and the weights after those steps, the heads
 clipped at each step, the maxima QK-Clip acted on, the logged monitor statistics and the Q/K factors must equal those
-of one process training on the whole batch (``tests/sharded_runs.py`` holds both sides). The 2-process run also
+of one process training on the whole batch (``tests/_support/sharded_runs.py`` holds both sides). The 2-process run also
 saves and resumes a sharded checkpoint (``torch.distributed.checkpoint``) and a full one (``save_pretrained``),
 feeds QK-Clip non-finite and negative maxima, and checks what is refused.
 
@@ -22,11 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from test_distributed import _free_port  # noqa: E402
+from tests._support import sharded_runs as S
+from tests._support.trainer_runs import free_port
 
-import sharded_runs as S  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 _LAUNCHED: dict[int, Path] = {}
 CKPT = "fsdp_patched_no_reshard"
@@ -40,7 +39,7 @@ def _launch(world: int, tmp_path_factory) -> Path:
             **os.environ,
             "OMP_NUM_THREADS": "1",
             "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
         cmd = [
             sys.executable,
@@ -49,7 +48,7 @@ def _launch(world: int, tmp_path_factory) -> Path:
             "--nproc_per_node",
             str(world),
             "--master_port",
-            str(_free_port()),
+            str(free_port()),
             __file__,
             "--worker",
             str(out),
@@ -219,7 +218,7 @@ def test_recipe_fsdp_resumes_identically(tmp_path):
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(_free_port()),
+            str(free_port()),
             str(ROOT / "recipes" / "pretrain_sharded.py"),
             *common,
             *args,
@@ -327,7 +326,7 @@ def _refusals(out: Path, rank: int, world: int) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import hf_qknorm
-    from tiny_models import tiny_model
+    from tests._support.tiny_models import tiny_model
 
     mesh = init_device_mesh("cpu", (world,))
     refused = {}

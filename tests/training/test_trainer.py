@@ -10,49 +10,8 @@ import torch
 
 import hf_qknorm
 from hf_qknorm import upstream
-from tiny_models import VOCAB, tiny_model
-
-
-class CountingText(torch.utils.data.Dataset):
-    """Learnable synthetic text: each row counts upward from a random start with stride 1 or 2."""
-
-    def __init__(self, n=48, seq=24, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, VOCAB, (n, 1), generator=g)
-        stride = torch.randint(1, 3, (n, 1), generator=g)
-        self.rows = (start + stride * torch.arange(seq)[None]) % VOCAB
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
-def _args(out, max_steps=6, **kw):
-    from transformers import TrainingArguments
-
-    base = dict(
-        output_dir=str(out),
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        lr_scheduler_type="cosine",
-        warmup_steps=1,
-        weight_decay=0.1,
-        max_grad_norm=1.0,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=3,
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        **upstream.checkpointing_arguments(use_reentrant=False),
-    )
-    return TrainingArguments(**{**base, **kw})
+from tests._support.tiny_models import tiny_model
+from tests._support.trainer_runs import CountingText, training_args
 
 
 def _trainer(out, **kw):
@@ -62,7 +21,7 @@ def _trainer(out, **kw):
     hf_qknorm.patch_model(model, "qk_norm_cap", softcap=20.0)
     return Trainer(
         model=model,
-        args=_args(out, **kw),
+        args=training_args(out, **kw),
         train_dataset=CountingText(),
         callbacks=[hf_qknorm.QKLearningRateCallback(tau=0.5)],
     )

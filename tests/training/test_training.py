@@ -7,7 +7,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.reference import attention_reference
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 
 def _batches(steps, batch=8, seq=32, seed=0):

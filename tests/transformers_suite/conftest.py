@@ -17,8 +17,9 @@ import re
 import sys
 from collections import Counter, defaultdict
 
-import differences
 import pytest
+
+from tests.transformers_suite import differences
 
 # The stand-ins are imported as part of Transformers' test package (upstream_tests.py), never collected on their own.
 collect_ignore = ["shims"]
@@ -36,7 +37,8 @@ def pytest_configure(config):
 
 def _upstream_marks() -> set[str]:
     import transformers
-    from upstream_tests import fetch_module
+
+    from tests.transformers_suite.upstream_tests import fetch_module
 
     folder = fetch_module().cached(transformers.__version__)
     if folder is None:
@@ -46,7 +48,7 @@ def _upstream_marks() -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    from variants import deselected
+    from tests.transformers_suite.variants import deselected
 
     kept, dropped = [], []
     for item in items:
@@ -130,7 +132,7 @@ def summarize() -> dict:
 
 
 def pytest_terminal_summary(terminalreporter):
-    suite = sys.modules.get("test_transformers_common")
+    suite = sys.modules.get("tests.transformers_suite.test_transformers_common")
     if suite is None:
         return
     UPSTREAM = suite.UPSTREAM  # noqa: N806

@@ -7,12 +7,12 @@ import io
 import json
 import tarfile
 
-import differences
 import pytest
-import test_transformers_common as suite
-import upstream_tests
-from differences import Difference, judge
-from variants import BASELINE, FAMILIES, VARIANTS
+
+from tests.transformers_suite import differences, upstream_tests
+from tests.transformers_suite import test_transformers_common as suite
+from tests.transformers_suite.differences import Difference, judge
+from tests.transformers_suite.variants import BASELINE, FAMILIES, VARIANTS
 
 
 def _entry(**kw):

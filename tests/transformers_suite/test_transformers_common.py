@@ -16,11 +16,11 @@ import zlib
 
 import pytest
 import transformers
-import upstream_tests
-from testers import TESTERS
-from variants import selected_families, selected_variants
 
 import hf_qknorm  # noqa: F401  (registers the backend and the qknorm_<base> model types, as a user's import does)
+from tests.transformers_suite import upstream_tests
+from tests.transformers_suite.testers import TESTERS
+from tests.transformers_suite.variants import selected_families, selected_variants
 
 UPSTREAM = upstream_tests.load()
 

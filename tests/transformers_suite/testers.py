@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-from variants import Variant
+
+from tests.transformers_suite.variants import Variant
 
 # Sizes as in Transformers' own testers (vocab 99, width 32, 2 layers, batch 13 x 7 tokens); 4 query heads over 2
 # key/value heads, so GQA is exercised.
@@ -59,7 +60,7 @@ class DecoderTester:
     def prepare_config_and_inputs(self):
         import sys
 
-        from upstream_tests import PACKAGE  # noqa: F401  (ids_tensor lives in the upstream module)
+        from tests.transformers_suite.upstream_tests import PACKAGE  # noqa: F401  (ids_tensor lives in the upstream module)
 
         ids_tensor = sys.modules[f"{PACKAGE}.test_modeling_common"].ids_tensor
         input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)

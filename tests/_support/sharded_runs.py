@@ -20,7 +20,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.portable.layout import family_of, find_layers, unwrap
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 STEPS, BATCH, SEQ = 3, 4, 12
 AWKWARD = {"hidden_size": 30, "num_attention_heads": 3, "num_key_value_heads": 1, "intermediate_size": 48}
@@ -300,7 +300,7 @@ def report(folder: str, world: int) -> list[str]:
     return rows
 
 
-if __name__ == "__main__":  # python tests/sharded_runs.py OUT2 2 [OUT4 4]
+if __name__ == "__main__":  # python -m tests._support.sharded_runs OUT2 2 [OUT4 4]
     import sys
 
     torch.set_num_threads(1)

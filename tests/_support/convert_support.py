@@ -10,7 +10,7 @@ import torch
 
 from hf_qknorm.conversion.calibrate import CalibrationSettings
 from hf_qknorm.data import bundled_model_dir, bundled_text
-from tiny_models import tiny_model
+from tests._support.tiny_models import tiny_model
 
 # Calibration small enough for tests (a few seconds on a CPU): 8 blocks of 64 tokens, 10 distillation steps.
 SMALL = CalibrationSettings(

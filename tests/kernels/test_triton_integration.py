@@ -14,7 +14,7 @@ import torch
 import hf_qknorm
 from hf_qknorm import kernels
 from hf_qknorm.attention import kernel_policy
-from tiny_models import VOCAB, tiny_model
+from tests._support.tiny_models import VOCAB, tiny_model
 
 ON_CPU = ("cuda", "cpu")
 ENTRY_POINTS = (

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hf_qknorm import upstream
-from tiny_models import tiny_model
+from tests._support.tiny_models import tiny_model
 
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 
 
 def test_version_gate():
