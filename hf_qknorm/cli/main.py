@@ -58,7 +58,7 @@ def _cmd_demo(args) -> int:
     from .fields import from_args
 
     cfg = from_args(hf_qknorm.QKNormConfig, args)
-    hf_qknorm.patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, p=cfg.p)
+    hf_qknorm.patch_model(model, cfg)
     after = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     print(f"patched with {hf_qknorm.qknorm_config(model)}")
     print(

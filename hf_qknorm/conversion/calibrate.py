@@ -237,7 +237,7 @@ def polish(
     per_block = calib_blocks.shape[1] * model.config.get_text_config().vocab_size * 2
     n_teacher = max(1, min(len(calib_blocks), settings.teacher_budget_mb * 2**20 // per_block))
     teacher = teacher_log_probs(model, calib_blocks[:n_teacher], bs, progress)
-    patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps, p=cfg.p)
+    patch_model(model, cfg)
     params = new_norm_parameters(model)
     with torch.no_grad():
         for name, p in params.items():

@@ -19,6 +19,7 @@ with a model card
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -272,9 +273,8 @@ def convert(
     token = check_request(settings, hub.repo_id, hub.token)  # a bad repo id or no token: fail now, not after hours
     source = inspect_source(src)
     config, family = source.config, source.family
-    cfg = QKNormConfig(
-        **{**cfg.to_dict(), "eps": cfg.eps if cfg.eps is not None else family.norm_eps(config, "; pass --eps")}
-    )
+    if cfg.eps is None:
+        cfg = dataclasses.replace(cfg, eps=family.norm_eps(config, "; pass --eps"))
     dst = _check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path, overwrite)
     check_writable(dst)
     kind, note = resolve_export(export, config, cfg, family)
@@ -460,7 +460,7 @@ def _identity(source: Source, cfg):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(source.config)
-    patch_model(model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps, p=cfg.p)
+    patch_model(model, cfg)
     return model.config, {
         name: torch.full(prm.shape, initial_value(model, name)) for name, prm in new_norm_parameters(model).items()
     }

@@ -61,9 +61,7 @@ class StreamedCheckpoint:
         with init_empty_weights(include_buffers=False):
             self.original = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             self.patched = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        patch_model(
-            self.patched, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps, p=cfg.p
-        )
+        patch_model(self.patched, cfg)
         for model in (self.original, self.patched):
             model.eval()
             for buf_owner in model.modules():

@@ -61,9 +61,7 @@ def _run(tmp_path, family, scheme, norm, settings=FAST, seed=0):
 
 
 def _patched(model, cfg, values):
-    hf_qknorm.patch_model(
-        model, cfg.scheme, norm=cfg.norm if cfg.norms_qk else None, softcap=cfg.softcap, eps=cfg.eps, p=cfg.p
-    )
+    hf_qknorm.patch_model(model, cfg)
     params = new_norm_parameters(model)
     assert set(params) == set(values)
     with torch.no_grad():
