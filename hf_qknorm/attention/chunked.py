@@ -133,6 +133,16 @@ class _Call:
         )
         self.clamp = True
         self._edges: dict = {}
+        self.sink = None  # (batch * kv_heads, 1, groups): the sink logits in base 2, set by TiledAttention
+
+    def set_sink(self, sink: torch.Tensor | None) -> None:
+        """Per-head sink logits ``(heads,)`` (``s_aux``), packed to broadcast against a tile's rows viewed as
+        ``(rows, queries, groups)``, in the base-2 domain of the exponents. A sink forces the row shift."""
+        if sink is None:
+            return
+        self.row_shift = True
+        packed = (sink.detach().to(self.acc) * LOG2E).view(1, self.kv_heads, 1, self.groups)
+        self.sink = packed.expand(self.batch, -1, -1, -1).reshape(self.n, 1, self.groups)
 
     def check_clamp(self, qp: torch.Tensor, kp: torch.Tensor) -> None:
         """Whether tanh's argument may pass the clamp: |2x| <= |qp| |kp| (Cauchy-Schwarz), checked once per call."""
@@ -208,6 +218,8 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) 
                 if c.softcap is not None
                 else torch.where(torch.isfinite(top), top, 0.0)
             )
+            if c.sink is not None:  # the sink's exponent is shifted too, so it cannot overflow
+                shift = torch.maximum(shift.view(n1 - n0, end - start, c.groups), c.sink[n0:n1]).view(shift.shape)
     base = torch.zeros((), dtype=s.dtype, device=s.device) if shift is None else shift.neg_()
     if c.softcap is None:
         p = torch.add(base, s, alpha=c.gain, out=s).exp2_()
@@ -217,6 +229,9 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) 
     if c.softcap is not None:  # masked pairs still hold a finite exponent (tanh(-inf) = -1, or never filled)
         _fill(p, masks, c.groups, 0.0)
     norm = p.sum(-1, keepdim=True)
+    if c.sink is not None:  # the sink joins the denominator only: a logit that attends to nothing
+        sink_rows = (n1 - n0, end - start, c.groups)
+        norm.view(sink_rows).add_(torch.add(base.view(sink_rows), c.sink[n0:n1]).exp2_())
     row_lse = norm.log2() if shift is None else norm.log2().sub_(base)
     lse[n0:n1, rows] = row_lse.masked_fill_(norm == 0, float("inf"))
     if c.dropout_p > 0:
@@ -262,8 +277,11 @@ class TiledAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scaling, softcap, causal, sliding_window, dropout_p, seed, return_max_logits):
+    def forward(
+        ctx, q, k, v, mask, scaling, softcap, causal, sliding_window, dropout_p, seed, return_max_logits, sink=None
+    ):
         c = _Call(q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed)
+        c.set_sink(sink)
         qp = c.pack(q, c.prescale)
         kp = k.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
         vp = v.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
@@ -280,6 +298,7 @@ class TiledAttention(torch.autograd.Function):
             _forward_tile(c, i, tile, qp, kp, vp, out, lse, head_max, bufs)
         ctx.save_for_backward(qp, kp, vp, out, lse)
         ctx.call, ctx.dtypes = c, (q.dtype, k.dtype, v.dtype)
+        ctx.sink_dtype = None if sink is None else sink.dtype
         result = c.unpack(out, q.dtype).transpose(1, 2)
         if not return_max_logits:
             return result
@@ -309,7 +328,13 @@ class TiledAttention(torch.autograd.Function):
         kv_shape = (c.batch, c.kv_heads, c.kv_len, c.head_dim)
         dk = dkt.transpose(1, 2).mul_(c.scaling / c.prescale).reshape(kv_shape).to(ctx.dtypes[1])
         dv = dvt.transpose(1, 2).reshape(kv_shape).to(ctx.dtypes[2])
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        dsink = None
+        if c.sink is not None and ctx.needs_input_grad[11]:
+            # d/d(sink) = -p_sink * rowsum(dO o O), p_sink = exp(sink - lse) (0 on rows no tile covers: lse = inf)
+            rows = (c.n, c.q_len, c.groups)
+            p_sink = torch.sub(c.sink, lse.view(rows)).exp2_()
+            dsink = p_sink.mul_(delta.view(rows)).sum(1).neg_().view(c.batch, c.heads).sum(0).to(ctx.sink_dtype)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsink
 
 
 def chunked_attention(
@@ -324,13 +349,15 @@ def chunked_attention(
     sliding_window=None,
     dropout_p=0.0,
     return_max_logits=False,
+    sink=None,
 ):
     """Attention with an optional cap whose memory grows linearly with sequence length.
 
     ``q`` ``(B, H, Tq, D)``; ``k``, ``v`` ``(B, Hkv, Tk, D)``; ``mask`` boolean (True = attend) broadcastable to
-    ``(B, H, Tq, Tk)``, intersected with ``causal`` and ``sliding_window`` (bottom-right aligned). Returns
-    ``(B, H, Tq, D)``, and with ``return_max_logits`` also the per-head largest pre-cap logit ``(H,)`` (see
-    :class:`TiledAttention`)."""
+    ``(B, H, Tq, Tk)``, intersected with ``causal`` and ``sliding_window`` (bottom-right aligned). ``sink``: ``(H,)``
+    per-head sink logits (``s_aux``, gpt-oss) that join each row's softmax denominator, uncapped and unscaled, and
+    attend to nothing; differentiable. Returns ``(B, H, Tq, D)``, and with ``return_max_logits`` also the per-head
+    largest pre-cap logit ``(H,)`` (see :class:`TiledAttention`; the sink is not a logit of any pair)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item()) if dropout_p > 0 else 0
     return TiledAttention.apply(
         q,
@@ -344,6 +371,7 @@ def chunked_attention(
         float(dropout_p),
         seed,
         bool(return_max_logits),
+        sink,
     )
 
 

@@ -14,9 +14,10 @@ After huggingface/kernels' ``kernelize(device=, use_fallback=)`` and its ``Conte
 
 The default sends CUDA tensors to the kernels and everything else to the PyTorch path, and allows the fallback.
 Tensors on a device the policy does not name always take the PyTorch path, silently. On a device it names, a call
-the kernels cannot run (Triton missing, float64, attention dropout, attention weights requested) falls back to the
-PyTorch path with a warning logged once per reason (attention weights, asked for explicitly, fall back without
-one) when ``use_fallback`` is true, and raises :class:`KernelFallbackError` naming the reason when it is false.
+the kernels cannot run (Triton missing, float64, attention dropout, attention weights requested, attention sinks)
+falls back to the PyTorch path with a warning logged once per reason (attention weights, asked for explicitly, fall
+back without one) when ``use_fallback`` is true, and raises :class:`KernelFallbackError` naming the reason when it
+is false.
 
 The policy lives in a ``contextvars.ContextVar``: a ``with`` block changes it for its own thread (or asyncio task)
 only, blocks nest (an argument left out keeps the enclosing block's value), and the previous policy comes back on
@@ -112,10 +113,12 @@ def kernel_policy(*, devices=_KEEP, use_fallback=_KEEP):
 _warned: set[str] = set()
 
 
-def _why_not(device_type: str, dtype: torch.dtype, dropout: float, weights: bool) -> str | None:
+def _why_not(device_type: str, dtype: torch.dtype, dropout: float, weights: bool, sink: bool) -> str | None:
     """Why the kernels cannot run such a call, or None when they can."""
     if weights:
         return "attention weights were requested (output_attentions) and the kernels do not materialise them"
+    if sink:
+        return "the Triton kernels have no attention sinks (s_aux)"
     from .. import kernels
 
     reason = kernels.unavailable_reason()
@@ -134,7 +137,9 @@ def _why_not(device_type: str, dtype: torch.dtype, dropout: float, weights: bool
 
 
 @torch.compiler.assume_constant_result
-def route(device_type: str, dtype: torch.dtype, dropout: float, weights: bool) -> tuple[bool, str | None]:
+def route(
+    device_type: str, dtype: torch.dtype, dropout: float, weights: bool, sink: bool = False
+) -> tuple[bool, str | None]:
     """Where one attention call goes under the policy in force: ``(True, None)`` for the kernels, ``(False, None)``
     for the PyTorch path (warned once per reason when it is a fallback), ``(False, reason)`` when the policy forbids
     the fallback -- the caller raises :class:`KernelFallbackError` with :func:`fallback_message` (raising here would
@@ -142,7 +147,7 @@ def route(device_type: str, dtype: torch.dtype, dropout: float, weights: bool) -
     policy = _POLICY.get()
     if device_type not in policy.devices:
         return False, None
-    reason = _why_not(device_type, dtype, float(dropout), bool(weights))
+    reason = _why_not(device_type, dtype, float(dropout), bool(weights), bool(sink))
     if reason is None:
         return True, None
     if not policy.use_fallback:

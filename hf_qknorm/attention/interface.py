@@ -2,9 +2,10 @@
 
 Usable by any model: ``AutoModelForCausalLM.from_pretrained(..., attn_implementation="qknorm")`` or
 ``model.set_attn_implementation("qknorm")`` once ``hf_qknorm`` is imported. It honours the interface's ``scaling``,
-``dropout``, ``softcap`` (or the cap a patched module carries), ``sliding_window``, ``is_causal``, packed sequences
-(``cu_seq_lens_*``, or ``position_ids`` that restart -- also with ``use_cache`` on, where Transformers builds no
-packing mask) and ``output_attentions``. The mask rule is :mod:`hf_qknorm.portable.masks`.
+``dropout``, ``softcap`` (a patched module's scheme cap overrides it; without one the model's own cap applies
+exactly), ``sliding_window``, ``is_causal``, packed sequences (``cu_seq_lens_*``, or ``position_ids`` that restart --
+also with ``use_cache`` on, where Transformers builds no packing mask), ``output_attentions`` and ``s_aux``
+(attention sinks); :data:`HONOURED_KWARGS` lists them. The mask rule is :mod:`hf_qknorm.portable.masks`.
 
 Dispatch (:mod:`.dispatch`, a scoped policy): CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``),
 through the entry point of the call's shape; everything else takes the PyTorch path -- ``sdpa`` when there is no
@@ -29,7 +30,7 @@ import warnings
 import torch
 from torch.nn import functional as F
 
-from ..portable.eager import capped_eager_attention
+from ..portable.eager import capped_eager_attention, check_sink, effective_softcap
 from ..portable.masks import bool_mask, check_attention_args, implicit_causal, packed_sequence_mask
 from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import check_softcap
@@ -42,6 +43,37 @@ try:  # the outputs Transformers' output capture is collecting in this forward (
 except ImportError:  # pragma: no cover - every supported Transformers has it
     _active_collector = None
 
+
+# Every keyword the "qknorm" backend honours, or knows to be harmless, as Transformers' decoder models pass them
+# (their ``attention_interface(...)`` call sites and the ``TransformersKwargs`` that reach it through ``**kwargs``).
+# The patch-time self-check refuses a model whose forward passes any other keyword with a non-None value: the backend
+# itself accepts and ignores unknown keywords, as Transformers' own sdpa does.
+HONOURED_KWARGS = frozenset(
+    {
+        # the interface's own arguments
+        "scaling",  # logit scale
+        "dropout",  # attention dropout (PyTorch path; the kernels fall back or refuse)
+        "softcap",  # the model's own cap (Gemma 2); a patched module's scheme cap overrides it
+        "sliding_window",  # applied when no mask holds it already
+        "is_causal",  # False: bidirectional
+        # packed sequences and weights
+        "position_ids",  # packing recognised where they restart
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "output_attentions",  # weights materialised on request
+        "s_aux",  # per-head attention-sink logits (gpt-oss): one more logit in each row's softmax denominator
+        # harmless: options of the model's forward that reach the attention through **kwargs and change nothing in it
+        "use_cache",
+        "cache_position",
+        "past_key_values",
+        "output_hidden_states",
+        "output_router_logits",
+        "num_items_in_batch",
+        "return_dict",
+    }
+)
 
 # Without a cap, per-head max logits come from the tiled path's own pass from this many queries up; below it, sdpa
 # plus a max-only pass is faster (the tiled path's fixed costs dominate). Measured on CPU, forward+backward, one
@@ -114,11 +146,17 @@ def qknorm_attention_forward(
             or an additive 0/-inf mask -- complete: causality, padding, packing and any sliding window -- or
             ``None``, which means what it means for sdpa (:mod:`.masks`): top-left causal, nothing masked for a
             single query or with ``is_causal=False``.
-        scaling: logit scale, ``head_dim ** -0.5`` when ``None``. softcap: ``c`` in ``c * tanh(s / c)``; ``None``
-            takes the cap a patched module carries.
+        scaling: logit scale, ``head_dim ** -0.5`` when ``None``. softcap: ``c`` in ``c * tanh(s / c)`` or ``None``;
+            overridden by the cap a patched module's scheme carries
+            (:func:`~hf_qknorm.portable.eager.effective_softcap`: a model's own cap, e.g. Gemma 2's, applies exactly
+            when the module carries none).
         sliding_window: applied only when there is no mask (a mask already holds the window).
         kwargs: ``position_ids`` (packed sequences are recognised where they restart), ``cu_seq_lens_q/k`` and
-            ``max_length_q/k`` (packed sequences in one row), ``output_attentions`` (see :func:`weights_requested`).
+            ``max_length_q/k`` (packed sequences in one row), ``output_attentions`` (see :func:`weights_requested`),
+            ``s_aux`` (``(heads,)`` attention-sink logits: one more logit in each row's softmax denominator,
+            uncapped, as gpt-oss's own eager attention has it; the Triton kernels have no sinks, so such calls take
+            the PyTorch path or are refused under ``kernel_policy(use_fallback=False)``). :data:`HONOURED_KWARGS`
+            lists every keyword honoured or known to be harmless; others are ignored, as sdpa ignores them.
     Returns:
         ``(batch, q_len, heads, head_dim)`` and the attention weights ``(batch, heads, q_len, kv_len)`` when
         ``output_attentions`` is set (computed by :func:`.eager.capped_eager_attention`), else ``None``.
@@ -126,8 +164,7 @@ def qknorm_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     check_attention_args(query, key, attention_mask, scaling, dropout, sliding_window)
-    if softcap is None:  # a patched module carries its cap (its upstream forward passes none)
-        softcap = getattr(module, "_qknorm_softcap", None)
+    softcap = effective_softcap(module, softcap)  # the scheme's cap, else the one the model passed
     if softcap is not None:
         softcap = check_softcap(softcap)
     probes = tuple(getattr(module, "_qknorm_probes", {}).values())  # hf_qknorm.modeling.telemetry.LogitTap
@@ -168,11 +205,14 @@ def _attention(
         query, key, value, attention_mask, causal, sliding_window, kwargs
     )
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    sink = check_sink(kwargs.get("s_aux"), query.shape[1])
     if weights_requested(module, kwargs):
-        _use_kernels(query, dropout, weights=True)  # raises if the policy forbids the fallback
-        return _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, want_max)
+        _use_kernels(query, dropout, weights=True, sink=sink is not None)  # raises if the policy forbids it
+        return _with_weights(
+            module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, want_max, sink
+        )
 
-    if _use_kernels(query, dropout, weights=False):
+    if _use_kernels(query, dropout, weights=False, sink=sink is not None):
         if cu_q is not None:  # the packing is the mask: causal within each sequence as the module declares
             mask, causal = None, declared_causal
         out, top = _kernel_attention(
@@ -186,7 +226,7 @@ def _attention(
             False,
         )
     top = None
-    if softcap is None and (not want_max or query.shape[2] < TILED_MAX_MIN_LEN):
+    if softcap is None and sink is None and (not want_max or query.shape[2] < TILED_MAX_MIN_LEN):
         out = _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window)
         if want_max:  # short sequences: sdpa plus a max-only pass beats the tiled attention (measured)
             top = max_logits(
@@ -204,15 +244,16 @@ def _attention(
             sliding_window=sliding_window,
             dropout_p=dropout,
             return_max_logits=want_max,
+            sink=sink,
         )
         out, top = out if want_max else (out, None)
     return out.transpose(1, 2).contiguous(), None, top
 
 
-def _use_kernels(query, dropout, weights: bool) -> bool:
+def _use_kernels(query, dropout, weights: bool, sink: bool = False) -> bool:
     """Whether this call runs the Triton kernels under the policy in force (:func:`.dispatch.route`); raises
     :class:`~.dispatch.KernelFallbackError` where the kernels cannot run it and the policy forbids the fallback."""
-    use, refusal = route(query.device.type, query.dtype, dropout, weights)
+    use, refusal = route(query.device.type, query.dtype, dropout, weights, sink)
     if refusal is not None:
         raise KernelFallbackError(fallback_message(query.device.type, refusal))
     return use
@@ -277,7 +318,7 @@ def _resolve_mask(query, key, value, attention_mask, causal, sliding_window, kwa
     return key, value, mask, causal, sliding_window
 
 
-def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, want_max):
+def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, want_max, sink):
     """The call that asked for attention weights: the materialising path, which returns them (and, on request, the
     per-head max logits, computed on the side: this path is for inspection, not speed)."""
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -286,7 +327,7 @@ def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout,
     if mask is None and causal:
         mask = implicit_causal(q_len, kv_len, query.device)[None, None]
     out, weights = capped_eager_attention(
-        module, query, key, value, mask, scaling=scaling, dropout=dropout, softcap=softcap, is_causal=False
+        module, query, key, value, mask, scaling=scaling, dropout=dropout, softcap=softcap, is_causal=False, s_aux=sink
     )
     top = None
     if want_max:  # the mask is boolean and complete here
