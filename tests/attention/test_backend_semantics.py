@@ -311,7 +311,7 @@ def test_honoured_kwargs_cover_what_decoder_models_pass():
     from transformers.masking_utils import sdpa_mask
 
     from hf_qknorm.attention.interface import qknorm_attention_forward
-    from tiny_models import tiny_config
+    from tests._support.tiny_models import tiny_config
 
     seen: set[str] = set()
 
