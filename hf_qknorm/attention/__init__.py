@@ -3,9 +3,8 @@
 attention."""
 
 from .dispatch import KernelFallbackError, KernelPolicy, current_kernel_policy, kernel_policy
-from .interface import ATTN_IMPLEMENTATION, qknorm_attention_forward, register, triton_on_cpu  # noqa: F401
+from .interface import ATTN_IMPLEMENTATION, qknorm_attention_forward, register
 
-# triton_on_cpu: deprecated (warns), importable for one more release, no longer advertised
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "KernelFallbackError",

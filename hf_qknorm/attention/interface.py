@@ -25,8 +25,6 @@ own pass -- the Triton kernels' row maxima, the tiled path's -- except for uncap
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch.nn import functional as F
 
@@ -35,7 +33,7 @@ from ..portable.masks import bool_mask, check_attention_args, implicit_causal, p
 from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import check_softcap
 from .chunked import chunked_attention, max_logits
-from .dispatch import KernelFallbackError, fallback_message, kernel_policy, route
+from .dispatch import KernelFallbackError, fallback_message, route
 from .tiles import chunk_allowed
 
 try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
@@ -110,19 +108,6 @@ def _varlen_mask(
     if causal:
         same = same & chunk_allowed(None, 0, q_len, q_len, kv_len, True, None, cu_q.device)
     return same if mask is None else same & mask
-
-
-def triton_on_cpu(enabled: bool = True):
-    """Deprecated (removed in the next release): ``kernel_policy(devices=("cuda", "cpu"))`` from
-    :mod:`hf_qknorm.attention`, which is scoped per thread. Sends CPU tensors to the Triton kernels too (under
-    ``TRITON_INTERPRET=1``), or with ``enabled=False`` only CUDA tensors."""
-    warnings.warn(
-        "hf_qknorm.attention.triton_on_cpu is deprecated and will be removed in the next release: use "
-        "kernel_policy(devices=('cuda', 'cpu'))",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return kernel_policy(devices=("cuda", "cpu") if enabled else ("cuda",))
 
 
 def qknorm_attention_forward(

@@ -232,7 +232,6 @@ def convert(
     verify: str = "full",
     progress: bool = True,
     log=print,
-    **deprecated,
 ) -> ConversionResult:
     """Convert a pretrained checkpoint to the scheme of ``config`` and write it to ``dst``.
 
@@ -257,9 +256,6 @@ def convert(
             (:func:`hf_qknorm.conversion.checks.verify_output`): ``"full"`` (with the plugin, and a ``qknorm_<base>``
             folder also through its remote code in a process without the plugin), ``"plugin"`` or ``"off"``. The
             added tensors are always checked, and a report that is not finite always fails.
-        deprecated: the keywords of earlier releases (``scheme``, ``norm``, ``softcap``, ``eps``, ``p``,
-            ``settings``, ``push_to_hub``, ``private``, ``revision``, ``commit_message``, ``token``) still work for
-            one release, with a ``FutureWarning`` naming the object that replaces them.
 
     Raises ``ValueError``/``OSError`` for bad input or a failed write, and
     :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
@@ -267,7 +263,7 @@ def convert(
     """
     from .export import check_tokenizer_fits, has_tokenizer, resolve_export
 
-    cfg, settings, hub = settings_objects(config, calibration, hub, deprecated)
+    cfg, settings, hub = settings_objects(config, calibration, hub)
     if verify not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode {verify!r}; choose one of {', '.join(VERIFY_MODES)}")
     token = check_request(settings, hub.repo_id, hub.token)  # a bad repo id or no token: fail now, not after hours
@@ -342,50 +338,9 @@ def convert(
     return result
 
 
-_SCHEME_KEYWORDS = ("scheme", "norm", "softcap", "eps", "p")
-_HUB_KEYWORDS = {
-    "push_to_hub": "repo_id",
-    "private": "private",
-    "revision": "revision",
-    "commit_message": "commit_message",
-    "token": "token",
-}
-
-
-def settings_objects(config, calibration, hub, deprecated: dict):
-    """``(QKNormConfig, CalibrationSettings, HubSettings)`` from :func:`convert`'s arguments, the keywords of earlier
-    releases included (with a ``FutureWarning``); a ``TypeError`` for an unknown keyword or a wrong type."""
-    import warnings
-
-    unknown = set(deprecated) - {*_SCHEME_KEYWORDS, "settings", *_HUB_KEYWORDS}
-    if unknown:
-        raise TypeError(f"convert() got an unexpected keyword argument {sorted(unknown)[0]!r}")
-    old_scheme = {k: deprecated[k] for k in _SCHEME_KEYWORDS if k in deprecated}
-    old_hub = {_HUB_KEYWORDS[k]: deprecated[k] for k in _HUB_KEYWORDS if k in deprecated}
-    for what, given, new in (
-        ("scheme keywords", old_scheme, "config=QKNormConfig(...)"),
-        ("settings=", "settings" in deprecated, "calibration=CalibrationSettings(...)"),
-        ("Hub keywords", old_hub, "hub=HubSettings(...)"),
-    ):
-        if given:
-            warnings.warn(
-                f"convert(): the {what} {sorted(given) if isinstance(given, dict) else ''} are "
-                f"deprecated and go in the next release; pass {new}",
-                FutureWarning,
-                stacklevel=3,
-            )
-    if old_scheme:
-        if config is not None:
-            raise TypeError("convert(): give the scheme once, as config=QKNormConfig(...), not also as keywords")
-        config = QKNormConfig(**old_scheme)
-    if "settings" in deprecated:
-        if calibration is not None:
-            raise TypeError("convert(): give calibration=CalibrationSettings(...) once, not also settings=")
-        calibration = deprecated["settings"]
-    if old_hub:
-        if hub is not None:
-            raise TypeError("convert(): give hub=HubSettings(...) once, not also the Hub keywords")
-        hub = HubSettings(**old_hub)
+def settings_objects(config, calibration, hub):
+    """``(QKNormConfig, CalibrationSettings, HubSettings)`` from :func:`convert`'s arguments (``None`` for the
+    defaults, a scheme name for its :class:`QKNormConfig`); a ``TypeError`` for a wrong type."""
     config = QKNormConfig(scheme=config) if isinstance(config, str) else config or QKNormConfig()
     calibration = calibration if calibration is not None else CalibrationSettings()
     hub = hub if hub is not None else HubSettings()

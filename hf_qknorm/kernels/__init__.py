@@ -10,8 +10,7 @@ Ask :func:`is_available` before using the kernels; the kernel modules are import
         out = kernels.qknorm_attn_with_kvcache(q, k_cache, v_cache, softcap=50.0)   # decoding
         out, max_logits = kernels.qknorm_attn_func_with_max_logits(q, k, v, softcap=50.0)
 
-One entry point per calling shape, each returning one type (:mod:`.attn_interface` documents shapes and dtypes);
-``triton_attention`` is their deprecated predecessor.
+One entry point per calling shape, each returning one type (:mod:`.attn_interface` documents shapes and dtypes).
 
 The kernels run on CUDA tensors; on CPU they run under Triton's interpreter when ``TRITON_INTERPRET=1`` is set
 before the first kernel module is imported (that is how the tests run them). Nothing here imports transformers.
@@ -39,7 +38,6 @@ _INSTALL_HINT = "pip install 'hf-qknorm[triton]'"
 # public name -> (module, attribute); resolved lazily by __getattr__ below
 _LAZY = {
     **{name: ("attn_interface", name) for name in __all__[2:]},
-    "triton_attention": ("attn_interface", "triton_attention"),  # deprecated: warns when called
     "attn_fwd": ("attention", "attn_fwd"),
     "attn_bwd": ("attention", "attn_bwd"),
 }

@@ -30,7 +30,6 @@ Outputs are contiguous, in q's dtype; a row that may attend to no key is 0. Ther
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -45,7 +44,6 @@ __all__ = [
     "qknorm_attn_varlen_func",
     "qknorm_attn_varlen_func_with_max_logits",
     "qknorm_attn_with_kvcache",
-    "triton_attention",
 ]
 
 
@@ -291,53 +289,3 @@ def qknorm_attn_with_kvcache(
         decode=True,
         num_splits=num_splits,
     )
-
-
-def triton_attention(
-    q,
-    k,
-    v,
-    *,
-    scaling: float,
-    softcap=None,
-    causal=True,
-    attn_mask=None,
-    sliding_window=None,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    dropout_p: float = 0.0,
-    return_max_logits: bool = False,
-):
-    """Deprecated (removed in the next release): :func:`qknorm_attn_func`, :func:`qknorm_attn_varlen_func` and their
-    ``..._with_max_logits`` variants, which each return one type. Returns the output, or ``(output, max_logits)``
-    with ``return_max_logits``, as before."""
-    warnings.warn(
-        "hf_qknorm.kernels.triton_attention is deprecated and will be removed in the next release: use "
-        "qknorm_attn_func (padded), qknorm_attn_varlen_func (cu_seqlens), qknorm_attn_with_kvcache, or "
-        "their ..._with_max_logits variants",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    if dropout_p:
-        raise ValueError(
-            f"hf_qknorm's Triton attention has no attention dropout (got dropout_p={dropout_p}); use "
-            "the PyTorch path (hf_qknorm.attention) or set the model's attention dropout to 0"
-        )
-    result = _run(
-        q,
-        k,
-        v,
-        scaling=scaling,
-        softcap=softcap,
-        causal=causal,
-        attn_mask=attn_mask,
-        sliding_window=sliding_window,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        with_max=return_max_logits,
-    )
-    return tuple(result) if return_max_logits else result

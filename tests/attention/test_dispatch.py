@@ -227,15 +227,5 @@ def test_compiled_model_follows_the_policy_it_was_traced_with():
     torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)
 
 
-def test_triton_on_cpu_is_a_deprecated_alias():
-    from hf_qknorm.attention import triton_on_cpu
-
-    assert "triton_on_cpu" not in hf_qknorm.attention.__all__
-    with pytest.warns(DeprecationWarning, match=r"kernel_policy\(devices=\('cuda', 'cpu'\)\)"):
-        with triton_on_cpu():
-            assert current_kernel_policy().devices == ON_CPU
-    assert current_kernel_policy() == KernelPolicy()
-
-
 def test_top_level_names():
     assert hf_qknorm.kernel_policy is kernel_policy and hf_qknorm.KernelFallbackError is KernelFallbackError

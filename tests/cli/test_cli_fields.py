@@ -100,37 +100,17 @@ def test_convert_flags_are_the_settings_fields():
     assert flags["--scheme"].metavar == "{qk_norm,soft_cap,qk_norm_cap,qkv_norm}"
 
 
-def test_convert_takes_config_objects_and_warns_on_the_old_keywords(tmp_path):
-    import warnings
-
-    from hf_qknorm import CalibrationSettings, HubSettings, QKNormConfig
+def test_convert_takes_config_objects_only(tmp_path):
+    from hf_qknorm import CalibrationSettings, HubSettings, QKNormConfig, convert
     from hf_qknorm.conversion.converter import settings_objects
 
-    cfg, cal, hub = settings_objects("qk_norm", None, None, {})
+    cfg, cal, hub = settings_objects("qk_norm", None, None)
     assert cfg == QKNormConfig("qk_norm") and cal == CalibrationSettings() and hub == HubSettings()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg, cal, hub = settings_objects(
-            None,
-            None,
-            None,
-            {
-                "scheme": "qkv_norm",
-                "norm": "rmsnorm",
-                "settings": CalibrationSettings(block_len=8),
-                "push_to_hub": "me/x",
-                "private": True,
-            },
-        )
-    assert cfg == QKNormConfig("qkv_norm", "rmsnorm") and cal.block_len == 8
-    assert hub == HubSettings(repo_id="me/x", private=True)
-    assert len(caught) == 3 and all(w.category is FutureWarning for w in caught)
-    assert "config=QKNormConfig" in str(caught[0].message)
-    with pytest.raises(TypeError, match="give the scheme once"), pytest.warns(FutureWarning):
-        settings_objects(QKNormConfig(), None, None, {"scheme": "qk_norm"})
-    with pytest.raises(TypeError, match="unexpected keyword argument 'shceme'"):
-        settings_objects(None, None, None, {"shceme": "qk_norm"})
+    for old in ({"scheme": "qk_norm"}, {"settings": CalibrationSettings()}, {"push_to_hub": "me/x"}):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(old))}'"):
+            convert(None, tmp_path / "out", **old)  # the keywords of before the first release are gone
+    assert not (tmp_path / "out").exists()
     with pytest.raises(TypeError, match="calibration must be a CalibrationSettings, got dict"):
-        settings_objects(None, {"block_len": 8}, None, {})
+        settings_objects(None, {"block_len": 8}, None)
     with pytest.raises(ValueError, match="unknown scheme 'qknorm'"):
-        settings_objects("qknorm", None, None, {})
+        settings_objects("qknorm", None, None)

@@ -2,7 +2,7 @@
 
 Checked against the float64 reference (outputs and per-head max logits), against each other (the ``_with_max_logits``
 variants return exactly the plain output; the KV-cache entry point really runs the decoding forward), under
-``torch.compile(fullgraph=True)`` and ``opcheck``, and the deprecated ``triton_attention`` (warns, same results).
+``torch.compile(fullgraph=True)`` and ``opcheck``.
 Kernel numerics in depth are tests/kernels/test_kernels.py's job; here shapes are tiny (the interpreter runs them).
 """
 
@@ -57,7 +57,6 @@ def test_public_names():
         "qknorm_attn_varlen_func_with_max_logits",
         "AttnOutputWithMaxLogits",
     }
-    assert "triton_attention" not in kernels.__all__  # deprecated: reachable, not advertised
     assert kernels.qknorm_attn_func is api.qknorm_attn_func
 
 
@@ -149,23 +148,6 @@ def test_kvcache_refuses_a_bad_num_splits(num_splits):
     q, k, v = _qkv(1, 2, 1, 1, 8)
     with pytest.raises(ValueError, match=f"num_splits must be a positive int or None .*got {num_splits!r}"):
         api.qknorm_attn_with_kvcache(q, k, v, num_splits=num_splits)
-
-
-def test_deprecated_triton_attention_warns_and_matches():
-    q, k, v = _qkv(2, 4, 2, 9, 9, seed=6)
-    with pytest.warns(DeprecationWarning, match="qknorm_attn_func"):
-        old = kernels.triton_attention(q, k, v, scaling=0.2, softcap=3.0)
-    assert torch.equal(old, api.qknorm_attn_func(q, k, v, scaling=0.2, softcap=3.0))
-    with pytest.warns(DeprecationWarning):
-        old_out, old_max = kernels.triton_attention(q, k, v, scaling=0.2, softcap=3.0, return_max_logits=True)
-    new = api.qknorm_attn_func_with_max_logits(q, k, v, scaling=0.2, softcap=3.0)
-    assert torch.equal(old_out, new.out) and torch.equal(old_max, new.max_logits)
-    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
-    with pytest.warns(DeprecationWarning):
-        old = kernels.triton_attention(q[:1], k[:1], v[:1], scaling=0.2, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    assert torch.equal(old, api.qknorm_attn_varlen_func(q[:1], k[:1], v[:1], cu, cu, scaling=0.2))
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="dropout_p=0.1"):
-        kernels.triton_attention(q, k, v, scaling=0.2, dropout_p=0.1)
 
 
 def test_opcheck_forced_paths():

@@ -293,26 +293,3 @@ def test_an_import_the_table_cannot_map_is_refused_at_export(monkeypatch, tmp_pa
         monkeypatch.setattr(remote, "_PORTABLE", tmp_path)
         with pytest.raises(RuntimeError, match="bad.py imports"):
             remote.shipped_source("bad")
-
-
-@pytest.mark.parametrize(
-    "old,new",
-    [
-        (f"hf_qknorm.modeling.{m}", f"hf_qknorm.portable.{m}")
-        for m in ("families", "fold", "hooks", "layout", "norms", "schemes", "structure")
-    ]
-    + [(f"hf_qknorm.attention.{m}", f"hf_qknorm.portable.{m}") for m in ("masks", "eager")],
-)
-def test_moved_modules_keep_their_old_path_for_a_release(old, new):
-    """The modules that moved into hf_qknorm.portable still import from their old path -- as the very same module,
-    so no second copy of their globals exists -- and say where they live now."""
-    import importlib
-    import sys
-
-    sys.modules.pop(old, None)
-    parent, _, leaf = old.rpartition(".")
-    if leaf in vars(sys.modules[parent]):
-        delattr(sys.modules[parent], leaf)
-    with pytest.warns(FutureWarning, match=rf"{old} moved to {new}; the old path goes in the next release"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)

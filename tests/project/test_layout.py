@@ -17,10 +17,10 @@ SUBPACKAGES = ("portable", "kernels", "attention", "modeling", "conversion", "tr
 # what each floor may import from the package besides itself: whole floors, never single modules
 RUNTIME = {"portable", "kernels", "attention", "modeling", "_version", "upstream"}
 ALLOWED = {
-    "portable": set(),  # and only torch and the standard library: tests/modeling/test_export.py
+    "portable": set(),  # and only torch and the standard library: tests/portable/test_boundary.py
     "kernels": set(),
-    "attention": {"portable", "kernels", "_version", "upstream", "_moved"},  # _moved: old paths of moved modules
-    "modeling": {"portable", "kernels", "attention", "_version", "upstream", "_moved"},
+    "attention": {"portable", "kernels", "_version", "upstream"},
+    "modeling": {"portable", "kernels", "attention", "_version", "upstream"},
     "conversion": RUNTIME | {"data", "reference", "verification"},
     "training": RUNTIME | {"data"},
     "verification": RUNTIME | {"reference"},
