@@ -29,7 +29,7 @@ import torch
 from torch.nn import functional as F
 
 from ..portable.eager import capped_eager_attention, check_sink, effective_softcap
-from ..portable.masks import bool_mask, check_attention_args, implicit_causal, packed_sequence_mask
+from ..portable.masks import bool_mask, check_attention_args, implicit_causal, packed_sequence_mask, resolve_mask
 from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import check_softcap
 from .chunked import chunked_attention, max_logits
@@ -270,37 +270,31 @@ def _kernel_attention(query, key, value, mask, cu_q, cu_k, scaling, softcap, cau
 
 
 def _resolve_mask(query, key, value, attention_mask, causal, sliding_window, kwargs):
-    """The mask rule (:mod:`.masks`) applied: ``(key, value, mask, causal, sliding_window)`` where ``mask`` is
-    boolean and complete (then ``causal`` is False and there is no window), or ``None`` with ``causal`` meaning square
-    causal (keys a top-left causal pattern never sees are dropped), or causal within each ``cu_seq_lens`` sequence."""
+    """The mask rule (:func:`~hf_qknorm.portable.masks.resolve_mask`) applied: ``(key, value, mask, causal,
+    sliding_window)`` where ``mask`` is boolean and complete (then ``causal`` is False and there is no window), or
+    ``None`` with ``causal`` meaning square causal (keys a top-left causal pattern never sees are dropped), or causal
+    within each ``cu_seq_lens`` sequence."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    mask = bool_mask(attention_mask)
-    cu_q = kwargs.get("cu_seq_lens_q")
-    if cu_q is not None and query.shape[0] != 1:
-        raise ValueError(
-            f"packed sequences (cu_seq_lens_q) must come as one row of concatenated sequences, batch 1; "
-            f"got a batch of {query.shape[0]} (query {tuple(query.shape)})"
-        )
-    packed = (
-        None
-        if cu_q is not None or not causal
-        else packed_sequence_mask(kwargs.get("position_ids"), q_len, kv_len, mask)
-    )
-    if mask is not None:
-        sliding_window, causal = None, False  # the mask is complete...
+    if kwargs.get("cu_seq_lens_q") is not None:
+        if query.shape[0] != 1:
+            raise ValueError(
+                f"packed sequences (cu_seq_lens_q) must come as one row of concatenated sequences, batch 1; "
+                f"got a batch of {query.shape[0]} (query {tuple(query.shape)})"
+            )
+        mask = bool_mask(attention_mask)  # without a mask, `causal` means: causal within each packed sequence
+        return (key, value, mask, False, None) if mask is not None else (key, value, None, causal, sliding_window)
+    mask, square, keys = resolve_mask(attention_mask, q_len, kv_len, causal)
+    packed = packed_sequence_mask(kwargs.get("position_ids"), q_len, kv_len, mask) if causal else None
+    if mask is not None:  # complete...
         if packed is not None:  # ...except for packing with the cache on: Transformers leaves it out then
             combined = mask & packed
             mask = torch.where(combined.any(-1, keepdim=True), combined, mask)  # never empty a row it left open
-    elif cu_q is not None:
-        pass  # `causal` now means: causal within each packed sequence
-    elif causal and q_len > 1:
-        if packed is not None:
-            mask, causal, sliding_window = packed, False, None  # causal within each packed sequence
-        if kv_len > q_len:  # top-left causal: keys past the last query row are never seen (an empty static cache)
-            key, value = key[:, :, :q_len], value[:, :, :q_len]
-    else:
-        causal = False  # a single query sees every key; is_causal=False sees everything
-    return key, value, mask, causal, sliding_window
+        return key, value, mask, False, None
+    if keys < kv_len:  # an empty static cache's slots, never seen
+        key, value = key[:, :, :keys], value[:, :, :keys]
+    if square and packed is not None:  # causal within each packed sequence
+        return key, value, packed[..., :keys], False, None
+    return key, value, None, square, sliding_window
 
 
 def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, want_max, sink):

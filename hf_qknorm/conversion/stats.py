@@ -31,7 +31,7 @@ class LayerStats:
     q_rms: list[float]
     k_rms: list[float]
     v_rms: list[float]
-    max_logit_original: float  # largest |scaling * q.k| over causal pairs, original model
+    max_logit_original: float  # largest scaling * q.k over causal pairs (0 at least), original model
     max_logit_converted: float | None = None  # the same in the converted model (before any cap)
     # relative squared error of the converted attention layer's output against the original's on the calibration
     # text (the layer-wise objective), with the closed-form init and with the calibrated init
@@ -231,13 +231,10 @@ def _heads(attn, family: Family, hidden: torch.Tensor):
 
 
 def max_logit(q: torch.Tensor, k: torch.Tensor, scaling: float) -> float:
-    """Largest ``|scaling * q.k|`` over causal pairs; ``q`` ``(b, h, s, d)``, ``k`` ``(b, kv_heads, s, d)``."""
-    q, k = q.float(), k.float()
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling).abs_()
-    t = s.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=s.device).tril_()
-    return s.masked_fill_(~causal, 0.0).amax().item()
+    """Largest pre-cap logit ``scaling * q.k`` over causal pairs, signed as the converted model's and the telemetry's
+    (:func:`~hf_qknorm.modeling.telemetry.head_max_logits`: the backend's mask rule and tiles); ``q`` ``(b, h, s,
+    d)``, ``k`` ``(b, kv_heads, s, d)``."""
+    return float(head_max_logits(q.float(), k.float(), None, scaling=scaling, causal=True).max())
 
 
 class ActivationRecorder:

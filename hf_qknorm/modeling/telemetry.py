@@ -27,19 +27,20 @@ import torch
 from torch import nn
 
 from ..attention.chunked import max_logits
+from ..attention.tiles import TILE_ELEMENTS
 from ..portable.layout import attention_sites, rotary_function
-from ..portable.masks import bool_mask
+from ..portable.masks import resolve_mask
 from ..portable.names import ATTN_IMPLEMENTATION
 
-TILE_ELEMENTS = 1 << 21  # logits per chunk: 8 MiB in float32
 _TAP_IDS = itertools.count()
 
 
-def allowed_mask(mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
-    """Boolean (True = attend) view of an attention mask over ``kv_len`` keys (the backend's rule)."""
-    if mask is not None and mask.shape[-1] > kv_len:  # a mask over cached + new keys, with only the new keys seen
+def _resolve(mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool):
+    """:func:`~hf_qknorm.portable.masks.resolve_mask` for the keys a probe sees: on a backend other than
+    ``"qknorm"`` the hooks see the current call's keys only, while the mask covers cached + new keys."""
+    if mask is not None and mask.shape[-1] > kv_len:
         mask = mask[..., -kv_len:]
-    return bool_mask(mask)
+    return resolve_mask(mask, q_len, kv_len, causal)
 
 
 def per_group(ok: torch.Tensor | None, kv_heads: int, groups: int) -> torch.Tensor | None:
@@ -51,13 +52,6 @@ def per_group(ok: torch.Tensor | None, kv_heads: int, groups: int) -> torch.Tens
     if ok.shape[1] == 1:
         return ok[:, :, None]
     return ok.reshape(ok.shape[0], kv_heads, groups, *ok.shape[-2:])
-
-
-def causal_rows(mask, causal: bool, q_len: int, kv_len: int):
-    """``(causal, kv_len)`` after the backend's rule for a missing mask: top-left causal, so keys past the last
-    query row are never seen (:mod:`hf_qknorm.portable.masks`)."""
-    causal = bool(causal) and mask is None and q_len > 1
-    return causal, (min(kv_len, q_len) if causal else kv_len)
 
 
 def logit_tiles(
@@ -79,8 +73,7 @@ def logit_tiles(
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     groups = heads // kv_heads
-    mask = allowed_mask(attention_mask, kv_len)
-    causal, kv_len = causal_rows(mask, causal, q_len, kv_len)
+    mask, causal, kv_len = _resolve(attention_mask, q_len, kv_len, causal)
     qg = q.reshape(batch, kv_heads, groups, q_len, head_dim)
     kt = k[:, :, :kv_len].to(acc).transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, Tk)
     rows = int(max(1, min(q_len, tile_elements // max(1, batch * heads * kv_len))))
@@ -118,8 +111,7 @@ def head_max_logits(
     ``causal``, top-left as in the backend). Returns ``(heads,)`` in float32 (float64 for float64 inputs); ``-inf``
     for a head with no allowed pair. Computed over cache-sized tiles
     (:func:`hf_qknorm.attention.chunked.max_logits`)."""
-    mask = allowed_mask(attention_mask, k.shape[2])
-    causal, kv_len = causal_rows(mask, causal, q.shape[2], k.shape[2])
+    mask, causal, kv_len = _resolve(attention_mask, q.shape[2], k.shape[2], causal)
     return max_logits(q, k[:, :, :kv_len], scaling=scaling, mask=mask, causal=causal, tile_elements=tile_elements)
 
 

@@ -81,15 +81,30 @@ def implicit_causal(q_len: int, kv_len: int, device=None) -> torch.Tensor:
     return torch.arange(kv_len, device=device)[None, :] <= torch.arange(q_len, device=device)[:, None]
 
 
-def allowed_pairs(mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool, device=None):
-    """Boolean broadcastable ``(.., q_len, kv_len)`` of allowed pairs, or ``None`` when everything is allowed:
-    the given mask as it is, or -- without one -- the implicit causal pattern (``causal`` and ``q_len > 1``)."""
+def resolve_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool):
+    """The rule, as ``(mask, causal, keys)``: which pairs an attention call allows, for every consumer of it (the
+    backend's paths, the telemetry, calibration's statistics).
+
+    - a mask (boolean or additive): complete -- ``(boolean mask, False, kv_len)``;
+    - no mask, ``causal`` and several queries: top-left causal, so keys past the last query row are never seen --
+      ``(None, True, min(kv_len, q_len))``, and over the first ``keys`` keys ``causal`` is the square pattern
+      (equivalently bottom-right aligned);
+    - otherwise everything is allowed -- ``(None, False, kv_len)``."""
     mask = bool_mask(mask)
     if mask is not None:
-        return mask
+        return mask, False, kv_len
     if causal and q_len > 1:
+        return None, True, min(kv_len, q_len)
+    return None, False, kv_len
+
+
+def allowed_pairs(mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool, device=None):
+    """Boolean broadcastable ``(.., q_len, kv_len)`` of allowed pairs (:func:`resolve_mask`), or ``None`` when
+    everything is allowed."""
+    mask, causal, _ = resolve_mask(mask, q_len, kv_len, causal)
+    if causal:
         return implicit_causal(q_len, kv_len, device)[None, None]
-    return None
+    return mask
 
 
 # position_ids tensor (by identity and version) -> whether it restarts: every layer of a forward gets the same tensor,
