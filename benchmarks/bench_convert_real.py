@@ -109,10 +109,12 @@ def _settings(job: dict):
 
 
 def _held_out_blocks(tokenizer, name: str, settings):
-    from hf_qknorm.conversion.converter import _blocks
+    from hf_qknorm.conversion.texts import text_blocks
     from hf_qknorm.data import bundled_text, split_text
 
-    return _blocks(split_text(bundled_text(name), 0.1)[1], tokenizer, settings.block_len, settings.eval_blocks, name)
+    return text_blocks(
+        split_text(bundled_text(name), 0.1)[1], tokenizer, settings.block_len, settings.eval_blocks, name
+    )
 
 
 def _identity_init(model) -> int:

@@ -113,13 +113,13 @@ def run(args, variant, n_calib):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     import hf_qknorm
-    from hf_qknorm.conversion.converter import _blocks
+    from hf_qknorm.conversion.texts import text_blocks
     from hf_qknorm.data import bundled_text, perplexity, split_text
 
     tok = AutoTokenizer.from_pretrained(args.src)
     calib_text, held = split_text(bundled_text("wikitext2"), 0.1)
-    calib = _blocks(calib_text, tok, 256, n_calib, "calibration")
-    evals = _blocks(held, tok, 256, args.eval_blocks, "held-out")
+    calib = text_blocks(calib_text, tok, 256, n_calib, "calibration")
+    evals = text_blocks(held, tok, 256, args.eval_blocks, "held-out")
     original = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.float32).eval()
     eps = model.config.rms_norm_eps
@@ -179,11 +179,11 @@ def sinks(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from hf_qknorm.conversion.converter import _blocks
+    from hf_qknorm.conversion.texts import text_blocks
     from hf_qknorm.data import bundled_text, split_text
 
     tok = AutoTokenizer.from_pretrained(args.src)
-    calib = _blocks(split_text(bundled_text("wikitext2"), 0.1)[0], tok, 256, 16, "calibration")
+    calib = text_blocks(split_text(bundled_text("wikitext2"), 0.1)[0], tok, 256, 16, "calibration")
     model = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.float32).eval().requires_grad_(False)
     eps, xs, pe = model.config.rms_norm_eps, {}, {}
     hooks = [

@@ -25,6 +25,7 @@ __all__ = [
     "read_text",
     "split_text",
     "tokenize_stream",
+    "TextTooShort",
     "tokenize_blocks",
     "perplexity",
 ]
@@ -114,6 +115,14 @@ def tokenize_stream(text: str, tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+class TextTooShort(ValueError):
+    """A text with fewer tokens than one block holds: ``n_tokens`` of the ``n_text`` text tokens a block needs."""
+
+    def __init__(self, n_tokens: int, n_text: int):
+        super().__init__(f"text has {n_tokens} tokens, fewer than one block of {n_text} text tokens; give more text")
+        self.n_tokens, self.n_text = n_tokens, n_text
+
+
 def tokenize_blocks(
     text: str,
     tokenizer,
@@ -122,12 +131,15 @@ def tokenize_blocks(
     add_bos: bool | None = None,
     stride: int | None = None,
     max_blocks: int | None = None,
+    spread: bool = False,
 ) -> torch.Tensor:
     """Tokenize ``text`` into fixed-length blocks: LongTensor ``(n_blocks, block_len)``.
 
     Each block is ``[bos] + block_len - 1`` consecutive text tokens when ``add_bos`` (default: when the tokenizer
     has a BOS token), else ``block_len`` text tokens. Blocks start every ``stride`` text tokens (default: back to
-    back, no overlap); the tail that does not fill a block is dropped. ``max_blocks`` keeps only the first blocks.
+    back, no overlap); the tail that does not fill a block is dropped. ``max_blocks`` keeps only the first blocks, or
+    with ``spread`` (and no ``stride``) ``max_blocks`` blocks spread evenly over the whole text, from its first
+    token to its last (a sample of a corpus rather than its opening).
     Use the blocks both as ``input_ids`` and as ``labels`` (the model shifts them); no padding is involved.
     """
     if add_bos is None:
@@ -137,12 +149,17 @@ def tokenize_blocks(
     n_text = block_len - int(add_bos)
     if n_text < 1:
         raise ValueError(f"block_len={block_len} leaves no room for text tokens")
+    if spread and stride is not None:
+        raise ValueError("give stride or spread=True, not both")
     stride = n_text if stride is None else stride
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
-    stream = tokenize_stream(text, tokenizer)
+    stream = tokenize_stream(text, tokenizer)  # tokenised once: a whole corpus can take seconds
     if len(stream) < n_text:
-        raise ValueError(f"text has {len(stream)} tokens, fewer than one block of {n_text} text tokens; give more text")
+        raise TextTooShort(len(stream), n_text)
+    available = len(stream) // n_text
+    if spread and max_blocks is not None and 1 < max_blocks < available:
+        stride = max(n_text, (len(stream) - n_text) // (max_blocks - 1))
     blocks = stream.unfold(0, n_text, stride)  # (n_blocks, n_text), a view
     if max_blocks is not None:
         blocks = blocks[:max_blocks]

@@ -132,6 +132,22 @@ def test_tokenize_blocks_layout(tokenizer):
     assert overlapping.shape[0] == (len(stream) - 64) // 16 + 1
 
 
+def test_tokenize_blocks_spread_samples_the_whole_text():
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(20)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    text = " ".join(f"w{i}" for i in range(20))  # token ids 1..20
+    # 3 blocks of 4 from 20 tokens: starts 0, 8, 16 (stride (20 - 4) // 2), so the last block ends the text
+    spread = tokenize_blocks(text, tok, 4, max_blocks=3, spread=True)
+    assert spread.tolist() == [[1, 2, 3, 4], [9, 10, 11, 12], [17, 18, 19, 20]]
+    # as many blocks as fit, or one: back to back, as without spread
+    assert tokenize_blocks(text, tok, 4, max_blocks=5, spread=True).tolist()[-1] == [17, 18, 19, 20]
+    assert tokenize_blocks(text, tok, 4, max_blocks=1, spread=True).tolist() == [[1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="not both"):
+        tokenize_blocks(text, tok, 4, max_blocks=3, spread=True, stride=2)
+
+
 def test_tokenize_blocks_without_bos_token_and_errors(tokenizer):
     vocab = {"[UNK]": 0, "to": 1, "be": 2, "or": 3, "not": 4}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))

@@ -277,7 +277,9 @@ def _plan_fold(plan: WeightPlan, weights: SourceWeights, family: Family, layer: 
             plan.shifts[b_key] = bias_shift(weights.read(w_key), bias, family.conv1d)
 
 
-def _transform(key: str, tensor: torch.Tensor, plan: WeightPlan) -> torch.Tensor:
+def transform_tensor(key: str, tensor: torch.Tensor, plan: WeightPlan) -> torch.Tensor:
+    """``tensor`` (the source's ``key``) as the converted checkpoint holds it: the planned gain folded into it and the
+    planned bias shift applied (the ``qkv_norm`` fold of the removed pre-norm); other tensors unchanged."""
     if key in plan.folds:
         tensor = fold_gain(tensor, plan.folds[key], plan.conv1d)
     if key in plan.shifts:
@@ -306,7 +308,7 @@ def write_weights(weights: SourceWeights, plan: WeightPlan, out: Path, progress:
                 tensors[key] = (
                     plan.new[key]
                     if key in plan.new
-                    else _transform(key, check_finite(f.get_tensor(key), key, name), plan)
+                    else transform_tensor(key, check_finite(f.get_tensor(key), key, name), plan)
                 )
         tensors.update({k: v for k, v in plan.new.items() if plan.new_file[k] == name and k not in tensors})
         metadata.setdefault("format", "pt")

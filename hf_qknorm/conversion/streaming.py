@@ -27,7 +27,7 @@ from ..modeling.patch import patch_model
 from ..portable.families import Family
 from ..portable.layout import find_layers
 from ..portable.schemes import QKNormConfig
-from .shards import SourceWeights, WeightPlan, _transform, plan_weights
+from .shards import SourceWeights, WeightPlan, plan_weights, transform_tensor
 
 
 class _Stop(Exception):
@@ -89,7 +89,7 @@ class StreamedCheckpoint:
                     raise ValueError(f"{self.weights.folder}: the checkpoint has no tensor {key!r}")
                 tensor = self.weights.read(key)
                 if transform:
-                    tensor = _transform(key, tensor, self.plan)
+                    tensor = transform_tensor(key, tensor, self.plan)
             _set_tensor(model, name, tensor.to(device=self.device, dtype=torch.float32))
 
     def _names(self, model: nn.Module, prefix: str | None, outer: bool = False) -> list[str]:

@@ -13,8 +13,8 @@ import hf_qknorm
 from hf_qknorm import convert
 from hf_qknorm.conversion import progress as progress_mod
 from hf_qknorm.conversion.calibrate import CalibrationSettings, new_norm_parameters
-from hf_qknorm.conversion.converter import inspect_source
 from hf_qknorm.conversion.layerwise import calibrate_checkpoint
+from hf_qknorm.conversion.source import inspect_source
 from hf_qknorm.conversion.streaming import StreamedCheckpoint
 from hf_qknorm.data import perplexity
 from hf_qknorm.portable.schemes import QKNormConfig
@@ -142,11 +142,11 @@ def test_bundled_model_recovers_without_distillation(tmp_path):
     assert r.ppl_calibrated < r.ppl_least_squares < r.ppl_identity
     from transformers import AutoTokenizer
 
-    from hf_qknorm.conversion.converter import _blocks
+    from hf_qknorm.conversion.texts import text_blocks
     from hf_qknorm.data import split_text
 
     model = AutoModelForCausalLM.from_pretrained(result.path)  # a plain qwen3 folder
-    blocks = _blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), 128, 8, "held")
+    blocks = text_blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), 128, 8, "held")
     assert perplexity(model, blocks, batch_size=4) == pytest.approx(r.ppl_calibrated, rel=1e-5)
 
 
@@ -218,10 +218,10 @@ def test_bf16_source_calibrates_against_the_written_bits(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32)
     from transformers import AutoTokenizer
 
-    from hf_qknorm.conversion.converter import _blocks
+    from hf_qknorm.conversion.texts import text_blocks
     from hf_qknorm.data import split_text
 
-    blocks = _blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), 64, 4, "held")
+    blocks = text_blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), 64, 4, "held")
     # the norm values are rounded to bf16 when written: close, not equal
     assert perplexity(model, blocks, batch_size=4) == pytest.approx(result.report.ppl_calibrated, rel=2e-2)
 

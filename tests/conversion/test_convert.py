@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_qknorm
 from hf_qknorm import QKNormConfig, convert
 from hf_qknorm.conversion.calibrate import CalibrationSettings
-from hf_qknorm.conversion.converter import _blocks
+from hf_qknorm.conversion.texts import text_blocks
 from hf_qknorm.data import bundled_model_dir, split_text
 from tests._support.convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source, tree_hash
 from tests._support.tiny_models import VOCAB, tiny_model
@@ -70,7 +70,7 @@ def test_written_model_is_the_calibrated_model(bundled_result):
     assert hf_qknorm.qknorm_config(model) == result.scheme
     tokenizer = AutoTokenizer.from_pretrained(result.path)
     held = split_text(SHORT_TEXT, 0.1)[1]
-    blocks = _blocks(held, tokenizer, SMALL.block_len, SMALL.eval_blocks, "held-out")
+    blocks = text_blocks(held, tokenizer, SMALL.block_len, SMALL.eval_blocks, "held-out")
     assert hf_qknorm.data.perplexity(model, blocks) == pytest.approx(result.report.ppl_calibrated, rel=1e-5)
 
 
@@ -358,7 +358,7 @@ def test_calibrated_qwen3_export_is_the_calibrated_model(tmp_path):
     )
     assert result.export == "qwen3"
     model = Qwen3ForCausalLM.from_pretrained(result.path)
-    blocks = _blocks(
+    blocks = text_blocks(
         split_text(SHORT_TEXT, 0.1)[1],
         AutoTokenizer.from_pretrained(result.path),
         SMALL.block_len,
@@ -376,8 +376,8 @@ def test_patched_and_converted_models_start_from_the_same_norms(tmp_path, norm):
     included, which once used a different length fallback in conversion)."""
     from types import SimpleNamespace
 
-    from hf_qknorm.conversion.converter import inspect_source
     from hf_qknorm.conversion.layerwise import identity_values
+    from hf_qknorm.conversion.source import inspect_source
     from hf_qknorm.conversion.streaming import StreamedCheckpoint
     from hf_qknorm.portable.families import DEFAULT_TRAINING_LENGTH, get_family
     from hf_qknorm.portable.norms import henry_logit_scale

@@ -14,6 +14,7 @@ import torch
 
 import hf_qknorm
 import hf_qknorm.conversion.converter as converter
+import hf_qknorm.conversion.writing as writing
 from hf_qknorm import QKNormConfig
 from hf_qknorm.conversion.checks import ConversionCheckError, check_report_finite
 from hf_qknorm.modeling import remote
@@ -82,7 +83,7 @@ def test_a_dropped_norm_weight_fails_the_conversion(tmp_path, monkeypatch, layer
     from safetensors.torch import load_file, save_file
 
     save_source(tmp_path / "src", "llama", num_hidden_layers=4)
-    real = converter.write_weights
+    real = writing.write_weights
     key = f"model.layers.{layer}.self_attn.k_norm.weight"
 
     def lossy(weights, plan, out, progress=True):
@@ -92,7 +93,7 @@ def test_a_dropped_norm_weight_fails_the_conversion(tmp_path, monkeypatch, layer
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         return files
 
-    monkeypatch.setattr(converter, "write_weights", lossy)
+    monkeypatch.setattr(writing, "write_weights", lossy)
     dst = tmp_path / "out"
     with pytest.raises(ConversionCheckError, match=f"written weights.*{key} is missing.*nothing was written"):
         hf_qknorm.convert(

@@ -72,7 +72,7 @@ def test_default_conversion_recovers_the_real_model(smollm2, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_qknorm
-    from hf_qknorm.conversion.converter import _blocks
+    from hf_qknorm.conversion.texts import text_blocks
     from hf_qknorm.data import bundled_text, perplexity, split_text
 
     result = hf_qknorm.convert(
@@ -91,7 +91,7 @@ def test_default_conversion_recovers_the_real_model(smollm2, tmp_path):
     assert type(model).__name__ == "Qwen3ForCausalLM"
     tokenizer = AutoTokenizer.from_pretrained(result.path)
     held = split_text(bundled_text("wikitext2"), 0.1)[1]
-    blocks = _blocks(held, tokenizer, 256, 16, "held-out")
+    blocks = text_blocks(held, tokenizer, 256, 16, "held-out")
     assert perplexity(model, blocks, batch_size=4) == pytest.approx(r.ppl_calibrated, rel=1e-4)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():

@@ -1,0 +1,87 @@
+"""What a conversion writes into its staging folder: the weights shard by shard, the config, the side files, the
+answer agreement of the written model, ``qknorm_conversion.json`` and the model card."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..upstream import installed_versions
+from .calibrate import CalibrationSettings
+from .shards import WeightPlan, plan_weights, write_weights
+from .source import Source
+
+__all__ = ["REPORT_FILE", "write_folder"]
+
+REPORT_FILE = "qknorm_conversion.json"
+
+
+def _answer_agreement(source: Source, folder: Path, settings: CalibrationSettings, progress: bool) -> dict:
+    """Answer agreement of the written (not yet renamed) folder with the source (:mod:`.agreement`): loads each whole
+    model in float32 in turn, so it is skipped with ``agreement_tokens=0`` where a model does not fit."""
+    import math
+
+    from .agreement import folder_agreement
+    from .calibrate import calibration_threads
+    from .progress import Stage
+
+    device = settings.resolved_device()
+    n_params = sum(math.prod(shape) for shape in source.weights.shapes.values())
+    with (
+        Stage("answer agreement", 1, "checks", progress) as stage,
+        calibration_threads(n_params, device, settings.threads),
+    ):
+        report = folder_agreement(source.path, folder, new_tokens=settings.agreement_tokens, device=device)
+        stage.update(1, note=f"prefix {100 * report.prefix:.1f}%, top-1 {100 * report.top1:.1f}%")
+    return report.to_dict()
+
+
+def write_folder(
+    tmp: Path,
+    source: Source,
+    cfg,
+    kind,
+    patched_config,
+    new_values,
+    result,
+    progress,
+    model_name: str,
+    settings: CalibrationSettings,
+) -> WeightPlan:
+    from .export import copy_side_files, write_config
+    from .hub import write_model_card
+
+    plan: WeightPlan = plan_weights(
+        source.weights,
+        source.family,
+        cfg,
+        new_values,
+        source.config.get_text_config().num_hidden_layers,
+        carry_native=result.report is None,
+    )
+    write_weights(source.weights, plan, tmp, progress)
+    write_config(tmp, kind, patched_config, source.weights.dtype)
+    copy_side_files(source.path, tmp)
+    if result.report is not None and settings.agreement_tokens > 0:
+        result.report.agreement = _answer_agreement(source, tmp, settings, progress)
+    report = {
+        "source": source.name,
+        "export": kind,
+        "export_note": result.export_note,
+        "scheme": cfg.to_dict(),
+        "calibration": None if result.report is None else result.report.to_dict(),
+        "versions": installed_versions(),
+        "card_model_name": model_name,
+    }
+    (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    write_model_card(
+        tmp,
+        model_name=model_name,
+        source_dir=source.path,
+        base_model=source.name,
+        cfg=cfg,
+        export=kind,
+        report=result.report,
+        export_note=result.export_note,
+    )
+    return plan
