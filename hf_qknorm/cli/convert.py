@@ -1,4 +1,4 @@
-"""``hf-qknorm convert`` and ``hf-qknorm push``: registered with :data:`hf_qknorm.cli.EXTRA_COMMANDS`."""
+"""``hf-qknorm convert`` and ``hf-qknorm push``: listed in :data:`hf_qknorm.cli.main.COMMANDS`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from ..conversion.calibrate import CalibrationSettings
 from ..conversion.hub import HubSettings
 from ..portable.schemes import QKNormConfig
 from .fields import add_fields, from_args, given_fields
-from .main import EXTRA_COMMANDS
 
 _CONVERT_EPILOG = """\
 examples:
@@ -28,7 +27,7 @@ model_type qknorm_<base> and loads with trust_remote_code=True (code shipped in 
 """
 
 
-def _add_convert(sub):
+def add_convert(sub):
     p = sub.add_parser(
         "convert",
         help="convert a pretrained checkpoint (calibrated init, Hub-ready folder)",
@@ -113,7 +112,7 @@ def _add_hub_options(p, convert: bool):
     )
 
 
-def _cmd_convert(args) -> int:
+def run_convert(args) -> int:
     from ..conversion.converter import convert
 
     if args.output is not None and args.dst is not None:
@@ -161,7 +160,7 @@ def _text_file(value):
     return Path(value)
 
 
-def _add_push(sub):
+def add_push(sub):
     p = sub.add_parser(
         "push",
         help="upload a converted folder to the Hugging Face Hub",
@@ -182,7 +181,7 @@ def _add_push(sub):
     return p
 
 
-def _cmd_push(args) -> int:
+def run_push(args) -> int:
     from ..conversion.hub import card_for_repo, card_metadata, check_folder, check_repo_id, push, upload_files
 
     if args.dry_run:
@@ -207,7 +206,3 @@ def _cmd_push(args) -> int:
     url = push(args.dir, args.repo_id, **hub)
     print(f"uploaded {args.dir} to {url}")
     return 0
-
-
-EXTRA_COMMANDS.append(("convert", _add_convert, _cmd_convert))
-EXTRA_COMMANDS.append(("push", _add_push, _cmd_push))

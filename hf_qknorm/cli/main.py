@@ -1,7 +1,7 @@
-"""``hf-qknorm`` command line: ``demo``, ``inspect``, ``info`` (and the subcommands other modules add).
+"""``hf-qknorm`` command line: every subcommand is a row of :data:`COMMANDS`, ``(name, add_parser, run)``.
 
-Each subcommand lives in a function ``_cmd_<name>`` with its parser built in ``_add_<name>``; modules that own a
-feature (conversion, Hub push, benchmarks) register theirs through :data:`EXTRA_COMMANDS`.
+``demo``, ``inspect`` and ``info`` are small and live here; ``verify`` (:mod:`.verify`), ``convert`` and ``push``
+(:mod:`.convert`) in their own modules, which never import this one.
 
 Every subcommand reports a failure as one line on stderr, ``error: ...``, and an exit status
 (:data:`EXIT_CODES`); ``--debug`` (before or after the subcommand) adds the traceback.
@@ -15,10 +15,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from . import convert, verify
 from .errors import EXIT_CODES, OneLineParser, describe
-
-# (name, add_parser(subparsers) -> parser, run(args) -> int). Feature modules append here.
-EXTRA_COMMANDS: list[tuple[str, object, object]] = []
 
 
 def _add_demo(sub):
@@ -119,6 +117,15 @@ def _cmd_info(args) -> int:
     return 0
 
 
+# The subcommands, in the order --help lists them: (name, add_parser(subparsers) -> parser, run(args) -> exit status).
+COMMANDS = (
+    ("demo", _add_demo, _cmd_demo),
+    ("inspect", _add_inspect, _cmd_inspect),
+    ("info", _add_info, _cmd_info),
+    (verify.NAME, verify.add_parser, verify.run),
+    ("convert", convert.add_convert, convert.run_convert),
+    ("push", convert.add_push, convert.run_push),
+)
 _DEBUG_HELP = "on an error, print the traceback as well as the one-line message"
 
 
@@ -134,32 +141,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     runners = {}
-    from ..verification import command as verify_command
-
-    for name, add, run in [
-        ("demo", _add_demo, _cmd_demo),
-        ("inspect", _add_inspect, _cmd_inspect),
-        ("info", _add_info, _cmd_info),
-        (verify_command.NAME, verify_command.add_parser, verify_command.run),
-        *_extra_commands(),
-    ]:
+    for name, add, run in COMMANDS:
         p = add(sub)
-        if p is not None:  # also after the subcommand; SUPPRESS keeps the global flag when it is not given here
-            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+        # also after the subcommand; SUPPRESS keeps the global flag when it is not given here
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
         runners[name] = run
     return parser, runners
-
-
-def _extra_commands():
-    import importlib
-
-    for module in ("hf_qknorm.cli.convert",):  # feature modules that add subcommands
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-    return EXTRA_COMMANDS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,8 @@
 The probes (:mod:`.probe`) run the model through its live attention backend and its generation cache and record
 what every attention layer saw and returned; the checks (:mod:`.checks`) recompute each layer from its weights with
 the float64 formula reference (:mod:`hf_qknorm.reference`) and say whether the cap, the norms and the mask are
-applied. ``hf-qknorm verify DIR [--no-plugin]`` (:mod:`.command`; also ``python -m hf_qknorm.verification``) does the
-same for a saved folder, optionally
-loaded the way a user without the plugin would load it.
+applied. ``hf-qknorm verify DIR [--no-plugin]`` (:mod:`hf_qknorm.cli.verify`) does the same for a saved folder,
+optionally loaded the way a user without the plugin would load it.
 """
 
 from __future__ import annotations

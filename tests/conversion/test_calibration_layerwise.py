@@ -193,10 +193,10 @@ def test_cli_defaults_are_the_library_defaults():
     own)."""
     import argparse
 
-    from hf_qknorm.cli.convert import _add_convert
+    from hf_qknorm.cli.convert import add_convert
     from hf_qknorm.cli.fields import from_args
 
-    parser = _add_convert(argparse.ArgumentParser().add_subparsers())
+    parser = add_convert(argparse.ArgumentParser().add_subparsers())
     assert from_args(CalibrationSettings, parser.parse_args([])) == CalibrationSettings()
     assert from_args(CalibrationSettings, parser.parse_args(["--block-len", "64"])).block_len == 64
 

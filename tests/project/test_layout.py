@@ -124,3 +124,23 @@ def test_package_imports_no_test_tools():
 def test_each_subpackage_imports_alone(sub):
     res = subprocess.run([sys.executable, "-c", f"import hf_qknorm.{sub}"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
+
+
+def test_the_command_line_has_one_table_of_commands():
+    """Every ``hf-qknorm`` subcommand is a row of ``cli/main.py``'s COMMANDS; no module registers one on import (a
+    list appended to from a module that imports ``main`` hid a main <-> convert cycle), and the package has one
+    ``__main__``, the CLI's."""
+    from hf_qknorm.cli.main import COMMANDS, build_parser
+
+    assert [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("__main__.py")] == ["cli/__main__.py"]
+    for path in (PACKAGE / "cli").glob("*.py"):
+        if path.name in ("main.py", "__init__.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.module not in ("main", "hf_qknorm.cli.main", "hf_qknorm.cli"), (path.name, node.module)
+                assert not (node.level == 1 and node.module is None and any(a.name == "main" for a in node.names))
+    names = ["demo", "inspect", "info", "verify", "convert", "push"]
+    assert [row[0] for row in COMMANDS] == names
+    parser, runners = build_parser()
+    assert list(runners) == names and "{" + ",".join(names) + "}" in parser.format_usage()

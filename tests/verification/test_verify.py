@@ -19,9 +19,9 @@ import torch
 
 import hf_qknorm
 from hf_qknorm import QKNormConfig
+from hf_qknorm.cli import main as cli_main
 from hf_qknorm.portable import hooks
 from hf_qknorm.verification import checks, layers, probe
-from hf_qknorm.verification.command import main
 from hf_qknorm.verification.report import Check, VerifyReport
 from tests._support.convert_support import quiet, save_source
 from tests._support.tiny_models import tiny_model
@@ -188,7 +188,7 @@ def test_verify_leaves_the_model_as_it_was():
 
 def test_verify_is_the_function_whatever_was_imported_first():
     """The subpackage is ``hf_qknorm.verification``, so importing it never hides the function ``hf_qknorm.verify``."""
-    import hf_qknorm.verification.command  # noqa: F401
+    import hf_qknorm.cli.verify  # noqa: F401
 
     assert callable(hf_qknorm.verify) and hf_qknorm.verify(tiny_model("llama"), generate=False).ok
 
@@ -458,14 +458,14 @@ def _reports(text: str) -> list[str]:
 
 def test_command_with_the_plugin(tmp_path, capsys):
     _patched("qwen2", "qkv_norm", "rmsnorm").save_pretrained(tmp_path / "ok")
-    assert main([str(tmp_path / "ok")]) == 0
+    assert cli_main(["verify", str(tmp_path / "ok")]) == 0
     out = capsys.readouterr().out
     assert "loaded with hf_qknorm" in out and out.rstrip().endswith("OK") and "prenorm removed" in out
-    assert main([str(tmp_path / "missing")]) == 2
+    assert cli_main(["verify", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {tmp_path / 'missing'}: folder not found"]
     (tmp_path / "empty").mkdir()
-    assert main([str(tmp_path / "empty")]) == 2
+    assert cli_main(["verify", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no config.json" in err[0]
 
@@ -503,7 +503,7 @@ def test_command_without_the_plugin(tmp_path, capsys):
     assert result.export == "qwen3"
 
     folders = ("capped", "edited", "qwen3", "bf16", "bf16-edited")
-    status = main([str(tmp_path / name) for name in folders] + ["--no-plugin"])
+    status = cli_main(["verify"] + [str(tmp_path / name) for name in folders] + ["--no-plugin"])
     capped, edited_report, qwen3, bf16, bf16_edited = _reports(capsys.readouterr().out)
     assert status == 1
     assert "QKNormLlamaForCausalLM" in capped and "trust_remote_code=True" in capped
@@ -540,8 +540,7 @@ def test_command_fails_a_folder_whose_weights_were_edited(tmp_path, capsys, no_p
     hf_qknorm.convert(
         tmp_path / "src",
         tmp_path / "qwen3",
-        scheme="qk_norm",
-        norm="rmsnorm",
+        QKNormConfig("qk_norm", norm="rmsnorm"),
         calibrate=False,
         progress=False,
         log=quiet,
@@ -552,7 +551,7 @@ def test_command_fails_a_folder_whose_weights_were_edited(tmp_path, capsys, no_p
         tmp_path / "int-gain", lambda sd: {k: v.round().to(torch.int64) if "k_norm" in k else v for k, v in sd.items()}
     )
     folders = ("no-q-norm", "qwen3", "int-gain")
-    status = main([str(tmp_path / f) for f in folders] + (["--no-plugin"] if no_plugin else []))
+    status = cli_main(["verify"] + [str(tmp_path / f) for f in folders] + (["--no-plugin"] if no_plugin else []))
     no_q_norm, qwen3, int_gain = _reports(capsys.readouterr().out)
     assert status == 1
     assert _last_line(no_q_norm).startswith("FAILED: weights: ")
@@ -576,7 +575,7 @@ def test_command_names_a_config_that_disagrees_with_the_weights(tmp_path, capsys
     cfg["hidden_size"] = 128
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     capsys.readouterr()
-    assert main([str(tmp_path / "m")]) == 2
+    assert cli_main(["verify", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "config.json disagrees with the weights" in err[0], err
     assert re.search(r"\S+ is \(\d+(, \d+)*\) in the checkpoint, \(\d+(, \d+)*\) by config\.json", err[0])

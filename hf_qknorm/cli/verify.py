@@ -1,4 +1,4 @@
-"""``hf-qknorm verify DIR [DIR ...] [--no-plugin]`` (also ``python -m hf_qknorm.verification``).
+"""``hf-qknorm verify DIR [DIR ...] [--no-plugin]``: :func:`hf_qknorm.verification.verify_folders` on the command line.
 
 Prints each folder's report (a table of layer, probe, error, tolerance, ok) and exits 0 when every folder verifies,
 1 when one does not (its report says FAILED), 2 on an error that stopped verification (one line on stderr).
@@ -26,11 +26,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "off or a cap, norm or mask is not applied."
         ),
     )
-    fill_parser(p)
-    return p
-
-
-def fill_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", type=Path, metavar="DIR", help="saved model folder(s)")
     p.add_argument(
         "--no-plugin",
@@ -52,7 +47,7 @@ def fill_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _tolerance(text: str) -> float:
     """``--tolerance``: a number strictly between 0 and 1 (:func:`.checks.check_tolerance`), as a usage error."""
-    from .checks import check_tolerance
+    from ..verification.checks import check_tolerance
 
     try:
         return check_tolerance(float(text))
@@ -64,7 +59,7 @@ def _tolerance(text: str) -> float:
 
 def run(args) -> int:
     """Verify every folder of ``args.paths``; print the reports. 0 = all OK, 1 = a report FAILED, 2 = error."""
-    from .api import verify_folders
+    from ..verification.api import verify_folders
 
     if args.device.startswith("cuda"):
         import torch
@@ -87,9 +82,3 @@ def run(args) -> int:
         if not res.report.ok:
             status = max(status, 1)
     return status
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = fill_parser(argparse.ArgumentParser(prog="python -m hf_qknorm.verification", description=HELP))
-    parser.add_argument("--debug", action="store_true", help="print the traceback of a folder that cannot be verified")
-    return run(parser.parse_args(argv))

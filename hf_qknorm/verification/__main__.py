@@ -1,5 +1,0 @@
-import sys
-
-from .command import main
-
-sys.exit(main())
