@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 from ..conversion.calibrate import CalibrationSettings
+from ..conversion.heal import HealSettings
 from ..conversion.hub import HubSettings
 from ..portable.schemes import QKNormConfig
 from .fields import add_fields, from_args, given_fields
@@ -17,6 +18,7 @@ examples:
   hf-qknorm convert                                   # the bundled tiny Llama, qk_norm_cap + layernorm
   hf-qknorm convert path/to/llama out --scheme qk_norm --norm rmsnorm        # written as a plain qwen3 folder
   hf-qknorm convert path/to/llama out --scheme qkv_norm --calibration-text my_corpus.txt
+  hf-qknorm convert path/to/llama out --scheme qk_norm --norm rmsnorm --heal    # distil from the original too
   hf-qknorm convert path/to/llama out --push-to-hub me/llama-qknorm --private
 
 The output folder holds the weights (shard by shard like the source), config.json, the tokenizer and generation
@@ -80,6 +82,17 @@ def add_convert(sub):
         help="keep identity init (weight 1, bias 0); never loads the model, writes shard by shard only",
     )
     add_fields(g, CalibrationSettings)
+    g = p.add_argument_group(
+        "healing (hf_qknorm.conversion.heal.HealSettings; after calibration, streamed like it: each attention "
+        "layer's projections and norms distilled from the original's)"
+    )
+    g.add_argument(
+        "--heal",
+        action="store_true",
+        help="after calibration, fit each attention layer's q/k/v/o projections and new norms to the original "
+        "layer's output (off by default: conversion then is exactly as without it)",
+    )
+    add_fields(g, HealSettings, prefix="heal_")
     g = p.add_argument_group("output")
     g.add_argument(
         "--export",
@@ -126,6 +139,7 @@ def run_convert(args) -> int:
         from_args(QKNormConfig, args),
         from_args(CalibrationSettings, args),
         from_args(HubSettings, args),
+        heal=_heal(args),
         calibration_text=_text_file(args.calibration_text),
         eval_text=_text_file(args.eval_text),
         verify=args.verify,
@@ -147,6 +161,12 @@ def run_convert(args) -> int:
             )
         )
     return 0
+
+
+def _heal(args):
+    """``HealSettings`` when ``--heal`` or any ``--heal-...`` setting was given, else ``None``."""
+    given = given_fields(HealSettings, args, prefix="heal_")
+    return HealSettings(**given) if args.heal or given else None
 
 
 def _text_file(value):

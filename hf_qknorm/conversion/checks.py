@@ -106,6 +106,8 @@ def check_report_finite(report) -> None:
         "KL at the start": report.kl_start,
         "KL at the end": report.kl_end,
     }
+    if report.heal:
+        values.update({f"healed {k}": report.heal[k] for k in ("ppl_after", "top1_after")})
     for s in report.layers:
         values[f"layer {s.layer} max logit (original)"] = s.max_logit_original
         values[f"layer {s.layer} max logit (converted)"] = s.max_logit_converted

@@ -31,6 +31,7 @@ from ..portable.schemes import QKNormConfig
 from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
 from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from .destination import check_destination, default_destination
+from .heal import HealSettings
 from .hub import HubSettings
 from .source import Source, inspect_source
 from .tempdirs import check_writable, staging
@@ -61,6 +62,7 @@ def convert(
     calibration: CalibrationSettings | None = None,
     hub: HubSettings | None = None,
     *,
+    heal: HealSettings | None = None,
     calibrate: bool = True,
     calibration_text=None,
     eval_text=None,
@@ -82,6 +84,9 @@ def convert(
             (:class:`~hf_qknorm.CalibrationSettings`); ``None`` for the defaults.
         hub: where to upload the folder once written (:class:`~hf_qknorm.conversion.hub.HubSettings`); ``None``
             or a ``repo_id`` of ``None`` uploads nothing. The repo id and the token are checked before any work.
+        heal: after calibration, distil the converted model's attention layers from the original's
+            (:mod:`hf_qknorm.conversion.heal`, :class:`~hf_qknorm.conversion.heal.HealSettings`); ``None`` (the
+            default) converts exactly as without it. Needs calibration.
         calibrate: ``False`` keeps identity init and never loads the model (no report).
         calibration_text: text run through the original model to initialise the new norms: a path, a bundled text
             name or the text itself; ``None`` means the bundled Tiny Shakespeare.
@@ -101,6 +106,10 @@ def convert(
     from .export import check_tokenizer_fits, has_tokenizer, resolve_export
 
     cfg, settings, hub = settings_objects(config, calibration, hub)
+    if heal is not None and not isinstance(heal, HealSettings):
+        raise TypeError(f"convert(): heal must be a HealSettings or None, got {type(heal).__name__}")
+    if heal is not None and not calibrate:
+        raise ValueError("healing starts from the calibrated model: drop calibrate=False (--no-calibration) or heal")
     if verify not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode {verify!r}; choose one of {', '.join(VERIFY_MODES)}")
     token = check_request(settings, hub.repo_id, hub.token)  # a bad repo id or no token: fail now, not after hours
@@ -127,7 +136,7 @@ def convert(
         f"{'' if not cfg.norms_qk else ' / ' + cfg.norm} -> {dst} as {kind}"
     )
     if calibrate:
-        patched_config, new_values, report = _calibrated(source, cfg, texts, settings, progress)
+        patched_config, new_values, report = _calibrated(source, cfg, texts, settings, heal, progress)
     else:
         patched_config, new_values, report = *_identity(source, cfg), None
     if report is not None:
@@ -191,7 +200,7 @@ def settings_objects(config, calibration, hub):
     return config, calibration, hub
 
 
-def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings, progress: bool):
+def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings, heal, progress: bool):
     """Layer-by-layer calibration streamed from the source files (:mod:`hf_qknorm.conversion.layerwise`), then the
     optional end-to-end KL polish (``settings.steps > 0``), which loads the whole model."""
     import math
@@ -225,6 +234,14 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
             values = polish(
                 source.path, source.family, cfg, values, calib_blocks, eval_blocks, settings, report, progress
             )
+        if heal is not None:
+            from .heal import heal_checkpoint
+
+            heal_blocks = text_blocks(texts.calibration, tokenizer, block_len, heal.blocks, texts.calibration_label)
+            values, healed = heal_checkpoint(
+                stream, values, heal_blocks, eval_blocks, heal, settings.batch_size, progress
+            )
+            report.heal = healed.to_dict()
     return stream.patched.config, values, report
 
 

@@ -175,7 +175,7 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
         finally:
             h_t.remove()
         for h, call in zip(calib, calls):
-            attn_calls.append(_attention_call(patched, p_attn, h, call))
+            attn_calls.append(attention_call(patched, p_attn, h, call))
     stage.update(0, note=f"layer {i}: statistics")
     layer = recorder.layer_stats()[0]
     closed_form(p_attn, recorder.moments[0], float(o_attn.scaling))
@@ -202,7 +202,7 @@ class _Stop(Exception):
     pass
 
 
-def _attention_call(block, attn, hidden, call: BlockCall) -> BlockCall:
+def attention_call(block, attn, hidden, call: BlockCall) -> BlockCall:
     """The arguments ``block``'s forward hands its attention module for ``hidden`` (the block stops there)."""
     seen = {}
 

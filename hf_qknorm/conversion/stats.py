@@ -62,6 +62,9 @@ class CalibrationReport:
     # answer agreement of the written model with the original (hf_qknorm.conversion.agreement.AgreementReport as a
     # dict); None when not measured
     agreement: dict | None = None
+    # what healing did and measured (hf_qknorm.conversion.heal.HealReport as a dict); None without healing. The
+    # perplexities above are the calibrated model's before healing; the healed model's are in here
+    heal: dict | None = None
 
     @property
     def recovered(self) -> float:
@@ -137,6 +140,20 @@ class CalibrationReport:
             f"next-token top-1 {100 * a['top1']:.1f}%"
         ]
 
+    def heal_lines(self) -> list[str]:
+        """The healing line (none without healing)."""
+        h = self.heal
+        if not h:
+            return []
+        return [
+            f"healed: {h['steps_per_layer']} steps per layer ({h['tokens_per_layer']:,} tokens each, from "
+            f"{h['text_tokens']:,} tokens of text), {h['seconds']:.0f} s; held-out perplexity "
+            f"{h['ppl_before']:.3f} -> {h['ppl_after']:.3f} (original {h['ppl_original']:.3f}, "
+            f"{h['ppl_after'] / h['ppl_original']:.3f}x), next-token top-1 agreement "
+            f"{100 * h['top1_before']:.1f}% -> {100 * h['top1_after']:.1f}%; {h['layers_kept']}/"
+            f"{len(h['layer_errors'])} layers kept the healed weights"
+        ]
+
     def summary(self) -> str:
         """The report printed by ``hf-qknorm convert``."""
         out = [
@@ -145,6 +162,7 @@ class CalibrationReport:
             f"{self.steps} distillation steps, {self.seconds:.0f} s):",
             self.perplexity_table(),
             self.verdict(),
+            *self.heal_lines(),
             *self.agreement_lines(),
             "",
             "per-layer statistics on the calibration text (per-head RMS before RoPE, averaged over heads; output "

@@ -70,6 +70,7 @@ def write_folder(
         "export_note": result.export_note,
         "scheme": cfg.to_dict(),
         "calibration": None if result.report is None else result.report.to_dict(),
+        "heal": None if result.report is None else result.report.heal,
         "versions": installed_versions(),
         "card_model_name": model_name,
     }

@@ -1,0 +1,249 @@
+"""Healing: after calibration, the converted model's attention layers are distilled from the original's.
+
+A norm gain cannot give back what a norm erases (each token's query and key length; for ``qkv_norm`` each value's),
+so a calibrated conversion still differs from the original (docs/conversion.md). Healing trains more than the gains:
+each converted attention layer's q/k/v/o projections and its new norms are fitted by Adam to the original
+attention layer's output on the original model's own inputs (layer-wise attention transfer, as LoLCATs' first
+stage trains new attention to match the old one's outputs). Like calibration it streams the checkpoint
+(:class:`hf_qknorm.conversion.streaming.StreamedCheckpoint`): one decoder block of the original and of the
+converted model in memory at a time, plus the activations of a fixed number of text blocks -- memory is bounded by
+the model and ``HealSettings.blocks``, never by the length of the text. The source is only read.
+
+The result is the requested architecture: only existing tensors change value (and the new norms), so a ``qk_norm``
+/ ``rmsnorm`` Llama is still exactly a Qwen3 model. Per layer the healed weights are kept only if they lower the
+layer's output error on the heal text; the held-out streams (original, calibrated, healed) are moved one block on
+beside the fit, so the report gives held-out perplexity and next-token top-1 agreement before and after at no
+extra pass. The progress line shows tokens/s and the agreement so far: the share of held-out positions where the
+original and the healed model's hidden states after the current layer, read through the final norm and the
+output head (a logit lens), pick the same token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+from .layerwise import attention_call
+from .localfit import attention_output
+from .progress import Stage
+from .streaming import StreamedCheckpoint, run_block
+
+__all__ = ["HealReport", "HealSettings", "heal_checkpoint"]
+
+
+@dataclass(frozen=True)
+class HealSettings:
+    """How much healing :func:`~hf_qknorm.convert` does after calibration (``heal=HealSettings()``,
+    ``hf-qknorm convert --heal``). The defaults heal SmolLM2-135M (30 layers) in about ten minutes on one CPU
+    thread."""
+
+    # metadata["help"]: the command line's help for each field (`hf-qknorm convert --heal-...`)
+    tokens: int = field(
+        default=204_800,
+        metadata={
+            "help": "training tokens per layer: each layer's attention takes tokens // block_len Adam steps of "
+            "one block each (implies --heal)"
+        },
+    )
+    blocks: int = field(
+        default=32,
+        metadata={
+            "help": "distinct blocks of calibration text the steps draw from, held as activations (memory: "
+            "blocks x block_len x hidden size, twice) (implies --heal)"
+        },
+    )
+    lr: float = field(
+        default=2e-4,
+        metadata={"help": "Adam step size of the projections and norms, cosine-decayed to 0 (implies --heal)"},
+    )
+    seed: int = field(default=0, metadata={"help": "random seed of the order of the blocks (implies --heal)"})
+
+    def __post_init__(self):
+        for name in ("tokens", "blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"heal {name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"heal lr must be a positive finite number, got {self.lr!r}")
+
+    def steps(self, block_len: int) -> int:
+        return max(1, self.tokens // block_len)
+
+
+@dataclass
+class HealReport:
+    """What healing did and measured (held-out text; top-1: the share of held-out positions where the converted
+    model's most likely next token is the original's)."""
+
+    settings: dict
+    steps_per_layer: int
+    tokens_per_layer: int
+    text_tokens: int  # distinct tokens of heal text (blocks x block_len)
+    seconds: float
+    ppl_original: float
+    ppl_before: float
+    ppl_after: float
+    top1_before: float
+    top1_after: float
+    layers_kept: int
+    layer_errors: list = field(default_factory=list)  # per layer: [error before, error after] (relative MSE)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _attention_parameters(attn) -> dict:
+    """Every parameter of the converted attention module (projections and new norms), by name relative to it."""
+    return dict(attn.named_parameters())
+
+
+def _fit(attn, calls, targets, steps: int, lr: float, seed: int, tick) -> tuple[float, float, dict | None]:
+    """Adam on every parameter of ``attn`` towards ``targets``; returns (error before, error after, the new
+    parameters or ``None`` when the fit did not lower the error)."""
+    params = _attention_parameters(attn)
+    denom = max(sum(t.float().pow(2).sum().item() for t in targets) / max(1, sum(t.numel() for t in targets)), 1e-30)
+
+    @torch.no_grad()
+    def error() -> float:
+        total = sum((attention_output(attn, c) - t).float().pow(2).sum().item() for c, t in zip(calls, targets))
+        return total / sum(t.numel() for t in targets) / denom
+
+    before = error()
+    start = {k: p.detach().clone() for k, p in params.items()}
+    for p in params.values():
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(list(params.values()), lr=lr, betas=(0.9, 0.99))
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+            j = int(torch.randint(0, len(calls), (1,), generator=gen))
+            loss = (attention_output(attn, calls[j]) - targets[j]).float().pow(2).mean() / denom
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            tick(step)
+    finally:
+        for p in params.values():
+            p.requires_grad_(False)
+    after = error()
+    if not after < before:
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(start[k])
+        return before, before, None
+    return before, after, {k: p.detach().float().cpu().clone() for k, p in params.items()}
+
+
+def heal_checkpoint(
+    stream: StreamedCheckpoint,
+    values: dict,
+    heal_blocks: torch.Tensor,
+    eval_blocks: torch.Tensor,
+    settings: HealSettings,
+    batch_size: int,
+    progress: bool = True,
+) -> tuple[dict, HealReport]:
+    """Heal every attention layer of ``stream``'s converted model, whose new norms start at ``values``.
+
+    Returns ``(tensors, report)``: the healed tensors by state-dict name (the new norms and the projections that
+    changed; float32 on the CPU) and the :class:`HealReport`."""
+    t0 = time.time()
+    with stream.outer():  # embeddings, final norm and head stay for the logit lens and the scores
+        return _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0)
+
+
+def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0):
+    family = stream.family
+    block_len = heal_blocks.shape[1]
+    steps = settings.steps(block_len)
+    inputs, calls = stream.block_inputs(heal_blocks, 1)
+    held, eval_calls = stream.block_inputs(eval_blocks, batch_size)
+    streams = {name: [h.clone() for h in held] for name in ("original", "before", "after")}
+    out, errors, kept = dict(values), [], 0
+    n_tokens = stream.num_layers * steps * block_len
+    with Stage("healing layer by layer", n_tokens, "tok", progress) as stage:
+        for i in range(stream.num_layers):
+            prefix = f"{stream.prefix}{i}."
+            orig, patched = stream.block(i, {k: v for k, v in values.items() if k.startswith(prefix)})
+            o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
+            targets, attn_calls, nxt = [], [], []
+            hook = o_attn.register_forward_hook(
+                lambda m, a, o, targets=targets: targets.append((o[0] if isinstance(o, tuple) else o).detach())
+            )
+            with torch.no_grad():
+                try:
+                    for h, call in zip(inputs, calls[i]):
+                        nxt.append(run_block(orig, h, call))
+                finally:
+                    hook.remove()
+                attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(inputs, calls[i])]
+                streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], eval_calls[i])]
+                streams["before"] = [run_block(patched, h, c) for h, c in zip(streams["before"], eval_calls[i])]
+
+            def tick(step, i=i):
+                stage.update(block_len)
+                if (step + 1) % max(1, steps // 4) == 0:
+                    stage.update(0, note=f"layer {i}: step {step + 1}/{steps}")
+
+            before, after, new = _fit(p_attn, attn_calls, targets, steps, settings.lr, settings.seed + i, tick)
+            errors.append([before, after])
+            if new is not None:
+                kept += 1
+                attn_prefix = f"{prefix}{family.attention}."
+                out.update({attn_prefix + k: v for k, v in new.items()})
+            with torch.no_grad():
+                streams["after"] = [run_block(patched, h, c) for h, c in zip(streams["after"], eval_calls[i])]
+                lens = _agreement(stream, streams["original"][0], streams["after"][0])
+            stage.update(0, note=f"layer {i}: output error {before:.4f} -> {after:.4f}, agreement {100 * lens:.1f}%")
+            inputs = nxt
+            stream.release(i)
+    scores = {k: _score(stream, v, streams["original"], eval_blocks, batch_size) for k, v in streams.items()}
+    report = HealReport(
+        settings=asdict(settings),
+        steps_per_layer=steps,
+        tokens_per_layer=steps * block_len,
+        text_tokens=heal_blocks.numel(),
+        seconds=time.time() - t0,
+        ppl_original=scores["original"][0],
+        ppl_before=scores["before"][0],
+        ppl_after=scores["after"][0],
+        top1_before=scores["before"][1],
+        top1_after=scores["after"][1],
+        layers_kept=kept,
+        layer_errors=errors,
+    )
+    return out, report
+
+
+@torch.no_grad()
+def _logits(stream, h: torch.Tensor) -> torch.Tensor:
+    return stream.original.get_output_embeddings()(stream.final_hidden(h)).float()
+
+
+@torch.no_grad()
+def _agreement(stream, original: torch.Tensor, converted: torch.Tensor) -> float:
+    """Logit-lens top-1 agreement of one held-out batch (the first block of it: a cheap heartbeat)."""
+    a = _logits(stream, original[:1]).argmax(-1)
+    b = _logits(stream, converted[:1]).argmax(-1)
+    return (a == b).float().mean().item()
+
+
+@torch.no_grad()
+def _score(stream, hidden, original, blocks: torch.Tensor, batch_size: int) -> tuple[float, float]:
+    """Perplexity and next-token top-1 agreement with ``original`` (the layout of
+    :func:`hf_qknorm.data.perplexity`: every position but the last predicts the next)."""
+    nll, count, same = 0.0, 0, 0
+    for j, (h, o) in enumerate(zip(hidden, original)):
+        ids = blocks[j * batch_size : (j + 1) * batch_size].to(h.device)
+        for row in range(len(ids)):  # one block at a time: the logits of a large vocabulary dominate memory
+            logits = _logits(stream, h[row : row + 1])[0, :-1]
+            nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
+            same += (logits.argmax(-1) == _logits(stream, o[row : row + 1])[0, :-1].argmax(-1)).sum().item()
+            count += ids.shape[1] - 1
+    return math.exp(nll / count), same / count
