@@ -44,6 +44,7 @@ _LAZY = {
     "convert": "conversion.converter",
     "ConversionResult": "conversion.converter",
     "CalibrationSettings": "conversion.calibrate",
+    "HealSettings": "conversion.heal",
     "HubSettings": "conversion.hub",
     "CalibrationReport": "conversion.stats",
     "QKMonitor": "training.monitor",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 from torch.nn import functional as F
@@ -61,12 +62,22 @@ class HealSettings:
         metadata={"help": "Adam step size of the projections and norms, cosine-decayed to 0 (implies --heal)"},
     )
     seed: int = field(default=0, metadata={"help": "random seed of the order of the blocks (implies --heal)"})
+    inputs: Literal["original", "converted"] = field(
+        default="original",
+        metadata={
+            "help": "what each layer is fitted on: original = the original model's activations, matching the "
+            "original attention output; converted = the healed model's own activations, matching the original "
+            "residual stream after attention (corrects the error earlier layers left) (implies --heal)"
+        },
+    )
 
     def __post_init__(self):
         for name in ("tokens", "blocks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"heal {name} must be an integer >= 1, got {value!r}")
+        if self.inputs not in ("original", "converted"):
+            raise ValueError(f"heal inputs must be 'original' or 'converted', got {self.inputs!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"heal lr must be a positive finite number, got {self.lr!r}")
 
@@ -163,6 +174,7 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
     block_len = heal_blocks.shape[1]
     steps = settings.steps(block_len)
     inputs, calls = stream.block_inputs(heal_blocks, 1)
+    own = [h.clone() for h in inputs] if settings.inputs == "converted" else None  # the healed model's stream
     held, eval_calls = stream.block_inputs(eval_blocks, batch_size)
     streams = {name: [h.clone() for h in held] for name in ("original", "before", "after")}
     out, errors, kept = dict(values), [], 0
@@ -182,7 +194,10 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
                         nxt.append(run_block(orig, h, call))
                 finally:
                     hook.remove()
-                attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(inputs, calls[i])]
+                fit_inputs = inputs if own is None else own
+                attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(fit_inputs, calls[i])]
+                if own is not None:  # reach the original residual stream after attention: x' + a' = x + a
+                    targets = [t + (x - y) for t, x, y in zip(targets, inputs, own)]
                 streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], eval_calls[i])]
                 streams["before"] = [run_block(patched, h, c) for h, c in zip(streams["before"], eval_calls[i])]
 
@@ -201,6 +216,9 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
                 streams["after"] = [run_block(patched, h, c) for h, c in zip(streams["after"], eval_calls[i])]
                 lens = _agreement(stream, streams["original"][0], streams["after"][0])
             stage.update(0, note=f"layer {i}: output error {before:.4f} -> {after:.4f}, agreement {100 * lens:.1f}%")
+            if own is not None:
+                with torch.no_grad():
+                    own = [run_block(patched, h, c) for h, c in zip(own, calls[i])]
             inputs = nxt
             stream.release(i)
     scores = {k: _score(stream, v, streams["original"], eval_blocks, batch_size) for k, v in streams.items()}

@@ -65,7 +65,7 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         assert torch.equal(old[key], new[key])
     # recorded in qknorm_conversion.json and the model card
     record = json.loads((result.path / "qknorm_conversion.json").read_text())
-    assert record["heal"]["settings"] == {"tokens": 1920, "blocks": 8, "lr": 1e-3, "seed": 0}
+    assert record["heal"]["settings"] == {"tokens": 1920, "blocks": 8, "lr": 1e-3, "seed": 0, "inputs": "original"}
     assert record["heal"]["ppl_after"] == h["ppl_after"] and record["heal"]["seconds"] > 0
     card = (result.path / "README.md").read_text()
     assert "Healed:" in card and f"{h['ppl_after']:.3f}" in card
@@ -82,13 +82,16 @@ def test_without_heal_conversion_is_as_before(tmp_path):
     assert all(torch.equal(old[k], new[k]) for k in old)  # only norms are added; nothing else changes
 
 
-def test_healed_qkv_norm_writes_what_it_measured(tmp_path):
+@pytest.mark.parametrize("inputs", ["original", "converted"])
+def test_healed_qkv_norm_writes_what_it_measured(tmp_path, inputs):
     """qkv_norm folds the removed pre-norm into the projections: the healed projections are written as trained
-    (not folded a second time), so the loaded folder computes the report's perplexity."""
+    (not folded a second time), so the loaded folder computes the report's perplexity -- fitted on the original's
+    activations or on the healed model's own."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = bundled_copy(tmp_path / "src")
-    result = _convert(src, tmp_path / "out", scheme="qkv_norm", norm="layernorm")
+    heal = HealSettings(tokens=64 * 30, blocks=8, lr=1e-3, inputs=inputs)
+    result = _convert(src, tmp_path / "out", scheme="qkv_norm", norm="layernorm", heal=heal)
     model = AutoModelForCausalLM.from_pretrained(result.path).eval()
     blocks = text_blocks(
         split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(src), 64, FAST.eval_blocks, "held-out"
@@ -102,6 +105,7 @@ def test_healed_qkv_norm_writes_what_it_measured(tmp_path):
         ({"tokens": 0}, "heal tokens must be an integer >= 1, got 0"),
         ({"blocks": -2}, "heal blocks must be an integer >= 1, got -2"),
         ({"lr": float("nan")}, "heal lr must be a positive finite number, got nan"),
+        ({"inputs": "teacher"}, "heal inputs must be 'original' or 'converted', got 'teacher'"),
     ],
 )
 def test_bad_heal_settings_are_refused(settings, message):
@@ -115,6 +119,7 @@ def test_bad_heal_settings_are_refused(settings, message):
         (["--heal-tokens", "0"], "error: heal tokens must be an integer >= 1, got 0"),
         (["--heal-tokens", "lots"], "--heal-tokens: invalid int value: 'lots'"),
         (["--heal", "--no-calibration"], "error: healing starts from the calibrated model"),
+        (["--heal-inputs", "mine"], "error: heal inputs must be 'original' or 'converted', got 'mine'"),
     ],
 )
 def test_command_line_refuses_bad_heal_input_in_one_line(tmp_path, capsys, argv, message):
