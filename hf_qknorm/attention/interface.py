@@ -29,9 +29,17 @@ import torch
 from torch.nn import functional as F
 
 from ..portable.eager import capped_eager_attention, check_sink, effective_softcap
-from ..portable.masks import bool_mask, check_attention_args, implicit_causal, packed_sequence_mask, resolve_mask
+from ..portable.masks import (
+    bool_mask,
+    check_mask,
+    check_scalars,
+    implicit_causal,
+    packed_sequence_mask,
+    resolve_mask,
+)
 from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import check_softcap
+from . import lean
 from .chunked import chunked_attention, max_logits
 from .dispatch import KernelFallbackError, fallback_message, route
 from .tiles import chunk_allowed
@@ -148,11 +156,17 @@ def qknorm_attention_forward(
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    check_attention_args(query, key, attention_mask, scaling, dropout, sliding_window)
-    softcap = effective_softcap(module, softcap)  # the scheme's cap, else the one the model passed
-    if softcap is not None:
-        softcap = check_softcap(softcap)
-    probes = tuple(getattr(module, "_qknorm_probes", {}).values())  # hf_qknorm.modeling.telemetry.LogitTap
+    softcap = _checked_args(module, scaling, dropout, softcap, sliding_window)
+    check_mask(query, key, attention_mask)
+    # hf_qknorm.modeling.telemetry.LogitTap; under torch.compile through getattr, which Dynamo guards on
+    compiling = torch.compiler.is_compiling()
+    probes = getattr(module, "_qknorm_probes", None) if compiling else module.__dict__.get("_qknorm_probes")
+    if not probes:
+        args = (attention_mask, scaling, dropout, softcap, sliding_window, is_causal, kwargs)
+        out = _lean(module, query, key, value, *args)
+        if out is not None:
+            return out, None
+    probes = tuple(probes.values()) if probes else ()
     want_max = bool(probes) and any(_wants_max(probe, module) for probe in probes)
     out, weights, top = _attention(
         module,
@@ -171,6 +185,64 @@ def qknorm_attention_forward(
     for probe in probes:
         probe(module, query, key, attention_mask=attention_mask, scaling=scaling, softcap=softcap, max_logits=top)
     return out, weights
+
+
+def _checked_args(module, scaling, dropout, softcap, sliding_window) -> float | None:
+    """The call's per-module arguments validated (:func:`~hf_qknorm.portable.masks.check_scalars`,
+    :func:`~hf_qknorm.portable.schemes.check_softcap`) and the cap in force (:func:`effective_softcap`). They are the
+    same at every call of a module, so a module remembers the last set it validated and its cap: the checks run
+    once per module, not once per layer per token (under ``torch.compile``, once per trace)."""
+    compiling = torch.compiler.is_compiling()  # then the checks run at trace time, once per graph
+    if not compiling:
+        args = (scaling, dropout, softcap, sliding_window, module.__dict__.get("_qknorm_softcap"))
+        seen = module.__dict__.get("_qknorm_checked")
+        if seen is not None and seen[0] == args:
+            return seen[1]
+    check_scalars(scaling, dropout, sliding_window)
+    cap = effective_softcap(module, softcap)  # the scheme's cap, else the one the model passed
+    if cap is not None:
+        cap = check_softcap(cap)
+    if not compiling and all(isinstance(a, (int, float, type(None))) for a in args):
+        module.__dict__["_qknorm_checked"] = (args, cap)
+    return cap
+
+
+def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window, is_causal, kwargs):
+    """The call through the lean path (:mod:`.lean`; sdpa without a cap or sink), or ``None`` when it is not the
+    lean path's: it needs few queries whose logits fit one tile, no gradient, no dropout, no attention weights, no
+    packed ``cu_seq_lens``, and a call the kernels do not take."""
+    batch, heads, q_len = query.shape[:3]
+    if not lean.fits(batch, heads, key.shape[1], q_len, key.shape[2]):
+        return None
+    sink = kwargs.get("s_aux")
+    if torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad or (sink is not None and sink.requires_grad)
+    ):
+        return None
+    if (dropout and module.training) or kwargs.get("cu_seq_lens_q") is not None or weights_requested(module, kwargs):
+        return None
+    sink = check_sink(sink, heads)
+    use, refusal = route(query.device.type, query.dtype, 0.0, False, sink is not None)
+    if use or refusal is not None:
+        return None
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    key, value, mask, causal, sliding_window = _resolve_mask(
+        query, key, value, attention_mask, causal, sliding_window, kwargs
+    )
+    if softcap is None and sink is None:
+        return _sdpa(module, query, key, value, mask, scaling, 0.0, causal, sliding_window).transpose(1, 2).contiguous()
+    out = lean.lean_attention(
+        query,
+        key,
+        value,
+        scaling=scaling,
+        softcap=softcap,
+        mask=mask,
+        causal=causal,
+        sliding_window=sliding_window,
+        sink=sink,
+    )
+    return out.contiguous()
 
 
 def _wants_max(probe, module) -> bool:

@@ -19,7 +19,7 @@ def effective_softcap(module, softcap: float | None) -> float | None:
     """The cap rule, in one place: a patched module's scheme cap (``module._qknorm_softcap``, set by patching)
     overrides the ``softcap`` the model's own forward passes (Gemma 2 passes ``config.attn_logit_softcapping``);
     a module without a scheme cap gets the ``softcap`` it passed, exactly (an unpatched Gemma 2 keeps its cap)."""
-    scheme = module.__dict__.get("_qknorm_softcap")
+    scheme = getattr(module, "_qknorm_softcap", None)  # getattr: Dynamo guards on it under torch.compile
     return softcap if scheme is None else scheme
 
 

@@ -19,10 +19,16 @@ import torch
 
 
 def check_attention_args(query, key, mask, scaling, dropout, sliding_window) -> None:
-    """Refuse, naming the value, what an attention function could only compute wrongly: a mask that is not
-    ``(batch|1, 1|heads, q_len|1, kv_len)`` for these ``query``/``key`` (sdpa refuses one too; a longer or other-
-    batch mask was silently sliced or broadcast), or of an integer dtype; a scaling that is not finite (every
-    logit NaN); a dropout outside ``[0, 1)``; a sliding window below 1 (no key at all)."""
+    """Refuse, naming the value, what an attention function could only compute wrongly: a mask that does not fit
+    (:func:`check_mask`); a scaling that is not finite (every logit NaN); a dropout outside ``[0, 1)``; a sliding
+    window below 1 (no key at all)."""
+    check_mask(query, key, mask)
+    check_scalars(scaling, dropout, sliding_window)
+
+
+def check_mask(query, key, mask) -> None:
+    """Refuse a mask that is not ``(batch|1, 1|heads, q_len|1, kv_len)`` for these ``query``/``key`` (sdpa refuses
+    one too; a longer or other-batch mask was silently sliced or broadcast), or of an integer dtype."""
     if mask is not None:
         batch, heads, q_len, kv_len = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
         shape = tuple(mask.shape)
@@ -43,6 +49,10 @@ def check_attention_args(query, key, mask, scaling, dropout, sliding_window) -> 
                 f"attention mask of dtype {mask.dtype}: expected torch.bool (True = attend) or an "
                 "additive floating-point mask of 0 and -inf"
             )
+
+
+def check_scalars(scaling, dropout, sliding_window) -> None:
+    """Refuse a scaling that is not a finite number, a dropout outside ``[0, 1)``, a sliding window below 1."""
     if (
         not isinstance(scaling, (int, float))
         or isinstance(scaling, bool)

@@ -1,0 +1,80 @@
+"""The lean path: attention of a few query tokens (decoding, speculative verification) when no gradient is needed,
+as plain tensor math.
+
+Decoding spends its time per token outside the arithmetic: for one query against a few hundred keys, the tiled path
+(:mod:`.chunked`) costs an autograd ``Function``, a tile plan, packing copies and a clamp check that synchronises,
+per layer per token -- about half of a tiny model's attention layer. Here the whole call is a handful of tensor ops
+on the ``(batch, kv_heads, groups * q_len, kv_len)`` logits, which are small when the queries are few: one matmul
+with the query heads of a GQA group packed against their shared key head (no ``repeat_kv`` copy), the cap as
+``c * tanh`` in place, the mask, a softmax, one matmul. Nothing synchronises with the host and nothing is
+allocated beyond the logits.
+
+Same semantics as the other paths (:func:`~hf_qknorm.attention.chunked.chunked_attention`): the cap before the mask,
+a row with no allowed key gives zeros, a sink (``s_aux``) joins each row's denominator uncapped; accumulation in
+float32 for half-precision inputs (float64 stays float64).
+
+This module imports nothing but ``torch`` and :mod:`.tiles`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tiles import TILE_ELEMENTS, position_mask
+
+# The lean path takes calls of at most this many (query, head) rows per key head, the decoding entry point's limit
+# (``q_len * heads / kv_heads <= 64``), and whose logits fit one tile of the tiled path.
+MAX_ROWS = 64
+
+
+def fits(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> bool:
+    """Whether a call of these sizes is the lean path's: few queries, logits within one tile."""
+    return q_len * (heads // kv_heads) <= MAX_ROWS and batch * heads * q_len * kv_len <= TILE_ELEMENTS
+
+
+def lean_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None,
+    mask: torch.Tensor | None,
+    causal: bool,
+    sliding_window: int | None,
+    sink: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``softmax(mask(c * tanh(scaling * q k^T / c)) [, sink]) v`` without autograd bookkeeping.
+
+    ``query`` ``(batch, heads, q_len, head_dim)``; ``key``/``value`` ``(batch, kv_heads, kv_len, head_dim)``;
+    ``mask`` boolean ``(batch|1, 1|heads, q_len, kv_len)`` (True = attend) and complete, or ``None`` with ``causal``
+    and ``sliding_window`` bottom-right aligned (:func:`~hf_qknorm.attention.tiles.position_mask`); ``sink``
+    ``(heads,)`` or ``None``. Returns ``(batch, q_len, heads, head_dim)`` in the query's dtype."""
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups, n = heads // kv_heads, batch * key.shape[1]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    # (batch * kv_heads, groups * q_len, head_dim): the heads of a group share one matmul against their key head
+    q = query.reshape(n, groups * q_len, head_dim)
+    k, v = key.reshape(n, kv_len, head_dim), value.reshape(n, kv_len, head_dim)
+    if q.dtype != acc or k.dtype != acc or v.dtype != acc:
+        q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    s = torch.bmm(q * (scaling / softcap if softcap is not None else scaling), k.transpose(1, 2))
+    if softcap is not None:
+        s = s.tanh_().mul_(softcap)
+    if mask is None and (causal or sliding_window is not None):
+        mask = position_mask(0, q_len, 0, kv_len, q_len, kv_len, causal, sliding_window, query.device)
+    if mask is not None:
+        if mask.dim() == 4:  # (batch|1, 1|heads, q_len|1, kv_len) against the logits' (.., kv_heads, groups, ..) view
+            rows, per_head = mask.shape[2], mask.shape[1] == heads and heads > 1
+            mask = mask.view(mask.shape[0], *((kv_heads, groups) if per_head else (1, 1)), rows, kv_len)
+        s.view(batch, kv_heads, groups, q_len, kv_len).masked_fill_(~mask, float("-inf"))
+    if sink is not None:  # one more logit per row, dropped after the softmax
+        column = sink.to(acc).view(1, kv_heads, groups, 1).expand(batch, -1, -1, q_len).reshape(n, groups * q_len, 1)
+        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :kv_len]
+    else:
+        p = torch.softmax(s, dim=-1)
+    if mask is not None:
+        p = p.nan_to_num_(0.0)  # a row with no allowed key: zeros, not NaN
+    out = torch.bmm(p, v).view(batch, heads, q_len, head_dim).transpose(1, 2)
+    return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -1,0 +1,184 @@
+"""The lean decode path (hf_qknorm/attention/lean.py): a few queries, no gradient, plain tensor math.
+
+Its calls are checked against :func:`hf_qknorm.reference.attention_reference` in float64 -- as unit calls (masks,
+windows, GQA, sinks, dtypes, rows with no key) and as the calls real generation makes with every cache kind (the
+inputs each cache hands the attention, recorded during ``generate``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_qknorm
+from hf_qknorm.attention import interface, lean
+from hf_qknorm.reference import allowed_reference, attention_reference
+from tests._support.tiny_models import VOCAB, tiny_model
+
+
+def _reference(q, k, v, *, scaling, softcap, mask, causal, window, sink=None):
+    q, k, v = q.double(), k.double(), v.double()
+    if sink is None:
+        return attention_reference(
+            q, k, v, scaling=scaling, softcap=softcap, causal=causal, mask=mask, sliding_window=window
+        )
+    groups = q.shape[1] // k.shape[1]
+    s = scaling * (q @ k.repeat_interleave(groups, 1).transpose(-1, -2))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    ok = allowed_reference(q.shape[2], k.shape[2], causal=causal, sliding_window=window, mask=mask)
+    s = s.masked_fill(~ok, float("-inf"))
+    column = sink.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s, column], -1), -1)[..., :-1] @ v.repeat_interleave(groups, 1)
+
+
+CASES = [
+    # (batch, heads, kv_heads, q_len, kv_len, mask kind, causal, window)
+    (1, 4, 2, 1, 37, None, False, None),  # decoding, dynamic cache: no mask
+    (3, 4, 4, 1, 20, "batch", False, None),  # padding / a static cache's empty slots
+    (2, 6, 2, 1, 30, None, False, 7),  # a window with no mask
+    (2, 4, 1, 3, 19, "heads", False, None),  # a per-head mask, several queries
+    (2, 4, 2, 5, 5, None, True, None),  # a short prefill: square causal
+    (2, 4, 2, 4, 12, None, True, 5),  # speculative verification: bottom-right causal with a window
+    (2, 4, 2, 2, 9, "empty_row", False, None),  # a row with no allowed key gives zeros
+]
+
+
+def _mask(kind, b, h, q_len, kv_len, g):
+    if kind is None:
+        return None
+    if kind == "batch":
+        m = torch.rand(b, 1, 1, kv_len, generator=g) > 0.3
+        m[..., -1] = True
+        return m.expand(b, 1, q_len, kv_len)
+    if kind == "heads":
+        m = torch.rand(b, h, q_len, kv_len, generator=g) > 0.3
+        m[..., 0] = True
+        return m
+    m = torch.ones(b, 1, q_len, kv_len, dtype=torch.bool)
+    m[0, 0, 1] = False
+    return m
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_lean_attention_float64(case, softcap, with_sink):
+    b, h, hkv, tq, tk, kind, causal, window = case
+    g = torch.Generator().manual_seed(CASES.index(case))
+    q = torch.randn(b, h, tq, 16, generator=g, dtype=torch.float64) * 3
+    k = torch.randn(b, hkv, tk, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, tk, 16, generator=g, dtype=torch.float64)
+    mask = _mask(kind, b, h, tq, tk, g)
+    sink = torch.randn(h, generator=g, dtype=torch.float64) * 2 if with_sink else None
+    got = lean.lean_attention(
+        q, k, v, scaling=0.3, softcap=softcap, mask=mask, causal=causal, sliding_window=window, sink=sink
+    )
+    want = _reference(q, k, v, scaling=0.3, softcap=softcap, mask=mask, causal=causal, window=window, sink=sink)
+    assert got.shape == (b, tq, h, 16)
+    torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-12, atol=1e-12)
+    if kind == "empty_row":
+        assert torch.equal(got[0, 1], torch.zeros_like(got[0, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_lean_attention_low_precision(dtype, softcap):
+    """Half precision accumulates in float32: its error against float64 stays within 2x (3x capped) the error of
+    the same-dtype plain computation (flash-attention's rule), plus a small atol."""
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(2, 4, 1, 32, generator=g) * 3).to(dtype)
+    k = torch.randn(2, 2, 50, 32, generator=g).to(dtype)
+    v = torch.randn(2, 2, 50, 32, generator=g).to(dtype)
+    mask = torch.rand(2, 1, 1, 50, generator=g) > 0.2
+    want = _reference(q, k, v, scaling=0.25, softcap=softcap, mask=mask, causal=False, window=None)
+    got = lean.lean_attention(q, k, v, scaling=0.25, softcap=softcap, mask=mask, causal=False, sliding_window=None)
+    assert got.dtype == dtype
+    plain = attention_reference(q, k, v, scaling=0.25, softcap=softcap, causal=False, mask=mask)
+    base = (plain.double() - want).abs().max().item()
+    err = (got.transpose(1, 2).double() - want).abs().max().item()
+    assert err <= (3 if softcap else 2) * base + 1e-5, (err, base)
+
+
+def test_the_lean_path_is_taken_only_where_it_may():
+    """Decoding without gradient goes lean; a call that needs a gradient, many queries, or attention weights does
+    not."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 10, 8)
+    with torch.no_grad():
+        assert interface._lean(module, q, k, k, None, 0.3, 0.0, 2.0, None, None, {}) is not None
+        assert interface._lean(module, q, k, k, None, 0.3, 0.0, 2.0, None, None, {"output_attentions": True}) is None
+        long_q = torch.randn(1, 4, 40, 8)  # 80 rows per key head
+        assert interface._lean(module, long_q, torch.randn(1, 2, 40, 8), k, None, 0.3, 0.0, 2.0, None, None, {}) is None
+    q.requires_grad_()
+    assert interface._lean(module, q, k, k, None, 0.3, 0.0, 2.0, None, None, {}) is None
+
+
+# ---- the calls real generation makes, every cache kind ----
+
+
+class _Recorder:
+    """Spies on the lean path: records each call it answered, with its inputs and output."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = lean.lean_attention
+
+        def spy(query, key, value, **kw):
+            out = real(query, key, value, **kw)
+            self.calls.append((query.clone(), key.clone(), value.clone(), dict(kw), out.clone()))
+            return out
+
+        monkeypatch.setattr(lean, "lean_attention", spy)
+
+
+def _model(family, scheme, **overrides):
+    model = tiny_model(family, dtype=torch.float64, **overrides)
+    if scheme is not None:
+        hf_qknorm.patch_model(model, scheme, softcap=2.0 if "cap" in scheme else None)
+        with torch.no_grad():
+            for name, prm in model.named_parameters():
+                if "q_proj" in name or "k_proj" in name:
+                    prm.mul_(3)  # logits large enough for the cap to bend them
+    model.set_attn_implementation("qknorm")
+    return model
+
+
+@pytest.mark.parametrize(
+    "family,scheme,cache,padded",
+    [
+        ("llama", "qk_norm_cap", None, False),
+        ("llama", "qk_norm_cap", None, True),
+        ("llama", "soft_cap", "static", True),
+        ("qwen3", "qk_norm_cap", "static", False),
+        ("mistral", "qk_norm_cap", "sliding_window", True),
+        ("mistral", "soft_cap", None, False),
+        ("gpt2", "qk_norm_cap", "static", True),
+    ],
+)
+def test_generation_calls_through_the_lean_path_match_float64(monkeypatch, family, scheme, cache, padded):
+    model = _model(family, scheme)
+    rec = _Recorder(monkeypatch)
+    ids = torch.randint(1, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :6] = 0
+    kwargs = {} if cache is None else {"cache_implementation": cache}
+    model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, **kwargs)
+    decode = [c for c in rec.calls if c[0].shape[2] == 1]
+    assert len(decode) >= 19 * model.config.num_hidden_layers  # every decoding step of every layer went lean
+    for query, key, value, kw, out in decode:
+        want = _reference(
+            query,
+            key,
+            value,
+            scaling=kw["scaling"],
+            softcap=kw["softcap"],
+            mask=kw["mask"],
+            causal=kw["causal"],
+            window=kw["sliding_window"],
+        )
+        assert kw["softcap"] == 2.0
+        torch.testing.assert_close(out.transpose(1, 2), want, rtol=1e-12, atol=1e-12)
+    if cache in ("static", "sliding_window") or padded:
+        assert any(kw["mask"] is not None for *_, kw, _ in decode)  # the masked kinds were exercised
