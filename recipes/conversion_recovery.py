@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 import hf_qknorm
 from hf_qknorm.conversion.calibrate import CalibrationSettings
+from hf_qknorm.conversion.heal import HealSettings
 from hf_qknorm.data import bundled_model_dir, perplexity, read_text, split_text, tokenize_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,8 @@ OUT = ROOT / "docs" / "conversion_recovery"  # the summary table and plot the do
 DATA = ROOT / "benchmarks" / "runs" / "conversion_recovery"  # the run records and results.json (out of docs/)
 WORK = ROOT / "runs" / "conversion_recovery"  # converted checkpoints (not committed)
 SCHEMES = ("soft_cap", "qk_norm", "qk_norm_cap", "qkv_norm")
-INITS = ("identity", "calibrated")
+INITS = ("identity", "calibrated")  # the default arms; "healed" (convert --heal) runs when asked: --inits
+ALL_INITS = (*INITS, "healed")
 TOLERANCE = 0.01  # "back within 1% of the original loss"
 DEFAULT_RUNS = DATA / "runs_lr0.0003"  # the committed runs of the bundled tiny Llama (docs/evidence.md)
 
@@ -64,7 +66,7 @@ DEFAULT_RUNS = DATA / "runs_lr0.0003"  # the committed runs of the bundled tiny 
 @dataclass
 class ArmConfig:
     scheme: str | None = None  # None: the unconverted original (control)
-    init: str | None = None  # "identity" or "calibrated"; None for the control and soft_cap (no new weights)
+    init: str | None = None  # "identity", "calibrated" or "healed"; None for the control and soft_cap (no new weights)
     norm: str = "layernorm"
     source: str | None = None  # model folder; None: the bundled tiny Llama
     text: str = "tinyshakespeare"
@@ -81,6 +83,7 @@ class ArmConfig:
     final_eval_blocks: int | None = None  # held-out blocks before and after training (None: all of them)
     seed: int = 0
     calibration: dict = field(default_factory=dict)  # CalibrationSettings overrides (default: the library's)
+    heal: dict = field(default_factory=dict)  # HealSettings overrides for the healed arms (default: the library's)
 
     def tag(self) -> str:
         if self.scheme is None:
@@ -93,13 +96,13 @@ def tokens_per_step(config: dict) -> int:
     return config["batch_size"] * config["context"]
 
 
-def arms(base: dict, schemes=SCHEMES) -> list[ArmConfig]:
+def arms(base: dict, schemes=SCHEMES, inits=INITS) -> list[ArmConfig]:
     out = [ArmConfig(**base)]
     for s in schemes:
         if s == "soft_cap":  # the cap adds no weights: identity and calibrated are the same model
             out.append(ArmConfig(scheme=s, **base))
         else:
-            out += [ArmConfig(scheme=s, init=i, **base) for i in INITS]
+            out += [ArmConfig(scheme=s, init=i, **base) for i in inits]
     return out
 
 
@@ -133,7 +136,8 @@ def convert_arm(cfg: ArmConfig, src: Path, train_text: str, val_text: str, work:
         dst,
         config=hf_qknorm.QKNormConfig(scheme=cfg.scheme, norm=cfg.norm if cfg.scheme != "soft_cap" else None),
         calibration=CalibrationSettings(**{"agreement_tokens": 0, **cfg.calibration}),
-        calibrate=cfg.init == "calibrated",
+        calibrate=cfg.init in ("calibrated", "healed"),
+        heal=HealSettings(**cfg.heal) if cfg.init == "healed" else None,
         calibration_text=train_text,
         eval_text=val_text,
         overwrite=True,
@@ -166,8 +170,8 @@ def run_arm(cfg: ArmConfig, work: Path = WORK, progress=None) -> dict:
     rec = {"config": asdict(cfg), "source": str(src)}
     if cfg.scheme is not None and cfg.scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {cfg.scheme!r}; choose one of {SCHEMES} (or None for the control arm)")
-    if cfg.init not in (None, *INITS):
-        raise ValueError(f"unknown init {cfg.init!r}; choose one of {INITS}")
+    if cfg.init not in (None, *ALL_INITS):
+        raise ValueError(f"unknown init {cfg.init!r}; choose one of {ALL_INITS}")
     if cfg.scheme is None:
         folder = src
     else:
@@ -296,7 +300,7 @@ def write_report(runs: list[dict], out: Path, results: Path | None = None) -> di
     summary = summarise(runs)
     cfg = runs[0]["config"]
     ref = summary["reference"]
-    order = ["original"] + [t for s in SCHEMES for t in (s, f"{s}_identity", f"{s}_calibrated")]
+    order = ["original"] + [t for s in SCHEMES for t in (s, *(f"{s}_{i}" for i in ALL_INITS))]
     rows = [(t, summary["arms"][t]) for t in order if t in summary["arms"]]
     fmt = lambda x, spec=".4f": "–" if x is None else format(x, spec)
     lines = [
@@ -364,7 +368,7 @@ def _plot(runs, summary, path: Path) -> None:
                 vals,
                 color=colors[c["scheme"]],
                 lw=2 if c["scheme"] is None else 1.3,
-                ls="--" if c["init"] == "identity" else "-",
+                ls={"identity": "--", "healed": ":"}.get(c["init"], "-"),
                 label=f"{tag} (unfinished)" if r.get("unfinished") else tag,
             )
         ax.axhline(ref, color="gray", lw=0.8)
@@ -376,7 +380,7 @@ def _plot(runs, summary, path: Path) -> None:
             ax.set_title("zoom on the original's loss")
         else:
             ax.set_yscale("log")
-            ax.set_title("conversion recovery (dashed: identity init, solid: calibrated)")
+            ax.set_title("conversion recovery (dashed: identity init, solid: calibrated, dotted: healed)")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -395,6 +399,14 @@ def parse_args(argv=None):
     r.add_argument("--norm", default="layernorm", choices=list(hf_qknorm.NORMS))
     r.add_argument("--source", default=None, help="pretrained model folder (default: the bundled tiny Llama)")
     r.add_argument("--only", nargs="+", default=None, metavar="ARM", help="run only these arms (e.g. original)")
+    r.add_argument(
+        "--inits",
+        nargs="+",
+        default=list(INITS),
+        choices=list(ALL_INITS),
+        help="the converted arms' inits: identity, calibrated, healed (calibrated, then convert --heal with the "
+        "library's HealSettings) (default: identity calibrated)",
+    )
     r.add_argument("--text", default=ArmConfig.text, help="training text: a bundled name or a UTF-8 file")
     r.add_argument("--steps", type=int, default=ArmConfig.steps)
     r.add_argument("--warmup", type=int, default=None, help="warmup steps (default: a tenth of --steps)")
@@ -453,7 +465,7 @@ def cmd_run(args) -> None:
         eval_blocks=args.eval_blocks,
         final_eval_blocks=args.final_eval_blocks,
     )
-    every = arms(base, args.schemes)
+    every = arms(base, args.schemes, args.inits)
     unknown = sorted(set(args.only or ()) - {c.tag() for c in every})
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}; the arms of these schemes are {[c.tag() for c in every]}")

@@ -38,6 +38,11 @@ def test_arms_cover_every_scheme_and_init():
     ]
 
 
+def test_healed_arms_run_when_asked():
+    tags = [a.tag() for a in cr.arms({}, ("soft_cap", "qk_norm"), cr.ALL_INITS)]
+    assert tags == ["original", "soft_cap", "qk_norm_identity", "qk_norm_calibrated", "qk_norm_healed"]
+
+
 def test_recovery_metrics():
     curve = [[0, 4.0], [10, 3.6], [20, 3.52], [30, 3.4]]
     assert cr.steps_to_recover(curve, 3.5 * 1.01) == 20
@@ -74,6 +79,7 @@ def test_runs_and_report(tmp_path):
         cr.ArmConfig(**TINY),
         cr.ArmConfig(scheme="qk_norm", init="identity", **TINY),
         cr.ArmConfig(scheme="qk_norm", init="calibrated", **TINY),
+        cr.ArmConfig(scheme="qk_norm", init="healed", heal={"tokens": 640, "blocks": 4}, **TINY),
     ]
     for c in cfgs:
         cr.run_job(c, str(out), str(work))
@@ -81,6 +87,7 @@ def test_runs_and_report(tmp_path):
     assert sorted(p.name for p in out.glob("*.json")) == [
         "original.json",
         "qk_norm_calibrated.json",
+        "qk_norm_healed.json",
         "qk_norm_identity.json",
     ]
     assert not any(work.iterdir())  # converted checkpoints are removed once their arm is recorded
@@ -91,6 +98,8 @@ def test_runs_and_report(tmp_path):
     assert by["qk_norm_identity"]["model_type"] == "qknorm_llama"
     assert by["qk_norm_calibrated"]["conversion"]["calibration"]["steps"] == 2
     assert "calibration" not in by["qk_norm_identity"]["conversion"]
+    healed = by["qk_norm_healed"]["conversion"]["calibration"]["heal"]
+    assert healed["steps_per_layer"] == 10 and healed["settings"]["blocks"] == 4
     # the control arm's step-0 loss is the unconverted model's: calibrated init starts closer to it than identity
     s = cr.write_report(runs, tmp_path / "report")
     arms = s["arms"]
@@ -101,7 +110,7 @@ def test_runs_and_report(tmp_path):
         < arms["qk_norm_identity"]["gap_after_conversion_pct"]
     )
     table = (tmp_path / "report" / "table.md").read_text()
-    assert "| qk_norm_identity |" in table and "| qk_norm_calibrated |" in table
+    assert "| qk_norm_identity |" in table and "| qk_norm_calibrated |" in table and "| qk_norm_healed |" in table
     # recovery in tokens: steps x batch x context (TINY: 2 x 64 per step)
     for a in arms.values():
         rec = a["steps_to_recover"]
