@@ -24,10 +24,10 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
 
 from ..modeling.sharding import check_tensor_parallel, collective_device, world_size
 from ..modeling.telemetry import TILE_ELEMENTS, LogitTap, logit_tiles
+from .controls import ControlCallback, TrainingControl
 from .heads import layer_rows
 from .sites import unwrap
 
@@ -130,7 +130,7 @@ def _ratios(sums: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------------
 # the monitor: attaches to attention instances for the steps it records
 # --------------------------------------------------------------------------------------------------------------------
-class QKMonitor:
+class QKMonitor(TrainingControl):
     """Records attention statistics of ``model`` for the forward passes run while it is active.
 
     Plain loop::
@@ -153,6 +153,9 @@ class QKMonitor:
     what one process seeing the whole batch would log, identical on every rank; one all-gather per recorded step.
     Every rank must then record the same steps (the callback does). Under tensor parallelism each rank measures its
     own heads and the per-head maxima land at their global head index. ``sync=False`` keeps each rank's own.
+
+    A :class:`~hf_qknorm.training.controls.TrainingControl`: ``step_begin(step)`` starts recording on steps
+    ``0, every, 2*every, ...`` and ``step_end`` returns the statistics of a recorded step.
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class QKMonitor:
         warn_logit: float = 1e3,
         diverge_logit: float = DIVERGENCE_LOGIT,
         sync: bool | None = None,
+        every: int = 1,
     ):
         check_tensor_parallel(model)  # refuses tensor-parallel layouts it cannot read, saying what is supported
         self.model = model
@@ -175,6 +179,7 @@ class QKMonitor:
         self.sync = sync
         self.prefix, self.tile_elements = prefix, int(tile_elements)
         self.cap_warn_fraction, self.warn_logit, self.diverge_logit = cap_warn_fraction, warn_logit, diverge_logit
+        self.every = _checked_every(every)
         self.alerts: list[dict] = []
         self.head_max_logits: dict[int, list[float]] = {}  # per layer, the largest logit of each query head
         self._firing: set[tuple[int, str]] = set()
@@ -209,6 +214,32 @@ class QKMonitor:
             yield out
         finally:
             out.update(self.stop(step))
+
+    # -- the training-control protocol (hf_qknorm.training.controls) ------------------------------------------------
+    def step_begin(self, step: int) -> None:
+        if step % self.every == 0:
+            self.start()
+
+    def step_end(self, step: int) -> dict | None:
+        if not self.active:
+            return None
+        return self.stop(step) or None
+
+    def close(self) -> None:
+        if self.active:
+            self.stop()
+
+    def state_dict(self) -> dict:
+        return {
+            "alerts": [dict(a) for a in self.alerts],
+            "firing": sorted([layer, kind] for layer, kind in self._firing),
+            "head_max_logits": {str(i): v for i, v in self.head_max_logits.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.alerts = [dict(a) for a in state["alerts"]]
+        self._firing = {(int(layer), kind) for layer, kind in state["firing"]}
+        self.head_max_logits = {int(i): list(v) for i, v in state["head_max_logits"].items()}
 
     # -- measuring ---------------------------------------------------------------------------------------------------
     def _measure(self, index: int, attn: nn.Module, q, k, attention_mask, scaling, softcap) -> None:
@@ -314,11 +345,18 @@ class QKMonitor:
         self.alerts.append({"step": step, "layer": layer, "kind": kind, "max_logit": logit, "message": msg})
 
 
+def _checked_every(every) -> int:
+    if int(every) < 1:
+        raise ValueError(f"every must be a positive number of steps, got {every!r}")
+    return int(every)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Trainer integration
 # --------------------------------------------------------------------------------------------------------------------
-class QKMonitorCallback(TrainerCallback):
-    """``transformers.Trainer`` callback: every ``every`` optimizer steps, measure one step and log its statistics.
+class QKMonitorCallback(ControlCallback):
+    """``transformers.Trainer`` callback: every ``every`` optimizer steps, measure one step and log its statistics
+    (:class:`ControlCallback` over :class:`QKMonitor`).
 
     Use :meth:`attach`, so that the statistics go through ``Trainer.log`` to every reporter (TensorBoard, W&B, ...)
     and into ``trainer.state.log_history``::
@@ -330,55 +368,25 @@ class QKMonitorCallback(TrainerCallback):
     Added without a trainer (``Trainer(callbacks=[QKMonitorCallback()])``), it still records into
     :attr:`history` and ``state.log_history``, but reporters do not see the values (a callback cannot reach
     ``Trainer.log``); a warning says so once. Steps ``0, every, 2*every, ...`` are measured (the first included);
-    other steps pay nothing. Keyword arguments go to :class:`QKMonitor`.
+    other steps pay nothing. Keyword arguments go to :class:`QKMonitor`. The history and the monitor's alerts are
+    saved with every checkpoint and restored on resume.
     """
 
-    def __init__(self, every: int = 10, *, trainer=None, **monitor_kwargs):
-        if int(every) < 1:
-            raise ValueError(f"every must be a positive number of steps, got {every!r}")
-        self.every, self.trainer, self.monitor_kwargs = int(every), trainer, monitor_kwargs
-        self.monitor: QKMonitor | None = None
-        self.history: list[dict] = []
-        self._warned = False
+    warn_without_trainer = True
 
-    @classmethod
-    def attach(cls, trainer, every: int = 10, **monitor_kwargs) -> QKMonitorCallback:
-        callback = cls(every, trainer=trainer, **monitor_kwargs)
-        trainer.add_callback(callback)
-        return callback
+    def __init__(self, every: int = 10, *, trainer=None, **monitor_kwargs):
+        self.every, self.monitor_kwargs = _checked_every(every), monitor_kwargs
+        super().__init__(
+            lambda model: QKMonitor(model, every=self.every, **self.monitor_kwargs),
+            "the attention-logit monitor",
+            trainer=trainer,
+            args={"every": every, **monitor_kwargs},
+        )
+
+    @property
+    def monitor(self) -> QKMonitor | None:
+        return self.control
 
     @property
     def alerts(self) -> list[dict]:
         return [] if self.monitor is None else self.monitor.alerts
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.monitor is None:
-            self.monitor = QKMonitor(model, **self.monitor_kwargs)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self.monitor is not None and state.global_step % self.every == 0:
-            self.monitor.start()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.monitor is None or not self.monitor.active:
-            return
-        stats = self.monitor.stop(step=state.global_step)
-        if not stats:
-            return
-        self.history.append({"step": state.global_step, **stats})
-        if self.trainer is not None:
-            should_log = control.should_log  # Trainer.log clears it: keep this step's own (loss) log due
-            self.trainer.log(dict(stats))
-            control.should_log = should_log
-            return
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "QKMonitorCallback was added without a trainer: statistics go to state.log_history and "
-                "callback.history only; use QKMonitorCallback.attach(trainer) to reach the reporters"
-            )
-        state.log_history.append({**stats, "step": state.global_step})
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.monitor is not None and self.monitor.active:
-            self.monitor.stop()

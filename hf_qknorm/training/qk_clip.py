@@ -48,7 +48,6 @@ import logging
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
 
 from ..modeling.sharding import (
     check_tensor_parallel,
@@ -60,13 +59,14 @@ from ..modeling.sharding import (
 )
 from ..modeling.telemetry import LogitTap
 from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+from .controls import ControlCallback, TrainingControl
 from .heads import layer_rows
 from .sites import attention_sites, unwrap
 
 logger = logging.getLogger(__name__)
 
 
-class QKClip:
+class QKClip(TrainingControl):
     """Per-head logit bound by weight rescaling. Create it once, before training; it records every forward pass (in
     training mode) from then on, and :meth:`step` -- after each ``optimizer.step()`` -- rescales and clears.
 
@@ -84,7 +84,8 @@ class QKClip:
         optimizer.step()
         clip.step()            # or once: clip.attach(optimizer)
 
-    :attr:`last_clipped` lists ``(layer, head, S_h, gamma_h)`` of the last step that clipped anything.
+    :attr:`last_clipped` lists ``(layer, head, S_h, gamma_h)`` of the last step that clipped anything. A
+    :class:`~hf_qknorm.training.controls.TrainingControl`: its ``post_optimizer_step`` is :meth:`step`.
     """
 
     def __init__(self, model: nn.Module, *, tau: float = 100.0, alpha: float = 0.5):
@@ -102,6 +103,7 @@ class QKClip:
         self.last_clipped: list[tuple[int, int, float, float]] = []
         self.last_skipped: list[tuple[int, int, float]] = []
         self.steps = self.clipped_steps = 0
+        self._record_of_step: dict | None = None
         self._tap = LogitTap(model, self._record, max_logits=True, training_only=True)
         self._tap.attach()
 
@@ -115,9 +117,19 @@ class QKClip:
         """Stop recording (detach from the model)."""
         self._tap.detach()
 
-    def attach(self, optimizer: torch.optim.Optimizer):
-        """Run :meth:`step` after every ``optimizer.step()`` (a post-step hook); returns the hook's handle."""
-        return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step())
+    # -- the training-control protocol (hf_qknorm.training.controls) ------------------------------------------------
+    def post_optimizer_step(self) -> None:
+        clipped = self.step()
+        if clipped or self.last_skipped:
+            self._record_of_step = {
+                "clipped": [list(c) for c in clipped],
+                "skipped": [list(c) for c in self.last_skipped],
+                "qk_clip/clipped_heads": len(clipped),
+            }
+
+    def step_end(self, step: int) -> dict | None:
+        record, self._record_of_step = self._record_of_step, None
+        return record
 
     # -- the clip ----------------------------------------------------------------------------------------------------
     def gathered_maxima(self) -> list[torch.Tensor | None]:
@@ -201,11 +213,22 @@ class QKClip:
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"tau": self.tau, "alpha": self.alpha, "steps": self.steps, "clipped_steps": self.clipped_steps}
+        return {
+            "tau": self.tau,
+            "alpha": self.alpha,
+            "steps": self.steps,
+            "clipped_steps": self.clipped_steps,
+            "last_clipped": [list(c) for c in self.last_clipped],
+            "last_skipped": [list(c) for c in self.last_skipped],
+            "last_maxima": self.last_maxima,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.tau, self.alpha = float(state["tau"]), float(state["alpha"])
+        self.tau, self.alpha = _checked(state["tau"], state["alpha"])
         self.steps, self.clipped_steps = int(state["steps"]), int(state["clipped_steps"])
+        self.last_clipped = [tuple(c) for c in state.get("last_clipped", [])]
+        self.last_skipped = [tuple(c) for c in state.get("last_skipped", [])]
+        self.last_maxima = state.get("last_maxima", [])
 
 
 def _nan_as_inf(t: torch.Tensor) -> torch.Tensor:
@@ -263,35 +286,25 @@ def _norm_copies(norm: nn.Module) -> list[nn.Module]:
     return [norm]
 
 
-class QKClipCallback(TrainerCallback):
-    """``transformers.Trainer`` callback: QK-Clip after every optimizer step.
+class QKClipCallback(ControlCallback):
+    """``transformers.Trainer`` callback: QK-Clip after every optimizer step (:class:`ControlCallback` over
+    :class:`QKClip`).
 
     ``Trainer(..., callbacks=[QKClipCallback(tau=100.0)])``. The clip is created when training begins and records
     every training forward from then on. :attr:`clip` is the :class:`QKClip`; ``clip.clipped_steps`` counts the steps
     that clipped something. :attr:`history` has one entry per step that clipped (or skipped a non-finite head):
-    ``{"step", "clipped": [[layer, head, S_h, gamma_h], ...], "skipped": [...]}``, also appended to
-    ``state.log_history`` (so it is saved with checkpoints)."""
+    ``{"step", "clipped": [[layer, head, S_h, gamma_h], ...], "skipped": [...], "qk_clip/clipped_heads": n}``; the
+    count is logged. The clip's counters and the history are saved with every checkpoint and restored on resume."""
 
-    def __init__(self, tau: float = 100.0, alpha: float = 0.5):
+    def __init__(self, tau: float = 100.0, alpha: float = 0.5, *, trainer=None):
         self.tau, self.alpha = _checked(tau, alpha)
-        self.clip: QKClip | None = None
-        self.history: list[dict] = []
+        super().__init__(
+            lambda model: QKClip(model, tau=self.tau, alpha=self.alpha),
+            "QK-Clip",
+            trainer=trainer,
+            args={"tau": self.tau, "alpha": self.alpha},
+        )
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        refuse_engines(model, "QK-Clip", args)
-        self.clip = QKClip(model, tau=self.tau, alpha=self.alpha)
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        clipped = self.clip.step()
-        if clipped or self.clip.last_skipped:
-            entry = {
-                "step": state.global_step + 1,  # the step this optimizer update completes
-                "clipped": [list(c) for c in clipped],
-                "skipped": [list(c) for c in self.clip.last_skipped],
-            }
-            self.history.append(entry)
-            state.log_history.append({"qk_clip/clipped_heads": len(clipped), "step": entry["step"]})
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.clip is not None:
-            self.clip.close()  # stops recording; the clip and its counters stay readable
+    @property
+    def clip(self) -> QKClip | None:
+        return self.control

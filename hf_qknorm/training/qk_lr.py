@@ -34,10 +34,9 @@ import logging
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
 
 from ..modeling.sharding import check_tensor_parallel, fsdp_owned, refuse_engines
+from .controls import ControlCallback, TrainingControl
 from .heads import HeadRows, head_norms, layer_rows
 from .sites import attention_sites, unwrap
 
@@ -71,7 +70,7 @@ def _layer_rows(site, config) -> tuple[_Snapshot, _Snapshot]:
     return _Snapshot(q), _Snapshot(k)
 
 
-class QKLearningRate:
+class QKLearningRate(TrainingControl):
     """Per-head (or per-layer) learning-rate factors for ``W_Q`` and ``W_K``, applied around ``optimizer.step()``.
 
     Args:
@@ -89,6 +88,9 @@ class QKLearningRate:
         ...
         loss.backward()
         qk.step(optimizer)          # = qk.pre_step(); optimizer.step(); qk.post_step()
+
+    A :class:`~hf_qknorm.training.controls.TrainingControl`: ``pre_optimizer_step`` is :meth:`pre_step`,
+    ``post_optimizer_step`` :meth:`post_step` (``qk.attach(optimizer)`` hooks both onto ``optimizer.step()``).
     """
 
     def __init__(
@@ -176,6 +178,12 @@ class QKLearningRate:
             q.rescale(fq)
             k.rescale(fk)
 
+    def pre_optimizer_step(self) -> None:
+        self.pre_step()
+
+    def post_optimizer_step(self) -> None:
+        self.post_step()
+
     def step(self, optimizer: torch.optim.Optimizer, closure=None):
         """``pre_step(); optimizer.step(closure); post_step()``; returns what the optimizer returns."""
         self.pre_step()
@@ -192,46 +200,39 @@ class QKLearningRate:
         self.initial_norms = state["initial_norms"]
 
 
-class QKLearningRateCallback(TrainerCallback, ExportableState):
-    """``transformers.Trainer`` callback applying :class:`QKLearningRate` around every optimizer step.
+class QKLearningRateCallback(ControlCallback):
+    """``transformers.Trainer`` callback applying :class:`QKLearningRate` around every optimizer step
+    (:class:`ControlCallback` over :class:`QKLearningRate`).
 
     ``Trainer(..., callbacks=[QKLearningRateCallback(tau=1.0)])``. The initial norms ``||.||_0`` are saved with
     every checkpoint (``trainer_state.json``, as an ``ExportableState``) and taken back on
     ``trainer.train(resume_from_checkpoint=...)``, so a resumed run continues identically. DDP, FSDP2 and tensor
     parallelism give every rank the same factors (sharded weights: per-head norms summed over the shards);
-    DeepSpeed and FSDP version 1 are refused.
+    DeepSpeed and FSDP version 1 are refused. :attr:`controller` is the :class:`QKLearningRate`.
     """
 
     def __init__(
-        self, tau: float = 1.0, rule: str = "norm_ratio", per_head: bool = True, initial_norms: dict | None = None
+        self,
+        tau: float = 1.0,
+        rule: str = "norm_ratio",
+        per_head: bool = True,
+        initial_norms: dict | None = None,
+        *,
+        trainer=None,
     ):
         self.tau, self.rule, self.per_head, self.initial_norms = tau, rule, per_head, initial_norms
-        self.controller: QKLearningRate | None = None
-
-    def state(self) -> dict:
-        norms = self.controller.initial_norms if self.controller is not None else self.initial_norms
-        return {
-            "args": {"tau": self.tau, "rule": self.rule, "per_head": self.per_head},
-            "attributes": {"initial_norms": norms},
-        }
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.initial_norms is None:  # resuming: our own saved state, whether or not the Trainer restores it
-            saved = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
-            saved = saved[0] if isinstance(saved, list) and saved else saved
-            if isinstance(saved, dict):
-                self.initial_norms = saved.get("attributes", {}).get("initial_norms")
-        refuse_engines(model, "Q/K learning-rate control", args)
-        self.controller = QKLearningRate(
-            model, tau=self.tau, rule=self.rule, per_head=self.per_head, initial_norms=self.initial_norms
+        super().__init__(
+            lambda model: QKLearningRate(
+                model, tau=self.tau, rule=self.rule, per_head=self.per_head, initial_norms=self.initial_norms
+            ),
+            "Q/K learning-rate control",
+            trainer=trainer,
+            args={"tau": tau, "rule": rule, "per_head": per_head, "initial_norms": initial_norms},
         )
-        self.initial_norms = self.controller.initial_norms
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.controller.pre_step()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.controller.post_step()
+    @property
+    def controller(self) -> QKLearningRate | None:
+        return self.control
 
 
 def qk_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0, qk_lr_factor: float = 1.0) -> list[dict]:

@@ -38,7 +38,9 @@ def test_trains_with_checkpointing_and_resumes_identically(tmp_path):
 
     ckpt = tmp_path / "full" / "checkpoint-3"
     saved = json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"]["QKLearningRateCallback"]
-    assert len(saved["attributes"]["initial_norms"]["q"]) == 2  # ||W||_0 travels with the checkpoint
+    assert (
+        len(saved["attributes"]["restored"]["control"]["initial_norms"]["q"]) == 2
+    )  # ||W||_0 travels with the checkpoint
     assert json.loads((ckpt / "config.json").read_text())["model_type"] == "qknorm_llama"
 
     resumed = _trainer(tmp_path / "resumed")  # a fresh process's view: new model, new callback
@@ -49,7 +51,7 @@ def test_trains_with_checkpointing_and_resumes_identically(tmp_path):
     resumed_losses = [r["loss"] for r in resumed.state.log_history if "loss" in r and r["step"] > 3]
     torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses[3:]), rtol=1e-6, atol=1e-6)
     cb = [c for c in resumed.callback_handler.callbacks if isinstance(c, hf_qknorm.QKLearningRateCallback)][0]
-    assert cb.controller.initial_norms == saved["attributes"]["initial_norms"]
+    assert cb.controller.initial_norms == saved["attributes"]["restored"]["control"]["initial_norms"]
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
