@@ -18,8 +18,13 @@ Where the rows are and what else scales with them:
   ``(min over its query heads of gamma_h) ** (1 - alpha)``. Every query head's logits then scale by at most
   ``gamma_h``, so every head ends at or below ``tau`` (heads sharing a clipped key head may shrink a little more
   than they need); with one query head per key head this is the paper's rule;
-- ``peft`` LoRA on a projection: the base rows, the bias and the adapter's ``B`` rows all scale, so the adapted
-  output (base + delta) scales exactly;
+- only trained parameters change: a frozen weight is never edited (it is not in what training saves, and a model
+  with its adapters disabled -- the reference model of DPO, KTO, GRPO -- must stay the base). A trained projection
+  with a ``peft`` LoRA adapter scales its rows, bias and the adapter's ``B`` rows, so the adapted output scales
+  exactly. Under LoRA the base projections are frozen: QK-Clip then acts only through trained q/k norm gains (the
+  ``modules_to_save`` copies :func:`hf_qknorm.prepare_lora` makes; the frozen ``original_module`` copies stay as
+  they are), and refuses a model whose logits only frozen weights set (an unpatched model under LoRA, or norms left
+  frozen), saying so when it is created;
 - a model whose q and k are normalised (Qwen3's own q/k RMSNorm, or a model patched with QK-norm): scaling the
   projections changes nothing, since the norm divides it out; the logits are bounded by the norm's gains instead.
   Those gains are shared by all heads, so the clip scales them by the worst head's factor: ``q_norm``'s weight (and
@@ -97,6 +102,8 @@ class QKClip(TrainingControl):
         self.sites = attention_sites(model)
         self.rows = [layer_rows(site, config) for site in self.sites]
         self.norms = [_normed_gains(site) for site in self.sites]
+        for site, rows, norms in zip(self.sites, self.rows, self.norms):
+            _check_trained(site, rows, norms)
         self.heads = [q.heads for q, _ in self.rows]
         self.maxima: list[torch.Tensor | None] = [None] * len(self.sites)  # this rank's, its own heads only
         self.last_maxima: list[list[float] | None] = []  # the last step's gathered per-head maxima, per layer
@@ -263,6 +270,30 @@ def _normed_gains(site):
     return attn, q_norm, k_norm
 
 
+def _check_trained(site, rows, norms) -> None:
+    """Refuse, in one line naming why and the fix, a layer whose logits QK-Clip could bound only by editing frozen
+    weights."""
+    if norms is not None:
+        attn = norms[0]
+        names = ("q_norm",) if isinstance(norms[2], HeadLpNorm) else ("q_norm", "k_norm")  # lp: one scale, on q
+        for name in names:
+            if not _trained_copies(getattr(attn, name)):
+                raise ValueError(
+                    f"QK-Clip changes only trained parameters, and layer {site.index}'s {name} is frozen (under "
+                    "LoRA: not in modules_to_save), so clipping would edit weights the saved adapter does not hold; "
+                    "train the q/k norms: hf_qknorm.prepare_lora(model) or LoraConfig(modules_to_save=['q_norm', "
+                    "'k_norm'])"
+                )
+        return
+    for r in rows:
+        if not r.weight.requires_grad:
+            raise ValueError(
+                f"QK-Clip changes only trained parameters, and {r.where} is frozen (a LoRA base weight?), so "
+                "clipping would edit weights the saved adapter does not hold; patch the model with a QK-norm scheme "
+                "before LoRA and train its norms (hf_qknorm.prepare_lora), or train the full weights"
+            )
+
+
 def _scale_norm_gains(norms, gamma: float, alpha: float) -> None:
     """Scale the shared q/k norm gains so that every head's logits scale by at most ``gamma``."""
     attn = norms[0]
@@ -272,18 +303,19 @@ def _scale_norm_gains(norms, gamma: float, alpha: float) -> None:
     else:
         q_factor, k_factor = gamma**alpha, gamma ** (1.0 - alpha)
     for norm, factor in ((q_norm, q_factor), (k_norm, k_factor)):
-        for module in _norm_copies(norm):
+        for module in _trained_copies(norm) if factor != 1.0 else ():
             for name in ("weight", "bias"):
                 param = getattr(module, name, None)
                 if param is not None:  # this rank's block (FSDP2 shards even a (head_dim,) gain): no collective
                     local_part(param, f"{name} of {type(module).__name__}").tensor.mul_(factor)
 
 
-def _norm_copies(norm: nn.Module) -> list[nn.Module]:
-    """The norm, or every copy of it a ``peft`` ``ModulesToSaveWrapper`` holds (the trained one included)."""
-    if hasattr(norm, "original_module"):
-        return [norm.original_module, *getattr(norm, "modules_to_save", {}).values()]
-    return [norm]
+def _trained_copies(norm: nn.Module) -> list[nn.Module]:
+    """The copies of a q/k norm that training changes and saves: the norm itself, or under ``peft``
+    (``ModulesToSaveWrapper``) its trained ``modules_to_save`` copies -- never the frozen ``original_module``, which
+    the base model and a disabled adapter compute with. A copy without a trainable parameter is left out."""
+    copies = list(norm.modules_to_save.values()) if hasattr(norm, "original_module") else [norm]
+    return [m for m in copies if any(p.requires_grad for p in m.parameters())]
 
 
 class QKClipCallback(ControlCallback):

@@ -46,7 +46,7 @@ SPECS = {
     "fsdp_llama": Spec(),
     "fsdp_patched_no_reshard": Spec(scheme="qk_norm_cap", reshard=False),
     "fsdp_gpt2": Spec(family="gpt2", overrides={"n_embd": 30, "n_head": 3}, controls_first=True),
-    "fsdp_lora": Spec(lora=True, qk_lr=False, worlds=(2,)),
+    "fsdp_lora": Spec(scheme="qk_norm_cap", lora=True, qk_lr=False, worlds=(2,)),  # QK-Clip: the trained norms
     "fsdp_muon": Spec(muon=True, worlds=(2,)),
     "fsdp_mixed": Spec(mixed=True, worlds=(2, 4)),
     "tp_patched": Spec(overrides=dict(TP_SHAPE), scheme="qk_norm_cap", shard="tp"),
@@ -82,7 +82,13 @@ def build(spec: Spec):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(
-            model, LoraConfig(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], r=2, init_lora_weights=False)
+            model,
+            LoraConfig(
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                r=2,
+                init_lora_weights=False,
+                modules_to_save=["q_norm", "k_norm"],  # under LoRA QK-Clip acts through the trained norm copies
+            ),
         )
     return model.train()
 

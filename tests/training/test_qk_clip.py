@@ -247,10 +247,15 @@ def test_qwen3_own_norms_are_clipped_through_their_gains():
 
 
 def test_lora_adapted_projections_scale_exactly():
+    """A projection trained in full beside its LoRA adapter: its rows, bias and the adapter's B rows all scale, so
+    the adapted output scales exactly (usual LoRA, with frozen base weights: tests/training/test_qk_clip_lora.py)."""
     from peft import LoraConfig, get_peft_model
 
     model = _big(tiny_model("llama", dtype=torch.float64, num_key_value_heads=4), 20.0)  # MHA: exact tau
     peft_model = get_peft_model(model, LoraConfig(target_modules=["q_proj", "k_proj"], r=4, init_lora_weights=False))
+    for name, prm in peft_model.named_parameters():
+        if "base_layer" in name:
+            prm.requires_grad_(True)
     peft_model.train()
     ids = _ids()
     inner = peft_model.get_base_model()
