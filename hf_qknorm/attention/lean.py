@@ -32,6 +32,21 @@ def fits(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> bool
     return q_len * (heads // kv_heads) <= MAX_ROWS and batch * heads * q_len * kv_len <= TILE_ELEMENTS
 
 
+# mask (by identity and version) -> its additive form: every layer of a forward gets the same mask tensor, so it is
+# converted once per forward, not once per layer
+_BIAS_CACHE: list = [None, None, None]
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as 0 (attend) / -inf (hidden) in ``dtype``: ``log(1) = 0``, ``log(0) = -inf``."""
+    if torch.compiler.is_compiling():
+        return mask.to(dtype).log_()
+    key = (id(mask), mask._version, dtype)
+    if _BIAS_CACHE[0] != key or _BIAS_CACHE[1] is not mask:
+        _BIAS_CACHE[:] = [key, mask, mask.to(dtype).log_()]
+    return _BIAS_CACHE[2]
+
+
 def lean_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -62,13 +77,14 @@ def lean_attention(
     s = torch.bmm(q * (scaling / softcap if softcap is not None else scaling), k.transpose(1, 2))
     if softcap is not None:
         s = s.tanh_().mul_(softcap)
-    if mask is None and (causal or sliding_window is not None):
+    if mask is None and ((causal and q_len > 1) or (sliding_window is not None and kv_len > sliding_window)):
         mask = position_mask(0, q_len, 0, kv_len, q_len, kv_len, causal, sliding_window, query.device)
     if mask is not None:
-        if mask.dim() == 4:  # (batch|1, 1|heads, q_len|1, kv_len) against the logits' (.., kv_heads, groups, ..) view
-            rows, per_head = mask.shape[2], mask.shape[1] == heads and heads > 1
-            mask = mask.view(mask.shape[0], *((kv_heads, groups) if per_head else (1, 1)), rows, kv_len)
-        s.view(batch, kv_heads, groups, q_len, kv_len).masked_fill_(~mask, float("-inf"))
+        bias = _additive(mask, acc)
+        if bias.dim() == 4:  # (batch|1, 1|heads, q_len|1, kv_len) against the logits' (.., kv_heads, groups, ..) view
+            rows, per_head = bias.shape[2], bias.shape[1] == heads and heads > 1
+            bias = bias.view(bias.shape[0], *((kv_heads, groups) if per_head else (1, 1)), rows, kv_len)
+        s.view(batch, kv_heads, groups, q_len, kv_len).add_(bias)
     if sink is not None:  # one more logit per row, dropped after the softmax
         column = sink.to(acc).view(1, kv_heads, groups, 1).expand(batch, -1, -1, q_len).reshape(n, groups * q_len, 1)
         p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :kv_len]

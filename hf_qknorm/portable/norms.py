@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+_FULL = (torch.float32, torch.float64)  # dtypes the norms compute in as they are
+
 
 def _acc(x: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: float32 for half precision and float32, float64 stays float64."""
@@ -36,6 +38,8 @@ class HeadLayerNorm(nn.Module):
         return {"weight": 1.0, "bias": 0.0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in _FULL and self.weight.dtype == x.dtype:  # nothing to convert: the casts cost more than the
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)  # norm itself when decoding
         acc = _acc(x)
         y = F.layer_norm(x.to(acc), (x.shape[-1],), self.weight.to(acc), self.bias.to(acc), self.eps)
         return y.to(x.dtype)
@@ -68,9 +72,9 @@ class HeadRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.to(_acc(x))
+        h = x if dtype in _FULL else x.to(_acc(x))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
+        return self.weight * (h if dtype in _FULL else h.to(dtype))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

@@ -1,0 +1,230 @@
+"""Decoding and training-step speed of patched models against the unpatched model on sdpa, side by side in one run.
+
+Decode table: greedy generation of 128 new tokens, batch 1 and 8, prompts of 32 and 512 tokens, with the dynamic
+(default), static and sliding-window caches, for every scheme against the unpatched model on ``sdpa``, on three
+shapes: ``tiny`` (4 layers, hidden 64: host-bound, the per-call overhead dominates, as on a GPU), ``bundled`` (the
+tiny Llama shipped in hf_qknorm/assets, hidden 128) and ``12x768`` (12 layers, hidden 768, 12 heads: compute-bound).
+The sliding-window column runs the same shapes as Mistral (Llama with a window) with a 128-token window and its
+default cache, whose layers keep the last 128 keys.
+
+What is timed is decoding: a logits processor stamps every step, and the time from the first generated token to the
+last (127 forward passes) gives tokens per second; the prefill is excluded. Providers run interleaved, one
+generation of each per round, and each ratio is the median over rounds of the provider's tokens/s over the
+unpatched model's in the same round. Two clocks: the process's CPU time (one thread: the steadier figure on a shared
+machine) and wall time.
+
+Step table: one training step (forward + backward + AdamW) at T = 512 and 2048, batch 1, of the bundled shape and
+the 12x768 shape, interleaved the same way.
+
+Rows go to ``benchmarks/results/decode.jsonl`` with the machine, versions and the command.
+
+    python benchmarks/bench_decode.py                                  # everything (CPU: an hour or more)
+    python benchmarks/bench_decode.py --shapes tiny --rounds 5         # the host-bound table only
+    python benchmarks/bench_decode.py --table step --shapes 12x768 --seq 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "decode.jsonl"
+ASSET = Path(__file__).resolve().parents[1] / "hf_qknorm" / "assets" / "tiny-llama"
+SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
+SHAPES = {
+    "tiny": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=2048),
+    "bundled": None,  # hf_qknorm/assets/tiny-llama: its config and weights
+    "12x768": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, num_key_value_heads=12,
+                   intermediate_size=3072, vocab_size=8192),
+}  # fmt: skip
+WINDOW = 128
+
+
+def _base(shape: str, sliding: bool):
+    """The unpatched model of ``shape`` on sdpa (Mistral with a window for the sliding-window cache)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    if SHAPES[shape] is None:
+        fields = json.loads((ASSET / "config.json").read_text())
+        fields = {k: v for k, v in fields.items() if k not in ("architectures", "model_type", "transformers_version")}
+    else:
+        fields = dict(SHAPES[shape], max_position_embeddings=1024, tie_word_embeddings=False)
+    fields["max_position_embeddings"] = 1024
+    config = MistralConfig(**fields, sliding_window=WINDOW) if sliding else LlamaConfig(**fields)
+    model = (MistralForCausalLM if sliding else LlamaForCausalLM)._from_config(config, attn_implementation="sdpa")
+    if SHAPES[shape] is None:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(ASSET / "model.safetensors"), strict=False)  # tied head: one key fewer
+    return model.eval()
+
+
+def _providers(shape: str, sliding: bool, schemes) -> dict:
+    import hf_qknorm
+
+    base = _base(shape, sliding)
+    models = {"sdpa": base}
+    for scheme in schemes:
+        models[scheme] = hf_qknorm.patch_model(copy.deepcopy(base), scheme)
+    return models
+
+
+class _Clock:
+    """A logits processor that stamps every generation step (CPU time, wall time)."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append((time.process_time(), time.perf_counter()))
+        return scores
+
+
+def _decode(model, ids, cache: str, new_tokens: int) -> tuple[float, float]:
+    """Seconds (CPU, wall) for the decoding steps of one greedy generation: first generated token to last."""
+    from transformers import LogitsProcessorList
+
+    clock = _Clock()
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}  # sliding: the window model's default
+    with torch.no_grad():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+            **kwargs,
+        )
+    (c0, w0), (c1, w1) = clock.stamps[0], clock.stamps[-1]
+    return c1 - c0, w1 - w0
+
+
+def decode_cell(shape, cache, batch, prompt, new_tokens, rounds, schemes) -> dict:
+    models = _providers(shape, cache == "sliding_window", schemes)
+    vocab = models["sdpa"].config.vocab_size
+    ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1))
+    tokens = batch * (new_tokens - 1)
+    for model in models.values():  # warm-up (allocator, lazy inits)
+        _decode(model, ids[:, : min(prompt, 16)], cache, 4)
+    times = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            times[name].append(_decode(model, ids, cache, new_tokens))
+    row = {"table": "decode", "shape": shape, "cache": cache, "batch": batch, "prompt": prompt, "new": new_tokens}
+    row["sdpa_tok_s"] = round(tokens / statistics.median(t[0] for t in times["sdpa"]), 1)
+    for name in schemes:
+        for clock, label in ((0, "cpu"), (1, "wall")):
+            ratios = [b[clock] / t[clock] for t, b in zip(times[name], times["sdpa"])]  # tokens/s over sdpa's
+            row[f"{name}_{label}"] = round(statistics.median(ratios), 3)
+    return row
+
+
+def _step_fn(model, seq: int):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(2))
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def step_cell(shape, seq, rounds, schemes) -> dict:
+    models = _providers(shape, False, schemes)
+    steps = {}
+    for name, model in models.items():
+        steps[name] = _step_fn(model.train(), seq)
+        steps[name]()  # warm-up
+    times = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            c, w = time.process_time(), time.perf_counter()
+            step()
+            times[name].append((time.process_time() - c, time.perf_counter() - w))
+    row = {"table": "step", "shape": shape, "seq": seq, "batch": 1}
+    row["sdpa_s"] = round(statistics.median(t[0] for t in times["sdpa"]), 3)
+    for name in schemes:
+        for clock, label in ((0, "cpu"), (1, "wall")):
+            ratios = [t[clock] / b[clock] for t, b in zip(times[name], times["sdpa"])]  # time over sdpa's
+            row[f"{name}_{label}"] = round(statistics.median(ratios), 3)
+    return row
+
+
+def _environment() -> dict:
+    import transformers
+
+    import hf_qknorm
+
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_qknorm": getattr(hf_qknorm, "__version__", "?"),
+        "hf_qknorm_path": str(Path(hf_qknorm.__file__).parent),
+        "command": "python " + " ".join(sys.argv),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", choices=("decode", "step", "both"), default="both")
+    parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
+    parser.add_argument("--caches", nargs="+", choices=("dynamic", "static", "sliding_window"),
+                        default=["dynamic", "static", "sliding_window"])  # fmt: skip
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--prompt", nargs="+", type=int, default=[32, 512])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--seq", nargs="+", type=int, default=[512, 2048], help="training-step lengths")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    parser.add_argument("--label", default="", help="a note stored with the rows (e.g. 'before')")
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    if args.new_tokens < 2 or args.rounds < 1:
+        parser.error(f"--new-tokens must be at least 2 and --rounds at least 1, got {args.new_tokens}, {args.rounds}")
+    torch.set_num_threads(1)
+    env = _environment()
+    rows = []
+    cells = []
+    if args.table in ("decode", "both"):
+        for shape in args.shapes:
+            for cache in args.caches:
+                for batch in args.batch:
+                    for prompt in args.prompt:
+                        cells.append(("decode", shape, cache, batch, prompt))
+    if args.table in ("step", "both"):
+        cells += [("step", shape, seq) for shape in args.shapes if shape != "tiny" for seq in args.seq]
+    for cell in cells:
+        if cell[0] == "decode":
+            row = decode_cell(*cell[1:], args.new_tokens, args.rounds, args.schemes)
+        else:
+            row = step_cell(*cell[1:], args.rounds, args.schemes)
+        row.update(env, label=args.label, rounds=args.rounds)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in env}), flush=True)
+        if not args.no_save:
+            RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            with RESULTS.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""torch.compile keeps every scheme whole, training and decoding: no graph break (``torch._dynamo.explain``) in a
+training step or in a decoding step (the lean path) with a static or dynamic cache, and a compiled decoding loop
+with a static cache (``fullgraph=True``) gives eager's logits. Compiled with ``aot_eager`` (Dynamo and AOTAutograd
+decide graph breaks; Inductor's code generation takes minutes on a CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import hf_qknorm
+from tests._support.tiny_models import VOCAB, tiny_model
+
+SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
+
+
+def _patched(scheme, family="llama"):
+    model = tiny_model(family)
+    hf_qknorm.patch_model(model, scheme, softcap=2.0 if "cap" in scheme else None)
+    return model.eval()
+
+
+def _prompt():
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_training_step_compiles_without_graph_breaks(scheme):
+    model = _patched(scheme).train()
+    ids = _prompt()
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(ids, labels=ids)
+    assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_decoding_step_compiles_without_graph_breaks(scheme, cache_kind, monkeypatch):
+    from hf_qknorm.attention import lean
+
+    calls = []
+    real = lean.lean_attention
+    monkeypatch.setattr(lean, "lean_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _patched(scheme)
+    ids = _prompt()
+    cache = (
+        StaticCache(config=model.config, max_cache_len=32)
+        if cache_kind == "static"
+        else DynamicCache(config=model.config)
+    )
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(
+            nxt, past_key_values=cache, use_cache=True, cache_position=torch.tensor([ids.shape[1]])
+        )
+    in_attention = [
+        r
+        for r in explanation.break_reasons
+        if any("hf_qknorm" in frame.filename or "Attention" in frame.name for frame in r.user_stack)
+    ]
+    assert in_attention == [], [r.reason for r in in_attention]
+    if "cap" in scheme:  # the capped decoding step was traced through the lean path
+        assert calls
+    if cache_kind == "static":
+        assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
+
+
+@pytest.mark.parametrize("scheme", ["qk_norm_cap", "soft_cap"])
+def test_compiled_static_cache_decoding_matches_eager(scheme):
+    """A decoding loop through ``torch.compile(fullgraph=True)`` with a static cache runs and gives eager's logits."""
+    eager = _patched(scheme)
+    compiled_model = _patched(scheme)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    ids = _prompt()
+    caches = [StaticCache(config=eager.config, max_cache_len=24) for _ in range(2)]
+    with torch.no_grad():
+        logits = [
+            m(ids, past_key_values=c, use_cache=True).logits[:, -1:] for m, c in zip((eager, compiled_model), caches)
+        ]
+        torch.testing.assert_close(logits[1], logits[0])
+        nxt = logits[0].argmax(-1)
+        for step in range(4):
+            pos = torch.tensor([ids.shape[1] + step])
+            a = eager(nxt, past_key_values=caches[0], use_cache=True, cache_position=pos).logits
+            b = compiled(nxt, past_key_values=caches[1], use_cache=True, cache_position=pos).logits
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            nxt = a.argmax(-1)
