@@ -50,7 +50,9 @@ def parse_args(argv=None):
         help="heal tokens per layer to compare; 0: no healing (default: 0 and the library's default)",
     )
     p.add_argument("--heal-lr", type=float, default=None, help="heal step size (default: the library's)")
+    p.add_argument("--heal-inputs", default=None, help="original or converted (default: the library's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared machine)")
+    p.add_argument("--log", action="store_true", help="the conversion's progress lines on stderr")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSONL file the rows are appended to")
     p.add_argument("--no-save", action="store_true", help="do not append to the results file")
     p.add_argument("--table", action="store_true", help="print the table of the rows in --results and exit")
@@ -65,7 +67,7 @@ def _shakespeare(tokenizer, settings):
     return text_blocks(held, tokenizer, settings.block_len, settings.eval_blocks, "Tiny Shakespeare")
 
 
-def run_case(src: Path, scheme: str, norm: str, tokens: int | None, lr: float | None, threads: int) -> dict:
+def run_case(src: Path, scheme: str, norm: str, tokens, lr, inputs, threads: int, log: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -77,7 +79,7 @@ def run_case(src: Path, scheme: str, norm: str, tokens: int | None, lr: float | 
     settings = CalibrationSettings(threads=threads)
     heal = None
     if tokens != 0:
-        given = {k: v for k, v in (("tokens", tokens), ("lr", lr)) if v is not None}
+        given = {k: v for k, v in (("tokens", tokens), ("lr", lr), ("inputs", inputs)) if v is not None}
         heal = HealSettings(**given)
     tokenizer = AutoTokenizer.from_pretrained(src)
     blocks = _shakespeare(tokenizer, settings)
@@ -90,7 +92,7 @@ def run_case(src: Path, scheme: str, norm: str, tokens: int | None, lr: float | 
             calibration=settings,
             heal=heal,
             calibration_text="wikitext2",
-            progress=False,
+            progress=log,
             log=lambda *a: None,
         )
         seconds = time.time() - t0
@@ -160,6 +162,10 @@ def main(argv=None) -> None:
     if args.src.resolve() == DEFAULT_OUT.resolve():
         build(args.src)
     torch.set_num_threads(args.threads)
+    if args.log:
+        from hf_qknorm.conversion.progress import show_progress_logs
+
+        show_progress_logs()
     tokenizer = AutoTokenizer.from_pretrained(args.src)
     original = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.float32).eval()
     shakespeare_original = perplexity(original, _shakespeare(tokenizer, CalibrationSettings()), batch_size=4)
@@ -179,7 +185,8 @@ def main(argv=None) -> None:
     for case in args.cases:
         scheme, norm = case.split(":")
         for tokens in args.heal_tokens:
-            row = {**run_case(args.src, scheme, norm, tokens, args.heal_lr, args.threads), **meta}
+            row = run_case(args.src, scheme, norm, tokens, args.heal_lr, args.heal_inputs, args.threads, args.log)
+            row.update(meta)
             row["shakespeare_original"] = shakespeare_original
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
