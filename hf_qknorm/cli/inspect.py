@@ -66,12 +66,16 @@ def expected_norms(cfg: dict) -> tuple[str, dict[tuple[int, str], list[int]]] | 
     """``(what, {(layer, "q_norm.weight"): shape})``: the norm tensors a folder with config ``cfg`` must hold (a
     ``qknorm_<base>`` folder: its scheme's; a plain Qwen3: its own q/k norms); ``None`` when nothing is known (a plain
     folder of another family, or sizes config.json does not give)."""
-    from ..portable.families import FAMILIES, base_model_type
+    from ..modeling.derive import get_family
+    from ..portable.families import base_model_type
     from ..portable.names import PREFIX
     from ..portable.norms import make_norm
     from ..portable.schemes import QKNormConfig
 
-    family = FAMILIES.get(base_model_type(cfg.get("model_type")))
+    try:
+        family = get_family(base_model_type(cfg.get("model_type")))
+    except ValueError:
+        family = None
     settings = cfg.get("qknorm")
     patched = str(cfg.get("model_type", "")).startswith(PREFIX)
     if family is None or (not patched and not family.native_qk_norm):

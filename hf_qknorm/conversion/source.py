@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..modeling.saved import read_config
-from ..portable.families import Family, get_family
+from ..modeling.derive import get_family
+from ..portable.families import Family, UnsupportedModelError
 from ..portable.names import PREFIX
 from .shards import SourceWeights, check_matches_config, read_source_weights
 
@@ -55,6 +56,11 @@ def _download(repo_id: str) -> Path:
         ) from exc
 
 
+# The model types convert calibrates and verifies: their checkpoint layout, the calibration's projection split and
+# the float64 verifier of the written folder are spelled out for them (hf_qknorm/verification/layers.py).
+CONVERTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+
 def inspect_source(src) -> Source:
     """Load and check the source's config and weight files (nothing heavy is read)."""
     from transformers import AutoConfig
@@ -64,7 +70,6 @@ def inspect_source(src) -> Source:
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type.startswith(PREFIX) or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")
-    family = get_family(model_type)
     archs = raw.get("architectures") or []
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise ValueError(
@@ -72,6 +77,13 @@ def inspect_source(src) -> Source:
             "hf_qknorm converts *ForCausalLM / *LMHeadModel checkpoints"
         )
     config = AutoConfig.from_pretrained(path)
+    family = get_family(config)
+    if family.model_type not in CONVERTED_TYPES:
+        raise UnsupportedModelError(
+            f"convert calibrates and verifies model types {', '.join(CONVERTED_TYPES)}; model type "
+            f"{family.model_type!r} is patched by hf_qknorm.patch_model (then save_pretrained writes a folder that "
+            "loads with or without the plugin), but not converted"
+        )
     weights = read_source_weights(path, family)
     check_matches_config(weights, config)
     return Source(path=path, name=name, config=config, family=family, weights=weights)

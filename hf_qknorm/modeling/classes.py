@@ -1,17 +1,22 @@
-"""The ``qknorm_<base>`` config and model classes of the plugin, registered with the Auto classes.
+"""The ``qknorm_<base>`` config and model classes of the plugin, registered with the Auto classes on first use.
 
 A patched model's config becomes ``QKNorm<Base>Config`` (``model_type`` ``qknorm_<base>``) carrying the scheme as
 ``config.qknorm``; ``save_pretrained`` writes both to ``config.json`` together with the remote code that loads the
 folder without the plugin (:mod:`.remote`). After ``import hf_qknorm``, ``AutoModelFor*.from_pretrained(folder)``
 builds ``QKNorm<Head>`` -- the base head class, patched in ``__init__`` from ``config.qknorm`` -- for every head class
-the family has (causal LM, base model, sequence and token classification, question answering). Without the plugin
-Transformers asks for ``trust_remote_code=True`` and then loads the shipped code; it never loads the folder as the
-unpatched base model.
+the base model type has (causal LM, base model, sequence and token classification, question answering). Without the
+plugin Transformers asks for ``trust_remote_code=True`` and then loads the shipped code; it never loads the folder as
+the unpatched base model.
+
+Classes are made when first needed, for any model type: :func:`register_auto_classes` puts a mapping into
+``AutoConfig``'s registry that makes ``QKNorm<Base>Config`` (and registers its model classes) the first time
+Transformers looks up ``qknorm_<base>``, so importing the plugin imports no model code.
 """
 
 from __future__ import annotations
 
-from ..portable.families import FAMILIES, family_of_config
+from ..portable.families import base_model_type
+from ..portable.names import PREFIX
 from ..portable.schemes import QKNormConfig
 from ..portable.structure import AUTO_HEADS, make_config_class, make_model_class
 
@@ -40,17 +45,29 @@ def _saving_remote_code(cls: type):
 
 
 def config_class(model_type: str) -> type:
-    """``QKNorm<Base>Config`` for base ``model_type`` (created once, registered with ``AutoConfig``)."""
+    """``QKNorm<Base>Config`` for base ``model_type`` (created once, with its model classes registered)."""
     if model_type not in _CONFIGS:
-        from transformers import AutoConfig
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        cls = make_config_class(CONFIG_MAPPING[model_type], model_type, __name__)
+        base = CONFIG_MAPPING[model_type]
+        cls = make_config_class(base, model_type, __name__)
         cls.save_pretrained = _saving_remote_code(cls)
         globals()[cls.__name__] = cls  # importable by name, so pickling and copying work
-        AutoConfig.register(cls.model_type, cls, exist_ok=True)
         _CONFIGS[model_type] = cls
+        _register_heads(cls, base, model_type)
     return _CONFIGS[model_type]
+
+
+def _register_heads(cls: type, base_cfg: type, model_type: str) -> None:
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    for auto_name, mapping_name in AUTO_HEADS:
+        mapping = getattr(modeling_auto, mapping_name)
+        if base_cfg in mapping:
+            head = mapping[base_cfg]
+            if isinstance(head, type):
+                getattr(transformers, auto_name).register(cls, model_class(head, model_type), exist_ok=True)
 
 
 def model_class(base_cls: type, model_type: str) -> type:
@@ -62,23 +79,59 @@ def model_class(base_cls: type, model_type: str) -> type:
     return _MODELS[base_cls]
 
 
+def __getattr__(name: str):
+    """``QKNorm<Base>Config`` / ``QKNorm<Head>`` by name (unpickling a patched model in a fresh process)."""
+    from ..portable.names import CLASS_PREFIX
+
+    if name.startswith(CLASS_PREFIX):
+        from transformers.models.auto import modeling_auto
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+        base = name[len(CLASS_PREFIX) :]
+        for model_type, class_name in CONFIG_MAPPING_NAMES.items():
+            if class_name == base:
+                return config_class(model_type)
+        for _auto, mapping_name in AUTO_HEADS:
+            for model_type, class_name in getattr(modeling_auto, mapping_name + "_NAMES").items():
+                if class_name == base:
+                    return model_class(getattr(modeling_auto, mapping_name)[CONFIG_MAPPING[model_type]], model_type)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def mark_patched(config, cfg: QKNormConfig) -> None:
     """Record the scheme on a model's (own) config and make it a ``QKNorm<Base>Config``."""
-    config.__class__ = config_class(family_of_config(config).model_type)
+    config.__class__ = config_class(base_model_type(config.model_type))
     config.qknorm = cfg.to_dict()
 
 
+class _PatchedConfigs(dict):
+    """``AutoConfig``'s registry of extra model types, which also knows every ``qknorm_<base>`` whose base
+    Transformers knows: looking one up makes its classes (:func:`config_class`)."""
+
+    def _known(self, key) -> bool:
+        if not isinstance(key, str) or not key.startswith(PREFIX):
+            return False
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        return base_model_type(key) in CONFIG_MAPPING_NAMES
+
+    def __contains__(self, key) -> bool:
+        return dict.__contains__(self, key) or self._known(key)
+
+    def __getitem__(self, key):
+        if not dict.__contains__(self, key) and self._known(key):
+            config_class(base_model_type(key))
+            dict.__setitem__(self, key, _CONFIGS[base_model_type(key)])
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
 def register_auto_classes() -> None:
-    """Register ``qknorm_<base>`` with ``AutoConfig`` and every Auto model class of :data:`AUTO_HEADS`."""
-    import transformers
-    from transformers.models.auto import modeling_auto
+    """Make ``AutoConfig`` (and through it the Auto model classes) know every ``qknorm_<base>`` model type."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    for model_type in FAMILIES:
-        cfg_cls, base_cfg = config_class(model_type), CONFIG_MAPPING[model_type]
-        for auto_name, mapping_name in AUTO_HEADS:
-            mapping = getattr(modeling_auto, mapping_name)
-            if base_cfg in mapping:
-                getattr(transformers, auto_name).register(
-                    cfg_cls, model_class(mapping[base_cfg], model_type), exist_ok=True
-                )
+    extra = CONFIG_MAPPING._extra_content
+    if not isinstance(extra, _PatchedConfigs):
+        CONFIG_MAPPING._extra_content = _PatchedConfigs(extra)

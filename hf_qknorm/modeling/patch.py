@@ -15,8 +15,9 @@ from torch import nn
 from ..portable.layout import unwrap
 from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import QKNormConfig
-from ..portable.structure import apply_scheme, own_config, plan_scheme
+from ..portable.structure import fold_prenorms, install_scheme, own_config, plan_scheme, uninstall_scheme
 from .classes import mark_patched
+from .selfcheck import self_check
 from .sharding import refuse_distributed
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,9 @@ def patch_model(
     """Patch every attention layer of ``model`` with ``scheme``; returns the same (patched) model.
 
     Args:
-        model: a loaded Llama, Mistral, Qwen2, Qwen3 or GPT-2 model (any head class: ``*ForCausalLM``, the base
-            model, sequence/token classification, question answering), in any dtype, optionally wrapped by
+        model: a loaded decoder-only Transformers model of any model type ``hf-qknorm coverage`` lists as patched
+            (any head class: ``*ForCausalLM``, the base model, sequence/token classification, question
+            answering), in any dtype, optionally wrapped by
             ``peft`` or ``torch.compile``; not yet wrapped by DDP or sharded (FSDP2, tensor parallelism): patch
             first, then wrap or shard, so that the new norms are synchronised like every other parameter.
         scheme: ``"qk_norm"``, ``"soft_cap"``, ``"qk_norm_cap"`` or ``"qkv_norm"`` -- or a :class:`QKNormConfig`
@@ -47,15 +49,24 @@ def patch_model(
 
     New norm weights start as identity (weight 1, bias 0); ``l2``/``lp`` start their logit scale at Henry et al.'s
     ``log2(L^2 - L)`` for the model's context length ``L``. ``qkv_norm`` removes the pre-attention norm and folds
-    its gain (and bias) into the projections that read it. A capped scheme moves a model on ``eager``/``sdpa``
+    its gain (and bias) into the projections that read it. Before the patch is kept, a probe forward on a few
+    tokens checks that the scheme reaches the attention backend exactly (:mod:`.selfcheck`); a model on which it
+    would not is refused with :class:`~hf_qknorm.UnsupportedModelError` and left as it was. A capped scheme moves a model on ``eager``/``sdpa``
     (which cannot cap) to the ``"qknorm"`` attention implementation; any other backend is refused.
     """
     cfg = _resolve_config(scheme, norm=norm, softcap=softcap, eps=eps, p=p)
     refuse_distributed(model)  # patch first, then wrap or shard: DDP/FSDP would not sync the norms added here
     target = unwrap(model)
-    plan = plan_scheme(target, cfg)  # every check happens here, before anything changes
-    own_config(target)
-    apply_scheme(target, plan)
+    plan = plan_scheme(target, cfg)  # every check that needs no forward happens here, before anything changes
+    old_config = own_config(target)
+    replaced = install_scheme(target, plan)
+    try:
+        self_check(target, plan)  # a probe forward: the scheme reaches the backend exactly, or the patch is undone
+    except BaseException:
+        uninstall_scheme(plan, replaced)
+        own_config(target, old_config)
+        raise
+    fold_prenorms(plan)
     mark_patched(target.config, plan.cfg)
     if plan.switch_backend:
         logger.info(

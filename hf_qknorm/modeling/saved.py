@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..portable.families import check_saved_model_type
+from ..portable.families import base_model_type
+from ..portable.names import PREFIX
 
 _JSON_TYPES = {list: "array (list)", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
@@ -33,3 +34,19 @@ def read_config(folder) -> dict:
         raise ValueError(f"{path} is not a model config: a JSON {kind}, not an object")
     check_saved_model_type(raw.get("model_type", ""), path)
     return raw
+
+
+def check_saved_model_type(model_type, where) -> None:
+    """A ``qknorm_<base>`` model type whose base this Transformers does not know -- a folder written with a newer
+    Transformers, or edited -- named in one line (Transformers would otherwise look for remote code and ask on
+    stdin)."""
+    model_type = str(model_type)
+    if not model_type.startswith(PREFIX):
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if base_model_type(model_type) not in CONFIG_MAPPING_NAMES:
+        raise ValueError(
+            f"{where}: model_type {model_type!r} names a base model type this Transformers does not know "
+            f"({base_model_type(model_type)!r}); was it written with a newer Transformers?"
+        )

@@ -1,12 +1,22 @@
-"""Per-family facts, as data: one row per supported ``model_type``.
+"""What patching needs to know about a model, derived from the model itself.
 
-Adding a family is one row here plus one case in ``tests/_support/tiny_models.py``. Nothing else in the package knows a
-model family by name. This module imports nothing but the standard library: it is also copied into exported folders.
+There is no table of supported families. :func:`derive_family` reads a model's module tree -- the list of decoder
+blocks, the attention module of a block, its q/k/v projections (separate or fused), its output projection, the
+pre-attention norm and any q/k norm the model already has -- and its config's names for the norm epsilon and the
+context length. What cannot be read off the structure is a :data:`QUIRKS` entry, keyed by ``model_type``: the head
+layout of a fused projection, or a reason to refuse. Structure alone never makes a patch exact: after a patch is
+installed, :mod:`hf_qknorm.modeling.selfcheck` runs a probe forward and refuses a model on which the scheme does not
+reach the attention backend exactly (a model type nobody has tried included).
+
+This module imports nothing but the standard library, ``torch`` and its siblings: it is also copied into exported
+folders, where it derives the family of the model being loaded the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from torch import nn
 
 from .names import PREFIX
 from .schemes import check_eps
@@ -14,35 +24,66 @@ from .schemes import check_eps
 DEFAULT_EPS = 1e-6  # a new norm's epsilon when neither the scheme nor the model's config states one
 DEFAULT_TRAINING_LENGTH = 2048  # the context length assumed when a config states none (Llama's original length)
 
+# Names the attention modules of Transformers' decoders give their parts, in order of preference.
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+SEPARATE_NAMES = (("q_proj", "k_proj", "v_proj"),)
+FUSED_NAMES = ("qkv_proj", "c_attn", "query_key_value", "Wqkv")
+OUT_NAMES = ("o_proj", "c_proj", "dense", "out_proj")
+PRENORM_NAMES = ("input_layernorm", "ln_1", "attention_norm", "ln_attn", "self_attn_layer_norm", "norm_1")
+FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
+NATIVE_NORM_NAMES = {"q": ("q_norm", "q_layernorm"), "k": ("k_norm", "k_layernorm")}
+EPS_ATTRS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", "norm_epsilon")
+MAX_LEN_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+CONCAT, PER_HEAD = "concat", "per_head"  # layouts of a fused q/k/v projection's output
+
+# What the structure does not say. ``layout``: a fused projection's output is per head ``[q_h k_h v_h]`` rather
+# than ``[q | k | v]``; ``refuse``: a reason no probe can see (the model would compute something else silently).
+QUIRKS: dict[str, dict] = {
+    "gpt_neox": {"layout": PER_HEAD},
+    "gpt_neox_japanese": {"layout": PER_HEAD},
+    "persimmon": {"layout": PER_HEAD},
+    "fuyu": {"layout": PER_HEAD},
+    "codegen": {"refuse": "its fused qkv_proj interleaves q, k and v over model-parallel groups"},
+    "olmo": {"refuse_if": ("clip_qkv", "clamps q, k and v after the projections (config.clip_qkv)")},
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A model hf_qknorm cannot patch exactly, with the reason (one line, naming the model type)."""
+
 
 @dataclass(frozen=True)
 class Family:
-    """What :func:`hf_qknorm.patch_model` needs to know about one model family.
+    """What :func:`hf_qknorm.patch_model` needs to know about a model, read off its structure.
 
     Attributes:
-        model_type: the ``config.model_type`` of the family.
-        attention_class: class name of the attention module (checked before patching).
+        model_type: the (base) ``config.model_type``.
+        attention_class: class name of the attention module.
         layers: dotted path from the ``*ForCausalLM`` module to the list of decoder blocks.
         attention: attribute of a decoder block holding the attention module.
-        prenorm: attribute of a decoder block holding the pre-attention norm (removed by ``qkv_norm``).
+        prenorm: attribute of a decoder block holding the pre-attention norm (removed by ``qkv_norm``), or ``None``.
         q_proj, k_proj, v_proj: projection attributes of the attention module; ``None`` when fused into ``qkv_proj``.
         qkv_proj: the fused projection attribute (GPT-2's ``c_attn``), or ``None``.
         out_proj: the output projection attribute.
-        conv1d: projections are ``transformers.Conv1D`` (weight ``(in, out)``) rather than ``nn.Linear`` (``(out,
-        in)``).
-        rope: the family rotates q and k with RoPE (the norm goes before it).
-        native_qk_norm: the family already has ``q_norm``/``k_norm`` (Qwen3's per-head RMSNorm).
-        eps_attr: config attribute holding the model's own norm epsilon.
-        max_len_attr: config attribute holding the training context length.
+        conv1d: projections are ``transformers.Conv1D`` (weight ``(in, out)``) rather than ``nn.Linear``.
+        rope: the model rotates q and k with RoPE.
+        native: role -> attribute of a q/k norm the model already has and calls on each head before RoPE (Qwen3's
+            ``q_norm``); the scheme's norm takes its place.
+        kept: role -> attribute of a q/k norm the model already has over the whole projection (OLMo 2's): it is
+            kept, and the scheme's per-head norm is applied to its output.
+        fused_layout: :data:`CONCAT` or :data:`PER_HEAD` for a fused projection, else ``None``.
+        eps_attr: config attribute holding the model's own norm epsilon (``None``: the pre-norm's own).
+        max_len_attr: config attribute holding the training context length, or ``None``.
         final_norm: attribute of the base model holding the norm applied before the output head.
-        base_model_attr: attribute of the ``*ForCausalLM`` holding the base model (used to name save classes).
+        prenorm_eps: the pre-attention norm's epsilon, where the config states none.
     """
 
     model_type: str
     attention_class: str
     layers: str
     attention: str
-    prenorm: str
+    prenorm: str | None
     q_proj: str | None
     k_proj: str | None
     v_proj: str | None
@@ -50,14 +91,22 @@ class Family:
     out_proj: str
     conv1d: bool
     rope: bool
-    native_qk_norm: bool
-    eps_attr: str
-    max_len_attr: str
+    native: dict = field(default_factory=dict)
+    kept: dict = field(default_factory=dict)
+    fused_layout: str | None = None
+    eps_attr: str | None = None
+    max_len_attr: str | None = None
     final_norm: str = "norm"
+    prenorm_eps: float | None = None
 
     @property
     def fused_qkv(self) -> bool:
         return self.qkv_proj is not None
+
+    @property
+    def native_qk_norm(self) -> bool:
+        """The model already normalises q and k per head (Qwen3): the scheme's norms take their place."""
+        return bool(self.native)
 
     @property
     def projections(self) -> dict[str, str]:
@@ -70,65 +119,29 @@ class Family:
     def patched_model_type(self) -> str:
         return PREFIX + self.model_type
 
+    def norm_slot(self, role: str) -> str:
+        """The attention module's attribute holding the scheme's norm for ``role``: the native one it replaces, or
+        ``q_norm``/``k_norm``/``v_norm``; a model that keeps its own whole-projection norm gets ``qknorm_q_norm``."""
+        if role in self.native:
+            return self.native[role]
+        return f"qknorm_{role}_norm" if role in self.kept else f"{role}_norm"
+
     def norm_eps(self, config, hint: str = "") -> float:
         """The model's own norm epsilon: what a new norm uses unless the scheme states one. A value no norm can use
         (not finite, below float32's smallest normal) is refused, naming the config attribute (``hint`` adds how to
         override it)."""
-        value = getattr(config, self.eps_attr, None)
-        return check_eps(DEFAULT_EPS if value is None else value, f" (the model's own {self.eps_attr}{hint})")
+        value = getattr(config, self.eps_attr, None) if self.eps_attr else None
+        if value is None:
+            value = self.prenorm_eps
+        where = f"the model's own {self.eps_attr or 'pre-attention norm epsilon'}{hint}"
+        return check_eps(DEFAULT_EPS if value is None else value, f" ({where})")
 
     def training_length(self, config) -> int:
         """The context length the model was trained for, which sets the ``l2``/``lp`` logit scale's start (Henry
         et al.); :data:`DEFAULT_TRAINING_LENGTH` when the config states none. Patching and conversion both ask
         here, so a patched model and a converted one of the same settings start from the same norms."""
-        value = getattr(config, self.max_len_attr, None)
+        value = getattr(config, self.max_len_attr, None) if self.max_len_attr else None
         return int(DEFAULT_TRAINING_LENGTH if value is None else value)
-
-
-def _rope_family(model_type: str, attention_class: str, native_qk_norm: bool = False) -> Family:
-    return Family(
-        model_type=model_type,
-        attention_class=attention_class,
-        layers="model.layers",
-        attention="self_attn",
-        prenorm="input_layernorm",
-        q_proj="q_proj",
-        k_proj="k_proj",
-        v_proj="v_proj",
-        qkv_proj=None,
-        out_proj="o_proj",
-        conv1d=False,
-        rope=True,
-        native_qk_norm=native_qk_norm,
-        eps_attr="rms_norm_eps",
-        max_len_attr="max_position_embeddings",
-    )
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": _rope_family("llama", "LlamaAttention"),
-    "mistral": _rope_family("mistral", "MistralAttention"),
-    "qwen2": _rope_family("qwen2", "Qwen2Attention"),
-    "qwen3": _rope_family("qwen3", "Qwen3Attention", native_qk_norm=True),
-    "gpt2": Family(
-        model_type="gpt2",
-        attention_class="GPT2Attention",
-        layers="transformer.h",
-        attention="attn",
-        prenorm="ln_1",
-        q_proj=None,
-        k_proj=None,
-        v_proj=None,
-        qkv_proj="c_attn",
-        out_proj="c_proj",
-        conv1d=True,
-        rope=False,
-        native_qk_norm=False,
-        eps_attr="layer_norm_epsilon",
-        max_len_attr="n_positions",
-        final_norm="ln_f",
-    ),
-}
 
 
 def base_model_type(model_type) -> str:
@@ -137,28 +150,179 @@ def base_model_type(model_type) -> str:
     return model_type[len(PREFIX) :] if model_type.startswith(PREFIX) else model_type
 
 
-def check_saved_model_type(model_type, where) -> None:
-    """A ``qknorm_<base>`` model type whose base this version has no family for -- a folder written by a newer
-    hf_qknorm, or edited -- named in one line (Transformers would otherwise look for remote code and ask on stdin)."""
-    model_type = str(model_type)
-    if model_type.startswith(PREFIX) and base_model_type(model_type) not in FAMILIES:
-        raise ValueError(
-            f"{where}: model_type {model_type!r} names no family this hf_qknorm knows (it knows "
-            f"{', '.join(PREFIX + f for f in sorted(FAMILIES))}); was it written by a newer hf_qknorm?"
+def _first(obj, names):
+    return next((n for n in names if isinstance(getattr(obj, n, None), nn.Module)), None)
+
+
+def _is_projection(module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D" or hasattr(module, "base_layer")
+
+
+def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList, str]:
+    """``(path, blocks, attention attribute)`` of the one list of decoder blocks whose members hold an attention
+    module with q/k/v projections; refuses a model with none, or with several (a hybrid or multimodal stack)."""
+    found = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or not len(module):
+            continue
+        attrs = {_first(block, ATTENTION_NAMES) for block in module}
+        attrs.discard(None)
+        if attrs and all(_attention_parts(getattr(b, a, None)) for b in module for a in attrs if hasattr(b, a)):
+            found.append((path, module, attrs))
+    model_type = getattr(model.config, "model_type", "?")
+    if not found:
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: no list of decoder blocks with a softmax self-attention module "
+            "(q/k/v projections) was found"
         )
+    if len(found) > 1:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has several stacks of attention blocks ({', '.join(f[0] for f in found)}); "
+            "hf_qknorm patches decoder-only models with one stack"
+        )
+    path, blocks, attrs = found[0]
+    if len(attrs) > 1 or not all(isinstance(getattr(b, next(iter(attrs)), None), nn.Module) for b in blocks):
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has blocks without self-attention (a hybrid model: some layers are "
+            "recurrent, state-space or linear attention)"
+        )
+    return path, blocks, next(iter(attrs))
 
 
-def family_of_config(config) -> Family:
-    """The row of a (possibly patched) model's config."""
-    return get_family(base_model_type(getattr(config, "model_type", None)))
+def _attention_parts(attn) -> dict | None:
+    """The projections of an attention module, or ``None`` when it has no recognisable q/k/v projections."""
+    if attn is None:
+        return None
+    for names in SEPARATE_NAMES:
+        if all(_is_projection(getattr(attn, n, None)) for n in names):
+            return {"separate": names}
+    fused = next((n for n in FUSED_NAMES if _is_projection(getattr(attn, n, None))), None)
+    return {"fused": fused} if fused else None
 
 
-def get_family(model_type: str) -> Family:
-    """The row for ``model_type``, or a ``ValueError`` naming the supported families."""
-    try:
-        return FAMILIES[model_type]
-    except KeyError:
-        raise ValueError(
-            f"unsupported model family {model_type!r}; hf_qknorm supports: {', '.join(sorted(FAMILIES))}. "
-            "Adding a family is one row in hf_qknorm/portable/families.py."
-        ) from None
+def derive_family(model: nn.Module) -> Family:
+    """The :class:`Family` of ``model`` (an unwrapped Transformers model, any head class, any device including
+    ``meta``), read off its module tree and config; raises :class:`UnsupportedModelError` naming the model type
+    and what is missing."""
+    config = model.config
+    model_type = base_model_type(getattr(config, "model_type", "?"))
+    quirk = QUIRKS.get(model_type, {})
+    if "refuse" in quirk:
+        raise UnsupportedModelError(f"model type {model_type!r}: {quirk['refuse']}")
+    if "refuse_if" in quirk and getattr(config, quirk["refuse_if"][0], None):
+        raise UnsupportedModelError(f"model type {model_type!r}: {quirk['refuse_if'][1]}")
+    path, blocks, attention = _blocks(model)
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and getattr(model, "base_model", None) is model:
+        path = f"{prefix}.{path}"  # a bare base model: name the blocks as the head model does
+    block = blocks[0]
+    attn = getattr(block, attention)
+    for other in blocks:
+        if type(getattr(other, attention)) is not type(attn):
+            raise UnsupportedModelError(
+                f"model type {model_type!r} mixes attention classes across layers "
+                f"({type(attn).__name__}, {type(getattr(other, attention)).__name__})"
+            )
+    parts = _attention_parts(attn)
+    out_proj = _first(attn, OUT_NAMES)
+    if out_proj is None:
+        raise UnsupportedModelError(f"model type {model_type!r}: no output projection in {type(attn).__name__}")
+    separate = parts.get("separate") or (None, None, None)
+    fused = parts.get("fused")
+    anchor = getattr(attn, fused or separate[0])
+    native, kept = {}, {}
+    for role, names in NATIVE_NORM_NAMES.items():
+        name = _first(attn, names)
+        if name is None:
+            continue
+        weight = getattr(getattr(attn, name), "weight", None)
+        width = None if weight is None else weight.shape[-1]
+        if width is not None and width != head_dim_of(attn, config):
+            kept[role] = name  # over the whole projection (OLMo 2): kept, the scheme's norm goes after it
+        else:
+            native[role] = name
+    if fused and kept:
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: a fused q/k/v projection with a q/k norm over the whole projection"
+        )
+    prenorm = _first(block, PRENORM_NAMES)
+    base = getattr(model, prefix, model) if prefix else model
+    eps_attr = next((a for a in EPS_ATTRS if isinstance(getattr(config, a, None), (int, float))), None)
+    prenorm_eps = None
+    if prenorm is not None:
+        module = getattr(block, prenorm)
+        prenorm_eps = next(
+            (float(v) for v in (getattr(module, a, None) for a in ("eps", "variance_epsilon")) if v is not None),
+            None,
+        )
+    return Family(
+        model_type=model_type,
+        attention_class=type(attn).__name__,
+        layers=path,
+        attention=attention,
+        prenorm=prenorm,
+        q_proj=separate[0],
+        k_proj=separate[1],
+        v_proj=separate[2],
+        qkv_proj=fused,
+        out_proj=out_proj,
+        conv1d=type(getattr(anchor, "base_layer", anchor)).__name__ == "Conv1D",
+        rope=any(n.endswith("rotary_emb") for n, _ in model.named_modules()),
+        native=native,
+        kept=kept,
+        fused_layout=(quirk.get("layout", CONCAT) if fused else None),
+        eps_attr=eps_attr,
+        max_len_attr=next((a for a in MAX_LEN_ATTRS if isinstance(getattr(config, a, None), int)), None),
+        final_norm=_first(base, FINAL_NORM_NAMES) or "norm",
+        prenorm_eps=prenorm_eps,
+    )
+
+
+def head_dim_of(attn: nn.Module, config) -> int:
+    """The per-head width of an attention module: its own ``head_dim``, the config's, or hidden size / heads."""
+    for value in (getattr(attn, "head_dim", None), getattr(config, "head_dim", None)):
+        if isinstance(value, int) and value > 0:
+            return value
+    heads = heads_of(attn, config)[0]
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    return int(hidden) // heads
+
+
+def heads_of(attn: nn.Module, config) -> tuple[int, int]:
+    """``(query heads, key/value heads)`` of an attention module, for the whole model (not one rank's share)."""
+    heads = None
+    for name in ("num_attention_heads", "n_head", "num_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            heads = value
+            break
+    heads = heads or getattr(attn, "num_heads", None) or getattr(attn, "num_attention_heads", None)
+    if getattr(config, "multi_query", False):
+        return int(heads), 1
+    kv = getattr(config, "num_key_value_heads", None) or getattr(attn, "num_key_value_heads", None) or heads
+    return int(heads), int(kv)
+
+
+def family_of_model(model: nn.Module) -> Family:
+    """The family of an unwrapped model, derived once and kept on the model."""
+    cached = model.__dict__.get("_qknorm_family")
+    if cached is None:
+        cached = derive_family(model)
+        model.__dict__["_qknorm_family"] = cached
+    return cached
+
+
+def out_of_scope(config) -> str | None:
+    """Why a config's model is outside what hf_qknorm patches (decoder-only, softmax attention, text), or ``None``."""
+    model_type = base_model_type(getattr(config, "model_type", "?"))
+    if getattr(config, "is_encoder_decoder", False):
+        return f"model type {model_type!r} is an encoder-decoder model; hf_qknorm patches decoder-only models"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        return (
+            f"model type {model_type!r} is a multimodal model; patch its text model type "
+            f"({getattr(text, 'model_type', '?')!r}) instead"
+        )
+    if getattr(config, "is_decoder", True) is False and "bert" in model_type:
+        return f"model type {model_type!r} is an encoder model; hf_qknorm patches decoder-only models"
+    return None

@@ -33,17 +33,37 @@ _ATTENTION_CLASSES: dict[type, type] = {}
 
 
 def _norm_heads(attn: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
-    """``attn.<role>_norm`` over the last dim of ``x`` ``(..., heads * head_dim)``; returns the same shape."""
-    norm = getattr(attn, f"{role}_norm")
-    return norm(x.view(*x.shape[:-1], -1, attn.head_dim)).view(x.shape)
+    """The scheme's norm for ``role`` over each head of ``x`` ``(..., heads * head_dim)``; returns the same shape."""
+    norm = getattr(attn, attn.__dict__["_qknorm_norms"][role])
+    return norm(x.view(*x.shape[:-1], -1, attn.__dict__["_qknorm_shape"][0])).view(x.shape)
+
+
+def _fused(attn: nn.Module, roles: tuple[str, ...], output: torch.Tensor) -> torch.Tensor:
+    """Normalise the parts named by ``roles`` of a fused q/k/v projection's output. ``concat``: ``[q | k | v]``
+    with ``heads`` query and ``kv_heads`` key/value heads (GPT-2, Phi-3 under GQA, GPT-BigCode's multi-query);
+    ``per_head``: ``[q_h k_h v_h]`` for each head (GPT-NeoX, Persimmon)."""
+    head_dim, heads, kv_heads, layout = attn.__dict__["_qknorm_shape"]
+    if layout == "per_head":
+        per_head = output.view(*output.shape[:-1], -1, 3 * head_dim)
+        parts = per_head.split(head_dim, dim=-1)
+        normed = [_norm_role(attn, r, t) if r else t for r, t in zip(roles, parts)]
+        return torch.cat(normed, dim=-1).view(output.shape)
+    q_size = output.shape[-1] - 2 * kv_heads * head_dim
+    parts = output.split([q_size, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return torch.cat([_norm_heads(attn, r, t) if r else t for r, t in zip(roles, parts)], dim=-1)
+
+
+def _norm_role(attn: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
+    """The scheme's norm for ``role`` on ``x`` already shaped ``(..., head_dim)``."""
+    return getattr(attn, attn.__dict__["_qknorm_norms"][role])(x)
 
 
 def _projection_hook(slot: str, roles: tuple[str, ...]):
-    """Forward hook for the projection in ``slot``: normalise the output's parts named by ``roles``.
+    """Forward hook for the module in ``slot`` (a projection, or a norm the model keeps over a whole projection):
+    normalise the output's parts named by ``roles``.
 
     ``roles`` is one of ``("q",)``, ``("k",)``, ``("v",)`` for separate projections, or a triple such as
-    ``("q", "k", "")`` for a fused projection whose output is the concatenation of q, k and v (``""``: that part is
-    left as it is)."""
+    ``("q", "k", "")`` for a fused projection (``""``: that part is left as it is)."""
 
     def hook(module, args, output):
         attn = module.__dict__.get("_qknorm_owner")
@@ -52,21 +72,20 @@ def _projection_hook(slot: str, roles: tuple[str, ...]):
             return None
         if len(roles) == 1:
             return _norm_heads(attn, roles[0], output)
-        parts = output.split(output.shape[-1] // len(roles), dim=-1)
-        return torch.cat([_norm_heads(attn, r, t) if r else t for r, t in zip(roles, parts)], dim=-1)
+        return _fused(attn, roles, output)
 
     return hook
 
 
-def hook_slots(fused: str | None, separate: dict[str, str], roles: set[str]) -> dict[str, tuple[str, ...]]:
-    """Which projection slots need a hook, and for which roles.
-
-    ``fused``: the fused q/k/v projection's attribute (GPT-2's ``c_attn``) or ``None``; ``separate``: role ->
-    attribute for separate projections; ``roles``: the roles whose norm is applied by a hook (``"q"``, ``"k"``,
-    ``"v"``)."""
-    if fused is not None:
-        return {fused: tuple(r if r in roles else "" for r in ("q", "k", "v"))} if roles else {}
-    return {separate[r]: (r,) for r in ("q", "k", "v") if r in roles}
+def hook_slots(family, roles: set[str]) -> dict[str, tuple[str, ...]]:
+    """Which modules of an attention module need a hook, and for which roles: the fused projection (one hook for
+    every role), else each role's projection -- or, where the model keeps its own norm over the whole projection
+    (OLMo 2), that norm, whose output the scheme's per-head norm then takes. ``roles``: the roles whose norm is
+    applied by a hook (``"q"``, ``"k"``, ``"v"``); a role whose norm replaces a native one needs none."""
+    if family.qkv_proj is not None:
+        return {family.qkv_proj: tuple(r if r in roles else "" for r in ("q", "k", "v"))} if roles else {}
+    sources = {**family.projections, **family.kept}
+    return {sources[r]: (r,) for r in ("q", "k", "v") if r in roles}
 
 
 def _attach(attn: nn.Module, slot: str) -> None:
@@ -124,17 +143,42 @@ def is_installed(attn: nn.Module) -> bool:
     return "_qknorm_slots" in attn.__dict__
 
 
-def install(attn: nn.Module, slots: dict[str, tuple[str, ...]], softcap: float | None, scaling: float | None) -> None:
+def install(
+    attn: nn.Module,
+    slots: dict[str, tuple[str, ...]],
+    norms: dict[str, str],
+    shape: tuple[int, int, int, str | None],
+    softcap: float | None,
+    scaling: float | None,
+) -> None:
     """Make ``attn`` a patched attention module: hooks on ``slots``, its cap, and (``l2``/``lp``) its scaling.
 
-    The norm modules themselves must already be attributes of ``attn`` (``q_norm``, ``k_norm``, ``v_norm``)."""
+    ``norms``: role -> the attribute of ``attn`` holding that role's norm (already set); ``shape``: ``(head_dim,
+    heads, kv_heads, fused layout)``."""
     if is_installed(attn):
         raise RuntimeError(f"{type(attn).__name__} is already patched; its norms would be applied twice")
+    attn.__dict__["_qknorm_base_class"] = type(attn)
     attn.__class__ = attention_class(type(attn))
     attn.__dict__["_qknorm_slots"] = dict(slots)
+    attn.__dict__["_qknorm_norms"] = dict(norms)
+    attn.__dict__["_qknorm_shape"] = tuple(shape)
     attn.__dict__["_qknorm_handles"] = {}
     attn.__dict__["_qknorm_softcap"] = softcap
     if scaling is not None:  # the upstream forward passes ``scaling=self.scaling`` to the backend
+        attn.__dict__["_qknorm_old_scaling"] = getattr(attn, "scaling", None)
         attn.scaling = scaling
     for slot in slots:
         _attach(attn, slot)
+
+
+def uninstall(attn: nn.Module) -> None:
+    """Undo :func:`install` (hooks, class, cap, scaling): a patch refused after installation leaves the module as it
+    was. The norm modules are the caller's to remove."""
+    for module, handle in attn.__dict__["_qknorm_handles"].values():
+        handle.remove()
+        module.__dict__.pop("_qknorm_owner", None)
+    if "_qknorm_old_scaling" in attn.__dict__:
+        attn.scaling = attn.__dict__["_qknorm_old_scaling"]
+    attn.__class__ = attn.__dict__["_qknorm_base_class"]
+    for key in [k for k in attn.__dict__ if k.startswith("_qknorm_")]:
+        del attn.__dict__[key]

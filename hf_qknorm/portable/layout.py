@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .families import Family, family_of_config
+from .families import Family, family_of_model, heads_of
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -36,8 +36,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def family_of(model: nn.Module) -> Family:
-    """The family-table row of a (possibly patched, possibly wrapped) model."""
-    return family_of_config(unwrap(model).config)
+    """The family of a (possibly patched, possibly wrapped) model, derived from its structure."""
+    return family_of_model(unwrap(model))
 
 
 def find_layers(model: nn.Module, family: Family) -> nn.ModuleList:
@@ -69,7 +69,7 @@ def find_layers(model: nn.Module, family: Family) -> nn.ModuleList:
 def attention_modules(model: nn.Module) -> tuple[Family, list[nn.Module]]:
     """The family and every attention module of ``model`` (wrapped or not), in layer order."""
     inner = unwrap(model)
-    family = family_of_config(inner.config)
+    family = family_of_model(inner)
     return family, [getattr(block, family.attention) for block in find_layers(inner, family)]
 
 
@@ -94,9 +94,7 @@ class AttentionSite:
 
 def num_heads(attn: nn.Module, config) -> tuple[int, int]:
     """``(query heads, key/value heads)`` of an attention module (the whole model's, not one rank's share)."""
-    heads = getattr(config, "num_attention_heads", None) or attn.num_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return int(heads), int(kv)
+    return heads_of(attn, config)
 
 
 def attention_sites(model: nn.Module) -> list[AttentionSite]:

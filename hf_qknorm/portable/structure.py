@@ -15,15 +15,16 @@ This module imports nothing but ``torch`` and its siblings: it is also copied in
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .families import Family, family_of_config, get_family
-from .fold import bias_shift, fold_gain, shifted_bias
-from .hooks import hook_slots, install, is_installed
+from .families import Family, UnsupportedModelError, family_of_model, head_dim_of, heads_of
+from .fold import affine_form, bias_shift, fold_gain, shifted_bias
+from .hooks import hook_slots, install, is_installed, uninstall
 from .layout import find_layers
 from .names import ATTN_IMPLEMENTATION, CLASS_PREFIX, PREFIX
 from .norms import henry_logit_scale, init_unloaded_norms, make_norm
@@ -46,11 +47,13 @@ class Plan:
     attentions: list[nn.Module]
     logit_scale: float  # l2/lp initial logit scale
     switch_backend: bool  # a capped scheme on eager/sdpa moves to "qknorm"
+    prenorm_forms: list  # qkv_norm: (gain, bias) of each block's pre-attention norm, as ``gain * n(x) + bias``
 
 
 def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -> Plan:
-    """Check that ``cfg`` can be applied to ``model`` and say how; raises ``ValueError`` naming the problem.
-    ``loading``: the model is being built from a saved ``qknorm_<base>`` config (already marked)."""
+    """Check that ``cfg`` can be applied to ``model`` and say how; raises ``ValueError`` naming the problem
+    (:class:`UnsupportedModelError` for a model that cannot be patched exactly). ``loading``: the model is being
+    built from a saved ``qknorm_<base>`` config (already marked)."""
     config = model.config
     if not loading and (
         getattr(config, "qknorm", None) is not None or str(getattr(config, "model_type", "")).startswith(PREFIX)
@@ -59,26 +62,24 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
             f"model is already patched with {getattr(config, 'qknorm', None)!r}; "
             "patching twice is not supported: patch the original model once"
         )
-    family = get_family(getattr(config, "model_type", None)) if not loading else family_of_config(config)
+    family = family_of_model(model)
     if cfg.eps is None:
-        cfg = QKNormConfig(**{**cfg.to_dict(), "eps": family.norm_eps(config)})
-    if family.fused_qkv and getattr(config, "add_cross_attention", False):
-        raise ValueError(
-            f"this {family.model_type} model has cross-attention layers; hf_qknorm patches self-attention only"
+        cfg = dataclasses.replace(cfg, eps=family.norm_eps(config))
+    if getattr(config, "add_cross_attention", False) or getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"model type {family.model_type!r}: this model has cross-attention layers; hf_qknorm patches "
+            "self-attention only"
         )
     blocks = find_layers(model, family)
-    attentions = []
-    for i, block in enumerate(blocks):
-        attn = getattr(block, family.attention, None)
-        names = [c.__name__ for c in type(attn).__mro__] if attn is not None else []
-        if family.attention_class not in names:
-            raise ValueError(
-                f"expected {family.attention_class} at .{family.attention} of each "
-                f"{family.model_type} block, found {names[0] if names else 'nothing'} (block {i})"
+    attentions = [getattr(block, family.attention) for block in blocks]
+    forms = []
+    if cfg.removes_prenorm:
+        if family.prenorm is None:
+            raise UnsupportedModelError(
+                f"model type {family.model_type!r}: qkv_norm removes the pre-attention norm, and this model's "
+                "blocks have none that hf_qknorm recognises"
             )
-        if cfg.removes_prenorm:
-            _check_fold(block, attn, family, i)
-        attentions.append(attn)
+        forms = [_prenorm_form(block, attn, family, i, loading) for i, (block, attn) in enumerate(zip(blocks, attentions))]
     switch = False
     if cfg.caps:
         impl = getattr(config, "_attn_implementation", None)
@@ -90,30 +91,36 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
             )
         switch = impl != ATTN_IMPLEMENTATION
     if family.native_qk_norm and cfg.norms_qk and cfg.learned_logit_scale and not loading:
-        _warn_dropped_native_gain(attentions[0], cfg)
+        _warn_dropped_native_gain(attentions[0], family, cfg)
     scale = henry_logit_scale(family.training_length(config))
-    return Plan(cfg, family, blocks, attentions, scale, switch)
+    return Plan(cfg, family, blocks, attentions, scale, switch, forms)
 
 
-def _check_fold(block, attn, family: Family, index: int) -> None:
-    prenorm = getattr(block, family.prenorm, None)
-    if prenorm is None:
-        raise ValueError(f"qkv_norm removes the pre-attention norm .{family.prenorm}, which block {index} lacks")
-    if getattr(prenorm, "bias", None) is not None:
+def _prenorm_form(block, attn, family: Family, index: int, loading: bool):
+    """``(gain, bias)`` of block ``index``'s pre-attention norm (:func:`.fold.affine_form`), checked foldable."""
+    prenorm = getattr(block, family.prenorm)
+    gain, bias = affine_form(prenorm, skip_probe=loading)
+    if gain is None and bias is None and not loading:
+        raise UnsupportedModelError(
+            f"model type {family.model_type!r}: the pre-attention norm {type(prenorm).__name__} (.{family.prenorm} "
+            f"of block {index}) is not of the form gain * n(x) + bias, so qkv_norm cannot fold it"
+        )
+    if bias is not None:
         for name in _prenorm_readers(family):
             if _base(getattr(attn, name)).bias is None:
-                raise ValueError(
-                    f"cannot fold the bias of .{family.prenorm} (block {index}) into .{name}: the "
-                    "projection has no bias"
+                raise UnsupportedModelError(
+                    f"model type {family.model_type!r}: cannot fold the bias of .{family.prenorm} (block {index}) "
+                    f"into .{name}: the projection has no bias"
                 )
+    return gain, bias
 
 
-def _warn_dropped_native_gain(attn, cfg: QKNormConfig) -> None:
-    native = getattr(attn, "q_norm", None)
+def _warn_dropped_native_gain(attn, family: Family, cfg: QKNormConfig) -> None:
+    native = getattr(attn, family.native.get("q", ""), None)
     weight = getattr(native, "weight", None)
     if weight is not None and not torch.all(weight == 1):
         logger.warning(
-            "Qwen3's own per-channel q/k norm gains cannot be carried into norm %r (one scalar logit "
+            "the model's own per-channel q/k norm gains cannot be carried into norm %r (one scalar logit "
             "scale): they are replaced, so the patched model starts from different attention. Use "
             "norm='rmsnorm' or 'layernorm' to keep them.",
             cfg.norm,
@@ -123,81 +130,110 @@ def _warn_dropped_native_gain(attn, cfg: QKNormConfig) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # the structural change (also run by the qknorm_<base> classes when a saved folder is loaded)
 # --------------------------------------------------------------------------------------------------------------------
-def apply_scheme(model: nn.Module, plan: Plan) -> None:
-    """Install the scheme of ``plan`` on every attention module of ``model`` (checked by :func:`plan_scheme`)."""
+def install_scheme(model: nn.Module, plan: Plan) -> list:
+    """Install the norms, hooks, cap and scaling of ``plan`` on every attention module (reversible: see
+    :func:`uninstall_scheme`); returns what was replaced, for that. The pre-norm is removed by :func:`fold_prenorms`."""
     cfg, family = plan.cfg, plan.family
-    hooked_roles = set()
-    if cfg.norms_qk and not family.native_qk_norm:
-        hooked_roles |= {"q", "k"}  # Qwen3's forward calls its own q_norm / k_norm: no hook needed
-    if cfg.norms_v:
-        hooked_roles.add("v")
-    slots = hook_slots(family.qkv_proj, family.projections, hooked_roles)
-    for block, attn in zip(plan.blocks, plan.attentions):
+    roles = [r for r in ("q", "k", "v") if (cfg.norms_v if r == "v" else cfg.norms_qk)]
+    hooked = {r for r in roles if r not in family.native}  # a native norm's forward call needs no hook
+    slots = hook_slots(family, hooked)
+    config = model.config
+    replaced = []
+    for attn in plan.attentions:
+        head_dim = head_dim_of(attn, config)
+        heads, kv_heads = heads_of(attn, config)
         ref = _base(getattr(attn, family.qkv_proj or family.q_proj)).weight
         factory = dict(device=ref.device, dtype=ref.dtype if ref.dtype.is_floating_point else torch.float32)
-        for role in ("q", "k", "v"):
-            if role == "v" and not cfg.norms_v or role != "v" and not cfg.norms_qk:
-                continue
-            _install_norm(attn, role, cfg, family, plan.logit_scale, factory)
-        if cfg.removes_prenorm:
-            _remove_prenorm(block, attn, family)
-        install(attn, slots, cfg.softcap, 1.0 if cfg.learned_logit_scale else None)
+        norms, old = {}, {}
+        for role in roles:
+            name = family.norm_slot(role)
+            existing = attn._modules.get(name) if role in family.native else None
+            new = make_norm(cfg.norm, role, head_dim, cfg.eps, cfg.p, plan.logit_scale).to(**factory)
+            _carry_gain(existing, new)
+            old[name] = attn._modules.get(name)
+            setattr(attn, name, new)
+            norms[role] = name
+        install(attn, slots, norms, (head_dim, heads, kv_heads, family.fused_layout), cfg.softcap,
+                1.0 if cfg.learned_logit_scale else None)
+        replaced.append(old)
+    return replaced
+
+
+def uninstall_scheme(plan: Plan, replaced: list) -> None:
+    """Undo :func:`install_scheme` (a patch refused by the self-check leaves the model as it was)."""
+    for attn, old in zip(plan.attentions, replaced):
+        uninstall(attn)
+        for name, module in old.items():
+            if module is None:
+                delattr(attn, name)
+            else:
+                setattr(attn, name, module)
+
+
+def apply_scheme(model: nn.Module, plan: Plan) -> None:
+    """Install the scheme of ``plan`` on every attention module of ``model`` and remove the pre-norm for
+    ``qkv_norm`` (checked by :func:`plan_scheme`)."""
+    install_scheme(model, plan)
+    fold_prenorms(plan)
+
+
+def _carry_gain(native: nn.Module | None, new: nn.Module) -> None:
+    """A native per-head norm's gain (as ``gain * n(x)``, so Gemma's ``1 + w`` too) carried into the new norm
+    when it has a per-channel weight of the same width (``rmsnorm``: the same arithmetic, the norm is kept)."""
+    if native is None or getattr(new, "weight", None) is None:
+        return
+    gain, _ = affine_form(native, skip_probe=False)
+    if gain is not None and gain.shape == new.weight.shape:
+        with torch.no_grad():
+            new.weight.copy_(gain)
 
 
 def _base(proj: nn.Module) -> nn.Module:
     return getattr(proj, "base_layer", proj)  # peft LoRA wrapper
 
 
-def _install_norm(attn, role, cfg, family, logit_scale, factory) -> None:
-    name = f"{role}_norm"
-    # Qwen3's own q/k RMSNorm: its pretrained gain is carried over to a new norm with a per-channel weight
-    # (rmsnorm: the same arithmetic with the same weight, i.e. the norm is kept).
-    existing = getattr(attn, name, None) if family.native_qk_norm else None
-    new = make_norm(cfg.norm, role, attn.head_dim, cfg.eps, cfg.p, logit_scale).to(**factory)
-    old_weight = getattr(existing, "weight", None)
-    if old_weight is not None and getattr(new, "weight", None) is not None and new.weight.shape == old_weight.shape:
-        with torch.no_grad():
-            new.weight.copy_(old_weight)
-    setattr(attn, name, new)
-
-
 def _prenorm_readers(family: Family) -> list[str]:
     return [family.qkv_proj] if family.fused_qkv else [family.q_proj, family.k_proj, family.v_proj]
 
 
-def _remove_prenorm(block: nn.Module, attn: nn.Module, family: Family) -> None:
-    """Drop the pre-attention norm and fold its gain (and bias) into the projections reading it (the rule of
-    :mod:`hf_qknorm.portable.fold`). A ``peft`` LoRA A matrix reads the same input, so it takes the gain too."""
-    prenorm = getattr(block, family.prenorm)
-    gain, bias = getattr(prenorm, "weight", None), getattr(prenorm, "bias", None)
-    with torch.no_grad():
-        for name in _prenorm_readers(family):
-            proj = getattr(attn, name)
-            base = _base(proj)
-            lora = [(a, proj.lora_B[k], proj.scaling[k]) for k, a in getattr(proj, "lora_A", {}).items()]
-            if bias is not None:  # from the unfolded weights: W (g*n + b) = (W diag g) n + W b, LoRA's B A b too
-                shift = bias_shift(base.weight, bias, family.conv1d)
-                for lora_a, lora_b, scale in lora:
-                    shift = shift + scale * bias_shift(lora_b.weight, bias_shift(lora_a.weight, bias, False), False)
-                base.bias.copy_(shifted_bias(base.bias, shift))
-            if gain is not None:
-                base.weight.copy_(fold_gain(base.weight, gain, family.conv1d))
-                for lora_a, _, _ in lora:  # LoRA's A reads the same input as the base weight
-                    lora_a.weight.copy_(fold_gain(lora_a.weight, gain, conv1d=False))
-    setattr(block, family.prenorm, nn.Identity())
+def fold_prenorms(plan: Plan) -> None:
+    """``qkv_norm``: drop each block's pre-attention norm and fold its gain (and bias) into the projections reading
+    it (the rule of :mod:`hf_qknorm.portable.fold`). A ``peft`` LoRA A matrix reads the same input, so it takes the
+    gain too."""
+    if not plan.cfg.removes_prenorm:
+        return
+    family = plan.family
+    for block, attn, (gain, bias) in zip(plan.blocks, plan.attentions, plan.prenorm_forms):
+        with torch.no_grad():
+            for name in _prenorm_readers(family):
+                proj = getattr(attn, name)
+                base = _base(proj)
+                lora = [(a, proj.lora_B[k], proj.scaling[k]) for k, a in getattr(proj, "lora_A", {}).items()]
+                if bias is not None:  # from the unfolded weights: W (g*n + b) = (W diag g) n + W b, LoRA's too
+                    shift = bias_shift(base.weight, bias, family.conv1d)
+                    for lora_a, lora_b, scale in lora:
+                        shift = shift + scale * bias_shift(lora_b.weight, bias_shift(lora_a.weight, bias, False), False)
+                    base.bias.copy_(shifted_bias(base.bias, shift))
+                if gain is not None:
+                    base.weight.copy_(fold_gain(base.weight, gain, family.conv1d))
+                    for lora_a, _, _ in lora:  # LoRA's A reads the same input as the base weight
+                        lora_a.weight.copy_(fold_gain(lora_a.weight, gain, conv1d=False))
+        setattr(block, family.prenorm, nn.Identity())
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # the config: the model's own copy
 # --------------------------------------------------------------------------------------------------------------------
-def own_config(model: nn.Module) -> None:
+def own_config(model: nn.Module, config=None):
     """Give ``model`` (and every submodule that shares it) a private copy of its config, so patching never changes
-    a config object the caller may reuse for another model."""
+    a config object the caller may reuse for another model; returns the config it had. With ``config``: put that
+    one back instead (a refused patch)."""
     old = model.config
-    new = copy.deepcopy(old)
+    new = copy.deepcopy(old) if config is None else config
     for module in model.modules():
         if module.__dict__.get("config") is old:
             module.config = new
+    return old
 
 
 def patch_on_init(model: nn.Module) -> None:
@@ -217,14 +253,14 @@ def patch_on_init(model: nn.Module) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # loading: the checkpoint must hold exactly the weights of the scheme
 # --------------------------------------------------------------------------------------------------------------------
+NORM_SLOTS = ("q_norm", "k_norm", "v_norm")  # where a model without q/k norms of its own gets the scheme's
+
+
 class SchemeWeightsError(ValueError):
     """A saved ``qknorm_<base>`` folder's weights do not match its scheme: a norm weight is missing, unexpected or
     of another shape. ``save_pretrained`` and ``hf-qknorm convert`` write exactly the scheme's norm weights, so such a
     folder was edited, truncated or mixed up; loading it anyway would run fresh (identity) norms in place of the
     trained ones -- a model that computes its scheme faithfully on the wrong weights."""
-
-
-NORM_SLOTS = ("q_norm", "k_norm", "v_norm")
 
 
 def check_scheme_weights(model: nn.Module, loading_info) -> None:
@@ -238,11 +274,12 @@ def check_scheme_weights(model: nn.Module, loading_info) -> None:
     Checkpoint keys of layers the model does not have (a config cut to fewer layers) are left to Transformers'
     report: a partial load of whole layers is an ordinary thing to do."""
     settings = getattr(model.config, "qknorm", None) or {}
-    family = family_of_config(model.config)
+    family = family_of_model(model)
     prenorm = family.prenorm if settings.get("scheme") == "qkv_norm" else None
-    missing = [k for k in loading_info.missing_keys if _scheme_key(model, k, prenorm)]
-    unexpected = [k for k in loading_info.unexpected_keys if _scheme_key(model, k, prenorm)]
-    mismatched = [m for m in loading_info.mismatched_keys if _scheme_key(model, m[0], prenorm)]
+    slots = {family.norm_slot(role) for role in ("q", "k", "v")}
+    missing = [k for k in loading_info.missing_keys if _scheme_key(model, k, prenorm, slots)]
+    unexpected = [k for k in loading_info.unexpected_keys if _scheme_key(model, k, prenorm, slots)]
+    mismatched = [m for m in loading_info.mismatched_keys if _scheme_key(model, m[0], prenorm, slots)]
     if not (missing or unexpected or mismatched):
         return
     parts = []
@@ -265,14 +302,14 @@ def check_scheme_weights(model: nn.Module, loading_info) -> None:
     )
 
 
-def _scheme_key(model: nn.Module, key: str, prenorm: str | None) -> bool:
+def _scheme_key(model: nn.Module, key: str, prenorm: str | None, slots: set[str]) -> bool:
     """Whether state-dict ``key`` is a scheme weight of an attention module (or removed pre-norm) ``model`` has."""
     owner, _, _ = key.rpartition(".")
     parent, _, slot = owner.rpartition(".")
-    if slot not in NORM_SLOTS and slot != prenorm:
+    if slot not in slots and slot != prenorm:
         return False
     try:
-        model.get_submodule(parent if slot in NORM_SLOTS else owner)
+        model.get_submodule(parent if slot in slots else owner)
     except AttributeError:  # a layer the model does not have
         return False
     return True

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..modeling.patch import qknorm_config
-from ..portable.families import Family, family_of_config
+from ..portable.families import Family, UnsupportedModelError, family_of_model
 from ..portable.layout import find_layers, unwrap
 from ..portable.schemes import QKNormConfig
 from .probe import probe_tokens
@@ -53,6 +53,11 @@ class LayerSpec:
         return any(n is not None for n in (self.q_norm, self.k_norm, self.v_norm))
 
 
+# The model types whose attention math (RoPE, scaling, pre-norm) this float64 reference spells out. Every other
+# patched model type is checked by the patch-time self-check (hf_qknorm.modeling.selfcheck).
+VERIFIED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+
 class ReferenceModel:
     """The reference side of a model: its scheme, its layers' specs (built on demand: a large model's float64
     weights are never all held at once) and the probe plan, with module names as seen from ``model``."""
@@ -61,7 +66,12 @@ class ReferenceModel:
         self.outer = model
         self.inner = unwrap(model)
         self.config = self.inner.config
-        self.family: Family = family_of_config(self.config)
+        self.family: Family = family_of_model(self.inner)
+        if self.family.model_type not in VERIFIED_TYPES:
+            raise UnsupportedModelError(
+                f"verify recomputes attention in float64 for model types {', '.join(VERIFIED_TYPES)}; model type "
+                f"{self.family.model_type!r} was checked when it was patched (the patch-time self-check)"
+            )
         self.scheme: QKNormConfig | None = qknorm_config(self.inner)
         self.blocks = find_layers(self.inner, self.family)
         self.attns = [getattr(b, self.family.attention) for b in self.blocks]
@@ -98,7 +108,7 @@ class ReferenceModel:
         if s is not None and s.norms_qk:
             return s.norm, s.norms_v, float(s.eps), float(s.p or 2.0)
         if self.family.native_qk_norm:
-            return "rmsnorm", False, float(getattr(self.config, self.family.eps_attr)), 2.0
+            return "rmsnorm", False, float(self.family.norm_eps(self.config)), 2.0
         return None, False, 1e-6, 2.0
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -156,7 +166,7 @@ class ReferenceModel:
             return None  # qkv_norm: the attention reads the residual stream itself
         module = getattr(block, self.family.prenorm)
         kind = "layernorm" if isinstance(module, nn.LayerNorm) else "rmsnorm"
-        return {"kind": kind, "eps": float(getattr(self.config, self.family.eps_attr)), **_norm_params(module)}
+        return {"kind": kind, "eps": float(self.family.norm_eps(self.config)), **_norm_params(module)}
 
     # ---------------------------------------------------------------------------------------------------------------
     def name(self, module: nn.Module) -> str:

@@ -1,17 +1,33 @@
 """Configurations of folders saved by hf_qknorm, for loading them without the plugin (``trust_remote_code=True``).
 
 Written into every saved ``qknorm_<base>`` folder beside the ``qknorm_*.py`` files it imports, which are the plugin's
-own modules (``hf_qknorm/modeling``). Each class is the base family's configuration with its own ``model_type``; the
-scheme lives in ``config.qknorm`` (scheme, norm, softcap, eps, p) and is validated with the plugin's rules.
+own modules (``hf_qknorm/portable``). ``QKNorm<Base>Config`` is the base model type's configuration with its own
+``model_type``, made on first use for whichever base the folder names; the scheme lives in ``config.qknorm``
+(scheme, norm, softcap, eps, p) and is validated with the plugin's rules.
 """
 
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 # {SHIPPED_IMPORTS}
-from .qknorm_families import FAMILIES
+from .qknorm_names import CLASS_PREFIX
 from .qknorm_structure import make_config_class
 
 CONFIG_CLASSES = {}
-for _model_type in FAMILIES:
-    CONFIG_CLASSES[_model_type] = make_config_class(CONFIG_MAPPING[_model_type], _model_type, __name__)
-    globals()[CONFIG_CLASSES[_model_type].__name__] = CONFIG_CLASSES[_model_type]
+
+
+def config_class(model_type):
+    """``QKNorm<Base>Config`` of base ``model_type`` (made once)."""
+    if model_type not in CONFIG_CLASSES:
+        cls = make_config_class(CONFIG_MAPPING[model_type], model_type, __name__)
+        CONFIG_CLASSES[model_type] = cls
+        globals()[cls.__name__] = cls
+    return CONFIG_CLASSES[model_type]
+
+
+def __getattr__(name):
+    if name.startswith(CLASS_PREFIX):
+        base = name[len(CLASS_PREFIX) :]
+        for model_type, class_name in CONFIG_MAPPING_NAMES.items():
+            if class_name == base:
+                return config_class(model_type)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

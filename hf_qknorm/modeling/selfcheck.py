@@ -1,0 +1,333 @@
+"""The patch-time self-check: one probe forward that refuses a model on which the scheme would not be applied exactly.
+
+A family is read off the model's structure (:mod:`hf_qknorm.portable.families`); what the model's forward does with
+its parts between the projections and the attention backend is not. So, after the scheme is installed and before
+the patch is kept, :func:`self_check` runs a few tokens through the model with each scheme norm replaced by a probe
+norm ``c_role * x / rms(x)`` (``c`` = 1, 2, 3 for q, k, v: a mix-up of roles shows), records every attention layer's
+input, and calls each layer twice more through the ``"qknorm"`` backend with a recorder in front of it: once with
+the probe norms on, once with them off (identity). It then requires, per layer:
+
+- the layer calls the attention interface exactly once (a model with its own attention code -- ALiBi, relative
+  position biases -- is refused);
+- every query / key (/ value) row the backend receives with the norms on is the row it receives with them off times
+  exactly ``c / rms(x)`` of the probe norm's input row: the norm acts on each head's projection output and the model
+  does nothing after it but reshape and rotate (RoPE, partial or interleaved, is a rotation per row). A norm called
+  on another width, a fused projection split wrongly, a clamp or a second norm after ours, all break it;
+- a role the scheme does not normalise reaches the backend unchanged; a norm taking the place of one the model has
+  receives the projection's own output (so it sits before RoPE);
+- the cap that reaches the backend is the scheme's; the ``l2``/``lp`` logit scale reaches it as ``scaling=1``; the
+  mask is boolean or holds only 0 and -inf; no keyword the backend does not honour carries a value;
+- ``qkv_norm``: the pre-attention norm's output feeds the attention alone (a parallel block, whose MLP reads the same
+  norm, would lose it).
+
+It costs three short forwards of the model (two of its attention layers) and runs on the model's own device and
+dtype; a model on the ``meta`` device is not checked (there is nothing to run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..portable.families import UnsupportedModelError
+from ..portable.names import ATTN_IMPLEMENTATION
+
+ROLE_SCALE = {"q": 1.0, "k": 2.0, "v": 3.0}
+PROBE_SHAPE = (2, 7)  # batch, tokens
+
+# Keywords Transformers' decoders pass to the attention function that carry nothing the backend must apply, or that
+# the "qknorm" backend applies (hf_qknorm.attention.interface).
+HONOURED = frozenset(
+    {
+        "dropout",
+        "scaling",
+        "softcap",
+        "sliding_window",
+        "is_causal",
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "output_attentions",
+        "use_cache",
+        "cache_position",
+        "past_key_values",
+        "past_key_value",
+        "layer_idx",
+        "head_mask",
+        "token_type_ids",
+        "return_dict",
+        "output_router_logits",
+    }
+)
+
+
+class _ProbeNorm(nn.Module):
+    """``c * x / rms(x)`` over the last dimension while on, the identity while off; records its inputs."""
+
+    def __init__(self, role: str):
+        super().__init__()
+        self.role, self.on, self.inputs = role, True, []
+
+    def forward(self, x):
+        self.inputs.append(x.detach())
+        if not self.on:
+            return x
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (ROLE_SCALE[self.role] * h / h.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-30)).to(x.dtype)
+
+
+class _Recorder:
+    """Stands in front of the ``"qknorm"`` backend and records each call."""
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, []
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        self.calls.append(
+            dict(q=query.detach(), k=key.detach(), v=value.detach(), mask=attention_mask, module=module, **kwargs)
+        )
+        return self.backend(module, query, key, value, attention_mask, **kwargs)
+
+
+def self_check(model: nn.Module, plan) -> None:
+    """Run the checks above on ``model`` with ``plan``'s scheme installed; raises :class:`UnsupportedModelError`
+    naming the model type, the layer and what does not hold."""
+    if any(p.is_meta for p in model.parameters()):
+        return
+    family, cfg = plan.family, plan.cfg
+    name = f"model type {family.model_type!r}"
+    roles = [r for r in ("q", "k", "v") if (cfg.norms_v if r == "v" else cfg.norms_qk)]
+    with _probe_mode(model, plan, roles) as (probes, recorder, inputs, feeds):
+        _record_forward(model, name)
+        if cfg.removes_prenorm and feeds:
+            raise UnsupportedModelError(
+                f"{name}: qkv_norm removes the pre-attention norm, whose output also feeds "
+                f"{', '.join(sorted(feeds))} (a parallel block); it cannot be removed for attention alone"
+            )
+        for i, attn in enumerate(plan.attentions):
+            if i not in inputs:
+                raise UnsupportedModelError(f"{name}: attention layer {i} was not called by the model's forward")
+            args, kwargs = inputs[i]
+            seen = {}
+            for on in (True, False):
+                for probe in probes[i].values():
+                    probe.on, probe.inputs = on, []
+                recorder.calls.clear()
+                projected = {}
+                hooks = [
+                    getattr(attn, family.qkv_proj or family.projections[role]).register_forward_hook(
+                        lambda m, a, out, role=role: projected.setdefault(role, out.detach())
+                    )
+                    for role in family.native
+                    if role in roles
+                ]
+                try:
+                    with torch.no_grad():
+                        attn(*args, **kwargs)
+                finally:
+                    for hook in hooks:
+                        hook.remove()
+                if len(recorder.calls) != 1:
+                    raise UnsupportedModelError(
+                        f"{name}: layer {i} called the attention interface {len(recorder.calls)} times (once "
+                        "expected): the model computes attention in its own code, which hf_qknorm cannot reach"
+                    )
+                seen[on] = (recorder.calls[0], {r: list(p.inputs) for r, p in probes[i].items()}, projected)
+            _check_layer(name, i, attn, plan, roles, seen)
+
+
+@contextlib.contextmanager
+def _probe_mode(model, plan, roles):
+    """Probe norms in place of the scheme's, the recorder in front of the backend, the model on ``"qknorm"`` in
+    eval mode, layer inputs recorded; everything restored on the way out."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = model.config
+    old_impl = config._attn_implementation
+    had_local = ATTN_IMPLEMENTATION in ALL_ATTENTION_FUNCTIONS._local_mapping
+    old_local = ALL_ATTENTION_FUNCTIONS._local_mapping.get(ATTN_IMPLEMENTATION)
+    recorder = _Recorder(ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION])
+    training = model.training
+    probes, saved, handles, inputs, feeds = [], [], [], {}, set()
+    try:
+        for i, attn in enumerate(plan.attentions):
+            layer = {}
+            for role in roles:
+                slot = attn.__dict__["_qknorm_norms"][role]
+                saved.append((attn, slot, attn._modules[slot]))
+                layer[role] = attn._modules[slot] = _ProbeNorm(role)
+            probes.append(layer)
+
+            def record(module, args, kwargs, i=i):
+                inputs.setdefault(i, (args, dict(kwargs)))
+
+            handles.append(attn.register_forward_pre_hook(record, with_kwargs=True))
+        if plan.cfg.removes_prenorm and plan.family.prenorm is not None:
+            handles += _watch_prenorm(plan.blocks[0], plan.family, feeds)
+        ALL_ATTENTION_FUNCTIONS._local_mapping[ATTN_IMPLEMENTATION] = recorder
+        config._attn_implementation_internal = ATTN_IMPLEMENTATION
+        model.eval()
+        yield probes, recorder, inputs, feeds
+    finally:
+        for handle in handles:
+            handle.remove()
+        for attn, slot, module in saved:
+            attn._modules[slot] = module
+        if had_local:
+            ALL_ATTENTION_FUNCTIONS._local_mapping[ATTN_IMPLEMENTATION] = old_local
+        else:
+            ALL_ATTENTION_FUNCTIONS._local_mapping.pop(ATTN_IMPLEMENTATION, None)
+        config._attn_implementation_internal = old_impl
+        model.train(training)
+
+
+def _watch_prenorm(block, family, feeds: set) -> list:
+    """Hooks noting which of the block's children (besides the attention) receive the pre-norm's output."""
+    out = {}
+
+    def keep(module, args, output):
+        out["y"] = output
+
+    def check(child_name):
+        def hook(module, args, kwargs):
+            values = list(args) + list(kwargs.values())
+            if "y" in out and any(v is out["y"] for v in values):
+                feeds.add(child_name)
+
+        return hook
+
+    handles = [getattr(block, family.prenorm).register_forward_hook(keep)]
+    for child_name, child in block.named_children():
+        if child_name not in (family.attention, family.prenorm):
+            handles.append(child.register_forward_pre_hook(check(child_name), with_kwargs=True))
+    return handles
+
+
+def _record_forward(model, name: str) -> None:
+    config = model.config
+    vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", 0)
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, max(2, min(int(vocab or 2), 512)), PROBE_SHAPE, generator=gen).to(device)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise UnsupportedModelError(
+            f"{name}: the patched model's probe forward failed ({type(exc).__name__}: {first})"
+        ) from exc
+
+
+def _tolerance(t: torch.Tensor) -> float:
+    return 2e-2 if t.dtype in (torch.float16, torch.bfloat16) else 1e-4
+
+
+def _check_layer(name, i, attn, plan, roles, seen) -> None:
+    cfg, family = plan.cfg, plan.family
+    (on, inputs_on, projected), (off, _, _) = seen[True], seen[False]
+    where = f"{name}: layer {i}"
+    extra = sorted(k for k, v in on.items() if k not in HONOURED | {"q", "k", "v", "mask", "module"} and v is not None)
+    if extra:
+        raise UnsupportedModelError(
+            f"{where} passes {', '.join(extra)} to the attention backend, which the {ATTN_IMPLEMENTATION!r} backend "
+            "does not apply (it would be dropped)"
+        )
+    _check_mask(where, on["mask"])
+    passed = on.get("softcap")
+    if cfg.caps and passed is not None and float(passed) != float(cfg.softcap) and not _scheme_cap_wins():
+        raise UnsupportedModelError(
+            f"{where} passes its own softcap={passed} to the backend, which would override the scheme's "
+            f"{cfg.softcap}"
+        )
+    if cfg.learned_logit_scale and on.get("scaling") is not None and float(on["scaling"]) != 1.0:
+        raise UnsupportedModelError(
+            f"{where} passes scaling={on['scaling']} to the backend: the model computes its own logit scale, so "
+            f"norm {cfg.norm!r}'s learnable logit scale would not be the only one"
+        )
+    for role in ("q", "k", "v"):
+        a, b = on[role], off[role]
+        if a.shape != b.shape:
+            raise UnsupportedModelError(f"{where}: the {role} tensor at the backend changed shape under the norms")
+        if role not in roles:
+            if not torch.allclose(a, b, rtol=_tolerance(a), atol=_tolerance(a) * float(b.abs().max().clamp_min(1))):
+                raise UnsupportedModelError(
+                    f"{where}: {role}, which scheme {cfg.scheme!r} does not normalise, changes at the backend when "
+                    "the q/k norms are applied (a fused projection split wrongly?)"
+                )
+            continue
+        probe_in = inputs_on.get(role) or []
+        if len(probe_in) != 1:
+            raise UnsupportedModelError(
+                f"{where}: the {role} norm was called {len(probe_in)} times in one forward (once expected)"
+            )
+        x = probe_in[0]
+        width = a.shape[-1]
+        if x.shape[-1] != width:
+            raise UnsupportedModelError(
+                f"{where}: the {role} norm is called on width {x.shape[-1]}, the backend's heads have {width}"
+            )
+        _check_rows(where, role, a, b, x)
+        if role in family.native:
+            _check_native_place(where, role, x, projected.get(role))
+
+
+def _check_rows(where, role, a, b, x) -> None:
+    """``a`` (norms on) is ``b`` (norms off) times ``c / rms(x_row)``, row by row, as a multiset over the rows."""
+    acc = torch.float64
+    a2, b2 = a.to(acc).reshape(-1, a.shape[-1]), b.to(acc).reshape(-1, b.shape[-1])
+    tol = _tolerance(a)
+    bb = (b2 * b2).sum(-1)
+    factor = (a2 * b2).sum(-1) / bb.clamp_min(1e-300)
+    resid = (a2 - factor[:, None] * b2).norm(dim=-1) / a2.norm(dim=-1).clamp_min(1e-30)
+    x2 = x.to(acc).reshape(-1, x.shape[-1])
+    expected = ROLE_SCALE[role] / x2.pow(2).mean(-1).sqrt().clamp_min(1e-30)
+    ok = bool((resid <= tol * 10).all())
+    if ok:
+        got = torch.sort(factor).values
+        want = torch.sort(expected).values
+        if got.numel() != want.numel() and got.numel() % max(want.numel(), 1) == 0:
+            want = torch.sort(want.repeat_interleave(got.numel() // want.numel())).values
+        ok = got.numel() == want.numel() and bool(torch.allclose(got, want, rtol=tol * 10, atol=0))
+    if not ok:
+        raise UnsupportedModelError(
+            f"{where}: the {role} rows at the attention backend are not the scheme's per-head norm of the "
+            f"projection (the model transforms {role} between the projection and the backend in a way the norm "
+            "does not commute with, or normalises it again)"
+        )
+
+
+def _check_native_place(where, role, x, projected) -> None:
+    """The norm that replaced the model's own receives the projection's output itself, i.e. sits before RoPE:
+    every value it receives is one of the projection's output values (reshapes and splits copy; RoPE does not)."""
+    if projected is None or not bool(torch.isin(x.flatten(), projected.flatten()).all()):
+        raise UnsupportedModelError(
+            f"{where}: the model's own {role} norm, whose place the scheme's takes, is called on something other "
+            "than the projection's output (after RoPE?): the scheme's norm would not sit before RoPE"
+        )
+
+
+def _check_mask(where, mask) -> None:
+    if mask is None or mask.dtype == torch.bool:
+        return
+    finite = mask[torch.isfinite(mask)]
+    if finite.numel() and not bool((finite == 0).all() | (finite <= torch.finfo(mask.dtype).min / 2).all()):
+        bad = finite[(finite != 0) & (finite > torch.finfo(mask.dtype).min / 2)]
+        if bad.numel():
+            raise UnsupportedModelError(
+                f"{where} passes a float mask with values other than 0 and -inf (e.g. {float(bad.flatten()[0]):.3g}): "
+                "an additive bias the backend's mask rule does not apply"
+            )
+
+
+def _scheme_cap_wins() -> bool:
+    """Whether the backend applies a patched module's scheme cap over a ``softcap=`` the model passes."""
+    from ..attention import interface
+
+    return bool(getattr(interface, "SCHEME_CAP_OVERRIDES", False))
