@@ -1,7 +1,7 @@
 """``hf-qknorm`` command line: every subcommand is a row of :data:`COMMANDS`, ``(name, add_parser, run)``.
 
 ``demo``, ``inspect`` and ``info`` are small and live here; ``verify`` (:mod:`.verify`), ``convert`` and ``push``
-(:mod:`.convert`) in their own modules, which never import this one.
+(:mod:`.convert`) and ``coverage`` (:mod:`.coverage`) in their own modules, which never import this one.
 
 Every subcommand reports a failure as one line on stderr, ``error: ...``, and an exit status
 (:data:`EXIT_CODES`); ``--debug`` (before or after the subcommand) adds the traceback.
@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from . import convert, verify
+from . import convert, coverage, verify
 from .errors import EXIT_CODES, OneLineParser, describe
 
 
@@ -126,6 +126,7 @@ COMMANDS = (
     (verify.NAME, verify.add_parser, verify.run),
     ("convert", convert.add_convert, convert.run_convert),
     ("push", convert.add_push, convert.run_push),
+    ("coverage", coverage.add_parser, coverage.run),
 )
 _DEBUG_HELP = "on an error, print the traceback as well as the one-line message"
 

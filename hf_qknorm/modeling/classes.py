@@ -92,9 +92,10 @@ def __getattr__(name: str):
             if class_name == base:
                 return config_class(model_type)
         for _auto, mapping_name in AUTO_HEADS:
-            for model_type, class_name in getattr(modeling_auto, mapping_name + "_NAMES").items():
-                if class_name == base:
-                    return model_class(getattr(modeling_auto, mapping_name)[CONFIG_MAPPING[model_type]], model_type)
+            types = [t for t, c in getattr(modeling_auto, mapping_name + "_NAMES").items() if c == base]
+            types = [t for t in types if t in _CONFIGS] or types  # a class shared by types: the one in use
+            if types:
+                return model_class(getattr(modeling_auto, mapping_name)[CONFIG_MAPPING[types[0]]], types[0])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -50,8 +50,9 @@ def shipped_source(module: str) -> str:
     return "".join(lines)
 
 
-def remote_files() -> dict[str, str]:
-    """File name -> text of everything a saved folder carries besides ``config.json`` and the weights."""
+def remote_files(base_model_type: str | None = None) -> dict[str, str]:
+    """File name -> text of everything a saved folder carries besides ``config.json`` and the weights
+    (``base_model_type``: the saved model's, written into the entry files: model types can share class names)."""
     from .._version import __version__
 
     stamp = f"# Written by hf_qknorm {__version__} from hf_qknorm/portable/{{}}; it is regenerated on every save.\n"
@@ -60,6 +61,9 @@ def remote_files() -> dict[str, str]:
     direct = "".join(f"from .{n[:-3]} import __name__ as _{n[:-3]}  # noqa: F401\n" for n in SHIPPED.values())
     for name in ENTRY_FILES:
         entry = (_PORTABLE / "entry" / name).read_text().replace("# {SHIPPED_IMPORTS}\n", direct)
+        entry = entry.replace(
+            "BASE_MODEL_TYPE = None  # {BASE_MODEL_TYPE}", f"BASE_MODEL_TYPE = {base_model_type!r}  # {{BASE_MODEL_TYPE}}"
+        )
         files[name] = stamp.format(f"entry/{name}") + entry
     return files
 
@@ -75,7 +79,9 @@ def add_remote_code(folder) -> None:
             f"{folder} was not saved from a model patched by hf_qknorm (model_type {model_type!r}); "
             "only qknorm_<base> folders carry the remote code"
         )
-    for name, text in remote_files().items():
+    from ..portable.families import base_model_type
+
+    for name, text in remote_files(base_model_type(model_type)).items():
         _write_atomic(folder / name, text)
     data = json.loads(config_file.read_text())
     if "auto_map" not in data:

@@ -29,7 +29,15 @@ ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 SEPARATE_NAMES = (("q_proj", "k_proj", "v_proj"),)
 FUSED_NAMES = ("qkv_proj", "c_attn", "query_key_value", "Wqkv")
 OUT_NAMES = ("o_proj", "c_proj", "dense", "out_proj")
-PRENORM_NAMES = ("input_layernorm", "ln_1", "attention_norm", "ln_attn", "self_attn_layer_norm", "norm_1")
+PRENORM_NAMES = (
+    "input_layernorm",
+    "ln_1",
+    "attention_norm",
+    "attention_layernorm",
+    "ln_attn",
+    "self_attn_layer_norm",
+    "norm_1",
+)
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
 NATIVE_NORM_NAMES = {"q": ("q_norm", "q_layernorm"), "k": ("k_norm", "k_layernorm")}
 EPS_ATTRS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", "norm_epsilon")
@@ -206,6 +214,9 @@ def derive_family(model: nn.Module) -> Family:
     and what is missing."""
     config = model.config
     model_type = base_model_type(getattr(config, "model_type", "?"))
+    reason = out_of_scope(config)
+    if reason:
+        raise UnsupportedModelError(reason)
     quirk = QUIRKS.get(model_type, {})
     if "refuse" in quirk:
         raise UnsupportedModelError(f"model type {model_type!r}: {quirk['refuse']}")
@@ -223,6 +234,11 @@ def derive_family(model: nn.Module) -> Family:
                 f"model type {model_type!r} mixes attention classes across layers "
                 f"({type(attn).__name__}, {type(getattr(other, attention)).__name__})"
             )
+    if getattr(attn, "config", None) is None:
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: its attention module {type(attn).__name__} computes attention in its own "
+            "code (it does not dispatch through Transformers' attention interface), which hf_qknorm cannot reach"
+        )
     parts = _attention_parts(attn)
     out_proj = _first(attn, OUT_NAMES)
     if out_proj is None:

@@ -77,7 +77,7 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
         if family.prenorm is None:
             raise UnsupportedModelError(
                 f"model type {family.model_type!r}: qkv_norm removes the pre-attention norm, and this model's "
-                "blocks have none that hf_qknorm recognises"
+                "blocks have none (they normalise after attention, or under a name hf_qknorm does not know)"
             )
         forms = [_prenorm_form(block, attn, family, i, loading) for i, (block, attn) in enumerate(zip(blocks, attentions))]
     switch = False

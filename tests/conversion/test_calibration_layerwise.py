@@ -50,7 +50,7 @@ def _run(tmp_path, family, scheme, norm, settings=FAST, seed=0):
         scheme,
         norm=norm,
         p=3.0 if norm == "lp" else None,
-        eps=float(getattr(source.config, source.family.eps_attr, 1e-6)),
+        eps=float(source.family.norm_eps(source.config)),
     )
     gen = torch.Generator().manual_seed(seed)
     calib = torch.randint(0, VOCAB, (settings.calibration_blocks, settings.block_len), generator=gen)

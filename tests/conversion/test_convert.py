@@ -379,7 +379,8 @@ def test_patched_and_converted_models_start_from_the_same_norms(tmp_path, norm):
     from hf_qknorm.conversion.layerwise import identity_values
     from hf_qknorm.conversion.source import inspect_source
     from hf_qknorm.conversion.streaming import StreamedCheckpoint
-    from hf_qknorm.portable.families import DEFAULT_TRAINING_LENGTH, get_family
+    from hf_qknorm import get_family
+    from hf_qknorm.portable.families import DEFAULT_TRAINING_LENGTH
     from hf_qknorm.portable.norms import henry_logit_scale
 
     model = save_source(tmp_path / "src", "llama", max_position_embeddings=300)

@@ -118,11 +118,11 @@ def test_output_attentions_stays_refused_where_no_weights_come_back(tmp_path):
 
 def _patched_config(family, scheme, **settings):
     from hf_qknorm.modeling.classes import config_class
-    from hf_qknorm.portable.families import get_family
+    from hf_qknorm import get_family
     from tests._support.tiny_models import tiny_config
 
     base = tiny_config(family)
-    eps = float(getattr(base, get_family(family).eps_attr))
+    eps = float(get_family(family).norm_eps(base))
     qknorm = hf_qknorm.QKNormConfig(scheme, eps=eps, **settings).to_dict()
     return config_class(family)(**base.to_dict(), qknorm=qknorm)
 

@@ -112,7 +112,8 @@ def test_the_suite_runs_patched_models_of_its_variant(case):
     """Each head class of a patched variant builds a model patched with the variant's scheme (and nothing else
     differs from the class the plugin provides but its name); the baseline's models are not patched."""
     import hf_qknorm
-    from hf_qknorm.portable.families import base_model_type, get_family
+    from hf_qknorm import get_family
+    from hf_qknorm.portable.families import base_model_type
 
     tester = case._tester_class(None, case.variant)
     for cls in case.all_model_classes:

@@ -34,9 +34,9 @@ class Variant:
         if not self.patched or self.route == "patch_model":
             return None
         from hf_qknorm import QKNormConfig
-        from hf_qknorm.portable.families import get_family
+        from hf_qknorm import get_family
 
-        eps = float(getattr(base_config, get_family(model_type).eps_attr))
+        eps = float(get_family(model_type).norm_eps(base_config))
         return QKNormConfig(**{"eps": eps, **self.settings}).to_dict()
 
     def config_class(self, model_type: str, base_config_class: type) -> type:

@@ -13,6 +13,7 @@ from .qknorm_names import CLASS_PREFIX
 from .qknorm_structure import make_config_class
 
 CONFIG_CLASSES = {}
+BASE_MODEL_TYPE = None  # {BASE_MODEL_TYPE}: the saved model's base model type, written in when it is saved
 
 
 def config_class(model_type):
@@ -27,7 +28,8 @@ def config_class(model_type):
 def __getattr__(name):
     if name.startswith(CLASS_PREFIX):
         base = name[len(CLASS_PREFIX) :]
-        for model_type, class_name in CONFIG_MAPPING_NAMES.items():
-            if class_name == base:
-                return config_class(model_type)
+        types = [t for t, class_name in CONFIG_MAPPING_NAMES.items() if class_name == base]
+        types = [t for t in types if t == BASE_MODEL_TYPE] or types
+        if types:
+            return config_class(types[0])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

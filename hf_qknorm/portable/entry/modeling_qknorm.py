@@ -19,7 +19,7 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 # {SHIPPED_IMPORTS}
-from .configuration_qknorm import config_class
+from .configuration_qknorm import BASE_MODEL_TYPE, config_class
 from .qknorm_eager import capped_eager_attention
 from .qknorm_names import ATTN_IMPLEMENTATION, CLASS_PREFIX
 from .qknorm_structure import AUTO_HEADS, make_model_class
@@ -32,15 +32,18 @@ _MODELS = {}
 
 
 def __getattr__(name):
-    if name.startswith(CLASS_PREFIX):
+    if name.startswith(CLASS_PREFIX) and name not in _MODELS:
         base = name[len(CLASS_PREFIX) :]
         for _auto, mapping_name in AUTO_HEADS:
-            mapping = getattr(modeling_auto, mapping_name)
-            for model_type, class_name in getattr(modeling_auto, mapping_name + "_NAMES").items():
-                if class_name == base:
-                    if name not in _MODELS:
-                        base_cls = mapping[CONFIG_MAPPING[model_type]]
-                        _MODELS[name] = make_model_class(base_cls, config_class(model_type), __name__)
-                        globals()[name] = _MODELS[name]
-                    return _MODELS[name]
+            names = getattr(modeling_auto, mapping_name + "_NAMES")
+            types = [t for t, class_name in names.items() if class_name == base]
+            # Several model types can share a class (EXAONE's is Llama's): the folder's own first.
+            types = [t for t in types if t == BASE_MODEL_TYPE] or types
+            if types:
+                base_cls = getattr(modeling_auto, mapping_name)[CONFIG_MAPPING[types[0]]]
+                _MODELS[name] = make_model_class(base_cls, config_class(types[0]), __name__)
+                globals()[name] = _MODELS[name]
+                break
+    if name in _MODELS:
+        return _MODELS[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

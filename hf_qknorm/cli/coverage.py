@@ -1,0 +1,49 @@
+"""``hf-qknorm coverage``: the coverage table of the installed Transformers (:mod:`hf_qknorm.verification.coverage`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "coverage",
+        help="patch a tiny model of every causal-LM model type with every scheme and print which are patched",
+        description="For every model type with a causal-LM class in the installed Transformers (or those given), "
+        "build a tiny model from its config class, patch it with every scheme x norm and check it (the patch-time "
+        "self-check, forward and backward, cached decoding against the full forward); print one line per model "
+        "type: patched, refused (with the reason), FAIL, or out of scope. Exit status 1 if any model type FAILs.",
+    )
+    p.add_argument("model_types", nargs="*", help="model types to check (default: all)")
+    p.add_argument("--markdown", type=Path, help="also write the table as Markdown to this file")
+    p.add_argument("--json", type=Path, help="also write every variant's result as JSON to this file")
+    return p
+
+
+def run(args) -> int:
+    import transformers
+
+    from ..verification import coverage as cov
+
+    known = set(cov.causal_model_types())
+    unknown = sorted(set(args.model_types) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown model type(s) {', '.join(map(repr, unknown))}: not a causal-LM model type of Transformers "
+            f"{transformers.__version__} (`hf-qknorm coverage` with no argument checks them all)"
+        )
+
+    def show(result):
+        note = f"  {result.reason}" if result.reason else ""
+        print(f"{result.model_type:28} {result.status:13}{note}", flush=True)
+
+    results = cov.coverage(args.model_types or None, progress=show)
+    print(cov.summary(results))
+    versions = f"Transformers {transformers.__version__}"
+    for path, text in ((args.markdown, cov.markdown(results, versions)), (args.json, cov.to_json(results))):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path}", file=sys.stderr)
+    return 1 if cov.counts(results)[cov.FAIL] else 0

@@ -1,0 +1,242 @@
+"""The coverage table: every causal-LM model type the installed Transformers ships, patched or refused, and why.
+
+For each model type a tiny model is built from its own config class (:mod:`.tiny`) and patched with every scheme x
+norm. A variant passes when the patch is accepted -- the patch-time self-check (:mod:`hf_qknorm.modeling.selfcheck`)
+found the scheme reaching the attention backend exactly -- and the patched model then runs forward and backward with
+finite results, and decoding with a cache (dynamic and static) gives the logits of the full forward. A model type is
+
+- ``patched`` when every variant passes, or every variant but ``qkv_norm`` passes and ``qkv_norm`` is refused up
+  front with its reason (a parallel block, a post-norm block);
+- ``refused`` when ``patch_model`` refuses it (the reason is the refusal's one line);
+- ``FAIL`` when a variant is accepted and then fails a check: a bug, never expected in a released table;
+- ``out of scope`` when it is not a decoder-only softmax-attention text model (an encoder, an encoder-decoder, a
+  multimodal model, a recurrent, state-space or hybrid model).
+
+``hf-qknorm coverage`` prints it; ``--markdown`` writes the table committed in docs/coverage/.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..portable.families import UnsupportedModelError, out_of_scope
+from ..portable.schemes import NORMS, SCHEMES
+
+PATCHED, REFUSED, FAIL, OUT_OF_SCOPE = "patched", "refused", "FAIL", "out of scope"
+
+# Not decoder-only softmax attention, read off the structure by derive_family's refusals.
+_SCOPE_REASONS = ("no list of decoder blocks", "several stacks", "hybrid model", "encoder", "multimodal")
+
+
+def variants() -> list[tuple[str, str | None]]:
+    """Every scheme x norm: 13 variants, ``qk_norm`` / ``layernorm`` first."""
+    out = []
+    for scheme in sorted(SCHEMES, key=lambda s: s != "qk_norm"):
+        for norm in [None] if scheme == "soft_cap" else NORMS:
+            out.append((scheme, norm))
+    return out
+
+
+@dataclass
+class TypeResult:
+    model_type: str
+    status: str
+    reason: str = ""
+    variants: dict = field(default_factory=dict)  # "scheme/norm" -> "ok" or the refusal / failure
+    seconds: float = 0.0
+
+
+def check_model_type(model_type: str) -> TypeResult:
+    """Patch a tiny model of ``model_type`` with every variant and check it (see the module's docstring)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .tiny import tiny_config, tiny_model
+
+    start = time.perf_counter()
+    try:
+        config = CONFIG_MAPPING[model_type]()
+    except Exception as exc:
+        return TypeResult(model_type, REFUSED, f"its config cannot be built with defaults ({type(exc).__name__})")
+    reason = out_of_scope(config) or _flagged_scope(model_type, config)
+    if reason:
+        return TypeResult(model_type, OUT_OF_SCOPE, reason)
+    try:
+        tiny_config(model_type)
+        base = tiny_model(model_type)
+    except Exception as exc:
+        return TypeResult(model_type, REFUSED, f"no tiny model could be built ({type(exc).__name__}: {_line(exc)})")
+    del base
+    results = {}
+    for scheme, norm in variants():
+        key = f"{scheme}/{norm}" if norm else scheme
+        results[key] = _check_variant(model_type, scheme, norm)
+        if key == "qk_norm/layernorm" and results[key].startswith("refused"):
+            break  # refused as a model type: the other variants say the same
+    result = _summarise(model_type, results)
+    result.seconds = round(time.perf_counter() - start, 1)
+    return result
+
+
+def _flagged_scope(model_type: str, config) -> str | None:
+    """Out of scope as the structure shows it (no softmax self-attention stack, hybrid layers)."""
+    from ..modeling.derive import get_family
+
+    try:
+        get_family(config)
+    except UnsupportedModelError as exc:
+        text = str(exc)
+        if any(r in text for r in _SCOPE_REASONS):
+            return text
+    return None
+
+
+def _check_variant(model_type: str, scheme: str, norm: str | None) -> str:
+    import hf_qknorm
+
+    from .tiny import tiny_model
+
+    model = tiny_model(model_type, dtype=torch.float32)
+    settings = {"norm": norm} if norm else {}
+    if norm == "lp":
+        settings["p"] = 3.0
+    try:
+        hf_qknorm.patch_model(model, scheme, **settings)
+    except UnsupportedModelError as exc:
+        return "refused: " + _line(exc)
+    except Exception as exc:  # a crash while patching is a bug, not a refusal
+        return f"FAIL: patching raised {type(exc).__name__}: {_line(exc)}"
+    try:
+        return _exercise(model)
+    except Exception as exc:
+        return f"FAIL: {type(exc).__name__}: {_line(exc)}"
+
+
+def _exercise(model) -> str:
+    """Forward and backward finite; cached decoding (dynamic and static cache) matches the full forward."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, min(vocab, 200), (2, 9), generator=gen)
+    model.train()
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not torch.isfinite(out.loss) or not grads or not all(torch.isfinite(g).all() for g in grads):
+        return "FAIL: forward/backward not finite"
+    model.eval()
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits[:, -1]
+        for kind in ("dynamic", "static"):
+            cache = _cache(model, kind, ids.shape)
+            if cache is False:
+                continue
+            kwargs = {} if cache is None else {"past_key_values": cache}
+            first = model(input_ids=ids[:, :-1], use_cache=True, **kwargs)
+            step = model(input_ids=ids[:, -1:], past_key_values=first.past_key_values, use_cache=True).logits[:, -1]
+            if not torch.allclose(step, full, rtol=1e-3, atol=1e-4):
+                err = float((step - full).abs().max())
+                return f"FAIL: {kind}-cache decoding differs from the full forward by {err:.2e}"
+    return "ok"
+
+
+def _cache(model, kind: str, shape):
+    if kind == "dynamic":
+        return None
+    try:
+        from transformers import StaticCache
+
+        return StaticCache(config=model.config, max_cache_len=shape[1] + 2)
+    except Exception:
+        return False  # a model whose cache is its own (recorded as not exercised)
+
+
+def _summarise(model_type: str, results: dict) -> TypeResult:
+    fails = {k: v for k, v in results.items() if v.startswith("FAIL")}
+    refused = {k: v for k, v in results.items() if v.startswith("refused")}
+    if fails:
+        key = sorted(fails)[0]
+        return TypeResult(model_type, FAIL, f"{key}: {fails[key][6:]}", results)
+    if not refused:
+        return TypeResult(model_type, PATCHED, "", results)
+    only_qkv = all(k.startswith("qkv_norm") for k in refused)
+    first = refused[sorted(refused)[0]][len("refused: ") :]
+    if only_qkv:
+        return TypeResult(model_type, PATCHED, f"qkv_norm refused: {first}", results)
+    return TypeResult(model_type, REFUSED, first, results)
+
+
+def _line(exc) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def causal_model_types() -> list[str]:
+    """Every model type with a causal-LM class in the installed Transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def coverage(types=None, progress=None) -> list[TypeResult]:
+    """:func:`check_model_type` over ``types`` (default: every causal-LM model type), quietly."""
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        try:
+            for model_type in types or causal_model_types():
+                try:
+                    result = check_model_type(model_type)
+                except Exception as exc:  # a model type whose tiny model breaks in a way not foreseen
+                    result = TypeResult(model_type, FAIL, f"the check crashed: {type(exc).__name__}: {_line(exc)}")
+                results.append(result)
+                if progress is not None:
+                    progress(result)
+        finally:
+            logging.disable(previous)
+    return results
+
+
+def counts(results) -> dict[str, int]:
+    out = {PATCHED: 0, REFUSED: 0, FAIL: 0, OUT_OF_SCOPE: 0}
+    for r in results:
+        out[r.status] += 1
+    return out
+
+
+def summary(results) -> str:
+    c = counts(results)
+    scope = c[PATCHED] + c[REFUSED] + c[FAIL]
+    return (
+        f"{c[PATCHED]} of {scope} decoder-only softmax-attention text model types patched exactly, {c[REFUSED]} "
+        f"refused with the reason, {c[FAIL]} failing; {c[OUT_OF_SCOPE]} other causal-LM types out of scope"
+    )
+
+
+def markdown(results, versions: str) -> str:
+    lines = [
+        f"# Model coverage on {versions}",
+        "",
+        "Generated by `hf-qknorm coverage --markdown` (hf_qknorm/verification/coverage.py): every model type with a "
+        "causal-LM class, a tiny model of it patched with every scheme x norm (13 variants), each accepted variant "
+        "run forward and backward and decoded with dynamic and static caches against the full forward.",
+        "",
+        f"**{summary(results)}.**",
+        "",
+        "| model type | status | reason / note |",
+        "|---|---|---|",
+    ]
+    for r in results:
+        reason = r.reason.replace("|", "\\|")
+        lines.append(f"| `{r.model_type}` | {r.status} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(results) -> str:
+    return json.dumps([asdict(r) for r in results], indent=1) + "\n"
