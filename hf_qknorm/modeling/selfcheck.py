@@ -15,7 +15,7 @@ the probe norms on, once with them off (identity). It then requires, per layer:
   on another width, a fused projection split wrongly, a clamp or a second norm after ours, all break it;
 - a role the scheme does not normalise reaches the backend unchanged; a norm taking the place of one the model has
   receives the projection's own output (so it sits before RoPE);
-- the cap that reaches the backend is the scheme's; the ``l2``/``lp`` logit scale reaches it as ``scaling=1``; the
+- the cap the backend applies (its rule: :func:`hf_qknorm.portable.eager.effective_softcap`) is the scheme's; the ``l2``/``lp`` logit scale reaches it as ``scaling=1``; the
   mask is boolean or holds only 0 and -inf; no keyword the backend does not honour carries a value;
 - ``qkv_norm``: the pre-attention norm's output feeds the attention alone (a parallel block, whose MLP reads the same
   norm, would lose it).
@@ -31,38 +31,16 @@ import contextlib
 import torch
 from torch import nn
 
+from ..portable.eager import effective_softcap
 from ..portable.families import UnsupportedModelError
 from ..portable.names import ATTN_IMPLEMENTATION
 
 ROLE_SCALE = {"q": 1.0, "k": 2.0, "v": 3.0}
 PROBE_SHAPE = (2, 7)  # batch, tokens
 
-# Keywords Transformers' decoders pass to the attention function that carry nothing the backend must apply, or that
-# the "qknorm" backend applies (hf_qknorm.attention.interface).
-HONOURED = frozenset(
-    {
-        "dropout",
-        "scaling",
-        "softcap",
-        "sliding_window",
-        "is_causal",
-        "position_ids",
-        "cu_seq_lens_q",
-        "cu_seq_lens_k",
-        "max_length_q",
-        "max_length_k",
-        "output_attentions",
-        "use_cache",
-        "cache_position",
-        "past_key_values",
-        "past_key_value",
-        "layer_idx",
-        "head_mask",
-        "token_type_ids",
-        "return_dict",
-        "output_router_logits",
-    }
-)
+# Keywords the "qknorm" backend honours or knows to be harmless (hf_qknorm.attention.interface), and a few more that
+# some decoders pass and no attention function reads.
+HARMLESS = frozenset({"layer_idx", "head_mask", "token_type_ids", "past_key_value"})
 
 
 class _ProbeNorm(nn.Module):
@@ -233,19 +211,19 @@ def _check_layer(name, i, attn, plan, roles, seen) -> None:
     cfg, family = plan.cfg, plan.family
     (on, inputs_on, projected), (off, _, _) = seen[True], seen[False]
     where = f"{name}: layer {i}"
-    extra = sorted(k for k, v in on.items() if k not in HONOURED | {"q", "k", "v", "mask", "module"} and v is not None)
+    from ..attention.interface import HONOURED_KWARGS
+
+    known = HONOURED_KWARGS | HARMLESS | {"q", "k", "v", "mask", "module"}
+    extra = sorted(k for k, v in on.items() if k not in known and v is not None)
     if extra:
         raise UnsupportedModelError(
             f"{where} passes {', '.join(extra)} to the attention backend, which the {ATTN_IMPLEMENTATION!r} backend "
             "does not apply (it would be dropped)"
         )
     _check_mask(where, on["mask"])
-    passed = on.get("softcap")
-    if cfg.caps and passed is not None and float(passed) != float(cfg.softcap) and not _scheme_cap_wins():
-        raise UnsupportedModelError(
-            f"{where} passes its own softcap={passed} to the backend, which would override the scheme's "
-            f"{cfg.softcap}"
-        )
+    cap = effective_softcap(attn, on.get("softcap"))
+    if cfg.caps and (cap is None or float(cap) != float(cfg.softcap)):
+        raise UnsupportedModelError(f"{where}: the backend would apply cap {cap}, not the scheme's {cfg.softcap}")
     if cfg.learned_logit_scale and on.get("scaling") is not None and float(on["scaling"]) != 1.0:
         raise UnsupportedModelError(
             f"{where} passes scaling={on['scaling']} to the backend: the model computes its own logit scale, so "
@@ -324,10 +302,3 @@ def _check_mask(where, mask) -> None:
                 f"{where} passes a float mask with values other than 0 and -inf (e.g. {float(bad.flatten()[0]):.3g}): "
                 "an additive bias the backend's mask rule does not apply"
             )
-
-
-def _scheme_cap_wins() -> bool:
-    """Whether the backend applies a patched module's scheme cap over a ``softcap=`` the model passes."""
-    from ..attention import interface
-
-    return bool(getattr(interface, "SCHEME_CAP_OVERRIDES", False))
