@@ -21,7 +21,7 @@ from ..portable.schemes import QKNormConfig
 from ..portable.structure import AUTO_HEADS, make_config_class, make_model_class
 
 _CONFIGS: dict[str, type] = {}
-_MODELS: dict[type, type] = {}  # base model class -> patched subclass
+_MODELS: dict[tuple[type, str], type] = {}  # (base model class, model type) -> patched subclass
 
 
 def _saving_remote_code(cls: type):
@@ -72,11 +72,12 @@ def _register_heads(cls: type, base_cfg: type, model_type: str) -> None:
 
 def model_class(base_cls: type, model_type: str) -> type:
     """``QKNorm<Base>`` twin of a model class (created once)."""
-    if base_cls not in _MODELS:
+    key = (base_cls, model_type)  # model types can share a class (EXAONE's is Llama's), not a config class
+    if key not in _MODELS:
         cls = make_model_class(base_cls, config_class(model_type), __name__)
-        globals()[cls.__name__] = cls
-        _MODELS[base_cls] = cls
-    return _MODELS[base_cls]
+        globals().setdefault(cls.__name__, cls)
+        _MODELS[key] = cls
+    return _MODELS[key]
 
 
 def __getattr__(name: str):

@@ -57,7 +57,11 @@ def patch_model(
     cfg = _resolve_config(scheme, norm=norm, softcap=softcap, eps=eps, p=p)
     refuse_distributed(model)  # patch first, then wrap or shard: DDP/FSDP would not sync the norms added here
     target = unwrap(model)
-    plan = plan_scheme(target, cfg)  # every check that needs no forward happens here, before anything changes
+    try:
+        plan = plan_scheme(target, cfg)  # every check that needs no forward happens here, before anything changes
+    except BaseException:
+        target.__dict__.pop("_qknorm_family", None)  # a refused model keeps nothing of the attempt
+        raise
     old_config = own_config(target)
     replaced = install_scheme(target, plan)
     try:
@@ -65,6 +69,7 @@ def patch_model(
     except BaseException:
         uninstall_scheme(plan, replaced)
         own_config(target, old_config)
+        target.__dict__.pop("_qknorm_family", None)
         raise
     fold_prenorms(plan)
     mark_patched(target.config, plan.cfg)

@@ -1,0 +1,186 @@
+"""Coverage beyond the first five families: model types patched from their structure, the patch-time self-check
+refusing what would be silently wrong (and failing when the model is made to misbehave), the quirks folded right,
+and the coverage table. Expected values come from the models' own tensors and plain formulas, never from the code
+under test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hf_qknorm
+from hf_qknorm import UnsupportedModelError
+from hf_qknorm.verification import coverage as cov
+from hf_qknorm.verification.tiny import tiny_model
+from tests.modeling.test_export import run_without_plugin
+
+# A representative sample that CI checks with every scheme x norm (the whole table: `hf-qknorm coverage`):
+# mixture of experts, 1 + w norms and native caps, native per-head norms (some carried as 1 + w), whole-projection
+# norms, partial rotary, parallel blocks, fused projections (GQA, multi-query, per-head interleaved), post-norm
+# blocks, layers without RoPE, attention multipliers, attention sinks.
+SAMPLE = (
+    "mixtral",
+    "qwen3_moe",
+    "olmoe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo2",
+    "phi",
+    "phi3",
+    "gpt_neox",
+    "gpt_bigcode",
+    "persimmon",
+    "smollm3",
+    "granite",
+    "cohere",
+    "gpt_oss",
+)
+
+
+@pytest.mark.parametrize("model_type", SAMPLE)
+def test_sample_model_types_are_patched_with_every_variant(model_type):
+    result = cov.check_model_type(model_type)
+    assert result.status == cov.PATCHED, (result.reason, result.variants)
+    accepted = [k for k, v in result.variants.items() if v == "ok"]
+    assert len(accepted) >= 9 and all(k.startswith("qkv_norm") for k in result.variants if k not in accepted)
+
+
+@pytest.mark.parametrize(
+    "model_type, status, words",
+    [
+        ("llama4_text", cov.REFUSED, "q rows at the attention backend"),  # an L2 norm after RoPE undoes ours
+        ("nanochat", cov.REFUSED, "after RoPE"),  # its own q/k norm sits after RoPE
+        ("bloom", cov.REFUSED, "computes attention in its own code"),  # ALiBi, no attention interface
+        ("codegen", cov.REFUSED, "model-parallel groups"),
+        ("mamba", cov.OUT_OF_SCOPE, "no list of decoder blocks"),
+        ("bart", cov.OUT_OF_SCOPE, "encoder-decoder"),
+    ],
+)
+def test_what_cannot_be_patched_exactly_is_refused_with_the_reason(model_type, status, words):
+    result = cov.check_model_type(model_type)
+    assert result.status == status and words in result.reason and model_type in result.reason
+
+
+def test_a_refused_patch_leaves_the_model_as_it_was():
+    model = tiny_model("llama4_text")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config, classes = model.config, [type(m) for m in model.modules()]
+    with pytest.raises(UnsupportedModelError, match="llama4_text"):
+        hf_qknorm.patch_model(model, "qk_norm_cap")
+    assert model.config is config and not hasattr(config, "qknorm")
+    assert [type(m) for m in model.modules()] == classes
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(k.startswith("_qknorm") for m in model.modules() for k in m.__dict__)
+
+
+def test_self_check_refuses_a_transform_between_projection_and_backend(monkeypatch):
+    """The check can fail: make Llama's RoPE step add a constant to q (not a rotation, so it does not commute with
+    a per-row scale) and the patch is refused; undone, the same model patches."""
+    from transformers.models.llama import modeling_llama
+
+    rotary = modeling_llama.apply_rotary_pos_emb
+
+    def shifted(q, k, cos, sin, *args, **kwargs):
+        q, k = rotary(q, k, cos, sin, *args, **kwargs)
+        return q + 0.5, k
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", shifted)
+    with pytest.raises(UnsupportedModelError, match="q rows at the attention backend"):
+        hf_qknorm.patch_model(tiny_model("llama"), "qk_norm")
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rotary)
+    hf_qknorm.patch_model(tiny_model("llama"), "qk_norm")
+
+
+def test_self_check_refuses_a_fused_projection_split_the_wrong_way(monkeypatch):
+    """GPT-NeoX's fused output is per head [q_h k_h v_h]; split as [q | k | v] the norms land on the wrong parts."""
+    from hf_qknorm.portable import families
+
+    monkeypatch.setitem(families.QUIRKS, "gpt_neox", {})
+    with pytest.raises(UnsupportedModelError, match="gpt_neox"):
+        hf_qknorm.patch_model(tiny_model("gpt_neox"), "qk_norm")
+
+
+def test_self_check_refuses_a_cap_the_backend_would_not_apply(monkeypatch):
+    """A backend rule that let the model's own softcap= win would apply Gemma 2's 50, not the scheme's 5."""
+    from hf_qknorm.modeling import selfcheck
+
+    monkeypatch.setattr(selfcheck, "effective_softcap", lambda module, passed: passed)
+    with pytest.raises(UnsupportedModelError, match="not the scheme's 5.0"):
+        hf_qknorm.patch_model(tiny_model("gemma2"), "qk_norm_cap", softcap=5.0)
+
+
+def test_gemma_qkv_norm_folds_one_plus_w():
+    """Gemma's RMSNorm multiplies by 1 + w: the fold scales the projections' input channels by 1 + w (not w)."""
+    model = tiny_model("gemma")
+    block = model.model.layers[0]
+    with torch.no_grad():
+        block.input_layernorm.weight.copy_(torch.linspace(-0.5, 0.5, block.input_layernorm.weight.numel()))
+    w = block.input_layernorm.weight.detach().clone()
+    wq = block.self_attn.q_proj.weight.detach().clone()
+    hf_qknorm.patch_model(model, "qkv_norm", norm="rmsnorm")
+    torch.testing.assert_close(block.self_attn.q_proj.weight, wq * (1 + w)[None, :])
+    assert isinstance(block.input_layernorm, torch.nn.Identity)
+
+
+def test_a_native_one_plus_w_gain_is_carried_as_such():
+    """Gemma 3's own q norm computes (1 + w) * n(q): the rmsnorm scheme norm that takes its place starts at 1 + w,
+    so the patched layer's queries are the original's."""
+    model = tiny_model("gemma3_text")
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.q_norm.weight.copy_(torch.linspace(-0.3, 0.3, attn.q_norm.weight.numel()))
+    w = attn.q_norm.weight.detach().clone()
+    hf_qknorm.patch_model(model, "qk_norm", norm="rmsnorm")
+    torch.testing.assert_close(attn.q_norm.weight.detach(), 1 + w)
+
+
+def test_whole_projection_norms_are_kept_and_the_scheme_norm_follows():
+    """OLMo 2 normalises the whole q projection: that norm stays, and the scheme's per-head norm goes after it."""
+    model = tiny_model("olmo2")
+    attn = model.model.layers[0].self_attn
+    native = attn.q_norm
+    hf_qknorm.patch_model(model, "qk_norm", norm="rmsnorm")
+    assert attn.q_norm is native and isinstance(attn.qknorm_q_norm, hf_qknorm.portable.norms.HeadRMSNorm)
+    x = torch.randn(1, 3, model.config.hidden_size)
+    q = attn.q_proj(x)  # the hooks sit on the kept norm, so q_proj's output is untouched
+    heads = attn.q_norm(q).view(1, 3, -1, attn.head_dim)
+    expected = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + attn.qknorm_q_norm.eps)
+    torch.testing.assert_close(attn.q_norm(q).view_as(expected), expected)
+
+
+def test_a_new_model_type_saves_and_loads_with_and_without_the_plugin(tmp_path):
+    """EXAONE shares Llama's class names: the saved folder names its own base model type."""
+    from transformers import AutoModelForCausalLM
+
+    for model_type in ("exaone", "mixtral"):
+        model = hf_qknorm.patch_model(tiny_model(model_type), "qk_norm_cap")
+        folder = tmp_path / model_type
+        model.save_pretrained(folder)
+        ids = torch.tensor([[1, 5, 9, 2, 7]])
+        with torch.no_grad():
+            want = model(ids).logits
+        loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, want)
+        (tmp_path / f"{model_type}_remote").mkdir()
+        out = run_without_plugin(
+            tmp_path / f"{model_type}_remote",
+            [{"name": model_type, "path": str(folder), "remote": True, "ids": ids.tolist(), "mask": [[1] * 5]}],
+        )
+        torch.testing.assert_close(out[model_type]["logits"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_coverage_command_prints_the_table_and_refuses_unknown_types(tmp_path, capsys):
+    from hf_qknorm.cli.main import main
+
+    assert main(["coverage", "llama", "mamba", "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "llama" in out and "patched" in out and "out of scope" in out
+    rows = {r["model_type"]: r for r in json.loads((tmp_path / "c.json").read_text())}
+    assert rows["llama"]["status"] == "patched" and len(rows["llama"]["variants"]) == 13
+    assert main(["coverage", "not_a_model"]) == 2
+    assert "not_a_model" in capsys.readouterr().err
