@@ -116,6 +116,15 @@ def self_check(model: nn.Module, plan) -> None:
                     )
                 seen[on] = (recorder.calls[0], {r: list(p.inputs) for r, p in probes[i].items()}, projected)
             _check_layer(name, i, attn, plan, roles, seen)
+    # The real norms, forward and backward, on the backend the patched model will run on.
+    config = model.config
+    old_impl = config._attn_implementation
+    if plan.switch_backend:
+        config._attn_implementation_internal = ATTN_IMPLEMENTATION
+    try:
+        _record_forward(model, name, train=True)
+    finally:
+        config._attn_implementation_internal = old_impl
 
 
 @contextlib.contextmanager
@@ -185,15 +194,29 @@ def _watch_prenorm(block, family, feeds: set) -> list:
     return handles
 
 
-def _record_forward(model, name: str) -> None:
+def _record_forward(model, name: str, train: bool = False) -> None:
+    """The probe tokens through the model (``train``: with the real norms, in training mode, forward and backward,
+    gradients discarded and the mode restored)."""
     config = model.config
     vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", 0)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, max(2, min(int(vocab or 2), 512)), PROBE_SHAPE, generator=gen).to(device)
+    training = model.training
     try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
+        if train:
+            params = [p for p in model.parameters() if p.requires_grad]
+            grads = [p.grad for p in params]
+            model.train()
+            try:
+                model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+            finally:
+                for p, g in zip(params, grads):
+                    p.grad = g
+                model.train(training)
+        else:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False)
     except UnsupportedModelError:
         raise
     except Exception as exc:

@@ -179,10 +179,7 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList, str]:
             found.append((path, module, attrs))
     model_type = getattr(model.config, "model_type", "?")
     if not found:
-        raise UnsupportedModelError(
-            f"model type {model_type!r}: no list of decoder blocks with a softmax self-attention module "
-            "(q/k/v projections) was found"
-        )
+        raise UnsupportedModelError(_no_blocks_reason(model, model_type))
     if len(found) > 1:
         raise UnsupportedModelError(
             f"model type {model_type!r} has several stacks of attention blocks ({', '.join(f[0] for f in found)}); "
@@ -195,6 +192,36 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList, str]:
             "recurrent, state-space or linear attention)"
         )
     return path, blocks, next(iter(attrs))
+
+
+def _no_blocks_reason(model: nn.Module, model_type) -> str:
+    """Why no decoder stack was found: an encoder (BERT's query/key/value), attention of another kind (multi-head
+    latent attention, ...), or no attention at all (recurrent and state-space models)."""
+    kinds = [type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__]
+    if any(all(isinstance(getattr(m, n, None), nn.Module) for n in ("query", "key", "value")) for m in model.modules()):
+        return f"model type {model_type!r} is an encoder model (BERT-style self-attention); hf_qknorm patches decoders"
+    if kinds:
+        return (
+            f"model type {model_type!r}: its attention ({kinds[0]}) has no separate q_proj/k_proj/v_proj or fused "
+            "q/k/v projection (multi-head latent attention and other forms are not supported)"
+        )
+    return f"model type {model_type!r}: no softmax self-attention (a recurrent or state-space model)"
+
+
+def _config_int(config, name):
+    """``config.<name>`` when it is a positive int (a per-layer attribute some configs refuse to give reads None)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _config_value(config, name):
+    try:
+        return getattr(config, name, None)
+    except Exception:
+        return None
 
 
 def _attention_parts(attn) -> dict | None:
@@ -263,7 +290,7 @@ def derive_family(model: nn.Module) -> Family:
         )
     prenorm = _first(block, PRENORM_NAMES)
     base = getattr(model, prefix, model) if prefix else model
-    eps_attr = next((a for a in EPS_ATTRS if isinstance(getattr(config, a, None), (int, float))), None)
+    eps_attr = next((a for a in EPS_ATTRS if isinstance(_config_value(config, a), (int, float))), None)
     prenorm_eps = None
     if prenorm is not None:
         module = getattr(block, prenorm)
@@ -288,7 +315,7 @@ def derive_family(model: nn.Module) -> Family:
         kept=kept,
         fused_layout=(quirk.get("layout", CONCAT) if fused else None),
         eps_attr=eps_attr,
-        max_len_attr=next((a for a in MAX_LEN_ATTRS if isinstance(getattr(config, a, None), int)), None),
+        max_len_attr=next((a for a in MAX_LEN_ATTRS if _config_int(config, a)), None),
         final_norm=_first(base, FINAL_NORM_NAMES) or "norm",
         prenorm_eps=prenorm_eps,
     )
@@ -296,11 +323,11 @@ def derive_family(model: nn.Module) -> Family:
 
 def head_dim_of(attn: nn.Module, config) -> int:
     """The per-head width of an attention module: its own ``head_dim``, the config's, or hidden size / heads."""
-    for value in (getattr(attn, "head_dim", None), getattr(config, "head_dim", None)):
+    for value in (getattr(attn, "head_dim", None), _config_int(config, "head_dim")):
         if isinstance(value, int) and value > 0:
             return value
     heads = heads_of(attn, config)[0]
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    hidden = _config_int(config, "hidden_size") or _config_int(config, "n_embd")
     return int(hidden) // heads
 
 
@@ -308,14 +335,13 @@ def heads_of(attn: nn.Module, config) -> tuple[int, int]:
     """``(query heads, key/value heads)`` of an attention module, for the whole model (not one rank's share)."""
     heads = None
     for name in ("num_attention_heads", "n_head", "num_heads"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            heads = value
+        heads = _config_int(config, name)
+        if heads:
             break
     heads = heads or getattr(attn, "num_heads", None) or getattr(attn, "num_attention_heads", None)
     if getattr(config, "multi_query", False):
         return int(heads), 1
-    kv = getattr(config, "num_key_value_heads", None) or getattr(attn, "num_key_value_heads", None) or heads
+    kv = _config_int(config, "num_key_value_heads") or getattr(attn, "num_key_value_heads", None) or heads
     return int(heads), int(kv)
 
 
