@@ -184,7 +184,7 @@ def refuse_distributed(model: nn.Module) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 def _norm_params(attn: nn.Module) -> list[tuple[str, nn.Parameter]]:
     out = []
-    for slot in NORM_SLOTS:
+    for slot in attn.__dict__.get("_qknorm_norms", {}).values() or NORM_SLOTS:
         norm = attn._modules.get(slot)
         if isinstance(norm, nn.Module):
             out += [(f"{slot}.{n}", p) for n, p in norm.named_parameters()]

@@ -114,3 +114,12 @@ def rotary_function(attn: nn.Module):
     import sys
 
     return sys.modules[upstream_class(attn).__module__].apply_rotary_pos_emb
+
+
+def norm_module(attn: nn.Module, family: Family, role: str) -> nn.Module | None:
+    """The q/k/v norm of an attention module for ``role``: the scheme's on a patched module (wherever it lives:
+    ``q_norm``, a native slot such as Persimmon's ``q_layernorm``, or ``qknorm_q_norm`` beside a kept norm), else the
+    model's own per-head norm, else ``None``."""
+    slots = attn.__dict__.get("_qknorm_norms")
+    name = slots.get(role) if slots is not None else family.native.get(role)
+    return attn._modules.get(name) if name else None

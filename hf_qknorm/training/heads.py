@@ -173,6 +173,11 @@ def layer_rows(site, config) -> tuple[HeadRows, HeadRows]:
     heads, kv_heads = num_heads(attn, config)
     d = attn.head_dim
     where = f"layer {site.index}"
+    if fam.fused_layout == "per_head":
+        raise NotImplementedError(
+            f"{fam.model_type}'s fused {fam.qkv_proj} interleaves q, k and v per head; per-head Q/K rows of such a "
+            "projection (QK-Clip on the projections, Q/K learning rates) are not supported"
+        )
     if fam.fused_qkv:
         proj = getattr(attn, fam.qkv_proj)
         return (

@@ -40,10 +40,11 @@ def trainable_norm_modules(model: nn.Module) -> list[str]:
     if not sites:
         return []
     attn = sites[0].module
+    slots = attn.__dict__.get("_qknorm_norms", {})
     return [
-        n
-        for n in NORM_NAMES
-        if isinstance(getattr(attn, n, None), nn.Module) and any(True for _ in getattr(attn, n).parameters())
+        slots[role]
+        for role in ("q", "k", "v")
+        if role in slots and any(True for _ in getattr(attn, slots[role]).parameters())
     ]
 
 

@@ -66,6 +66,7 @@ from ..modeling.telemetry import LogitTap
 from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from .controls import ControlCallback, TrainingControl
 from .heads import layer_rows
+from ..portable.layout import norm_module
 from .sites import attention_sites, unwrap
 
 logger = logging.getLogger(__name__)
@@ -259,13 +260,13 @@ def _normed_gains(site):
     """``(q_norm, k_norm)`` when the module normalises q and k (then the projections' scale does not reach the
     logits and the norms' gains are what to clip), else ``None``."""
     attn = site.module
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    q_norm, k_norm = (norm_module(attn, site.family, role) for role in ("q", "k"))
     if q_norm is None or k_norm is None:
         return None
-    q_norm, k_norm = (getattr(n, "original_module", n) for n in (q_norm, k_norm))  # peft modules_to_save
-    if not (isinstance(q_norm, _GAINED_NORMS) or type(q_norm).__name__.endswith("RMSNorm")):
+    inner = getattr(q_norm, "original_module", q_norm)  # peft modules_to_save
+    if not (isinstance(inner, _GAINED_NORMS) or type(inner).__name__.endswith("RMSNorm")):
         raise NotImplementedError(
-            f"layer {site.index}: q/k norm {type(q_norm).__name__} is not one QK-Clip knows how to scale"
+            f"layer {site.index}: q/k norm {type(inner).__name__} is not one QK-Clip knows how to scale"
         )
     return attn, q_norm, k_norm
 
@@ -296,8 +297,7 @@ def _check_trained(site, rows, norms) -> None:
 
 def _scale_norm_gains(norms, gamma: float, alpha: float) -> None:
     """Scale the shared q/k norm gains so that every head's logits scale by at most ``gamma``."""
-    attn = norms[0]
-    q_norm, k_norm = attn.q_norm, attn.k_norm
+    attn, q_norm, k_norm = norms
     if isinstance(getattr(k_norm, "original_module", k_norm), HeadLpNorm):  # one logit scale, on q_norm
         q_factor, k_factor = gamma, 1.0
     else:
