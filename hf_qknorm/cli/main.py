@@ -104,8 +104,10 @@ def _add_info(sub):
 def _cmd_info(args) -> int:
     import hf_qknorm
 
-    print("models:   every decoder-only softmax-attention text model type, checked at patch time "
-          "(`hf-qknorm coverage` lists them)")
+    print(
+        "models:   every decoder-only softmax-attention text model type, checked at patch time "
+        "(`hf-qknorm coverage` lists them)"
+    )
     print("schemes: ", ", ".join(hf_qknorm.SCHEMES))
     print("norms:   ", ", ".join(hf_qknorm.NORMS))
     try:

@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..modeling.saved import read_config
 from ..modeling.derive import get_family
+from ..modeling.saved import read_config
 from ..portable.families import Family, UnsupportedModelError
 from ..portable.names import PREFIX
 from .shards import SourceWeights, check_matches_config, read_source_weights

@@ -24,7 +24,7 @@ def get_family(what) -> Family:
     return _skeleton_family(what)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _family_of_type(model_type: str) -> Family:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

@@ -51,8 +51,9 @@ def patch_model(
     ``log2(L^2 - L)`` for the model's context length ``L``. ``qkv_norm`` removes the pre-attention norm and folds
     its gain (and bias) into the projections that read it. Before the patch is kept, a probe forward on a few
     tokens checks that the scheme reaches the attention backend exactly (:mod:`.selfcheck`); a model on which it
-    would not is refused with :class:`~hf_qknorm.UnsupportedModelError` and left as it was. A capped scheme moves a model on ``eager``/``sdpa``
-    (which cannot cap) to the ``"qknorm"`` attention implementation; any other backend is refused.
+    would not is refused with :class:`~hf_qknorm.UnsupportedModelError` and left as it was. A capped scheme moves
+    a model on ``eager``/``sdpa`` (which cannot cap) to the ``"qknorm"`` attention implementation; any other backend
+    is refused.
     """
     cfg = _resolve_config(scheme, norm=norm, softcap=softcap, eps=eps, p=p)
     refuse_distributed(model)  # patch first, then wrap or shard: DDP/FSDP would not sync the norms added here

@@ -62,7 +62,8 @@ def remote_files(base_model_type: str | None = None) -> dict[str, str]:
     for name in ENTRY_FILES:
         entry = (_PORTABLE / "entry" / name).read_text().replace("# {SHIPPED_IMPORTS}\n", direct)
         entry = entry.replace(
-            "BASE_MODEL_TYPE = None  # {BASE_MODEL_TYPE}", f"BASE_MODEL_TYPE = {base_model_type!r}  # {{BASE_MODEL_TYPE}}"
+            "BASE_MODEL_TYPE = None  # {BASE_MODEL_TYPE}",
+            f"BASE_MODEL_TYPE = {base_model_type!r}  # {{BASE_MODEL_TYPE}}",
         )
         files[name] = stamp.format(f"entry/{name}") + entry
     return files

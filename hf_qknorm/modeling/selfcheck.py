@@ -15,8 +15,9 @@ the probe norms on, once with them off (identity). It then requires, per layer:
   on another width, a fused projection split wrongly, a clamp or a second norm after ours, all break it;
 - a role the scheme does not normalise reaches the backend unchanged; a norm taking the place of one the model has
   receives the projection's own output (so it sits before RoPE);
-- the cap the backend applies (its rule: :func:`hf_qknorm.portable.eager.effective_softcap`) is the scheme's; the ``l2``/``lp`` logit scale reaches it as ``scaling=1``; the
-  mask is boolean or holds only 0 and -inf; no keyword the backend does not honour carries a value;
+- the cap the backend applies (its rule: :func:`hf_qknorm.portable.eager.effective_softcap`) is the scheme's; the
+  ``l2``/``lp`` logit scale reaches it as ``scaling=1``; the mask is boolean or holds only 0 and -inf; no keyword
+  the backend does not honour carries a value;
 - ``qkv_norm``: the pre-attention norm's output feeds the attention alone (a parallel block, whose MLP reads the same
   norm, would lose it).
 
@@ -98,7 +99,7 @@ def self_check(model: nn.Module, plan) -> None:
                 projected = {}
                 hooks = [
                     getattr(attn, family.qkv_proj or family.projections[role]).register_forward_hook(
-                        lambda m, a, out, role=role: projected.setdefault(role, out.detach())
+                        lambda m, a, out, role=role, seen=projected: seen.setdefault(role, out.detach())
                     )
                     for role in family.native
                     if role in roles

@@ -173,8 +173,8 @@ class LogitTap:
         if rebuilt and rebuilt[0].family.model_type not in REBUILT_TYPES:
             raise NotImplementedError(
                 f"the q/k telemetry on attention implementation {rebuilt[0].backend!r} rebuilds q and k the way "
-                f"{', '.join(REBUILT_TYPES)} compute them; for model type {rebuilt[0].family.model_type!r} run the model "
-                f"on {ATTN_IMPLEMENTATION!r} (model.set_attn_implementation({ATTN_IMPLEMENTATION!r})), whose backend "
+                f"{', '.join(REBUILT_TYPES)} compute them; for model type {rebuilt[0].family.model_type!r} run the "
+                f"model on {ATTN_IMPLEMENTATION!r} (model.set_attn_implementation({ATTN_IMPLEMENTATION!r})), whose backend "
                 "reports what it attends over"
             )
         for site in self.sites:

@@ -79,7 +79,9 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
                 f"model type {family.model_type!r}: qkv_norm removes the pre-attention norm, and this model's "
                 "blocks have none (they normalise after attention, or under a name hf_qknorm does not know)"
             )
-        forms = [_prenorm_form(block, attn, family, i, loading) for i, (block, attn) in enumerate(zip(blocks, attentions))]
+        forms = [
+            _prenorm_form(block, attn, family, i, loading) for i, (block, attn) in enumerate(zip(blocks, attentions))
+        ]
     switch = False
     if cfg.caps:
         impl = getattr(config, "_attn_implementation", None)
@@ -153,8 +155,14 @@ def install_scheme(model: nn.Module, plan: Plan) -> list:
             old[name] = attn._modules.get(name)
             setattr(attn, name, new)
             norms[role] = name
-        install(attn, slots, norms, (head_dim, heads, kv_heads, family.fused_layout), cfg.softcap,
-                1.0 if cfg.learned_logit_scale else None)
+        install(
+            attn,
+            slots,
+            norms,
+            (head_dim, heads, kv_heads, family.fused_layout),
+            cfg.softcap,
+            1.0 if cfg.learned_logit_scale else None,
+        )
         replaced.append(old)
     return replaced
 

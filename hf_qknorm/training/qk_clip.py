@@ -63,10 +63,10 @@ from ..modeling.sharding import (
     world_size,
 )
 from ..modeling.telemetry import LogitTap
+from ..portable.layout import norm_module
 from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from .controls import ControlCallback, TrainingControl
 from .heads import layer_rows
-from ..portable.layout import norm_module
 from .sites import attention_sites, unwrap
 
 logger = logging.getLogger(__name__)

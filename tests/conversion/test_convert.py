@@ -376,10 +376,10 @@ def test_patched_and_converted_models_start_from_the_same_norms(tmp_path, norm):
     included, which once used a different length fallback in conversion)."""
     from types import SimpleNamespace
 
+    from hf_qknorm import get_family
     from hf_qknorm.conversion.layerwise import identity_values
     from hf_qknorm.conversion.source import inspect_source
     from hf_qknorm.conversion.streaming import StreamedCheckpoint
-    from hf_qknorm import get_family
     from hf_qknorm.portable.families import DEFAULT_TRAINING_LENGTH
     from hf_qknorm.portable.norms import henry_logit_scale
 

@@ -117,8 +117,8 @@ def test_output_attentions_stays_refused_where_no_weights_come_back(tmp_path):
 
 
 def _patched_config(family, scheme, **settings):
-    from hf_qknorm.modeling.classes import config_class
     from hf_qknorm import get_family
+    from hf_qknorm.modeling.classes import config_class
     from tests._support.tiny_models import tiny_config
 
     base = tiny_config(family)

@@ -33,8 +33,7 @@ class Variant:
         ``patch_model`` resolves it), or ``None`` for the baseline and the ``patch_model`` route."""
         if not self.patched or self.route == "patch_model":
             return None
-        from hf_qknorm import QKNormConfig
-        from hf_qknorm import get_family
+        from hf_qknorm import QKNormConfig, get_family
 
         eps = float(get_family(model_type).norm_eps(base_config))
         return QKNormConfig(**{"eps": eps, **self.settings}).to_dict()
