@@ -174,8 +174,8 @@ class LogitTap:
             raise NotImplementedError(
                 f"the q/k telemetry on attention implementation {rebuilt[0].backend!r} rebuilds q and k the way "
                 f"{', '.join(REBUILT_TYPES)} compute them; for model type {rebuilt[0].family.model_type!r} run the "
-                f"model on {ATTN_IMPLEMENTATION!r} (model.set_attn_implementation({ATTN_IMPLEMENTATION!r})), whose backend "
-                "reports what it attends over"
+                f"model on {ATTN_IMPLEMENTATION!r} (model.set_attn_implementation({ATTN_IMPLEMENTATION!r})), whose "
+                "backend reports what it attends over"
             )
         for site in self.sites:
             if site.backend == ATTN_IMPLEMENTATION:
