@@ -58,6 +58,8 @@ def tiny_config(model_type: str):
                 setattr(config, name, value)
             except AttributeError:  # a property derived from other sizes (Falcon's head_dim)
                 pass
+    if "head_dim" in config.to_dict() and getattr(config, "head_dim", 0) is None:
+        config.head_dim = HEAD_DIM  # a config that derives it later (from hidden size / heads) states it
     if getattr(config, "multi_query", False):
         config.num_key_value_heads = 1 if hasattr(config, "num_key_value_heads") else None
     layers = getattr(config, "num_hidden_layers", LAYERS)
@@ -91,7 +93,7 @@ def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
     if hasattr(config, "_experts_implementation"):
         kwargs["experts_implementation"] = "eager"
     try:
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     except TypeError:
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()

@@ -19,7 +19,7 @@ import transformers
 
 import hf_qknorm  # noqa: F401  (registers the backend and the qknorm_<base> model types, as a user's import does)
 from tests.transformers_suite import upstream_tests
-from tests.transformers_suite.testers import TESTERS
+from tests.transformers_suite.testers import make_tester
 from tests.transformers_suite.variants import selected_families, selected_variants
 
 UPSTREAM = upstream_tests.load()
@@ -64,6 +64,18 @@ HEADS = {
         "GPT2ForTokenClassification",
     ),
 }
+
+
+def _heads_of(model_type: str) -> tuple[str, ...]:
+    """Every head class ``model_type`` has in the Auto mappings patching supports (hf_qknorm's AUTO_HEADS)."""
+    from transformers.models.auto import modeling_auto
+
+    from hf_qknorm.portable.structure import AUTO_HEADS
+
+    names = [getattr(modeling_auto, m + "_NAMES").get(model_type) for _, m in AUTO_HEADS]
+    return tuple(n for n in names if isinstance(n, str) and hasattr(transformers, n))
+
+
 # Non-default sizes ConfigTester checks round trips of (Transformers' testers pass such values too).
 CONFIG_TESTER_KWARGS = {"gpt2": {"n_embd": 64, "n_head": 4}}  # the others: DEFAULT_CONFIG_TESTER_KWARGS
 DEFAULT_CONFIG_TESTER_KWARGS = {"hidden_size": 64, "num_attention_heads": 4}
@@ -158,8 +170,8 @@ def _under_base_name(cls: type, base: type) -> type:
 
 def _make_case(family: str, variant) -> type:
     name = f"Test_{family}_{variant.name.replace('-', '_').replace('.', '_')}"
-    tester = TESTERS[family]
-    bases = [getattr(transformers, head) for head in HEADS[family]]
+    tester = make_tester(family)
+    bases = [getattr(transformers, head) for head in HEADS.get(family) or _heads_of(family)]
     classes = tuple(_under_base_name(variant.model_class(base, family), base) for base in bases)
     attrs = {
         "family": family,

@@ -159,6 +159,36 @@ class GPT2Tester(DecoderTester):
         )
 
 
+class GenericTester(DecoderTester):
+    """Any other model type: its own config class at the sizes of hf_qknorm's tiny models
+    (:func:`hf_qknorm.verification.tiny.tiny_config`), with this suite's vocabulary and special tokens."""
+
+    def base_config_class(self):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[self.model_type]
+
+    def config_kwargs(self):
+        from hf_qknorm.verification.tiny import tiny_config
+
+        config = tiny_config(self.model_type)
+        kwargs = {k: v for k, v in config.to_dict().items() if k not in _NOT_KWARGS}
+        kwargs.update(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        self.hidden_size = kwargs.get("hidden_size", self.hidden_size)
+        self.num_hidden_layers = kwargs.get("num_hidden_layers", self.num_hidden_layers)
+        self.num_attention_heads = kwargs.get("num_attention_heads", self.num_attention_heads)
+        return kwargs
+
+
+_NOT_KWARGS = ("model_type", "transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype")
+
 TESTERS: dict[str, type[DecoderTester]] = {
     t.model_type: t for t in (LlamaTester, MistralTester, Qwen2Tester, Qwen3Tester, GPT2Tester)
 }
+
+
+def make_tester(model_type: str) -> type[DecoderTester]:
+    """The hand-written tester of the first five families, or a :class:`GenericTester` for ``model_type``."""
+    if model_type in TESTERS:
+        return TESTERS[model_type]
+    return type(f"{model_type}Tester", (GenericTester,), {"model_type": model_type})

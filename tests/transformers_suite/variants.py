@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass, field
 
 FULL_SUITE_ENV = "HF_QKNORM_FULL_SUITE"
-FAMILIES_ENV = "HF_QKNORM_SUITE_FAMILIES"  # comma-separated, to run fewer families (scripts/test_version.sh)
+# comma-separated model types: fewer families (scripts/test_version.sh), or any model type `hf-qknorm coverage`
+# lists as patched ("all": every one of them)
+FAMILIES_ENV = "HF_QKNORM_SUITE_FAMILIES"
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,25 @@ def selected_variants() -> tuple[Variant, ...]:
 
 def selected_families() -> tuple[str, ...]:
     wanted = [f.strip() for f in os.environ.get(FAMILIES_ENV, "").split(",") if f.strip()]
-    unknown = sorted(set(wanted) - set(FAMILIES))
+    if wanted == ["all"]:
+        return FAMILIES + tuple(t for t in covered_types() if t not in FAMILIES)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    unknown = sorted(f for f in wanted if f not in CONFIG_MAPPING_NAMES)
     if unknown:
-        raise ValueError(f"{FAMILIES_ENV} names unknown families {unknown}; valid: {', '.join(FAMILIES)}")
-    return tuple(f for f in FAMILIES if f in wanted) if wanted else FAMILIES
+        raise ValueError(f"{FAMILIES_ENV} names unknown model types {unknown}; valid: a model type, or 'all'")
+    return tuple(wanted) if wanted else FAMILIES
+
+
+def covered_types() -> tuple[str, ...]:
+    """The model types the committed coverage table of this Transformers lists as patched."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    major_minor = ".".join(transformers.__version__.split(".")[:2])
+    table = Path(__file__).resolve().parents[2] / "docs" / "coverage" / f"transformers-{major_minor}.json"
+    if not table.is_file():
+        raise ValueError(f"{FAMILIES_ENV}=all needs {table} (hf-qknorm coverage --json {table})")
+    return tuple(r["model_type"] for r in json.loads(table.read_text()) if r["status"] == "patched")
