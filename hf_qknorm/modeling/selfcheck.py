@@ -21,7 +21,8 @@ the probe norms on, once with them off (identity). It then requires, per layer:
 - ``qkv_norm``: the pre-attention norm's output feeds the attention alone (a parallel block, whose MLP reads the same
   norm, would lose it).
 
-It costs three short forwards of the model (two of its attention layers) and runs on the model's own device and
+A layer whose inputs are not finite (a source model that computes inf) is not judged: nothing there can be
+compared. It costs three short forwards of the model (two of its attention layers) and runs on the model's own device and
 dtype; a model on the ``meta`` device is not checked (there is nothing to run).
 """
 
@@ -210,7 +211,8 @@ def _record_forward(model, name: str, train: bool = False) -> None:
             grads = [p.grad for p in params]
             model.train()
             try:
-                model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+                out = model(input_ids=ids, use_cache=False)
+                (out.logits if getattr(out, "logits", None) is not None else out[0]).float().sum().backward()
             finally:
                 for p, g in zip(params, grads):
                     p.grad = g
@@ -253,6 +255,8 @@ def _check_layer(name, i, attn, plan, roles, seen) -> None:
             f"{where} passes scaling={on['scaling']} to the backend: the model computes its own logit scale, so "
             f"norm {cfg.norm!r}'s learnable logit scale would not be the only one"
         )
+    if not all(bool(torch.isfinite(t).all()) for t in (on["q"], on["k"], on["v"], off["q"], off["k"], off["v"])):
+        return  # a layer fed non-finite values (a broken source model) cannot be judged; its own checks say so
     for role in ("q", "k", "v"):
         a, b = on[role], off[role]
         if a.shape != b.shape:

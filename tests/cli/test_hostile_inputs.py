@@ -155,13 +155,13 @@ def test_a_qknorm_entry_from_a_newer_version(saved, capsys, case):
 
 
 def test_a_family_from_a_newer_version(saved, capsys):
-    """model_type qknorm_<base> for a base this version lacks: named in one line, before Transformers would look for
-    remote code and ask on stdin."""
-    edit_config(saved, lambda c: c.update(model_type="qknorm_gemma2"))
+    """model_type qknorm_<base> for a base this Transformers lacks: named in one line, before Transformers would look
+    for remote code and ask on stdin."""
+    edit_config(saved, lambda c: c.update(model_type="qknorm_llama9"))
     for command in ("verify", "inspect"):
         code, out, err = run(capsys, command, saved)
         line = one_line(err)
-        assert code == 2 and "model_type 'qknorm_gemma2' names no family" in line and "qknorm_llama" in line, line
+        assert code == 2 and "model_type 'qknorm_llama9'" in line and "this Transformers does not know" in line, line
         assert "[y/N]" not in out + err
 
 

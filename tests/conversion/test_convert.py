@@ -284,7 +284,7 @@ def test_bad_inputs_name_the_problem(tmp_path):
     BertModel(
         BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)
     ).save_pretrained(tmp_path / "bert")
-    with pytest.raises(ValueError, match="unsupported model family 'bert'"):
+    with pytest.raises(ValueError, match="bert is not a causal language model"):
         convert(tmp_path / "bert", tmp_path / "o6", **run)
     convert(tmp_path / "src", tmp_path / "done", calibrate=False, **run)
     with pytest.raises(ValueError, match="already converted"):

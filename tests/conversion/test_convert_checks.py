@@ -40,8 +40,8 @@ def test_remote_code_that_skips_the_norm_fails_the_conversion(tmp_path, monkeypa
     )  # unbroken: passes the full verification
     assert (ok.path / "model.safetensors").is_file()
 
-    def edited():
-        files = real()
+    def edited(*args):
+        files = real(*args)
         source = files["qknorm_hooks.py"]
         files["qknorm_hooks.py"] = source.replace("return _norm_heads(attn, roles[0], output)", "return output")
         assert files["qknorm_hooks.py"] != source, "the shipped hook changed: update this test's edit"

@@ -153,10 +153,10 @@ def test_whole_projection_norms_are_kept_and_the_scheme_norm_follows():
 
 
 def test_a_new_model_type_saves_and_loads_with_and_without_the_plugin(tmp_path):
-    """EXAONE shares Llama's class names: the saved folder names its own base model type."""
+    """InternLM3 shares Llama's class names: the saved folder names its own base model type."""
     from transformers import AutoModelForCausalLM
 
-    for model_type in ("exaone", "mixtral"):
+    for model_type in ("internlm3", "mixtral"):
         model = hf_qknorm.patch_model(tiny_model(model_type), "qk_norm_cap")
         folder = tmp_path / model_type
         model.save_pretrained(folder)
