@@ -275,10 +275,12 @@ def _check_trained(site, rows, norms) -> None:
     """Refuse, in one line naming why and the fix, a layer whose logits QK-Clip could bound only by editing frozen
     weights."""
     if norms is not None:
-        attn = norms[0]
-        names = ("q_norm",) if isinstance(norms[2], HeadLpNorm) else ("q_norm", "k_norm")  # lp: one scale, on q
-        for name in names:
-            if not _trained_copies(getattr(attn, name)):
+        attn, q_norm, k_norm = norms
+        lp = isinstance(getattr(k_norm, "original_module", k_norm), HeadLpNorm)  # lp: one scale, on q
+        slots = attn.__dict__.get("_qknorm_norms", {})
+        for role, norm in (("q", q_norm),) if lp else (("q", q_norm), ("k", k_norm)):
+            name = slots.get(role, f"{role}_norm")
+            if not _trained_copies(norm):
                 raise ValueError(
                     f"QK-Clip changes only trained parameters, and layer {site.index}'s {name} is frozen (under "
                     "LoRA: not in modules_to_save), so clipping would edit weights the saved adapter does not hold; "
