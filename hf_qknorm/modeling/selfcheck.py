@@ -22,8 +22,8 @@ the probe norms on, once with them off (identity). It then requires, per layer:
   norm, would lose it).
 
 A layer whose inputs are not finite (a source model that computes inf) is not judged: nothing there can be
-compared. It costs three short forwards of the model (two of its attention layers) and runs on the model's own device and
-dtype; a model on the ``meta`` device is not checked (there is nothing to run).
+compared. It costs about four short forwards of the model (one of them with a backward) and runs on the model's own
+device and dtype; a model on the ``meta`` device is not checked (there is nothing to run).
 """
 
 from __future__ import annotations
