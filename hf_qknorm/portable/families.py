@@ -54,6 +54,10 @@ QUIRKS: dict[str, dict] = {
     "fuyu": {"layout": PER_HEAD},
     "codegen": {"refuse": "its fused qkv_proj interleaves q, k and v over model-parallel groups"},
     "olmo": {"refuse_if": ("clip_qkv", "clamps q, k and v after the projections (config.clip_qkv)")},
+    # attention by name only: out of scope
+    "rwkv": {"scope": "no softmax self-attention (RWKV's time mixing is recurrent)"},
+    "reformer": {"scope": "no softmax self-attention over the sequence (locality-sensitive hashing attention)"},
+    "xlnet": {"scope": "no softmax self-attention of a causal decoder (a permutation language model)"},
 }
 
 
@@ -247,6 +251,8 @@ def derive_family(model: nn.Module) -> Family:
     quirk = QUIRKS.get(model_type, {})
     if "refuse" in quirk:
         raise UnsupportedModelError(f"model type {model_type!r}: {quirk['refuse']}")
+    if "scope" in quirk:
+        raise UnsupportedModelError(f"model type {model_type!r}: {quirk['scope']}")
     if "refuse_if" in quirk and getattr(config, quirk["refuse_if"][0], None):
         raise UnsupportedModelError(f"model type {model_type!r}: {quirk['refuse_if'][1]}")
     path, blocks, attention = _blocks(model)
@@ -259,7 +265,7 @@ def derive_family(model: nn.Module) -> Family:
         if type(getattr(other, attention)) is not type(attn):
             raise UnsupportedModelError(
                 f"model type {model_type!r} mixes attention classes across layers "
-                f"({type(attn).__name__}, {type(getattr(other, attention)).__name__})"
+                f"({type(attn).__name__}, {type(getattr(other, attention)).__name__}): a hybrid model"
             )
     if getattr(attn, "config", None) is None:
         raise UnsupportedModelError(

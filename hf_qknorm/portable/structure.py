@@ -101,12 +101,13 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
 def _prenorm_form(block, attn, family: Family, index: int, loading: bool):
     """``(gain, bias)`` of block ``index``'s pre-attention norm (:func:`.fold.affine_form`), checked foldable."""
     prenorm = getattr(block, family.prenorm)
-    gain, bias = affine_form(prenorm, skip_probe=loading)
-    if gain is None and bias is None and not loading:
+    try:
+        gain, bias = affine_form(prenorm, skip_probe=loading)
+    except ValueError:
         raise UnsupportedModelError(
             f"model type {family.model_type!r}: the pre-attention norm {type(prenorm).__name__} (.{family.prenorm} "
             f"of block {index}) is not of the form gain * n(x) + bias, so qkv_norm cannot fold it"
-        )
+        ) from None
     if bias is not None:
         for name in _prenorm_readers(family):
             if _base(getattr(attn, name)).bias is None:
@@ -190,7 +191,10 @@ def _carry_gain(native: nn.Module | None, new: nn.Module) -> None:
     when it has a per-channel weight of the same width (``rmsnorm``: the same arithmetic, the norm is kept)."""
     if native is None or getattr(new, "weight", None) is None:
         return
-    gain, _ = affine_form(native, skip_probe=False)
+    try:
+        gain, _ = affine_form(native, skip_probe=False)
+    except ValueError:  # not a gain times a normalisation: the new norm starts as identity
+        return
     if gain is not None and gain.shape == new.weight.shape:
         with torch.no_grad():
             new.weight.copy_(gain)

@@ -67,9 +67,12 @@ def check_model_type(model_type: str) -> TypeResult:
         config = CONFIG_MAPPING[model_type]()
     except Exception as exc:
         return TypeResult(model_type, UNTESTED, f"its config cannot be built with defaults ({type(exc).__name__})")
-    reason = out_of_scope(config) or _flagged_scope(model_type, config)
+    reason = out_of_scope(config)
     if reason:
         return TypeResult(model_type, OUT_OF_SCOPE, reason)
+    said = _structure(model_type, config)
+    if said:
+        return TypeResult(model_type, *said)
     try:
         tiny_config(model_type)
         base = tiny_model(model_type)
@@ -96,16 +99,18 @@ def check_model_type(model_type: str) -> TypeResult:
     return result
 
 
-def _flagged_scope(model_type: str, config) -> str | None:
-    """Out of scope as the structure shows it (no softmax self-attention stack, hybrid layers)."""
+def _structure(model_type: str, config) -> tuple[str, str] | None:
+    """``(status, reason)`` when the structure of the type's default model (a meta-device skeleton) already says:
+    out of scope (no softmax self-attention stack, hybrid layers) or refused (attention of another kind)."""
     from ..modeling.derive import get_family
 
     try:
         get_family(config)
     except UnsupportedModelError as exc:
         text = str(exc)
-        if any(r in text for r in _SCOPE_REASONS):
-            return text
+        if "no causal-LM model can be built" in text:
+            return None  # the skeleton cannot say; the tiny model will
+        return (OUT_OF_SCOPE if any(r in text for r in _SCOPE_REASONS) else REFUSED), text
     return None
 
 

@@ -58,15 +58,35 @@ def tiny_config(model_type: str):
                 setattr(config, name, value)
             except AttributeError:  # a property derived from other sizes (Falcon's head_dim)
                 pass
-    if "head_dim" in config.to_dict() and getattr(config, "head_dim", 0) is None:
-        config.head_dim = HEAD_DIM  # a config that derives it later (from hidden size / heads) states it
+    stated = config.to_dict()
+    for name, value in (("head_dim", HEAD_DIM), ("num_key_value_heads", KV_HEADS)):
+        if name in stated and stated[name] is None:  # a config that derives it later states it
+            try:
+                setattr(config, name, value)
+            except AttributeError:
+                pass
     if getattr(config, "multi_query", False):
         config.num_key_value_heads = 1 if hasattr(config, "num_key_value_heads") else None
-    layers = getattr(config, "num_hidden_layers", LAYERS)
+    # A per-layer list keeps one layer of each kind it names (sliding and full attention, a hybrid's recurrent layers),
+    # so the tiny model has every kind of layer the real one has.
+    kinds = getattr(config, "layer_types", None)
+    keep = list(range(LAYERS))
+    if isinstance(kinds, (list, tuple)) and kinds:
+        first = {}
+        for i, kind in enumerate(kinds):
+            first.setdefault(kind, i)
+        keep = sorted(first.values())
+        keep += [i for i in range(len(kinds)) if i not in keep][: max(0, LAYERS - len(keep))]
+        keep.sort()
+        if hasattr(config, "num_hidden_layers"):
+            try:
+                config.num_hidden_layers = len(keep)
+            except AttributeError:
+                pass
     for name in ("layer_types", "mlp_layer_types", "attention_layer_types"):
         value = getattr(config, name, None)
         if isinstance(value, (list, tuple)) and value:
-            setattr(config, name, list(value[:layers]) + [value[-1]] * max(0, layers - len(value)))
+            setattr(config, name, [value[min(i, len(value) - 1)] for i in keep])
     for name in dir(config):
         if "dropout" in name or name.endswith("_pdrop"):
             value = getattr(config, name, None)
