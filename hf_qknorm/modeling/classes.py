@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..portable.families import base_model_type
 from ..portable.names import PREFIX
 from ..portable.schemes import QKNormConfig
-from ..portable.structure import AUTO_HEADS, make_config_class, make_model_class
+from ..portable.structure import AUTO_HEADS, make_config_class, make_model_class, share_conversion_mapping
 
 _CONFIGS: dict[str, type] = {}
 _MODELS: dict[tuple[type, str], type] = {}  # (base model class, model type) -> patched subclass
@@ -51,11 +51,20 @@ def config_class(model_type: str) -> type:
 
         base = CONFIG_MAPPING[model_type]
         cls = make_config_class(base, model_type, __name__)
+        share_conversion_mapping(model_type, _conversion_mapping())
         cls.save_pretrained = _saving_remote_code(cls)
         globals()[cls.__name__] = cls  # importable by name, so pickling and copying work
         _CONFIGS[model_type] = cls
         _register_heads(cls, base, model_type)
     return _CONFIGS[model_type]
+
+
+def _conversion_mapping():
+    try:
+        from transformers import conversion_mapping
+    except ImportError:  # a Transformers without conversion mappings
+        return None
+    return conversion_mapping
 
 
 def _register_heads(cls: type, base_cfg: type, model_type: str) -> None:

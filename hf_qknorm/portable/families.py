@@ -204,6 +204,11 @@ def _no_blocks_reason(model: nn.Module, model_type) -> str:
     kinds = [type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__]
     if any(all(isinstance(getattr(m, n, None), nn.Module) for n in ("query", "key", "value")) for m in model.modules()):
         return f"model type {model_type!r} is an encoder model (BERT-style self-attention); hf_qknorm patches decoders"
+    if any(_attention_parts(m) for m in model.modules()):  # q/k/v projections, but not in every block of a stack
+        return (
+            f"model type {model_type!r} is a hybrid model: some of its layers are recurrent, state-space or linear "
+            "attention"
+        )
     if kinds:
         return (
             f"model type {model_type!r}: its attention ({kinds[0]}) has no separate q_proj/k_proj/v_proj or fused "

@@ -47,8 +47,9 @@ def affine_form(norm, skip_probe: bool = False):
     normalisation over the last dimension), each ``None`` where absent: Llama's RMSNorm gives ``(weight, None)``,
     Gemma's ``(1 + weight, None)``, LayerNorm ``(weight, bias)``. Read off the module by a probe (a few random rows
     through it, both normalisations tried) and snapped to the module's own tensors, so a Llama's fold is bit-for-bit
-    what it was. ``(None, None)`` for a parameter-free norm; ``ValueError`` for a module of no such form. ``skip_probe`` (a model being built for loading,
-    whose weights are about to be replaced): the module's own ``weight``/``bias``."""
+    what it was. ``(None, None)`` for a parameter-free norm; ``ValueError`` for a module of no such form.
+    ``skip_probe`` (a model being built for loading, whose weights are about to be replaced): the module's own
+    ``weight``/``bias``."""
     weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
     weight = weight if isinstance(weight, torch.Tensor) else None
     bias = bias if isinstance(bias, torch.Tensor) else None

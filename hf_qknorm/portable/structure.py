@@ -422,10 +422,7 @@ _HEAD_SUFFIXES = (
 
 def make_config_class(base_config: type, model_type: str, module: str) -> type:
     """``QKNorm<Base>Config``: ``base_config`` with ``model_type`` ``qknorm_<model_type>``, defined in ``module``.
-    The base type's checkpoint conversion mapping (how Transformers renames and fuses a mixture of experts' weights
-    on loading, and back on saving) is registered for ``qknorm_<model_type>`` too, so a patched model saves its
-    weights in the base model's layout and loads them back the same way, with or without the plugin."""
-    _share_conversion_mapping(model_type)
+    Its callers (which may import Transformers) also call :func:`share_conversion_mapping`."""
     return type(
         CLASS_PREFIX + base_config.__name__,
         (PatchedConfigMixin, base_config),
@@ -433,17 +430,18 @@ def make_config_class(base_config: type, model_type: str, module: str) -> type:
     )
 
 
-def _share_conversion_mapping(model_type: str) -> None:
-    try:
-        from transformers.conversion_mapping import (
-            get_checkpoint_conversion_mapping,
-            register_checkpoint_conversion_mapping,
-        )
-    except ImportError:  # a Transformers without conversion mappings: nothing to share
+def share_conversion_mapping(model_type: str, conversion_mapping) -> None:
+    """Register the base type's checkpoint conversion mapping (how Transformers renames and fuses a mixture of
+    experts' weights on loading, and back on saving) for ``qknorm_<model_type>`` too, so a patched model saves its
+    weights in the base model's layout and loads them back the same way, with or without the plugin.
+    ``conversion_mapping``: the module ``transformers.conversion_mapping``, or ``None`` where it does not exist."""
+    get = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
+    register = getattr(conversion_mapping, "register_checkpoint_conversion_mapping", None)
+    if get is None or register is None:
         return
-    mapping = get_checkpoint_conversion_mapping(model_type)
-    if mapping and not get_checkpoint_conversion_mapping(PREFIX + model_type):
-        register_checkpoint_conversion_mapping(PREFIX + model_type, mapping)
+    mapping = get(model_type)
+    if mapping and not get(PREFIX + model_type):
+        register(PREFIX + model_type, mapping)
 
 
 def make_model_class(base_model: type, config_class: type, module: str) -> type:

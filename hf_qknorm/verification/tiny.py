@@ -83,10 +83,13 @@ def tiny_config(model_type: str):
                 config.num_hidden_layers = len(keep)
             except AttributeError:
                 pass
-    for name in ("layer_types", "mlp_layer_types", "attention_layer_types"):
+    for name in ("layer_types", "attention_layer_types"):
         value = getattr(config, name, None)
         if isinstance(value, (list, tuple)) and value:
             setattr(config, name, [value[min(i, len(value) - 1)] for i in keep])
+    value = getattr(config, "mlp_layer_types", None)
+    if isinstance(value, (list, tuple)) and value:
+        config.mlp_layer_types = list(value[: len(keep)]) + [value[-1]] * max(0, len(keep) - len(value))
     for name in dir(config):
         if "dropout" in name or name.endswith("_pdrop"):
             value = getattr(config, name, None)

@@ -140,7 +140,7 @@ def test_the_command_line_has_one_table_of_commands():
             if isinstance(node, ast.ImportFrom):
                 assert node.module not in ("main", "hf_qknorm.cli.main", "hf_qknorm.cli"), (path.name, node.module)
                 assert not (node.level == 1 and node.module is None and any(a.name == "main" for a in node.names))
-    names = ["demo", "inspect", "info", "verify", "convert", "push"]
+    names = ["demo", "inspect", "info", "verify", "convert", "push", "coverage"]
     assert [row[0] for row in COMMANDS] == names
     parser, runners = build_parser()
     assert list(runners) == names and "{" + ",".join(names) + "}" in parser.format_usage()

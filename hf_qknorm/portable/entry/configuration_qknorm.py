@@ -10,7 +10,12 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 
 # {SHIPPED_IMPORTS}
 from .qknorm_names import CLASS_PREFIX
-from .qknorm_structure import make_config_class
+from .qknorm_structure import make_config_class, share_conversion_mapping
+
+try:
+    from transformers import conversion_mapping as _conversion_mapping
+except ImportError:  # a Transformers without conversion mappings
+    _conversion_mapping = None
 
 CONFIG_CLASSES = {}
 BASE_MODEL_TYPE = None  # {BASE_MODEL_TYPE}: the saved model's base model type, written in when it is saved
@@ -20,6 +25,7 @@ def config_class(model_type):
     """``QKNorm<Base>Config`` of base ``model_type`` (made once)."""
     if model_type not in CONFIG_CLASSES:
         cls = make_config_class(CONFIG_MAPPING[model_type], model_type, __name__)
+        share_conversion_mapping(model_type, _conversion_mapping)
         CONFIG_CLASSES[model_type] = cls
         globals()[cls.__name__] = cls
     return CONFIG_CLASSES[model_type]
