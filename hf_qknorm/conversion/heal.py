@@ -58,7 +58,7 @@ class HealSettings:
         },
     )
     lr: float = field(
-        default=2e-4,
+        default=1e-3,
         metadata={"help": "Adam step size of the projections and norms, cosine-decayed to 0 (implies --heal)"},
     )
     seed: int = field(default=0, metadata={"help": "random seed of the order of the blocks (implies --heal)"})
