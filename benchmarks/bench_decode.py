@@ -21,6 +21,7 @@ Rows go to ``benchmarks/results/decode.jsonl`` with the machine, versions and th
     python benchmarks/bench_decode.py                                  # everything (CPU: an hour or more)
     python benchmarks/bench_decode.py --shapes tiny --rounds 5         # the host-bound table only
     python benchmarks/bench_decode.py --table step --shapes 12x768 --seq 512
+    python benchmarks/bench_decode.py --report after                   # the tables of saved rows labelled "after"
 """
 
 from __future__ import annotations
@@ -183,6 +184,28 @@ def _environment() -> dict:
     }
 
 
+def markdown(rows: list[dict]) -> str:
+    """The decode and step tables of ``rows`` (CPU-time ratios to the unpatched model on sdpa) in Markdown."""
+    out = []
+    decode = [r for r in rows if r["table"] == "decode"]
+    if decode:
+        schemes = [s for s in SCHEMES if f"{s}_cpu" in decode[0]]
+        out += ["| shape | cache | batch | prompt | sdpa tokens/s | " + " | ".join(f"`{s}`" for s in schemes) + " |"]
+        out += ["|---" * (5 + len(schemes)) + "|"]
+        for r in decode:
+            cells = [r["shape"], r["cache"], r["batch"], r["prompt"], r["sdpa_tok_s"]]
+            out += ["| " + " | ".join(map(str, cells + [f"{r[f'{s}_cpu']:.2f}x" for s in schemes])) + " |"]
+    steps = [r for r in rows if r["table"] == "step"]
+    if steps:
+        schemes = [s for s in SCHEMES if f"{s}_cpu" in steps[0]]
+        out += ["", "| shape | T | sdpa step (s) | " + " | ".join(f"`{s}`" for s in schemes) + " |"]
+        out += ["|---" * (3 + len(schemes)) + "|"]
+        for r in steps:
+            cells = [r["shape"], r["seq"], r["sdpa_s"]] + [f"{r[f'{s}_cpu']:.3f}x" for s in schemes]
+            out += ["| " + " | ".join(map(str, cells)) + " |"]
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", choices=("decode", "step", "both"), default="both")
@@ -197,7 +220,14 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--label", default="", help="a note stored with the rows (e.g. 'before')")
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument(
+        "--report", metavar="LABEL", help="print the tables of the saved rows with this label; run nothing"
+    )
     args = parser.parse_args()
+    if args.report is not None:
+        saved = [json.loads(line) for line in RESULTS.read_text().splitlines()] if RESULTS.exists() else []
+        print(markdown([r for r in saved if r.get("label") == args.report]))
+        return
     if args.new_tokens < 2 or args.rounds < 1:
         parser.error(f"--new-tokens must be at least 2 and --rounds at least 1, got {args.new_tokens}, {args.rounds}")
     torch.set_num_threads(1)
@@ -224,6 +254,7 @@ def main() -> None:
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
             with RESULTS.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+    print(markdown(rows))
 
 
 if __name__ == "__main__":

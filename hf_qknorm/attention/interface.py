@@ -8,9 +8,11 @@ also with ``use_cache`` on, where Transformers builds no packing mask), ``output
 (attention sinks); :data:`HONOURED_KWARGS` lists them. The mask rule is :mod:`hf_qknorm.portable.masks`.
 
 Dispatch (:mod:`.dispatch`, a scoped policy): CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``),
-through the entry point of the call's shape; everything else takes the PyTorch path -- ``sdpa`` when there is no
-cap, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in sequence length) when there is
-one, or when a probe asks for the per-head largest logit of ``TILED_MAX_MIN_LEN`` (256) queries or more.
+through the entry point of the call's shape; everything else takes the PyTorch path -- for a few queries that need
+no gradient (decoding), the lean path (:mod:`.lean`: plain tensor math, or sdpa without a cap or sink); otherwise
+``sdpa`` when there is no cap or sink, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in
+sequence length) when there is one, or when a probe asks for the per-head largest logit of ``TILED_MAX_MIN_LEN``
+(256) queries or more. A module's scaling, dropout, window and cap are validated at its first call and remembered.
 ``kernel_policy(devices=..., use_fallback=...)`` changes which devices go to the kernels and whether a call they
 cannot run may fall back.
 
