@@ -15,10 +15,10 @@ Transformers looks up ``qknorm_<base>``, so importing the plugin imports no mode
 
 from __future__ import annotations
 
+from ..portable.autoclasses import AUTO_HEADS, make_config_class, make_model_class, share_conversion_mapping
 from ..portable.families import base_model_type
 from ..portable.names import PREFIX
 from ..portable.schemes import QKNormConfig
-from ..portable.structure import AUTO_HEADS, make_config_class, make_model_class, share_conversion_mapping
 
 _CONFIGS: dict[str, type] = {}
 _MODELS: dict[tuple[type, str], type] = {}  # (base model class, model type) -> patched subclass

@@ -86,7 +86,7 @@ def add_remote_code(folder) -> None:
         _write_atomic(folder / name, text)
     data = json.loads(config_file.read_text())
     if "auto_map" not in data:
-        from ..portable.structure import auto_map, patched_architecture
+        from ..portable.autoclasses import auto_map, patched_architecture
 
         archs = [patched_architecture(a) for a in data.get("architectures") or []]
         data["architectures"] = archs or None

@@ -19,6 +19,8 @@ SHIPPED = {
     "fold": "qknorm_fold.py",
     "layout": "qknorm_layout.py",
     "structure": "qknorm_structure.py",
+    "weights": "qknorm_weights.py",
+    "autoclasses": "qknorm_autoclasses.py",
     "masks": "qknorm_masks.py",
     "eager": "qknorm_eager.py",
 }

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..modeling.saved import read_config
 from ..portable.names import PREFIX
-from ..portable.structure import NORM_SLOTS
+from ..portable.weights import NORM_SLOTS
 from .checks import build_report, check_tolerance
 from .layers import ReferenceModel
 from .loading import FolderWeightsError, load_folder, weights_report

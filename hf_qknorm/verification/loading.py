@@ -13,7 +13,7 @@ import math
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..portable.structure import NORM_SLOTS, SchemeWeightsError, keys_text
+from ..portable.weights import NORM_SLOTS, SchemeWeightsError, keys_text
 from .report import Check, VerifyReport
 
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")

@@ -180,7 +180,7 @@ def test_a_norm_weight_stored_in_half_precision_loads_exactly(saved, capsys):
 @pytest.mark.parametrize("shape", [(1, 16), (), (16, 1)])
 def test_a_norm_weight_of_another_rank(saved, shape):
     edit_weights(saved, lambda sd: sd.update({"model.layers.1.self_attn.k_norm.weight": torch.ones(shape)}))
-    from hf_qknorm.portable.structure import SchemeWeightsError
+    from hf_qknorm.portable.weights import SchemeWeightsError
 
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         AutoModelForCausalLM.from_pretrained(saved)

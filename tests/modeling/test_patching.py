@@ -90,7 +90,7 @@ def _head_classes(family):
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from hf_qknorm.portable.structure import AUTO_HEADS
+    from hf_qknorm.portable.autoclasses import AUTO_HEADS
 
     base = CONFIG_MAPPING[family]
     return [(auto, getattr(modeling_auto, m)[base]) for auto, m in AUTO_HEADS if base in getattr(modeling_auto, m)]

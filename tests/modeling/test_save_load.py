@@ -138,7 +138,7 @@ def _broken_folder(tmp_path, case):
 
 @pytest.mark.parametrize("case", list(BROKEN_FOLDERS))
 def test_a_folder_whose_norm_weights_do_not_match_its_scheme_never_loads(tmp_path, case):
-    from hf_qknorm.portable.structure import SchemeWeightsError
+    from hf_qknorm.portable.weights import SchemeWeightsError
 
     folder = _broken_folder(tmp_path, case)
     with pytest.raises(SchemeWeightsError, match="norm weights do not match scheme") as err:
@@ -178,7 +178,7 @@ def test_the_shipped_code_refuses_them_too(tmp_path):
 def test_a_norm_weight_of_another_shape_is_refused(tmp_path):
     """Without ``ignore_mismatched_sizes`` Transformers itself refuses; with it, Transformers would re-initialise
     the weight: refused by name."""
-    from hf_qknorm.portable.structure import SchemeWeightsError
+    from hf_qknorm.portable.weights import SchemeWeightsError
 
     model = tiny_model("llama")
     hf_qknorm.patch_model(model, "qk_norm")
@@ -222,7 +222,7 @@ def test_a_plain_checkpoint_is_not_loaded_into_a_patched_class(tmp_path):
     """Loading an unpatched checkpoint with a patched config is refused (for qkv_norm it would also drop the
     pre-attention norm's gain, which only patch_model and convert fold): patch_model is the way."""
     from hf_qknorm.modeling.classes import config_class
-    from hf_qknorm.portable.structure import SchemeWeightsError
+    from hf_qknorm.portable.weights import SchemeWeightsError
     from tests._support.tiny_models import tiny_config
 
     tiny_model("llama").save_pretrained(tmp_path)

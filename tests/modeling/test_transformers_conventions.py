@@ -137,7 +137,7 @@ def test_a_checkpoint_without_the_norms_is_refused_and_trained_norms_round_trip(
     from transformers import AutoModelForCausalLM
 
     from hf_qknorm.portable.norms import henry_logit_scale
-    from hf_qknorm.portable.structure import SchemeWeightsError
+    from hf_qknorm.portable.weights import SchemeWeightsError
 
     tiny_model("llama", seed=2).save_pretrained(tmp_path / "plain")
     config = _patched_config("llama", "qkv_norm", norm=norm, **settings)

@@ -70,7 +70,7 @@ def _heads_of(model_type: str) -> tuple[str, ...]:
     """Every head class ``model_type`` has in the Auto mappings patching supports (hf_qknorm's AUTO_HEADS)."""
     from transformers.models.auto import modeling_auto
 
-    from hf_qknorm.portable.structure import AUTO_HEADS
+    from hf_qknorm.portable.autoclasses import AUTO_HEADS
 
     names = [getattr(modeling_auto, m + "_NAMES").get(model_type) for _, m in AUTO_HEADS]
     return tuple(n for n in names if isinstance(n, str) and hasattr(transformers, n))

@@ -8,9 +8,10 @@ own modules (``hf_qknorm/portable``). ``QKNorm<Base>Config`` is the base model t
 
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
+from .qknorm_autoclasses import make_config_class, share_conversion_mapping
+
 # {SHIPPED_IMPORTS}
 from .qknorm_names import CLASS_PREFIX
-from .qknorm_structure import make_config_class, share_conversion_mapping
 
 try:
     from transformers import conversion_mapping as _conversion_mapping

@@ -20,9 +20,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 # {SHIPPED_IMPORTS}
 from .configuration_qknorm import BASE_MODEL_TYPE, config_class
+from .qknorm_autoclasses import AUTO_HEADS, make_model_class
 from .qknorm_eager import capped_eager_attention
 from .qknorm_names import ATTN_IMPLEMENTATION, CLASS_PREFIX
-from .qknorm_structure import AUTO_HEADS, make_model_class
 
 if ATTN_IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS.valid_keys():
     AttentionInterface.register(ATTN_IMPLEMENTATION, capped_eager_attention)
