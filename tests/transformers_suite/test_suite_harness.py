@@ -88,7 +88,8 @@ def test_every_entry_names_real_tests_variants_and_families():
         pytest.skip("Transformers' common tests are unavailable")
     tests = [t for t in dir(suite.UPSTREAM.modeling.ModelTesterMixin) if t.startswith("test_")]
     for entry in differences.load():
-        for pattern in entry.tests:
+        for pattern in entry.tests if differences._version_matches(entry.transformers) else ():
+            # (an entry about other Transformers versions may name a test this one does not have)
             assert any(fnmatchcase(t, pattern) for t in tests), f"{entry.id}: no test matches {pattern!r}"
         for pattern in entry.variants:
             assert pattern == BASELINE.name or any(fnmatchcase(v, pattern) for v in names), (entry.id, pattern)
