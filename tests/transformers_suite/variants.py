@@ -145,7 +145,9 @@ def covered_types() -> tuple[str, ...]:
     import transformers
 
     major_minor = ".".join(transformers.__version__.split(".")[:2])
-    table = Path(__file__).resolve().parents[2] / "benchmarks" / "runs" / "coverage" / f"transformers-{major_minor}.json"
+    table = (
+        Path(__file__).resolve().parents[2] / "benchmarks" / "runs" / "coverage" / f"transformers-{major_minor}.json"
+    )
     if not table.is_file():
         raise ValueError(f"{FAMILIES_ENV}=all needs {table} (hf-qknorm coverage --json {table})")
     return tuple(r["model_type"] for r in json.loads(table.read_text()) if r["status"] == "patched")
