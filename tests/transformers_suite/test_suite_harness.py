@@ -115,6 +115,7 @@ def test_the_suite_runs_patched_models_of_its_variant(case):
     import hf_qknorm
     from hf_qknorm import get_family
     from hf_qknorm.portable.families import base_model_type
+    from hf_qknorm.portable.norms import NORM_CLASSES
 
     tester = case._tester_class(None, case.variant)
     for cls in case.all_model_classes:
@@ -125,9 +126,15 @@ def test_the_suite_runs_patched_models_of_its_variant(case):
             continue
         assert {k: v for k, v in settings.to_dict().items() if k in case.variant.settings} == case.variant.settings
         # q/k norms in every layer: the scheme's, or for soft_cap (which has none) only the family's own (Qwen3's)
-        norms = [n for n, _ in model.named_modules() if n.endswith(("q_norm", "k_norm"))]
-        own = get_family(base_model_type(model.config.model_type)).native_qk_norm
-        wanted = 2 * tester.num_hidden_layers if settings.norms_qk or own else 0
+        # (the scheme's norms wherever they live: q_norm, a native slot, or beside a kept whole-projection norm)
+        if settings.norms_qk:
+            norms = [m for m in model.modules() if isinstance(m, NORM_CLASSES)]
+            wanted = (3 if settings.norms_v else 2) * tester.num_hidden_layers
+        else:
+            norms = [n for n, _ in model.named_modules() if n.endswith(("q_norm", "k_norm"))]
+            family = get_family(base_model_type(model.config.model_type))
+            own = family.native_qk_norm or bool(family.kept)
+            wanted = 2 * tester.num_hidden_layers if own else 0
         assert len(norms) == wanted, (cls.__name__, case.variant.name, len(norms))
         assert model._get_name() == cls.__name__
         if case.variant.route == "config":

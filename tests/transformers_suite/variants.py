@@ -139,6 +139,10 @@ def selected_families() -> tuple[str, ...]:
 
 def covered_types() -> tuple[str, ...]:
     """The model types the committed coverage table of this Transformers lists as patched."""
+    return tuple(r["model_type"] for r in _coverage_records() if r["status"] == "patched")
+
+
+def _coverage_records() -> list[dict]:
     import json
     from pathlib import Path
 
@@ -150,4 +154,18 @@ def covered_types() -> tuple[str, ...]:
     )
     if not table.is_file():
         raise ValueError(f"{FAMILIES_ENV}=all needs {table} (hf-qknorm coverage --json {table})")
-    return tuple(r["model_type"] for r in json.loads(table.read_text()) if r["status"] == "patched")
+    return json.loads(table.read_text())
+
+
+def refused_up_front(model_type: str, variant: Variant) -> bool:
+    """Whether the committed coverage table says ``patch_model`` refuses ``variant``'s scheme for ``model_type``
+    (``qkv_norm`` on a post-norm or parallel block): such a pair has no patched model to test."""
+    if not variant.patched or model_type in FAMILIES:
+        return False
+    try:
+        records = {r["model_type"]: r for r in _coverage_records()}
+    except ValueError:
+        return False
+    scheme, norm = variant.settings.get("scheme"), variant.settings.get("norm")
+    key = scheme if scheme == "soft_cap" else f"{scheme}/{norm or 'layernorm'}"
+    return str(records.get(model_type, {}).get("variants", {}).get(key, "")).startswith("refused")
