@@ -80,9 +80,17 @@ def expected_norms(cfg: dict) -> tuple[str, dict[tuple[int, str], list[int]]] | 
     patched = str(cfg.get("model_type", "")).startswith(PREFIX)
     if family is None or (not patched and not family.native_qk_norm):
         return None
-    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
-    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
-    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", cfg.get("n_embd")) or 0) // max(int(heads or 1), 1)
+    try:  # the config class knows its own names for the sizes (GPT-2's n_layer / n_head / n_embd)
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        from ..portable.families import head_dim_of
+
+        config = CONFIG_MAPPING[family.model_type].from_dict(
+            {k: v for k, v in cfg.items() if k not in ("model_type", "qknorm", "auto_map", "architectures")}
+        )
+        layers, head_dim = config.num_hidden_layers, head_dim_of(None, config)
+    except Exception:  # sizes config.json does not give
+        return None
     if not isinstance(layers, int) or not isinstance(head_dim, int) or head_dim < 1:
         return None
     scheme = QKNormConfig.from_dict(settings) if patched else None

@@ -199,12 +199,24 @@ def _fail(message: str):
     raise ConversionCheckError(f"{message}; nothing was written")
 
 
+def _layers_key(raw: dict) -> str:
+    """The key a config.json names its layer count by: its config class's own name for ``num_hidden_layers``
+    (GPT-2's ``n_layer``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ..portable.families import base_model_type
+
+    model_type = base_model_type(raw.get("model_type", ""))
+    config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    return getattr(config_class, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+
+
 @contextmanager
 def _view(folder: Path, layers: int):
     """A folder that loads as ``folder`` with at most ``layers`` layers: its own ``config.json`` (layer count and
     per-layer lists cut), links to the weights and copies of the small files a model load reads."""
     raw = json.loads((Path(folder) / "config.json").read_text())
-    key = "num_hidden_layers" if "num_hidden_layers" in raw else "n_layer"
+    key = _layers_key(raw)
     total = int(raw.get(key, 0))
     with tempfile.TemporaryDirectory(prefix="hf_qknorm_verify_") as tmp:
         view = Path(tmp) / "model"
