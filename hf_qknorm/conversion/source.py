@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..modeling.derive import get_family
 from ..modeling.saved import read_config
-from ..portable.families import Family, UnsupportedModelError
+from ..portable.families import SPELLED_OUT_TYPES, Family, UnsupportedModelError
 from ..portable.names import PREFIX
 from .shards import SourceWeights, check_matches_config, read_source_weights
 
@@ -56,11 +56,6 @@ def _download(repo_id: str) -> Path:
         ) from exc
 
 
-# The model types convert calibrates and verifies: their checkpoint layout, the calibration's projection split and
-# the float64 verifier of the written folder are spelled out for them (hf_qknorm/verification/layers.py).
-CONVERTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-
-
 def inspect_source(src) -> Source:
     """Load and check the source's config and weight files (nothing heavy is read)."""
     from transformers import AutoConfig
@@ -78,9 +73,9 @@ def inspect_source(src) -> Source:
         )
     config = AutoConfig.from_pretrained(path)
     family = get_family(config)
-    if family.model_type not in CONVERTED_TYPES:
+    if family.model_type not in SPELLED_OUT_TYPES:
         raise UnsupportedModelError(
-            f"convert calibrates and verifies model types {', '.join(CONVERTED_TYPES)}; model type "
+            f"convert calibrates and verifies model types {', '.join(SPELLED_OUT_TYPES)}; model type "
             f"{family.model_type!r} is patched by hf_qknorm.patch_model (then save_pretrained writes a folder that "
             "loads with or without the plugin), but not converted"
         )

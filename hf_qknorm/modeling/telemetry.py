@@ -28,16 +28,12 @@ from torch import nn
 
 from ..attention.chunked import max_logits
 from ..attention.tiles import TILE_ELEMENTS
+from ..portable.families import SPELLED_OUT_TYPES
 from ..portable.layout import attention_sites, rotary_function
 from ..portable.masks import resolve_mask
 from ..portable.names import ATTN_IMPLEMENTATION
 
 _TAP_IDS = itertools.count()
-
-# The model types whose q and k the hooks below can rebuild on a backend other than "qknorm" (Llama-style RoPE
-# through the modelling file's apply_rotary_pos_emb, or none): those the float64 verifier also spells out. On
-# "qknorm" the backend itself hands over what it attends over, for every model type.
-REBUILT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
 
 def _resolve(mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool):
@@ -170,10 +166,10 @@ class LogitTap:
         if self.attached:
             return
         rebuilt = [s for s in self.sites if s.backend != ATTN_IMPLEMENTATION]
-        if rebuilt and rebuilt[0].family.model_type not in REBUILT_TYPES:
+        if rebuilt and rebuilt[0].family.model_type not in SPELLED_OUT_TYPES:
             raise NotImplementedError(
                 f"the q/k telemetry on attention implementation {rebuilt[0].backend!r} rebuilds q and k the way "
-                f"{', '.join(REBUILT_TYPES)} compute them; for model type {rebuilt[0].family.model_type!r} run the "
+                f"{', '.join(SPELLED_OUT_TYPES)} compute them; for model type {rebuilt[0].family.model_type!r} run the "
                 f"model on {ATTN_IMPLEMENTATION!r} (model.set_attn_implementation({ATTN_IMPLEMENTATION!r})), whose "
                 "backend reports what it attends over"
             )

@@ -43,6 +43,12 @@ NATIVE_NORM_NAMES = {"q": ("q_norm", "q_layernorm"), "k": ("k_norm", "k_layernor
 EPS_ATTRS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", "norm_epsilon")
 MAX_LEN_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 
+# The model types whose attention math (Llama-style RoPE through the modelling file's apply_rotary_pos_emb or none,
+# head_dim ** -0.5 scaling, a w * n(x) pre-norm) is spelled out by the float64 verifier, the converter's calibration
+# and the telemetry's rebuild of q and k off the "qknorm" backend. Every other patched type is checked by the
+# patch-time self-check.
+SPELLED_OUT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
 CONCAT, PER_HEAD = "concat", "per_head"  # layouts of a fused q/k/v projection's output
 
 # What the structure does not say. ``layout``: a fused projection's output is per head ``[q_h k_h v_h]`` rather

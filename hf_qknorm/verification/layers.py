@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..modeling.patch import qknorm_config
-from ..portable.families import Family, UnsupportedModelError, family_of_model
+from ..portable.families import SPELLED_OUT_TYPES, Family, UnsupportedModelError, family_of_model
 from ..portable.layout import find_layers, unwrap
 from ..portable.schemes import QKNormConfig
 from .probe import probe_tokens
@@ -53,11 +53,6 @@ class LayerSpec:
         return any(n is not None for n in (self.q_norm, self.k_norm, self.v_norm))
 
 
-# The model types whose attention math (RoPE, scaling, pre-norm) this float64 reference spells out. Every other
-# patched model type is checked by the patch-time self-check (hf_qknorm.modeling.selfcheck).
-VERIFIED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-
-
 class ReferenceModel:
     """The reference side of a model: its scheme, its layers' specs (built on demand: a large model's float64
     weights are never all held at once) and the probe plan, with module names as seen from ``model``."""
@@ -67,9 +62,9 @@ class ReferenceModel:
         self.inner = unwrap(model)
         self.config = self.inner.config
         self.family: Family = family_of_model(self.inner)
-        if self.family.model_type not in VERIFIED_TYPES:
+        if self.family.model_type not in SPELLED_OUT_TYPES:
             raise UnsupportedModelError(
-                f"verify recomputes attention in float64 for model types {', '.join(VERIFIED_TYPES)}; model type "
+                f"verify recomputes attention in float64 for model types {', '.join(SPELLED_OUT_TYPES)}; model type "
                 f"{self.family.model_type!r} was checked when it was patched (the patch-time self-check)"
             )
         self.scheme: QKNormConfig | None = qknorm_config(self.inner)
