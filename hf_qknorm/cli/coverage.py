@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def run(args) -> int:
     for path, text in ((args.markdown, cov.markdown(results, versions)), (args.json, cov.to_json(results))):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            partial = path.with_name(f".{path.name}.partial")  # a stop mid-write leaves the old table whole
+            try:
+                partial.write_text(text)
+                os.replace(partial, path)
+            finally:
+                partial.unlink(missing_ok=True)
             print(f"wrote {path}", file=sys.stderr)
     return 1 if cov.counts(results)[cov.FAIL] else 0

@@ -77,9 +77,10 @@ def test_a_refused_patch_leaves_the_model_as_it_was():
     assert not any(k.startswith("_qknorm") for m in model.modules() for k in m.__dict__)
 
 
-def test_self_check_refuses_a_transform_between_projection_and_backend(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_check_refuses_a_transform_between_projection_and_backend(monkeypatch, dtype):
     """The check can fail: make Llama's RoPE step add a constant to q (not a rotation, so it does not commute with
-    a per-row scale) and the patch is refused; undone, the same model patches."""
+    a per-row scale) and the patch is refused, in bf16 too; undone, the same model patches."""
     from transformers.models.llama import modeling_llama
 
     rotary = modeling_llama.apply_rotary_pos_emb
@@ -90,9 +91,9 @@ def test_self_check_refuses_a_transform_between_projection_and_backend(monkeypat
 
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", shifted)
     with pytest.raises(UnsupportedModelError, match="q rows at the attention backend"):
-        hf_qknorm.patch_model(tiny_model("llama"), "qk_norm")
+        hf_qknorm.patch_model(tiny_model("llama", dtype=dtype), "qk_norm")
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rotary)
-    hf_qknorm.patch_model(tiny_model("llama"), "qk_norm")
+    hf_qknorm.patch_model(tiny_model("llama", dtype=dtype), "qk_norm")
 
 
 def test_self_check_refuses_a_fused_projection_split_the_wrong_way(monkeypatch):
@@ -111,6 +112,30 @@ def test_self_check_refuses_a_cap_the_backend_would_not_apply(monkeypatch):
     monkeypatch.setattr(selfcheck, "effective_softcap", lambda module, passed: passed)
     with pytest.raises(UnsupportedModelError, match="not the scheme's 5.0"):
         hf_qknorm.patch_model(tiny_model("gemma2"), "qk_norm_cap", softcap=5.0)
+
+
+def test_what_spells_out_llama_style_attention_refuses_other_types(tmp_path):
+    """verify (the float64 reference), convert and the q/k telemetry off the "qknorm" backend know the attention
+    math of five types; another patched type is refused by each, in one line naming it, never computed wrongly."""
+    from hf_qknorm.modeling.telemetry import LogitTap
+
+    model = hf_qknorm.patch_model(tiny_model("mixtral"), "qk_norm")  # uncapped: stays on sdpa
+    with pytest.raises(UnsupportedModelError, match="model type 'mixtral' was checked when it was patched"):
+        hf_qknorm.verify(model)
+    with pytest.raises(NotImplementedError, match="for model type 'mixtral' run the model on 'qknorm'"):
+        LogitTap(model, lambda *a: None).attach()
+    model.set_attn_implementation("qknorm")
+    seen = []
+    tap = LogitTap(model, lambda index, *a: seen.append(index))
+    tap.attach()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    tap.detach()
+    assert seen == [0, 1]  # on "qknorm" the backend itself hands over what it attends over
+    tiny_model("mixtral").save_pretrained(tmp_path / "src")
+    with pytest.raises(UnsupportedModelError, match="model type 'mixtral' is patched by hf_qknorm.patch_model"):
+        hf_qknorm.convert(tmp_path / "src", tmp_path / "out", "qk_norm")
+    assert not (tmp_path / "out").exists()
 
 
 def test_gemma_qkv_norm_folds_one_plus_w():
