@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..portable import hooks
 from ..portable.layout import attention_sites, num_heads, unwrap
 
 NORM_SLOTS = ("q_norm", "k_norm", "v_norm")
@@ -262,23 +263,10 @@ def parallelize_attention(model: nn.Module, mesh) -> nn.Module:
                 "here; apply LoRA under FSDP2 or DDP instead"
             )
         parallelize_module(attn, mesh, plan)
-        _reattach_norm_hooks(attn)
+        hooks.use_forward_hooks(attn)  # the norms must see the local tensor TP's output hooks make of the DTensor
         attn.__dict__[_TP_MARK] = mesh
     sync_norm_grads(model, mesh.get_group())
     return model
-
-
-def _reattach_norm_hooks(attn: nn.Module) -> None:
-    """Move a patched module's norm hooks behind the hooks ``parallelize_module`` just added: the norm must see the
-    projection's local output tensor, after tensor parallelism has turned its ``DTensor`` into one."""
-    from ..portable import hooks
-
-    handles = attn.__dict__.get("_qknorm_handles")
-    if not handles:
-        return
-    for slot in list(handles):
-        handles.pop(slot)[1].remove()
-        hooks._attach(attn, slot)
 
 
 def _tensor_parallel(site, owned_by_fsdp: bool) -> bool:

@@ -1,19 +1,30 @@
-"""Per-head norms applied around the projections, so that Transformers' own attention forward runs unmodified.
+"""Per-head norms applied at the projections, so that Transformers' own attention forward runs unmodified.
 
-A patched attention module keeps its upstream ``forward``. Its norms are applied by forward hooks on the
-projections that feed it: the hook on ``q_proj`` receives the projection output ``(batch, seq, heads * head_dim)``,
-views it as ``(batch, seq, heads, head_dim)``, applies ``attn.q_norm`` and hands the result back, so the upstream
-forward splits heads, applies RoPE (after the norm, as QK-norm requires), updates the cache and calls the attention
-backend exactly as it would for the unpatched model. GPT-2's fused ``c_attn`` gets one hook that normalises the
-query, key (and value) thirds of its output. Families whose forward already calls ``self.q_norm``/``self.k_norm``
-(Qwen3) need no hook for q and k: the new norm modules simply take the place of the old ones.
+A patched attention module keeps its upstream ``forward``. Its norms are applied to the output of the projections
+that feed it: ``q_proj``'s output ``(batch, seq, heads * head_dim)`` is viewed as ``(batch, seq, heads, head_dim)``,
+``attn.q_norm`` applied and the result handed on, so the upstream forward splits heads, applies RoPE (after the norm,
+as QK-norm requires), updates the cache and calls the attention backend exactly as it would for the unpatched model.
+GPT-2's fused ``c_attn`` normalises the query, key (and value) thirds of its output. Families whose forward already
+calls ``self.q_norm``/``self.k_norm`` (Qwen3) need nothing for q and k: the new norm modules simply take the place of
+the old ones.
+
+How the norm reaches the projection's output, two ways with one result:
+
+- the projection's class becomes a thin subclass (``QKNorm<Linear>``, made once per class) whose ``forward`` is the
+  class's own followed by the norms. This is the default: decoding calls every projection of every layer at every
+  token, and a forward hook makes each of those calls take ``nn.Module``'s slow path (measured: about 3% of a
+  host-bound model's decode step, as much as the norm itself);
+- a forward hook, where a class swap would be bypassed or come too early: a module whose ``forward`` was replaced
+  on the instance (accelerate's offload hooks keep the class's forward and call it themselves), and tensor
+  parallelism, whose output hook must turn the ``DTensor`` into a local tensor before the norm sees it
+  (:func:`use_forward_hooks`).
 
 The norm is looked up on the attention module at call time (never captured), so a ``peft``
-``ModulesToSaveWrapper`` placed around it is honoured. When ``peft`` (or anything else) replaces a hooked
-projection -- LoRA wraps ``q_proj`` and keeps the original as ``base_layer`` -- the hook must move to the new
-module, or the LoRA delta would be added after the norm. The attention module's class is therefore a thin subclass
-(``QKNorm<Attention>``) whose ``__setattr__`` moves the hook whenever a hooked slot is reassigned; its ``forward``
-checks that the attention backend can apply the module's cap, then calls the upstream forward.
+``ModulesToSaveWrapper`` placed around it is honoured. When ``peft`` (or anything else) replaces a projection --
+LoRA wraps ``q_proj`` and keeps the original as ``base_layer`` -- the norm must move to the new module, or the LoRA
+delta would be added after the norm. The attention module's class is therefore a thin subclass
+(``QKNorm<Attention>``) whose ``__setattr__`` moves the norm whenever a normalised slot is reassigned; its
+``forward`` checks that the attention backend can apply the module's cap, then calls the upstream forward.
 
 This module imports nothing but ``torch`` and :mod:`.names`: it is also copied into exported folders
 (``trust_remote_code``).
@@ -32,10 +43,36 @@ CAP_READING_BACKENDS = (ATTN_IMPLEMENTATION,)
 _ATTENTION_CLASSES: dict[type, type] = {}
 
 
+# torch's process-wide module hooks: while any is set, a module call must go through ``nn.Module.__call__``
+_MODULE = torch.nn.modules.module
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")  # fmt: skip
+_DIRECT_CALLS = all(isinstance(getattr(_MODULE, name, None), dict) for name in _GLOBAL_HOOKS)
+
+
+def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``. When no hook is registered on the module or process-wide, ``nn.Module.__call__`` would only call
+    ``module.forward``, so it is called directly: decoding calls the norms of every layer at every token, and the
+    call machinery costs about as much as a norm of a few heads. Any hook (FSDP, a user's) takes the full call."""
+    if not _DIRECT_CALLS or (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or _MODULE._global_forward_pre_hooks
+        or _MODULE._global_forward_hooks
+        or _MODULE._global_backward_pre_hooks
+        or _MODULE._global_backward_hooks
+    ):
+        return module(x)
+    return module.forward(x)
+
+
 def _norm_heads(attn: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     """The scheme's norm for ``role`` over each head of ``x`` ``(..., heads * head_dim)``; returns the same shape."""
-    norm = getattr(attn, attn.__dict__["_qknorm_norms"][role])
-    return norm(x.view(*x.shape[:-1], -1, attn.__dict__["_qknorm_shape"][0])).view(x.shape)
+    state = attn.__dict__
+    norm = attn._modules[state["_qknorm_norms"][role]]
+    return _call(norm, x.view(*x.shape[:-1], -1, state["_qknorm_shape"][0])).view(x.shape)
 
 
 def _fused(attn: nn.Module, roles: tuple[str, ...], output: torch.Tensor) -> torch.Tensor:
@@ -55,26 +92,49 @@ def _fused(attn: nn.Module, roles: tuple[str, ...], output: torch.Tensor) -> tor
 
 def _norm_role(attn: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     """The scheme's norm for ``role`` on ``x`` already shaped ``(..., head_dim)``."""
-    return getattr(attn, attn.__dict__["_qknorm_norms"][role])(x)
+    return _call(attn._modules[attn.__dict__["_qknorm_norms"][role]], x)
 
 
-def _projection_hook(slot: str, roles: tuple[str, ...]):
-    """Forward hook for the module in ``slot`` (a projection, or a norm the model keeps over a whole projection):
-    normalise the output's parts named by ``roles``.
-
-    ``roles`` is one of ``("q",)``, ``("k",)``, ``("v",)`` for separate projections, or a triple such as
+def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+    """``output`` of the projection ``module`` with the norms of the attention module that owns it applied to the
+    parts its slot names: ``("q",)``, ``("k",)``, ``("v",)`` for separate projections, or a triple such as
     ``("q", "k", "")`` for a fused projection (``""``: that part is left as it is)."""
+    state = module.__dict__
+    attn = state.get("_qknorm_owner")
+    # A stale module (replaced, e.g. it became a LoRA layer's ``base_layer``, or the patch was undone) does nothing.
+    if attn is None or attn._modules.get(state["_qknorm_slot"]) is not module:
+        return output
+    roles = attn.__dict__["_qknorm_slots"][state["_qknorm_slot"]]
+    if len(roles) == 1:
+        return _norm_heads(attn, roles[0], output)
+    return _fused(attn, roles, output)
 
-    def hook(module, args, output):
-        attn = module.__dict__.get("_qknorm_owner")
-        # A stale hook (its module was replaced, e.g. it became a LoRA layer's ``base_layer``) does nothing.
-        if attn is None or attn._modules.get(slot) is not module:
-            return None
-        if len(roles) == 1:
-            return _norm_heads(attn, roles[0], output)
-        return _fused(attn, roles, output)
 
-    return hook
+def _projection_hook(module, args, output):
+    """The forward-hook form of :func:`_normed` (see the module docstring for when it is used)."""
+    return _normed(module, output)
+
+
+_PROJECTION_CLASSES: dict[type, type] = {}
+
+
+def projection_class(base: type) -> type:
+    """``QKNorm<base>``: ``base`` whose ``forward`` is followed by the owning attention module's norms (made once;
+    importable from this module by name, so patched models copy and pickle)."""
+    if base in _PROJECTION_CLASSES.values():
+        return base
+    if base not in _PROJECTION_CLASSES:
+
+        def forward(self, *args, **kwargs):
+            return _normed(self, base.forward(self, *args, **kwargs))
+
+        name = f"{CLASS_PREFIX}{base.__name__}Projection"
+        if name in globals():  # another class of the same name (torch's Linear, peft's LoRA Linear)
+            name = f"{CLASS_PREFIX}{base.__module__.replace('.', '_')}_{base.__name__}Projection"
+        cls = type(name, (base,), {"forward": forward, "__module__": __name__, "__qualname__": name})
+        globals()[name] = cls
+        _PROJECTION_CLASSES[base] = cls
+    return _PROJECTION_CLASSES[base]
 
 
 def hook_slots(family, roles: set[str]) -> dict[str, tuple[str, ...]]:
@@ -89,21 +149,49 @@ def hook_slots(family, roles: set[str]) -> dict[str, tuple[str, ...]]:
 
 
 def _attach(attn: nn.Module, slot: str) -> None:
-    """Hook the module now in ``slot`` (once), remembering its handle on the attention module."""
+    """Make the module now in ``slot`` apply the norms (once): by its class, or by a forward hook where the module's
+    ``forward`` is replaced on the instance or the attention module uses hooks (:func:`use_forward_hooks`)."""
     module = attn._modules[slot]
-    handles = attn.__dict__["_qknorm_handles"]
-    if slot in handles and handles[slot][0] is module:
+    sites = attn.__dict__["_qknorm_handles"]  # slot -> (module, forward hook handle or None for a class swap)
+    if slot in sites and sites[slot][0] is module:
         return
-    if slot in handles:
-        handles[slot][1].remove()
+    if slot in sites:
+        _detach(attn, slot)
     module.__dict__["_qknorm_owner"] = attn
-    handle = module.register_forward_hook(_projection_hook(slot, attn.__dict__["_qknorm_slots"][slot]))
-    handles[slot] = (module, handle)
+    module.__dict__["_qknorm_slot"] = slot
+    if attn.__dict__.get("_qknorm_use_hooks") or "forward" in module.__dict__:
+        sites[slot] = (module, module.register_forward_hook(_projection_hook))
+    else:
+        module.__class__ = projection_class(type(module))
+        sites[slot] = (module, None)
+
+
+def _detach(attn: nn.Module, slot: str) -> None:
+    """Stop the module recorded for ``slot`` from applying the norms: its hook removed, or its class restored."""
+    module, handle = attn.__dict__["_qknorm_handles"].pop(slot)
+    if handle is not None:
+        handle.remove()
+    elif type(module) in _PROJECTION_CLASSES.values():
+        module.__class__ = type(module).__bases__[0]
+    module.__dict__.pop("_qknorm_owner", None)
+    module.__dict__.pop("_qknorm_slot", None)
+
+
+def use_forward_hooks(attn: nn.Module) -> None:
+    """Apply ``attn``'s norms (if it is patched) by forward hooks from now on, registered after every hook its
+    projections have now: tensor parallelism adds output hooks that turn the projection's ``DTensor`` into the local
+    tensor the norm must see."""
+    if not is_installed(attn):  # an unpatched module: nothing to apply
+        return
+    attn.__dict__["_qknorm_use_hooks"] = True
+    for slot in list(attn.__dict__["_qknorm_handles"]):
+        _detach(attn, slot)
+        _attach(attn, slot)
 
 
 def _setattr(self, name, value):
     nn.Module.__setattr__(self, name, value)
-    if name in self.__dict__.get("_qknorm_slots", ()):  # a hooked projection was replaced (peft, merge, ...)
+    if name in self.__dict__.get("_qknorm_slots", ()):  # a normalised projection was replaced (peft, merge, ...)
         _attach(self, name)
 
 
@@ -151,7 +239,7 @@ def install(
     softcap: float | None,
     scaling: float | None,
 ) -> None:
-    """Make ``attn`` a patched attention module: hooks on ``slots``, its cap, and (``l2``/``lp``) its scaling.
+    """Make ``attn`` a patched attention module: norms at ``slots``, its cap, and (``l2``/``lp``) its scaling.
 
     ``norms``: role -> the attribute of ``attn`` holding that role's norm (already set); ``shape``: ``(head_dim,
     heads, kv_heads, fused layout)``."""
@@ -172,11 +260,10 @@ def install(
 
 
 def uninstall(attn: nn.Module) -> None:
-    """Undo :func:`install` (hooks, class, cap, scaling): a patch refused after installation leaves the module as it
-    was. The norm modules are the caller's to remove."""
-    for module, handle in attn.__dict__["_qknorm_handles"].values():
-        handle.remove()
-        module.__dict__.pop("_qknorm_owner", None)
+    """Undo :func:`install` (norms at the projections, class, cap, scaling): a patch refused after installation
+    leaves the module as it was. The norm modules are the caller's to remove."""
+    for slot in list(attn.__dict__["_qknorm_handles"]):
+        _detach(attn, slot)
     if "_qknorm_old_scaling" in attn.__dict__:
         attn.scaling = attn.__dict__["_qknorm_old_scaling"]
     attn.__class__ = attn.__dict__["_qknorm_base_class"]

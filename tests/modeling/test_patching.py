@@ -225,7 +225,7 @@ def test_qkv_norm_fold_patch_and_conversion_agree_in_bf16(family, tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 # wrappers
 # --------------------------------------------------------------------------------------------------------------------
-def test_peft_replacing_a_projection_moves_the_norm_hook():
+def test_peft_replacing_a_projection_moves_the_norm():
     """get_peft_model after patching: the norm must see base(x) + LoRA delta, and merge_and_unload moves it back."""
     from peft import LoraConfig, get_peft_model
 
@@ -235,14 +235,20 @@ def test_peft_replacing_a_projection_moves_the_norm_hook():
     attn = peft_model.get_base_model().model.layers[0].self_attn
     seen = {}
     attn.q_norm.register_forward_hook(lambda m, args, out: seen.update(norm_in=args[0]))
-    attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(lora_out=out), prepend=True)
+    attn.q_proj.register_forward_pre_hook(lambda m, args: seen.update(x=args[0]))
     ids = _ids()
     expected = peft_model(ids).logits
-    torch.testing.assert_close(seen["norm_in"], seen["lora_out"].view_as(seen["norm_in"]))
-    assert len(attn.q_proj.base_layer._forward_hooks) == 0  # moved, not duplicated
+    lora = attn.q_proj  # base(x) + B(A(x)) * scaling, from peft's own parts
+    with torch.no_grad():
+        delta = lora.lora_B["default"](lora.lora_A["default"](seen["x"])) * lora.scaling["default"]
+        lora_out = lora.base_layer(seen["x"]) + delta
+    torch.testing.assert_close(seen["norm_in"], lora_out.view_as(seen["norm_in"]))
+    base = attn.q_proj.base_layer
+    assert type(base) is torch.nn.Linear and not base._forward_hooks  # moved, not duplicated
     merged = peft_model.merge_and_unload()
     torch.testing.assert_close(merged(ids).logits, expected)
-    assert len(merged.model.layers[0].self_attn.q_proj._forward_hooks) == 1
+    q_proj = merged.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, torch.nn.Linear) and type(q_proj) is not torch.nn.Linear  # the norm applies again
 
 
 def test_is_patched_and_patch_through_wrappers():
@@ -263,3 +269,77 @@ def test_qwen3_gains_dropped_by_lp_are_announced(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_qknorm"):
         hf_qknorm.patch_model(model, "qk_norm", norm="l2")
     assert any("per-channel q/k norm gains" in r.message for r in caplog.records)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# how a projection applies the norms (hf_qknorm/portable/hooks.py): its class, or a forward hook
+# --------------------------------------------------------------------------------------------------------------------
+def _patched_pair(family, scheme="qk_norm_cap"):
+    """The same tiny model twice in float64: one patched as it is, one to be altered before or after patching."""
+    model = tiny_model(family, dtype=torch.float64)
+    other = tiny_model(family, dtype=torch.float64)
+    other.load_state_dict(model.state_dict())
+    return hf_qknorm.patch_model(model, scheme), other
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_projections_with_an_instance_forward_take_a_forward_hook(family):
+    """accelerate's offload hooks replace ``forward`` on the instance and call the class's own forward themselves:
+    a class swap would be bypassed (the norm silently lost), so such a projection gets a forward hook instead."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    patched, other = _patched_pair(family)
+    projections = [m for n, m in other.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj", "c_attn"))]
+    for module in projections:
+        add_hook_to_module(module, ModelHook())
+    hf_qknorm.patch_model(other, "qk_norm_cap")
+    _, attns = hf_qknorm.portable.layout.attention_modules(other)
+    sites = [site for attn in attns for site in attn.__dict__["_qknorm_handles"].values()]
+    assert sites and all(handle is not None for _, handle in sites)
+    ids = _ids()
+    torch.testing.assert_close(other(ids).logits, patched(ids).logits, rtol=0, atol=0)
+    bare = tiny_model(family, dtype=torch.float64)
+    bare.load_state_dict(other.state_dict(), strict=False)
+    assert not torch.allclose(bare(ids).logits, patched(ids).logits)  # the norms matter here
+
+
+def test_hooks_added_after_patching_keep_the_norms():
+    """accelerate hooks added to a patched model's projections (dispatch after patching) wrap the patched forward."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    patched, other = _patched_pair("llama")
+    hf_qknorm.patch_model(other, "qk_norm_cap")
+    for name, module in other.named_modules():
+        if name.endswith(("q_proj", "k_proj")):
+            add_hook_to_module(module, ModelHook())
+    ids = _ids()
+    torch.testing.assert_close(other(ids).logits, patched(ids).logits, rtol=0, atol=0)
+
+
+def test_copies_and_pickles_of_a_patched_model_compute_the_same():
+    """A deep copy's projections apply the copy's norms (not the original's); a pickled model loads back whole."""
+    import copy
+    import pickle
+
+    model, _ = _patched_pair("llama", "qk_norm")
+    ids = _ids()
+    expected = model(ids).logits
+    clone = copy.deepcopy(model)
+    torch.testing.assert_close(clone(ids).logits, expected, rtol=0, atol=0)
+    with torch.no_grad():
+        for layer in clone.model.layers:
+            layer.self_attn.q_norm.weight.mul_(3.0)
+    assert not torch.allclose(clone(ids).logits, expected)
+    torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)  # the original is untouched
+    restored = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(restored(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_a_users_forward_hook_on_a_projection_sees_the_normalised_output():
+    model, _ = _patched_pair("llama", "qk_norm")
+    attn = model.model.layers[0].self_attn
+    seen = {}
+    attn.k_proj.register_forward_hook(lambda m, args, out: seen.update(out=out))
+    attn.k_norm.register_forward_hook(lambda m, args, out: seen.update(normed=out))
+    model(_ids())
+    torch.testing.assert_close(seen["out"], seen["normed"].reshape(seen["out"].shape), rtol=0, atol=0)

@@ -257,14 +257,20 @@ def test_catches_sdpa_forced_under_a_capped_model(monkeypatch, family, dtype, bi
     ],
     ids=_ids,
 )
-def test_catches_norm_hooks_removed(family, scheme, dtype, biases):
+@pytest.mark.parametrize("mechanism", ["class", "forward hooks"])
+def test_catches_norms_removed(family, scheme, dtype, biases, mechanism):
+    """The projections stop applying the norms (their class restored, or their forward hooks removed)."""
     model = _patched(family, scheme, "layernorm", dtype, biases=biases)
+    _, attns = hf_qknorm.portable.layout.attention_modules(model)
+    if mechanism == "forward hooks":
+        for attn in attns:
+            hooks.use_forward_hooks(attn)
     good = hf_qknorm.verify(model, generate=False)
     assert good.ok and good.mechanism("norms") == "applied"
-    _, attns = hf_qknorm.portable.layout.attention_modules(model)
     for attn in attns:
-        for _, handle in attn.__dict__["_qknorm_handles"].values():
-            handle.remove()
+        for slot, (_module, handle) in list(attn.__dict__["_qknorm_handles"].items()):
+            assert (handle is not None) == (mechanism == "forward hooks")
+            hooks._detach(attn, slot)
     bad = hf_qknorm.verify(model, generate=False)
     assert not bad.ok and bad.mechanism("norms") == "DROPPED", str(bad)
 
