@@ -244,7 +244,7 @@ def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, 
         sliding_window=sliding_window,
         sink=sink,
     )
-    return out.contiguous()
+    return out if q_len == 1 else out.contiguous()  # one query's output is contiguous already
 
 
 def _wants_max(probe, module) -> bool:
