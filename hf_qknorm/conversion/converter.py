@@ -241,6 +241,12 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
             values, healed = heal_checkpoint(
                 stream, values, heal_blocks, eval_blocks, heal, settings.batch_size, progress
             )
+            if heal.end_to_end_tokens:
+                from .heal import end_to_end
+
+                values = end_to_end(
+                    source.path, source.family, cfg, values, heal_blocks, eval_blocks, heal, healed, device, progress
+                )
             report.heal = healed.to_dict()
     return stream.patched.config, values, report
 

@@ -33,7 +33,7 @@ from .localfit import attention_output
 from .progress import Stage
 from .streaming import StreamedCheckpoint, run_block
 
-__all__ = ["HealReport", "HealSettings", "heal_checkpoint"]
+__all__ = ["HealReport", "HealSettings", "end_to_end", "heal_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -71,15 +71,30 @@ class HealSettings:
         },
     )
 
+    end_to_end_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "after the layer-wise stage, tokens of end-to-end distillation: every attention layer trained "
+            "at once so that the converted model's next-token distribution matches the original's (KL), one block "
+            "per Adam step; loads the original and the converted model whole (0: none) (implies --heal)"
+        },
+    )
+    end_to_end_lr: float = field(
+        default=1e-4,
+        metadata={"help": "Adam step size of the end-to-end stage, cosine-decayed to 0 (implies --heal)"},
+    )
+
     def __post_init__(self):
-        for name in ("tokens", "blocks"):
+        for name, least in (("tokens", 1), ("blocks", 1), ("end_to_end_tokens", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"heal {name} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"heal {name.replace('_', ' ')} must be an integer >= {least}, got {value!r}")
         if self.inputs not in ("original", "converted"):
             raise ValueError(f"heal inputs must be 'original' or 'converted', got {self.inputs!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"heal lr must be a positive finite number, got {self.lr!r}")
+        for name in ("lr", "end_to_end_lr"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"heal {name.replace('_', ' ')} must be a positive finite number, got {value!r}")
 
     def steps(self, block_len: int) -> int:
         return max(1, self.tokens // block_len)
@@ -102,6 +117,10 @@ class HealReport:
     top1_after: float
     layers_kept: int
     layer_errors: list = field(default_factory=list)  # per layer: [error before, error after] (relative MSE)
+    # the end-to-end stage (None without it): its settings, steps, seconds, the KL on a fixed batch of heal text
+    # before and after, whether it was kept, and the held-out perplexity / top-1 after the layer-wise stage alone
+    # (``ppl_after`` / ``top1_after`` above are then the final model's)
+    end_to_end: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -264,4 +283,131 @@ def _score(stream, hidden, original, blocks: torch.Tensor, batch_size: int) -> t
             nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
             same += (logits.argmax(-1) == _logits(stream, o[row : row + 1])[0, :-1].argmax(-1)).sum().item()
             count += ids.shape[1] - 1
+    return math.exp(nll / count), same / count
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the end-to-end stage
+# --------------------------------------------------------------------------------------------------------------------
+def end_to_end(
+    src,
+    family,
+    cfg,
+    values: dict,
+    blocks: torch.Tensor,
+    eval_blocks: torch.Tensor,
+    settings: HealSettings,
+    report: HealReport,
+    device: torch.device,
+    progress: bool = True,
+) -> dict:
+    """After the layer-wise stage: every attention layer's parameters (projections and norms) trained at once, by
+    Adam on the KL divergence from the original's next-token distribution to the converted model's, one heal block
+    per step. The layer-wise stage fits each layer on the original's activations, so the small error each layer
+    keeps moves the next layer's inputs and compounds over depth; this stage sees the whole model.
+
+    Loads the original (the teacher, frozen) and the converted model (built from the source, patched, given
+    ``values``) whole, in float32 on ``device``; the teacher's log-probabilities are computed as the steps go, never
+    cached, so memory is two models and one block's activations. The trained weights are kept only if they lower the
+    KL on a fixed batch of heal text. Updates ``report`` (``end_to_end``; ``ppl_after`` and ``top1_after`` become
+    the final model's) and returns ``values`` with every attention parameter of every layer."""
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling.patch import patch_model
+    from ..portable.layout import find_layers
+
+    t0 = time.time()
+    teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
+    student = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
+    patch_model(student, cfg)
+    with torch.no_grad():
+        for name, value in values.items():
+            student.get_parameter(name).copy_(value)
+    for p in list(teacher.parameters()) + list(student.parameters()):
+        p.requires_grad_(False)
+    params = {}  # by state-dict name, as the layer-wise stage and the writer name them
+    for i, block in enumerate(find_layers(student, family)):
+        prefix = f"{family.layers}.{i}.{family.attention}."
+        params.update({prefix + k: p for k, p in getattr(block, family.attention).named_parameters()})
+    missing = [k for k in params if k not in dict(student.named_parameters())]
+    if missing:  # a model whose blocks are not at the family's path from the head model
+        raise ValueError(f"end-to-end healing: the converted model has no parameter {missing[0]!r}")
+    start = {k: p.detach().clone() for k, p in params.items()}
+    steps = max(1, settings.end_to_end_tokens // blocks.shape[1])
+    monitor = blocks[: min(4, len(blocks))]
+    before = _kl(teacher, student, monitor, device)
+    for p in params.values():
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(list(params.values()), lr=settings.end_to_end_lr, betas=(0.9, 0.99))
+    gen = torch.Generator().manual_seed(settings.seed)
+    block_len = blocks.shape[1]
+    try:
+        with Stage("end-to-end distillation", steps * block_len, "tok", progress) as stage:
+            for step in range(steps):
+                for group in opt.param_groups:
+                    group["lr"] = settings.end_to_end_lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+                ids = blocks[int(torch.randint(0, len(blocks), (1,), generator=gen))][None].to(device)
+                with torch.no_grad():
+                    target = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
+                logq = F.log_softmax(student(input_ids=ids).logits.float(), dim=-1)
+                loss = F.kl_div(logq, target, log_target=True, reduction="none").sum(-1).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                stage.update(block_len)
+                if (step + 1) % max(1, steps // 8) == 0:
+                    stage.update(0, note=f"step {step + 1}/{steps}: KL {loss.item():.4f} nats/token")
+    finally:
+        for p in params.values():
+            p.requires_grad_(False)
+    after = _kl(teacher, student, monitor, device)
+    kept = after < before
+    if not kept:
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(start[k])
+    ppl, top1 = _full_score(teacher, student, eval_blocks, device)
+    report.end_to_end = {
+        "tokens": steps * block_len,
+        "steps": steps,
+        "lr": settings.end_to_end_lr,
+        "seconds": time.time() - t0,
+        "kl_before": before,
+        "kl_after": after,
+        "kept": kept,
+        "ppl_before": report.ppl_after,
+        "top1_before": report.top1_after,
+    }
+    report.ppl_after, report.top1_after = ppl, top1
+    report.seconds += time.time() - t0
+    out = dict(values)
+    out.update({k: p.detach().float().cpu().clone() for k, p in params.items()})
+    return out
+
+
+@torch.no_grad()
+def _kl(teacher, student, blocks: torch.Tensor, device) -> float:
+    """Mean KL (nats per token) from the teacher's next-token distribution to the student's on ``blocks``."""
+    total, count = 0.0, 0
+    for row in blocks:
+        ids = row[None].to(device)
+        p = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
+        q = F.log_softmax(student(input_ids=ids).logits.float(), dim=-1)
+        total += F.kl_div(q, p, log_target=True, reduction="sum").item()
+        count += ids.shape[1]
+    return total / count
+
+
+@torch.no_grad()
+def _full_score(teacher, student, blocks: torch.Tensor, device) -> tuple[float, float]:
+    """The student's perplexity on ``blocks`` and its next-token top-1 agreement with the teacher (the layout of
+    :func:`hf_qknorm.data.perplexity`: every position but the last predicts the next)."""
+    nll, count, same = 0.0, 0, 0
+    for row in blocks:
+        ids = row[None].to(device)
+        s = student(input_ids=ids).logits.float()[0, :-1]
+        t = teacher(input_ids=ids).logits.float()[0, :-1]
+        nll += F.cross_entropy(s, ids[0, 1:], reduction="sum").item()
+        same += (s.argmax(-1) == t.argmax(-1)).sum().item()
+        count += ids.shape[1] - 1
     return math.exp(nll / count), same / count

@@ -152,6 +152,16 @@ class CalibrationReport:
             f"{h['ppl_after'] / h['ppl_original']:.3f}x), next-token top-1 agreement "
             f"{100 * h['top1_before']:.1f}% -> {100 * h['top1_after']:.1f}%; {h['layers_kept']}/"
             f"{len(h['layer_errors'])} layers kept the healed weights"
+        ] + self._end_to_end_lines()
+
+    def _end_to_end_lines(self) -> list[str]:
+        e = (self.heal or {}).get("end_to_end")
+        if not e:
+            return []
+        return [
+            f"end-to-end: {e['steps']} steps ({e['tokens']:,} tokens), {e['seconds']:.0f} s; KL {e['kl_before']:.4f} "
+            f"-> {e['kl_after']:.4f} nats/token{'' if e['kept'] else ' (not kept: the KL did not fall)'}; held-out "
+            f"perplexity after the layer-wise stage {e['ppl_before']:.3f}, top-1 {100 * e['top1_before']:.1f}%"
         ]
 
     def summary(self) -> str:

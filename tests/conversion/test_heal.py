@@ -65,7 +65,16 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         assert torch.equal(old[key], new[key])
     # recorded in qknorm_conversion.json and the model card
     record = json.loads((result.path / "qknorm_conversion.json").read_text())
-    assert record["heal"]["settings"] == {"tokens": 1920, "blocks": 8, "lr": 1e-3, "seed": 0, "inputs": "original"}
+    assert record["heal"]["settings"] == {
+        "tokens": 1920,
+        "blocks": 8,
+        "lr": 1e-3,
+        "seed": 0,
+        "inputs": "original",
+        "end_to_end_tokens": 0,
+        "end_to_end_lr": 1e-4,
+    }
+    assert record["heal"]["end_to_end"] is None
     assert record["heal"]["ppl_after"] == h["ppl_after"] and record["heal"]["seconds"] > 0
     card = (result.path / "README.md").read_text()
     assert "Healed:" in card and f"{h['ppl_after']:.3f}" in card
@@ -106,6 +115,10 @@ def test_healed_qkv_norm_writes_what_it_measured(tmp_path, inputs):
         ({"blocks": -2}, "heal blocks must be an integer >= 1, got -2"),
         ({"lr": float("nan")}, "heal lr must be a positive finite number, got nan"),
         ({"inputs": "teacher"}, "heal inputs must be 'original' or 'converted', got 'teacher'"),
+        ({"end_to_end_tokens": -1}, "heal end to end tokens must be an integer >= 0, got -1"),
+        ({"end_to_end_tokens": 2.5}, "heal end to end tokens must be an integer >= 0, got 2.5"),
+        ({"end_to_end_lr": 0}, "heal end to end lr must be a positive finite number, got 0"),
+        ({"end_to_end_lr": True}, "heal end to end lr must be a positive finite number, got True"),
     ],
 )
 def test_bad_heal_settings_are_refused(settings, message):
@@ -120,6 +133,7 @@ def test_bad_heal_settings_are_refused(settings, message):
         (["--heal-tokens", "lots"], "--heal-tokens: invalid int value: 'lots'"),
         (["--heal", "--no-calibration"], "error: healing starts from the calibrated model"),
         (["--heal-inputs", "mine"], "error: heal inputs must be 'original' or 'converted', got 'mine'"),
+        (["--heal-end-to-end-tokens", "-5"], "error: heal end to end tokens must be an integer >= 0, got -5"),
     ],
 )
 def test_command_line_refuses_bad_heal_input_in_one_line(tmp_path, capsys, argv, message):
@@ -151,4 +165,96 @@ def test_interrupted_heal_leaves_nothing(tmp_path, capsys, monkeypatch):
     )
     err = capsys.readouterr().err
     assert code == 130 and "interrupted" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the end-to-end stage
+# --------------------------------------------------------------------------------------------------------------------
+E2E = HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, end_to_end_tokens=64 * 20, end_to_end_lr=3e-4)
+
+
+def _kl_of_folders(src, converted, blocks) -> float:
+    """KL (nats per token) from the source's next-token distribution to a written folder's, computed here."""
+    from torch.nn import functional as F
+    from transformers import AutoModelForCausalLM
+
+    p_model = AutoModelForCausalLM.from_pretrained(src).eval()
+    q_model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    with torch.no_grad():
+        p = F.log_softmax(p_model(input_ids=blocks).logits.float(), dim=-1)
+        q = F.log_softmax(q_model(input_ids=blocks).logits.float(), dim=-1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def test_end_to_end_stage_lowers_the_kl_it_reports_and_writes_its_model(tmp_path):
+    """After the layer-wise stage, every attention layer trained at once on the KL from the original: the written
+    folder (still a plain Qwen3 folder) has the KL and perplexity the report gives, computed here from the folders."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    src = bundled_copy(tmp_path / "src")
+    before = tree_hash(src)
+    layerwise = _convert(src, tmp_path / "layerwise", heal=HealSettings(tokens=64 * 10, blocks=8, lr=1e-3))
+    result = _convert(src, tmp_path / "out", heal=E2E)
+    assert tree_hash(src) == before and result.export == "qwen3"
+    h, e = result.report.heal, result.report.heal["end_to_end"]
+    assert e["kept"] and e["kl_after"] < e["kl_before"] and e["steps"] == 20 and e["tokens"] == 20 * 64
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    calibration, held_out = split_text(SHORT_TEXT, 0.1)
+    monitor = text_blocks(calibration, tokenizer, 64, E2E.blocks, "heal text")[:4]
+    assert _kl_of_folders(src, layerwise.path, monitor) == pytest.approx(e["kl_before"], rel=1e-3)
+    assert _kl_of_folders(src, result.path, monitor) == pytest.approx(e["kl_after"], rel=1e-3)
+    blocks = text_blocks(held_out, tokenizer, 64, FAST.eval_blocks, "held-out")
+    model = Qwen3ForCausalLM.from_pretrained(result.path).eval()
+    assert hf_qknorm.data.perplexity(model, blocks) == pytest.approx(h["ppl_after"], rel=1e-4)
+    assert e["ppl_before"] == pytest.approx(layerwise.report.heal["ppl_after"], rel=1e-4)
+    # every layer's attention moved again; the MLPs and embeddings are the source's
+    old, mid, new = (load_file(p / "model.safetensors") for p in (src, layerwise.path, result.path))
+    for i in range(model.config.num_hidden_layers):
+        key = f"model.layers.{i}.self_attn.o_proj.weight"
+        assert not torch.equal(mid[key], new[key])
+    for key in ("model.embed_tokens.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"):
+        assert torch.equal(old[key], new[key])
+    record = json.loads((result.path / "qknorm_conversion.json").read_text())
+    assert record["heal"]["end_to_end"] == e and record["heal"]["settings"]["end_to_end_tokens"] == 64 * 20
+    assert "end-to-end KL distillation" in (result.path / "README.md").read_text()
+    assert "end-to-end: 20 steps" in result.report.summary()
+
+
+def test_an_end_to_end_stage_that_raises_the_kl_is_not_kept(tmp_path):
+    """A step size that makes things worse: the layer-wise weights are written, and the report says so."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = bundled_copy(tmp_path / "src")
+    heal = HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, end_to_end_tokens=64 * 5, end_to_end_lr=5.0)
+    result = _convert(src, tmp_path / "out", heal=heal)
+    h, e = result.report.heal, result.report.heal["end_to_end"]
+    assert not e["kept"] and e["kl_after"] >= e["kl_before"]
+    assert h["ppl_after"] == pytest.approx(e["ppl_before"], rel=1e-4)
+    blocks = text_blocks(
+        split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(src), 64, FAST.eval_blocks, "held-out"
+    )
+    model = AutoModelForCausalLM.from_pretrained(result.path).eval()
+    assert hf_qknorm.data.perplexity(model, blocks) == pytest.approx(e["ppl_before"], rel=1e-4)
+    assert "not kept" in result.report.summary()
+
+
+def test_interrupted_end_to_end_stage_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import hf_qknorm.conversion.heal as heal
+
+    src = bundled_copy(tmp_path / "src")
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(heal, "_kl", interrupted)  # the stage's first measurement
+    code = main(
+        ["convert", str(src), str(tmp_path / "out"), "--quiet", "--heal-tokens", "128", "--block-len", "64"]
+        + ["--heal-end-to-end-tokens", "128", "--calibration-blocks", "4", "--eval-blocks", "2"]
+        + ["--local-steps", "2", "--agreement-tokens", "0"]
+    )
+    err = capsys.readouterr().err
+    assert calls and code == 130 and "interrupted" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
