@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -51,11 +52,23 @@ def parse_args(argv=None):
     )
     p.add_argument("--heal-lr", type=float, default=None, help="heal step size (default: the library's)")
     p.add_argument("--heal-inputs", default=None, help="original or converted (default: the library's)")
+    p.add_argument("--heal-blocks", type=int, default=None, help="distinct heal text blocks (default: the library's)")
+    p.add_argument("--heal-e2e-tokens", type=int, default=None, help="end-to-end stage tokens (default: the library's)")
+    p.add_argument("--heal-e2e-lr", type=float, default=None, help="end-to-end step size (default: the library's)")
+    p.add_argument(
+        "--calibration-text",
+        type=Path,
+        default=None,
+        help="calibrate and heal on this file instead of WikiText's first 90%% (the held-out text stays WikiText's "
+        "last 10%%)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared machine)")
     p.add_argument("--log", action="store_true", help="the conversion's progress lines on stderr")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSONL file the rows are appended to")
     p.add_argument("--no-save", action="store_true", help="do not append to the results file")
+    p.add_argument("--keep", type=Path, default=None, help="copy each converted folder to KEEP/<scheme>-<norm>-<tok>")
     p.add_argument("--table", action="store_true", help="print the table of the rows in --results and exit")
+    p.add_argument("--plot", type=Path, default=None, help="draw the qk_norm/rmsnorm curve of --results to this PNG")
     return p.parse_args(argv)
 
 
@@ -67,19 +80,35 @@ def _shakespeare(tokenizer, settings):
     return text_blocks(held, tokenizer, settings.block_len, settings.eval_blocks, "Tiny Shakespeare")
 
 
-def run_case(src: Path, scheme: str, norm: str, tokens, lr, inputs, threads: int, log: bool) -> dict:
+def run_case(
+    src: Path,
+    scheme: str,
+    norm: str,
+    tokens,
+    lr,
+    inputs,
+    threads: int,
+    log: bool,
+    keep=None,
+    heal_blocks=None,
+    e2e_tokens=None,
+    e2e_lr=None,
+    calibration_text=None,
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_qknorm
     from hf_qknorm.conversion.calibrate import CalibrationSettings
     from hf_qknorm.conversion.heal import HealSettings
-    from hf_qknorm.data import perplexity
+    from hf_qknorm.data import bundled_text, perplexity, split_text
 
     settings = CalibrationSettings(threads=threads)
     heal = None
     if tokens != 0:
-        given = {k: v for k, v in (("tokens", tokens), ("lr", lr), ("inputs", inputs)) if v is not None}
+        given = (("tokens", tokens), ("lr", lr), ("inputs", inputs), ("blocks", heal_blocks))
+        given += (("end_to_end_tokens", e2e_tokens), ("end_to_end_lr", e2e_lr))
+        given = {k: v for k, v in given if v is not None}
         heal = HealSettings(**given)
     tokenizer = AutoTokenizer.from_pretrained(src)
     blocks = _shakespeare(tokenizer, settings)
@@ -91,7 +120,8 @@ def run_case(src: Path, scheme: str, norm: str, tokens, lr, inputs, threads: int
             config=hf_qknorm.QKNormConfig(scheme=scheme, norm=norm),
             calibration=settings,
             heal=heal,
-            calibration_text="wikitext2",
+            calibration_text="wikitext2" if calibration_text is None else calibration_text,
+            eval_text=None if calibration_text is None else split_text(bundled_text("wikitext2"), 0.1)[1],
             progress=log,
             log=lambda *a: None,
         )
@@ -99,8 +129,12 @@ def run_case(src: Path, scheme: str, norm: str, tokens, lr, inputs, threads: int
         torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32).eval()
         shakespeare = perplexity(model, blocks, batch_size=4)
+        if keep is not None:
+            shutil.copytree(result.path, keep / f"{scheme}-{norm}-{tokens}", dirs_exist_ok=True)
     r, h = result.report, result.report.heal
     return {
+        "calibration_text": "wikitext2" if calibration_text is None else os.path.relpath(calibration_text, ROOT),
+        "end_to_end": (h or {}).get("end_to_end"),
         "scheme": scheme,
         "norm": norm,
         "heal": None if heal is None else h["settings"],
@@ -126,28 +160,85 @@ def run_case(src: Path, scheme: str, norm: str, tokens, lr, inputs, threads: int
     }
 
 
+def _setting(r) -> str:
+    """The heal settings that tell rows apart: step size, distinct text blocks, heal text, end-to-end tokens."""
+    h = r.get("heal")
+    if not h:
+        return "calibrated only"
+    parts = [f"lr {h['lr']:g}", f"{h['blocks']} blocks"]
+    if r.get("calibration_text", "wikitext2") != "wikitext2":
+        parts.append("mixed self-generated text")
+    if h.get("end_to_end_tokens"):
+        parts.append(f"+ end-to-end {h['end_to_end_tokens']:,} tokens (lr {h['end_to_end_lr']:g})")
+    return ", ".join(parts)
+
+
 def table(rows) -> str:
     lines = [
-        "| scheme | norm | heal tokens per layer (steps) | WikiText-2 ppl (× original) | Tiny Shakespeare ppl "
-        "(× original) | next-token top-1 agreement | greedy prefix agreement (16 tokens) | heal time | total time |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scheme | norm | heal tokens per layer (steps) | settings | WikiText-2 ppl (× original) | Tiny "
+        "Shakespeare ppl (× original) | next-token top-1 agreement | greedy prefix agreement (16 tokens) | heal time "
+        "| total time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         w = r["wikitext_converted"] / r["wikitext_original"]
         s = r["shakespeare_converted"] / r["shakespeare_original"]
         lines.append(
             f"| {r['scheme']} | {r['norm']} | {r['heal_tokens_per_layer']:,} ({r['heal_steps_per_layer']}) | "
-            f"{r['wikitext_converted']:.2f} ({w:.3f}×) | {r['shakespeare_converted']:.2f} ({s:.3f}×) | "
-            f"{100 * r['top1_agreement']:.1f}% | {100 * r['prefix_agreement']:.1f}% ({r['whole']}/{r['prompts']} "
-            f"whole) | {r['heal_seconds'] / 60:.1f} min | {r['seconds'] / 60:.1f} min |"
+            f"{_setting(r)} | {r['wikitext_converted']:.2f} ({w:.3f}×) | {r['shakespeare_converted']:.2f} "
+            f"({s:.3f}×) | {100 * r['top1_agreement']:.1f}% | {100 * r['prefix_agreement']:.1f}% "
+            f"({r['whole']}/{r['prompts']} whole) | {r['heal_seconds'] / 60:.1f} min | {r['seconds'] / 60:.1f} min |"
         )
     return "\n".join(lines)
 
 
+def plot(rows, out: Path, scheme: str = "qk_norm", norm: str = "rmsnorm") -> Path:
+    """Agreement and perplexity against heal tokens per layer for one scheme: one line per setting (calibrated
+    only is the point at 0 tokens of every line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in rows if r["scheme"] == scheme and r["norm"] == norm]
+    base = [r for r in mine if not r.get("heal")]
+    series: dict[str, list] = {}
+    for r in mine:
+        if r.get("heal"):
+            series.setdefault(_setting(r), []).append(r)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, pts in series.items():
+        pts = sorted(base[-1:] + pts, key=lambda r: r["heal_tokens_per_layer"])
+        x = [r["heal_tokens_per_layer"] for r in pts]
+        line = ax1.plot(x, [100 * r["top1_agreement"] for r in pts], "o-", label=f"top-1, {label}")[0]
+        ax1.plot(x, [100 * r["prefix_agreement"] for r in pts], "s--", color=line.get_color(), label=f"prefix, {label}")
+        ax2.plot(x, [r["wikitext_converted"] / r["wikitext_original"] for r in pts], "o-", color=line.get_color(),
+                 label=f"WikiText-2, {label}")  # fmt: skip
+        ax2.plot(x, [r["shakespeare_converted"] / r["shakespeare_original"] for r in pts], "s--",
+                 color=line.get_color(), label=f"Tiny Shakespeare, {label}")  # fmt: skip
+    ax1.axhline(90, color="grey", lw=0.8, ls=":")
+    ax1.axhline(50, color="grey", lw=0.8, ls=":")
+    ax1.set(xlabel="heal tokens per layer", ylabel="agreement with the original (%)",
+            title=f"{scheme} / {norm}: answers on the 46 bundled prompts")  # fmt: skip
+    ax2.axhline(1.05, color="grey", lw=0.8, ls=":")
+    ax2.set(xlabel="heal tokens per layer", ylabel="perplexity / original's", title="held-out perplexity")
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.table:
-        print(table([json.loads(x) for x in args.results.read_text().splitlines() if x.strip()]))
+    if args.table or args.plot:
+        rows = [json.loads(x) for x in args.results.read_text().splitlines() if x.strip()]
+        if args.table:
+            print(table(rows))
+        if args.plot:
+            print(f"wrote {plot(rows, args.plot)}")
         return
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -185,7 +276,21 @@ def main(argv=None) -> None:
     for case in args.cases:
         scheme, norm = case.split(":")
         for tokens in args.heal_tokens:
-            row = run_case(args.src, scheme, norm, tokens, args.heal_lr, args.heal_inputs, args.threads, args.log)
+            row = run_case(
+                args.src,
+                scheme,
+                norm,
+                tokens,
+                args.heal_lr,
+                args.heal_inputs,
+                args.threads,
+                args.log,
+                args.keep,
+                args.heal_blocks,
+                args.heal_e2e_tokens,
+                args.heal_e2e_lr,
+                args.calibration_text,
+            )
             row.update(meta)
             row["shakespeare_original"] = shakespeare_original
             rows.append(row)

@@ -9,6 +9,8 @@ The file used for the "mixed_self_text" rows of ``benchmarks/results/convert_rea
 questions are about the first words of lines; regenerating writes different questions).
 
     python benchmarks/make_self_calibration.py --out mixed.txt
+    python benchmarks/make_self_calibration.py --out benchmarks/results/heal_text_mixed_self.txt --chats 192 \
+        --openings 64 --new-tokens 256                                  # the heal text of bench_heal.py's mixed rows
     python benchmarks/bench_convert_real.py --calibration-text mixed.txt --method mixed_self_text
 """
 
@@ -26,6 +28,10 @@ def main(argv=None) -> None:
     p.add_argument("--src", type=Path, default=ROOT / "models" / "smollm2-135m")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--chats", type=int, default=48, help="chat answers to sample (questions on WikiText topics)")
+    p.add_argument("--openings", type=int, default=16, help="continuations of code and prose openings to sample")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens sampled per answer or continuation")
+    p.add_argument("--share", type=float, default=0.5, help="share of the characters that are self-generated")
     args = p.parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,8 +44,10 @@ def main(argv=None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.float32).eval()
     wiki = split_text(bundled_text("wikitext2"), 0.1)[0]
     t0 = time.time()
-    generated = self_generated_text(model, tok, wiki, chats=48, openings=16, new_tokens=128)
-    args.out.write_text(mixed_text(wiki, generated, 0.5))
+    generated = self_generated_text(
+        model, tok, wiki, chats=args.chats, openings=args.openings, new_tokens=args.new_tokens
+    )
+    args.out.write_text(mixed_text(wiki, generated, args.share))
     print(f"wrote {args.out}: {len(tok(generated).input_ids):,} generated tokens in {time.time() - t0:.0f} s")
 
 

@@ -51,10 +51,10 @@ class HealSettings:
         },
     )
     blocks: int = field(
-        default=32,
+        default=256,
         metadata={
-            "help": "distinct blocks of calibration text the steps draw from, held as activations (memory: "
-            "blocks x block_len x hidden size, twice) (implies --heal)"
+            "help": "distinct blocks of calibration text the steps draw from (at most: a shorter text gives fewer), "
+            "held as activations (memory: blocks x block_len x hidden size floats, a few times over) (implies --heal)"
         },
     )
     lr: float = field(
