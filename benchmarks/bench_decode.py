@@ -41,6 +41,17 @@ import torch
 RESULTS = Path(__file__).parent / "results" / "decode.jsonl"
 ASSET = Path(__file__).resolve().parents[1] / "hf_qknorm" / "assets" / "tiny-llama"
 SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
+# ablations (``--schemes qk_norm_noop``): patched with the scheme named, then every norm it added replaced by a module
+# that returns its input -- what the patch costs besides the norms' own arithmetic (the projection's subclass, the
+# per-head views, the module call)
+ABLATIONS = {"qk_norm_noop": "qk_norm"}
+
+
+class _NoOp(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
 SHAPES = {
     "tiny": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=2048),
@@ -77,7 +88,11 @@ def _providers(shape: str, sliding: bool, schemes) -> dict:
     base = _base(shape, sliding)
     models = {"sdpa": base}
     for scheme in schemes:
-        models[scheme] = hf_qknorm.patch_model(copy.deepcopy(base), scheme)
+        models[scheme] = hf_qknorm.patch_model(copy.deepcopy(base), ABLATIONS.get(scheme, scheme))
+        if scheme in ABLATIONS:
+            for module in models[scheme].modules():
+                for slot in module.__dict__.get("_qknorm_norms", {}).values():
+                    setattr(module, slot, _NoOp())
     return models
 
 
@@ -189,7 +204,7 @@ def markdown(rows: list[dict]) -> str:
     out = []
     decode = [r for r in rows if r["table"] == "decode"]
     if decode:
-        schemes = [s for s in SCHEMES if f"{s}_cpu" in decode[0]]
+        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in decode[0]]
         out += ["| shape | cache | batch | prompt | sdpa tokens/s | " + " | ".join(f"`{s}`" for s in schemes) + " |"]
         out += ["|---" * (5 + len(schemes)) + "|"]
         for r in decode:
@@ -197,7 +212,7 @@ def markdown(rows: list[dict]) -> str:
             out += ["| " + " | ".join(map(str, cells + [f"{r[f'{s}_cpu']:.2f}x" for s in schemes])) + " |"]
     steps = [r for r in rows if r["table"] == "step"]
     if steps:
-        schemes = [s for s in SCHEMES if f"{s}_cpu" in steps[0]]
+        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in steps[0]]
         out += ["", "| shape | T | sdpa step (s) | " + " | ".join(f"`{s}`" for s in schemes) + " |"]
         out += ["|---" * (3 + len(schemes)) + "|"]
         for r in steps:
@@ -217,7 +232,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seq", nargs="+", type=int, default=[512, 2048], help="training-step lengths")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    parser.add_argument("--schemes", nargs="+", choices=(*SCHEMES, *ABLATIONS), default=list(SCHEMES))
     parser.add_argument("--label", default="", help="a note stored with the rows (e.g. 'before')")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument(
