@@ -42,7 +42,7 @@ GOALS = {"qk_norm": 1.05, "qk_norm_cap": 1.05, "qkv_norm": 1.2}  # perplexity ra
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--src", type=Path, default=ROOT / "models" / "smollm2-135m", help="source folder")
-    p.add_argument("--cases", nargs="+", default=["qk_norm:rmsnorm"], help="scheme:norm pairs")
+    p.add_argument("--cases", nargs="+", default=["qk_norm:rmsnorm"], help="scheme:norm pairs (lp: p = 4)")
     p.add_argument(
         "--heal-tokens",
         nargs="+",
@@ -117,7 +117,7 @@ def run_case(
         result = hf_qknorm.convert(
             src,
             Path(tmp) / "out",
-            config=hf_qknorm.QKNormConfig(scheme=scheme, norm=norm),
+            config=hf_qknorm.QKNormConfig(scheme=scheme, norm=norm, p=4.0 if norm == "lp" else None),
             calibration=settings,
             heal=heal,
             calibration_text="wikitext2" if calibration_text is None else calibration_text,
