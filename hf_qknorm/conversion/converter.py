@@ -235,12 +235,16 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
                 source.path, source.family, cfg, values, calib_blocks, eval_blocks, settings, report, progress
             )
         if heal is not None:
-            from .heal import heal_checkpoint
+            from .heal import heal_checkpoint, heal_text
 
-            heal_blocks = text_blocks(texts.calibration, tokenizer, block_len, heal.blocks, texts.calibration_label)
+            text, generated, gen_seconds = heal_text(source.path, tokenizer, texts.calibration, heal, device, progress)
+            label = texts.calibration_label + (" mixed with the original's own answers" if generated else "")
+            heal_blocks = text_blocks(text, tokenizer, block_len, heal.blocks, label)
             values, healed = heal_checkpoint(
                 stream, values, heal_blocks, eval_blocks, heal, settings.batch_size, progress
             )
+            healed.generated_tokens, healed.generation_seconds = generated, gen_seconds
+            healed.seconds += gen_seconds
             if heal.end_to_end_tokens:
                 from .heal import end_to_end
 

@@ -33,7 +33,10 @@ from .localfit import attention_output
 from .progress import Stage
 from .streaming import StreamedCheckpoint, run_block
 
-__all__ = ["HealReport", "HealSettings", "end_to_end", "heal_checkpoint"]
+__all__ = ["HealReport", "HealSettings", "end_to_end", "heal_checkpoint", "heal_text"]
+
+
+SELF_NEW_TOKENS = 256  # tokens per self-generated answer or continuation (--heal-text self)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,22 @@ class HealSettings:
         metadata={"help": "Adam step size of the projections and norms, cosine-decayed to 0 (implies --heal)"},
     )
     seed: int = field(default=0, metadata={"help": "random seed of the order of the blocks (implies --heal)"})
+    text: Literal["self", "calibration"] = field(
+        default="self",
+        metadata={
+            "help": "the text the layers are fitted on: self = the calibration text mixed half and half with the "
+            "original model's own chat answers and continuations, generated first (questions on topics of the "
+            "calibration text, never the agreement prompts; loads the original whole once); calibration = the "
+            "calibration text alone (implies --heal)"
+        },
+    )
+    self_tokens: int = field(
+        default=65_536,
+        metadata={
+            "help": "tokens the original model generates for --heal-text self: answers and continuations of "
+            f"{SELF_NEW_TOKENS} tokens, three chat answers to one continuation (implies --heal)"
+        },
+    )
     inputs: Literal["original", "converted"] = field(
         default="original",
         metadata={
@@ -85,10 +104,12 @@ class HealSettings:
     )
 
     def __post_init__(self):
-        for name, least in (("tokens", 1), ("blocks", 1), ("end_to_end_tokens", 0)):
+        for name, least in (("tokens", 1), ("blocks", 1), ("end_to_end_tokens", 0), ("self_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"heal {name.replace('_', ' ')} must be an integer >= {least}, got {value!r}")
+        if self.text not in ("self", "calibration"):
+            raise ValueError(f"heal text must be 'self' or 'calibration', got {self.text!r}")
         if self.inputs not in ("original", "converted"):
             raise ValueError(f"heal inputs must be 'original' or 'converted', got {self.inputs!r}")
         for name in ("lr", "end_to_end_lr"):
@@ -117,6 +138,9 @@ class HealReport:
     top1_after: float
     layers_kept: int
     layer_errors: list = field(default_factory=list)  # per layer: [error before, error after] (relative MSE)
+    # --heal-text self: the tokens the original generated (by its tokenizer) and the seconds that took
+    generated_tokens: int = 0
+    generation_seconds: float = 0.0
     # the end-to-end stage (None without it): its settings, steps, seconds, the KL on a fixed batch of heal text
     # before and after, whether it was kept, and the held-out perplexity / top-1 after the layer-wise stage alone
     # (``ppl_after`` / ``top1_after`` above are then the final model's)
@@ -284,6 +308,41 @@ def _score(stream, hidden, original, blocks: torch.Tensor, batch_size: int) -> t
             same += (logits.argmax(-1) == _logits(stream, o[row : row + 1])[0, :-1].argmax(-1)).sum().item()
             count += ids.shape[1] - 1
     return math.exp(nll / count), same / count
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the heal text
+# --------------------------------------------------------------------------------------------------------------------
+def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, device, progress: bool = True):
+    """The text healing fits the layers on: ``(text, generated tokens, seconds)``. ``settings.text == "self"``: the
+    calibration text mixed half and half (by characters) with the original model's own chat answers and
+    continuations (:mod:`hf_qknorm.conversion.selftext`), sampled with ``settings.seed`` -- a converted model is
+    used the way the original was, and fitting it on what the original says in that use is what keeps its answers
+    (measured: docs/conversion.md). The whole original is loaded once for it, in float32 on ``device``."""
+    if settings.text == "calibration":
+        return calibration_text, 0, 0.0
+    from transformers import AutoModelForCausalLM
+
+    from .selftext import mixed_text, self_generated_text
+
+    t0 = time.time()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
+    docs = max(1, settings.self_tokens // SELF_NEW_TOKENS)
+    openings = docs // 4
+    with Stage("generating heal text", docs, "answers", progress) as stage:
+        generated = self_generated_text(
+            model,
+            tokenizer,
+            calibration_text,
+            chats=docs - openings,
+            openings=openings,
+            new_tokens=SELF_NEW_TOKENS,
+            seed=settings.seed,
+            on_batch=stage.update,
+        )
+    del model
+    n_tokens = len(tokenizer(generated).input_ids)
+    return mixed_text(calibration_text, generated, 0.5), n_tokens, time.time() - t0
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -70,9 +70,11 @@ def self_generated_text(
     temperature: float = 0.8,
     seed: int = 0,
     batch_size: int = 16,
+    on_batch=None,
 ) -> str:
     """The original model's own answers and continuations (module docstring), as one text of documents separated by
-    blank lines. Costs ``(chats + openings) / batch_size`` batched generations of ``new_tokens`` steps."""
+    blank lines. Costs ``(chats + openings) / batch_size`` batched generations of ``new_tokens`` steps;
+    ``on_batch(n)`` is called after each batch with the number of documents it generated."""
     gen = torch.Generator().manual_seed(seed)
     subjects = topics(source_text, chats)
     texts = []
@@ -94,6 +96,8 @@ def self_generated_text(
         encoded = [tokenizer(t, add_special_tokens="<|" not in t).input_ids for t in batch]
         for prompt, cont in zip(batch, _sample(model, tokenizer, encoded, new_tokens, gen, temperature)):
             docs.append(prompt + tokenizer.decode(cont, skip_special_tokens=False))
+        if on_batch is not None:
+            on_batch(len(batch))
     return "\n\n".join(docs)
 
 

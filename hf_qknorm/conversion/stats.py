@@ -147,7 +147,14 @@ class CalibrationReport:
             return []
         return [
             f"healed: {h['steps_per_layer']} steps per layer ({h['tokens_per_layer']:,} tokens each, from "
-            f"{h['text_tokens']:,} tokens of text), {h['seconds']:.0f} s; held-out perplexity "
+            f"{h['text_tokens']:,} tokens of text"
+            + (
+                f", the calibration text mixed with {h['generated_tokens']:,} tokens the original generated in "
+                f"{h['generation_seconds']:.0f} s"
+                if h.get("generated_tokens")
+                else ""
+            )
+            + f"), {h['seconds']:.0f} s; held-out perplexity "
             f"{h['ppl_before']:.3f} -> {h['ppl_after']:.3f} (original {h['ppl_original']:.3f}, "
             f"{h['ppl_after'] / h['ppl_original']:.3f}x), next-token top-1 agreement "
             f"{100 * h['top1_before']:.1f}% -> {100 * h['top1_after']:.1f}%; {h['layers_kept']}/"

@@ -6,6 +6,7 @@ tensors against the written ones, plain Qwen3 loading of a qk_norm/rmsnorm Llama
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -22,7 +23,7 @@ from hf_qknorm.data import split_text
 from tests._support.convert_support import SHORT_TEXT, bundled_copy, leftovers, quiet, save_source, tree_hash
 
 FAST = CalibrationSettings(block_len=64, calibration_blocks=8, eval_blocks=4, local_steps=10, agreement_tokens=0)
-HEAL = HealSettings(tokens=64 * 30, blocks=8, lr=1e-3)  # 30 steps per layer
+HEAL = HealSettings(tokens=64 * 30, blocks=8, lr=1e-3, text="calibration")  # 30 steps per layer
 
 
 def _convert(src, dst, scheme="qk_norm", norm="rmsnorm", heal=HEAL, **kwargs):
@@ -70,10 +71,13 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         "blocks": 8,
         "lr": 1e-3,
         "seed": 0,
+        "text": "calibration",
+        "self_tokens": 65_536,
         "inputs": "original",
         "end_to_end_tokens": 0,
         "end_to_end_lr": 1e-4,
     }
+    assert record["heal"]["generated_tokens"] == 0
     assert record["heal"]["end_to_end"] is None
     assert record["heal"]["ppl_after"] == h["ppl_after"] and record["heal"]["seconds"] > 0
     card = (result.path / "README.md").read_text()
@@ -99,7 +103,7 @@ def test_healed_qkv_norm_writes_what_it_measured(tmp_path, inputs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = bundled_copy(tmp_path / "src")
-    heal = HealSettings(tokens=64 * 30, blocks=8, lr=1e-3, inputs=inputs)
+    heal = HealSettings(tokens=64 * 30, blocks=8, lr=1e-3, inputs=inputs, text="calibration")
     result = _convert(src, tmp_path / "out", scheme="qkv_norm", norm="layernorm", heal=heal)
     model = AutoModelForCausalLM.from_pretrained(result.path).eval()
     blocks = text_blocks(
@@ -119,6 +123,8 @@ def test_healed_qkv_norm_writes_what_it_measured(tmp_path, inputs):
         ({"end_to_end_tokens": 2.5}, "heal end to end tokens must be an integer >= 0, got 2.5"),
         ({"end_to_end_lr": 0}, "heal end to end lr must be a positive finite number, got 0"),
         ({"end_to_end_lr": True}, "heal end to end lr must be a positive finite number, got True"),
+        ({"text": "wiki"}, "heal text must be 'self' or 'calibration', got 'wiki'"),
+        ({"self_tokens": 0}, "heal self tokens must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_heal_settings_are_refused(settings, message):
@@ -134,6 +140,7 @@ def test_bad_heal_settings_are_refused(settings, message):
         (["--heal", "--no-calibration"], "error: healing starts from the calibrated model"),
         (["--heal-inputs", "mine"], "error: heal inputs must be 'original' or 'converted', got 'mine'"),
         (["--heal-end-to-end-tokens", "-5"], "error: heal end to end tokens must be an integer >= 0, got -5"),
+        (["--heal-text", "mine"], "error: heal text must be 'self' or 'calibration', got 'mine'"),
     ],
 )
 def test_command_line_refuses_bad_heal_input_in_one_line(tmp_path, capsys, argv, message):
@@ -160,8 +167,9 @@ def test_interrupted_heal_leaves_nothing(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(heal, "_fit", interrupted)
     code = main(
-        ["convert", str(src), str(tmp_path / "out"), "--quiet", "--heal", "--block-len", "64"]
-        + ["--calibration-blocks", "4", "--eval-blocks", "2", "--local-steps", "2", "--agreement-tokens", "0"]
+        ["convert", str(src), str(tmp_path / "out"), "--quiet", "--heal", "--block-len", "64", "--heal-text"]
+        + ["calibration", "--calibration-blocks", "4", "--eval-blocks", "2", "--local-steps", "2"]
+        + ["--agreement-tokens", "0"]
     )
     err = capsys.readouterr().err
     assert code == 130 and "interrupted" in err and "Traceback" not in err
@@ -171,7 +179,7 @@ def test_interrupted_heal_leaves_nothing(tmp_path, capsys, monkeypatch):
 # --------------------------------------------------------------------------------------------------------------------
 # the end-to-end stage
 # --------------------------------------------------------------------------------------------------------------------
-E2E = HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, end_to_end_tokens=64 * 20, end_to_end_lr=3e-4)
+E2E = HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, end_to_end_tokens=64 * 20, end_to_end_lr=3e-4, text="calibration")
 
 
 def _kl_of_folders(src, converted, blocks) -> float:
@@ -194,7 +202,7 @@ def test_end_to_end_stage_lowers_the_kl_it_reports_and_writes_its_model(tmp_path
 
     src = bundled_copy(tmp_path / "src")
     before = tree_hash(src)
-    layerwise = _convert(src, tmp_path / "layerwise", heal=HealSettings(tokens=64 * 10, blocks=8, lr=1e-3))
+    layerwise = _convert(src, tmp_path / "layerwise", heal=dataclasses.replace(E2E, end_to_end_tokens=0))
     result = _convert(src, tmp_path / "out", heal=E2E)
     assert tree_hash(src) == before and result.export == "qwen3"
     h, e = result.report.heal, result.report.heal["end_to_end"]
@@ -226,7 +234,7 @@ def test_an_end_to_end_stage_that_raises_the_kl_is_not_kept(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = bundled_copy(tmp_path / "src")
-    heal = HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, end_to_end_tokens=64 * 5, end_to_end_lr=5.0)
+    heal = dataclasses.replace(E2E, end_to_end_tokens=64 * 5, end_to_end_lr=5.0)
     result = _convert(src, tmp_path / "out", heal=heal)
     h, e = result.report.heal, result.report.heal["end_to_end"]
     assert not e["kept"] and e["kl_after"] >= e["kl_before"]
@@ -252,9 +260,71 @@ def test_interrupted_end_to_end_stage_leaves_nothing(tmp_path, capsys, monkeypat
     monkeypatch.setattr(heal, "_kl", interrupted)  # the stage's first measurement
     code = main(
         ["convert", str(src), str(tmp_path / "out"), "--quiet", "--heal-tokens", "128", "--block-len", "64"]
-        + ["--heal-end-to-end-tokens", "128", "--calibration-blocks", "4", "--eval-blocks", "2"]
+        + ["--heal-end-to-end-tokens", "128", "--heal-text", "calibration", "--calibration-blocks", "4"]
+        + ["--eval-blocks", "2"]
         + ["--local-steps", "2", "--agreement-tokens", "0"]
     )
     err = capsys.readouterr().err
     assert calls and code == 130 and "interrupted" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the heal text: the calibration text mixed with the original's own answers
+# --------------------------------------------------------------------------------------------------------------------
+SELF = HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, text="self", self_tokens=2 * 256)
+
+
+def test_heal_text_self_is_the_calibration_text_mixed_with_the_originals_own_answers(tmp_path):
+    """What ``--heal-text self`` fits on, rebuilt here from its parts: the original's sampled answers (the same
+    seed, so the same samples) mixed half and half with the calibration text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_qknorm.conversion.heal import heal_text
+    from hf_qknorm.conversion.selftext import mixed_text, self_generated_text
+
+    src = bundled_copy(tmp_path / "src")
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    calibration = split_text(SHORT_TEXT, 0.1)[0]
+    text, n_tokens, seconds = heal_text(src, tokenizer, calibration, SELF, torch.device("cpu"), progress=False)
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    generated = self_generated_text(model, tokenizer, calibration, chats=2, openings=0, new_tokens=256, seed=0)
+    assert text == mixed_text(calibration, generated, 0.5)
+    assert n_tokens == len(tokenizer(generated).input_ids) > 2 * 256 and seconds > 0
+    assert heal_text(src, tokenizer, calibration, HEAL, torch.device("cpu"), progress=False) == (calibration, 0, 0.0)
+
+
+def test_healed_on_self_generated_text_writes_what_it_measured_and_says_so(tmp_path):
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    src = bundled_copy(tmp_path / "src")
+    before = tree_hash(src)
+    result = _convert(src, tmp_path / "out", heal=SELF)
+    assert tree_hash(src) == before
+    h = result.report.heal
+    assert h["generated_tokens"] > 2 * 256 and h["generation_seconds"] > 0 and h["settings"]["text"] == "self"
+    blocks = text_blocks(
+        split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(src), 64, FAST.eval_blocks, "held-out"
+    )
+    model = Qwen3ForCausalLM.from_pretrained(result.path).eval()
+    assert hf_qknorm.data.perplexity(model, blocks) == pytest.approx(h["ppl_after"], rel=1e-4)
+    assert "tokens the original generated" in result.report.summary()
+    assert "own chat answers and continuations" in (result.path / "README.md").read_text()
+
+
+def test_interrupted_heal_text_generation_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import hf_qknorm.conversion.selftext as selftext
+
+    src = bundled_copy(tmp_path / "src")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selftext, "self_generated_text", interrupted)
+    code = main(
+        ["convert", str(src), str(tmp_path / "out"), "--quiet", "--heal", "--block-len", "64"]
+        + ["--calibration-blocks", "4", "--eval-blocks", "2", "--local-steps", "2", "--agreement-tokens", "0"]
+    )
+    err = capsys.readouterr().err
+    assert code == 130 and "interrupted" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

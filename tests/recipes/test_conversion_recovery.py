@@ -79,7 +79,7 @@ def test_runs_and_report(tmp_path):
         cr.ArmConfig(**TINY),
         cr.ArmConfig(scheme="qk_norm", init="identity", **TINY),
         cr.ArmConfig(scheme="qk_norm", init="calibrated", **TINY),
-        cr.ArmConfig(scheme="qk_norm", init="healed", heal={"tokens": 640, "blocks": 4}, **TINY),
+        cr.ArmConfig(scheme="qk_norm", init="healed", heal={"tokens": 640, "blocks": 4, "self_tokens": 512}, **TINY),
     ]
     for c in cfgs:
         cr.run_job(c, str(out), str(work))
