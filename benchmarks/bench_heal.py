@@ -53,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--heal-lr", type=float, default=None, help="heal step size (default: the library's)")
     p.add_argument("--heal-inputs", default=None, help="original or converted (default: the library's)")
     p.add_argument("--heal-blocks", type=int, default=None, help="distinct heal text blocks (default: the library's)")
+    p.add_argument("--heal-text", default=None, help="self or calibration (default: the library's)")
     p.add_argument("--heal-e2e-tokens", type=int, default=None, help="end-to-end stage tokens (default: the library's)")
     p.add_argument("--heal-e2e-lr", type=float, default=None, help="end-to-end step size (default: the library's)")
     p.add_argument(
@@ -94,6 +95,7 @@ def run_case(
     e2e_tokens=None,
     e2e_lr=None,
     calibration_text=None,
+    heal_text=None,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,7 +109,7 @@ def run_case(
     heal = None
     if tokens != 0:
         given = (("tokens", tokens), ("lr", lr), ("inputs", inputs), ("blocks", heal_blocks))
-        given += (("end_to_end_tokens", e2e_tokens), ("end_to_end_lr", e2e_lr))
+        given += (("end_to_end_tokens", e2e_tokens), ("end_to_end_lr", e2e_lr), ("text", heal_text))
         given = {k: v for k, v in given if v is not None}
         heal = HealSettings(**given)
     tokenizer = AutoTokenizer.from_pretrained(src)
@@ -135,6 +137,8 @@ def run_case(
     return {
         "calibration_text": "wikitext2" if calibration_text is None else os.path.relpath(calibration_text, ROOT),
         "end_to_end": (h or {}).get("end_to_end"),
+        "generated_tokens": 0 if h is None else h.get("generated_tokens", 0),
+        "generation_seconds": 0.0 if h is None else h.get("generation_seconds", 0.0),
         "scheme": scheme,
         "norm": norm,
         "heal": None if heal is None else h["settings"],
@@ -167,7 +171,11 @@ def _setting(r) -> str:
         return "calibrated only"
     parts = [f"lr {h['lr']:g}", f"{h['blocks']} blocks"]
     if r.get("calibration_text", "wikitext2") != "wikitext2":
-        parts.append("mixed self-generated text")
+        parts.append("text: a mixed self-generated file")
+    elif h.get("text", "calibration") == "self":
+        parts.append(f"text: WikiText + {r.get('generated_tokens', 0):,} self-generated tokens")
+    else:
+        parts.append("text: WikiText")
     if h.get("end_to_end_tokens"):
         parts.append(f"+ end-to-end {h['end_to_end_tokens']:,} tokens (lr {h['end_to_end_lr']:g})")
     return ", ".join(parts)
@@ -290,6 +298,7 @@ def main(argv=None) -> None:
                 args.heal_e2e_tokens,
                 args.heal_e2e_lr,
                 args.calibration_text,
+                args.heal_text,
             )
             row.update(meta)
             row["shakespeare_original"] = shakespeare_original
