@@ -56,7 +56,7 @@ class HealSettings:
     blocks: int = field(
         default=256,
         metadata={
-            "help": "distinct blocks of calibration text the steps draw from (at most: a shorter text gives fewer), "
+            "help": "distinct blocks of heal text the steps draw from (at most: a shorter text gives fewer), "
             "held as activations (memory: blocks x block_len x hidden size floats, a few times over) (implies --heal)"
         },
     )

@@ -13,7 +13,7 @@ How the norm reaches the projection's output, two ways with one result:
 - the projection's class becomes a thin subclass (``QKNorm<Linear>``, made once per class) whose ``forward`` is the
   class's own followed by the norms. This is the default: decoding calls every projection of every layer at every
   token, and a forward hook makes each of those calls take ``nn.Module``'s slow path (measured: about 3% of a
-  host-bound model's decode step, as much as the norm itself);
+  host-bound model's decoding step);
 - a forward hook, where a class swap would be bypassed or come too early: a module whose ``forward`` was replaced
   on the instance (accelerate's offload hooks keep the class's forward and call it themselves), and tensor
   parallelism, whose output hook must turn the ``DTensor`` into a local tensor before the norm sees it
