@@ -53,7 +53,8 @@ _DIRECT_CALLS = all(isinstance(getattr(_MODULE, name, None), dict) for name in _
 def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``. When no hook is registered on the module or process-wide, ``nn.Module.__call__`` would only call
     ``module.forward``, so it is called directly: decoding calls the norms of every layer at every token, and the
-    call machinery costs about as much as a norm of a few heads. Any hook (FSDP, a user's) takes the full call."""
+    call machinery adds about a microsecond to a norm that takes three or four on a few heads (measured on one CPU
+    thread). Any hook (FSDP, a user's) takes the full call."""
     if not _DIRECT_CALLS or (
         module._forward_hooks
         or module._forward_pre_hooks
