@@ -111,6 +111,14 @@ def _worker(out: Path) -> None:
         logits.append(stats["qk/max_logit"])
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     torch.save({"params": full, "sharded": sharded, "logits": logits}, out / f"fsdp_rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    # Everything is saved. Leave without the interpreter's teardown: on a loaded machine gloo's threads sometimes
+    # abort it ("terminate called without an active exception", exit -6; CI of stop 34 in the oldest lane), which
+    # failed the run after its results were written. Same exit as tests/training/test_sharded.py's worker.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
