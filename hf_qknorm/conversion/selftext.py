@@ -6,15 +6,24 @@ model's own answers to questions about topics taken from the calibration text (s
 first words of lines), wrapped in the tokenizer's chat template when it has one, plus continuations of code and
 prose openings, and returns them as one text that can be mixed with the calibration text (:func:`mixed_text`). The
 prompts are built from the calibration text, never from the answer-agreement prompts.
+
+Each batch of prompts is sampled with its own generator, seeded from ``(seed, batch index)``
+(:func:`batch_seed`), so the text does not depend on which process generates which batch: with a
+``torch.distributed`` process group of ``world`` processes, rank ``r`` generates batches ``r, r + world, ...`` and
+the documents are gathered in batch order (:func:`hf_qknorm.conversion.ranks.all_in_order`), so every rank returns
+the same text, identical to one process's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import torch
 
-__all__ = ["mixed_text", "self_generated_text", "topics"]
+from . import ranks
+
+__all__ = ["batch_seed", "mixed_text", "self_generated_text", "topics"]
 
 _QUESTIONS = (
     "Tell me about {}.",
@@ -34,6 +43,12 @@ def topics(text: str, n: int) -> list[str]:
     out = list(dict.fromkeys(t for t in found if t))
     step = max(1, len(out) // max(1, n))
     return out[::step][:n]
+
+
+def batch_seed(seed: int, index: int) -> int:
+    """The seed of batch ``index``'s generator: 64 bits of sha256 of ``"seed:index"`` (batches draw independent
+    streams; no batch's samples depend on how many draws another made)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little")
 
 
 @torch.no_grad()
@@ -73,9 +88,10 @@ def self_generated_text(
     on_batch=None,
 ) -> str:
     """The original model's own answers and continuations (module docstring), as one text of documents separated by
-    blank lines. Costs ``(chats + openings) / batch_size`` batched generations of ``new_tokens`` steps;
-    ``on_batch(n)`` is called after each batch with the number of documents it generated."""
-    gen = torch.Generator().manual_seed(seed)
+    blank lines. Costs ``(chats + openings) / batch_size`` batched generations of ``new_tokens`` steps, split over
+    the ranks of an initialised process group (every rank returns the whole text). ``on_batch(n)`` is called after
+    each batch this process generated with ``n``, the documents of that round of batches on every rank (one process:
+    the batch's own)."""
     subjects = topics(source_text, chats)
     texts = []
     if getattr(tokenizer, "chat_template", None):
@@ -90,15 +106,19 @@ def self_generated_text(
     else:
         texts += [_QUESTIONS[j % len(_QUESTIONS)].format(s) + "\n" for j, s in enumerate(subjects)]
     texts += [_OPENINGS[j % len(_OPENINGS)] for j in range(openings)]
-    docs = []
-    for start in range(0, len(texts), batch_size):
-        batch = texts[start : start + batch_size]
+    batches = [texts[start : start + batch_size] for start in range(0, len(texts), batch_size)]
+    n_ranks, me = ranks.world(), ranks.rank()
+    mine = {}
+    for index in range(me, len(batches), n_ranks):
+        batch = batches[index]
         encoded = [tokenizer(t, add_special_tokens="<|" not in t).input_ids for t in batch]
-        for prompt, cont in zip(batch, _sample(model, tokenizer, encoded, new_tokens, gen, temperature)):
-            docs.append(prompt + tokenizer.decode(cont, skip_special_tokens=False))
+        gen = torch.Generator().manual_seed(batch_seed(seed, index))
+        conts = _sample(model, tokenizer, encoded, new_tokens, gen, temperature)
+        mine[index] = [prompt + tokenizer.decode(cont, skip_special_tokens=False) for prompt, cont in zip(batch, conts)]
         if on_batch is not None:
-            on_batch(len(batch))
-    return "\n\n".join(docs)
+            first = index - me
+            on_batch(sum(len(b) for b in batches[first : first + n_ranks]))
+    return "\n\n".join(doc for docs in ranks.all_in_order(mine, len(batches)) for doc in docs)
 
 
 def mixed_text(calibration_text: str, generated: str, share: float = 0.5) -> str:

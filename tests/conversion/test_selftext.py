@@ -35,3 +35,26 @@ def test_self_generated_text_is_the_models_own_and_seeded():
     # one line of 4+ words: one topic, so one question (no chat template: plain text) and the two openings
     assert a == b and a.startswith("Tell me about Before we proceed any.\n") and "\n\ndef " in a
     assert a != self_generated_text(model, tok, source, chats=2, openings=2, new_tokens=8, seed=4)
+
+
+def test_self_generated_text_does_not_depend_on_which_process_generates_which_batch(monkeypatch):
+    """Each batch has its own generator: two simulated ranks (batches 0, 2, ... and 1, 3, ...), each generating
+    only its share, produce exactly the documents of one process's run (the real two-process gather is in
+    test_heal_distributed.py)."""
+    import hf_qknorm.conversion.selftext as selftext
+
+    tok = AutoTokenizer.from_pretrained(bundled_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_dir(), dtype=torch.float32).eval()
+    source = "one two three four five\nsix seven eight nine\nten eleven twelve thirteen\n"
+    kwargs = dict(chats=3, openings=3, new_tokens=6, seed=5, batch_size=2)
+    whole = self_generated_text(model, tok, source, **kwargs)
+    shares, seen = {}, []
+    for r in (0, 1):
+        monkeypatch.setattr(selftext.ranks, "world", lambda: 2)
+        monkeypatch.setattr(selftext.ranks, "rank", lambda r=r: r)
+        monkeypatch.setattr(selftext.ranks, "all_in_order", lambda mine, n, r=r: shares.update({r: (mine, n)}) or [])
+        selftext.self_generated_text(model, tok, source, on_batch=seen.append, **kwargs)
+    assert sorted(shares[0][0]) == [0, 2] and sorted(shares[1][0]) == [1] and shares[0][1] == shares[1][1] == 3
+    merged = {**shares[0][0], **shares[1][0]}
+    assert "\n\n".join(doc for i in range(3) for doc in merged[i]) == whole
+    assert seen == [4, 2, 4]  # rank 0: rounds (0, 1) and (2,); rank 1: round (0, 1)
