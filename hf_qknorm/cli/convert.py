@@ -21,6 +21,11 @@ examples:
   hf-qknorm convert path/to/llama out --scheme qk_norm --norm rmsnorm --heal    # distil from the original too
   hf-qknorm convert path/to/llama out --push-to-hub me/llama-qknorm --private
 
+under torchrun / accelerate launch (WORLD_SIZE > 1) --heal shares out the heal text and the layer fits; rank 0
+alone writes the folder:
+  torchrun --nproc_per_node 4 -m hf_qknorm.cli convert path/to/llama out --scheme qk_norm --norm rmsnorm --heal
+  accelerate launch --num_processes 4 -m hf_qknorm.cli convert path/to/llama out --heal
+
 The output folder holds the weights (shard by shard like the source), config.json, the tokenizer and generation
 config, a model card (README.md) with the perplexity report, and qknorm_conversion.json. Llama/Mistral with
 --scheme qk_norm --norm rmsnorm is exactly a Qwen3 model and loads in plain transformers; everything else is
@@ -127,28 +132,35 @@ def _add_hub_options(p, convert: bool):
 
 def run_convert(args) -> int:
     from ..conversion.converter import convert
+    from ..conversion.ranks import FirstRankFailed, launched_rank
 
     if args.output is not None and args.dst is not None:
         raise ValueError("give the output folder once: as DST or as --output, not both")
     from ..conversion.progress import show_progress_logs
 
-    show_progress_logs(not args.quiet)
-    result = convert(
-        args.src,
-        args.dst or args.output,
-        from_args(QKNormConfig, args),
-        from_args(CalibrationSettings, args),
-        from_args(HubSettings, args),
-        heal=_heal(args),
-        calibration_text=_text_file(args.calibration_text),
-        eval_text=_text_file(args.eval_text),
-        verify=args.verify,
-        calibrate=not args.no_calibration,
-        export=args.export,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-    )
-    if args.json:
+    first = launched_rank() == 0  # under torchrun / accelerate launch rank 0 alone speaks
+    show_progress_logs(not args.quiet and first)
+    try:
+        result = convert(
+            args.src,
+            args.dst or args.output,
+            from_args(QKNormConfig, args),
+            from_args(CalibrationSettings, args),
+            from_args(HubSettings, args),
+            heal=_heal(args),
+            calibration_text=_text_file(args.calibration_text),
+            eval_text=_text_file(args.eval_text),
+            verify=args.verify,
+            calibrate=not args.no_calibration,
+            export=args.export,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
+    except FirstRankFailed as exc:  # rank 0 printed the error; leave with its exit status, silently
+        from .errors import EXIT_CODES, describe
+
+        return EXIT_CODES[describe(exc.original)[0] or "internal"]
+    if args.json and first:
         print(
             json.dumps(
                 {

@@ -15,6 +15,15 @@ with a model card
 - weights are written shard by shard from the source files (read one shard, add or transform its tensors, write
   it, update the index), so writing needs about one shard of memory. Calibration streams the checkpoint one decoder
   block at a time (:mod:`hf_qknorm.conversion.layerwise`); only the optional KL polish loads the whole model.
+
+Under ``torchrun`` / ``accelerate launch`` (``WORLD_SIZE > 1``; :mod:`hf_qknorm.conversion.ranks`) :func:`convert`
+initialises a process group when none exists (gloo on the CPU; nccl and ``cuda:LOCAL_RANK`` when the calibration
+device is CUDA) and destroys it at the end. Only healing is split: every rank calibrates, rank 0's values are
+broadcast so that every rank heals from the same start, the heal text and the layer fits are shared out
+(:mod:`hf_qknorm.conversion.heal`), and the end-to-end stage runs on rank 0. Rank 0 alone checks the destination
+and writes, verifies and uploads the folder (and logs and shows progress); the others wait and return the same
+:class:`ConversionResult`, or raise :class:`~hf_qknorm.conversion.ranks.FirstRankFailed` when rank 0's work failed.
+Without healing the other ranks only wait. Without ``WORLD_SIZE`` nothing of this happens.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 from ..portable.names import PREFIX
 from ..portable.norms import initial_value
 from ..portable.schemes import QKNormConfig
+from . import ranks
 from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
 from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from .destination import check_destination, default_destination
@@ -103,8 +113,6 @@ def convert(
     :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
     is left at ``dst`` (or an existing ``dst`` is unchanged).
     """
-    from .export import check_tokenizer_fits, has_tokenizer, resolve_export
-
     cfg, settings, hub = settings_objects(config, calibration, hub)
     if heal is not None and not isinstance(heal, HealSettings):
         raise TypeError(f"convert(): heal must be a HealSettings or None, got {type(heal).__name__}")
@@ -113,17 +121,63 @@ def convert(
     if verify not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode {verify!r}; choose one of {', '.join(VERIFY_MODES)}")
     token = check_request(settings, hub.repo_id, hub.token)  # a bad repo id or no token: fail now, not after hours
-    source = inspect_source(src)
+    request = _Request(
+        src, dst, cfg, settings, hub, token, heal, calibrate, calibration_text, eval_text, export, overwrite, verify
+    )
+    with ranks.process_group(settings.resolved_device()) as device:
+        if ranks.rank() != 0:  # rank 0 alone logs and shows progress
+            progress, log = False, _quiet
+        return _convert(request, device, progress, log)
+
+
+def _quiet(*args, **kwargs):
+    pass
+
+
+@dataclass(frozen=True)
+class _Request:
+    """:func:`convert`'s arguments, checked."""
+
+    src: object
+    dst: object
+    cfg: QKNormConfig
+    settings: CalibrationSettings
+    hub: HubSettings
+    token: str | None
+    heal: HealSettings | None
+    calibrate: bool
+    calibration_text: object
+    eval_text: object
+    export: str
+    overwrite: bool
+    verify: str
+
+
+def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
+    """:func:`convert` on every rank (one process: rank 0 of 1)."""
+    from .export import check_tokenizer_fits, has_tokenizer, resolve_export
+    from .heal import check_world
+
+    source = inspect_source(req.src)
     config, family = source.config, source.family
-    if cfg.eps is None:
-        cfg = dataclasses.replace(cfg, eps=family.norm_eps(config, "; pass --eps"))
-    dst = check_destination(dst if dst is not None else default_destination(source.name, cfg), source.path, overwrite)
-    check_writable(dst)
-    kind, note = resolve_export(export, config, cfg, family)
-    texts = read_texts(calibration_text, eval_text) if calibrate else None
+    if req.cfg.eps is None:
+        req = dataclasses.replace(req, cfg=dataclasses.replace(req.cfg, eps=family.norm_eps(config, "; pass --eps")))
+    cfg = req.cfg
+
+    def check():
+        if req.heal is not None:
+            check_world(req.heal)
+        dst = req.dst if req.dst is not None else default_destination(source.name, cfg)
+        dst = check_destination(dst, source.path, req.overwrite)
+        check_writable(dst)
+        return dst
+
+    dst = ranks.first(check)
+    kind, note = resolve_export(req.export, config, cfg, family)
+    texts = read_texts(req.calibration_text, req.eval_text) if req.calibrate else None
     if has_tokenizer(source.path):
         check_tokenizer_fits(source.path, source.config)
-    elif not calibrate:  # calibration would have needed it (a clear error there)
+    elif not req.calibrate:  # calibration would have needed it (a clear error there)
         log(
             f"WARNING: {source.path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab/merges): the "
             "converted folder will have none either; add the tokenizer the model was trained with before using or "
@@ -135,14 +189,26 @@ def convert(
         f"{len(source.weights.files)} weight file(s)) to {cfg.scheme}"
         f"{'' if not cfg.norms_qk else ' / ' + cfg.norm} -> {dst} as {kind}"
     )
-    if calibrate:
-        patched_config, new_values, report = _calibrated(source, cfg, texts, settings, heal, progress)
-    else:
-        patched_config, new_values, report = *_identity(source, cfg), None
+
+    def prepare():
+        if req.calibrate:
+            return _calibrated(source, cfg, texts, req.settings, req.heal, device, progress)
+        return *_identity(source, cfg), None
+
+    # healing is shared out, so every rank calibrates and heals; without it rank 0 alone does the work
+    prepared = prepare() if req.heal is not None else None
+    return ranks.first(lambda: _write(req, source, dst, (kind, note), prepared or prepare(), progress, log))
+
+
+def _write(req: _Request, source: Source, dst: Path, export, prepared, progress: bool, log) -> ConversionResult:
+    """Check the report, write the folder (staged, checked, verified, renamed into place) and push it; ``export``
+    is ``(kind, note)``, ``prepared`` ``(patched config, new values, report)``."""
+    (kind, note), (patched_config, new_values, report), cfg = export, prepared, req.cfg
+    settings, hub, family = req.settings, req.hub, source.family
     if report is not None:
         check_report_finite(report)
     result = ConversionResult(path=dst, export=kind, export_note=note, scheme=cfg, report=report)
-    with staging(dst, overwrite, log) as tmp:
+    with staging(dst, req.overwrite, log) as tmp:
         plan = write_folder(
             tmp,
             source,
@@ -156,11 +222,11 @@ def convert(
             settings=settings,
         )
         check_written(tmp, plan)
-        verify_output(tmp, cfg, kind, verify, log)
+        verify_output(tmp, cfg, kind, req.verify, log)
     result.files = sorted(str(f.relative_to(dst)) for f in dst.rglob("*") if f.is_file())
     if report is not None:
         log(report.summary())
-    if note and kind == "qknorm" and export == "auto" and family.model_type in ("llama", "mistral"):
+    if note and kind == "qknorm" and req.export == "auto" and family.model_type in ("llama", "mistral"):
         log(f"note: written as {PREFIX}{family.model_type} (trust_remote_code) rather than qwen3: {note}")
     log(f"wrote {dst} ({kind}): {', '.join(result.files)}")
     if hub.repo_id:
@@ -173,7 +239,7 @@ def convert(
                 private=hub.private,
                 revision=hub.revision,
                 commit_message=hub.commit_message,
-                token=token,
+                token=req.token,
             )
         except OSError as exc:
             raise OSError(
@@ -200,9 +266,10 @@ def settings_objects(config, calibration, hub):
     return config, calibration, hub
 
 
-def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings, heal, progress: bool):
+def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings, heal, device, progress: bool):
     """Layer-by-layer calibration streamed from the source files (:mod:`hf_qknorm.conversion.layerwise`), then the
-    optional end-to-end KL polish (``settings.steps > 0``), which loads the whole model."""
+    optional end-to-end KL polish (``settings.steps > 0``), which loads the whole model, then the optional healing,
+    on ``device``. With more than one rank every rank calibrates; healing starts from rank 0's values."""
     import math
 
     from transformers import AutoTokenizer
@@ -224,7 +291,6 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
         texts.calibration, tokenizer, block_len, settings.calibration_blocks, texts.calibration_label
     )
     eval_blocks = text_blocks(texts.held_out, tokenizer, block_len, settings.eval_blocks, texts.held_out_label)
-    device = settings.resolved_device()
     torch.manual_seed(settings.seed)
     n_params = sum(math.prod(shape) for shape in source.weights.shapes.values())
     with calibration_threads(n_params, device, settings.threads):
@@ -237,6 +303,7 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
         if heal is not None:
             from .heal import heal_checkpoint, heal_text
 
+            values = ranks.broadcast(values)  # every rank heals from rank 0's calibration
             text, generated, gen_seconds = heal_text(source.path, tokenizer, texts.calibration, heal, device, progress)
             label = texts.calibration_label + (" mixed with the original's own answers" if generated else "")
             heal_blocks = text_blocks(text, tokenizer, block_len, heal.blocks, label)
@@ -248,9 +315,22 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
             if heal.end_to_end_tokens:
                 from .heal import end_to_end
 
-                values = end_to_end(
-                    source.path, source.family, cfg, values, heal_blocks, eval_blocks, heal, healed, device, progress
-                )
+                def stage():  # every layer at once: rank 0 alone
+                    out = end_to_end(
+                        source.path,
+                        source.family,
+                        cfg,
+                        values,
+                        heal_blocks,
+                        eval_blocks,
+                        heal,
+                        healed,
+                        device,
+                        progress,
+                    )
+                    return out, healed
+
+                values, healed = ranks.first(stage)
             report.heal = healed.to_dict()
     return stream.patched.config, values, report
 

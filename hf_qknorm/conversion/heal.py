@@ -16,6 +16,16 @@ beside the fit, so the report gives held-out perplexity and next-token top-1 agr
 extra pass. The progress line shows tokens/s and the agreement so far: the share of held-out positions where the
 original and the healed model's hidden states after the current layer, read through the final norm and the
 output head (a logit lens), pick the same token.
+
+Across processes (``torchrun`` / ``accelerate launch``, an initialised ``torch.distributed`` process group of
+``world`` ranks; :mod:`hf_qknorm.conversion.ranks`): with ``inputs == "original"`` a layer's fit depends only on the
+original model's activations, so layer ``i`` is fitted on rank ``i % world`` alone while every rank streams the
+original through every layer (each needs the activations; memory per rank is one process's). The fitted layers are
+then gathered on every rank, and rank 0 streams the held-out blocks once more -- original, calibrated and healed,
+one block at a time -- to score them, and broadcasts the report: every rank returns the same ``(tensors, report)``,
+equal to one process's bit for bit (the report's ``seconds`` aside). ``inputs == "converted"`` fits each layer on
+the layers healed before it and is refused with more than one rank. The end-to-end stage (:func:`end_to_end`)
+trains every layer at once: it runs on rank 0 only (the caller broadcasts its result).
 """
 
 from __future__ import annotations
@@ -28,15 +38,17 @@ from typing import Literal
 import torch
 from torch.nn import functional as F
 
+from . import ranks
 from .layerwise import attention_call
 from .localfit import attention_output
 from .progress import Stage
 from .streaming import StreamedCheckpoint, run_block
 
-__all__ = ["HealReport", "HealSettings", "end_to_end", "heal_checkpoint", "heal_text"]
+__all__ = ["HealReport", "HealSettings", "check_world", "end_to_end", "heal_checkpoint", "heal_text"]
 
 
 SELF_NEW_TOKENS = 256  # tokens per self-generated answer or continuation (--heal-text self)
+SELF_BATCH_SIZE = 16  # answers sampled side by side (with more than one rank: batch b on rank b % world)
 
 
 @dataclass(frozen=True)
@@ -194,6 +206,16 @@ def _fit(attn, calls, targets, steps: int, lr: float, seed: int, tick) -> tuple[
     return before, after, {k: p.detach().float().cpu().clone() for k, p in params.items()}
 
 
+def check_world(settings: HealSettings) -> None:
+    """Refuse ``inputs == "converted"`` with more than one process: each layer is fitted on the layers healed before
+    it, so the fits cannot run side by side."""
+    if settings.inputs == "converted" and ranks.world() > 1:
+        raise ValueError(
+            f"heal inputs 'converted' fits each layer after the ones before it and cannot be split over "
+            f"{ranks.world()} processes; use heal inputs 'original' (--heal-inputs original) or one process"
+        )
+
+
 def heal_checkpoint(
     stream: StreamedCheckpoint,
     values: dict,
@@ -206,69 +228,51 @@ def heal_checkpoint(
     """Heal every attention layer of ``stream``'s converted model, whose new norms start at ``values``.
 
     Returns ``(tensors, report)``: the healed tensors by state-dict name (the new norms and the projections that
-    changed; float32 on the CPU) and the :class:`HealReport`."""
+    changed; float32 on the CPU) and the :class:`HealReport`. With an initialised process group of more than one
+    rank the layers are fitted side by side (module docstring); every rank must call this with the same arguments
+    and returns the same result."""
+    check_world(settings)
     t0 = time.time()
     with stream.outer():  # embeddings, final norm and head stay for the logit lens and the scores
-        return _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0)
+        if ranks.world() == 1:
+            return _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0)
+        return _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0)
 
 
-def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0):
-    family = stream.family
-    block_len = heal_blocks.shape[1]
-    steps = settings.steps(block_len)
-    inputs, calls = stream.block_inputs(heal_blocks, 1)
-    own = [h.clone() for h in inputs] if settings.inputs == "converted" else None  # the healed model's stream
-    held, eval_calls = stream.block_inputs(eval_blocks, batch_size)
-    streams = {name: [h.clone() for h in held] for name in ("original", "before", "after")}
-    out, errors, kept = dict(values), [], 0
-    n_tokens = stream.num_layers * steps * block_len
-    with Stage("healing layer by layer", n_tokens, "tok", progress) as stage:
-        for i in range(stream.num_layers):
-            prefix = f"{stream.prefix}{i}."
-            orig, patched = stream.block(i, {k: v for k, v in values.items() if k.startswith(prefix)})
-            o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
-            targets, attn_calls, nxt = [], [], []
-            hook = o_attn.register_forward_hook(
-                lambda m, a, o, targets=targets: targets.append((o[0] if isinstance(o, tuple) else o).detach())
-            )
-            with torch.no_grad():
-                try:
-                    for h, call in zip(inputs, calls[i]):
-                        nxt.append(run_block(orig, h, call))
-                finally:
-                    hook.remove()
-                fit_inputs = inputs if own is None else own
-                attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(fit_inputs, calls[i])]
-                if own is not None:  # reach the original residual stream after attention: x' + a' = x + a
-                    targets = [t + (x - y) for t, x, y in zip(targets, inputs, own)]
-                streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], eval_calls[i])]
-                streams["before"] = [run_block(patched, h, c) for h, c in zip(streams["before"], eval_calls[i])]
+def _layer(values: dict, stream, i: int) -> dict:
+    """The entries of ``values`` that belong to block ``i``."""
+    prefix = f"{stream.prefix}{i}."
+    return {k: v for k, v in values.items() if k.startswith(prefix)}
 
-            def tick(step, i=i):
-                stage.update(block_len)
-                if (step + 1) % max(1, steps // 4) == 0:
-                    stage.update(0, note=f"layer {i}: step {step + 1}/{steps}")
 
-            before, after, new = _fit(p_attn, attn_calls, targets, steps, settings.lr, settings.seed + i, tick)
-            errors.append([before, after])
-            if new is not None:
-                kept += 1
-                attn_prefix = f"{prefix}{family.attention}."
-                out.update({attn_prefix + k: v for k, v in new.items()})
-            with torch.no_grad():
-                streams["after"] = [run_block(patched, h, c) for h, c in zip(streams["after"], eval_calls[i])]
-                lens = _agreement(stream, streams["original"][0], streams["after"][0])
-            stage.update(0, note=f"layer {i}: output error {before:.4f} -> {after:.4f}, agreement {100 * lens:.1f}%")
-            if own is not None:
-                with torch.no_grad():
-                    own = [run_block(patched, h, c) for h, c in zip(own, calls[i])]
-            inputs = nxt
-            stream.release(i)
-    scores = {k: _score(stream, v, streams["original"], eval_blocks, batch_size) for k, v in streams.items()}
-    report = HealReport(
+def _original_step(orig, o_attn, inputs, calls):
+    """The original block on the heal inputs: ``(its attention outputs, its outputs)``."""
+    targets = []
+    hook = o_attn.register_forward_hook(lambda m, a, o: targets.append((o[0] if isinstance(o, tuple) else o).detach()))
+    try:
+        nxt = [run_block(orig, h, call) for h, call in zip(inputs, calls)]
+    finally:
+        hook.remove()
+    return targets, nxt
+
+
+def _merge(stream, values: dict, results: list) -> tuple[dict, list, int]:
+    """``values`` updated with the kept fits of ``results`` (per layer: error before, error after, new parameters or
+    ``None``), the per-layer errors and the number of layers kept."""
+    out, kept = dict(values), 0
+    for i, (_, _, new) in enumerate(results):
+        if new is not None:
+            kept += 1
+            attn_prefix = f"{stream.prefix}{i}.{stream.family.attention}."
+            out.update({attn_prefix + k: v for k, v in new.items()})
+    return out, [[before, after] for before, after, _ in results], kept
+
+
+def _report(settings, steps, heal_blocks, t0, scores, kept, errors) -> HealReport:
+    return HealReport(
         settings=asdict(settings),
         steps_per_layer=steps,
-        tokens_per_layer=steps * block_len,
+        tokens_per_layer=steps * heal_blocks.shape[1],
         text_tokens=heal_blocks.numel(),
         seconds=time.time() - t0,
         ppl_original=scores["original"][0],
@@ -279,7 +283,106 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
         layers_kept=kept,
         layer_errors=errors,
     )
-    return out, report
+
+
+def _ticker(stage, i: int, steps: int, block_len: int):
+    def tick(step):
+        stage.update(block_len)
+        if (step + 1) % max(1, steps // 4) == 0:
+            stage.update(0, note=f"layer {i}: step {step + 1}/{steps}")
+
+    return tick
+
+
+def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0):
+    """One process: the layers one after the other, the held-out streams moved on beside the fits."""
+    family = stream.family
+    block_len = heal_blocks.shape[1]
+    steps = settings.steps(block_len)
+    inputs, calls = stream.block_inputs(heal_blocks, 1)
+    own = [h.clone() for h in inputs] if settings.inputs == "converted" else None  # the healed model's stream
+    held, eval_calls = stream.block_inputs(eval_blocks, batch_size)
+    streams = {name: [h.clone() for h in held] for name in ("original", "before", "after")}
+    results = []
+    n_tokens = stream.num_layers * steps * block_len
+    with Stage("healing layer by layer", n_tokens, "tok", progress) as stage:
+        for i in range(stream.num_layers):
+            orig, patched = stream.block(i, _layer(values, stream, i))
+            o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
+            with torch.no_grad():
+                targets, nxt = _original_step(orig, o_attn, inputs, calls[i])
+                fit_inputs = inputs if own is None else own
+                attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(fit_inputs, calls[i])]
+                if own is not None:  # reach the original residual stream after attention: x' + a' = x + a
+                    targets = [t + (x - y) for t, x, y in zip(targets, inputs, own)]
+                streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], eval_calls[i])]
+                streams["before"] = [run_block(patched, h, c) for h, c in zip(streams["before"], eval_calls[i])]
+            tick = _ticker(stage, i, steps, block_len)
+            before, after, new = _fit(p_attn, attn_calls, targets, steps, settings.lr, settings.seed + i, tick)
+            results.append((before, after, new))
+            with torch.no_grad():
+                streams["after"] = [run_block(patched, h, c) for h, c in zip(streams["after"], eval_calls[i])]
+                lens = _agreement(stream, streams["original"][0], streams["after"][0])
+            stage.update(0, note=f"layer {i}: output error {before:.4f} -> {after:.4f}, agreement {100 * lens:.1f}%")
+            if own is not None:
+                with torch.no_grad():
+                    own = [run_block(patched, h, c) for h, c in zip(own, calls[i])]
+            inputs = nxt
+            stream.release(i)
+    out, errors, kept = _merge(stream, values, results)
+    scores = {k: _score(stream, v, streams["original"], eval_blocks, batch_size) for k, v in streams.items()}
+    return out, _report(settings, steps, heal_blocks, t0, scores, kept, errors)
+
+
+def _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0):
+    """More than one rank (``inputs == "original"``): every rank streams the original through every layer and fits
+    layers ``rank, rank + world, ...``; the fits are gathered everywhere, and rank 0 scores the held-out blocks
+    (:func:`_held_out`) and broadcasts the report."""
+    family, world, me = stream.family, ranks.world(), ranks.rank()
+    block_len = heal_blocks.shape[1]
+    steps = settings.steps(block_len)
+    inputs, calls = stream.block_inputs(heal_blocks, 1)
+    mine = {}
+    n_tokens = len(range(me, stream.num_layers, world)) * steps * block_len
+    with Stage(f"healing every {world}th layer from {me}", n_tokens, "tok", progress) as stage:
+        for i in range(stream.num_layers):
+            orig, patched = stream.block(i, _layer(values, stream, i))
+            o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
+            with torch.no_grad():
+                targets, nxt = _original_step(orig, o_attn, inputs, calls[i])
+            if i % world == me:
+                with torch.no_grad():
+                    attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(inputs, calls[i])]
+                tick = _ticker(stage, i, steps, block_len)
+                mine[i] = _fit(p_attn, attn_calls, targets, steps, settings.lr, settings.seed + i, tick)
+                stage.update(0, note=f"layer {i}: output error {mine[i][0]:.4f} -> {mine[i][1]:.4f}")
+            inputs = nxt
+            stream.release(i)
+    out, errors, kept = _merge(stream, values, ranks.all_in_order(mine, stream.num_layers))
+
+    def score():
+        scores = _held_out(stream, values, out, eval_blocks, batch_size, progress)
+        return _report(settings, steps, heal_blocks, t0, scores, kept, errors)
+
+    return out, ranks.first(score)
+
+
+def _held_out(stream, values, healed, eval_blocks, batch_size, progress) -> dict:
+    """Perplexity and top-1 of the original, calibrated (``values``) and healed (``healed``) models on the held-out
+    blocks, streamed one block at a time as in :func:`_heal`: ``{"original" | "before" | "after": (ppl, top1)}``."""
+    held, eval_calls = stream.block_inputs(eval_blocks, batch_size)
+    streams = {name: [h.clone() for h in held] for name in ("original", "before", "after")}
+    with Stage("scoring the healed model", stream.num_layers, "layers", progress) as stage, torch.no_grad():
+        for i in range(stream.num_layers):
+            orig, patched = stream.block(i, _layer(values, stream, i))
+            streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], eval_calls[i])]
+            streams["before"] = [run_block(patched, h, c) for h, c in zip(streams["before"], eval_calls[i])]
+            stream.set_values(_layer(healed, stream, i))
+            streams["after"] = [run_block(patched, h, c) for h, c in zip(streams["after"], eval_calls[i])]
+            lens = _agreement(stream, streams["original"][0], streams["after"][0])
+            stage.update(1, note=f"layer {i}: agreement {100 * lens:.1f}%")
+            stream.release(i)
+    return {k: _score(stream, v, streams["original"], eval_blocks, batch_size) for k, v in streams.items()}
 
 
 @torch.no_grad()
@@ -318,7 +421,8 @@ def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, dev
     calibration text mixed half and half (by characters) with the original model's own chat answers and
     continuations (:mod:`hf_qknorm.conversion.selftext`), sampled with ``settings.seed`` -- a converted model is
     used the way the original was, and fitting it on what the original says in that use is what keeps its answers
-    (measured: docs/conversion.md). The whole original is loaded once for it, in float32 on ``device``."""
+    (measured: docs/conversion.md). The whole original is loaded once for it, in float32 on ``device`` (on every
+    rank of a process group, each generating its share of the batches; every rank returns the same text)."""
     if settings.text == "calibration":
         return calibration_text, 0, 0.0
     from transformers import AutoModelForCausalLM
@@ -338,6 +442,7 @@ def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, dev
             openings=openings,
             new_tokens=SELF_NEW_TOKENS,
             seed=settings.seed,
+            batch_size=SELF_BATCH_SIZE,
             on_batch=stage.update,
         )
     del model

@@ -20,9 +20,33 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["all_in_order", "broadcast", "launched_world", "process_group", "rank", "world"]
+__all__ = [
+    "FirstRankFailed",
+    "all_in_order",
+    "barrier",
+    "broadcast",
+    "first",
+    "launched_rank",
+    "launched_world",
+    "process_group",
+    "rank",
+    "world",
+]
 
-TIMEOUT_S = 1800  # a rank waiting on a peer that died gives up after this long (the process group's timeout)
+# The process group's timeout (the one :func:`process_group` creates): the longest a rank waits for the others --
+# the other ranks wait while rank 0 alone writes, verifies and uploads the folder, or runs the end-to-end stage. A
+# rank that exits is noticed sooner: torchrun and accelerate launch stop the other ranks, and gloo fails the peers'
+# pending exchanges when a connection closes.
+TIMEOUT_S = 6 * 3600
+
+
+class FirstRankFailed(RuntimeError):
+    """Raised on the other ranks when the work :func:`first` gave rank 0 failed; ``original`` is rank 0's exception
+    (or a ``RuntimeError`` with its message when it could not travel)."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(f"rank 0 failed: {type(original).__name__}: {original}")
+        self.original = original
 
 
 def _dist():
@@ -69,11 +93,50 @@ def broadcast(obj, src: int = 0):
     return box[0]
 
 
+def first(fn):
+    """``fn()`` computed on rank 0 alone, its value returned on every rank (``broadcast_object_list``); while rank 0
+    works the others wait. An ``Exception`` of ``fn`` on rank 0 is raised there and, as :class:`FirstRankFailed`, on
+    the others; an interruption (``KeyboardInterrupt``, SIGTERM) is not sent -- every rank receives the signal
+    from the launcher. One process: ``fn()``."""
+    if world() == 1:
+        return fn()
+    if rank() != 0:
+        ok, value = broadcast(None)
+        if not ok:
+            raise FirstRankFailed(value)
+        return value
+    try:
+        value = fn()
+    except Exception as exc:
+        broadcast((False, _portable(exc)))
+        raise
+    broadcast((True, value))
+    return value
+
+
+def _portable(exc: Exception) -> BaseException:
+    """``exc`` if it survives pickling, else a ``RuntimeError`` with its message."""
+    import pickle
+
+    try:
+        return pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
 def barrier() -> None:
     """Wait for every rank (nothing without a process group)."""
     dist = _dist()
     if dist is not None and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def launched_rank() -> int:
+    """The rank a launcher put in the environment (``RANK``; 0 without one)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        raise ValueError(f"RANK must be an integer, got {os.environ['RANK']!r}") from None
 
 
 def launched_world() -> int:
