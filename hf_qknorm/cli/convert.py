@@ -140,6 +140,11 @@ def run_convert(args) -> int:
 
     first = launched_rank() == 0  # under torchrun / accelerate launch rank 0 alone speaks
     show_progress_logs(not args.quiet and first)
+    if not first:  # nor Transformers' loading bars and warnings, once per rank
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
     try:
         result = convert(
             args.src,

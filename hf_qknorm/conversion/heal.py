@@ -344,7 +344,7 @@ def _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, 
     inputs, calls = stream.block_inputs(heal_blocks, 1)
     mine = {}
     n_tokens = len(range(me, stream.num_layers, world)) * steps * block_len
-    with Stage(f"healing every {world}th layer from {me}", n_tokens, "tok", progress) as stage:
+    with Stage(f"healing layers {me}, {me + world}, ... (rank {me} of {world})", n_tokens, "tok", progress) as stage:
         for i in range(stream.num_layers):
             orig, patched = stream.block(i, _layer(values, stream, i))
             o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
