@@ -313,7 +313,7 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
             healed.generated_tokens, healed.generation_seconds = generated, gen_seconds
             healed.seconds += gen_seconds
             if heal.end_to_end_tokens:
-                from .heal import end_to_end
+                from .endtoend import end_to_end
 
                 def stage():  # every layer at once: rank 0 alone
                     out = end_to_end(

@@ -24,8 +24,9 @@ original through every layer (each needs the activations; memory per rank is one
 then gathered on every rank, and rank 0 streams the held-out blocks once more -- original, calibrated and healed,
 one block at a time -- to score them, and broadcasts the report: every rank returns the same ``(tensors, report)``,
 equal to one process's bit for bit (the report's ``seconds`` aside). ``inputs == "converted"`` fits each layer on
-the layers healed before it and is refused with more than one rank. The end-to-end stage (:func:`end_to_end`)
-trains every layer at once: it runs on rank 0 only (the caller broadcasts its result).
+the layers healed before it and is refused with more than one rank. The optional end-to-end stage that follows
+(:mod:`hf_qknorm.conversion.endtoend`) trains every layer at once: it runs on rank 0 only (the caller broadcasts its
+result).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .localfit import attention_output
 from .progress import Stage
 from .streaming import StreamedCheckpoint, run_block
 
-__all__ = ["HealReport", "HealSettings", "check_world", "end_to_end", "heal_checkpoint", "heal_text"]
+__all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal_text"]
 
 
 SELF_NEW_TOKENS = 256  # tokens per self-generated answer or continuation (--heal-text self)
@@ -448,130 +449,3 @@ def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, dev
     del model
     n_tokens = len(tokenizer(generated).input_ids)
     return mixed_text(calibration_text, generated, 0.5), n_tokens, time.time() - t0
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# the end-to-end stage
-# --------------------------------------------------------------------------------------------------------------------
-def end_to_end(
-    src,
-    family,
-    cfg,
-    values: dict,
-    blocks: torch.Tensor,
-    eval_blocks: torch.Tensor,
-    settings: HealSettings,
-    report: HealReport,
-    device: torch.device,
-    progress: bool = True,
-) -> dict:
-    """After the layer-wise stage: every attention layer's parameters (projections and norms) trained at once, by
-    Adam on the KL divergence from the original's next-token distribution to the converted model's, one heal block
-    per step. The layer-wise stage fits each layer on the original's activations, so the small error each layer
-    keeps moves the next layer's inputs and compounds over depth; this stage sees the whole model.
-
-    Loads the original (the teacher, frozen) and the converted model (built from the source, patched, given
-    ``values``) whole, in float32 on ``device``; the teacher's log-probabilities are computed as the steps go, never
-    cached, so memory is two models and one block's activations. The trained weights are kept only if they lower the
-    KL on a fixed batch of heal text. Updates ``report`` (``end_to_end``; ``ppl_after`` and ``top1_after`` become
-    the final model's) and returns ``values`` with every attention parameter of every layer."""
-    from transformers import AutoModelForCausalLM
-
-    from ..modeling.patch import patch_model
-    from ..portable.layout import find_layers
-
-    t0 = time.time()
-    teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
-    student = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
-    patch_model(student, cfg)
-    with torch.no_grad():
-        for name, value in values.items():
-            student.get_parameter(name).copy_(value)
-    for p in list(teacher.parameters()) + list(student.parameters()):
-        p.requires_grad_(False)
-    params = {}  # by state-dict name, as the layer-wise stage and the writer name them
-    for i, block in enumerate(find_layers(student, family)):
-        prefix = f"{family.layers}.{i}.{family.attention}."
-        params.update({prefix + k: p for k, p in getattr(block, family.attention).named_parameters()})
-    missing = [k for k in params if k not in dict(student.named_parameters())]
-    if missing:  # a model whose blocks are not at the family's path from the head model
-        raise ValueError(f"end-to-end healing: the converted model has no parameter {missing[0]!r}")
-    start = {k: p.detach().clone() for k, p in params.items()}
-    steps = max(1, settings.end_to_end_tokens // blocks.shape[1])
-    monitor = blocks[: min(4, len(blocks))]
-    before = _kl(teacher, student, monitor, device)
-    for p in params.values():
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(list(params.values()), lr=settings.end_to_end_lr, betas=(0.9, 0.99))
-    gen = torch.Generator().manual_seed(settings.seed)
-    block_len = blocks.shape[1]
-    try:
-        with Stage("end-to-end distillation", steps * block_len, "tok", progress) as stage:
-            for step in range(steps):
-                for group in opt.param_groups:
-                    group["lr"] = settings.end_to_end_lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-                ids = blocks[int(torch.randint(0, len(blocks), (1,), generator=gen))][None].to(device)
-                with torch.no_grad():
-                    target = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
-                logq = F.log_softmax(student(input_ids=ids).logits.float(), dim=-1)
-                loss = F.kl_div(logq, target, log_target=True, reduction="none").sum(-1).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                stage.update(block_len)
-                if (step + 1) % max(1, steps // 8) == 0:
-                    stage.update(0, note=f"step {step + 1}/{steps}: KL {loss.item():.4f} nats/token")
-    finally:
-        for p in params.values():
-            p.requires_grad_(False)
-    after = _kl(teacher, student, monitor, device)
-    kept = after < before
-    if not kept:
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(start[k])
-    ppl, top1 = _full_score(teacher, student, eval_blocks, device)
-    report.end_to_end = {
-        "tokens": steps * block_len,
-        "steps": steps,
-        "lr": settings.end_to_end_lr,
-        "seconds": time.time() - t0,
-        "kl_before": before,
-        "kl_after": after,
-        "kept": kept,
-        "ppl_before": report.ppl_after,
-        "top1_before": report.top1_after,
-    }
-    report.ppl_after, report.top1_after = ppl, top1
-    report.seconds += time.time() - t0
-    out = dict(values)
-    out.update({k: p.detach().float().cpu().clone() for k, p in params.items()})
-    return out
-
-
-@torch.no_grad()
-def _kl(teacher, student, blocks: torch.Tensor, device) -> float:
-    """Mean KL (nats per token) from the teacher's next-token distribution to the student's on ``blocks``."""
-    total, count = 0.0, 0
-    for row in blocks:
-        ids = row[None].to(device)
-        p = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
-        q = F.log_softmax(student(input_ids=ids).logits.float(), dim=-1)
-        total += F.kl_div(q, p, log_target=True, reduction="sum").item()
-        count += ids.shape[1]
-    return total / count
-
-
-@torch.no_grad()
-def _full_score(teacher, student, blocks: torch.Tensor, device) -> tuple[float, float]:
-    """The student's perplexity on ``blocks`` and its next-token top-1 agreement with the teacher (the layout of
-    :func:`hf_qknorm.data.perplexity`: every position but the last predicts the next)."""
-    nll, count, same = 0.0, 0, 0
-    for row in blocks:
-        ids = row[None].to(device)
-        s = student(input_ids=ids).logits.float()[0, :-1]
-        t = teacher(input_ids=ids).logits.float()[0, :-1]
-        nll += F.cross_entropy(s, ids[0, 1:], reduction="sum").item()
-        same += (s.argmax(-1) == t.argmax(-1)).sum().item()
-        count += ids.shape[1] - 1
-    return math.exp(nll / count), same / count

@@ -248,7 +248,7 @@ def test_an_end_to_end_stage_that_raises_the_kl_is_not_kept(tmp_path):
 
 
 def test_interrupted_end_to_end_stage_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import hf_qknorm.conversion.heal as heal
+    import hf_qknorm.conversion.endtoend as endtoend
 
     src = bundled_copy(tmp_path / "src")
     calls = []
@@ -257,7 +257,7 @@ def test_interrupted_end_to_end_stage_leaves_nothing(tmp_path, capsys, monkeypat
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(heal, "_kl", interrupted)  # the stage's first measurement
+    monkeypatch.setattr(endtoend, "_kl", interrupted)  # the stage's first measurement
     code = main(
         ["convert", str(src), str(tmp_path / "out"), "--quiet", "--heal-tokens", "128", "--block-len", "64"]
         + ["--heal-end-to-end-tokens", "128", "--heal-text", "calibration", "--calibration-blocks", "4"]

@@ -40,8 +40,20 @@ HEAL = {
     mode: HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, text=mode, self_tokens=5 * 16)
     for mode in ("self", "calibration")
 }
+# the end-to-end stage after the layer-wise one: on rank 0 alone, its result broadcast
+HEAL["end_to_end"] = dataclasses.replace(HEAL["calibration"], end_to_end_tokens=64 * 5, end_to_end_lr=3e-4)
 SCHEME = QKNormConfig(scheme="qk_norm", norm="rmsnorm")
 TIMING = ("seconds", "generation_seconds")  # the only fields of a report that may differ between runs
+
+
+def _figures(heal: dict) -> dict:
+    """A heal report without its timings (the end-to-end stage's included)."""
+    out = {k: v for k, v in heal.items() if k not in TIMING}
+    if out["end_to_end"] is not None:
+        out["end_to_end"] = {k: v for k, v in out["end_to_end"].items() if k not in TIMING}
+    return out
+
+
 TEXT = dict(chats=3, openings=2, new_tokens=8, seed=7, batch_size=2)  # 5 prompts, 3 batches
 
 
@@ -147,7 +159,7 @@ def _ranks(out: Path, name: str) -> list:
 # --------------------------------------------------------------------------------------------------------------------
 # (a) the healed tensors and the report, (b) the generated text, (c) the refusal of inputs="converted"
 # --------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["self", "calibration"])
+@pytest.mark.parametrize("mode", ["self", "calibration", "end_to_end"])
 def test_two_ranks_heal_exactly_as_one_process(launched, source, mode, monkeypatch):
     import hf_qknorm.conversion.heal as heal
 
@@ -162,8 +174,8 @@ def test_two_ranks_heal_exactly_as_one_process(launched, source, mode, monkeypat
         assert sorted(got_values) == sorted(values), r
         different = [k for k in values if not torch.equal(got_values[k], values[k])]
         assert different == [], (r, different)
-        got = got_report["heal"]
-        assert {k: v for k, v in got.items() if k not in TIMING} == {k: v for k, v in h.items() if k not in TIMING}
+        assert _figures(got_report["heal"]) == _figures(h)
+    assert (h["end_to_end"] is not None) == (mode == "end_to_end")
 
 
 def test_healed_tensors_are_the_fits_not_the_start(launched, source):
@@ -181,8 +193,7 @@ def test_every_rank_heals_from_rank_0s_calibration(launched, source):
     values, report = _healed(source, HEAL["calibration"])
     for r, (got_values, got_report) in enumerate(_ranks(launched, "perturbed")):
         assert all(torch.equal(got_values[k], values[k]) for k in values), r
-        drop = lambda h: {k: v for k, v in h.items() if k not in TIMING}
-        assert drop(got_report["heal"]) == drop(report["heal"]), r
+        assert _figures(got_report["heal"]) == _figures(report["heal"]), r
 
 
 def test_the_generated_text_is_one_processs(launched, source):
@@ -233,10 +244,9 @@ def test_command_line_under_torchrun_writes_one_folder_equal_to_one_process(sour
     assert two["files"] == one["files"]
     want, got = load_file(ref / "out" / "model.safetensors"), load_file(parent / "out" / "model.safetensors")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    drop = lambda h: {k: v for k, v in h.items() if k not in TIMING}
-    assert drop(two["report"]["heal"]) == drop(one["report"]["heal"])
+    assert _figures(two["report"]["heal"]) == _figures(one["report"]["heal"])
     record = json.loads((parent / "out" / "qknorm_conversion.json").read_text())
-    assert drop(record["heal"]) == drop(one["report"]["heal"])
+    assert _figures(record["heal"]) == _figures(one["report"]["heal"])
 
 
 @pytest.mark.parametrize("failing", [0, 1])
