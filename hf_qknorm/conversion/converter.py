@@ -112,6 +112,11 @@ def convert(
     Raises ``ValueError``/``OSError`` for bad input or a failed write, and
     :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
     is left at ``dst`` (or an existing ``dst`` is unchanged).
+
+    Under ``torchrun`` / ``accelerate launch`` (``WORLD_SIZE > 1``), or with a ``torch.distributed`` process group
+    already initialised, every rank must call this with the same arguments: healing is shared out, rank 0 alone
+    writes, and every rank returns the same result (module docstring); the other ranks raise
+    :class:`~hf_qknorm.conversion.ranks.FirstRankFailed` when rank 0's checks or writing fail.
     """
     cfg, settings, hub = settings_objects(config, calibration, hub)
     if heal is not None and not isinstance(heal, HealSettings):
