@@ -1,5 +1,5 @@
 """The ``hf-qknorm`` command line (``python -m hf_qknorm.cli``)."""
 
-from .main import main
+from .main import entry, main
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]

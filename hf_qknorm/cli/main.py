@@ -175,5 +175,26 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CODES[kind]
 
 
+def entry() -> None:
+    """The console script and ``python -m hf_qknorm.cli``: :func:`main`'s status as the process's exit status.
+
+    Under a launcher (``WORLD_SIZE > 1``: torchrun, accelerate launch) the process leaves with ``os._exit`` once
+    the output is flushed: by then the conversion has written, checked and closed everything, and gloo's threads
+    can abort the interpreter's teardown on a loaded machine ("terminate called without an active exception",
+    signal 6), which would turn a finished conversion into a failed rank."""
+    from ..conversion.ranks import launched_world
+
+    status = main()
+    try:
+        launched = launched_world() > 1
+    except ValueError:  # a malformed WORLD_SIZE: convert said so already; other commands do not use it
+        launched = False
+    if launched:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
