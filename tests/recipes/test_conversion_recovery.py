@@ -131,7 +131,7 @@ def test_report_regenerates_the_committed_table(tmp_path):
     assert Path(args.runs) == root / "benchmarks" / "runs" / "conversion_recovery" / "runs_lr0.0003"
     assert Path(args.out) == root / "docs" / "conversion_recovery"
     runs = [json.loads(p.read_text()) for p in sorted(Path(args.runs).glob("*.json"))]
-    assert len(runs) == 8
+    assert len(runs) == 11  # 8 arms, and the 3 healed ones (--inits healed)
     cr.write_report(runs, tmp_path / "docs", tmp_path / "results.json")
     assert (tmp_path / "docs" / "table.md").read_text() == (Path(args.out) / "table.md").read_text()
     committed = json.loads((Path(args.runs).parent / "results.json").read_text())
