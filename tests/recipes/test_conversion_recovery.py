@@ -198,7 +198,7 @@ def test_the_smollm2_table_comes_from_its_committed_records(tmp_path):
     runs_dir = root / "benchmarks" / "runs" / "conversion_recovery" / "smollm2_135m"
     runs = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))]
     assert sorted(cr.ArmConfig(**r["config"]).tag() for r in runs) == sorted(
-        a.tag() for a in cr.arms({}, ("qk_norm", "qk_norm_cap", "qkv_norm"))
+        [a.tag() for a in cr.arms({}, ("qk_norm", "qk_norm_cap", "qkv_norm"))] + ["qk_norm_healed"]
     )
     assert all(not r.get("unfinished") and r["val"][-1][0] == r["config"]["steps"] for r in runs)
     cr.write_report(runs, tmp_path / "docs", tmp_path / "results.json")
