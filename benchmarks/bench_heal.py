@@ -171,8 +171,9 @@ def run_case(
     }
 
 
-def _setting(r) -> str:
-    """The heal settings that tell rows apart: step size, distinct text blocks, heal text, end-to-end tokens."""
+def _setting(r, runtime: bool = True) -> str:
+    """The heal settings that tell rows apart: step size, distinct text blocks, heal text, end-to-end tokens (and,
+    with ``runtime``, processes and threads, which change the time but not the result)."""
     h = r.get("heal")
     if not h:
         return "calibrated only"
@@ -187,7 +188,7 @@ def _setting(r) -> str:
         parts.append(f"+ end-to-end {h['end_to_end_tokens']:,} tokens (lr {h['end_to_end_lr']:g})")
     if h.get("inputs", "original") != "original":
         parts.append(f"inputs: {h['inputs']}")
-    if r.get("processes", 1) > 1 or r.get("threads", 1) > 1:
+    if runtime and (r.get("processes", 1) > 1 or r.get("threads", 1) > 1):
         parts.append(f"{r.get('processes', 1)} process(es) x {r.get('threads', 1)} thread(s)")
     return ", ".join(parts)
 
@@ -223,11 +224,11 @@ def plot(rows, out: Path, scheme: str = "qk_norm", norm: str = "rmsnorm") -> Pat
     base = [r for r in mine if not r.get("heal")]
     series: dict[str, list] = {}
     for r in mine:
-        if r.get("heal"):
-            series.setdefault(_setting(r), []).append(r)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, pts in series.items():
-        pts = sorted(base[-1:] + pts, key=lambda r: r["heal_tokens_per_layer"])
+        if r.get("heal"):  # the latest row of each setting and heal tokens (a rerun replaces a point)
+            series.setdefault(_setting(r, runtime=False), {})[r["heal_tokens_per_layer"]] = r
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 7))
+    for label, by_tokens in series.items():
+        pts = sorted(base[-1:] + list(by_tokens.values()), key=lambda r: r["heal_tokens_per_layer"])
         x = [r["heal_tokens_per_layer"] for r in pts]
         line = ax1.plot(x, [100 * r["top1_agreement"] for r in pts], "o-", label=f"top-1, {label}")[0]
         ax1.plot(x, [100 * r["prefix_agreement"] for r in pts], "s--", color=line.get_color(), label=f"prefix, {label}")
@@ -242,8 +243,9 @@ def plot(rows, out: Path, scheme: str = "qk_norm", norm: str = "rmsnorm") -> Pat
     ax2.axhline(1.05, color="grey", lw=0.8, ls=":")
     ax2.set(xlabel="heal tokens per layer", ylabel="perplexity / original's", title="held-out perplexity")
     for ax in (ax1, ax2):
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.12))
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:g}k")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
