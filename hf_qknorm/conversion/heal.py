@@ -55,8 +55,8 @@ SELF_BATCH_SIZE = 16  # answers sampled side by side (with more than one rank: b
 @dataclass(frozen=True)
 class HealSettings:
     """How much healing :func:`~hf_qknorm.convert` does after calibration (``heal=HealSettings()``,
-    ``hf-qknorm convert --heal``). The defaults heal SmolLM2-135M (30 layers) in about ten minutes on one CPU
-    thread."""
+    ``hf-qknorm convert --heal``). The defaults heal SmolLM2-135M (30 layers) in about 22 minutes on one CPU
+    thread, generating the heal text included (13 with two processes under torchrun; docs/conversion.md)."""
 
     # metadata["help"]: the command line's help for each field (`hf-qknorm convert --heal-...`)
     tokens: int = field(
