@@ -28,28 +28,11 @@ import math
 import torch
 
 from . import tiles as _tiles
-from .tiles import chunk_allowed, position_mask, user_mask_tile
+from .tiles import TANH_CLAMP, chunk_allowed, expm1_doubled_, position_mask, tanh_doubled_, user_mask_tile
 
 __all__ = ["TiledAttention", "chunk_allowed", "chunked_attention", "max_logits"]
 
 LOG2E = math.log2(math.e)
-# expm1 overflows float32 past ~88; tanh(20) is 1 to float64 precision, so clamping 2x at 40 changes nothing.
-_TANH_CLAMP = 40.0
-
-
-def _expm1_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(e, e + 2)`` with ``e = expm1(2x)`` written over ``x2`` (which holds ``2x``) and ``e + 2`` into ``tmp``:
-    ``tanh(x) = e / (e + 2)``."""
-    if clamp:
-        x2.clamp_(max=_TANH_CLAMP)
-    e = x2.expm1_()
-    return e, torch.add(e, 2.0, out=tmp)
-
-
-def _tanh_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool = True) -> torch.Tensor:
-    """``tanh(x)`` written over ``x2`` (which holds ``2x``); ``tmp`` is scratch of the same shape."""
-    e, e2 = _expm1_(x2, tmp, clamp)
-    return e.div_(e2)
 
 
 def _scratch(buf: torch.Tensor, shape) -> torch.Tensor:
@@ -149,7 +132,7 @@ class _Call:
         if self.softcap is None or torch.compiler.is_compiling() or not self.tiles:
             return
         bound = torch.linalg.vector_norm(qp, dim=-1).max() * torch.linalg.vector_norm(kp, dim=-1).max()
-        self.clamp = not bool(bound <= _TANH_CLAMP)  # NaN or inf inputs: clamp
+        self.clamp = not bool(bound <= TANH_CLAMP)  # NaN or inf inputs: clamp
 
     def masks(self, tile, device) -> list:
         """``(column slice, blocked)`` pairs for ``tile``, each ``blocked`` (True = hidden) broadcastable to the tile
@@ -214,7 +197,7 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) 
             head_max[n0:n1] = torch.maximum(head_max[n0:n1], top.view(n1 - n0, end - start, c.groups).amax(1))
         if c.row_shift:  # a row with no allowed key: tanh(-inf) = -1, or 0 without a cap
             shift = (
-                _tanh_(top.clone(), torch.empty_like(top), True).mul_(c.gain)
+                tanh_doubled_(top.clone(), torch.empty_like(top), True).mul_(c.gain)
                 if c.softcap is not None
                 else torch.where(torch.isfinite(top), top, 0.0)
             )
@@ -224,7 +207,7 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) 
     if c.softcap is None:
         p = torch.add(base, s, alpha=c.gain, out=s).exp2_()
     else:  # the exponent c*log2(e)*tanh(x) - shift in one pass: gain * e / (e + 2) + base
-        e, e2 = _expm1_(s, _scratch(bufs[1], shape), c.clamp)
+        e, e2 = expm1_doubled_(s, _scratch(bufs[1], shape), c.clamp)
         p = torch.addcdiv(base, e, e2, value=c.gain, out=e).exp2_()
     if c.softcap is not None:  # masked pairs still hold a finite exponent (tanh(-inf) = -1, or never filled)
         _fill(p, masks, c.groups, 0.0)
@@ -248,7 +231,7 @@ def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, neg_lse, delta, grads
     s = torch.bmm(qt, kt.transpose(1, 2), out=_scratch(bufs[0], shape))
     t, slope = s, None
     if c.softcap is not None:
-        t = _tanh_(s, _scratch(bufs[1], shape), c.clamp)
+        t = tanh_doubled_(s, _scratch(bufs[1], shape), c.clamp)
         slope = torch.addcmul(bufs[3], t, t, value=-1.0, out=_scratch(bufs[2], shape))  # d c*tanh(s/c) / ds
     p = torch.add(neg_lse[n0:n1, rows], t, alpha=c.gain, out=t).exp2_()  # lse = +inf on empty rows: p = 0
     _fill(p, c.masks(tile, p.device), c.groups, 0.0)

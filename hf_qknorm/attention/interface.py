@@ -227,11 +227,15 @@ def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, 
     use, refusal = route(query.device.type, query.dtype, 0.0, False, sink is not None)
     if use or refusal is not None:
         return None
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    key, value, mask, causal, sliding_window = _resolve_mask(
-        query, key, value, attention_mask, causal, sliding_window, kwargs
-    )
-    if softcap is None and sink is None:
+    # decoding without padding: the one query sees every key (the rule of _resolve_mask, without its calls)
+    if attention_mask is None and q_len == 1:
+        mask, causal = None, False
+    else:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        key, value, mask, causal, sliding_window = _resolve_mask(
+            query, key, value, attention_mask, causal, sliding_window, kwargs
+        )
+    if softcap is None and sink is None and (q_len > 1 or batch * heads * key.shape[2] < lean.MATH_MIN):
         return _sdpa(module, query, key, value, mask, scaling, 0.0, causal, sliding_window).transpose(1, 2).contiguous()
     out = lean.lean_attention(
         query,

@@ -28,6 +28,27 @@ QUERY_ROWS = 128
 MIN_QUERY_ROWS = 32
 
 
+# expm1 overflows float32 past ~88; tanh(20) is 1 to float64 precision, so clamping 2x at 40 changes nothing.
+TANH_CLAMP = 40.0
+
+
+def expm1_doubled_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e, e + 2)`` with ``e = expm1(2x)`` written over ``x2`` (which holds ``2x``) and ``e + 2`` into ``tmp``:
+    ``tanh(x) = e / (e + 2)``. The capped paths' tanh: as exact as ``torch.tanh``, which this CPU computes ~8x slower
+    per element (``2 * sigmoid(2x) - 1``, shorter, loses digits to cancellation near 0: several times the float32
+    reference's error at c = 50)."""
+    if clamp:
+        x2.clamp_(max=TANH_CLAMP)
+    e = x2.expm1_()
+    return e, torch.add(e, 2.0, out=tmp)
+
+
+def tanh_doubled_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool = True) -> torch.Tensor:
+    """``tanh(x)`` written over ``x2`` (which holds ``2x``); ``tmp`` is scratch of the same shape."""
+    e, e2 = expm1_doubled_(x2, tmp, clamp)
+    return e.div_(e2)
+
+
 def key_range(start: int, end: int, q_len: int, kv_len: int, causal: bool, sliding_window: int | None):
     """Keys ``[lo, hi)`` that query positions ``[start, end)`` can see at all."""
     shift = kv_len - q_len

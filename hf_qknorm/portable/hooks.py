@@ -73,7 +73,8 @@ def _norm_heads(attn: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     """The scheme's norm for ``role`` over each head of ``x`` ``(..., heads * head_dim)``; returns the same shape."""
     state = attn.__dict__
     norm = attn._modules[state["_qknorm_norms"][role]]
-    return _call(norm, x.view(*x.shape[:-1], -1, state["_qknorm_shape"][0])).view(x.shape)
+    # flatten, not view(x.shape): the shape object costs a microsecond per call when decoding
+    return _call(norm, x.unflatten(-1, (-1, state["_qknorm_shape"][0]))).flatten(-2)
 
 
 def _fused(attn: nn.Module, roles: tuple[str, ...], output: torch.Tensor) -> torch.Tensor:
@@ -196,6 +197,24 @@ def _setattr(self, name, value):
         _attach(self, name)
 
 
+_PLAIN_GETTER: dict[type, bool] = {}
+
+
+def _attn_implementation(config) -> str | None:
+    """``config._attn_implementation``, read from the instance where Transformers' own property reads it (the
+    property and the config's ``__getattribute__`` cost a microsecond and a half, per layer per token when
+    decoding); through the attribute for a config class whose getter is another."""
+    cls = type(config)
+    plain = _PLAIN_GETTER.get(cls)
+    if plain is None:  # the class that defines the property: Transformers' base config class, or another
+        owner = next((c for c in cls.__mro__ if "_attn_implementation" in c.__dict__), None)
+        plain = _PLAIN_GETTER[cls] = owner is not None and owner.__module__ == "transformers.configuration_utils"
+    state = config.__dict__
+    if plain and "_attn_implementation_internal" in state:
+        return state["_attn_implementation_internal"]
+    return config._attn_implementation
+
+
 def check_cap_backend(impl) -> None:
     """Refuse to run a capped module through a backend that would drop its cap."""
     if impl not in CAP_READING_BACKENDS:
@@ -214,7 +233,7 @@ def attention_class(base: type) -> type:
 
         def forward(self, *args, **kwargs):
             if self.__dict__.get("_qknorm_softcap") is not None:
-                check_cap_backend(self.config._attn_implementation)
+                check_cap_backend(_attn_implementation(self.config))
             return base.forward(self, *args, **kwargs)  # the upstream forward, unmodified
 
         cls = type(

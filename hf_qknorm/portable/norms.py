@@ -38,10 +38,18 @@ class HeadLayerNorm(nn.Module):
         return {"weight": 1.0, "bias": 0.0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in _FULL and self.weight.dtype == x.dtype:  # nothing to convert: the casts cost more than the
-            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)  # norm itself when decoding
+        # Decoding calls this for every layer at every token, where a microsecond is a percent of the step: the
+        # parameters straight from ``_parameters`` (``nn.Module.__getattr__`` is slow; anything that keeps them
+        # elsewhere, e.g. a parametrization, takes the attribute), ``torch.layer_norm`` rather than ``F.layer_norm``
+        # (whose Python wrapper adds most of a microsecond; the binding honours ``__torch_function__`` alike)
+        params = self._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        if weight is None or bias is None:
+            weight, bias = self.weight, self.bias
+        if x.dtype in _FULL and weight.dtype == x.dtype:  # nothing to convert: the casts cost more than the norm
+            return torch.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
         acc = _acc(x)
-        y = F.layer_norm(x.to(acc), (x.shape[-1],), self.weight.to(acc), self.bias.to(acc), self.eps)
+        y = F.layer_norm(x.to(acc), (x.shape[-1],), weight.to(acc), bias.to(acc), self.eps)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:

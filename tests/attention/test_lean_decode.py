@@ -40,6 +40,10 @@ CASES = [
     (2, 4, 2, 5, 5, None, True, None),  # a short prefill: square causal
     (2, 4, 2, 4, 12, None, True, 5),  # speculative verification: bottom-right causal with a window
     (2, 4, 2, 2, 9, "empty_row", False, None),  # a row with no allowed key gives zeros
+    # from lean.EXPM1_TANH_MIN logits on, the cap's tanh goes through expm1
+    (4, 8, 2, 1, 160, "batch", False, None),  # batched decoding with padding: 5,120 logits
+    (2, 8, 4, 4, 300, None, True, 64),  # speculative verification with a window: 19,200 logits
+    (2, 4, 2, 2, 600, "empty_row", False, None),  # 9,600 logits, one row with no allowed key
 ]
 
 
@@ -81,15 +85,16 @@ def test_lean_attention_float64(case, softcap, with_sink):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("softcap", [None, 2.0])
-def test_lean_attention_low_precision(dtype, softcap):
+@pytest.mark.parametrize("softcap", [None, 2.0, 50.0])
+@pytest.mark.parametrize("kv_len", [50, 600])  # 600: past lean.EXPM1_TANH_MIN logits, the cap's expm1 form
+def test_lean_attention_low_precision(dtype, softcap, kv_len):
     """Half precision accumulates in float32: its error against float64 stays within 2x (3x capped) the error of
     the same-dtype plain computation (flash-attention's rule), plus a small atol."""
     g = torch.Generator().manual_seed(5)
     q = (torch.randn(2, 4, 1, 32, generator=g) * 3).to(dtype)
-    k = torch.randn(2, 2, 50, 32, generator=g).to(dtype)
-    v = torch.randn(2, 2, 50, 32, generator=g).to(dtype)
-    mask = torch.rand(2, 1, 1, 50, generator=g) > 0.2
+    k = torch.randn(2, 2, kv_len, 32, generator=g).to(dtype)
+    v = torch.randn(2, 2, kv_len, 32, generator=g).to(dtype)
+    mask = torch.rand(2, 1, 1, kv_len, generator=g) > 0.2
     want = _reference(q, k, v, scaling=0.25, softcap=softcap, mask=mask, causal=False, window=None)
     got = lean.lean_attention(q, k, v, scaling=0.25, softcap=softcap, mask=mask, causal=False, sliding_window=None)
     assert got.dtype == dtype
@@ -99,7 +104,26 @@ def test_lean_attention_low_precision(dtype, softcap):
     assert err <= (3 if softcap else 2) * base + 1e-5, (err, base)
 
 
-def test_the_lean_path_is_taken_only_where_it_may():
+@pytest.mark.parametrize("kv_len", [20, 700])  # below and above lean.EXPM1_TANH_MIN logits
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lean_cap_saturates_without_nan(kv_len, dtype):
+    """Logits far past the cap (2 s / c beyond the expm1 clamp, and beyond float32's exp range) give the capped
+    value exactly, not NaN or inf, on both of the cap's forms."""
+    assert (2 * 4 * 1 * kv_len >= lean.EXPM1_TANH_MIN) == (kv_len == 700)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 1, 16, generator=g, dtype=torch.float64) * 1e3
+    k = torch.randn(2, 2, kv_len, 16, generator=g, dtype=torch.float64) * 1e2
+    v = torch.randn(2, 2, kv_len, 16, generator=g, dtype=torch.float64)
+    want = _reference(q, k, v, scaling=0.25, softcap=5.0, mask=None, causal=False, window=None)
+    got = lean.lean_attention(
+        q.to(dtype), k.to(dtype), v.to(dtype), scaling=0.25, softcap=5.0, mask=None, causal=False, sliding_window=None
+    )
+    assert torch.isfinite(got).all()
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(got.transpose(1, 2).double(), want, rtol=tol, atol=tol)
+
+
+def test_the_lean_path_is_taken_only_where_it_may(monkeypatch):
     """Decoding without gradient goes lean; a call that needs a gradient, many queries, or attention weights does
     not."""
     module = torch.nn.Module()
@@ -110,6 +134,19 @@ def test_the_lean_path_is_taken_only_where_it_may():
         assert interface._lean(module, q, k, k, None, 0.3, 0.0, 2.0, None, None, {"output_attentions": True}) is None
         long_q = torch.randn(1, 4, 40, 8)  # 80 rows per key head
         assert interface._lean(module, long_q, torch.randn(1, 2, 40, 8), k, None, 0.3, 0.0, 2.0, None, None, {}) is None
+        # without a cap: one query against lean.MATH_MIN logits or more takes the lean path's math (faster than
+        # sdpa's there); fewer logits, or several queries, take sdpa
+        long_k = torch.randn(1, 2, lean.MATH_MIN // 4, 8)
+        calls, real = [], lean.lean_attention
+        monkeypatch.setattr(lean, "lean_attention", lambda *a, **kw: calls.append(kw["softcap"]) or real(*a, **kw))
+        for query, key in ((q, long_k), (q, k), (torch.randn(1, 4, 3, 8), long_k)):
+            out = interface._lean(module, query, key, key, None, 0.3, 0.0, None, None, None, {})
+            # no mask: several queries are top-left causal (sdpa's is_causal), one query sees every key
+            want = torch.nn.functional.scaled_dot_product_attention(
+                query, key, key, is_causal=query.shape[2] > 1, scale=0.3, enable_gqa=True
+            )
+            torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
+        assert calls == [None]
     q.requires_grad_()
     assert interface._lean(module, q, k, k, None, 0.3, 0.0, 2.0, None, None, {}) is None
 

@@ -74,6 +74,11 @@ def test_cap_is_never_dropped():
         model.set_attn_implementation(impl)
         with pytest.raises(ValueError, match=rf"attention implementation '{impl}' cannot apply the softcap"):
             model(torch.randint(0, VOCAB, (1, 5)))
+    moved = tiny_model("llama", attn_implementation="sdpa")
+    hf_qknorm.patch_model(moved, "soft_cap")
+    moved.config._attn_implementation = "eager"  # set on the config directly, not through the model
+    with pytest.raises(ValueError, match=r"attention implementation 'eager' cannot apply the softcap"):
+        moved(torch.randint(0, VOCAB, (1, 5)))
     plain = tiny_model("llama")
     hf_qknorm.patch_model(plain, "qk_norm")
     assert plain.config._attn_implementation == "sdpa"  # nothing to cap: the fastest backend stays

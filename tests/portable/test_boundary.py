@@ -27,3 +27,30 @@ def test_portable_modules_import_only_the_standard_library_torch_and_each_other(
                     root = name.split(".")[0]
                     assert root == "torch" or root in sys.stdlib_module_names, (module, name)
         shipped_source(module)  # maps every import
+
+
+def test_the_cap_check_reads_the_attention_implementation_as_the_config_does():
+    """The patched forward reads ``config._attn_implementation`` from the instance where Transformers' own property
+    keeps it; a config class whose property is another reads it through the attribute."""
+    from transformers import LlamaConfig
+
+    from hf_qknorm.portable import hooks
+
+    config = LlamaConfig()
+    for impl in ("qknorm", "sdpa", None):
+        config._attn_implementation = impl
+        assert hooks._attn_implementation(config) == impl
+
+    class Routed(LlamaConfig):
+        @property
+        def _attn_implementation(self):
+            return "eager"
+
+        @_attn_implementation.setter
+        def _attn_implementation(self, value):
+            self._attn_implementation_internal = value
+
+    routed = Routed()
+    routed._attn_implementation = "qknorm"
+    assert routed.__dict__["_attn_implementation_internal"] == "qknorm"
+    assert hooks._attn_implementation(routed) == "eager"
