@@ -43,9 +43,9 @@ EXPM1_TANH_MIN = 4096
 # 68 vs 57; (1, 12, 12, 64, 512) 64.8 vs 61.5; (8, 12, 12, 64, 512) 691 vs 596)
 MATH_MIN = 4096
 
-# mask (by identity and version) -> its additive form: every layer of a forward gets the same mask tensor, so it is
-# converted once per forward, not once per layer
-_BIAS_CACHE: list = [None, None, None]
+# mask (by identity and version) -> its additive form, shaped for the logits, and whether every row of it lets a key
+# through: every layer of a forward gets the same mask tensor, so this is done once per forward, not once per layer
+_BIAS_CACHE: list = [None, None, None, None]
 
 
 _ZEROS: dict = {}
@@ -59,14 +59,23 @@ def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return zero
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as 0 (attend) / -inf (hidden) in ``dtype``: ``log(1) = 0``, ``log(0) = -inf``."""
-    if torch.compiler.is_compiling():
-        return mask.to(dtype).log_()
-    key = (id(mask), mask._version, dtype)
-    if _BIAS_CACHE[0] != key or _BIAS_CACHE[1] is not mask:
-        _BIAS_CACHE[:] = [key, mask, mask.to(dtype).log_()]
-    return _BIAS_CACHE[2]
+def _additive(mask: torch.Tensor, dtype: torch.dtype, heads: int, kv_heads: int) -> tuple[torch.Tensor, bool]:
+    """A boolean mask ``(batch|1, 1|heads, q_len|1, kv_len)`` as 0 (attend) / -inf (hidden) in ``dtype`` (``log(1) =
+    0``, ``log(0) = -inf``), viewed to broadcast against the logits viewed as ``(batch, kv_heads, groups, q_len,
+    kv_len)``; and whether every row lets at least one key through (then no row's softmax can be 0/0, and the NaN
+    clean-up is skipped; found once per mask, not per layer; under ``torch.compile``, never assumed)."""
+    compiling = torch.compiler.is_compiling()
+    key = None if compiling else (id(mask), mask._version, dtype, heads, kv_heads)
+    if compiling or _BIAS_CACHE[0] != key or _BIAS_CACHE[1] is not mask:
+        bias = mask.to(dtype).log_()
+        if bias.dim() == 4:
+            per_head = bias.shape[1] == heads and heads > 1
+            shape = (kv_heads, heads // kv_heads) if per_head else (1, 1)
+            bias = bias.view(bias.shape[0], *shape, bias.shape[2], bias.shape[3])
+        if compiling:
+            return bias, False
+        _BIAS_CACHE[:] = [key, mask, bias, bool(mask.any(-1).all())]
+    return _BIAS_CACHE[2], _BIAS_CACHE[3]
 
 
 def lean_attention(
@@ -110,18 +119,16 @@ def lean_attention(
         s = s.tanh_().mul_(softcap)
     if mask is None and ((causal and q_len > 1) or (sliding_window is not None and kv_len > sliding_window)):
         mask = position_mask(0, q_len, 0, kv_len, q_len, kv_len, causal, sliding_window, query.device)
+    every_row_open = True
     if mask is not None:
-        bias = _additive(mask, acc)
-        if bias.dim() == 4:  # (batch|1, 1|heads, q_len|1, kv_len) against the logits' (.., kv_heads, groups, ..) view
-            rows, per_head = bias.shape[2], bias.shape[1] == heads and heads > 1
-            bias = bias.view(bias.shape[0], *((kv_heads, groups) if per_head else (1, 1)), rows, kv_len)
+        bias, every_row_open = _additive(mask, acc, heads, kv_heads)
         s.view(batch, kv_heads, groups, q_len, kv_len).add_(bias)
     if sink is not None:  # one more logit per row, dropped after the softmax
         column = sink.to(acc).view(1, kv_heads, groups, 1).expand(batch, -1, -1, q_len).reshape(n, groups * q_len, 1)
         p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :kv_len]
     else:
         p = torch.softmax(s, dim=-1)
-    if mask is not None:
+    if not every_row_open:
         p = p.nan_to_num_(0.0)  # a row with no allowed key: zeros, not NaN
     out = torch.bmm(p, v)
     # (batch, q_len, heads, head_dim): for one query the heads' rows are already in that order

@@ -89,3 +89,20 @@ def test_compiled_static_cache_decoding_matches_eager(scheme):
             b = compiled(nxt, past_key_values=caches[1], use_cache=True, cache_position=pos).logits
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
             nxt = a.argmax(-1)
+
+
+@pytest.mark.parametrize("softcap", [2.0, None])
+def test_lean_attention_compiles_whole_on_large_decoding_calls(softcap):
+    """From ``lean.EXPM1_TANH_MIN`` logits the cap's tanh goes through expm1 (scratch, ``out=``, in-place ops), and an
+    uncapped query takes the path's math from ``lean.MATH_MIN``: both trace into one graph and give eager's output."""
+    from hf_qknorm.attention import lean
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(8, 4, 1, 16, generator=g) * 3
+    k, v = torch.randn(8, 2, 600, 16, generator=g), torch.randn(8, 2, 600, 16, generator=g)
+    assert 8 * 4 * 600 >= max(lean.EXPM1_TANH_MIN, lean.MATH_MIN)
+    kwargs = dict(scaling=0.25, softcap=softcap, mask=None, causal=False, sliding_window=None)
+    torch._dynamo.reset()
+    compiled = torch.compile(lean.lean_attention, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k, v, **kwargs), lean.lean_attention(q, k, v, **kwargs))

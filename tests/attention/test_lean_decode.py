@@ -123,6 +123,24 @@ def test_lean_cap_saturates_without_nan(kv_len, dtype):
     torch.testing.assert_close(got.transpose(1, 2).double(), want, rtol=tol, atol=tol)
 
 
+def test_a_mask_changed_in_place_or_replaced_is_read_again():
+    """The lean path converts a mask once per forward (by identity and version) and remembers whether all of its rows
+    let a key through: a mask edited in place, or another mask, is read again -- a row it empties gives zeros, not NaN
+    and not the stale answer."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8)
+    kwargs = dict(scaling=0.3, softcap=2.0, causal=False, sliding_window=None)
+    mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    assert torch.isfinite(lean.lean_attention(q, k, v, mask=mask, **kwargs)).all()
+    mask[1] = False  # in place: the same tensor, a new version
+    out = lean.lean_attention(q, k, v, mask=mask, **kwargs)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isfinite(out).all()
+    other = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    other[0, ..., :5] = False
+    want = _reference(q, k, v, scaling=0.3, softcap=2.0, mask=other, causal=False, window=None)
+    torch.testing.assert_close(lean.lean_attention(q, k, v, mask=other, **kwargs).transpose(1, 2).double(), want)
+
+
 def test_the_lean_path_is_taken_only_where_it_may(monkeypatch):
     """Decoding without gradient goes lean; a call that needs a gradient, many queries, or attention weights does
     not."""
