@@ -171,6 +171,19 @@ def run_interleaved(table: str, seq: int, repeats: int) -> dict:
     return {p: [statistics.median(x[0] for x in t), statistics.median(x[1] for x in t)] for p, t in times.items()}
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's string elsewhere): rows from different machines are
+    not comparable, and ``machine`` alone (``x86_64``) does not tell them apart."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _environment() -> dict:
     import torch
     import transformers
@@ -178,6 +191,7 @@ def _environment() -> dict:
     return {
         "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -184,6 +184,7 @@ def step_cell(shape, seq, rounds, schemes) -> dict:
 
 def _environment() -> dict:
     import transformers
+    from bench_cpu import _cpu_model  # this folder's, beside the script
 
     import hf_qknorm
 
@@ -191,6 +192,7 @@ def _environment() -> dict:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.processor() or platform.machine(),
         "cpus": torch.get_num_threads(),
+        "cpu_model": _cpu_model(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "hf_qknorm": getattr(hf_qknorm, "__version__", "?"),
