@@ -13,6 +13,10 @@ generation of each per round, and each ratio is the median over rounds of the pr
 unpatched model's in the same round. Two clocks: the process's CPU time (one thread: the steadier figure on a shared
 machine) and wall time.
 
+``--compile``: the same with ``generate``'s own compiled decoding (Transformers compiles the decoding step's forward
+with ``torch.compile`` when the cache is static; told to on a CPU too, ``fullgraph``), every provider compiled, the
+graphs made before the timed rounds. Rows carry ``"compiled": true``.
+
 Step table: one training step (forward + backward + AdamW) at T = 512 and 2048, batch 1, of the bundled shape and
 the 12x768 shape, interleaved the same way.
 
@@ -22,6 +26,7 @@ Rows go to ``benchmarks/results/decode.jsonl`` with the machine, versions and th
     python benchmarks/bench_decode.py --shapes tiny --rounds 5         # the host-bound table only
     python benchmarks/bench_decode.py --table step --shapes 12x768 --seq 512
     python benchmarks/bench_decode.py --report after                   # the tables of saved rows labelled "after"
+    python benchmarks/bench_decode.py --table decode --caches static --compile --shapes tiny   # compiled decoding
 """
 
 from __future__ import annotations
@@ -107,12 +112,24 @@ class _Clock:
         return scores
 
 
-def _decode(model, ids, cache: str, new_tokens: int) -> tuple[float, float]:
+def _compile_config():
+    """Transformers' own compiled decoding (``generate`` compiles the decoding step's forward with a static cache),
+    on any device, whole (``fullgraph``: a graph break is an error, not a silent eager fallback)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True  # Transformers compiles only on accelerators unless told
+    return config
+
+
+def _decode(model, ids, cache: str, new_tokens: int, compiled: bool = False) -> tuple[float, float]:
     """Seconds (CPU, wall) for the decoding steps of one greedy generation: first generated token to last."""
     from transformers import LogitsProcessorList
 
     clock = _Clock()
     kwargs = {"cache_implementation": "static"} if cache == "static" else {}  # sliding: the window model's default
+    if compiled:
+        kwargs["compile_config"] = _compile_config()
     with torch.no_grad():
         model.generate(
             ids,
@@ -128,18 +145,26 @@ def _decode(model, ids, cache: str, new_tokens: int) -> tuple[float, float]:
     return c1 - c0, w1 - w0
 
 
-def decode_cell(shape, cache, batch, prompt, new_tokens, rounds, schemes) -> dict:
+def decode_cell(shape, cache, batch, prompt, new_tokens, rounds, schemes, compiled=False) -> dict:
     models = _providers(shape, cache == "sliding_window", schemes)
     vocab = models["sdpa"].config.vocab_size
     ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1))
     tokens = batch * (new_tokens - 1)
-    for model in models.values():  # warm-up (allocator, lazy inits)
-        _decode(model, ids[:, : min(prompt, 16)], cache, 4)
+    if compiled:  # every provider's graphs made here, at the timed shapes; none left from another cell
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = 64  # one code object, a graph per provider
+    for model in models.values():  # warm-up (allocator, lazy inits; compiled: the graphs, twice to settle)
+        for _ in range(2 if compiled else 1):
+            _decode(
+                model, ids if compiled else ids[:, : min(prompt, 16)], cache, new_tokens if compiled else 4, compiled
+            )
     times = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
-            times[name].append(_decode(model, ids, cache, new_tokens))
+            times[name].append(_decode(model, ids, cache, new_tokens, compiled))
     row = {"table": "decode", "shape": shape, "cache": cache, "batch": batch, "prompt": prompt, "new": new_tokens}
+    if compiled:
+        row["compiled"] = True
     row["sdpa_tok_s"] = round(tokens / statistics.median(t[0] for t in times["sdpa"]), 1)
     for name in schemes:
         for clock, label in ((0, "cpu"), (1, "wall")):
@@ -210,7 +235,8 @@ def markdown(rows: list[dict]) -> str:
         out += ["| shape | cache | batch | prompt | sdpa tokens/s | " + " | ".join(f"`{s}`" for s in schemes) + " |"]
         out += ["|---" * (5 + len(schemes)) + "|"]
         for r in decode:
-            cells = [r["shape"], r["cache"], r["batch"], r["prompt"], r["sdpa_tok_s"]]
+            cache = r["cache"] + (", compiled" if r.get("compiled") else "")
+            cells = [r["shape"], cache, r["batch"], r["prompt"], r["sdpa_tok_s"]]
             out += ["| " + " | ".join(map(str, cells + [f"{r[f'{s}_cpu']:.2f}x" for s in schemes])) + " |"]
     steps = [r for r in rows if r["table"] == "step"]
     if steps:
@@ -235,6 +261,11 @@ def main() -> None:
     parser.add_argument("--seq", nargs="+", type=int, default=[512, 2048], help="training-step lengths")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--schemes", nargs="+", choices=(*SCHEMES, *ABLATIONS), default=list(SCHEMES))
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through generate's compiled forward (torch.compile, inductor; static cache only)",
+    )
     parser.add_argument("--label", default="", help="a note stored with the rows (e.g. 'before')")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument(
@@ -245,6 +276,11 @@ def main() -> None:
         saved = [json.loads(line) for line in RESULTS.read_text().splitlines()] if RESULTS.exists() else []
         print(markdown([r for r in saved if r.get("label") == args.report]))
         return
+    if args.compile and (args.table != "decode" or args.caches != ["static"]):
+        parser.error(
+            f"--compile times decoding with the static cache: add --table decode --caches static "
+            f"(got --table {args.table} --caches {' '.join(args.caches)})"
+        )
     if args.new_tokens < 2 or args.rounds < 1:
         parser.error(f"--new-tokens must be at least 2 and --rounds at least 1, got {args.new_tokens}, {args.rounds}")
     torch.set_num_threads(1)
@@ -261,7 +297,7 @@ def main() -> None:
         cells += [("step", shape, seq) for shape in args.shapes if shape != "tiny" for seq in args.seq]
     for cell in cells:
         if cell[0] == "decode":
-            row = decode_cell(*cell[1:], args.new_tokens, args.rounds, args.schemes)
+            row = decode_cell(*cell[1:], args.new_tokens, args.rounds, args.schemes, args.compile)
         else:
             row = step_cell(*cell[1:], args.rounds, args.schemes)
         row.update(env, label=args.label, rounds=args.rounds)
