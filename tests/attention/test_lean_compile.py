@@ -106,3 +106,22 @@ def test_lean_attention_compiles_whole_on_large_decoding_calls(softcap):
     compiled = torch.compile(lean.lean_attention, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(q, k, v, **kwargs), lean.lean_attention(q, k, v, **kwargs))
+
+
+@pytest.mark.parametrize("scheme", ["qk_norm_cap", "qk_norm"])
+def test_generate_with_its_compile_config_gives_eager_tokens(scheme):
+    """The compiled decoding docs/patching.md describes: ``generate`` with a static cache and a ``CompileConfig``
+    (told to compile on a CPU) compiles the decoding step whole and generates eager's greedy tokens."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = _patched(scheme)
+    config = CompileConfig(fullgraph=True, backend="aot_eager", mode="default")
+    config._compile_all_devices = True
+    ids = _prompt()
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model.generate(ids, disable_compile=True, **kwargs)
+        compiled = model.generate(ids, compile_config=config, **kwargs)
+    assert getattr(model, "_compiled_call", None) is not None  # generate did compile the decoding step
+    assert torch.equal(compiled, eager)
