@@ -15,4 +15,4 @@ elif [ "$fetch_rc" -ne 0 ]; then
 fi
 export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX512_CORE_BF16}
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
-python3 -m pytest -q -p no:cacheprovider "$@"
+python3 -m pytest -q -p no:cacheprovider --durations=25 "$@"  # the slowest tests listed: the CI budget is 25 minutes
