@@ -15,4 +15,9 @@ elif [ "$fetch_rc" -ne 0 ]; then
 fi
 export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX512_CORE_BF16}
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
-python3 -m pytest -q -p no:cacheprovider --durations=25 "$@"  # the slowest tests listed: the CI budget is 25 minutes
+# Test files are spread over worker processes (pytest-xdist; a module's tests stay together, so its fixtures are built
+# once): as many as the CPUs, at most 4 -- each test uses one thread, and the distributed tests start 2-4 processes of
+# their own. HF_QKNORM_TEST_WORKERS=1 runs everything in this process.
+workers=${HF_QKNORM_TEST_WORKERS:-$(python3 -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}
+if [ "$workers" -le 1 ]; then dist=(-p no:xdist); else dist=(-n "$workers" --dist loadscope); fi
+python3 -m pytest -q -p no:cacheprovider "${dist[@]}" --durations=25 "$@"  # the slowest listed: CI has 25 minutes

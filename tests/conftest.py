@@ -38,6 +38,13 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """Torch's global generator seeded before every test: a test that draws from it sees the same numbers whichever
+    tests ran before it in its process (scripts/test.sh spreads test files over worker processes)."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def tiny():
     from tests._support.tiny_models import tiny_model

@@ -128,7 +128,7 @@ def test_a_mask_changed_in_place_or_replaced_is_read_again():
     let a key through: a mask edited in place, or another mask, is read again -- a row it empties gives zeros, not NaN
     and not the stale answer."""
     g = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8)
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((2, 4, 1, 8), (2, 2, 12, 8), (2, 2, 12, 8)))
     kwargs = dict(scaling=0.3, softcap=2.0, causal=False, sliding_window=None)
     mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
     assert torch.isfinite(lean.lean_attention(q, k, v, mask=mask, **kwargs)).all()
@@ -138,7 +138,8 @@ def test_a_mask_changed_in_place_or_replaced_is_read_again():
     other = torch.ones(2, 1, 1, 12, dtype=torch.bool)
     other[0, ..., :5] = False
     want = _reference(q, k, v, scaling=0.3, softcap=2.0, mask=other, causal=False, window=None)
-    torch.testing.assert_close(lean.lean_attention(q, k, v, mask=other, **kwargs).transpose(1, 2).double(), want)
+    got = lean.lean_attention(q, k, v, mask=other, **kwargs).transpose(1, 2).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # float32 math against the float64 reference
 
 
 def test_the_lean_path_is_taken_only_where_it_may(monkeypatch):

@@ -252,6 +252,8 @@ def test_cli_logs_progress_when_stderr_is_not_a_terminal(tmp_path):
         "3",
         "--threads",
         "1",
+        "--verify",  # the check without the plugin (a second interpreter) logs nothing this test reads
+        "plugin",
     ]
     out = subprocess.run(cmd + ["-o", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
