@@ -10,8 +10,9 @@ with the query heads of a GQA group packed against their shared key head (no ``r
 ones, the scratch of the cap's ``expm1`` form), and the host reads a mask once per forward -- whether any of its rows
 is empty, which alone needs the NaN clean-up -- not once per layer.
 
-Fewer ops is the point: each costs about a microsecond of host time whatever its size, so the scale rides in the
-first matmul (``baddbmm``'s ``alpha``), the cap is applied in place and one query's output needs no transpose. Where
+Fewer and cheaper ops are the point: each costs one to a few microseconds of host time whatever its size, so the
+scale and the cap are applied in place by 0-d tensors made once (a Python number would be made a tensor and converted
+at every call) and one query's output needs no transpose. Where
 the logits are many, elementwise cost per element counts instead: ``torch.tanh`` runs about 2 ns per float32
 element on the CPU this was tuned on, the ``expm1`` form (:func:`~.tiles.tanh_doubled_`) about 1 ns plus three more
 ops (on an AVX2-only AMD EPYC 4.2 and 2.5 ns: break-even near 16k logits there).
@@ -52,15 +53,23 @@ MATH_MIN = 4096
 _BIAS_CACHE: list = [None, None, None, None]
 
 
-_ZEROS: dict = {}
+# (value, dtype, device) -> that value as a 0-d tensor. An in-place op with a Python number first makes it a tensor
+# and converts it to the operand's dtype (``aten::_to_copy``): about 2 us of a 4 us ``mul_`` on few elements, per
+# layer per token (measured, one thread, 400 logits); with a 0-d tensor of the operand's dtype, none of that.
+_CONSTANTS: dict = {}
+_CONSTANTS_MAX = 256  # a model has a few (scale, cap) pairs; a caller sweeping values does not grow this forever
 
 
-def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-d zero of ``dtype`` on ``device``, made once: ``baddbmm``'s ignored input."""
-    zero = _ZEROS.get((dtype, device))
-    if zero is None:
-        zero = _ZEROS[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
-    return zero
+def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-d tensor of ``dtype`` on ``device``, made once (rounded to ``dtype`` as the Python number
+    would be in the op)."""
+    key = (value, dtype, device)
+    const = _CONSTANTS.get(key)
+    if const is None:
+        if len(_CONSTANTS) >= _CONSTANTS_MAX:
+            _CONSTANTS.clear()
+        const = _CONSTANTS[key] = torch.tensor(value, dtype=dtype, device=device)
+    return const
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype, heads: int, kv_heads: int) -> tuple[torch.Tensor, bool]:
@@ -113,14 +122,17 @@ def lean_attention(
     # fewer ops where per-op overhead is the cost
     doubled = softcap is not None and batch * heads * q_len * kv_len >= EXPM1_TANH_MIN
     scale = (2 * scaling if doubled else scaling) / softcap if softcap is not None else scaling
-    if torch.compiler.is_compiling():
+    # on the CPU, not compiling: scale and cap in place by 0-d tensors (_constant), cheaper than baddbmm's alpha (which
+    # expands a zero input) or a Python number; elsewhere Python numbers (a tensor made on a GPU inside a CUDA graph
+    # capture would be an error)
+    constants = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    if constants:
+        s = torch.bmm(q, k.transpose(1, 2)).mul_(_constant(scale, acc, q.device))
+    else:
         s = torch.bmm(q * scale, k.transpose(1, 2))
-    else:  # the scale inside the matmul: one op fewer per layer per token (beta=0: the zero is never read)
-        s = torch.baddbmm(_zero(acc, q.device), q, k.transpose(1, 2), beta=0, alpha=scale)
-    if doubled:
-        s = tanh_doubled_(s, torch.empty_like(s)).mul_(softcap)
-    elif softcap is not None:
-        s = s.tanh_().mul_(softcap)
+    if softcap is not None:
+        cap = _constant(softcap, acc, q.device) if constants else softcap
+        s = (tanh_doubled_(s, torch.empty_like(s)) if doubled else s.tanh_()).mul_(cap)
     if mask is None and ((causal and q_len > 1) or (sliding_window is not None and kv_len > sliding_window)):
         mask = position_mask(0, q_len, 0, kv_len, q_len, kv_len, causal, sliding_window, query.device)
     every_row_open = True

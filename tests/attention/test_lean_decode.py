@@ -238,3 +238,23 @@ def test_generation_calls_through_the_lean_path_match_float64(monkeypatch, famil
         torch.testing.assert_close(out.transpose(1, 2), want, rtol=1e-12, atol=1e-12)
     if cache in ("static", "sliding_window") or padded:
         assert any(kw["mask"] is not None for *_, kw, _ in decode)  # the masked kinds were exercised
+
+
+def test_lean_constants_are_kept_per_dtype_and_bounded():
+    """The scale and cap are applied as 0-d tensors made once per (value, dtype, device): a float64 call after a
+    float32 call with the same values computes with float64 constants (float64-exact), and a caller sweeping values
+    does not grow the store without bound."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((2, 4, 1, 8), (2, 2, 30, 8), (2, 2, 30, 8))
+    )
+    kwargs = dict(scaling=0.1 + 1e-9, softcap=3.0 + 1e-9, mask=None, causal=False, sliding_window=None)
+    want = _reference(
+        q, k, v, scaling=kwargs["scaling"], softcap=kwargs["softcap"], mask=None, causal=False, window=None
+    )
+    lean.lean_attention(q.float(), k.float(), v.float(), **kwargs)  # float32 constants of the same values first
+    got = lean.lean_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-12, atol=1e-12)
+    for i in range(2 * lean._CONSTANTS_MAX):
+        lean.lean_attention(q, k, v, scaling=0.1, softcap=1.0 + i, mask=None, causal=False, sliding_window=None)
+    assert len(lean._CONSTANTS) <= lean._CONSTANTS_MAX
