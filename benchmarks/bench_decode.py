@@ -27,6 +27,11 @@ Rows go to ``benchmarks/results/decode.jsonl`` with the machine, versions and th
     python benchmarks/bench_decode.py --table step --shapes 12x768 --seq 512
     python benchmarks/bench_decode.py --report after                   # the tables of saved rows labelled "after"
     python benchmarks/bench_decode.py --table decode --caches static --compile --shapes tiny   # compiled decoding
+    python benchmarks/bench_decode.py --table token --shapes tiny bundled --rounds 30
+
+Token table (``--table token``): one decoding forward at a time against a dynamic cache of ``prompt`` tokens
+cropped back after each, 20 forwards per round, many rounds, interleaved: the per-token cost without ``generate``
+around it. Whole generations on a machine shared with other work vary by +-0.2 per cell; these short rounds by less.
 """
 
 from __future__ import annotations
@@ -173,6 +178,46 @@ def decode_cell(shape, cache, batch, prompt, new_tokens, rounds, schemes, compil
     return row
 
 
+def token_cell(shape: str, batch: int, prompt: int, rounds: int, schemes) -> dict:
+    """One decoding forward (one new token per row) against a dynamic cache holding ``prompt`` tokens, cropped back
+    to ``prompt`` after each, 20 forwards per round, many short interleaved rounds: the per-token cost of the model's
+    forward without ``generate`` around it, steadier than whole generations where other work shares the machine. The
+    ratio is the median over rounds of the unpatched model's CPU time over the provider's (above 1: faster);
+    ``sdpa_us`` the unpatched model's median microseconds per forward, the crop included."""
+    from transformers import DynamicCache
+
+    models = _providers(shape, False, schemes)
+    vocab = models["sdpa"].config.vocab_size
+    ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1))
+    nxt = torch.randint(3, vocab, (batch, 1), generator=torch.Generator().manual_seed(2))
+    steps, reps = {}, 20
+    with torch.no_grad():
+        for name, model in models.items():
+            kv = DynamicCache(config=model.config)
+            model(ids, past_key_values=kv, use_cache=True)
+
+            def step(model=model, kv=kv):
+                model(nxt, past_key_values=kv, use_cache=True)
+                kv.crop(-1)
+
+            steps[name] = step
+            for _ in range(reps):  # warm-up
+                step()
+        times = {name: [] for name in models}
+        for _ in range(rounds):
+            for name, step in steps.items():
+                c = time.process_time()
+                for _ in range(reps):
+                    step()
+                times[name].append((time.process_time() - c) / reps)
+    row = {"table": "token", "shape": shape, "cache": "dynamic", "batch": batch, "prompt": prompt}
+    row["sdpa_us"] = round(statistics.median(times["sdpa"]) * 1e6, 1)
+    for name in schemes:
+        ratios = [b / t for t, b in zip(times[name], times["sdpa"])]
+        row[f"{name}_cpu"] = round(statistics.median(ratios), 3)
+    return row
+
+
 def _step_fn(model, seq: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(2))
@@ -238,6 +283,17 @@ def markdown(rows: list[dict]) -> str:
             cache = r["cache"] + (", compiled" if r.get("compiled") else "")
             cells = [r["shape"], cache, r["batch"], r["prompt"], r["sdpa_tok_s"]]
             out += ["| " + " | ".join(map(str, cells + [f"{r[f'{s}_cpu']:.2f}x" for s in schemes])) + " |"]
+    tokens = [r for r in rows if r["table"] == "token"]
+    if tokens:
+        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in tokens[0]]
+        out += [
+            "",
+            "| shape | cache | batch | prompt | sdpa us/forward | " + " | ".join(f"`{s}`" for s in schemes) + " |",
+        ]
+        out += ["|---" * (5 + len(schemes)) + "|"]
+        for r in tokens:
+            cells = [r["shape"], r["cache"], r["batch"], r["prompt"], r["sdpa_us"]]
+            out += ["| " + " | ".join(map(str, cells + [f"{r[f'{s}_cpu']:.2f}x" for s in schemes])) + " |"]
     steps = [r for r in rows if r["table"] == "step"]
     if steps:
         schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in steps[0]]
@@ -251,7 +307,12 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--table", choices=("decode", "step", "both"), default="both")
+    parser.add_argument(
+        "--table",
+        choices=("decode", "step", "token", "both"),
+        default="both",
+        help="both: decode and step; token: one decoding forward at a time (dynamic cache)",
+    )
     parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
     parser.add_argument("--caches", nargs="+", choices=("dynamic", "static", "sliding_window"),
                         default=["dynamic", "static", "sliding_window"])  # fmt: skip
@@ -295,9 +356,13 @@ def main() -> None:
                         cells.append(("decode", shape, cache, batch, prompt))
     if args.table in ("step", "both"):
         cells += [("step", shape, seq) for shape in args.shapes if shape != "tiny" for seq in args.seq]
+    if args.table == "token":
+        cells += [("token", s, b, p) for s in args.shapes for b in args.batch for p in args.prompt]
     for cell in cells:
         if cell[0] == "decode":
             row = decode_cell(*cell[1:], args.new_tokens, args.rounds, args.schemes, args.compile)
+        elif cell[0] == "token":
+            row = token_cell(*cell[1:], args.rounds, args.schemes)
         else:
             row = step_cell(*cell[1:], args.rounds, args.schemes)
         row.update(env, label=args.label, rounds=args.rounds)
