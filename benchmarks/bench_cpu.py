@@ -9,7 +9,8 @@ just before its first step.
 
 * ``attention``: one attention call, forward+backward, B=4, H=8, D=64, causal, fp32 --
   ``sdpa`` (no cap) | ``eager_cap`` (plain PyTorch with a tanh cap, as Gemma 2's eager path) | ``qknorm_cap``
-  (this package's tiled capped path) | and with per-head max-logit telemetry (QK-Clip's): ``qknorm_cap_max`` (the
+  (this package's tiled capped path) | ``qknorm_cap_recompute`` (the same with the tanh recomputed in backward, as
+  calls above ``KEEP_TANH_MAX`` logits run) | and with per-head max-logit telemetry (QK-Clip's): ``qknorm_cap_max`` (the
   capped path, maxima from its own pass) | ``qknorm_max`` (no cap: the tiled path run for its maxima) |
   ``sdpa_side_max`` (no cap: sdpa, plus the maxima computed on the side as for other backends).
 * ``model``: one training step (forward+backward) of a small Llama (4 layers, width 512, 8 heads of 64), B=4 --
@@ -66,7 +67,15 @@ def _eager_cap(q, k, v, scaling, softcap):
     return torch.softmax(s, dim=-1) @ v
 
 
-ATTENTION_PROVIDERS = ("sdpa", "eager_cap", "qknorm_cap", "qknorm_cap_max", "qknorm_max", "sdpa_side_max")
+ATTENTION_PROVIDERS = (
+    "sdpa",
+    "eager_cap",
+    "qknorm_cap",
+    "qknorm_cap_recompute",
+    "qknorm_cap_max",
+    "qknorm_max",
+    "sdpa_side_max",
+)
 MODEL_PROVIDERS = ("sdpa", "qk_norm", "qk_norm_cap", "qkv_norm")
 
 
@@ -75,12 +84,20 @@ def _attention_step(provider: str, seq: int):
     import torch
     import torch.nn.functional as F
 
+    from hf_qknorm.attention import chunked
     from hf_qknorm.attention.chunked import chunked_attention
     from hf_qknorm.modeling.telemetry import head_max_logits
 
     torch.manual_seed(0)
     b, h, d = 4, 8, 64
     q, k, v = (torch.randn(b, h, seq, d, requires_grad=True) for _ in range(3))
+
+    def recompute():  # the capped path with its tanh recomputed in backward, as calls above KEEP_TANH_MAX are
+        kept, chunked.KEEP_TANH_MAX = chunked.KEEP_TANH_MAX, 0
+        try:
+            return chunked_attention(q, k, v, scaling=d**-0.5, softcap=50.0, causal=True)
+        finally:
+            chunked.KEEP_TANH_MAX = kept
 
     def side_max():
         head_max_logits(q.detach(), k.detach(), None, scaling=d**-0.5, causal=True)
@@ -90,6 +107,7 @@ def _attention_step(provider: str, seq: int):
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "eager_cap": lambda: _eager_cap(q, k, v, d**-0.5, 50.0),
         "qknorm_cap": lambda: chunked_attention(q, k, v, scaling=d**-0.5, softcap=50.0, causal=True),
+        "qknorm_cap_recompute": recompute,
         "qknorm_cap_max": lambda: chunked_attention(
             q, k, v, scaling=d**-0.5, softcap=50.0, causal=True, return_max_logits=True
         )[0],

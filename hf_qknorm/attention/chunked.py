@@ -14,7 +14,11 @@ backward. What makes it fast on a CPU:
   (``expm1(2x) / (expm1(2x) + 2)``: as exact as ``torch.tanh``, which this machine computes ~3x slower; the shorter
   ``2*sigmoid(2x) - 1`` loses digits to cancellation near 0, several times the float32 reference's error at c=50);
 - backward reuses the recomputed ``t = tanh`` for the cap's derivative ``1 - t^2``, and accumulates dK and dV
-  transposed, the matmul layout MKL runs fastest.
+  transposed, the matmul layout MKL runs fastest;
+- a capped call of at most ``KEEP_TANH_MAX`` logits that needs a gradient keeps every tile's ``t`` from forward
+  (at most 16 MiB in float32, 32 in float64): backward then skips the logits' matmul and the tanh, about a third of
+  its work per tile where ``head_dim`` is small (short sequences, small batches -- where the fixed costs weigh most).
+  Larger calls recompute, and memory stays linear in sequence length.
 
 The row maxima that stabilise the softmax are taken on the pre-cap logits, over allowed pairs only, so the largest
 pre-cap logit of every head (QK-Clip's and the monitor's telemetry) comes out of the same pass
@@ -68,6 +72,10 @@ def _keep(shape, dropout_p, seed, index, device, dtype):
     return keep.to(dtype) / (1.0 - dropout_p)
 
 
+# A capped call with at most this many logits (every tile's, summed) keeps the tiles' tanh from forward for backward
+# instead of recomputing the logits' matmul and the tanh there: 2**22 float32 = 16 MiB per call at most.
+KEEP_TANH_MAX = 1 << 22
+
 # exp(+-c) must stay a normal float and the row sums (up to kv_len * e^c) finite for the softmax to skip its max shift
 _NO_SHIFT_LIMIT = {torch.float32: 80.0, torch.float64: 700.0}
 
@@ -114,6 +122,14 @@ class _Call:
             if self.tiles
             else 0
         )
+        # where each tile's logits start in one flat buffer, and how many there are in all
+        self.tile_offsets, total = [], 0
+        for tile in self.tiles:
+            n0, n1, start, end, lo, hi, _ = tile
+            self.tile_offsets.append(total)
+            total += (n1 - n0) * (end - start) * self.groups * (hi - lo)
+        self.tile_total = total
+        self.keep_tanh = False  # set by TiledAttention when a gradient is needed and the call is small (KEEP_TANH_MAX)
         self.clamp = True
         self._edges: dict = {}
         self.sink = None  # (batch * kv_heads, 1, groups): the sink logits in base 2, set by TiledAttention
@@ -184,7 +200,12 @@ class _Call:
         return out
 
 
-def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) -> None:
+def _kept(c: _Call, i: int, kept: torch.Tensor, shape) -> torch.Tensor:
+    """Tile ``i``'s part of the flat buffer of kept tanh values, shaped like its logits."""
+    return kept[c.tile_offsets[i] : c.tile_offsets[i] + math.prod(shape)].view(shape)
+
+
+def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs, kept=None) -> None:
     n0, n1, start, end, lo, hi, _ = tile
     rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
     s = torch.bmm(qp[n0:n1, rows], kp[n0:n1, lo:hi].transpose(1, 2), out=_scratch(bufs[0], shape))
@@ -208,7 +229,9 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) 
         p = torch.add(base, s, alpha=c.gain, out=s).exp2_()
     else:  # the exponent c*log2(e)*tanh(x) - shift in one pass: gain * e / (e + 2) + base
         e, e2 = expm1_doubled_(s, _scratch(bufs[1], shape), c.clamp)
-        p = torch.addcdiv(base, e, e2, value=c.gain, out=e).exp2_()
+        if kept is not None:  # tanh kept for backward: exactly what its recomputation would give
+            torch.div(e, e2, out=_kept(c, i, kept, shape))
+        p = torch.addcdiv(base, e, e2, value=c.gain, out=e).exp2_()  # the same bits whether kept or not
     if c.softcap is not None:  # masked pairs still hold a finite exponent (tanh(-inf) = -1, or never filled)
         _fill(p, masks, c.groups, 0.0)
     norm = p.sum(-1, keepdim=True)
@@ -223,17 +246,21 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs) 
     o.div_(norm.clamp_min(torch.finfo(norm.dtype).tiny))  # a row with no allowed key: 0 / tiny = 0
 
 
-def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, neg_lse, delta, grads, bufs) -> None:
+def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, neg_lse, delta, grads, bufs, kept=None) -> None:
     n0, n1, start, end, lo, hi, _ = tile
     dq, dkt, dvt = grads
     rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
     qt, dot, kt, vt = qp[n0:n1, rows], do[n0:n1, rows], kp[n0:n1, lo:hi], vp[n0:n1, lo:hi]
-    s = torch.bmm(qt, kt.transpose(1, 2), out=_scratch(bufs[0], shape))
-    t, slope = s, None
+    if kept is not None:  # forward's tanh: no matmul, no tanh here
+        t, p_out = _kept(c, i, kept, shape), _scratch(bufs[0], shape)
+    else:
+        t = p_out = torch.bmm(qt, kt.transpose(1, 2), out=_scratch(bufs[0], shape))
+        if c.softcap is not None:
+            t = p_out = tanh_doubled_(t, _scratch(bufs[1], shape), c.clamp)
+    slope = None
     if c.softcap is not None:
-        t = tanh_doubled_(s, _scratch(bufs[1], shape), c.clamp)
         slope = torch.addcmul(bufs[3], t, t, value=-1.0, out=_scratch(bufs[2], shape))  # d c*tanh(s/c) / ds
-    p = torch.add(neg_lse[n0:n1, rows], t, alpha=c.gain, out=t).exp2_()  # lse = +inf on empty rows: p = 0
+    p = torch.add(neg_lse[n0:n1, rows], t, alpha=c.gain, out=p_out).exp2_()  # lse = +inf on empty rows: p = 0
     _fill(p, c.masks(tile, p.device), c.groups, 0.0)
     keep = _keep(shape, c.dropout_p, c.seed, i, p.device, p.dtype) if c.dropout_p > 0 else None
     _matmul_into(dvt[n0:n1, :, lo:hi], dot.transpose(1, 2), p if keep is None else p * keep, bufs[4], True)
@@ -261,7 +288,20 @@ class TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q, k, v, mask, scaling, softcap, causal, sliding_window, dropout_p, seed, return_max_logits, sink=None
+        ctx,
+        q,
+        k,
+        v,
+        mask,
+        scaling,
+        softcap,
+        causal,
+        sliding_window,
+        dropout_p,
+        seed,
+        return_max_logits,
+        sink=None,
+        grad=True,
     ):
         c = _Call(q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed)
         c.set_sink(sink)
@@ -277,9 +317,13 @@ class TiledAttention(torch.autograd.Function):
             torch.full((c.n, c.groups), float("-inf"), dtype=c.acc, device=q.device) if return_max_logits else None
         )
         bufs = [torch.empty(n, dtype=c.acc, device=q.device) for n in (c.tile_max, c.tile_max, c.out_max)]
+        # ``grad``: whether the caller records a graph (inside forward, grad mode is always off)
+        wanted = softcap is not None and grad and any(ctx.needs_input_grad[:3])
+        c.keep_tanh = wanted and 0 < c.tile_total <= KEEP_TANH_MAX
+        kept = torch.empty(c.tile_total, dtype=c.acc, device=q.device) if c.keep_tanh else None
         for i, tile in enumerate(c.tiles):
-            _forward_tile(c, i, tile, qp, kp, vp, out, lse, head_max, bufs)
-        ctx.save_for_backward(qp, kp, vp, out, lse)
+            _forward_tile(c, i, tile, qp, kp, vp, out, lse, head_max, bufs, kept)
+        ctx.save_for_backward(qp, kp, vp, out, lse, *(() if kept is None else (kept,)))
         ctx.call, ctx.dtypes = c, (q.dtype, k.dtype, v.dtype)
         ctx.sink_dtype = None if sink is None else sink.dtype
         result = c.unpack(out, q.dtype).transpose(1, 2)
@@ -292,7 +336,8 @@ class TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_):
-        qp, kp, vp, out, lse = ctx.saved_tensors
+        qp, kp, vp, out, lse, *kept = ctx.saved_tensors
+        kept = kept[0] if kept else None
         c = ctx.call
         do = c.pack(dout)
         delta = (do * out).sum(-1, keepdim=True)
@@ -305,7 +350,7 @@ class TiledAttention(torch.autograd.Function):
         bufs += [torch.ones((), dtype=c.acc, device=qp.device), torch.empty(c.out_max, dtype=c.acc, device=qp.device)]
         neg_lse = lse.neg()
         for i, tile in enumerate(c.tiles):
-            _backward_tile(c, i, tile, qp, kp, vp, do, neg_lse, delta, (dq, dkt, dvt), bufs)
+            _backward_tile(c, i, tile, qp, kp, vp, do, neg_lse, delta, (dq, dkt, dvt), bufs, kept)
         # qp carries the prescale: dq = scaling * dS k, dk = scaling * dS^T q = (scaling / prescale) * dS^T qp
         dq = c.unpack(dq.mul_(c.scaling), ctx.dtypes[0]).transpose(1, 2)
         kv_shape = (c.batch, c.kv_heads, c.kv_len, c.head_dim)
@@ -317,7 +362,7 @@ class TiledAttention(torch.autograd.Function):
             rows = (c.n, c.q_len, c.groups)
             p_sink = torch.sub(c.sink, lse.view(rows)).exp2_()
             dsink = p_sink.mul_(delta.view(rows)).sum(1).neg_().view(c.batch, c.heads).sum(0).to(ctx.sink_dtype)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, dsink
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsink, None
 
 
 def chunked_attention(
@@ -355,6 +400,7 @@ def chunked_attention(
         seed,
         bool(return_max_logits),
         sink,
+        torch.is_grad_enabled(),
     )
 
 
