@@ -129,7 +129,6 @@ class _Call:
             self.tile_offsets.append(total)
             total += (n1 - n0) * (end - start) * self.groups * (hi - lo)
         self.tile_total = total
-        self.keep_tanh = False  # set by TiledAttention when a gradient is needed and the call is small (KEEP_TANH_MAX)
         self.clamp = True
         self._edges: dict = {}
         self.sink = None  # (batch * kv_heads, 1, groups): the sink logits in base 2, set by TiledAttention
@@ -318,9 +317,8 @@ class TiledAttention(torch.autograd.Function):
         )
         bufs = [torch.empty(n, dtype=c.acc, device=q.device) for n in (c.tile_max, c.tile_max, c.out_max)]
         # ``grad``: whether the caller records a graph (inside forward, grad mode is always off)
-        wanted = softcap is not None and grad and any(ctx.needs_input_grad[:3])
-        c.keep_tanh = wanted and 0 < c.tile_total <= KEEP_TANH_MAX
-        kept = torch.empty(c.tile_total, dtype=c.acc, device=q.device) if c.keep_tanh else None
+        keep = softcap is not None and grad and any(ctx.needs_input_grad[:3]) and 0 < c.tile_total <= KEEP_TANH_MAX
+        kept = torch.empty(c.tile_total, dtype=c.acc, device=q.device) if keep else None
         for i, tile in enumerate(c.tiles):
             _forward_tile(c, i, tile, qp, kp, vp, out, lse, head_max, bufs, kept)
         ctx.save_for_backward(qp, kp, vp, out, lse, *(() if kept is None else (kept,)))
