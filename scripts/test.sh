@@ -19,5 +19,9 @@ export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 # once): as many as the CPUs, at most 4 -- each test uses one thread, and the distributed tests start 2-4 processes of
 # their own. HF_QKNORM_TEST_WORKERS=1 runs everything in this process.
 workers=${HF_QKNORM_TEST_WORKERS:-$(python3 -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}
-if [ "$workers" -le 1 ]; then dist=(-p no:xdist); else dist=(-n "$workers" --dist loadscope); fi
+if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
+  echo "scripts/test.sh: HF_QKNORM_TEST_WORKERS must be a whole number of processes, 1 or more; got '$workers'" >&2
+  exit 2
+fi
+if [ "$workers" -eq 1 ]; then dist=(-p no:xdist); else dist=(-n "$workers" --dist loadscope); fi
 python3 -m pytest -q -p no:cacheprovider "${dist[@]}" --durations=25 "$@"  # the slowest listed: CI has 25 minutes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,3 +38,16 @@ def test_token_table_leaves_the_cache_as_it_found_it():
     finally:
         DynamicCache.crop = original
     assert seen and set(seen) == {5}
+
+
+def test_token_table_refuses_caches_it_does_not_time():
+    """The token table times the dynamic cache only: asking it for another is an error naming it, not a silent swap."""
+    script = Path(bench_decode.__file__)
+    res = subprocess.run(
+        [sys.executable, str(script), "--table", "token", "--caches", "static", "--no-save"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 2
+    assert "--table token times the dynamic cache only, got --caches static" in res.stderr
