@@ -62,8 +62,8 @@ def summarise(runs: list[dict]) -> dict:
     out = {}
     for p in sorted({r["config"]["p"] for r in runs}):
         vals = [r["final_val"] for r in runs if r["config"]["p"] == p and r["final_val"] is not None]
-        mean = sum(vals) / len(vals) if vals else None
-        sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+        mean = math.fsum(vals) / len(vals) if vals else None
+        sd = math.sqrt(math.fsum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None
         out[f"{p:g}"] = {"p": p, "losses": vals, "mean": mean, "std": sd, "paper": PAPER.get(p)}
     return out
 

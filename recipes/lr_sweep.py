@@ -123,7 +123,7 @@ def max_stable_lr(points: dict[float, bool]) -> tuple[float | None, float | None
 def lr_sensitivity(losses: dict[float, float | None], init: float, grid) -> float:
     """Wortsman et al.: ``E_eta[min(l(eta), l0) - l*]`` over the grid (uniform in log LR), ``l*`` = best on grid."""
     vals = [min(losses[lr], init) if losses.get(lr) is not None else init for lr in grid]
-    return sum(v - min(vals) for v in vals) / len(vals)
+    return math.fsum(v - min(vals) for v in vals) / len(vals)
 
 
 def summarise(runs: list[dict], bigram: float) -> dict:
@@ -137,7 +137,7 @@ def summarise(runs: list[dict], bigram: float) -> dict:
         stable, first_div = max_stable_lr(points)
         grid = [lr for lr in SENS_GRID if lr in seed0 or (first_div is not None and lr > first_div)]
         losses = {lr: r["final_val"] for lr, r in seed0.items()}
-        init = sum(r["init_val"] for r in seed0.values()) / len(seed0)
+        init = math.fsum(r["init_val"] for r in seed0.values()) / len(seed0)
         finite = {lr: v for lr, v in losses.items() if v is not None}
         best_lr = min(finite, key=finite.get) if finite else None
         ordinary = [r["final_val"] for r in rs if r["config"]["lr"] == ORDINARY_LR and r["final_val"] is not None]
@@ -155,7 +155,7 @@ def summarise(runs: list[dict], bigram: float) -> dict:
             "init_loss": init,
             "ordinary_lr": ORDINARY_LR,
             "ordinary_losses": ordinary,
-            "ordinary_mean": sum(ordinary) / len(ordinary) if ordinary else None,
+            "ordinary_mean": math.fsum(ordinary) / len(ordinary) if ordinary else None,
             "ordinary_std": _std(ordinary),
             "edge_seeds": edge,
             "peak_logit_all": _peak_logit_all(rs),
@@ -175,8 +175,8 @@ def summarise(runs: list[dict], bigram: float) -> dict:
 def _std(xs):
     if len(xs) < 2:
         return None
-    m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    m = math.fsum(xs) / len(xs)
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def _peak_logit_all(rs: list[dict]) -> float | None:

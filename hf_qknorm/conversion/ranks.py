@@ -28,6 +28,7 @@ __all__ = [
     "first",
     "launched_rank",
     "launched_world",
+    "local_cuda_index",
     "process_group",
     "rank",
     "world",
@@ -147,6 +148,24 @@ def launched_world() -> int:
         raise ValueError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
 
 
+def local_cuda_index() -> int:
+    """This process's CUDA device under a launcher: ``LOCAL_RANK``, refused with the way out when the machine has
+    fewer CUDA devices than the launcher started processes on it (CUDA would say only "invalid device ordinal")."""
+    raw = os.environ.get("LOCAL_RANK", "0")
+    try:
+        index = int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK must be an integer, got {raw!r}") from None
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(
+            f"LOCAL_RANK {index}: this machine has {count} CUDA device(s), one per process on CUDA; launch at most "
+            f"{count} process(es) per machine (--nproc_per_node / --num_processes) or calibrate on the CPU "
+            "(--device cpu)"
+        )
+    return index
+
+
 @contextmanager
 def process_group(device):
     """A process group for the conversion while in the block, when the environment asks for one and none exists.
@@ -163,7 +182,7 @@ def process_group(device):
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed")
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", local_cuda_index())
         torch.cuda.set_device(device)
         backend = "nccl"
     else:

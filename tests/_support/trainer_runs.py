@@ -3,7 +3,9 @@ and a free port for multi-process runs."""
 
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
 
 import torch
 
@@ -58,3 +60,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch_env(**extra: str) -> dict:
+    """The environment of a test's multi-process launch (torchrun, accelerate launch): one thread a process, this
+    checkout importable, and no CUDA device -- these launches test the CPU (gloo) path, and where a machine has fewer
+    GPUs than the launch has processes, CUDA would refuse the second rank ("invalid device ordinal") or NCCL put two
+    ranks on one device."""
+    root = str(Path(__file__).resolve().parents[2])
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }

@@ -27,7 +27,7 @@ from hf_qknorm import QKNormConfig
 from hf_qknorm.conversion.calibrate import CalibrationSettings
 from hf_qknorm.conversion.heal import HealSettings
 from tests._support.convert_support import SHORT_TEXT, bundled_copy, leftovers, quiet
-from tests._support.trainer_runs import free_port
+from tests._support.trainer_runs import free_port, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -91,6 +91,8 @@ def _cli_args(src: Path, dst: Path) -> list[str]:
         "convert",
         str(src),
         str(dst),
+        "--device",  # the reference and the launch (which sees no CUDA device) calibrate alike on a GPU machine too
+        "cpu",
         "--scheme",
         "qk_norm",
         "--norm",
@@ -125,18 +127,10 @@ def _cli_args(src: Path, dst: Path) -> list[str]:
 # --------------------------------------------------------------------------------------------------------------------
 # the launches
 # --------------------------------------------------------------------------------------------------------------------
-def _env() -> dict:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-
-
 def _torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
     cmd += ["--master_port", str(free_port()), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=timeout, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +251,26 @@ def test_a_failing_rank_stops_the_launch_and_writes_nothing(source, tmp_path, fa
     assert res.returncode != 0
     assert "error: injected failure of a layer fit" in res.stderr
     assert list(parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("local_rank", ["1", "2", "-1", "one"])
+def test_a_launch_with_more_processes_than_cuda_devices_is_refused_by_name(monkeypatch, local_rank):
+    """torchrun starting two processes on a machine with one GPU: the second rank's calibration on CUDA is refused
+    with the way out, before any CUDA call (CUDA itself would say only "invalid device ordinal")."""
+    from hf_qknorm.conversion import ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) reached"))
+    monkeypatch.setattr(ranks, "_dist", lambda: None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    with pytest.raises(ValueError, match=f"LOCAL_RANK.*{local_rank}") as err:
+        with ranks.process_group("cuda"):
+            pytest.fail("the block ran")
+    if local_rank.lstrip("-").isdigit():
+        assert "1 CUDA device(s)" in str(err.value) and "--device cpu" in str(err.value)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the first rank's device exists: the index is returned
+    assert ranks.local_cuda_index() == 0
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._support.trainer_runs import free_port
+from tests._support.trainer_runs import free_port, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDP_STEPS, FSDP_BATCH = 3, 4
@@ -148,12 +148,7 @@ def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
         "--worker",
         str(tmp_path),
     ]
-    env = {
-        **os.environ,
-        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = launch_env(ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 

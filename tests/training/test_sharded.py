@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests._support import sharded_runs as S
-from tests._support.trainer_runs import free_port
+from tests._support.trainer_runs import free_port, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,12 +35,7 @@ def _launch(world: int, tmp_path_factory) -> Path:
     """Run the worker once per world size (every scenario in one launch: process start-up dominates)."""
     if world not in _LAUNCHED:
         out = tmp_path_factory.mktemp(f"world{world}")
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        }
+        env = launch_env(ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
         cmd = [
             sys.executable,
             "-m",
@@ -204,11 +199,7 @@ def test_recipe_fsdp_resumes_identically(tmp_path):
         "--qk-lr-tau",
         "0.5",
     ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = launch_env()
 
     def launch(*args):
         cmd = [
