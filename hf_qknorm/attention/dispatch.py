@@ -12,7 +12,9 @@ After huggingface/kernels' ``kernelize(device=, use_fallback=)`` and its ``Conte
     with kernel_policy(devices=("cuda", "cpu")):   # CPU tensors too, through Triton's interpreter (tests)
         model(**batch)
 
-The default sends CUDA tensors to the kernels and everything else to the PyTorch path, and allows the fallback.
+The default sends CUDA tensors to the kernels and everything else to the PyTorch path, and allows the fallback. While
+the fallback is allowed, an eager decoding call on CUDA (a few queries, no gradient) takes the PyTorch path's lean
+form even so: there the host's launch cost decides, and it launches cheaper (``hf_qknorm.attention.interface``).
 Tensors on a device the policy does not name always take the PyTorch path, silently. On a device it names, a call
 the kernels cannot run (Triton missing, float64, attention dropout, attention weights requested, attention sinks)
 falls back to the PyTorch path with a warning logged once per reason (attention weights, asked for explicitly, fall

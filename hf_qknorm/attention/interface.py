@@ -8,11 +8,13 @@ also with ``use_cache`` on, where Transformers builds no packing mask), ``output
 (attention sinks); :data:`HONOURED_KWARGS` lists them. The mask rule is :mod:`hf_qknorm.portable.masks`.
 
 Dispatch (:mod:`.dispatch`, a scoped policy): CUDA tensors go to the fused Triton kernels (``hf_qknorm.kernels``),
-through the entry point of the call's shape; everything else takes the PyTorch path -- for a few queries that need
-no gradient (decoding), the lean path (:mod:`.lean`: plain tensor math, or sdpa without a cap or sink); otherwise
-``sdpa`` when there is no cap or sink, and :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in
-sequence length) when there is one, or when a probe asks for the per-head largest logit of ``TILED_MAX_MIN_LEN``
-(256) queries or more. A module's scaling, dropout, window and cap are validated at its first call and remembered.
+through the entry point of the call's shape -- except eager decoding calls, which the lean path runs for less host
+time while the policy allows the PyTorch path (:func:`_lean_before_kernels`); everything else takes the PyTorch
+path -- for a few queries that need no gradient (decoding), the lean path (:mod:`.lean`: plain tensor math, or sdpa
+without a cap or sink); otherwise ``sdpa`` when there is no cap or sink, and
+:func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in sequence length) when there is one, or when a
+probe asks for the per-head largest logit of ``TILED_MAX_MIN_LEN`` (256) queries or more. A module's scaling,
+dropout, window and cap are validated at its first call and remembered.
 ``kernel_policy(devices=..., use_fallback=...)`` changes which devices go to the kernels and whether a call they
 cannot run may fall back.
 
@@ -43,7 +45,7 @@ from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import check_softcap
 from . import lean
 from .chunked import chunked_attention, max_logits
-from .dispatch import KernelFallbackError, fallback_message, route
+from .dispatch import KernelFallbackError, current_kernel_policy, fallback_message, route
 from .tiles import chunk_allowed
 
 try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
@@ -225,7 +227,7 @@ def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, 
         return None
     sink = check_sink(sink, heads)
     use, refusal = route(query.device.type, query.dtype, 0.0, False, sink is not None)
-    if use or refusal is not None:
+    if refusal is not None or (use and not _lean_before_kernels(query)):
         return None
     # decoding without padding: the one query sees every key (the rule of _resolve_mask, without its calls)
     if attention_mask is None and q_len == 1:
@@ -235,7 +237,12 @@ def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, 
         key, value, mask, causal, sliding_window = _resolve_mask(
             query, key, value, attention_mask, causal, sliding_window, kwargs
         )
-    if softcap is None and sink is None and (q_len > 1 or batch * heads * key.shape[2] < lean.MATH_MIN):
+    # without a cap or sink: sdpa, except one CPU query against many keys (lean.MATH_MIN; a GPU's sdpa is one launch)
+    if (
+        softcap is None
+        and sink is None
+        and (q_len > 1 or query.device.type != "cpu" or batch * heads * key.shape[2] < lean.MATH_MIN)
+    ):
         return _sdpa(module, query, key, value, mask, scaling, 0.0, causal, sliding_window).transpose(1, 2).contiguous()
     out = lean.lean_attention(
         query,
@@ -249,6 +256,18 @@ def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, 
         sink=sink,
     )
     return out if q_len == 1 else out.contiguous()  # one query's output is contiguous already
+
+
+def _lean_before_kernels(query: torch.Tensor) -> bool:
+    """Whether a decoding call the kernels would take runs the lean path instead: on CUDA, eager, with the PyTorch
+    path allowed (``kernel_policy(use_fallback=True)``, the default). Decoding there is bound by the host: the lean
+    path's few ATen launches cost it less than the Triton kernels' launches (one capped call, bf16, H100, host time:
+    224 vs 513 us at (batch, heads, kv_heads, head_dim, kv_len) = (1, 4, 2, 16, 512), 232 vs 343 at (1, 32, 8, 64,
+    512), 323 vs 514 at (8, 32, 8, 64, 512)). Compiled graphs keep the kernels (CUDA graphs remove the launch cost;
+    measured at parity with the unpatched model), as does ``use_fallback=False``, which asks for the kernels."""
+    if query.device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    return current_kernel_policy().use_fallback
 
 
 def _wants_max(probe, module) -> bool:

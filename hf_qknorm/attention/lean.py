@@ -118,9 +118,9 @@ def lean_attention(
     k, v = key.reshape(n, kv_len, head_dim), value.reshape(n, kv_len, head_dim)
     if q.dtype != acc or k.dtype != acc or v.dtype != acc:
         q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    # large logits take tanh through expm1 (:func:`~.tiles.tanh_doubled_`, which wants 2x); small ones torch.tanh,
-    # fewer ops where per-op overhead is the cost
-    doubled = softcap is not None and batch * heads * q_len * kv_len >= EXPM1_TANH_MIN
+    # large logits on the CPU take tanh through expm1 (:func:`~.tiles.tanh_doubled_`, which wants 2x); small ones and
+    # every GPU call torch.tanh, fewer ops where per-op overhead is the cost (a GPU's tanh is not the CPU's slow one)
+    doubled = softcap is not None and query.device.type == "cpu" and batch * heads * q_len * kv_len >= EXPM1_TANH_MIN
     scale = (2 * scaling if doubled else scaling) / softcap if softcap is not None else scaling
     # on the CPU, not compiling: scale and cap in place by 0-d tensors (_constant), cheaper than baddbmm's alpha (which
     # expands a zero input) or a Python number; elsewhere Python numbers (a tensor made on a GPU inside a CUDA graph

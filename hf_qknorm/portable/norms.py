@@ -46,8 +46,13 @@ class HeadLayerNorm(nn.Module):
         weight, bias = params.get("weight"), params.get("bias")
         if weight is None or bias is None:
             weight, bias = self.weight, self.bias
-        if x.dtype in _FULL and weight.dtype == x.dtype:  # nothing to convert: the casts cost more than the norm
-            return torch.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+        if weight.dtype == x.dtype and bias.dtype == x.dtype:
+            # one ATen call: float32/float64 as they are; half precision too -- layer_norm computes its statistics
+            # and the affine map in float32 inside and rounds once, as the casts around a float32 norm would (one
+            # kernel launch instead of five on a GPU, where decoding pays for every launch; the result can differ
+            # from the cast form in the last bit where the two kernels reduce in another order)
+            y = torch.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+            return y if y.dtype == x.dtype else y.to(x.dtype)  # autocast runs layer_norm in float32
         acc = _acc(x)
         y = F.layer_norm(x.to(acc), (x.shape[-1],), weight.to(acc), bias.to(acc), self.eps)
         return y.to(x.dtype)

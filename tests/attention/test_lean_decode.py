@@ -170,6 +170,38 @@ def test_the_lean_path_is_taken_only_where_it_may(monkeypatch):
     assert interface._lean(module, q, k, k, None, 0.3, 0.0, 2.0, None, None, {}) is None
 
 
+def test_eager_decoding_on_cuda_takes_the_lean_path_unless_the_kernels_are_asked_for(monkeypatch, kernels_on_cpu):
+    """On CUDA an eager decoding call the kernels would take runs the lean path while the policy allows the PyTorch
+    path (the host's launch cost decides there); ``use_fallback=False`` keeps it on the kernels, CPU tensors and
+    compiled graphs are not affected. The decision, then its wiring: the kernels' route on the CPU (Triton's
+    interpreter) with the decision forced, the call answered by the lean path, equal to the float64 reference."""
+    from types import SimpleNamespace
+
+    from hf_qknorm.attention import kernel_policy
+
+    on_cuda, on_cpu = SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cpu"))
+    assert interface._lean_before_kernels(on_cuda) and not interface._lean_before_kernels(on_cpu)
+    with kernel_policy(use_fallback=False):
+        assert not interface._lean_before_kernels(on_cuda)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not interface._lean_before_kernels(on_cuda)
+    monkeypatch.undo()
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((2, 4, 1, 16), (2, 2, 40, 16), (2, 2, 40, 16)))
+    rec = _Recorder(monkeypatch)
+    with kernel_policy(devices=("cuda", "cpu")), torch.no_grad():
+        assert interface._lean(module, q, k, v, None, 0.25, 0.0, 2.0, None, None, {}) is None  # CPU: the kernels'
+        assert rec.calls == []
+        monkeypatch.setattr(interface, "_lean_before_kernels", lambda query: True)
+        out = interface._lean(module, q, k, v, None, 0.25, 0.0, 2.0, None, None, {})
+    assert len(rec.calls) == 1
+    want = _reference(q, k, v, scaling=0.25, softcap=2.0, mask=None, causal=False, window=None).transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
 # ---- the calls real generation makes, every cache kind ----
 
 

@@ -166,6 +166,53 @@ def test_norms_match_reference():
             torch.testing.assert_close(m(x), ref, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weights", ["same", "float32"])
+def test_half_precision_norms_match_the_float32_form(dtype, weights):
+    """Half-precision norms compute in float32 and round once (the layer norm as one ATen call when its parameters
+    share the input's dtype, else around a float32 norm): within one rounding of the float64 reference, the input's
+    dtype out -- under autocast too, which would run layer_norm in float32 -- and gradients that match the float32
+    form's."""
+    from hf_qknorm.portable.norms import make_norm
+
+    gen = torch.Generator().manual_seed(1)
+    x64 = 3 * torch.randn(2, 7, 4, 64, generator=gen, dtype=torch.float64)
+    for kind in ("layernorm", "rmsnorm"):
+        m = make_norm(kind, "q", 64, 1e-5, None).double()
+        with torch.no_grad():
+            for prm in m.parameters():
+                prm.add_(0.2 * torch.randn(prm.shape, generator=gen, dtype=torch.float64))
+        ref = norm_reference(x64, kind, m.weight, getattr(m, "bias", None), 1e-5, 2.0)
+        half = m.to(dtype if weights == "same" else torch.float32)
+        with torch.no_grad():
+            want_bits = {p: prm.to(dtype).double() for p, prm in half.named_parameters()}
+            for p, prm in half.named_parameters():
+                prm.copy_(want_bits[p])  # the same values in every variant: the parameters as the half dtype holds them
+        ref = norm_reference(x64.to(dtype).double(), kind, want_bits["weight"], want_bits.get("bias"), 1e-5, 2.0)
+        x = x64.to(dtype).requires_grad_()
+        y = half(x)
+        # the input's dtype; Qwen3's RMSNorm (which rmsnorm is, bit for bit) promotes to its weight's
+        out_dtype = torch.promote_types(dtype, half.weight.dtype) if kind == "rmsnorm" else dtype
+        assert y.dtype == out_dtype
+        # one rounding of the float32 result (the weight product for rmsnorm rounds once more, as Qwen3's does)
+        torch.testing.assert_close(y.double(), ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+        with torch.autocast("cpu", dtype=dtype):
+            assert half(x).dtype == out_dtype
+        if torch.cuda.is_available():  # CUDA's autocast runs layer_norm in float32: the norm casts back
+            with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+                assert half.cuda()(x.cuda()).dtype == out_dtype
+            half.cpu()
+        if kind == "layernorm":  # gradients against the float32 form's (the casts' backward rounds once)
+            up = torch.randn(y.shape, generator=gen).to(dtype)
+            y.backward(up)
+            x32 = x.detach().float().requires_grad_()
+            w32, b32 = (half.weight.detach().float().requires_grad_(), half.bias.detach().float().requires_grad_())
+            torch.nn.functional.layer_norm(x32, (64,), w32, b32, 1e-5).backward(up.float())
+            for got, want in ((x.grad, x32.grad), (half.weight.grad, w32.grad), (half.bias.grad, b32.grad)):
+                tol = 4 * torch.finfo(dtype).eps * want.abs().max().item()  # a few roundings of the largest entry
+                torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("scheme,norm", [("qk_norm_cap", "layernorm"), ("qkv_norm", "rmsnorm"), ("qk_norm", "lp")])
 def test_gradcheck_patched_layer(scheme, norm):
     model = tiny_model(
