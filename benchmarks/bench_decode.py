@@ -54,12 +54,26 @@ SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
 # ablations (``--schemes qk_norm_noop``): patched with the scheme named, then every norm it added replaced by a module
 # that returns its input -- what the patch costs besides the norms' own arithmetic (the projection's subclass, the
 # per-head views, the module call)
-ABLATIONS = {"qk_norm_noop": "qk_norm"}
+# ``qk_norm_fused``: the same with every norm one ATen call in the input's dtype (``torch.layer_norm`` /
+# ``torch.rms_norm``: one fused kernel on CUDA, float32 inside) instead of the casts around a float32 norm -- what
+# fewer kernel launches per norm would be worth (not bit-exact with the float32 form)
+ABLATIONS = {"qk_norm_noop": "qk_norm", "qk_norm_fused": "qk_norm"}
 
 
 class _NoOp(torch.nn.Module):
     def forward(self, x):
         return x
+
+
+class _Fused(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.weight, self.bias, self.eps = norm.weight, getattr(norm, "bias", None), norm.eps
+
+    def forward(self, x):
+        if self.bias is None:
+            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return torch.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 SHAPES = {
@@ -68,8 +82,23 @@ SHAPES = {
     "bundled": None,  # hf_qknorm/assets/tiny-llama: its config and weights
     "12x768": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, num_key_value_heads=12,
                    intermediate_size=3072, vocab_size=8192),
+    # Llama-3.2-1B's layer (hidden 2048, 32 / 8 heads, head_dim 64, MLP 8192), 8 of them: the GPU shape
+    "1b": dict(num_hidden_layers=8, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=32000),
 }  # fmt: skip
 WINDOW = 128
+# where and in what dtype the models run (``--device``, ``--dtype``); on CUDA the ratios are wall-clock (the host waits
+# for the GPU), the GPU synchronised before every clock reading
+DEVICE, DTYPE = torch.device("cpu"), torch.float32
+
+
+def _sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _clock_name() -> str:
+    return "wall" if DEVICE.type == "cuda" else "cpu"
 
 
 def _base(shape: str, sliding: bool):
@@ -84,12 +113,13 @@ def _base(shape: str, sliding: bool):
         fields = dict(SHAPES[shape], max_position_embeddings=1024, tie_word_embeddings=False)
     fields["max_position_embeddings"] = 1024
     config = MistralConfig(**fields, sliding_window=WINDOW) if sliding else LlamaConfig(**fields)
-    model = (MistralForCausalLM if sliding else LlamaForCausalLM)._from_config(config, attn_implementation="sdpa")
+    with DEVICE:  # built where it runs: the 1b shape's random init takes seconds on a GPU, a minute on a CPU
+        model = (MistralForCausalLM if sliding else LlamaForCausalLM)._from_config(config, attn_implementation="sdpa")
     if SHAPES[shape] is None:
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(ASSET / "model.safetensors"), strict=False)  # tied head: one key fewer
-    return model.eval()
+    return model.to(DEVICE, DTYPE).eval()
 
 
 def _providers(shape: str, sliding: bool, schemes) -> dict:
@@ -102,7 +132,8 @@ def _providers(shape: str, sliding: bool, schemes) -> dict:
         if scheme in ABLATIONS:
             for module in models[scheme].modules():
                 for slot in module.__dict__.get("_qknorm_norms", {}).values():
-                    setattr(module, slot, _NoOp())
+                    norm = getattr(module, slot)
+                    setattr(module, slot, _Fused(norm) if scheme == "qk_norm_fused" else _NoOp())
     return models
 
 
@@ -113,16 +144,22 @@ class _Clock:
         self.stamps = []
 
     def __call__(self, input_ids, scores):
+        _sync()
         self.stamps.append((time.process_time(), time.perf_counter()))
         return scores
 
 
+_CLOCKS = {"cpu": 0, "wall": 1}
+
+
 def _compile_config():
     """Transformers' own compiled decoding (``generate`` compiles the decoding step's forward with a static cache),
-    on any device, whole (``fullgraph``: a graph break is an error, not a silent eager fallback)."""
+    on any device, whole (``fullgraph``: a graph break is an error, not a silent eager fallback). Without
+    ``--compile`` the decode table is eager on every device (``disable_compile``)."""
     from transformers.generation.configuration_utils import CompileConfig
 
-    config = CompileConfig(fullgraph=True, mode="default")
+    # CUDA: Transformers' own default mode, CUDA graphs ("reduce-overhead"); a CPU has none
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if DEVICE.type == "cuda" else "default")
     config._compile_all_devices = True  # Transformers compiles only on accelerators unless told
     return config
 
@@ -135,6 +172,8 @@ def _decode(model, ids, cache: str, new_tokens: int, compiled: bool = False) -> 
     kwargs = {"cache_implementation": "static"} if cache == "static" else {}  # sliding: the window model's default
     if compiled:
         kwargs["compile_config"] = _compile_config()
+    else:  # eager: on an accelerator generate would compile a static cache's decoding step by itself
+        kwargs["disable_compile"] = True
     with torch.no_grad():
         model.generate(
             ids,
@@ -153,16 +192,18 @@ def _decode(model, ids, cache: str, new_tokens: int, compiled: bool = False) -> 
 def decode_cell(shape, cache, batch, prompt, new_tokens, rounds, schemes, compiled=False) -> dict:
     models = _providers(shape, cache == "sliding_window", schemes)
     vocab = models["sdpa"].config.vocab_size
-    ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     tokens = batch * (new_tokens - 1)
     if compiled:  # every provider's graphs made here, at the timed shapes; none left from another cell
         torch._dynamo.reset()
         torch._dynamo.config.recompile_limit = 64  # one code object, a graph per provider
-    for model in models.values():  # warm-up (allocator, lazy inits; compiled: the graphs, twice to settle)
+    # warm-up (allocator, lazy inits; compiled: the graphs, twice to settle). At the timed shapes where it matters:
+    # compiled graphs, and CUDA, whose first call at a shape picks kernels and workspaces (an H100 run warmed up on a
+    # short prompt timed the unpatched model's first round at a fifth of its speed)
+    full = compiled or DEVICE.type == "cuda"
+    for model in models.values():
         for _ in range(2 if compiled else 1):
-            _decode(
-                model, ids if compiled else ids[:, : min(prompt, 16)], cache, new_tokens if compiled else 4, compiled
-            )
+            _decode(model, ids if full else ids[:, : min(prompt, 16)], cache, new_tokens if full else 4, compiled)
     times = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
@@ -170,7 +211,7 @@ def decode_cell(shape, cache, batch, prompt, new_tokens, rounds, schemes, compil
     row = {"table": "decode", "shape": shape, "cache": cache, "batch": batch, "prompt": prompt, "new": new_tokens}
     if compiled:
         row["compiled"] = True
-    row["sdpa_tok_s"] = round(tokens / statistics.median(t[0] for t in times["sdpa"]), 1)
+    row["sdpa_tok_s"] = round(tokens / statistics.median(t[_CLOCKS[_clock_name()]] for t in times["sdpa"]), 1)
     for name in schemes:
         for clock, label in ((0, "cpu"), (1, "wall")):
             ratios = [b[clock] / t[clock] for t, b in zip(times[name], times["sdpa"])]  # tokens/s over sdpa's
@@ -188,8 +229,9 @@ def token_cell(shape: str, batch: int, prompt: int, rounds: int, schemes) -> dic
 
     models = _providers(shape, False, schemes)
     vocab = models["sdpa"].config.vocab_size
-    ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1))
-    nxt = torch.randint(3, vocab, (batch, 1), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    nxt = torch.randint(3, vocab, (batch, 1), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    clock = time.perf_counter if DEVICE.type == "cuda" else time.process_time
     steps, reps = {}, 20
     with torch.no_grad():
         for name, model in models.items():
@@ -206,21 +248,23 @@ def token_cell(shape: str, batch: int, prompt: int, rounds: int, schemes) -> dic
         times = {name: [] for name in models}
         for _ in range(rounds):
             for name, step in steps.items():
-                c = time.process_time()
+                _sync()
+                c = clock()
                 for _ in range(reps):
                     step()
-                times[name].append((time.process_time() - c) / reps)
+                _sync()
+                times[name].append((clock() - c) / reps)
     row = {"table": "token", "shape": shape, "cache": "dynamic", "batch": batch, "prompt": prompt}
     row["sdpa_us"] = round(statistics.median(times["sdpa"]) * 1e6, 1)
     for name in schemes:
         ratios = [b / t for t, b in zip(times[name], times["sdpa"])]
-        row[f"{name}_cpu"] = round(statistics.median(ratios), 3)
+        row[f"{name}_{_clock_name()}"] = round(statistics.median(ratios), 3)
     return row
 
 
 def _step_fn(model, seq: int):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=DEVICE.type == "cuda")
+    ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(2)).to(DEVICE)
 
     def step():
         loss = model(input_ids=ids, labels=ids).loss
@@ -240,16 +284,27 @@ def step_cell(shape, seq, rounds, schemes) -> dict:
     times = {name: [] for name in models}
     for _ in range(rounds):
         for name, step in steps.items():
+            _sync()
             c, w = time.process_time(), time.perf_counter()
             step()
+            _sync()
             times[name].append((time.process_time() - c, time.perf_counter() - w))
     row = {"table": "step", "shape": shape, "seq": seq, "batch": 1}
-    row["sdpa_s"] = round(statistics.median(t[0] for t in times["sdpa"]), 3)
+    row["sdpa_s"] = round(statistics.median(t[_CLOCKS[_clock_name()]] for t in times["sdpa"]), 3)
     for name in schemes:
         for clock, label in ((0, "cpu"), (1, "wall")):
             ratios = [t[clock] / b[clock] for t, b in zip(times[name], times["sdpa"])]  # time over sdpa's
             row[f"{name}_{label}"] = round(statistics.median(ratios), 3)
     return row
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "-"
 
 
 def _environment() -> dict:
@@ -263,6 +318,9 @@ def _environment() -> dict:
         "machine": platform.processor() or platform.machine(),
         "cpus": torch.get_num_threads(),
         "cpu_model": _cpu_model(),
+        "device": str(DEVICE) if DEVICE.type == "cpu" else f"cuda: {torch.cuda.get_device_name(DEVICE)}",
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "triton": _version("triton"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "hf_qknorm": getattr(hf_qknorm, "__version__", "?"),
@@ -271,21 +329,27 @@ def _environment() -> dict:
     }
 
 
+def _ratio(row: dict, scheme: str) -> float:
+    """A row's ratio for ``scheme``: CPU time on a CPU, wall time on CUDA (rows without ``device``: CPU)."""
+    return row[f"{scheme}_{'wall' if row.get('device', 'cpu').startswith('cuda') else 'cpu'}"]
+
+
 def markdown(rows: list[dict]) -> str:
-    """The decode and step tables of ``rows`` (CPU-time ratios to the unpatched model on sdpa) in Markdown."""
+    """The decode, token and step tables of ``rows`` (ratios to the unpatched model on sdpa: CPU time on a CPU, wall
+    time on CUDA) in Markdown."""
     out = []
     decode = [r for r in rows if r["table"] == "decode"]
     if decode:
-        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in decode[0]]
+        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in decode[0] or f"{s}_wall" in decode[0]]
         out += ["| shape | cache | batch | prompt | sdpa tokens/s | " + " | ".join(f"`{s}`" for s in schemes) + " |"]
         out += ["|---" * (5 + len(schemes)) + "|"]
         for r in decode:
             cache = r["cache"] + (", compiled" if r.get("compiled") else "")
             cells = [r["shape"], cache, r["batch"], r["prompt"], r["sdpa_tok_s"]]
-            out += ["| " + " | ".join(map(str, cells + [f"{r[f'{s}_cpu']:.2f}x" for s in schemes])) + " |"]
+            out += ["| " + " | ".join(map(str, cells + [f"{_ratio(r, s):.2f}x" for s in schemes])) + " |"]
     tokens = [r for r in rows if r["table"] == "token"]
     if tokens:
-        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in tokens[0]]
+        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in tokens[0] or f"{s}_wall" in tokens[0]]
         out += [
             "",
             "| shape | cache | batch | prompt | sdpa us/forward | " + " | ".join(f"`{s}`" for s in schemes) + " |",
@@ -293,14 +357,14 @@ def markdown(rows: list[dict]) -> str:
         out += ["|---" * (5 + len(schemes)) + "|"]
         for r in tokens:
             cells = [r["shape"], r["cache"], r["batch"], r["prompt"], r["sdpa_us"]]
-            out += ["| " + " | ".join(map(str, cells + [f"{r[f'{s}_cpu']:.2f}x" for s in schemes])) + " |"]
+            out += ["| " + " | ".join(map(str, cells + [f"{_ratio(r, s):.2f}x" for s in schemes])) + " |"]
     steps = [r for r in rows if r["table"] == "step"]
     if steps:
-        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in steps[0]]
+        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in steps[0] or f"{s}_wall" in steps[0]]
         out += ["", "| shape | T | sdpa step (s) | " + " | ".join(f"`{s}`" for s in schemes) + " |"]
         out += ["|---" * (3 + len(schemes)) + "|"]
         for r in steps:
-            cells = [r["shape"], r["seq"], r["sdpa_s"]] + [f"{r[f'{s}_cpu']:.3f}x" for s in schemes]
+            cells = [r["shape"], r["seq"], r["sdpa_s"]] + [f"{_ratio(r, s):.3f}x" for s in schemes]
             out += ["| " + " | ".join(map(str, cells)) + " |"]
     return "\n".join(out)
 
@@ -327,6 +391,12 @@ def main() -> None:
         action="store_true",
         help="decode through generate's compiled forward (torch.compile, inductor; static cache only)",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="default: float32 on the CPU, bfloat16 on CUDA")  # fmt: skip
+    parser.add_argument("--route", choices=("kernels", "pytorch"), default="kernels",
+                        help="pytorch: the patched models' attention takes the PyTorch path on CUDA too "
+                        "(kernel_policy(devices=()))")  # fmt: skip
     parser.add_argument("--label", default="", help="a note stored with the rows (e.g. 'before')")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument(
@@ -347,6 +417,11 @@ def main() -> None:
         )
     if args.new_tokens < 2 or args.rounds < 1:
         parser.error(f"--new-tokens must be at least 2 and --rounds at least 1, got {args.new_tokens}, {args.rounds}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    global DEVICE, DTYPE
+    DEVICE = torch.device(args.device)
+    DTYPE = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     torch.set_num_threads(1)
     env = _environment()
     rows = []
@@ -361,13 +436,14 @@ def main() -> None:
         cells += [("step", shape, seq) for shape in args.shapes if shape != "tiny" for seq in args.seq]
     if args.table == "token":
         cells += [("token", s, b, p) for s in args.shapes for b in args.batch for p in args.prompt]
+    import contextlib
+
+    from hf_qknorm.attention import kernel_policy
+
+    env["route"] = args.route
     for cell in cells:
-        if cell[0] == "decode":
-            row = decode_cell(*cell[1:], args.new_tokens, args.rounds, args.schemes, args.compile)
-        elif cell[0] == "token":
-            row = token_cell(*cell[1:], args.rounds, args.schemes)
-        else:
-            row = step_cell(*cell[1:], args.rounds, args.schemes)
+        with kernel_policy(devices=()) if args.route == "pytorch" else contextlib.nullcontext():
+            row = _run(cell, args)
         row.update(env, label=args.label, rounds=args.rounds)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in env}), flush=True)
@@ -376,6 +452,14 @@ def main() -> None:
             with RESULTS.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     print(markdown(rows))
+
+
+def _run(cell, args) -> dict:
+    if cell[0] == "decode":
+        return decode_cell(*cell[1:], args.new_tokens, args.rounds, args.schemes, args.compile)
+    if cell[0] == "token":
+        return token_cell(*cell[1:], args.rounds, args.schemes)
+    return step_cell(*cell[1:], args.rounds, args.schemes)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,36 @@ def test_token_table_refuses_caches_it_does_not_time():
     )
     assert res.returncode == 2
     assert "--table token times the dynamic cache only, got --caches static" in res.stderr
+
+
+def test_gpu_rows_are_read_by_their_wall_clock():
+    """A CUDA row's ratios are wall time (the host waits for the GPU); a CPU row's CPU time; rows written before the
+    device was recorded are CPU rows."""
+    gpu = {"table": "token", "shape": "1b", "cache": "dynamic", "batch": 1, "prompt": 512, "sdpa_us": 5925.8,
+           "qk_norm_cap_wall": 0.76, "device": "cuda: NVIDIA H100 80GB HBM3"}  # fmt: skip
+    old = {k: v for k, v in gpu.items() if k not in ("qk_norm_cap_wall", "device")} | {"qk_norm_cap_cpu": 0.88}
+    assert "| 1b | dynamic | 1 | 512 | 5925.8 | 0.76x |" in bench_decode.markdown([gpu])
+    assert "| 1b | dynamic | 1 | 512 | 5925.8 | 0.88x |" in bench_decode.markdown([old])
+
+
+def test_the_pytorch_route_and_a_missing_gpu():
+    """``--route pytorch`` runs every cell under kernel_policy(devices=()) and says so in the row; ``--device cuda``
+    without a CUDA device is a one-line error, not a traceback."""
+    import json
+
+    import torch
+
+    script = Path(bench_decode.__file__)
+    base = [sys.executable, str(script), "--table", "token", "--shapes", "tiny", "--batch", "1", "--prompt", "4"]
+    res = subprocess.run(
+        base + ["--rounds", "1", "--schemes", "soft_cap", "--route", "pytorch", "--no-save"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.splitlines()[0])["soft_cap_cpu"] > 0
+    if not torch.cuda.is_available():
+        res = subprocess.run(base + ["--device", "cuda", "--no-save"], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2 and "--device cuda: torch sees no CUDA device here" in res.stderr
+        assert "Traceback" not in res.stderr
