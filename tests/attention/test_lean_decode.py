@@ -180,12 +180,17 @@ def test_eager_decoding_on_cuda_takes_the_lean_path_unless_the_kernels_are_asked
     from hf_qknorm.attention import kernel_policy
 
     on_cuda, on_cpu = SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cpu"))
+    capturing = [False]  # a CUDA graph being captured? (asked only for CUDA tensors: a CPU build cannot answer)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     assert interface._lean_before_kernels(on_cuda) and not interface._lean_before_kernels(on_cpu)
     with kernel_policy(use_fallback=False):
         assert not interface._lean_before_kernels(on_cuda)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    capturing[0] = True
     assert not interface._lean_before_kernels(on_cuda)
-    monkeypatch.undo()
+    capturing[0] = False
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not interface._lean_before_kernels(on_cuda)
 
     module = torch.nn.Module()
     module.is_causal = True
