@@ -63,24 +63,25 @@ def test_gpu_rows_are_read_by_their_wall_clock():
     assert "| 1b | dynamic | 1 | 512 | 5925.8 | 0.88x |" in bench_decode.markdown([old])
 
 
-def test_the_pytorch_route_and_a_missing_gpu():
-    """``--route pytorch`` runs every cell under kernel_policy(devices=()) and says so in the row; ``--device cuda``
-    without a CUDA device is a one-line error, not a traceback."""
+def test_the_pytorch_route_and_a_missing_gpu(monkeypatch, capsys):
+    """``--route pytorch`` runs every cell under kernel_policy(devices=()); ``--device cuda`` without a CUDA device is
+    a one-line usage error (exit 2), not a traceback."""
     import json
 
+    import pytest
     import torch
 
-    script = Path(bench_decode.__file__)
-    base = [sys.executable, str(script), "--table", "token", "--shapes", "tiny", "--batch", "1", "--prompt", "4"]
-    res = subprocess.run(
-        base + ["--rounds", "1", "--schemes", "soft_cap", "--route", "pytorch", "--no-save"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert json.loads(res.stdout.splitlines()[0])["soft_cap_cpu"] > 0
+    from hf_qknorm.attention import current_kernel_policy
+
+    seen = []
+    real = bench_decode.token_cell
+    monkeypatch.setattr(bench_decode, "token_cell", lambda *a: seen.append(current_kernel_policy().devices) or real(*a))
+    base = ["bench_decode.py", "--table", "token", "--shapes", "tiny", "--batch", "1", "--prompt", "4", "--no-save"]
+    monkeypatch.setattr(sys, "argv", base + ["--rounds", "1", "--schemes", "soft_cap", "--route", "pytorch"])
+    bench_decode.main()
+    assert seen == [()] and json.loads(capsys.readouterr().out.splitlines()[0])["soft_cap_cpu"] > 0
     if not torch.cuda.is_available():
-        res = subprocess.run(base + ["--device", "cuda", "--no-save"], capture_output=True, text=True, timeout=300)
-        assert res.returncode == 2 and "--device cuda: torch sees no CUDA device here" in res.stderr
-        assert "Traceback" not in res.stderr
+        monkeypatch.setattr(sys, "argv", base + ["--device", "cuda"])
+        with pytest.raises(SystemExit) as exit_:
+            bench_decode.main()
+        assert exit_.value.code == 2 and "--device cuda: torch sees no CUDA device here" in capsys.readouterr().err
