@@ -54,26 +54,12 @@ SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
 # ablations (``--schemes qk_norm_noop``): patched with the scheme named, then every norm it added replaced by a module
 # that returns its input -- what the patch costs besides the norms' own arithmetic (the projection's subclass, the
 # per-head views, the module call)
-# ``qk_norm_fused``: the same with every norm one ATen call in the input's dtype (``torch.layer_norm`` /
-# ``torch.rms_norm``: one fused kernel on CUDA, float32 inside) instead of the casts around a float32 norm -- what
-# fewer kernel launches per norm would be worth (not bit-exact with the float32 form)
-ABLATIONS = {"qk_norm_noop": "qk_norm", "qk_norm_fused": "qk_norm"}
+ABLATIONS = {"qk_norm_noop": "qk_norm"}
 
 
 class _NoOp(torch.nn.Module):
     def forward(self, x):
         return x
-
-
-class _Fused(torch.nn.Module):
-    def __init__(self, norm):
-        super().__init__()
-        self.weight, self.bias, self.eps = norm.weight, getattr(norm, "bias", None), norm.eps
-
-    def forward(self, x):
-        if self.bias is None:
-            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return torch.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 SHAPES = {
@@ -132,8 +118,7 @@ def _providers(shape: str, sliding: bool, schemes) -> dict:
         if scheme in ABLATIONS:
             for module in models[scheme].modules():
                 for slot in module.__dict__.get("_qknorm_norms", {}).values():
-                    norm = getattr(module, slot)
-                    setattr(module, slot, _Fused(norm) if scheme == "qk_norm_fused" else _NoOp())
+                    setattr(module, slot, _NoOp())
     return models
 
 
