@@ -226,7 +226,8 @@ def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, 
     if (dropout and module.training) or kwargs.get("cu_seq_lens_q") is not None or weights_requested(module, kwargs):
         return None
     sink = check_sink(sink, heads)
-    use, refusal = route(query.device.type, query.dtype, 0.0, False, sink is not None)
+    on_cpu = query.is_cpu  # a property: ``query.device.type`` makes a device object, half a microsecond per call
+    use, refusal = route("cpu" if on_cpu else query.device.type, query.dtype, 0.0, False, sink is not None)
     if refusal is not None or (use and not _lean_before_kernels(query)):
         return None
     # decoding without padding: the one query sees every key (the rule of _resolve_mask, without its calls)
@@ -241,7 +242,7 @@ def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, 
     if (
         softcap is None
         and sink is None
-        and (q_len > 1 or query.device.type != "cpu" or batch * heads * key.shape[2] < lean.MATH_MIN)
+        and (q_len > 1 or not on_cpu or batch * heads * key.shape[2] < lean.MATH_MIN)
     ):
         return _sdpa(module, query, key, value, mask, scaling, 0.0, causal, sliding_window).transpose(1, 2).contiguous()
     out = lean.lean_attention(
@@ -266,7 +267,7 @@ def _lean_before_kernels(query: torch.Tensor) -> bool:
     512), 323 vs 514 at (8, 32, 8, 64, 512)). Compiled graphs keep the kernels (CUDA graphs remove the launch cost;
     measured at parity with the unpatched model), as does ``use_fallback=False``, which asks for the kernels, and a
     CUDA-graph capture in eager mode (the lean path reads a mask's rows on the host, which a capture forbids)."""
-    if query.device.type != "cuda" or torch.compiler.is_compiling():
+    if not query.is_cuda or torch.compiler.is_compiling():
         return False
     return current_kernel_policy().use_fallback and not torch.cuda.is_current_stream_capturing()
 

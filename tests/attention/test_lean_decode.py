@@ -179,7 +179,8 @@ def test_eager_decoding_on_cuda_takes_the_lean_path_unless_the_kernels_are_asked
 
     from hf_qknorm.attention import kernel_policy
 
-    on_cuda, on_cpu = SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cpu"))
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0), is_cuda=True)
+    on_cpu = SimpleNamespace(device=torch.device("cpu"), is_cuda=False)
     capturing = [False]  # a CUDA graph being captured? (asked only for CUDA tensors: a CPU build cannot answer)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     assert interface._lean_before_kernels(on_cuda) and not interface._lean_before_kernels(on_cpu)

@@ -343,3 +343,68 @@ def test_a_users_forward_hook_on_a_projection_sees_the_normalised_output():
     attn.k_norm.register_forward_hook(lambda m, args, out: seen.update(normed=out))
     model(_ids())
     torch.testing.assert_close(seen["out"], seen["normed"].reshape(seen["out"].shape), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the norms at the projections: the flat-rows call
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "l2", "lp"])
+def test_the_norms_on_flat_rows_give_the_per_head_values_bit_for_bit(norm, dtype):
+    """Decoding calls an unhooked norm of this package on the projection's output as ``(-1, head_dim)`` rows instead
+    of the ``(batch, seq, heads, head_dim)`` view: every value must be the per-head call's, to the bit, contiguous or
+    not (a strided output takes the per-head view)."""
+    from hf_qknorm.portable import hooks
+
+    config = QKNormConfig(scheme="qkv_norm", norm=norm, p=3.0 if norm == "lp" else None)
+    model = hf_qknorm.patch_model(tiny_model("llama", dtype=dtype), config)
+    attn = model.model.layers[0].self_attn
+    head_dim = attn.__dict__["_qknorm_shape"][0]
+    for slot, (role,) in attn.__dict__["_qknorm_slots"].items():
+        projection, module = attn._modules[slot], attn._modules[attn.__dict__["_qknorm_norms"][role]]
+        assert module.rowwise
+        with torch.no_grad():
+            for p in module.parameters():  # parameters away from their identity init
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).abs() + 0.5)
+        width = projection.out_features
+        dense = torch.randn(3, 5, width, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(dtype) * 7
+        strided = dense.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not strided.is_contiguous()
+        for out in (dense, strided):
+            expected = module(out.unflatten(-1, (-1, head_dim))).flatten(-2)
+            got = hooks._normed(projection, out)
+            assert got.shape == out.shape and got.dtype == expected.dtype
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_hook_on_a_norm_sees_the_heads():
+    """With a hook on a norm the norm is called through ``nn.Module`` on the per-head view, as documented: the hook
+    sees ``(batch, seq, heads, head_dim)``, and what it returns is what the attention gets."""
+    model, _ = _patched_pair("llama", "qk_norm")
+    attn = model.model.layers[0].self_attn
+    seen = {}
+    attn.q_norm.register_forward_hook(lambda m, args, out: seen.update(shape=tuple(args[0].shape)))
+    ids = _ids(batch=2, seq=7)
+    expected = model(ids).logits
+    assert seen["shape"] == (2, 7, model.config.num_attention_heads, attn.head_dim)
+    attn.k_norm.register_forward_hook(lambda m, args, out: out * 2)  # a hook that changes the output
+    assert not torch.allclose(model(ids).logits, expected)
+
+
+def test_flat_rows_or_not_the_model_computes_the_same(monkeypatch):
+    """The whole model, float32 and bfloat16: the flat-rows call (the default) and the per-head call give the same
+    logits to the bit."""
+    from hf_qknorm.portable import norms
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = hf_qknorm.patch_model(tiny_model("llama", dtype=dtype), "qk_norm_cap")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "_norm" in name:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)).to(dtype) * 0.3)
+        ids = _ids()
+        flat = model(ids).logits
+        monkeypatch.setattr(norms.HeadLayerNorm, "rowwise", False)
+        per_head = model(ids).logits
+        monkeypatch.undo()
+        torch.testing.assert_close(flat, per_head, rtol=0, atol=0)
