@@ -239,11 +239,7 @@ def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, 
             query, key, value, attention_mask, causal, sliding_window, kwargs
         )
     # without a cap or sink: sdpa, except one CPU query against many keys (lean.MATH_MIN; a GPU's sdpa is one launch)
-    if (
-        softcap is None
-        and sink is None
-        and (q_len > 1 or not on_cpu or batch * heads * key.shape[2] < lean.MATH_MIN)
-    ):
+    if softcap is None and sink is None and (q_len > 1 or not on_cpu or batch * heads * key.shape[2] < lean.MATH_MIN):
         return _sdpa(module, query, key, value, mask, scaling, 0.0, causal, sliding_window).transpose(1, 2).contiguous()
     out = lean.lean_attention(
         query,
