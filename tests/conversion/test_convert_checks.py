@@ -18,7 +18,15 @@ import hf_qknorm.conversion.writing as writing
 from hf_qknorm import QKNormConfig
 from hf_qknorm.conversion.checks import ConversionCheckError, check_report_finite
 from hf_qknorm.modeling import remote
-from tests._support.convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source
+from tests._support.convert_support import (
+    SHORT_TEXT,
+    SMALL,
+    bundled_copy,
+    hook_source_skipping_the_norm,
+    leftovers,
+    quiet,
+    save_source,
+)
 
 
 def _no_output(tmp_path, dst) -> None:
@@ -42,9 +50,7 @@ def test_remote_code_that_skips_the_norm_fails_the_conversion(tmp_path, monkeypa
 
     def edited(*args):
         files = real(*args)
-        source = files["qknorm_hooks.py"]
-        files["qknorm_hooks.py"] = source.replace("return _norm_heads(attn, roles[0], output)", "return output")
-        assert files["qknorm_hooks.py"] != source, "the shipped hook changed: update this test's edit"
+        files["qknorm_hooks.py"] = hook_source_skipping_the_norm(files["qknorm_hooks.py"])
         return files
 
     monkeypatch.setattr(remote, "remote_files", edited)
