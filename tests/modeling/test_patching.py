@@ -392,19 +392,28 @@ def test_a_hook_on_a_norm_sees_the_heads():
 
 
 def test_flat_rows_or_not_the_model_computes_the_same(monkeypatch):
-    """The whole model, float32 and bfloat16: the flat-rows call (the default) and the per-head call give the same
-    logits to the bit."""
+    """The whole model, float32 and bfloat16, training: the flat-rows call (the default) and the per-head call give
+    the same logits and the same gradients to the bit."""
     from hf_qknorm.portable import norms
 
+    def run(model, ids):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
     for dtype in (torch.float32, torch.bfloat16):
-        model = hf_qknorm.patch_model(tiny_model("llama", dtype=dtype), "qk_norm_cap")
+        model = hf_qknorm.patch_model(tiny_model("llama", dtype=dtype), "qk_norm_cap").train()
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "_norm" in name:
                     p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)).to(dtype) * 0.3)
         ids = _ids()
-        flat = model(ids).logits
+        flat, flat_grads = run(model, ids)
         monkeypatch.setattr(norms.HeadLayerNorm, "rowwise", False)
-        per_head = model(ids).logits
+        per_head, per_head_grads = run(model, ids)
         monkeypatch.undo()
         torch.testing.assert_close(flat, per_head, rtol=0, atol=0)
+        assert flat_grads.keys() == per_head_grads.keys() and any("q_norm" in n for n in flat_grads)
+        for name, grad in flat_grads.items():
+            torch.testing.assert_close(grad, per_head_grads[name], rtol=0, atol=0, msg=name)
