@@ -107,10 +107,10 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     ``("q", "k", "")`` for a fused projection (``""``: that part is left as it is).
 
     Decoding runs this for every normalised projection of every layer at every token, so the common case -- one
-    role, one of this package's norms (``rowwise``: they reduce over the last dimension only) with no hook on it, a
-    contiguous output -- is one frame: the norm's ``forward`` on the rows ``(-1, head_dim)``, the same values as on
-    ``(batch, seq, heads, head_dim)`` and three microseconds cheaper per call (one CPU thread). Otherwise, and
-    whenever a hook could see its input, the norm is called on the per-head view."""
+    role, a norm whose own class declares ``rowwise`` (it reduces over the last dimension only: this package's),
+    no hook on it, a contiguous output -- is one frame: the norm's ``forward`` on the rows ``(-1, head_dim)``, the
+    same values as on ``(batch, seq, heads, head_dim)`` and three microseconds cheaper per call (one CPU thread).
+    Otherwise, and whenever a hook could see its input, the norm is called on the per-head view."""
     state = module.__dict__
     attn = state.get("_qknorm_owner")
     # A stale module (replaced, e.g. it became a LoRA layer's ``base_layer``, or the patch was undone) does nothing.
@@ -125,7 +125,8 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
         return _fused(attn, roles, output)
     norm = modules[attn_state["_qknorm_norms"][roles[0]]]
     head_dim = attn_state["_qknorm_shape"][0]
-    if getattr(type(norm), "rowwise", False) and output.is_contiguous() and not _hooked(norm):
+    # the class's own declaration, not an inherited one: a subclass may override ``forward`` and look at the heads
+    if type(norm).__dict__.get("rowwise", False) and output.is_contiguous() and not _hooked(norm):
         return norm.forward(output.view(-1, head_dim)).view_as(output)
     # unflatten/flatten, not view(x.shape): the shape object costs a microsecond per call when decoding
     return _call(norm, output.unflatten(-1, (-1, head_dim))).flatten(-2)

@@ -27,7 +27,7 @@ class HeadLayerNorm(nn.Module):
     """LayerNorm over ``head_dim`` with ``weight`` and ``bias`` of shape ``(head_dim,)`` (the paper's QK-norm)."""
 
     kind = "layernorm"
-    rowwise = True  # reduces over the last dimension only (hooks._normed may pass it the rows flat)
+    rowwise = True  # reduces over the last dimension only: hooks._normed may pass it the rows flat (not inherited)
 
     def __init__(self, head_dim: int, eps: float):
         super().__init__()
@@ -67,7 +67,7 @@ class HeadRMSNorm(nn.Module):
     so that a Llama with ``rmsnorm`` QK-norm is bit-for-bit a Qwen3 model."""
 
     kind = "rmsnorm"
-    rowwise = True  # reduces over the last dimension only (hooks._normed may pass it the rows flat)
+    rowwise = True  # reduces over the last dimension only: hooks._normed may pass it the rows flat (not inherited)
 
     def __init__(self, head_dim: int, eps: float):
         super().__init__()
@@ -106,7 +106,7 @@ class HeadLpNorm(nn.Module):
     """
 
     kind = "lp"
-    rowwise = True  # reduces over the last dimension only (hooks._normed may pass it the rows flat)
+    rowwise = True  # reduces over the last dimension only: hooks._normed may pass it the rows flat (not inherited)
 
     def __init__(self, head_dim: int, p: float, eps: float, scale: str | None, init: float = 1.0):
         super().__init__()

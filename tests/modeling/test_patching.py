@@ -391,6 +391,26 @@ def test_a_hook_on_a_norm_sees_the_heads():
     assert not torch.allclose(model(ids).logits, expected)
 
 
+def test_a_subclass_of_a_norm_gets_the_heads():
+    """``rowwise`` is read from the norm's own class, not inherited: a user's subclass that overrides ``forward`` (and
+    may look at the heads) is called on the per-head view."""
+    from hf_qknorm.portable.norms import HeadLayerNorm
+
+    class PerHead(HeadLayerNorm):
+        def forward(self, x):
+            shapes.append(tuple(x.shape))
+            return super().forward(x)
+
+    shapes = []
+    model, _ = _patched_pair("llama", "qk_norm")
+    attn = model.model.layers[0].self_attn
+    norm = PerHead(attn.head_dim, attn.q_norm.eps).to(torch.float64)
+    norm.load_state_dict(attn.q_norm.state_dict())
+    attn.q_norm = norm
+    model(_ids(batch=2, seq=7))
+    assert shapes == [(2, 7, model.config.num_attention_heads, attn.head_dim)]
+
+
 def test_flat_rows_or_not_the_model_computes_the_same(monkeypatch):
     """The whole model, float32 and bfloat16, training: the flat-rows call (the default) and the per-head call give
     the same logits and the same gradients to the bit."""
