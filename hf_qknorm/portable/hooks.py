@@ -125,8 +125,14 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
         return _fused(attn, roles, output)
     norm = modules[attn_state["_qknorm_norms"][roles[0]]]
     head_dim = attn_state["_qknorm_shape"][0]
-    # the class's own declaration, not an inherited one: a subclass may override ``forward`` and look at the heads
-    if type(norm).__dict__.get("rowwise", False) and output.is_contiguous() and not _hooked(norm):
+    # the class's own declaration, not an inherited one: a subclass may override ``forward`` and look at the heads;
+    # a width that is not whole heads (a misconfigured or oddly sharded projection) takes unflatten, which refuses it
+    if (
+        type(norm).__dict__.get("rowwise", False)
+        and output.is_contiguous()
+        and output.size(-1) % head_dim == 0
+        and not _hooked(norm)
+    ):
         return norm.forward(output.view(-1, head_dim)).view_as(output)
     # unflatten/flatten, not view(x.shape): the shape object costs a microsecond per call when decoding
     return _call(norm, output.unflatten(-1, (-1, head_dim))).flatten(-2)

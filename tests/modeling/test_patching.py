@@ -377,6 +377,19 @@ def test_the_norms_on_flat_rows_give_the_per_head_values_bit_for_bit(norm, dtype
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_a_projection_output_of_no_whole_heads_is_refused_not_regrouped():
+    """An output whose width is not a whole number of heads (a misconfigured or oddly sharded projection) must fail
+    loudly, never be cut into ``head_dim`` rows across its batch and sequence positions."""
+    from hf_qknorm.portable import hooks
+
+    model = hf_qknorm.patch_model(tiny_model("llama"), "qk_norm")
+    attn = model.model.layers[0].self_attn
+    head_dim = attn.__dict__["_qknorm_shape"][0]
+    odd = torch.randn(head_dim, 3, head_dim + 1)  # numel a multiple of head_dim, width not
+    with pytest.raises(RuntimeError):
+        hooks._normed(attn.q_proj, odd)
+
+
 def test_a_hook_on_a_norm_sees_the_heads():
     """With a hook on a norm the norm is called through ``nn.Module`` on the per-head view, as documented: the hook
     sees ``(batch, seq, heads, head_dim)``, and what it returns is what the attention gets."""
