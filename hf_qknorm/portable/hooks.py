@@ -126,9 +126,11 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     norm = modules[attn_state["_qknorm_norms"][roles[0]]]
     head_dim = attn_state["_qknorm_shape"][0]
     # the class's own declaration, not an inherited one: a subclass may override ``forward`` and look at the heads;
-    # a width that is not whole heads (a misconfigured or oddly sharded projection) takes unflatten, which refuses it
+    # a width that is not whole heads (a misconfigured or oddly sharded projection) takes unflatten, which refuses it;
+    # a compiled graph has no per-call cost to save, and Dynamo refuses a class's ``__dict__`` once it was modified
     if (
-        type(norm).__dict__.get("rowwise", False)
+        not torch.compiler.is_compiling()
+        and type(norm).__dict__.get("rowwise", False)
         and output.is_contiguous()
         and output.size(-1) % head_dim == 0
         and not _hooked(norm)

@@ -56,6 +56,21 @@ def test_no_graph_breaks_in_the_attention_path(family, scheme, norm):
         assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
 
 
+def test_the_norm_call_compiles_whole_beside_the_monitor():
+    """In eager mode the projections' norm call reads the norm class's ``__dict__`` (a mapping proxy); Dynamo breaks
+    on a mapping proxy once a dict mutates in the traced region (the monitor's records do), so a compiled graph must
+    not read it: with ``fullgraph=True`` that was an error, after any eager call of the norm in the process."""
+    model = _patched("llama", "qk_norm_cap", "layernorm").train()
+    ids, mask = _inputs()
+    model(ids, attention_mask=mask)  # an eager call first
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    monitor = hf_qknorm.QKMonitor(compiled)
+    monitor.start()
+    compiled(ids, attention_mask=mask, labels=ids).loss.backward()
+    assert monitor.stop()
+
+
 def test_compiled_matches_eager_and_the_monitor_traces_in():
     """fullgraph=True: any graph break is an error. Forward, gradients and, on a recorded step, the monitor's
     statistics (its probe is traced into a second graph) all match eager."""
