@@ -37,6 +37,7 @@ around it. Whole generations on a machine shared with other work vary by +-0.2 p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime as dt
 import json
@@ -421,8 +422,6 @@ def main() -> None:
         cells += [("step", shape, seq) for shape in args.shapes if shape != "tiny" for seq in args.seq]
     if args.table == "token":
         cells += [("token", s, b, p) for s in args.shapes for b in args.batch for p in args.prompt]
-    import contextlib
-
     from hf_qknorm.attention import kernel_policy
 
     env["route"] = args.route

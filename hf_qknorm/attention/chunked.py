@@ -125,12 +125,11 @@ class _Call:
             else 0
         )
         # where each tile's logits start in one flat buffer, and how many there are in all
-        self.tile_offsets, self.tile_sizes, total = [], [], 0
+        self.tile_offsets, total = [], 0
         for tile in self.tiles:
             n0, n1, start, end, lo, hi, _ = tile
             self.tile_offsets.append(total)
-            self.tile_sizes.append((n1 - n0) * (end - start) * self.groups * (hi - lo))
-            total += self.tile_sizes[-1]
+            total += (n1 - n0) * (end - start) * self.groups * (hi - lo)
         self.tile_total = total
         self.kept_tiles = 0  # how many of the first tiles keep their tanh for backward (set by forward)
         self.clamp = True
@@ -203,9 +202,12 @@ class _Call:
         return out
 
 
-def _kept_tiles(c: _Call) -> int:
-    """How many of the call's first tiles keep their tanh: as many as fit ``KEEP_TANH_MAX`` logits in all."""
-    return sum(1 for offset, size in zip(c.tile_offsets, c.tile_sizes) if offset + size <= KEEP_TANH_MAX)
+def _kept_tiles(c: _Call) -> tuple[int, int]:
+    """How many of the call's first tiles keep their tanh -- as many as fit ``KEEP_TANH_MAX`` logits in all -- and
+    how many logits they hold (each tile ends where the next starts, the last at ``tile_total``)."""
+    ends = c.tile_offsets[1:] + [c.tile_total] if c.tiles else []
+    count = sum(1 for end in ends if end <= KEEP_TANH_MAX)  # ends rise: the first ``count`` tiles (not bisect: Dynamo)
+    return count, ends[count - 1] if count else 0
 
 
 def _kept(c: _Call, i: int, kept: torch.Tensor, shape) -> torch.Tensor:
@@ -327,11 +329,10 @@ class TiledAttention(torch.autograd.Function):
         bufs = [torch.empty(n, dtype=c.acc, device=q.device) for n in (c.tile_max, c.tile_max, c.out_max)]
         # the first tiles whose logits fit KEEP_TANH_MAX keep their tanh for backward (all of them in a small call);
         # ``grad``: whether the caller records a graph (inside forward, grad mode is always off)
-        c.kept_tiles = _kept_tiles(c) if softcap is not None and grad and any(ctx.needs_input_grad[:3]) else 0
-        kept = None
-        if c.kept_tiles:
-            kept = torch.empty(c.tile_offsets[c.kept_tiles - 1] + c.tile_sizes[c.kept_tiles - 1], dtype=c.acc,
-                               device=q.device)  # fmt: skip
+        c.kept_tiles, kept_len = (
+            _kept_tiles(c) if softcap is not None and grad and any(ctx.needs_input_grad[:3]) else (0, 0)
+        )
+        kept = torch.empty(kept_len, dtype=c.acc, device=q.device) if c.kept_tiles else None
         for i, tile in enumerate(c.tiles):
             _forward_tile(c, i, tile, qp, kp, vp, out, lse, head_max, bufs, kept if i < c.kept_tiles else None)
         ctx.save_for_backward(qp, kp, vp, out, lse, *(() if kept is None else (kept,)))
