@@ -53,22 +53,24 @@ MATH_MIN = 4096
 _BIAS_CACHE: list = [None, None, None, None]
 
 
-# (value, dtype, device) -> that value as a 0-d tensor. An in-place op with a Python number first makes it a tensor
-# and converts it to the operand's dtype (``aten::_to_copy``): about 2 us of a 4 us ``mul_`` on few elements, per
-# layer per token (measured, one thread, 400 logits); with a 0-d tensor of the operand's dtype, none of that.
+# (value, dtype) -> that value as a 0-d CPU tensor. An in-place op with a Python number first makes it a tensor and
+# converts it to the operand's dtype (``aten::_to_copy``): about 2 us of a 4 us ``mul_`` on few elements, per layer
+# per token (measured, one thread, 400 logits); with a 0-d tensor of the operand's dtype, none of that. CPU calls only
+# (a GPU takes Python numbers, see lean_attention), so the key holds no device: making ``q.device`` costs half a
+# microsecond per call.
 _CONSTANTS: dict = {}
 _CONSTANTS_MAX = 256  # a model has a few (scale, cap) pairs; a caller sweeping values does not grow this forever
 
 
-def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``value`` as a 0-d tensor of ``dtype`` on ``device``, made once (rounded to ``dtype`` as the Python number
-    would be in the op)."""
-    key = (value, dtype, device)
+def _constant(value: float, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` as a 0-d CPU tensor of ``dtype``, made once (rounded to ``dtype`` as the Python number would be in
+    the op)."""
+    key = (value, dtype)
     const = _CONSTANTS.get(key)
     if const is None:
         if len(_CONSTANTS) >= _CONSTANTS_MAX:
             _CONSTANTS.clear()
-        const = _CONSTANTS[key] = torch.tensor(value, dtype=dtype, device=device)
+        const = _CONSTANTS[key] = torch.tensor(value, dtype=dtype)
     return const
 
 
@@ -128,11 +130,11 @@ def lean_attention(
     # capture would be an error)
     constants = on_cpu and not torch.compiler.is_compiling()
     if constants:
-        s = torch.bmm(q, k.mT).mul_(_constant(scale, acc, q.device))
+        s = torch.bmm(q, k.mT).mul_(_constant(scale, acc))
     else:
         s = torch.bmm(q * scale, k.mT)
     if softcap is not None:
-        cap = _constant(softcap, acc, q.device) if constants else softcap
+        cap = _constant(softcap, acc) if constants else softcap
         s = (tanh_doubled_(s, torch.empty_like(s)) if doubled else s.tanh_()).mul_(cap)
     if mask is None and ((causal and q_len > 1) or (sliding_window is not None and kv_len > sliding_window)):
         mask = position_mask(0, q_len, 0, kv_len, q_len, kv_len, causal, sliding_window, query.device)
