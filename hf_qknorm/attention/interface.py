@@ -14,7 +14,8 @@ path -- for a few queries that need no gradient (decoding), the lean path (:mod:
 without a cap or sink); otherwise ``sdpa`` when there is no cap or sink, and
 :func:`~hf_qknorm.attention.chunked.chunked_attention` (memory linear in sequence length) when there is one, or when a
 probe asks for the per-head largest logit of ``TILED_MAX_MIN_LEN`` (256) queries or more. A module's scaling,
-dropout, window and cap are validated at its first call and remembered.
+dropout, window and cap are validated at its first call and remembered; after that, decoding's commonest call (one
+query, no mask, CPU, eager) is decided in one frame (:func:`_one_query`), to the same answer.
 ``kernel_policy(devices=..., use_fallback=...)`` changes which devices go to the kernels and whether a call they
 cannot run may fall back.
 
@@ -160,6 +161,10 @@ def qknorm_attention_forward(
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if attention_mask is None and query.shape[2] == 1 and query.is_cpu and not torch.compiler.is_compiling():
+        out = _one_query(module, query, key, value, scaling, dropout, softcap, sliding_window, kwargs)
+        if out is not None:
+            return out, None
     softcap = _checked_args(module, scaling, dropout, softcap, sliding_window)
     check_mask(query, key, attention_mask)
     # hf_qknorm.modeling.telemetry.LogitTap; under torch.compile through getattr, which Dynamo guards on
@@ -209,6 +214,40 @@ def _checked_args(module, scaling, dropout, softcap, sliding_window) -> float | 
     if not compiling and all(isinstance(a, (int, float, type(None))) for a in args):
         module.__dict__["_qknorm_checked"] = (args, cap)
     return cap
+
+
+def _one_query(module, query, key, value, scaling, dropout, softcap, sliding_window, kwargs):
+    """Decoding's commonest call -- one query, no mask (nothing padded), on the CPU, eager -- in one frame: what
+    :func:`_checked_args` and :func:`_lean` decide for it, decided here with fewer calls (each costs a microsecond or
+    two of host time per layer per token when decoding). ``None`` sends the call down the general route, which
+    validates, remembers and decides as always: a module's first call, a changed argument, a probe, a sink, packing,
+    dropout, a gradient, attention weights, a window the keys exceed, a call too large for the lean path, a policy
+    that sends CPU tensors to the kernels."""
+    state = module.__dict__
+    seen = state.get("_qknorm_checked")  # (arguments, cap) that _checked_args validated for this module
+    if (
+        seen is None
+        or seen[0] != (scaling, dropout, softcap, sliding_window, state.get("_qknorm_softcap"))
+        or state.get("_qknorm_probes")
+        or kwargs.get("s_aux") is not None
+        or kwargs.get("cu_seq_lens_q") is not None
+        or (dropout and module.training)
+        or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+        or weights_requested(module, kwargs)
+    ):
+        return None
+    batch, heads = query.shape[0], query.shape[1]
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if (sliding_window is not None and kv_len > sliding_window) or not lean.fits(batch, heads, kv_heads, 1, kv_len):
+        return None
+    if route("cpu", query.dtype, 0.0, False, False) != (False, None):
+        return None
+    cap = seen[1]
+    if cap is None and batch * heads * kv_len < lean.MATH_MIN:
+        return _sdpa(module, query, key, value, None, scaling, 0.0, False, None).transpose(1, 2).contiguous()
+    return lean.lean_attention(
+        query, key, value, scaling=scaling, softcap=cap, mask=None, causal=False, sliding_window=None
+    )
 
 
 def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window, is_causal, kwargs):

@@ -208,6 +208,107 @@ def test_eager_decoding_on_cuda_takes_the_lean_path_unless_the_kernels_are_asked
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_warm_modules_decoding_call_takes_the_one_query_route_only_where_it_may(monkeypatch):
+    """Decoding's commonest call (one query, no mask, CPU, eager) skips the general route once the module's arguments
+    were validated (:func:`interface._one_query`). Everything that route decides must still hold on a warm module:
+    a changed cap or scaling, a probe, a sink, attention weights, dropout in training, a gradient, a window the keys
+    exceed, a policy that sends CPU tensors to the kernels -- each takes the general route, and every answer is the
+    float64 reference's."""
+    from hf_qknorm.attention import kernel_policy
+
+    taken, real = [], interface._one_query
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(interface, "_one_query", spy)
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.__dict__["_qknorm_softcap"] = 2.0  # a patched module's scheme cap
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (
+        torch.randn(s, generator=g, dtype=torch.float64) * 3 for s in ((2, 4, 1, 16), (2, 2, 40, 16), (2, 2, 40, 16))
+    )
+
+    def call(query=q, key=k, value=v, **kw):
+        kw.setdefault("scaling", 0.25)
+        return interface.qknorm_attention_forward(module, query, key, value, None, **kw)
+
+    def want(cap=2.0, scaling=0.25, key=k, value=v, window=None, sink=None):
+        ref = _reference(q, key, value, scaling=scaling, softcap=cap, mask=None, causal=False, window=window, sink=sink)
+        return ref.transpose(1, 2)
+
+    def check(got, expected, route):
+        assert taken[-1] is route
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+    def warm():  # the default arguments validated: the next call with them takes the one-query route
+        call()
+        check(call()[0], want(cap=module.__dict__["_qknorm_softcap"]), True)
+
+    with torch.no_grad():
+        check(call()[0], want(), False)  # the module's first call: the general route validates and remembers
+        check(call()[0], want(), True)
+        check(call(softcap=7.0)[0], want(), False)  # the model's own cap: the scheme's overrides it
+        module.__dict__["_qknorm_softcap"] = 3.0  # the scheme's cap changed (e.g. a curriculum)
+        check(call()[0], want(cap=3.0), False)
+        check(call()[0], want(cap=3.0), True)
+        check(call(scaling=0.5)[0], want(cap=3.0, scaling=0.5), False)
+        warm()
+        sink = torch.randn(4, generator=g, dtype=torch.float64)
+        check(call(s_aux=sink)[0], want(cap=3.0, sink=sink), False)
+        warm()
+        out, weights = call(output_attentions=True)
+        assert taken[-1] is False and weights is not None and weights.shape == (2, 4, 1, 40)
+        torch.testing.assert_close(out, want(cap=3.0), rtol=1e-12, atol=1e-12)
+        warm()
+        probed = []
+        module.__dict__["_qknorm_probes"] = {"tap": lambda *a, **kw: probed.append(kw["softcap"])}
+        check(call()[0], want(cap=3.0), False)
+        assert probed == [3.0]
+        del module.__dict__["_qknorm_probes"]
+        short = dict(key=k[:, :, :8], value=v[:, :, :8])
+        check(call(sliding_window=8, **short)[0], want(3.0, **short), False)
+        check(call(sliding_window=8, **short)[0], want(3.0, **short), True)
+        check(call(sliding_window=8)[0], want(cap=3.0, window=8), False)  # 40 keys, a window of 8: masked
+        warm()
+        packed = dict(cu_seq_lens_q=torch.tensor([0, 1]), cu_seq_lens_k=torch.tensor([0, 40]))
+        got = interface.qknorm_attention_forward(module, q[:1], k[:1], v[:1], None, scaling=0.25, **packed)[0]
+        assert taken[-1] is False
+        torch.testing.assert_close(got, want(cap=3.0)[:1], rtol=1e-12, atol=1e-12)
+        warm()
+        many = torch.randn(1, 2 * (lean.MAX_ROWS + 1), 1, 16, generator=g, dtype=torch.float64)  # too many rows
+        got = interface.qknorm_attention_forward(module, many, k[:1], v[:1], None, scaling=0.25)[0]
+        assert taken[-1] is False
+        ref = _reference(many, k[:1], v[:1], scaling=0.25, softcap=3.0, mask=None, causal=False, window=None)
+        torch.testing.assert_close(got, ref.transpose(1, 2), rtol=1e-12, atol=1e-12)
+        warm()
+        q32, k32, v32 = q.float(), k.float(), v.float()  # a dtype the kernels take (float64 would fall back)
+        with kernel_policy(devices=("cuda", "cpu")):  # CPU tensors to the kernels: the one-query route steps aside
+            assert real(module, q32, k32, v32, 0.25, 0.0, None, None, {}) is None
+        assert real(module, q32, k32, v32, 0.25, 0.0, None, None, {}) is not None
+        module.train()
+        call(dropout=0.5)
+        call(dropout=0.5)  # validated with this dropout: still not the one-query route in training
+        assert taken[-1] is False
+        module.eval()
+        check(call()[0], want(cap=3.0), False)  # dropout 0 again: arguments changed since the last validated call
+        check(call()[0], want(cap=3.0), True)
+    grad_q = q.clone().requires_grad_()
+    out, _ = interface.qknorm_attention_forward(module, grad_q, k, v, None, scaling=0.25)
+    assert taken[-1] is False and out.requires_grad
+    out.sum().backward()
+    assert grad_q.grad is not None and torch.isfinite(grad_q.grad).all()
+    module.__dict__["_qknorm_softcap"] = None  # no cap: sdpa for few logits, the lean math for many
+    with torch.no_grad():
+        call()
+        check(call()[0], want(cap=None), True)
+        long_k, long_v = (torch.randn(2, 2, lean.MATH_MIN // 4, 16, generator=g, dtype=torch.float64) for _ in "kv")
+        check(call(key=long_k, value=long_v)[0], want(cap=None, key=long_k, value=long_v), True)
+
+
 # ---- the calls real generation makes, every cache kind ----
 
 
@@ -279,7 +380,7 @@ def test_generation_calls_through_the_lean_path_match_float64(monkeypatch, famil
 
 
 def test_lean_constants_are_kept_per_dtype_and_bounded():
-    """The scale and cap are applied as 0-d tensors made once per (value, dtype, device): a float64 call after a
+    """The scale and cap are applied as 0-d tensors made once per (value, dtype): a float64 call after a
     float32 call with the same values computes with float64 constants (float64-exact), and a caller sweeping values
     does not grow the store without bound."""
     g = torch.Generator().manual_seed(5)
