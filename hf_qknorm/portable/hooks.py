@@ -146,6 +146,8 @@ def _projection_hook(module, args, output):
 
 
 _PROJECTION_CLASSES: dict[type, type] = {}
+_LINEAR_FORWARD = nn.Linear.forward
+_linear = torch.nn.functional.linear
 
 
 def projection_class(base: type) -> type:
@@ -154,9 +156,23 @@ def projection_class(base: type) -> type:
     if base in _PROJECTION_CLASSES.values():
         return base
     if base not in _PROJECTION_CLASSES:
+        if base is nn.Linear:
 
-        def forward(self, *args, **kwargs):
-            return _normed(self, base.forward(self, *args, **kwargs))
+            def forward(self, input):
+                # ``nn.Linear.forward``, ``F.linear(input, self.weight, self.bias)``, with the parameters read from
+                # ``_parameters`` (``nn.Module.__getattr__`` and the extra frame cost a microsecond or two per
+                # projection per token when decoding); a parameter kept elsewhere (a parametrization) or a replaced
+                # ``nn.Linear.forward`` takes the call as it is
+                params = self._parameters
+                weight = params.get("weight")
+                if weight is None or "bias" not in params or nn.Linear.forward is not _LINEAR_FORWARD:
+                    return _normed(self, base.forward(self, input))
+                return _normed(self, _linear(input, weight, params["bias"]))
+
+        else:
+
+            def forward(self, *args, **kwargs):
+                return _normed(self, base.forward(self, *args, **kwargs))
 
         name = f"{CLASS_PREFIX}{base.__name__}Projection"
         if name in globals():  # another class of the same name (torch's Linear, peft's LoRA Linear)

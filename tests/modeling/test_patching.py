@@ -450,3 +450,47 @@ def test_flat_rows_or_not_the_model_computes_the_same(monkeypatch):
         assert flat_grads.keys() == per_head_grads.keys() and any("q_norm" in n for n in flat_grads)
         for name, grad in flat_grads.items():
             torch.testing.assert_close(grad, per_head_grads[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # no bias on q_proj / a bias on it
+def test_a_linear_projection_computes_what_nn_linear_would(monkeypatch, family):
+    """A normalised ``nn.Linear`` projection reads its parameters from ``_parameters`` (one frame, no
+    ``__getattr__``): its output must be the norm of exactly what ``nn.Linear.forward`` gives -- with and without a
+    bias, with a parametrization on the weight or on the bias (then the parameter is not in ``_parameters``), and
+    with ``nn.Linear.forward`` replaced process-wide (the replacement is honoured)."""
+    from torch.nn.utils import parametrize
+
+    model = hf_qknorm.patch_model(tiny_model(family, dtype=torch.float64), "qk_norm")
+    attn = model.model.layers[0].self_attn
+    projection, norm, head_dim = attn.q_proj, attn.q_norm, attn.head_dim
+    assert (projection.bias is not None) == (family == "qwen2")
+    with torch.no_grad():  # away from the identity init (and the zero bias init): a dropped term must show
+        for p in [*norm.parameters(), *projection.parameters()]:
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype) + 1)
+    x = torch.randn(2, 3, projection.in_features, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def expected(linear_out):
+        return norm.forward(linear_out.unflatten(-1, (-1, head_dim))).flatten(-2)
+
+    def linear(weight, bias):
+        return x @ weight.T + (0 if bias is None else bias)
+
+    weight, bias = projection.weight.detach().clone(), None if projection.bias is None else projection.bias.detach()
+    torch.testing.assert_close(projection(x), expected(linear(weight, bias)), rtol=1e-14, atol=1e-14)
+
+    class Doubled(torch.nn.Module):
+        def forward(self, t):
+            return 2 * t
+
+    if bias is not None:
+        parametrize.register_parametrization(projection, "bias", Doubled())
+        torch.testing.assert_close(projection(x), expected(linear(weight, 2 * bias)), rtol=1e-14, atol=1e-14)
+        parametrize.remove_parametrizations(projection, "bias", leave_parametrized=False)
+    parametrize.register_parametrization(projection, "weight", Doubled())
+    torch.testing.assert_close(projection(x), expected(linear(2 * weight, bias)), rtol=1e-14, atol=1e-14)
+    parametrize.remove_parametrizations(projection, "weight", leave_parametrized=False)
+
+    real = torch.nn.Linear.forward
+    ramp = torch.linspace(0.0, 1.0, projection.out_features, dtype=torch.float64)  # not a shift the norm removes
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, input: real(self, input) + ramp)
+    torch.testing.assert_close(projection(x), expected(linear(weight, bias) + ramp), rtol=1e-14, atol=1e-14)
