@@ -147,7 +147,7 @@ def _projection_hook(module, args, output):
 
 _PROJECTION_CLASSES: dict[type, type] = {}
 _LINEAR_FORWARD = nn.Linear.forward
-_linear = torch.nn.functional.linear
+_F = torch.nn.functional  # ``F.linear`` looked up per call, as ``nn.Linear.forward`` does (a replaced one is honoured)
 
 
 def projection_class(base: type) -> type:
@@ -167,7 +167,7 @@ def projection_class(base: type) -> type:
                 weight = params.get("weight")
                 if weight is None or "bias" not in params or nn.Linear.forward is not _LINEAR_FORWARD:
                     return _normed(self, base.forward(self, input))
-                return _normed(self, _linear(input, weight, params["bias"]))
+                return _normed(self, _F.linear(input, weight, params["bias"]))
 
         else:
 

@@ -457,7 +457,7 @@ def test_a_linear_projection_computes_what_nn_linear_would(monkeypatch, family):
     """A normalised ``nn.Linear`` projection reads its parameters from ``_parameters`` (one frame, no
     ``__getattr__``): its output must be the norm of exactly what ``nn.Linear.forward`` gives -- with and without a
     bias, with a parametrization on the weight or on the bias (then the parameter is not in ``_parameters``), and
-    with ``nn.Linear.forward`` replaced process-wide (the replacement is honoured)."""
+    with ``F.linear`` or ``nn.Linear.forward`` replaced process-wide (the replacement is honoured)."""
     from torch.nn.utils import parametrize
 
     model = hf_qknorm.patch_model(tiny_model(family, dtype=torch.float64), "qk_norm")
@@ -490,7 +490,11 @@ def test_a_linear_projection_computes_what_nn_linear_would(monkeypatch, family):
     torch.testing.assert_close(projection(x), expected(linear(2 * weight, bias)), rtol=1e-14, atol=1e-14)
     parametrize.remove_parametrizations(projection, "weight", leave_parametrized=False)
 
-    real = torch.nn.Linear.forward
     ramp = torch.linspace(0.0, 1.0, projection.out_features, dtype=torch.float64)  # not a shift the norm removes
+    real_linear = torch.nn.functional.linear
+    with monkeypatch.context() as m:  # a replaced F.linear, as nn.Linear.forward would call it
+        m.setattr(torch.nn.functional, "linear", lambda i, w, b=None: real_linear(i, w, b) + ramp)
+        torch.testing.assert_close(projection(x), expected(linear(weight, bias) + ramp), rtol=1e-14, atol=1e-14)
+    real = torch.nn.Linear.forward
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, input: real(self, input) + ramp)
     torch.testing.assert_close(projection(x), expected(linear(weight, bias) + ramp), rtol=1e-14, atol=1e-14)
