@@ -243,8 +243,8 @@ def _one_query(module, query, key, value, scaling, dropout, softcap, sliding_win
     if route("cpu", query.dtype, 0.0, False, False) != (False, None):
         return None
     cap = seen[1]
-    if cap is None and batch * heads * kv_len < lean.MATH_MIN:
-        return _sdpa(module, query, key, value, None, scaling, 0.0, False, None).transpose(1, 2).contiguous()
+    if cap is None and batch * heads * kv_len < lean.MATH_MIN:  # (batch, 1, heads, head_dim): one view, no copy
+        return _sdpa(module, query, key, value, None, scaling, 0.0, False, None).view(batch, 1, heads, -1)
     return lean.lean_attention(
         query, key, value, scaling=scaling, softcap=cap, mask=None, causal=False, sliding_window=None
     )

@@ -108,34 +108,38 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
 
     Decoding runs this for every normalised projection of every layer at every token, so the common case -- one
     role, a norm whose own class declares ``rowwise`` (it reduces over the last dimension only: this package's),
-    no hook on it, a contiguous output -- is one frame: the norm's ``forward`` on the rows ``(-1, head_dim)``, the
-    same values as on ``(batch, seq, heads, head_dim)`` and three microseconds cheaper per call (one CPU thread).
-    Otherwise, and whenever a hook could see its input, the norm is called on the per-head view."""
+    no hook on it, a contiguous output -- is one frame: the norm on the rows ``(-1, head_dim)``, the same values as
+    on ``(batch, seq, heads, head_dim)``; a norm that declares ``rowwise = "layer_norm"`` (:class:`HeadLayerNorm`)
+    is that one ``torch.layer_norm`` call, made here, without the norm's own frame (about three microseconds less per
+    call on one CPU thread, together). Otherwise, and whenever a hook could see its input, the norm is called on the
+    per-head view."""
     state = module.__dict__
     attn = state.get("_qknorm_owner")
     # A stale module (replaced, e.g. it became a LoRA layer's ``base_layer``, or the patch was undone) does nothing.
     if attn is None:
         return output
-    modules, slot = attn._modules, state["_qknorm_slot"]
+    slot, name, head_dim = state["_qknorm_plan"]  # made by _attach; ``name`` None for a fused projection
+    modules = attn._modules
     if modules.get(slot) is not module:
         return output
-    attn_state = attn.__dict__
-    roles = attn_state["_qknorm_slots"][slot]
-    if len(roles) != 1:
-        return _fused(attn, roles, output)
-    norm = modules[attn_state["_qknorm_norms"][roles[0]]]
-    head_dim = attn_state["_qknorm_shape"][0]
+    if name is None:
+        return _fused(attn, attn.__dict__["_qknorm_slots"][slot], output)
+    norm = modules[name]
     # the class's own declaration, not an inherited one: a subclass may override ``forward`` and look at the heads;
     # a width that is not whole heads (a misconfigured or oddly sharded projection) takes unflatten, which refuses it;
     # a compiled graph has no per-call cost to save, and Dynamo refuses a class's ``__dict__`` once it was modified
-    if (
-        not torch.compiler.is_compiling()
-        and type(norm).__dict__.get("rowwise", False)
-        and output.is_contiguous()
-        and output.size(-1) % head_dim == 0
-        and not _hooked(norm)
-    ):
-        return norm.forward(output.view(-1, head_dim)).view_as(output)
+    rows = not torch.compiler.is_compiling() and type(norm).__dict__.get("rowwise")  # never read under Dynamo
+    if rows and output.is_contiguous() and output.size(-1) % head_dim == 0 and not _hooked(norm):
+        flat = output.view(-1, head_dim)
+        if rows == "layer_norm":  # ``forward`` is this call when its parameters are its own, of the input's dtype
+            params, dtype = norm._parameters, output.dtype
+            weight, bias = params.get("weight"), params.get("bias")
+            if weight is not None and bias is not None and weight.dtype == dtype and bias.dtype == dtype:
+                normed = torch.layer_norm(flat, (head_dim,), weight, bias, norm.eps)
+                if normed.dtype != dtype:  # autocast runs layer_norm in float32
+                    normed = normed.to(dtype)
+                return normed.view_as(output)
+        return norm.forward(flat).view_as(output)
     # unflatten/flatten, not view(x.shape): the shape object costs a microsecond per call when decoding
     return _call(norm, output.unflatten(-1, (-1, head_dim))).flatten(-2)
 
@@ -204,7 +208,11 @@ def _attach(attn: nn.Module, slot: str) -> None:
     if slot in sites:
         _detach(attn, slot)
     module.__dict__["_qknorm_owner"] = attn
-    module.__dict__["_qknorm_slot"] = slot
+    # what _normed needs at every call, looked up once: the slot, the role's norm attribute (None: a fused projection,
+    # several roles) and head_dim; the attention module's slots, norms and shape never change once installed
+    roles = attn.__dict__["_qknorm_slots"][slot]
+    name = attn.__dict__["_qknorm_norms"][roles[0]] if len(roles) == 1 else None
+    module.__dict__["_qknorm_plan"] = (slot, name, attn.__dict__["_qknorm_shape"][0])
     if attn.__dict__.get("_qknorm_use_hooks") or "forward" in module.__dict__:
         sites[slot] = (module, module.register_forward_hook(_projection_hook))
     else:
@@ -220,7 +228,7 @@ def _detach(attn: nn.Module, slot: str) -> None:
     elif type(module) in _PROJECTION_CLASSES.values():
         module.__class__ = type(module).__bases__[0]
     module.__dict__.pop("_qknorm_owner", None)
-    module.__dict__.pop("_qknorm_slot", None)
+    module.__dict__.pop("_qknorm_plan", None)
 
 
 def use_forward_hooks(attn: nn.Module) -> None:
@@ -246,16 +254,18 @@ _PLAIN_GETTER: dict[type, bool] = {}
 
 def _attn_implementation(config) -> str | None:
     """``config._attn_implementation``, read from the instance where Transformers' own property reads it (the
-    property and the config's ``__getattribute__`` cost a microsecond and a half, per layer per token when
-    decoding); through the attribute for a config class whose getter is another."""
+    property costs three microseconds, per layer per token when decoding: the config's ``__getattribute__`` runs
+    for every attribute read, ``__dict__`` included, hence ``object.__getattribute__``); through the attribute for a
+    config class whose getter is another."""
     cls = type(config)
     plain = _PLAIN_GETTER.get(cls)
     if plain is None:  # the class that defines the property: Transformers' base config class, or another
         owner = next((c for c in cls.__mro__ if "_attn_implementation" in c.__dict__), None)
         plain = _PLAIN_GETTER[cls] = owner is not None and owner.__module__ == "transformers.configuration_utils"
-    state = config.__dict__
-    if plain and "_attn_implementation_internal" in state:
-        return state["_attn_implementation_internal"]
+    if plain and not torch.compiler.is_compiling():  # Dynamo does not trace ``object.__getattribute__``
+        state = object.__getattribute__(config, "__dict__")
+        if "_attn_implementation_internal" in state:
+            return state["_attn_implementation_internal"]
     return config._attn_implementation
 
 

@@ -27,7 +27,10 @@ class HeadLayerNorm(nn.Module):
     """LayerNorm over ``head_dim`` with ``weight`` and ``bias`` of shape ``(head_dim,)`` (the paper's QK-norm)."""
 
     kind = "layernorm"
-    rowwise = True  # reduces over the last dimension only: hooks._normed may pass it the rows flat (not inherited)
+    # reduces over the last dimension only: hooks._normed may pass it the rows flat (not inherited); and on rows
+    # ``(-1, head_dim)`` whose dtype its weight and bias (both in ``_parameters``) have, ``forward`` is exactly
+    # ``torch.layer_norm(rows, (head_dim,), weight, bias, eps)`` cast back to that dtype: _normed makes that call
+    rowwise = "layer_norm"
 
     def __init__(self, head_dim: int, eps: float):
         super().__init__()

@@ -377,6 +377,40 @@ def test_the_norms_on_flat_rows_give_the_per_head_values_bit_for_bit(norm, dtype
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layer_norm_on_flat_rows_is_the_norms_own_call_in_any_dtype_pair(monkeypatch, dtype, norm_dtype):
+    """``HeadLayerNorm`` declares ``rowwise = "layer_norm"``: ``_normed`` makes its ``torch.layer_norm`` call itself.
+    Whatever the projection's and the norm's dtypes (norms kept in float32 beside a bfloat16 model take the norm's
+    own casting path), under CPU autocast, and under an autocast that runs ``layer_norm`` in float32 (CUDA's;
+    simulated here by a ``torch.layer_norm`` that returns float32), the result must be the per-head call's to the
+    bit, in the projection output's dtype, gradients included."""
+    from hf_qknorm.portable import hooks
+
+    model = hf_qknorm.patch_model(tiny_model("llama", dtype=dtype), "qk_norm")
+    attn = model.model.layers[0].self_attn
+    norm, head_dim = attn.k_norm.to(norm_dtype), attn.head_dim
+    assert type(norm).rowwise == "layer_norm"
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(norm_dtype) + 1)
+    out = torch.randn(2, 5, attn.k_proj.out_features, generator=torch.Generator().manual_seed(2)).to(dtype) * 5
+    layer_norm = torch.layer_norm
+    for autocast in (False, True, "float32"):
+        if autocast == "float32":
+            monkeypatch.setattr(torch, "layer_norm", lambda *args: layer_norm(*args).float())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is True):
+            got_in, ref_in = out.clone().requires_grad_(), out.clone().requires_grad_()
+            got = hooks._normed(attn.k_proj, got_in)
+            expected = norm(ref_in.unflatten(-1, (-1, head_dim))).flatten(-2)
+        assert got.dtype == expected.dtype == dtype, (got.dtype, expected.dtype)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+        (got_grad,) = torch.autograd.grad(got, got_in, grad)
+        (ref_grad,) = torch.autograd.grad(expected, ref_in, grad)
+        torch.testing.assert_close(got_grad, ref_grad, rtol=0, atol=0)
+
+
 def test_a_projection_output_of_no_whole_heads_is_refused_not_regrouped():
     """An output whose width is not a whole number of heads (a misconfigured or oddly sharded projection) must fail
     loudly, never be cut into ``head_dim`` rows across its batch and sequence positions."""
