@@ -52,10 +52,19 @@ import torch
 RESULTS = Path(__file__).parent / "results" / "decode.jsonl"
 ASSET = Path(__file__).resolve().parents[1] / "hf_qknorm" / "assets" / "tiny-llama"
 SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
-# ablations (``--schemes qk_norm_noop``): patched with the scheme named, then every norm it added replaced by a module
-# that returns its input -- what the patch costs besides the norms' own arithmetic (the projection's subclass, the
-# per-head views, the module call)
-ABLATIONS = {"qk_norm_noop": "qk_norm"}
+# ablations (``--schemes qk_norm_noop ...``), each patched with the scheme it names:
+# - ``qk_norm_noop``: every norm the patch added replaced by a module that returns its input -- what the patch costs
+#   besides the norms' own arithmetic (the projection's subclass, the per-head views, the module call);
+# - ``<scheme>_floor``: the scheme's decoding cut to the least code a patch of this design could run (:func:`_floor`):
+#   a normalised projection is ``F.linear``, a view, one ``layer_norm`` and a view back; one query's attention is its
+#   math alone (sdpa and a view without a cap; bmm, scale, tanh, cap, softmax, bmm with one: the lean path's ops);
+#   no check, no routing, no cap-backend check. It computes the patched model's logits to the bit (checked before it
+#   is timed) and holds only for what the token table runs (CPU, eager, no gradient, one query, no mask, layernorm):
+#   between it and the unpatched model is the cost of the ops the scheme adds, not of the code around them.
+ABLATIONS = {
+    "qk_norm_noop": "qk_norm",
+    **{f"{scheme}_floor": scheme for scheme in ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")},
+}
 
 
 class _NoOp(torch.nn.Module):
@@ -116,11 +125,77 @@ def _providers(shape: str, sliding: bool, schemes) -> dict:
     models = {"sdpa": base}
     for scheme in schemes:
         models[scheme] = hf_qknorm.patch_model(copy.deepcopy(base), ABLATIONS.get(scheme, scheme))
-        if scheme in ABLATIONS:
+        if scheme.endswith("_floor"):
+            _floor(models[scheme], reference=models.get(ABLATIONS[scheme]))
+        elif scheme in ABLATIONS:
             for module in models[scheme].modules():
                 for slot in module.__dict__.get("_qknorm_norms", {}).values():
                     setattr(module, slot, _NoOp())
     return models
+
+
+def _floor_projection(projection, norm, head_dim: int):
+    """A normalised projection's forward with nothing around its arithmetic: ``F.linear``, the rows, ``layer_norm``."""
+    weight, bias = projection._parameters["weight"], projection._parameters["bias"]
+    gain, shift, eps = norm._parameters["weight"], norm._parameters["bias"], norm.eps
+    linear, layer_norm = torch.nn.functional.linear, torch.layer_norm
+
+    def forward(x):
+        out = linear(x, weight, bias)
+        return layer_norm(out.view(-1, head_dim), (head_dim,), gain, shift, eps).view_as(out)
+
+    return forward
+
+
+def _floor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """One query's attention as its math alone (the lean path's ops, in its order); any other call: the backend."""
+    from hf_qknorm.attention.interface import qknorm_attention_forward
+    from hf_qknorm.attention.lean import EXPM1_TANH_MIN, _constant
+    from hf_qknorm.attention.tiles import tanh_doubled_
+
+    batch, heads, q_len, head_dim = query.shape
+    if attention_mask is not None or q_len != 1 or torch.is_grad_enabled():
+        return qknorm_attention_forward(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
+    cap = module.__dict__["_qknorm_softcap"]
+    if cap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+        return out.view(batch, 1, heads, head_dim), None
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    n = batch * kv_heads
+    s = torch.bmm(query.reshape(n, heads // kv_heads, head_dim), key.reshape(n, kv_len, head_dim).mT)
+    if batch * heads * kv_len >= EXPM1_TANH_MIN:
+        s = tanh_doubled_(s.mul_(_constant(2 * scaling / cap, s.dtype)), torch.empty_like(s))
+    else:
+        s = s.mul_(_constant(scaling / cap, s.dtype)).tanh_()
+    p = torch.softmax(s.mul_(_constant(cap, s.dtype)), dim=-1)
+    return torch.bmm(p, value.reshape(n, kv_len, head_dim)).view(batch, 1, heads, head_dim), None
+
+
+def _floor(model, reference=None) -> None:
+    """``model`` (patched, layernorm, float32, on the CPU) cut to the floor of :data:`ABLATIONS`; checked against
+    ``reference`` (the model patched alike, or a copy made here) on a short decode: the same logits to the bit."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    reference = reference if reference is not None else copy.deepcopy(model)
+    AttentionInterface.register("qknorm_floor", _floor_attention)
+    AttentionMaskInterface.register("qknorm_floor", sdpa_mask)
+    for attn in model.modules():
+        state = attn.__dict__
+        if "_qknorm_slots" not in state:
+            continue
+        for slot, (role,) in state["_qknorm_slots"].items():
+            projection, norm = attn._modules[slot], attn._modules[state["_qknorm_norms"][role]]
+            projection.forward = _floor_projection(projection, norm, state["_qknorm_shape"][0])
+        attn.__class__ = state["_qknorm_base_class"]  # no cap-backend check
+    model.config._attn_implementation = "qknorm_floor"
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    options = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        got, expected = (m.generate(ids, **options).logits for m in (model, reference))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        if not torch.equal(a, b):
+            raise AssertionError(f"the floor model's logits differ from the patched model's at decoding step {step}")
 
 
 class _Clock:

@@ -46,7 +46,7 @@ from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import check_softcap
 from . import lean
 from .chunked import chunked_attention, max_logits
-from .dispatch import KernelFallbackError, current_kernel_policy, fallback_message, route
+from .dispatch import _POLICY, KernelFallbackError, current_kernel_policy, fallback_message, route
 from .tiles import chunk_allowed
 
 try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
@@ -233,14 +233,19 @@ def _one_query(module, query, key, value, scaling, dropout, softcap, sliding_win
         or kwargs.get("cu_seq_lens_q") is not None
         or (dropout and module.training)
         or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
-        or weights_requested(module, kwargs)
+        or "cpu" in _POLICY.get().devices  # route() could send CPU tensors to the kernels: it decides
+    ):
+        return None
+    # weights_requested(), whose commonest answer -- an output capture running that collects no attentions -- is read
+    # here without its frame; every other case asks it
+    collecting = _active_collector.get() if _active_collector is not None else None
+    if ("output_attentions" in kwargs or collecting is None or "attentions" in collecting) and weights_requested(
+        module, kwargs
     ):
         return None
     batch, heads = query.shape[0], query.shape[1]
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if (sliding_window is not None and kv_len > sliding_window) or not lean.fits(batch, heads, kv_heads, 1, kv_len):
-        return None
-    if route("cpu", query.dtype, 0.0, False, False) != (False, None):
         return None
     cap = seen[1]
     if cap is None and batch * heads * kv_len < lean.MATH_MIN:  # (batch, 1, heads, head_dim): one view, no copy

@@ -119,20 +119,36 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     if attn is None:
         return output
     slot, name, head_dim = state["_qknorm_plan"]  # made by _attach; ``name`` None for a fused projection
-    modules = attn._modules
+    modules = attn.__dict__["_modules"]  # instance dicts, not attributes: nn.Module's __getattr__ slows each lookup
     if modules.get(slot) is not module:
         return output
     if name is None:
         return _fused(attn, attn.__dict__["_qknorm_slots"][slot], output)
     norm = modules[name]
+    own = norm.__dict__
     # the class's own declaration, not an inherited one: a subclass may override ``forward`` and look at the heads;
     # a width that is not whole heads (a misconfigured or oddly sharded projection) takes unflatten, which refuses it;
     # a compiled graph has no per-call cost to save, and Dynamo refuses a class's ``__dict__`` once it was modified
     rows = not torch.compiler.is_compiling() and type(norm).__dict__.get("rowwise")  # never read under Dynamo
-    if rows and output.is_contiguous() and output.size(-1) % head_dim == 0 and not _hooked(norm):
+    if (
+        rows
+        and output.is_contiguous()
+        and output.size(-1) % head_dim == 0
+        and _DIRECT_CALLS  # not _hooked(norm), without its frame: decoding pays for every frame here
+        and not (
+            own["_forward_hooks"]
+            or own["_forward_pre_hooks"]
+            or own["_backward_hooks"]
+            or own["_backward_pre_hooks"]
+            or _MODULE._global_forward_pre_hooks
+            or _MODULE._global_forward_hooks
+            or _MODULE._global_backward_pre_hooks
+            or _MODULE._global_backward_hooks
+        )
+    ):
         flat = output.view(-1, head_dim)
         if rows == "layer_norm":  # ``forward`` is this call when its parameters are its own, of the input's dtype
-            params, dtype = norm._parameters, output.dtype
+            params, dtype = own["_parameters"], output.dtype
             weight, bias = params.get("weight"), params.get("bias")
             if weight is not None and bias is not None and weight.dtype == dtype and bias.dtype == dtype:
                 normed = torch.layer_norm(flat, (head_dim,), weight, bias, norm.eps)

@@ -6,6 +6,8 @@ inputs each cache hands the attention, recorded during ``generate``)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -264,6 +266,19 @@ def test_a_warm_modules_decoding_call_takes_the_one_query_route_only_where_it_ma
         assert taken[-1] is False and weights is not None and weights.shape == (2, 4, 1, 40)
         torch.testing.assert_close(out, want(cap=3.0), rtol=1e-12, atol=1e-12)
         warm()
+        module.config = types.SimpleNamespace(output_attentions=True)  # asked by the config, no output capture on
+        out, weights = call()
+        assert taken[-1] is False and weights is not None
+        del module.config
+        warm()
+        for collecting, route in (({"attentions": []}, False), ({}, True)):  # an output capture running: it decides
+            token = interface._active_collector.set(collecting)
+            try:
+                out, weights = call()
+            finally:
+                interface._active_collector.reset(token)
+            assert taken[-1] is route and (weights is None) is route
+            torch.testing.assert_close(out, want(cap=3.0), rtol=1e-12, atol=1e-12)
         probed = []
         module.__dict__["_qknorm_probes"] = {"tap": lambda *a, **kw: probed.append(kw["softcap"])}
         check(call()[0], want(cap=3.0), False)

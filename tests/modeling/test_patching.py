@@ -438,6 +438,56 @@ def test_a_hook_on_a_norm_sees_the_heads():
     assert not torch.allclose(model(ids).logits, expected)
 
 
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "forward",
+        "forward_pre",
+        "full_backward",
+        "full_backward_pre",
+        "global_forward",
+        "global_forward_pre",
+        "global_full_backward",
+        "global_full_backward_pre",
+    ],
+)
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_every_kind_of_hook_on_a_norm_is_called(kind, norm):
+    """The flat-rows call skips ``nn.Module.__call__``: it must not while any hook could run -- on the norm or
+    process-wide, forward or backward (the projection checks them inline, without ``_hooked``'s frame). The hook is
+    called, on the per-head view, and the values are the flat call's."""
+    from torch.nn.modules import module as torch_module
+
+    from hf_qknorm.portable import hooks
+
+    model = hf_qknorm.patch_model(tiny_model("llama"), QKNormConfig("qk_norm", norm=norm))
+    attn = model.model.layers[0].self_attn
+    out = torch.randn(2, 5, attn.q_proj.out_features, generator=torch.Generator().manual_seed(2))
+    expected = hooks._normed(attn.q_proj, out)  # no hook: the flat call
+    calls = []
+    if kind.endswith("backward"):  # a backward hook gets (module, grad_input, grad_output)
+        hook = lambda module, grad_in, grad_out: calls.append(grad_out[0].shape)  # noqa: E731
+    elif kind.endswith("backward_pre"):
+        hook = lambda module, grad_out: calls.append(grad_out[0].shape)  # noqa: E731
+    elif kind.endswith("pre"):
+        hook = lambda module, args: calls.append(args[0].shape)  # noqa: E731
+    else:
+        hook = lambda module, args, output: calls.append(args[0].shape)  # noqa: E731
+    if kind.startswith("global_"):
+        handle = getattr(torch_module, f"register_module_{kind.removeprefix('global_')}_hook")(hook)
+    else:
+        handle = getattr(attn.q_norm, f"register_{kind}_hook")(hook)
+    try:
+        source = out.clone().requires_grad_()
+        got = hooks._normed(attn.q_proj, source)
+        got.sum().backward()
+    finally:
+        handle.remove()
+    heads = (2, 5, model.config.num_attention_heads, attn.head_dim)
+    assert calls and all(tuple(shape) == heads for shape in calls[:1]), (kind, calls)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_a_subclass_of_a_norm_gets_the_heads():
     """``rowwise`` is read from the norm's own class, not inherited: a user's subclass that overrides ``forward`` (and
     may look at the heads) is called on the per-head view."""

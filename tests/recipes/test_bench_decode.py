@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_decode
 
@@ -85,3 +87,26 @@ def test_the_pytorch_route_and_a_missing_gpu(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit_:
             bench_decode.main()
         assert exit_.value.code == 2 and "--device cuda: torch sees no CUDA device here" in capsys.readouterr().err
+
+
+def test_the_floor_ablations_compute_the_patched_models_logits_and_refuse_otherwise(monkeypatch):
+    """``<scheme>_floor`` (the scheme's decoding with nothing around its arithmetic) is timed only after its decode
+    matched the patched model's to the bit; a floor that computed anything else -- here a projection whose norm lost
+    its bias -- is refused before any timing."""
+    import torch
+
+    models = bench_decode._providers("tiny", False, ["qk_norm_cap", "qk_norm_cap_floor", "qkv_norm_floor"])
+    assert models["qk_norm_cap_floor"].config._attn_implementation == "qknorm_floor"
+    row = bench_decode.token_cell("tiny", batch=2, prompt=8, rounds=1, schemes=["soft_cap_floor", "qk_norm_floor"])
+    assert all(0.05 < row[f"{s}_cpu"] < 20 for s in ("soft_cap_floor", "qk_norm_floor"))
+
+    real = bench_decode._floor_projection
+
+    def biased(projection, norm, head_dim):
+        with torch.no_grad():
+            norm.bias.add_(0.5)  # the norm the floor reads, changed after the reference was copied
+        return real(projection, norm, head_dim)
+
+    monkeypatch.setattr(bench_decode, "_floor_projection", biased)
+    with pytest.raises(AssertionError, match="the floor model's logits differ from the patched model's"):
+        bench_decode._providers("tiny", False, ["qk_norm_floor"])
