@@ -280,33 +280,43 @@ def decode_cell(shape, cache, batch, prompt, new_tokens, rounds, schemes, compil
     return row
 
 
-def token_cell(shape: str, batch: int, prompt: int, rounds: int, schemes) -> dict:
-    """One decoding forward (one new token per row) against a dynamic cache holding ``prompt`` tokens, cropped back
-    to ``prompt`` after each, 20 forwards per round, many short interleaved rounds: the per-token cost of the model's
-    forward without ``generate`` around it, steadier than whole generations where other work shares the machine. The
-    ratio is the median over rounds of the unpatched model's CPU time over the provider's (above 1: faster);
-    ``sdpa_us`` the unpatched model's median microseconds per forward, the crop included."""
+def token_steps(shape: str, batch: int, prompt: int, schemes, warm_up: int) -> dict:
+    """Every provider's decoding step of the token table, warmed up: one forward of one new token per row against a
+    dynamic cache holding ``prompt`` tokens, cropped back after it. Call them under ``torch.no_grad()`` (the models
+    are patched outside it: the patch's self-check runs a backward pass)."""
     from transformers import DynamicCache
 
     models = _providers(shape, False, schemes)
     vocab = models["sdpa"].config.vocab_size
     ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     nxt = torch.randint(3, vocab, (batch, 1), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    clock = time.perf_counter if DEVICE.type == "cuda" else time.process_time
-    steps, reps = {}, 20
-    with torch.no_grad():
-        for name, model in models.items():
-            kv = DynamicCache(config=model.config)
+    steps = {}
+    for name, model in models.items():
+        kv = DynamicCache(config=model.config)
+
+        def step(model=model, kv=kv):
+            model(nxt, past_key_values=kv, use_cache=True)
+            kv.crop(-1)
+
+        steps[name] = step
+        with torch.no_grad():
             model(ids, past_key_values=kv, use_cache=True)
-
-            def step(model=model, kv=kv):
-                model(nxt, past_key_values=kv, use_cache=True)
-                kv.crop(-1)
-
-            steps[name] = step
-            for _ in range(reps):  # warm-up
+            for _ in range(warm_up):  # first calls validate and cache
                 step()
-        times = {name: [] for name in models}
+    return steps
+
+
+def token_cell(shape: str, batch: int, prompt: int, rounds: int, schemes) -> dict:
+    """One decoding forward (one new token per row) against a dynamic cache holding ``prompt`` tokens, cropped back
+    to ``prompt`` after each, 20 forwards per round, many short interleaved rounds: the per-token cost of the model's
+    forward without ``generate`` around it, steadier than whole generations where other work shares the machine. The
+    ratio is the median over rounds of the unpatched model's CPU time over the provider's (above 1: faster);
+    ``sdpa_us`` the unpatched model's median microseconds per forward, the crop included."""
+    clock = time.perf_counter if DEVICE.type == "cuda" else time.process_time
+    reps = 20
+    steps = token_steps(shape, batch, prompt, schemes, warm_up=reps)
+    with torch.no_grad():
+        times = {name: [] for name in steps}
         for _ in range(rounds):
             for name, step in steps.items():
                 _sync()
@@ -419,6 +429,15 @@ def markdown(rows: list[dict]) -> str:
         for r in tokens:
             cells = [r["shape"], r["cache"], r["batch"], r["prompt"], r["sdpa_us"]]
             out += ["| " + " | ".join(map(str, cells + [f"{_ratio(r, s):.2f}x" for s in schemes])) + " |"]
+    counted = [r for r in rows if r["table"] == "instructions"]  # count_decode.py's rows
+    if counted:
+        schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_instr" in counted[0]]
+        out += ["", "| shape | batch | prompt | sdpa instructions/forward | " + " | ".join(f"`{s}`" for s in schemes)]
+        out[-1] += " |"
+        out += ["|---" * (4 + len(schemes)) + "|"]
+        for r in counted:
+            cells = [r["shape"], r["batch"], r["prompt"], r["sdpa_instructions"]]
+            out += ["| " + " | ".join(map(str, cells + [f"{r[f'{s}_instr']:.3f}x" for s in schemes])) + " |"]
     steps = [r for r in rows if r["table"] == "step"]
     if steps:
         schemes = [s for s in (*SCHEMES, *ABLATIONS) if f"{s}_cpu" in steps[0] or f"{s}_wall" in steps[0]]

@@ -1,0 +1,115 @@
+"""Instructions per decoding forward of patched models against the unpatched model on sdpa, counted by valgrind.
+
+A shared machine's clock moves by several percent between runs, more than the host cost this project cuts per
+change; an instruction count does not: the same code, inputs and hash seed count the same, whatever else runs
+(``valgrind --tool=callgrind``, ``PYTHONHASHSEED=0``). What it does not see is time's other half -- cache misses,
+which make code in a whole model cost more than in a loop -- so it ranks changes of host code, and the token table
+(``bench_decode.py --table token``) says what they are worth in time.
+
+It runs itself under callgrind: every provider (the unpatched model, each scheme, the ablations of
+``bench_decode.py``) decodes one token at a time against a dynamic cache of ``prompt`` tokens cropped back after each
+forward, as the token table does; callgrind's counters are dumped before and after ``--steps`` forwards of each. The
+ratio is the unpatched model's instructions per forward over the provider's (above 1: fewer). Rows go to
+``benchmarks/results/decode.jsonl`` (``"table": "instructions"``).
+
+    python benchmarks/count_decode.py                                  # tiny shape, batch 1, prompt 32 (~5 min)
+    python benchmarks/count_decode.py --schemes qk_norm qk_norm_floor --label mine
+
+Needs valgrind (Debian: ``apt-get install valgrind``); it exits 2 saying so when it is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import bench_decode  # this folder's, beside the script
+
+
+def _inner(args) -> None:
+    """Under callgrind: build the providers, warm them, count ``--steps`` forwards of each between two dumps."""
+    import torch
+
+    torch.set_num_threads(1)
+
+    def dump(tag: str) -> None:
+        subprocess.run(["callgrind_control", "-d", tag, str(os.getpid())], check=True, capture_output=True)
+
+    steps = bench_decode.token_steps(args.shape, args.batch, args.prompt, args.schemes, warm_up=5)
+    with torch.no_grad():
+        for name, step in steps.items():
+            dump(f"before:{name}")
+            for _ in range(args.steps):
+                step()
+            dump(f"after:{name}")
+
+
+def _counts(folder: Path) -> dict[str, int]:
+    """Instructions between each provider's two dumps: the dump files named ``after:<provider>`` (callgrind's
+    ``desc: Trigger: dump <tag>``; a dump holds what ran since the one before)."""
+    counts = {}
+    for path in folder.glob("cg.out.*"):
+        text = path.read_text(errors="replace")
+        trigger = re.search(r"^desc: Trigger: dump after:(\S+)$", text, re.M)
+        summary = re.search(r"^summary: (\d+)$", text, re.M)
+        if trigger and summary:
+            counts[trigger.group(1)] = int(summary.group(1))
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=tuple(bench_decode.SHAPES), default="tiny")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    choices = (*bench_decode.SCHEMES, *bench_decode.ABLATIONS)
+    parser.add_argument("--schemes", nargs="+", choices=choices, default=list(bench_decode.SCHEMES))
+    parser.add_argument("--label", default="")
+    parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.batch < 1 or args.prompt < 1 or args.steps < 1:
+        parser.error(f"--batch, --prompt and --steps must be 1 or more, got {args.batch}, {args.prompt}, {args.steps}")
+    if args.inner:
+        _inner(args)
+        return
+    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+    if missing:
+        print(f"count_decode.py: needs {' and '.join(missing)} (Debian: apt-get install valgrind)", file=sys.stderr)
+        sys.exit(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable, __file__,
+                   *sys.argv[1:], "--inner"]  # fmt: skip
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        run = subprocess.run(command, env=env, capture_output=True, text=True)
+        counts = _counts(Path(tmp))
+    wanted = ["sdpa", *args.schemes]
+    if run.returncode != 0 or set(counts) != set(wanted):
+        print(run.stderr[-3000:], file=sys.stderr)
+        print(
+            f"count_decode.py: the counted run failed (exit {run.returncode}; counted {sorted(counts)})",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+    per = {name: counts[name] / args.steps for name in wanted}
+    row = {"table": "instructions", "shape": args.shape, "cache": "dynamic", "batch": args.batch,
+           "prompt": args.prompt, "steps": args.steps, "sdpa_instructions": round(per["sdpa"])}  # fmt: skip
+    row.update({f"{name}_instr": round(per["sdpa"] / per[name], 4) for name in args.schemes})
+    row.update(bench_decode._environment(), label=args.label)
+    print(json.dumps(row))
+    print(bench_decode.markdown([row]))
+    if not args.no_save:
+        with bench_decode.RESULTS.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The instruction-count benchmark: how it reads callgrind's dumps, and its refusal without valgrind. (A counted run
+takes minutes under valgrind: it is run by hand, its rows are in benchmarks/results/decode.jsonl.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_decode
+import count_decode
+
+
+def _dump(folder: Path, part: int, tag: str, total: int) -> None:
+    (folder / f"cg.out.{part}").write_text(
+        f"# callgrind format\nversion: 1\npart: {part}\n\ndesc: I1 cache: \ndesc: Timerange: Basic block 1 - 2\n"
+        f"desc: Trigger: dump {tag}\n\npositions: line\nevents: Ir\nsummary: {total}\n\nfn=(1) f\n0 {total}\n"
+        f"totals: {total}\n"
+    )
+
+
+def test_counts_are_read_between_each_providers_two_dumps(tmp_path):
+    """A dump holds what ran since the one before: a provider's count is its ``after:`` dump's; the warm-up (before
+    the first dump), ``before:`` dumps and the end of the program are not counted."""
+    (tmp_path / "cg.out").write_text("desc: Trigger: Program termination\nsummary: 999\n")
+    for part, (tag, total) in enumerate(
+        [("before:sdpa", 5_000_000_000), ("after:sdpa", 1000), ("before:qk_norm", 7), ("after:qk_norm", 1250)], 1
+    ):
+        _dump(tmp_path, part, tag, total)
+    assert count_decode._counts(tmp_path) == {"sdpa": 1000, "qk_norm": 1250}
+
+
+def test_rows_print_as_a_table():
+    row = {"table": "instructions", "shape": "tiny", "cache": "dynamic", "batch": 1, "prompt": 32, "steps": 10,
+           "sdpa_instructions": 6600000, "qk_norm_instr": 0.9473, "qk_norm_floor_instr": 0.9707}  # fmt: skip
+    table = bench_decode.markdown([row])
+    assert "| shape | batch | prompt | sdpa instructions/forward | `qk_norm` | `qk_norm_floor` |" in table
+    assert "| tiny | 1 | 32 | 6600000 | 0.947x | 0.971x |" in table
+
+
+def test_without_valgrind_it_says_so_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(count_decode.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(sys, "argv", ["count_decode.py", "--no-save"])
+    with pytest.raises(SystemExit) as exit_info:
+        count_decode.main()
+    assert exit_info.value.code == 2
+    assert "needs valgrind and callgrind_control (Debian: apt-get install valgrind)" in capsys.readouterr().err
