@@ -66,7 +66,7 @@ def leftovers(parent: Path) -> list[str]:
 def hook_source_skipping_the_norm(source: str) -> str:
     """The shipped ``qknorm_hooks.py`` source edited so that a projection returns its output unnormalised (one role,
     and each part of a fused projection such as GPT-2's ``c_attn``): remote code that drops the norms silently."""
-    one_role = '    norm = modules[attn_state["_qknorm_norms"][roles[0]]]\n'
+    one_role = "    norm = modules[name]\n"
     fused = "_norm_heads(attn, r, t) if r else t"
     assert source.count(one_role) == 1 and source.count(fused) == 1, "the shipped hook changed: update this edit"
     return source.replace(one_role, "    return output\n").replace(fused, "t")
