@@ -24,8 +24,9 @@ The norm is looked up on the attention module at call time (never captured), so 
 ``ModulesToSaveWrapper`` placed around it is honoured. When ``peft`` (or anything else) replaces a projection --
 LoRA wraps ``q_proj`` and keeps the original as ``base_layer`` -- the norm must move to the new module, or the LoRA
 delta would be added after the norm. The attention module's class is therefore a thin subclass
-(``QKNorm<Attention>``) whose ``__setattr__`` moves the norm whenever a normalised slot is reassigned; its
-``forward`` checks that the attention backend can apply the module's cap, then calls the upstream forward.
+(``QKNorm<Attention>``) whose ``__setattr__`` moves the norm whenever a normalised slot is reassigned; a capped
+module's (``QKNormCapped<Attention>``, a subclass of it) also has a ``forward``, which checks that the attention
+backend can apply the module's cap, then calls the upstream forward.
 
 This module imports nothing but ``torch`` and :mod:`.names`: it is also copied into exported folders
 (``trust_remote_code``).
@@ -41,7 +42,7 @@ from .names import ATTN_IMPLEMENTATION, CLASS_PREFIX
 # Attention implementations that read the cap a patched module carries (``module._qknorm_softcap``).
 CAP_READING_BACKENDS = (ATTN_IMPLEMENTATION,)
 
-_ATTENTION_CLASSES: dict[type, type] = {}
+_ATTENTION_CLASSES: dict[tuple[type, bool], type] = {}  # (upstream class, capped) -> its patched class
 
 
 # torch's process-wide module hooks: while any is set, a module call must go through ``nn.Module.__call__``
@@ -295,25 +296,29 @@ def check_cap_backend(impl) -> None:
         )
 
 
-def attention_class(base: type) -> type:
-    """``QKNorm<base>``: ``base`` with hook relocation on reassignment and the cap-backend check (made once)."""
+def attention_class(base: type, capped: bool) -> type:
+    """``QKNorm<base>``: ``base`` with hook relocation on reassignment; ``QKNormCapped<base>``, its subclass for a
+    capped module, also checks at every call that the attention backend applies the cap (made once each). An
+    uncapped module has no check to make, and its class no ``forward`` of its own: a frame per layer per token less
+    when decoding."""
     if base in _ATTENTION_CLASSES.values():
         return base
-    if base not in _ATTENTION_CLASSES:
+    if (base, False) not in _ATTENTION_CLASSES:
+        cls = type(f"{CLASS_PREFIX}{base.__name__}", (base,), {"__setattr__": _setattr, "__module__": __name__})
+        globals()[cls.__name__] = cls  # importable by name: pickling and copying work
+        _ATTENTION_CLASSES[base, False] = cls
+    if capped and (base, True) not in _ATTENTION_CLASSES:
 
         def forward(self, *args, **kwargs):
             if self.__dict__.get("_qknorm_softcap") is not None:
                 check_cap_backend(_attn_implementation(self.config))
             return base.forward(self, *args, **kwargs)  # the upstream forward, unmodified
 
-        cls = type(
-            f"{CLASS_PREFIX}{base.__name__}",
-            (base,),
-            {"__setattr__": _setattr, "forward": forward, "__module__": __name__},
-        )
-        globals()[cls.__name__] = cls  # importable by name: pickling and copying work
-        _ATTENTION_CLASSES[base] = cls
-    return _ATTENTION_CLASSES[base]
+        name = f"{CLASS_PREFIX}Capped{base.__name__}"
+        cls = type(name, (_ATTENTION_CLASSES[base, False],), {"forward": forward, "__module__": __name__})
+        globals()[name] = cls
+        _ATTENTION_CLASSES[base, True] = cls
+    return _ATTENTION_CLASSES[base, capped]
 
 
 def is_installed(attn: nn.Module) -> bool:
@@ -336,7 +341,7 @@ def install(
     if is_installed(attn):
         raise RuntimeError(f"{type(attn).__name__} is already patched; its norms would be applied twice")
     attn.__dict__["_qknorm_base_class"] = type(attn)
-    attn.__class__ = attention_class(type(attn))
+    attn.__class__ = attention_class(type(attn), capped=softcap is not None)
     attn.__dict__["_qknorm_slots"] = dict(slots)
     attn.__dict__["_qknorm_norms"] = dict(norms)
     attn.__dict__["_qknorm_shape"] = tuple(shape)

@@ -316,12 +316,13 @@ def test_hooks_added_after_patching_keep_the_norms():
     torch.testing.assert_close(other(ids).logits, patched(ids).logits, rtol=0, atol=0)
 
 
-def test_copies_and_pickles_of_a_patched_model_compute_the_same():
+@pytest.mark.parametrize("scheme", ["qk_norm", "qk_norm_cap"])  # the attention class without and with the cap check
+def test_copies_and_pickles_of_a_patched_model_compute_the_same(scheme):
     """A deep copy's projections apply the copy's norms (not the original's); a pickled model loads back whole."""
     import copy
     import pickle
 
-    model, _ = _patched_pair("llama", "qk_norm")
+    model, _ = _patched_pair("llama", scheme)
     ids = _ids()
     expected = model(ids).logits
     clone = copy.deepcopy(model)
@@ -333,6 +334,29 @@ def test_copies_and_pickles_of_a_patched_model_compute_the_same():
     torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)  # the original is untouched
     restored = pickle.loads(pickle.dumps(model))
     torch.testing.assert_close(restored(ids).logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scheme", ["qk_norm", "qkv_norm", "soft_cap", "qk_norm_cap"])
+def test_only_a_capped_modules_class_checks_the_backend_at_every_call(scheme):
+    """A patched attention module's class relocates norms on reassignment; only a capped module's class has a
+    ``forward`` of its own (the check that the backend applies its cap) -- an uncapped one runs the upstream forward
+    with no frame around it -- and either class is undone by ``uninstall`` (a patch refused after installation)."""
+    from hf_qknorm.portable import hooks
+
+    model = hf_qknorm.patch_model(tiny_model("llama"), scheme)
+    attn = model.model.layers[0].self_attn
+    base = attn.__dict__["_qknorm_base_class"]
+    capped = "cap" in scheme
+    assert isinstance(attn, base) and type(attn).__setattr__ is hooks._setattr
+    assert ("forward" in type(attn).__dict__) is capped
+    assert (type(attn).forward is base.forward) is not capped
+    assert type(attn).__name__ == ("QKNormCapped" if capped else "QKNorm") + base.__name__
+    if capped:
+        model.config._attn_implementation = "sdpa"  # as if set behind the patch's back
+        with pytest.raises(ValueError, match="cannot apply the softcap of this patched model"):
+            model(_ids())
+    hooks.uninstall(attn)
+    assert type(attn) is base
 
 
 def test_a_users_forward_hook_on_a_projection_sees_the_normalised_output():
