@@ -112,8 +112,8 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     no hook on it, a contiguous output -- is one frame: the norm on the rows ``(-1, head_dim)``, the same values as
     on ``(batch, seq, heads, head_dim)``; a norm that declares ``rowwise = "layer_norm"`` (:class:`HeadLayerNorm`)
     is that one ``torch.layer_norm`` call, made here, without the norm's own frame (about three microseconds less per
-    call on one CPU thread, together). Otherwise, and whenever a hook could see its input, the norm is called on the
-    per-head view."""
+    call on one CPU thread, together). Otherwise, and whenever a hook or a ``forward`` replaced on the norm instance
+    could see its input, the norm is called on the per-head view."""
     state = module.__dict__
     attn = state.get("_qknorm_owner")
     # A stale module (replaced, e.g. it became a LoRA layer's ``base_layer``, or the patch was undone) does nothing.
@@ -127,12 +127,14 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
         return _fused(attn, attn.__dict__["_qknorm_slots"][slot], output)
     norm = modules[name]
     own = norm.__dict__
-    # the class's own declaration, not an inherited one: a subclass may override ``forward`` and look at the heads;
-    # a width that is not whole heads (a misconfigured or oddly sharded projection) takes unflatten, which refuses it;
-    # a compiled graph has no per-call cost to save, and Dynamo refuses a class's ``__dict__`` once it was modified
+    # the class's own declaration, not an inherited one: a subclass may override ``forward`` and look at the heads,
+    # and so may a ``forward`` replaced on the instance (accelerate's hooks); a width that is not whole heads (a
+    # misconfigured or oddly sharded projection) takes unflatten, which refuses it; a compiled graph has no per-call
+    # cost to save, and Dynamo refuses a class's ``__dict__`` once it was modified
     rows = not torch.compiler.is_compiling() and type(norm).__dict__.get("rowwise")  # never read under Dynamo
     if (
         rows
+        and "forward" not in own
         and output.is_contiguous()
         and output.size(-1) % head_dim == 0
         and _DIRECT_CALLS  # not _hooked(norm), without its frame: decoding pays for every frame here

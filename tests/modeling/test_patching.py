@@ -532,6 +532,34 @@ def test_a_subclass_of_a_norm_gets_the_heads():
     assert shapes == [(2, 7, model.config.num_attention_heads, attn.head_dim)]
 
 
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "l2"])
+def test_a_forward_replaced_on_a_norm_instance_is_called_on_the_heads(norm):
+    """accelerate's hooks replace ``forward`` on the instance (``add_hook_to_module``): like a subclass's, that
+    ``forward`` is called, on the per-head view, and its output is what the attention gets -- the flat-rows call,
+    and ``HeadLayerNorm``'s ``torch.layer_norm`` made without the norm's frame, must not skip it."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from hf_qknorm.portable import hooks
+
+    class Doubled(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            shapes.append(tuple(args[0].shape))
+            return args, kwargs
+
+        def post_forward(self, module, output):
+            return output * 2
+
+    shapes = []
+    model = hf_qknorm.patch_model(tiny_model("llama"), QKNormConfig("qk_norm", norm=norm))
+    attn = model.model.layers[0].self_attn
+    out = torch.randn(2, 5, attn.k_proj.out_features, generator=torch.Generator().manual_seed(2))
+    plain = hooks._normed(attn.k_proj, out)
+    add_hook_to_module(attn.k_norm, Doubled())
+    got = hooks._normed(attn.k_proj, out)
+    assert shapes == [(2, 5, model.config.num_key_value_heads, attn.head_dim)]
+    torch.testing.assert_close(got, plain * 2, rtol=0, atol=0)
+
+
 def test_flat_rows_or_not_the_model_computes_the_same(monkeypatch):
     """The whole model, float32 and bfloat16, training: the flat-rows call (the default) and the per-head call give
     the same logits and the same gradients to the bit."""
