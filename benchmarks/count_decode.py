@@ -15,7 +15,8 @@ ratio is the unpatched model's instructions per forward over the provider's (abo
     python benchmarks/count_decode.py                                  # tiny shape, batch 1, prompt 32 (~5 min)
     python benchmarks/count_decode.py --schemes qk_norm qk_norm_floor --label mine
 
-Needs valgrind (Debian: ``apt-get install valgrind``); it exits 2 saying so when it is missing.
+Needs valgrind (Debian: ``apt-get install valgrind``); it exits 2 saying so when it is missing. Stopped (SIGINT:
+exit 130, SIGTERM: 143), it stops the counted run, removes the dumps and writes nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import tempfile
 from pathlib import Path
 
 import bench_decode  # this folder's, beside the script
+
+from hf_qknorm.conversion.tempdirs import stop_signals_raise
 
 
 def _inner(args) -> None:
@@ -85,12 +88,18 @@ def main() -> None:
     if missing:
         print(f"count_decode.py: needs {' and '.join(missing)} (Debian: apt-get install valgrind)", file=sys.stderr)
         sys.exit(2)
-    with tempfile.TemporaryDirectory() as tmp:
-        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable, __file__,
-                   *sys.argv[1:], "--inner"]  # fmt: skip
-        env = dict(os.environ, PYTHONHASHSEED="0")
-        run = subprocess.run(command, env=env, capture_output=True, text=True)
-        counts = _counts(Path(tmp))
+    # SIGINT and SIGTERM raise (stop_signals_raise): subprocess.run then kills the counted run, the dumps' folder is
+    # removed and nothing is written; SIGTERM exits 143, SIGINT 130 with one line
+    try:
+        with stop_signals_raise(), tempfile.TemporaryDirectory() as tmp:
+            command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable,
+                       __file__, *sys.argv[1:], "--inner"]  # fmt: skip
+            env = dict(os.environ, PYTHONHASHSEED="0")
+            run = subprocess.run(command, env=env, capture_output=True, text=True)
+            counts = _counts(Path(tmp))
+    except KeyboardInterrupt:
+        print("count_decode.py: interrupted; the counted run was stopped and nothing was written", file=sys.stderr)
+        sys.exit(130)
     wanted = ["sdpa", *args.schemes]
     if run.returncode != 0 or set(counts) != set(wanted):
         print(run.stderr[-3000:], file=sys.stderr)

@@ -1,9 +1,14 @@
-"""The instruction-count benchmark: how it reads callgrind's dumps, and its refusal without valgrind. (A counted run
-takes minutes under valgrind: it is run by hand, its rows are in benchmarks/results/decode.jsonl.)"""
+"""The instruction-count benchmark: how it reads callgrind's dumps, its refusal without valgrind, and a stopped
+run. (A counted run takes minutes under valgrind: it is run by hand, its rows are in
+benchmarks/results/decode.jsonl.)"""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +52,39 @@ def test_without_valgrind_it_says_so_and_exits_2(monkeypatch, capsys):
         count_decode.main()
     assert exit_info.value.code == 2
     assert "needs valgrind and callgrind_control (Debian: apt-get install valgrind)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_count_stops_its_counted_run_and_leaves_nothing(tmp_path, signum):
+    """SIGINT or SIGTERM while valgrind runs: the counted run is killed (not left running), the dumps' folder removed,
+    no row written, and the exit is 130 (one line, no traceback) or 143. A stand-in ``valgrind`` that only waits
+    plays the counted run."""
+    bin_dir, scratch, pid_file = tmp_path / "bin", tmp_path / "tmp", tmp_path / "valgrind.pid"
+    bin_dir.mkdir()
+    scratch.mkdir()
+    for tool, body in (("valgrind", f'echo $$ > "{pid_file}"\nexec sleep 120\n'), ("callgrind_control", "exit 0\n")):
+        (bin_dir / tool).write_text(f"#!/bin/sh\n{body}")
+        (bin_dir / tool).chmod(0o755)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "count_decode.py"
+    results = bench_decode.RESULTS.read_bytes() if bench_decode.RESULTS.exists() else None
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", TMPDIR=str(scratch))
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the counted run never started"
+            time.sleep(0.05)
+        valgrind = int(pid_file.read_text())
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == (130 if signum == signal.SIGINT else 143), (proc.returncode, err)
+    assert "Traceback" not in err, err
+    if signum == signal.SIGINT:
+        assert err.strip() == "count_decode.py: interrupted; the counted run was stopped and nothing was written"
+    with pytest.raises(ProcessLookupError):
+        os.kill(valgrind, 0)  # killed and reaped by the benchmark, not left running
+    assert list(scratch.iterdir()) == []
+    assert (bench_decode.RESULTS.read_bytes() if bench_decode.RESULTS.exists() else None) == results
