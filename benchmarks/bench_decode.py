@@ -63,7 +63,7 @@ SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
 #   between it and the unpatched model is the cost of the ops the scheme adds, not of the code around them.
 ABLATIONS = {
     "qk_norm_noop": "qk_norm",
-    **{f"{scheme}_floor": scheme for scheme in ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")},
+    **{f"{scheme}_floor": scheme for scheme in SCHEMES},
 }
 
 
