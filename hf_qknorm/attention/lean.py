@@ -93,6 +93,26 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype, heads: int, kv_heads: int)
     return _BIAS_CACHE[2], _BIAS_CACHE[3]
 
 
+_HALF = (torch.float16, torch.bfloat16)
+# Whether ``torch.bmm`` takes ``out_dtype`` (``aten::bmm.dtype``, CUDA: half-precision operands, float32 products and
+# sums, a float32 result); cleared at the first call that refuses it, which then takes the casts
+_BMM_OUT_DTYPE = ["dtype" in torch.ops.aten.bmm.overloads()]
+
+
+def _half_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``q k^T`` of half-precision CUDA operands as float32 in one launch, the values the float32 casts give (each
+    product of two half-precision numbers is exact in float32; the sum is float32's), without the casts' two
+    launches and copies; ``None`` under ``torch.compile`` (the compiled graph fuses the casts) or where this torch
+    refuses the call."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return torch.bmm(q, k.mT, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        _BMM_OUT_DTYPE[0] = False
+        return None
+
+
 def lean_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -118,7 +138,12 @@ def lean_attention(
     # (batch * kv_heads, groups * q_len, head_dim): the heads of a group share one matmul against their key head
     q = query.reshape(n, groups * q_len, head_dim)
     k, v = key.reshape(n, kv_len, head_dim), value.reshape(n, kv_len, head_dim)
-    if q.dtype != acc or k.dtype != acc or v.dtype != acc:
+    # half precision on CUDA, eager: the logits straight from the half-precision operands into float32 (``bmm``'s
+    # ``out_dtype``), with no float32 copies of the query and of the whole key cache, per layer per token
+    logits = _half_logits(q, k) if q.dtype in _HALF and q.is_cuda and _BMM_OUT_DTYPE[0] else None
+    if logits is not None:
+        v = v.to(acc)
+    elif q.dtype != acc or k.dtype != acc or v.dtype != acc:
         q, k, v = q.to(acc), k.to(acc), v.to(acc)
     # large logits on the CPU take tanh through expm1 (:func:`~.tiles.tanh_doubled_`, which wants 2x); small ones and
     # every GPU call torch.tanh, fewer ops where per-op overhead is the cost (a GPU's tanh is not the CPU's slow one)
@@ -129,7 +154,9 @@ def lean_attention(
     # expands a zero input) or a Python number; elsewhere Python numbers (a tensor made on a GPU inside a CUDA graph
     # capture would be an error)
     constants = on_cpu and not torch.compiler.is_compiling()
-    if constants:
+    if logits is not None:
+        s = logits.mul_(scale)
+    elif constants:
         s = torch.bmm(q, k.mT).mul_(_constant(scale, acc))
     else:
         s = torch.bmm(q * scale, k.mT)

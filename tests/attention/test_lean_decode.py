@@ -86,17 +86,27 @@ def test_lean_attention_float64(case, softcap, with_sink):
         assert torch.equal(got[0, 1], torch.zeros_like(got[0, 1]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        ("cpu", torch.float32),
+        ("cpu", torch.bfloat16),
+        pytest.param("cuda", torch.float32, marks=pytest.mark.cuda),
+        pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda),
+        pytest.param("cuda", torch.float16, marks=pytest.mark.cuda),
+    ],
+)
 @pytest.mark.parametrize("softcap", [None, 2.0, 50.0])
 @pytest.mark.parametrize("kv_len", [50, 600])  # 600: past lean.EXPM1_TANH_MIN logits, the cap's expm1 form
-def test_lean_attention_low_precision(dtype, softcap, kv_len):
+def test_lean_attention_low_precision(device, dtype, softcap, kv_len):
     """Half precision accumulates in float32: its error against float64 stays within 2x (3x capped) the error of
-    the same-dtype plain computation (flash-attention's rule), plus a small atol."""
+    the same-dtype plain computation (flash-attention's rule), plus a small atol. On CUDA, half-precision logits
+    come from one ``bmm`` with a float32 result (:func:`hf_qknorm.attention.lean._half_logits`)."""
     g = torch.Generator().manual_seed(5)
-    q = (torch.randn(2, 4, 1, 32, generator=g) * 3).to(dtype)
-    k = torch.randn(2, 2, kv_len, 32, generator=g).to(dtype)
-    v = torch.randn(2, 2, kv_len, 32, generator=g).to(dtype)
-    mask = torch.rand(2, 1, 1, kv_len, generator=g) > 0.2
+    q = (torch.randn(2, 4, 1, 32, generator=g) * 3).to(device, dtype)
+    k = torch.randn(2, 2, kv_len, 32, generator=g).to(device, dtype)
+    v = torch.randn(2, 2, kv_len, 32, generator=g).to(device, dtype)
+    mask = (torch.rand(2, 1, 1, kv_len, generator=g) > 0.2).to(device)
     want = _reference(q, k, v, scaling=0.25, softcap=softcap, mask=mask, causal=False, window=None)
     got = lean.lean_attention(q, k, v, scaling=0.25, softcap=softcap, mask=mask, causal=False, sliding_window=None)
     assert got.dtype == dtype
@@ -104,6 +114,24 @@ def test_lean_attention_low_precision(dtype, softcap, kv_len):
     base = (plain.double() - want).abs().max().item()
     err = (got.transpose(1, 2).double() - want).abs().max().item()
     assert err <= (3 if softcap else 2) * base + 1e-5, (err, base)
+    if device == "cuda" and dtype != torch.float32:
+        assert lean._BMM_OUT_DTYPE[0], "this torch refused bmm(out_dtype=float32) on CUDA: the casts were taken"
+
+
+def test_half_logits_step_aside_where_bmm_refuses_out_dtype(monkeypatch):
+    """Where ``bmm`` refuses ``out_dtype`` (every CPU, an older torch), the first call says so and every later call
+    takes the casts: the same values, no error."""
+    monkeypatch.setattr(lean, "_BMM_OUT_DTYPE", [True])
+    q, k = torch.randn(2, 3, 8, dtype=torch.bfloat16), torch.randn(2, 5, 8, dtype=torch.bfloat16)
+    assert lean._half_logits(q, k) is None and lean._BMM_OUT_DTYPE == [False]
+    # a CUDA tensor that cannot take the route is sent down the casts by lean_attention, to the same result
+    monkeypatch.setattr(lean, "_half_logits", lambda q, k: pytest.fail("called once the route was refused"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    query, key, value = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    args = dict(scaling=0.3, softcap=2.0, mask=None, causal=False, sliding_window=None)
+    got = lean.lean_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), **args)
+    want = lean.lean_attention(query.bfloat16().float(), key.bfloat16().float(), value.bfloat16().float(), **args)
+    assert torch.equal(got, want.bfloat16())
 
 
 @pytest.mark.parametrize("kv_len", [20, 700])  # below and above lean.EXPM1_TANH_MIN logits
