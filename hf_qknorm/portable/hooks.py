@@ -126,41 +126,60 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     if name is None:
         return _fused(attn, attn.__dict__["_qknorm_slots"][slot], output)
     norm = modules[name]
-    own = norm.__dict__
-    # the class's own declaration, not an inherited one: a subclass may override ``forward`` and look at the heads,
-    # and so may a ``forward`` replaced on the instance (accelerate's hooks); a width that is not whole heads (a
-    # misconfigured or oddly sharded projection) takes unflatten, which refuses it; a compiled graph has no per-call
-    # cost to save, and Dynamo refuses a class's ``__dict__`` once it was modified
-    rows = not torch.compiler.is_compiling() and type(norm).__dict__.get("rowwise")  # never read under Dynamo
-    if (
-        rows
-        and "forward" not in own
-        and output.is_contiguous()
-        and output.size(-1) % head_dim == 0
-        and _DIRECT_CALLS  # not _hooked(norm), without its frame: decoding pays for every frame here
-        and not (
-            own["_forward_hooks"]
-            or own["_forward_pre_hooks"]
-            or own["_backward_hooks"]
-            or own["_backward_pre_hooks"]
-            or _MODULE._global_forward_pre_hooks
-            or _MODULE._global_forward_hooks
-            or _MODULE._global_backward_pre_hooks
-            or _MODULE._global_backward_hooks
-        )
-    ):
+    rows = _rowwise(norm)
+    # a width that is not whole heads (a misconfigured or oddly sharded projection) takes unflatten, which refuses it
+    if rows and output.is_contiguous() and output.size(-1) % head_dim == 0:
         flat = output.view(-1, head_dim)
-        if rows == "layer_norm":  # ``forward`` is this call when its parameters are its own, of the input's dtype
-            params, dtype = own["_parameters"], output.dtype
-            weight, bias = params.get("weight"), params.get("bias")
-            if weight is not None and bias is not None and weight.dtype == dtype and bias.dtype == dtype:
-                normed = torch.layer_norm(flat, (head_dim,), weight, bias, norm.eps)
-                if normed.dtype != dtype:  # autocast runs layer_norm in float32
-                    normed = normed.to(dtype)
-                return normed.view_as(output)
+        if rows == "layer_norm":
+            params = _layer_norm_params(norm, output.dtype)
+            if params is not None:
+                return _layer_norm(flat, head_dim, params).view_as(output)
         return norm.forward(flat).view_as(output)
     # unflatten/flatten, not view(x.shape): the shape object costs a microsecond per call when decoding
     return _call(norm, output.unflatten(-1, (-1, head_dim))).flatten(-2)
+
+
+def _rowwise(norm: nn.Module):
+    """``norm``'s class's own ``rowwise`` declaration where it may be called on any rows of heads, by its
+    ``forward`` without ``nn.Module.__call__``: no hook on it or process-wide, no ``forward`` on the instance, not
+    compiling; else False. The class's own declaration, not an inherited one: a subclass may override ``forward``
+    and look at the heads, and so may a ``forward`` replaced on the instance (accelerate's hooks); a compiled graph
+    has no per-call cost to save, and Dynamo refuses a class's ``__dict__`` once it was modified."""
+    if torch.compiler.is_compiling():  # never read the class dict under Dynamo
+        return False
+    rows = type(norm).__dict__.get("rowwise")
+    own = norm.__dict__
+    # not _hooked(norm), without its frame: decoding pays for every frame here
+    if not rows or "forward" in own or not _DIRECT_CALLS:
+        return False
+    if (
+        own["_forward_hooks"]
+        or own["_forward_pre_hooks"]
+        or own["_backward_hooks"]
+        or own["_backward_pre_hooks"]
+        or _MODULE._global_forward_pre_hooks
+        or _MODULE._global_forward_hooks
+        or _MODULE._global_backward_pre_hooks
+        or _MODULE._global_backward_hooks
+    ):
+        return False
+    return rows
+
+
+def _layer_norm_params(norm: nn.Module, dtype: torch.dtype):
+    """``(weight, bias, eps)`` of a ``rowwise = "layer_norm"`` norm whose ``forward`` is one ``torch.layer_norm``
+    call on input of ``dtype``: its parameters its own and of that dtype; else None."""
+    params = norm.__dict__["_parameters"]
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is None or bias is None or weight.dtype != dtype or bias.dtype != dtype:
+        return None
+    return weight, bias, norm.eps
+
+
+def _layer_norm(x: torch.Tensor, head_dim: int, params) -> torch.Tensor:
+    """The norm's ``forward`` on ``x`` (last dimension ``head_dim``), from :func:`_layer_norm_params`."""
+    normed = torch.layer_norm(x, (head_dim,), *params)
+    return normed if normed.dtype == x.dtype else normed.to(x.dtype)  # autocast runs layer_norm in float32
 
 
 def _projection_hook(module, args, output):
@@ -268,6 +287,11 @@ def _setattr(self, name, value):
         _attach(self, name)
 
 
+# base attention class -> a ``forward`` for it that computes what the upstream one does with less host work per call
+# (:mod:`hf_qknorm.attention.fast`), or None; the plugin sets the maker. A saved folder's copy of this module, loaded
+# without the plugin, has none: its modules run the upstream forward.
+FAST_FORWARD: list = [None]
+
 _PLAIN_GETTER: dict[type, bool] = {}
 
 
@@ -302,11 +326,16 @@ def attention_class(base: type, capped: bool) -> type:
     """``QKNorm<base>``: ``base`` with hook relocation on reassignment; ``QKNormCapped<base>``, its subclass for a
     capped module, also checks at every call that the attention backend applies the cap (made once each). An
     uncapped module has no check to make, and its class no ``forward`` of its own: a frame per layer per token less
-    when decoding."""
+    when decoding. Where :data:`FAST_FORWARD` has a forward for ``base``, both classes take it (it makes the cap
+    check itself)."""
     if base in _ATTENTION_CLASSES.values():
         return base
+    fast = FAST_FORWARD[0](base) if FAST_FORWARD[0] is not None else None
     if (base, False) not in _ATTENTION_CLASSES:
-        cls = type(f"{CLASS_PREFIX}{base.__name__}", (base,), {"__setattr__": _setattr, "__module__": __name__})
+        body = {"__setattr__": _setattr, "__module__": __name__}
+        if fast is not None:  # checks the cap backend itself, as the capped class's forward below does
+            body["forward"] = fast
+        cls = type(f"{CLASS_PREFIX}{base.__name__}", (base,), body)
         globals()[cls.__name__] = cls  # importable by name: pickling and copying work
         _ATTENTION_CLASSES[base, False] = cls
     if capped and (base, True) not in _ATTENTION_CLASSES:
@@ -317,7 +346,7 @@ def attention_class(base: type, capped: bool) -> type:
             return base.forward(self, *args, **kwargs)  # the upstream forward, unmodified
 
         name = f"{CLASS_PREFIX}Capped{base.__name__}"
-        cls = type(name, (_ATTENTION_CLASSES[base, False],), {"forward": forward, "__module__": __name__})
+        cls = type(name, (_ATTENTION_CLASSES[base, False],), {"forward": fast or forward, "__module__": __name__})
         globals()[name] = cls
         _ATTENTION_CLASSES[base, True] = cls
     return _ATTENTION_CLASSES[base, capped]
