@@ -1,6 +1,7 @@
 """Per-head norms applied at the projections, so that Transformers' own attention forward runs unmodified.
 
-A patched attention module keeps its upstream ``forward``. Its norms are applied to the output of the projections
+A patched attention module keeps its upstream ``forward`` (when decoding through a Llama-shaped family, the plugin's
+transcription of it: :data:`FAST_FORWARD`). Its norms are applied to the output of the projections
 that feed it: ``q_proj``'s output ``(batch, seq, heads * head_dim)`` is viewed as ``(batch, seq, heads, head_dim)``
 (or, where no hook can see the difference, as ``(-1, head_dim)`` rows: :func:`_normed`), ``attn.q_norm`` applied
 and the result handed on, so the upstream forward splits heads, applies RoPE (after the norm,
