@@ -180,7 +180,12 @@ def _make(base: type, window):
         impl = _attn_implementation(self.config)  # ``self.config._attn_implementation``, cheaper
         if state.get("_qknorm_softcap") is not None:  # the capped class's check (hooks.attention_class)
             hooks.check_cap_backend(impl)  # looked up per call, as the capped class's forward does
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        # with a gradient, compiling, or a window passed twice (upstream's own TypeError, after its cache update)
+        if (
+            torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or (window is not False and "sliding_window" in kwargs)
+        ):
             return upstream(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         # a projection can be called as F.linear when nothing process-wide hooks module calls either
         direct = (
@@ -205,8 +210,6 @@ def _make(base: type, window):
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
         attention_interface = family["ALL_ATTENTION_FUNCTIONS"].get_interface(impl, family["eager_attention_forward"])
         if window is not False:
-            if "sliding_window" in kwargs:  # upstream passes it twice: its own TypeError
-                return upstream(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
             kwargs["sliding_window"] = window(self)
         attn_output, attn_weights = attention_interface(
             self,

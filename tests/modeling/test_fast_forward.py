@@ -85,6 +85,14 @@ def test_the_fast_forward_gives_the_upstream_forwards_logits(model_type, scheme)
     _same_as_upstream(model, _ids(model))
 
 
+@pytest.mark.parametrize("norm", ["rmsnorm", "l2", "lp"])
+def test_other_norms(norm):
+    """Norms other than the layer norm are applied by the projection's own route (``_normed``), on the rows."""
+    extra = {"p": 4.0} if norm == "lp" else {}
+    model = hf_qknorm.patch_model(tiny_model("llama"), "qk_norm_cap", norm=norm, **extra)
+    _same_as_upstream(model, _ids(model))
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("scheme", ["qk_norm", "qk_norm_cap"])
 def test_every_cache_kind_and_padding(cache, scheme):
@@ -235,10 +243,16 @@ def test_a_sliding_window_passed_twice_is_upstreams_error():
     attn = _attention_modules(model)[0]
     hidden = torch.randn(1, 3, model.config.hidden_size)
     cos, sin = model.model.rotary_emb(hidden, torch.arange(3)[None])
+    from transformers import DynamicCache
+
+    lengths = []
     with torch.no_grad():
         for forward in (attn.forward, _upstream(attn)):
+            cache = DynamicCache(config=model.config)
             with pytest.raises(TypeError, match="sliding_window"):
-                forward(hidden, (cos, sin), None, None, sliding_window=2)
+                forward(hidden, (cos, sin), None, cache, sliding_window=2)
+            lengths.append(cache.get_seq_length(attn.layer_idx))
+    assert lengths[0] == lengths[1] == 3  # the cache updated once, as upstream does before its error
 
 
 def test_only_a_transcribed_forward_gets_the_fast_one():
