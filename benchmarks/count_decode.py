@@ -95,14 +95,22 @@ def main() -> None:
             command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable,
                        __file__, *sys.argv[1:], "--inner"]  # fmt: skip
             env = dict(os.environ, PYTHONHASHSEED="0")
-            run = subprocess.run(command, env=env, capture_output=True, text=True)
+            # not subprocess.run: on KeyboardInterrupt it kills the child but waits for it only a quarter of a
+            # second, so a loaded machine could be left with the counted run unreaped
+            run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                _, err = run.communicate()
+            except BaseException:
+                run.kill()
+                run.wait()
+                raise
             counts = _counts(Path(tmp))
     except KeyboardInterrupt:
         print("count_decode.py: interrupted; the counted run was stopped and nothing was written", file=sys.stderr)
         sys.exit(130)
     wanted = ["sdpa", *args.schemes]
     if run.returncode != 0 or set(counts) != set(wanted):
-        print(run.stderr[-3000:], file=sys.stderr)
+        print(err[-3000:], file=sys.stderr)
         print(
             f"count_decode.py: the counted run failed (exit {run.returncode}; counted {sorted(counts)})",
             file=sys.stderr,
