@@ -91,18 +91,22 @@ def main() -> None:
     # SIGINT and SIGTERM raise (stop_signals_raise): subprocess.run then kills the counted run, the dumps' folder is
     # removed and nothing is written; SIGTERM exits 143, SIGINT 130 with one line
     try:
-        with stop_signals_raise(), tempfile.TemporaryDirectory() as tmp:
+        with stop_signals_raise() as guard, tempfile.TemporaryDirectory() as tmp:
             command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable,
                        __file__, *sys.argv[1:], "--inner"]  # fmt: skip
             env = dict(os.environ, PYTHONHASHSEED="0")
             # not subprocess.run: on KeyboardInterrupt it kills the child but waits for it only a quarter of a
-            # second, so a loaded machine could be left with the counted run unreaped
-            run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # second; and a signal while Popen starts the child (after the exec, before it returns) is held until
+            # the child is known here, so that it is killed and waited for too
+            run = None
             try:
+                with guard.critical():
+                    run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 _, err = run.communicate()
             except BaseException:
-                run.kill()
-                run.wait()
+                if run is not None:
+                    run.kill()
+                    run.wait()
                 raise
             counts = _counts(Path(tmp))
     except KeyboardInterrupt:
