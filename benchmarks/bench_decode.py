@@ -57,7 +57,8 @@ SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
 #   besides the norms' own arithmetic (the projection's subclass, the per-head views, the module call);
 # - ``<scheme>_floor``: the scheme's decoding cut to the least code a patch of this design could run (:func:`_floor`):
 #   a normalised projection is ``F.linear``, a view, one ``layer_norm`` and a view back; one query's attention is its
-#   math alone (sdpa and a view without a cap; bmm, scale, tanh, cap, softmax, bmm with one: the lean path's ops);
+#   math alone (sdpa and a view without a cap; with one the native op where the lean path takes it, else bmm, scale,
+#   tanh, cap, softmax, bmm: the lean path's ops);
 #   no check, no routing, no cap-backend check. It computes the patched model's logits to the bit (checked before it
 #   is timed) and holds only for what the token table runs (CPU, eager, no gradient, one query, no mask, layernorm):
 #   between it and the unpatched model is the cost of the ops the scheme adds, not of the code around them.
@@ -149,6 +150,7 @@ def _floor_projection(projection, norm, head_dim: int):
 
 def _floor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
     """One query's attention as its math alone (the lean path's ops, in its order); any other call: the backend."""
+    from hf_qknorm.attention import lean
     from hf_qknorm.attention.interface import qknorm_attention_forward
     from hf_qknorm.attention.lean import EXPM1_TANH_MIN, _constant
     from hf_qknorm.attention.tiles import tanh_doubled_
@@ -160,6 +162,9 @@ def _floor_attention(module, query, key, value, attention_mask, scaling=None, dr
     if cap is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
         return out.view(batch, 1, heads, head_dim), None
+    out = lean._native_capped(query, key, value, scaling, cap, None, None) if lean.NATIVE[0] is not None else None
+    if out is not None:  # the native op: one call
+        return out, None
     kv_heads, kv_len = key.shape[1], key.shape[2]
     n = batch * kv_heads
     s = torch.bmm(query.reshape(n, heads // kv_heads, head_dim), key.reshape(n, kv_len, head_dim).mT)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the wheel and sdist, install the wheel (not editable) into a fresh virtual environment and run the main job
-# and a smoke test from it: proves the package data (bundled model and text, card template, remote code) ships.
+# and a smoke test from it: proves the package data (bundled model and text, card template, remote code) and the
+# native decoding op (setup.py) ship.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -30,6 +31,9 @@ from hf_qknorm.modeling.remote import remote_files
 
 assert (bundled_model_dir() / "model.safetensors").is_file() and bundled_text("tinyshakespeare")
 assert template_path().is_file() and len(remote_files()) >= 10
+from hf_qknorm.attention import lean  # the optional native decoding op: built where a C compiler is (CI has one)
+
+assert lean._NATIVE_MODULE is not None and Path(lean._NATIVE_MODULE.__file__).resolve().is_relative_to(venv)
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -161,8 +161,13 @@ def qknorm_attention_forward(
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if attention_mask is None and query.shape[2] == 1 and query.is_cpu and not torch.compiler.is_compiling():
-        out = _one_query(module, query, key, value, scaling, dropout, softcap, sliding_window, kwargs)
+    if (
+        query.shape[2] == 1
+        and query.is_cpu
+        and (attention_mask is None or attention_mask.dtype is torch.bool)
+        and not torch.compiler.is_compiling()
+    ):
+        out = _one_query(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window, kwargs)
         if out is not None:
             return out, None
     softcap = _checked_args(module, scaling, dropout, softcap, sliding_window)
@@ -216,13 +221,16 @@ def _checked_args(module, scaling, dropout, softcap, sliding_window) -> float | 
     return cap
 
 
-def _one_query(module, query, key, value, scaling, dropout, softcap, sliding_window, kwargs):
-    """Decoding's commonest call -- one query, no mask (nothing padded), on the CPU, eager -- in one frame: what
-    :func:`_checked_args` and :func:`_lean` decide for it, decided here with fewer calls (each costs a microsecond or
-    two of host time per layer per token when decoding). ``None`` sends the call down the general route, which
-    validates, remembers and decides as always: a module's first call, a changed argument, a probe, a sink, packing,
-    dropout, a gradient, attention weights, a window the keys exceed, a call too large for the lean path, a policy
-    that sends CPU tensors to the kernels."""
+def _one_query(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window, kwargs):
+    """Decoding's commonest calls -- one query, on the CPU, eager, with no mask (nothing padded) or a boolean one
+    over the keys (padding, a static cache's empty slots, a window) -- in one frame: what :func:`_checked_args`,
+    :func:`~hf_qknorm.portable.masks.check_mask` and :func:`_lean` decide for them, decided here with fewer calls
+    (each costs a microsecond or two of host time per layer per token when decoding). A boolean mask is complete
+    (:mod:`hf_qknorm.portable.masks`: then no window or causality applies beside it, and one query packs nothing).
+    ``None`` sends the call down the general route, which validates, remembers and decides as always: a module's
+    first call, a changed argument, a probe, a sink, packing, dropout, a gradient, attention weights, a mask of
+    another shape, a window the keys exceed without a mask, a call too large for the lean path, a policy that sends
+    CPU tensors to the kernels."""
     state = module.__dict__
     seen = state.get("_qknorm_checked")  # (arguments, cap) that _checked_args validated for this module
     if (
@@ -245,13 +253,27 @@ def _one_query(module, query, key, value, scaling, dropout, softcap, sliding_win
         return None
     batch, heads = query.shape[0], query.shape[1]
     kv_heads, kv_len = key.shape[1], key.shape[2]
-    if (sliding_window is not None and kv_len > sliding_window) or not lean.fits(batch, heads, kv_heads, 1, kv_len):
+    if attention_mask is None:
+        if sliding_window is not None and kv_len > sliding_window:
+            return None
+    else:  # the shapes check_mask accepts for one query, (batch | 1, 1 | heads, 1, kv_len), on the query's device
+        shape = attention_mask.shape
+        if (
+            len(shape) != 4
+            or shape[2] != 1
+            or shape[3] != kv_len
+            or shape[0] not in (1, batch)
+            or shape[1] not in (1, heads)
+            or not attention_mask.is_cpu
+        ):
+            return None
+    if not lean.fits(batch, heads, kv_heads, 1, kv_len):
         return None
     cap = seen[1]
     if cap is None and batch * heads * kv_len < lean.MATH_MIN:  # (batch, 1, heads, head_dim): one view, no copy
-        return _sdpa(module, query, key, value, None, scaling, 0.0, False, None).view(batch, 1, heads, -1)
+        return _sdpa(module, query, key, value, attention_mask, scaling, 0.0, False, None).view(batch, 1, heads, -1)
     return lean.lean_attention(
-        query, key, value, scaling=scaling, softcap=cap, mask=None, causal=False, sliding_window=None
+        query, key, value, scaling=scaling, softcap=cap, mask=attention_mask, causal=False, sliding_window=None
     )
 
 

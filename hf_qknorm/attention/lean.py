@@ -21,14 +21,35 @@ Same semantics as the other paths (:func:`~hf_qknorm.attention.chunked.chunked_a
 a row with no allowed key gives zeros, a sink (``s_aux``) joins each row's denominator uncapped; accumulation in
 float32 for half-precision inputs (float64 stays float64).
 
-This module imports nothing but ``torch`` and :mod:`.tiles`.
+One capped float32 query per row on the CPU -- decoding's commonest call -- goes further: the optional native op
+(``_native.c``, built at install time) does all of it in one call, the cost of the unpatched model's one sdpa call
+(:func:`_native_capped`). ``HF_QKNORM_NATIVE=0`` in the environment, a build without it, or any other call takes the
+ops above.
+
+This module imports nothing but ``torch``, :mod:`.tiles` and the optional native op.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .tiles import TILE_ELEMENTS, position_mask, tanh_doubled_
+
+try:  # the optional native op (setup.py); None where it was not built
+    from . import _native as _NATIVE_MODULE
+except ImportError:  # pragma: no cover - exercised by the wheel without a compiler
+    _NATIVE_MODULE = None
+# the native op in use: None where it is missing or HF_QKNORM_NATIVE=0 (tests and benchmarks set this slot)
+NATIVE = [None if os.environ.get("HF_QKNORM_NATIVE", "1").strip() == "0" else _NATIVE_MODULE]
+# the native op takes head dims that are multiples of its vector width, up to its stack buffer (``_native.c``)
+NATIVE_DIM_MULTIPLE, NATIVE_MAX_DIM = 8, 512
+# The native op runs on one thread. With one thread it beat the ATen ops at every size measured; with more, the ATen
+# ops share large calls among them, so the op takes calls of at most this many logits (measured, two threads, us per
+# call, native vs ATen ops, (batch, heads, kv_heads, kv_len, head_dim): (4, 4, 2, 512, 16) 84 vs 99; (2, 12, 12, 512,
+# 64) 174 vs 192; (4, 12, 12, 512, 64) 343 vs 335; (1, 32, 8, 1024, 128) 682 vs 461; one thread, the last 747 vs 759)
+NATIVE_PARALLEL_MAX = 16384
 
 # The lean path takes calls of at most this many (query, head) rows per key head, the decoding entry point's limit
 # (``q_len * heads / kv_heads <= 64``), and whose logits fit one tile of the tiled path.
@@ -133,6 +154,10 @@ def lean_attention(
     ``(heads,)`` or ``None``. Returns ``(batch, q_len, heads, head_dim)`` in the query's dtype."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
+    if q_len == 1 and softcap is not None and sink is None and NATIVE[0] is not None:
+        out = _native_capped(query, key, value, scaling, softcap, mask, sliding_window)
+        if out is not None:
+            return out
     groups, n = heads // kv_heads, batch * key.shape[1]
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     # (batch * kv_heads, groups * q_len, head_dim): the heads of a group share one matmul against their key head
@@ -180,3 +205,50 @@ def lean_attention(
     # (batch, q_len, heads, head_dim): for one query the heads' rows are already in that order
     out = out.view(batch, 1, heads, head_dim) if q_len == 1 else out.view(batch, heads, q_len, head_dim).transpose(1, 2)
     return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def _native_capped(query, key, value, scaling, softcap, mask, sliding_window) -> torch.Tensor | None:
+    """One query per row through the native op (``_native.c``): ``(batch, 1, heads, head_dim)``, or ``None`` where
+    the call is not its own -- not float32 CPU tensors, a head dim it does not take, a row of the key or value cache
+    not contiguous, a mask that is not boolean, a large call where several threads share the ATen ops
+    (:data:`NATIVE_PARALLEL_MAX`), recording a gradient or compiling."""
+    if (
+        query.dtype is not torch.float32
+        or key.dtype is not torch.float32
+        or value.dtype is not torch.float32
+        or not (query.is_cpu and key.is_cpu and value.is_cpu)
+        or torch.compiler.is_compiling()
+        or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+    ):
+        return None
+    batch, heads, _, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if dim % NATIVE_DIM_MULTIPLE or dim > NATIVE_MAX_DIM or kv_len == 0 or heads % kv_heads:
+        return None
+    if batch * heads * kv_len > NATIVE_PARALLEL_MAX and torch.get_num_threads() > 1:
+        return None
+    if mask is None and sliding_window is not None and kv_len > sliding_window:  # one query sees the last keys
+        key, value, kv_len = key[:, :, -sliding_window:], value[:, :, -sliding_window:], sliding_window
+    qs, ks, vs = query.stride(), key.stride(), value.stride()
+    if qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
+        return None
+    if mask is None:
+        m_ptr = m_sb = m_sh = m_sk = 0
+    else:
+        if mask.dtype is not torch.bool or not mask.is_cpu or mask.dim() != 4 or mask.shape[2] != 1:
+            return None
+        if mask.shape[-1] != kv_len or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads):
+            return None
+        ms = mask.stride()
+        m_ptr, m_sk = mask.data_ptr(), ms[3]
+        m_sb = ms[0] if mask.shape[0] > 1 else 0
+        m_sh = ms[1] if mask.shape[1] > 1 else 0
+    out = torch.empty((batch, 1, heads, dim), dtype=torch.float32)
+    NATIVE[0].capped_f32(
+        query.data_ptr(), qs[0], qs[1],
+        key.data_ptr(), ks[0], ks[1], ks[2],
+        value.data_ptr(), vs[0], vs[1], vs[2],
+        m_ptr, m_sb, m_sh, m_sk,
+        out.data_ptr(), batch, heads, kv_heads, kv_len, dim, float(scaling), float(softcap),
+    )  # fmt: skip
+    return out

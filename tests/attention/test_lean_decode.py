@@ -239,11 +239,12 @@ def test_eager_decoding_on_cuda_takes_the_lean_path_unless_the_kernels_are_asked
 
 
 def test_a_warm_modules_decoding_call_takes_the_one_query_route_only_where_it_may(monkeypatch):
-    """Decoding's commonest call (one query, no mask, CPU, eager) skips the general route once the module's arguments
-    were validated (:func:`interface._one_query`). Everything that route decides must still hold on a warm module:
-    a changed cap or scaling, a probe, a sink, attention weights, dropout in training, a gradient, a window the keys
-    exceed, a policy that sends CPU tensors to the kernels -- each takes the general route, and every answer is the
-    float64 reference's."""
+    """Decoding's commonest calls (one query, no mask or a boolean one over the keys, CPU, eager) skip the general
+    route once the module's arguments were validated (:func:`interface._one_query`). Everything that route decides
+    must still hold on a warm module: a changed cap or scaling, a probe, a sink, attention weights, dropout in
+    training, a gradient, a window the keys exceed without a mask, an additive mask or one of another shape, a policy
+    that sends CPU tensors to the kernels -- each takes the general route, and every answer is the float64
+    reference's."""
     from hf_qknorm.attention import kernel_policy
 
     taken, real = [], interface._one_query
@@ -317,6 +318,36 @@ def test_a_warm_modules_decoding_call_takes_the_one_query_route_only_where_it_ma
         check(call(sliding_window=8, **short)[0], want(3.0, **short), True)
         check(call(sliding_window=8)[0], want(cap=3.0, window=8), False)  # 40 keys, a window of 8: masked
         warm()
+        # a boolean mask over the keys (padding, a static cache's empty slots) is complete: the one-query route
+        # takes it as the general route would, a window beside it included; other masks take the general route
+        padded = torch.rand(2, 1, 1, 40, generator=g) > 0.3
+        padded[..., -1] = True
+        per_head = torch.rand(2, 4, 1, 40, generator=g) > 0.3
+        per_head[..., 0] = True
+
+        def masked(mask, **kw):
+            kw.setdefault("scaling", 0.25)
+            return interface.qknorm_attention_forward(module, q, k, v, mask, **kw)[0]
+
+        def want_masked(mask):
+            ref = _reference(q, k, v, scaling=0.25, softcap=3.0, mask=mask, causal=False, window=None)
+            return ref.transpose(1, 2)
+
+        check(masked(padded), want_masked(padded), True)
+        check(masked(per_head), want_masked(per_head), True)
+        check(masked(padded[:1]), want_masked(padded[:1]), True)  # one row for the batch
+        check(masked(padded, sliding_window=8), want_masked(padded), False)  # a changed argument: validated first
+        check(masked(padded, sliding_window=8), want_masked(padded), True)
+        warm()
+        additive = torch.zeros(2, 1, 1, 40, dtype=torch.float64).masked_fill(~padded, float("-inf"))
+        taken.clear()
+        got = masked(additive)
+        assert not any(taken)  # the general route: the one-query route is not even asked
+        torch.testing.assert_close(got, want_masked(padded), rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="mask"):  # a mask of another shape: check_mask's error
+            masked(padded[..., :39])
+        assert taken[-1] is False
+        warm()
         packed = dict(cu_seq_lens_q=torch.tensor([0, 1]), cu_seq_lens_k=torch.tensor([0, 40]))
         got = interface.qknorm_attention_forward(module, q[:1], k[:1], v[:1], None, scaling=0.25, **packed)[0]
         assert taken[-1] is False
@@ -330,8 +361,8 @@ def test_a_warm_modules_decoding_call_takes_the_one_query_route_only_where_it_ma
         warm()
         q32, k32, v32 = q.float(), k.float(), v.float()  # a dtype the kernels take (float64 would fall back)
         with kernel_policy(devices=("cuda", "cpu")):  # CPU tensors to the kernels: the one-query route steps aside
-            assert real(module, q32, k32, v32, 0.25, 0.0, None, None, {}) is None
-        assert real(module, q32, k32, v32, 0.25, 0.0, None, None, {}) is not None
+            assert real(module, q32, k32, v32, None, 0.25, 0.0, None, None, {}) is None
+        assert real(module, q32, k32, v32, None, 0.25, 0.0, None, None, {}) is not None
         module.train()
         call(dropout=0.5)
         call(dropout=0.5)  # validated with this dropout: still not the one-query route in training

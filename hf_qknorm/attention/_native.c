@@ -1,0 +1,219 @@
+/* One decoding query's capped attention in one call: the lean path's ops (hf_qknorm/attention/lean.py) fused.
+
+   softmax(mask(c * tanh(scale * q.k / c))) v for every (batch, head) row of a single query, float32, on the CPU.
+   Decoding a small model spends its time per op, not per element: the lean path's six ATen calls (matmul, scale,
+   tanh, cap, softmax, matmul) cost about six times one call's overhead, where the unpatched model's sdpa costs one.
+   This is one call, with the same semantics as lean_attention: the cap before the mask, a row with no allowed key
+   gives zeros, float32 sums. The tanh and exp are evaluated here (Cephes' float32 polynomials, within a few ulp of
+   the float64 values -- tests/attention/test_native_decode.py measures them) so that the loops vectorise.
+
+   Built at install time as an optional extension (setup.py); where it cannot be built, or HF_QKNORM_NATIVE=0 is set,
+   lean.py runs its ATen ops instead. On x86-64 Linux with GCC an AVX2/FMA clone is chosen at load time.
+
+   Memory: the caller passes data pointers and strides of live CPU tensors (lean.py checks dtype, device, layout);
+   this file reads q, k, v and the mask within the given shapes and writes only `out` (batch, heads, dim). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define HFQ_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HFQ_CLONES
+#endif
+
+#define LANES 8
+#define MAX_DIM 512
+#define BLOCK 256 /* keys per partial sum of the values */
+
+/* eight floats as one value (GCC and Clang vector extensions): one AVX register in the x86-64-v3 clone, two SSE
+   registers in the default one */
+typedef float vec8 __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vec8 load8(const float *p) {
+    vec8 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void store8(float *p, vec8 x) { memcpy(p, &x, sizeof x); }
+
+/* 2^n * p for exp: Cephes expf's polynomial on r = x - n ln2, |r| <= ln2 / 2 */
+static inline float exp_poly(float x) {
+    /* n = round(x / ln2) by adding and subtracting 1.5 * 2^23 (|x / ln2| < 2^22 here): no libm call, so it vectorises
+       on any x86-64 */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    n = (n == n) ? n : 0.0f; /* NaN: any exponent, the polynomial carries the NaN */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* exp(x) for x <= 0 (a softmax exponent after its row shift): 0 below -87.3 (and for -inf), NaN for NaN */
+static inline float exp_nonpositive(float x) {
+    float e = exp_poly(x < -87.3f ? -87.3f : x);
+    return x < -87.3f ? 0.0f : e;
+}
+
+/* tanh(x): Cephes tanhf's odd polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above (|x| clamped at 9.5, where
+   tanh is 1 in float32); +-1 for +-inf, NaN for NaN */
+static inline float tanh_f(float x) {
+    float a = fabsf(x);
+    float z = x * x;
+    float small = ((((-5.70498872745E-3f * z + 2.06390887954E-2f) * z - 5.37397155531E-2f) * z + 1.33314422036E-1f) *
+                       z -
+                   3.33332819422E-1f) *
+                      z * x +
+                  x;
+    float e = exp_poly(2.0f * (a > 9.5f ? 9.5f : a));
+    float big = 1.0f - 2.0f / (e + 1.0f);
+    big = x < 0.0f ? -big : big;
+    float t = a < 0.625f ? small : big;
+    return x != x ? x : t;
+}
+
+HFQ_CLONES
+static void capped_rows(const float *q, long long q_sb, long long q_sh, const float *k, long long k_sb, long long k_sh,
+                        long long k_st, const float *v, long long v_sb, long long v_sh, long long v_st,
+                        const unsigned char *mask, long long m_sb, long long m_sh, long long m_sk, float *out,
+                        long long batch, long long heads, long long kv_heads, long long kv_len, long long dim,
+                        float scale, float cap, float *s) {
+    const long long groups = heads / kv_heads;
+    const float pre = scale / cap;
+    vec8 acc[MAX_DIM / LANES], part[MAX_DIM / LANES];
+    for (long long b = 0; b < batch; b++) {
+        for (long long h = 0; h < heads; h++) {
+            const float *qr = q + b * q_sb + h * q_sh;
+            const float *kb = k + b * k_sb + (h / groups) * k_sh;
+            const float *vb = v + b * v_sb + (h / groups) * v_sh;
+            const unsigned char *mr = mask ? mask + b * m_sb + h * m_sh : NULL;
+            /* logits; capped; masked */
+            for (long long j = 0; j < kv_len; j++) {
+                const float *kr = kb + j * k_st;
+                vec8 lane = {0}, odd = {0}; /* two sums: half the rounding chain, and two FMA chains in flight */
+                long long c = 0;
+                for (; c + 2 * LANES <= dim; c += 2 * LANES) {
+                    lane += load8(qr + c) * load8(kr + c);
+                    odd += load8(qr + c + LANES) * load8(kr + c + LANES);
+                }
+                if (c < dim) lane += load8(qr + c) * load8(kr + c);
+                lane += odd;
+                s[j] = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+            }
+            for (long long j = 0; j < kv_len; j++) s[j] = cap * tanh_f(s[j] * pre);
+            if (mr)
+                for (long long j = 0; j < kv_len; j++)
+                    if (!mr[j * m_sk]) s[j] = -INFINITY;
+            /* row maximum (eight partial maxima, so the loop vectorises) */
+            float top8[LANES];
+            for (int u = 0; u < LANES; u++) top8[u] = -INFINITY;
+            long long full = kv_len - kv_len % LANES;
+            for (long long j = 0; j < full; j += LANES)
+                for (int u = 0; u < LANES; u++) top8[u] = s[j + u] > top8[u] ? s[j + u] : top8[u];
+            float top = -INFINITY;
+            for (int u = 0; u < LANES; u++) top = top8[u] > top ? top8[u] : top;
+            for (long long j = full; j < kv_len; j++) top = s[j] > top ? s[j] : top;
+            float *o = out + (b * heads + h) * dim;
+            if (top == -INFINITY) { /* no allowed key (or every logit NaN: the NaN below is kept) */
+                int any_nan = 0;
+                for (long long j = 0; j < kv_len; j++) any_nan |= s[j] != s[j];
+                for (long long d = 0; d < dim; d++) o[d] = any_nan ? NAN : 0.0f;
+                continue;
+            }
+            /* exponents and their sum */
+            float sum8[LANES] = {0};
+            for (long long j = 0; j < full; j += LANES)
+                for (int u = 0; u < LANES; u++) {
+                    float e = exp_nonpositive(s[j + u] - top);
+                    s[j + u] = e;
+                    sum8[u] += e;
+                }
+            float sum = ((sum8[0] + sum8[4]) + (sum8[1] + sum8[5])) + ((sum8[2] + sum8[6]) + (sum8[3] + sum8[7]));
+            for (long long j = full; j < kv_len; j++) {
+                float e = exp_nonpositive(s[j] - top);
+                s[j] = e;
+                sum += e;
+            }
+            /* probabilities times values */
+            const long long chunks = dim / LANES;
+            /* sums of BLOCK keys at a time added into the total: a rounding chain of kv_len / BLOCK + BLOCK terms,
+               not kv_len, however long the cache */
+            for (long long c = 0; c < chunks; c++) acc[c] = (vec8){0};
+            for (long long j0 = 0; j0 < kv_len; j0 += BLOCK) {
+                const long long j1 = j0 + BLOCK < kv_len ? j0 + BLOCK : kv_len;
+                for (long long c = 0; c < chunks; c++) part[c] = (vec8){0};
+                for (long long j = j0; j < j1; j++) {
+                    const float *vr = vb + j * v_st;
+                    const vec8 p = (vec8){0} + s[j];
+                    for (long long c = 0; c < chunks; c++) part[c] += p * load8(vr + c * LANES);
+                }
+                for (long long c = 0; c < chunks; c++) acc[c] += part[c];
+            }
+            const vec8 inv = (vec8){0} + 1.0f / sum;
+            for (long long c = 0; c < chunks; c++) store8(o + c * LANES, acc[c] * inv);
+        }
+    }
+}
+
+/* capped_f32(q, q_sb, q_sh, k, k_sb, k_sh, k_st, v, v_sb, v_sh, v_st, mask, m_sb, m_sh, m_sk, out,
+              batch, heads, kv_heads, kv_len, dim, scale, cap): pointers and strides (in elements) as integers,
+              mask 0 for none; out is (batch, heads, dim) contiguous. */
+static PyObject *capped_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 23) {
+        PyErr_Format(PyExc_TypeError, "capped_f32 takes 23 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long long i[21];
+    int slot = 0;
+    for (Py_ssize_t a = 0; a < 21; a++) {
+        i[slot] = PyLong_AsLongLong(args[a]);
+        if (i[slot] == -1 && PyErr_Occurred()) return NULL;
+        slot++;
+    }
+    double scale = PyFloat_AsDouble(args[21]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    double cap = PyFloat_AsDouble(args[22]);
+    if (cap == -1.0 && PyErr_Occurred()) return NULL;
+    long long batch = i[16], heads = i[17], kv_heads = i[18], kv_len = i[19], dim = i[20];
+    if (batch < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || kv_len <= 0 || dim <= 0 || dim % LANES ||
+        dim > MAX_DIM || !(cap > 0.0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "capped_f32: unsupported sizes (batch %lld, heads %lld, kv_heads %lld, kv_len %lld, dim %lld, "
+                     "cap %g)",
+                     batch, heads, kv_heads, kv_len, dim, cap);
+        return NULL;
+    }
+    float *s = (float *)malloc((size_t)kv_len * sizeof(float));
+    if (!s) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS capped_rows((const float *)(uintptr_t)i[0], i[1], i[2], (const float *)(uintptr_t)i[3],
+                                       i[4], i[5], i[6], (const float *)(uintptr_t)i[7], i[8], i[9], i[10],
+                                       (const unsigned char *)(uintptr_t)i[11], i[12], i[13], i[14],
+                                       (float *)(uintptr_t)i[15], batch, heads, kv_heads, kv_len, dim, (float)scale,
+                                       (float)cap, s);
+    Py_END_ALLOW_THREADS free(s);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"capped_f32", (PyCFunction)(void (*)(void))capped_f32, METH_FASTCALL,
+     "One decoding query's capped attention, float32 (hf_qknorm.attention.lean)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,273 @@
+"""The native decoding op (hf_qknorm/attention/_native.c, through lean._native_capped): one capped float32 query per
+row in one call.
+
+Checked against :func:`hf_qknorm.reference.attention_reference` in float64 -- every layout the caches hand it, masks,
+rows with no key, GQA, head dims, caps from 1 to 500, non-finite inputs -- its tanh and exp on a dense grid, which
+calls take it and which do not, and a generation with it against the same model without it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_qknorm
+from hf_qknorm.attention import lean
+from hf_qknorm.reference import attention_reference
+from tests._support.tiny_models import VOCAB, tiny_model
+
+pytestmark = pytest.mark.skipif(lean._NATIVE_MODULE is None, reason="the native op was not built here")
+
+
+@pytest.fixture
+def native():
+    """The native op in use for the test, whatever the environment says."""
+    saved = lean.NATIVE[0]
+    lean.NATIVE[0] = lean._NATIVE_MODULE
+    yield lean._NATIVE_MODULE
+    lean.NATIVE[0] = saved
+
+
+class _Spy:
+    """Stands in for the native module and counts its calls."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, 0
+
+    def capped_f32(self, *args):
+        self.calls += 1
+        return self.module.capped_f32(*args)
+
+
+def _call(q, k, v, *, scaling=0.3, softcap=5.0, mask=None, window=None):
+    return lean.lean_attention(
+        q, k, v, scaling=scaling, softcap=softcap, mask=mask, causal=False, sliding_window=window
+    )
+
+
+def _reference(q, k, v, *, scaling=0.3, softcap=5.0, mask=None, window=None):
+    q, k, v = q.double(), k.double(), v.double()
+    return attention_reference(
+        q, k, v, scaling=scaling, softcap=softcap, causal=False, mask=mask, sliding_window=window
+    )
+
+
+def _inputs(batch, heads, kv_heads, kv_len, dim, seed=0, spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 1, heads, dim, generator=g).transpose(1, 2) * spread  # the layout the projections give
+    k = torch.randn(batch, kv_heads, kv_len, dim, generator=g)
+    v = torch.randn(batch, kv_heads, kv_len, dim, generator=g)
+    return q, k, v
+
+
+def _assert_reference(got, q, k, v, **kw):
+    """``got`` within float32's error of the float64 reference: about as far from it as the ATen ops' result, which
+    rounds the same sums in its own order (over 540 random calls of three shapes and three caps: median 0.87 times
+    their error, at most 3.3 times where both were below 1e-6), and close in absolute terms."""
+    expected = _reference(q, k, v, **kw).transpose(1, 2)  # (batch, 1, heads, dim)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    saved, lean.NATIVE[0] = lean.NATIVE[0], None
+    try:
+        aten = _call(q, k, v, **kw)
+    finally:
+        lean.NATIVE[0] = saved
+    error, aten_error = ((x.double() - expected).abs().max().item() for x in (got, aten))
+    assert error <= max(3 * aten_error, 2e-6), (error, aten_error)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 4, 2, 37, 16),  # GQA, the tiny test models' shape
+        (3, 4, 4, 1, 8),  # one key: the output is its value
+        (2, 6, 2, 513, 64),  # past the vector width in keys, odd length
+        (1, 12, 12, 200, 128),
+        (2, 8, 1, 64, 512),  # the largest head dim it takes
+    ],
+)
+@pytest.mark.parametrize("softcap", [1.0, 5.0, 50.0, 500.0])
+def test_matches_the_float64_reference(native, shape, softcap):
+    spy = _Spy(native)
+    lean.NATIVE[0] = spy
+    q, k, v = _inputs(*shape, seed=int(softcap))
+    got = _call(q, k, v, softcap=softcap)
+    assert spy.calls == 1
+    _assert_reference(got, q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("kind", ["batch", "heads", "empty_row", "window"])
+def test_masks_and_windows(native, kind):
+    batch, heads, kv_heads, kv_len = 3, 4, 2, 41
+    q, k, v = _inputs(batch, heads, kv_heads, kv_len, 16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    mask, window = None, None
+    if kind == "batch":  # padding, a static cache's empty slots: (batch, 1, 1, kv_len)
+        mask = torch.rand(batch, 1, 1, kv_len, generator=g) > 0.4
+        mask[..., -1] = True
+    elif kind == "heads":
+        mask = torch.rand(batch, heads, 1, kv_len, generator=g) > 0.4
+        mask[..., 0] = True
+    elif kind == "empty_row":  # a row with no allowed key gives zeros
+        mask = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
+        mask[1] = False
+    else:  # one query with a window and no mask sees the last `window` keys
+        window = 9
+    spy = _Spy(native)
+    lean.NATIVE[0] = spy
+    got = _call(q, k, v, mask=mask, window=window)
+    assert spy.calls == 1
+    _assert_reference(got, q, k, v, mask=mask, window=window)
+    if kind == "empty_row":
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def test_strided_caches(native):
+    """A static cache's keys trimmed to the filled slots, and a key cache that is a slice of a larger buffer: rows
+    contiguous, the rest strided."""
+    big_k = torch.randn(2, 3, 50, 16)
+    big_v = torch.randn(2, 3, 50, 16)
+    k, v = big_k[:, :, :23], big_v[:, :, 5:28]
+    q = torch.randn(2, 6, 1, 16)  # contiguous (batch, heads, 1, dim)
+    assert not k.is_contiguous()
+    _assert_reference(_call(q, k, v), q, k, v)
+
+
+def test_a_broadcast_mask_over_batch_and_heads(native):
+    q, k, v = _inputs(4, 4, 2, 30, 16, seed=5)
+    mask = (torch.arange(30) % 3 != 0).view(1, 1, 1, 30)
+    _assert_reference(_call(q, k, v, mask=mask), q, k, v, mask=mask)
+
+
+def test_tanh_and_exp_on_a_grid(native):
+    """Two keys, the second's logit 0 and value 0: the output is sigmoid(c * tanh(s / c)) times the first value --
+    the op's tanh over its whole range (the polynomial below 0.625, the exp form, the clamp at 9.5, infinities)."""
+    s = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([0.0, 1e-30, -1e-30, 0.6249, 0.6251, 9.49, 9.51, 40.0])])
+    s = torch.cat([s, torch.tensor([float("inf"), float("-inf")])])
+    n = s.numel()
+    q = torch.zeros(n, 1, 1, 8)
+    q[:, 0, 0, 0] = 1.0
+    k = torch.zeros(n, 1, 2, 8)
+    k[:, 0, 0, 0] = s  # logit = s (scaling 1), the second key's logit 0
+    v = torch.zeros(n, 1, 2, 8)
+    v[:, 0, 0, :] = 1.0
+    for cap in (1.0, 3.0):
+        got = _call(q, k, v, scaling=1.0, softcap=cap)[:, 0, 0, 0].double()
+        expected = torch.sigmoid(cap * torch.tanh(s.double() / cap))
+        torch.testing.assert_close(got, expected, atol=3e-7, rtol=1e-6)
+
+
+def test_non_finite_inputs(native):
+    q, k, v = _inputs(3, 2, 1, 10, 8, seed=6)
+    q = q.abs().contiguous() + 0.1  # positive queries: a key of +inf gives a logit of +inf, not NaN
+    k = k.clone()
+    k[0, 0, 3, 0] = float("nan")  # batch 0 sees a NaN logit: NaN rows, as softmax gives
+    k[1, 0, 4] = float("inf")  # a logit of +inf is capped to c (tanh(inf) = 1)
+    k[2, 0, 5] = 1e30  # a finite logit far past the tanh's clamp
+    got = _call(q, k, v)
+    assert torch.isnan(got[0]).all()
+    assert torch.isfinite(got[1:]).all()
+    _assert_reference(got[1:], q[1:], k[1:], v[1:])
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["float64", "bfloat16", "head_dim", "uncapped", "two_queries", "grad", "sink", "disabled"],
+)
+def test_calls_it_does_not_take(native, why):
+    """Every other call takes the ATen ops -- the same values to the reference -- and never the op."""
+    spy = _Spy(native)
+    lean.NATIVE[0] = None if why == "disabled" else spy
+    dim = 12 if why == "head_dim" else 16
+    q, k, v = _inputs(2, 4, 2, 17, dim, seed=7)
+    kw = dict(scaling=0.3, softcap=None if why == "uncapped" else 5.0, mask=None, causal=False, sliding_window=None)
+    if why in ("float64", "bfloat16"):
+        dtype = torch.float64 if why == "float64" else torch.bfloat16
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if why == "two_queries":
+        q = torch.randn(2, 4, 2, dim)
+    if why == "grad":
+        q.requires_grad_(True)
+    if why == "sink":
+        kw["sink"] = torch.randn(4)
+    with torch.enable_grad():
+        got = lean.lean_attention(q, k, v, **kw)
+    assert spy.calls == 0
+    if why == "sink":  # the sink's own values: tests/attention/test_lean_decode.py
+        return
+    expected = attention_reference(
+        q.double(), k.double(), v.double(), scaling=0.3, softcap=kw["softcap"], causal=False, sliding_window=None
+    ).transpose(1, 2)
+    tol = 2e-2 if why == "bfloat16" else 1e-5
+    torch.testing.assert_close(got.detach().double(), expected, atol=tol, rtol=tol)
+
+
+def test_several_threads_keep_large_calls_on_the_aten_ops(native):
+    spy = _Spy(native)
+    lean.NATIVE[0] = spy
+    threads = torch.get_num_threads()
+    small = _inputs(1, 4, 2, 64, 16)
+    large = _inputs(2, 8, 2, lean.NATIVE_PARALLEL_MAX // 16 + 1, 16)  # just past the limit
+    try:
+        torch.set_num_threads(2)
+        _call(*large)
+        assert spy.calls == 0
+        _call(*small)
+        assert spy.calls == 1
+        torch.set_num_threads(1)
+        _call(*large)
+        assert spy.calls == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_environment_switch_turns_it_off():
+    code = "from hf_qknorm.attention import lean; print(lean.NATIVE[0] is None, lean._NATIVE_MODULE is None)"
+    env = dict(os.environ, HF_QKNORM_NATIVE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]
+    env["HF_QKNORM_NATIVE"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("scheme", ["soft_cap", "qk_norm_cap"])
+def test_generation_with_and_without_it(native, cache, scheme):
+    """Greedy generation of a patched model, float32, with left padding: the op runs (counted), and the logits agree
+    with the same model run without it, and with its float64 copy."""
+    model = tiny_model("llama", seed=11)
+    hf_qknorm.patch_model(model, scheme, softcap=4.0)
+    model.eval()
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0  # left padding: the decoding calls carry a mask
+    options = dict(
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        cache_implementation=cache,
+        attention_mask=attention_mask,
+    )
+    spy = _Spy(native)
+    lean.NATIVE[0] = spy
+    with torch.no_grad():
+        fast = model.generate(ids, **options)
+    assert spy.calls > 0
+    lean.NATIVE[0] = None
+    with torch.no_grad():
+        slow = model.generate(ids, **options)
+    assert torch.equal(fast.sequences, slow.sequences)
+    for a, b in zip(fast.logits, slow.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    lean.NATIVE[0] = native
+    reference = model.double()
+    with torch.no_grad():
+        exact = reference.generate(ids, **options)
+    for a, b in zip(fast.logits, exact.logits):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4)
