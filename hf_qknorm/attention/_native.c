@@ -85,6 +85,26 @@ static inline float tanh_f(float x) {
     return x != x ? x : t;
 }
 
+/* 2^y: Cephes exp2f's polynomial on r = y - round(y), |r| <= 1/2; 0 below -126 (and for -inf; float32's
+   subnormals, below 1.2e-38, are flushed), inf above 128, NaN for NaN */
+static inline float exp2_f(float y) {
+    float c = y < -126.0f ? -126.0f : (y > 128.0f ? 128.0f : y);
+    float n = (c + 12582912.0f) - 12582912.0f;
+    n = (n == n) ? n : 0.0f;
+    float r = c - n;
+    float p = ((((1.535336188319500E-4f * r + 1.339887440266574E-3f) * r + 9.618437357674640E-3f) * r +
+                5.550332471162809E-2f) *
+                   r +
+               2.402264791363012E-1f) *
+                  r +
+              6.931472028550421E-1f;
+    p = 1.0f + r * p;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return y < -126.0f ? 0.0f : p * two_n;
+}
+
 HFQ_CLONES
 static void capped_rows(const float *q, long long q_sb, long long q_sh, const float *k, long long k_sb, long long k_sh,
                         long long k_st, const float *v, long long v_sb, long long v_sh, long long v_st,
@@ -168,6 +188,152 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
     }
 }
 
+/* The tiled path's capped elementwise passes (hf_qknorm/attention/chunked.py), float32. A tile is `n` blocks of
+   `rows` rows of `cols` logits, contiguous; a per-row vector of a tile (log-sum-exp, delta) is `n` blocks of `rows`
+   values, `stride` apart. */
+
+/* forward: x holds 2s/c (the matmul's output); p = 2^(gain * tanh(x / 2)) written over it, t = tanh(x / 2) into
+   `kept` where given, each row's sum of p into `sums` */
+HFQ_CLONES
+static void tile_forward(float *x, long long blocks, long long rows, long long cols, float gain, float *kept,
+                         float *sums) {
+    const long long full = cols - cols % LANES;
+    for (long long r = 0; r < blocks * rows; r++) {
+        float *xr = x + r * cols;
+        float *kr = kept ? kept + r * cols : NULL;
+        float sum8[LANES] = {0};
+        for (long long j = 0; j < full; j += LANES)
+            for (int u = 0; u < LANES; u++) {
+                float t = tanh_f(0.5f * xr[j + u]);
+                if (kr) kr[j + u] = t;
+                float e = exp2_f(gain * t);
+                xr[j + u] = e;
+                sum8[u] += e;
+            }
+        float sum = ((sum8[0] + sum8[4]) + (sum8[1] + sum8[5])) + ((sum8[2] + sum8[6]) + (sum8[3] + sum8[7]));
+        for (long long j = full; j < cols; j++) {
+            float t = tanh_f(0.5f * xr[j]);
+            if (kr) kr[j] = t;
+            float e = exp2_f(gain * t);
+            xr[j] = e;
+            sum += e;
+        }
+        sums[r] = sum;
+    }
+}
+
+/* one row of tile_backward_p; `recompute` is a constant at each call, so each copy has one branch */
+static inline __attribute__((always_inline)) void backward_p_row(const float *sr, const int recompute, long long cols,
+                                                                 float shift, float gain, float *pr, float *dr) {
+    /* eight at a time, every load before any store: `pr` may be `sr` */
+    const long long full = cols - cols % LANES;
+    long long j = 0;
+    for (; j < full; j += LANES) {
+        float t[LANES];
+        for (int u = 0; u < LANES; u++) t[u] = recompute ? tanh_f(0.5f * sr[j + u]) : sr[j + u];
+        for (int u = 0; u < LANES; u++) {
+            dr[j + u] = 1.0f - t[u] * t[u];
+            pr[j + u] = exp2_f(gain * t[u] + shift);
+        }
+    }
+    for (; j < cols; j++) {
+        float t = recompute ? tanh_f(0.5f * sr[j]) : sr[j];
+        dr[j] = 1.0f - t * t;
+        pr[j] = exp2_f(gain * t + shift);
+    }
+}
+
+/* backward, before the products: t = tanh(src / 2) (src holds 2s/c) or t = src (forward's kept tanh);
+   p = 2^(gain * t - lse) and the cap's slope 1 - t^2; `p` may be `src` */
+HFQ_CLONES
+static void tile_backward_p(const float *src, int recompute, long long blocks, long long rows, long long cols,
+                            const float *neg_lse, long long lse_stride, float gain, float *p, float *slope) {
+    for (long long b = 0; b < blocks; b++)
+        for (long long i = 0; i < rows; i++) {
+            const long long r = b * rows + i;
+            const float shift = neg_lse[b * lse_stride + i];
+            if (recompute)
+                backward_p_row(src + r * cols, 1, cols, shift, gain, p + r * cols, slope + r * cols);
+            else
+                backward_p_row(src + r * cols, 0, cols, shift, gain, p + r * cols, slope + r * cols);
+        }
+}
+
+/* backward, after dP = dO V^T: dS = (dP - delta) * p * slope, written over dP */
+HFQ_CLONES
+static void tile_backward_ds(float *dp, const float *p, const float *slope, long long blocks, long long rows,
+                             long long cols, const float *delta, long long delta_stride) {
+    for (long long b = 0; b < blocks; b++)
+        for (long long i = 0; i < rows; i++) {
+            const long long r = b * rows + i;
+            const float d = delta[b * delta_stride + i];
+            float *dr = dp + r * cols;
+            const float *pr = p + r * cols, *sr = slope + r * cols;
+            for (long long j = 0; j < cols; j++) dr[j] = (dr[j] - d) * pr[j] * sr[j];
+        }
+}
+
+/* Arguments of the wrappers below: Python integers (pointers, sizes, strides in elements) and floats, in the order
+   of the C function's parameters. */
+static int ints(PyObject *const *args, Py_ssize_t count, long long *out) {
+    for (Py_ssize_t a = 0; a < count; a++) {
+        out[a] = PyLong_AsLongLong(args[a]);
+        if (out[a] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+static int sizes_ok(long long blocks, long long rows, long long cols) {
+    if (blocks < 0 || rows < 0 || cols < 0) {
+        PyErr_Format(PyExc_ValueError, "tile sizes must not be negative: %lld, %lld, %lld", blocks, rows, cols);
+        return 0;
+    }
+    return 1;
+}
+
+#define PTR(type, value) ((type *)(uintptr_t)(value))
+
+/* forward_f32(x, blocks, rows, cols, kept or 0, sums, gain) */
+static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long i[6];
+    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "forward_f32 takes 7 arguments, got %zd", nargs);
+    if (ints(args, 6, i) < 0) return NULL;
+    double gain = PyFloat_AsDouble(args[6]);
+    if (gain == -1.0 && PyErr_Occurred()) return NULL;
+    if (!sizes_ok(i[1], i[2], i[3])) return NULL;
+    Py_BEGIN_ALLOW_THREADS tile_forward(PTR(float, i[0]), i[1], i[2], i[3], (float)gain, PTR(float, i[4]),
+                                        PTR(float, i[5]));
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* backward_p_f32(src, recompute, blocks, rows, cols, neg_lse, lse_stride, p, slope, gain) */
+static PyObject *backward_p_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long i[9];
+    if (nargs != 10) return PyErr_Format(PyExc_TypeError, "backward_p_f32 takes 10 arguments, got %zd", nargs);
+    if (ints(args, 9, i) < 0) return NULL;
+    double gain = PyFloat_AsDouble(args[9]);
+    if (gain == -1.0 && PyErr_Occurred()) return NULL;
+    if (!sizes_ok(i[2], i[3], i[4])) return NULL;
+    Py_BEGIN_ALLOW_THREADS tile_backward_p(PTR(const float, i[0]), (int)i[1], i[2], i[3], i[4],
+                                           PTR(const float, i[5]), i[6], (float)gain, PTR(float, i[7]),
+                                           PTR(float, i[8]));
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* backward_ds_f32(dp, p, slope, blocks, rows, cols, delta, delta_stride) */
+static PyObject *backward_ds_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long i[8];
+    if (nargs != 8) return PyErr_Format(PyExc_TypeError, "backward_ds_f32 takes 8 arguments, got %zd", nargs);
+    if (ints(args, 8, i) < 0) return NULL;
+    if (!sizes_ok(i[3], i[4], i[5])) return NULL;
+    Py_BEGIN_ALLOW_THREADS tile_backward_ds(PTR(float, i[0]), PTR(const float, i[1]), PTR(const float, i[2]), i[3],
+                                            i[4], i[5], PTR(const float, i[6]), i[7]);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 /* capped_f32(q, q_sb, q_sh, k, k_sb, k_sh, k_st, v, v_sb, v_sh, v_st, mask, m_sb, m_sh, m_sk, out,
               batch, heads, kv_heads, kv_len, dim, scale, cap): pointers and strides (in elements) as integers,
               mask 0 for none; out is (batch, heads, dim) contiguous. */
@@ -211,6 +377,12 @@ static PyObject *capped_f32(PyObject *self, PyObject *const *args, Py_ssize_t na
 static PyMethodDef methods[] = {
     {"capped_f32", (PyCFunction)(void (*)(void))capped_f32, METH_FASTCALL,
      "One decoding query's capped attention, float32 (hf_qknorm.attention.lean)."},
+    {"forward_f32", (PyCFunction)(void (*)(void))forward_f32, METH_FASTCALL,
+     "A capped tile's exponents, kept tanh and row sums (hf_qknorm.attention.chunked)."},
+    {"backward_p_f32", (PyCFunction)(void (*)(void))backward_p_f32, METH_FASTCALL,
+     "A capped tile's probabilities and the cap's slope in backward (hf_qknorm.attention.chunked)."},
+    {"backward_ds_f32", (PyCFunction)(void (*)(void))backward_ds_f32, METH_FASTCALL,
+     "A capped tile's logit gradients (hf_qknorm.attention.chunked)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -32,6 +32,7 @@ import math
 import torch
 
 from . import tiles as _tiles
+from .native import NATIVE
 from .tiles import TANH_CLAMP, chunk_allowed, expm1_doubled_, position_mask, tanh_doubled_, user_mask_tile
 
 __all__ = ["TiledAttention", "chunk_allowed", "chunked_attention", "max_logits"]
@@ -133,6 +134,7 @@ class _Call:
         self.tile_total = total
         self.kept_tiles = 0  # how many of the first tiles keep their tanh for backward (set by forward)
         self.clamp = True
+        self.native = None  # the native tile passes, where this call takes them (set by forward: use_native)
         self._edges: dict = {}
         self.sink = None  # (batch * kv_heads, 1, groups): the sink logits in base 2, set by TiledAttention
 
@@ -144,6 +146,23 @@ class _Call:
         self.row_shift = True
         packed = (sink.detach().to(self.acc) * LOG2E).view(1, self.kv_heads, 1, self.groups)
         self.sink = packed.expand(self.batch, -1, -1, -1).reshape(self.n, 1, self.groups)
+
+    def use_native(self, q: torch.Tensor) -> None:
+        """Take the native elementwise passes (:mod:`.native`) where this call is theirs: a cap whose exponents need
+        no row shift, float32 on the CPU, no dropout, eager, one thread (the ATen passes share a tile among threads;
+        the native ones do not)."""
+        native = NATIVE[0]
+        if (
+            native is not None
+            and self.softcap is not None
+            and not self.row_shift
+            and self.acc is torch.float32
+            and self.dropout_p == 0
+            and q.is_cpu
+            and not torch.compiler.is_compiling()
+            and torch.get_num_threads() == 1
+        ):
+            self.native = native
 
     def check_clamp(self, qp: torch.Tensor, kp: torch.Tensor) -> None:
         """Whether tanh's argument may pass the clamp: |2x| <= |qp| |kp| (Cauchy-Schwarz), checked once per call."""
@@ -234,6 +253,16 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs, 
             )
             if c.sink is not None:  # the sink's exponent is shifted too, so it cannot overflow
                 shift = torch.maximum(shift.view(n1 - n0, end - start, c.groups), c.sink[n0:n1]).view(shift.shape)
+    if c.native is not None:  # one pass: tanh, the exponent, its row sums (and the kept tanh); no shift here
+        norm = torch.empty((*shape[:2], 1), dtype=s.dtype)
+        kept_ptr = _kept(c, i, kept, shape).data_ptr() if kept is not None else 0
+        c.native.forward_f32(s.data_ptr(), shape[0], shape[1], shape[2], kept_ptr, norm.data_ptr(), c.gain)
+        p = s
+        if masks:  # masked pairs hold a finite exponent: zeroed, and the sums taken again without them
+            _fill(p, masks, c.groups, 0.0)
+            norm = p.sum(-1, keepdim=True)
+        _finish_forward_tile(c, tile, p, norm, None, vp, out, lse, bufs)
+        return
     base = torch.zeros((), dtype=s.dtype, device=s.device) if shift is None else shift.neg_()
     if c.softcap is None:
         p = torch.add(base, s, alpha=c.gain, out=s).exp2_()
@@ -248,10 +277,19 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs, 
     if c.sink is not None:  # the sink joins the denominator only: a logit that attends to nothing
         sink_rows = (n1 - n0, end - start, c.groups)
         norm.view(sink_rows).add_(torch.add(base.view(sink_rows), c.sink[n0:n1]).exp2_())
-    row_lse = norm.log2() if shift is None else norm.log2().sub_(base)
+    dropout_index = i if c.dropout_p > 0 else None
+    _finish_forward_tile(c, tile, p, norm, None if shift is None else base, vp, out, lse, bufs, dropout_index)
+
+
+def _finish_forward_tile(c: _Call, tile, p, norm, base, vp, out, lse, bufs, dropout_index=None) -> None:
+    """The tile's row log-sum-exp (``base``: the rows' exponent shift, or None) and its share of the output:
+    ``p v / sum(p)`` (``dropout_index``: the tile whose keep-mask multiplies ``p``)."""
+    n0, n1, start, end, lo, hi, _ = tile
+    rows = slice(start * c.groups, end * c.groups)
+    row_lse = norm.log2() if base is None else norm.log2().sub_(base)
     lse[n0:n1, rows] = row_lse.masked_fill_(norm == 0, float("inf"))
-    if c.dropout_p > 0:
-        p.mul_(_keep(shape, c.dropout_p, c.seed, i, p.device, p.dtype))
+    if dropout_index is not None:
+        p.mul_(_keep(p.shape, c.dropout_p, c.seed, dropout_index, p.device, p.dtype))
     o = _matmul_into(out[n0:n1, rows], p, vp[n0:n1, lo:hi], bufs[2], False)
     o.div_(norm.clamp_min(torch.finfo(norm.dtype).tiny))  # a row with no allowed key: 0 / tiny = 0
 
@@ -261,6 +299,9 @@ def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, neg_lse, delta, grads
     dq, dkt, dvt = grads
     rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
     qt, dot, kt, vt = qp[n0:n1, rows], do[n0:n1, rows], kp[n0:n1, lo:hi], vp[n0:n1, lo:hi]
+    if c.native is not None:
+        _backward_tile_native(c, i, tile, qt, dot, kt, vt, neg_lse, delta, grads, bufs, kept)
+        return
     if kept is not None:  # forward's tanh: no matmul, no tanh here
         t, p_out = _kept(c, i, kept, shape), _scratch(bufs[0], shape)
     else:
@@ -282,6 +323,32 @@ def _backward_tile(c: _Call, i: int, tile, qp, kp, vp, do, neg_lse, delta, grads
         ds.mul_(slope)
     _matmul_into(dq[n0:n1, rows], ds, kt, bufs[4], False)
     _matmul_into(dkt[n0:n1, :, lo:hi], qt.transpose(1, 2), ds, bufs[4], True)
+
+
+def _backward_tile_native(c: _Call, i: int, tile, qt, dot, kt, vt, neg_lse, delta, grads, bufs, kept) -> None:
+    """:func:`_backward_tile` with the native passes (capped, float32, no dropout): the probabilities and the cap's
+    slope in one pass, the logit gradients in another."""
+    n0, n1, start, end, lo, hi, _ = tile
+    dq, dkt, dvt = grads
+    rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
+    if kept is not None:  # forward's tanh: no matmul, no tanh here
+        src, recompute, p = _kept(c, i, kept, shape), 0, _scratch(bufs[0], shape)
+    else:
+        src = p = torch.bmm(qt, kt.transpose(1, 2), out=_scratch(bufs[0], shape))
+        recompute = 1
+    slope = _scratch(bufs[2], shape)
+    row_lse, row_delta = neg_lse[n0:n1, rows], delta[n0:n1, rows]  # (rows, queries, 1), strided over rows
+    c.native.backward_p_f32(
+        src.data_ptr(), recompute, *shape, row_lse.data_ptr(), row_lse.stride(0), p.data_ptr(), slope.data_ptr(), c.gain
+    )
+    _fill(p, c.masks(tile, p.device), c.groups, 0.0)
+    _matmul_into(dvt[n0:n1, :, lo:hi], dot.transpose(1, 2), p, bufs[4], True)
+    dp = torch.bmm(dot, vt.transpose(1, 2), out=_scratch(bufs[1], shape))
+    c.native.backward_ds_f32(
+        dp.data_ptr(), p.data_ptr(), slope.data_ptr(), *shape, row_delta.data_ptr(), row_delta.stride(0)
+    )
+    _matmul_into(dq[n0:n1, rows], dp, kt, bufs[4], False)
+    _matmul_into(dkt[n0:n1, :, lo:hi], qt.transpose(1, 2), dp, bufs[4], True)
 
 
 class TiledAttention(torch.autograd.Function):
@@ -315,6 +382,7 @@ class TiledAttention(torch.autograd.Function):
     ):
         c = _Call(q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed)
         c.set_sink(sink)
+        c.use_native(q)
         qp = c.pack(q, c.prescale)
         kp = k.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
         vp = v.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)

@@ -26,23 +26,17 @@ One capped float32 query per row on the CPU -- decoding's commonest call -- goes
 (:func:`_native_capped`). ``HF_QKNORM_NATIVE=0`` in the environment, a build without it, or any other call takes the
 ops above.
 
-This module imports nothing but ``torch``, :mod:`.tiles` and the optional native op.
+This module imports nothing but ``torch``, :mod:`.tiles` and :mod:`.native`.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .native import MODULE as _NATIVE_MODULE
+from .native import NATIVE  # the native op in use, or None (:mod:`.native`)
 from .tiles import TILE_ELEMENTS, position_mask, tanh_doubled_
 
-try:  # the optional native op (setup.py); None where it was not built
-    from . import _native as _NATIVE_MODULE
-except ImportError:  # pragma: no cover - exercised by the wheel without a compiler
-    _NATIVE_MODULE = None
-# the native op in use: None where it is missing or HF_QKNORM_NATIVE=0 (tests and benchmarks set this slot)
-NATIVE = [None if os.environ.get("HF_QKNORM_NATIVE", "1").strip() == "0" else _NATIVE_MODULE]
 # the native op takes head dims that are multiples of its vector width, up to its stack buffer (``_native.c``)
 NATIVE_DIM_MULTIPLE, NATIVE_MAX_DIM = 8, 512
 # The native op runs on one thread. With one thread it beat the ATen ops at every size measured; with more, the ATen

@@ -1,9 +1,10 @@
-"""The native decoding op (hf_qknorm/attention/_native.c, through lean._native_capped): one capped float32 query per
-row in one call.
+"""The native ops (hf_qknorm/attention/_native.c, :mod:`hf_qknorm.attention.native`): the decoding op (one capped
+float32 query per row in one call, through lean._native_capped) and the tiled path's capped elementwise passes.
 
-Checked against :func:`hf_qknorm.reference.attention_reference` in float64 -- every layout the caches hand it, masks,
-rows with no key, GQA, head dims, caps from 1 to 500, non-finite inputs -- its tanh and exp on a dense grid, which
-calls take it and which do not, and a generation with it against the same model without it."""
+Checked against :func:`hf_qknorm.reference.attention_reference` in float64 -- for decoding every layout the caches
+hand it, masks, rows with no key, GQA, head dims, caps from 1 to 500, non-finite inputs, its tanh and exp on a dense
+grid, and a generation with it against the same model without it; for the tiled passes outputs and gradients with
+masks, windows, GQA, kept and recomputed tanh, the per-head max logits -- and which calls take them and which do not."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm.attention import lean
+from hf_qknorm.attention import chunked, lean, tiles
 from hf_qknorm.reference import attention_reference
 from tests._support.tiny_models import VOCAB, tiny_model
 
@@ -37,9 +38,14 @@ class _Spy:
     def __init__(self, module):
         self.module, self.calls = module, 0
 
-    def capped_f32(self, *args):
-        self.calls += 1
-        return self.module.capped_f32(*args)
+    def __getattr__(self, name):
+        function = getattr(self.module, name)
+
+        def counted(*args):
+            self.calls += 1
+            return function(*args)
+
+        return counted
 
 
 def _call(q, k, v, *, scaling=0.3, softcap=5.0, mask=None, window=None):
@@ -271,3 +277,70 @@ def test_generation_with_and_without_it(native, cache, scheme):
         exact = reference.generate(ids, **options)
     for a, b in zip(fast.logits, exact.logits):
         torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4)
+
+
+# ---- the tiled path's capped passes ----
+
+
+def _tiled(q, k, v, *, grad_out, **kw):
+    args = tuple(x.clone().requires_grad_() for x in (q, k, v))
+    out = chunked.chunked_attention(*args, **kw)
+    out, top = out if kw.get("return_max_logits") else (out, None)
+    return (out, *torch.autograd.grad(out, args, grad_out)), top
+
+
+@pytest.mark.parametrize("tq,tk", [(1, 1), (37, 37), (130, 130), (5, 60)])
+@pytest.mark.parametrize("pattern", ["causal", "window", "mask", "full"])
+@pytest.mark.parametrize("keep", ["all", "part", "none"])
+def test_tiled_passes_match_the_float64_reference(native, monkeypatch, tq, tk, pattern, keep):
+    """Output and gradients of a capped float32 call through the native passes: within the flash rule of the ATen
+    passes' own error against float64 (3x, plus 1e-6), the per-head max logits the same; tiles kept, partly kept or
+    recomputed in backward, edge tiles masked."""
+    monkeypatch.setattr(tiles, "TILE_ELEMENTS", 2 * 16 * tk)  # several tiles
+    monkeypatch.setattr(tiles, "QUERY_ROWS", 8)
+    monkeypatch.setattr(chunked, "KEEP_TANH_MAX", {"all": 1 << 22, "part": 2 * 4 * tq * tk // 2, "none": 0}[keep])
+    g = torch.Generator().manual_seed(tq * 1000 + tk)
+    q = torch.randn(2, 4, tq, 16, generator=g) * 3
+    k, v = torch.randn(2, 2, tk, 16, generator=g) * 3, torch.randn(2, 2, tk, 16, generator=g)
+    grad_out = torch.randn(2, 4, tq, 16, generator=g)
+    kw = dict(scaling=0.25, softcap=2.0, causal=pattern in ("causal", "window"), return_max_logits=True)
+    if pattern == "window":
+        kw["sliding_window"] = 7
+    if pattern == "mask":
+        kw["mask"] = torch.rand(2, 1, tq, tk, generator=g) > 0.3
+    spy = _Spy(native)
+    lean.NATIVE[0] = spy
+    got, top = _tiled(q, k, v, grad_out=grad_out, **kw)
+    assert spy.calls > 0
+    lean.NATIVE[0] = None
+    aten, aten_top = _tiled(q, k, v, grad_out=grad_out, **kw)
+    torch.testing.assert_close(top, aten_top, rtol=0, atol=0)  # the max is taken before any native pass
+    ref_kw = {key: value for key, value in kw.items() if key != "return_max_logits"}
+    ref, *ref_grads = _tiled(q.double(), k.double(), v.double(), grad_out=grad_out.double(), **ref_kw)[0]
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, aten, (ref, *ref_grads)):
+        error, aten_error = ((x.double() - r).abs().max().item() for x in (a, b))
+        assert error <= 3 * aten_error + 1e-6, (name, error, aten_error)
+
+
+@pytest.mark.parametrize("why", ["two_threads", "dropout", "large_cap", "sink", "float64", "uncapped", "disabled"])
+def test_tiled_passes_stay_off_where_they_do_not_apply(native, why):
+    """Every other call keeps the ATen passes: several threads (they share a tile), dropout, a cap whose exponents
+    need the row shift, a sink (which forces it), float64, no cap, the op turned off."""
+    spy = _Spy(native)
+    lean.NATIVE[0] = None if why == "disabled" else spy
+    g = torch.Generator().manual_seed(9)
+    dtype = torch.float64 if why == "float64" else torch.float32
+    q, k, v = (torch.randn(1, 4, 20, 16, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+    kw = dict(scaling=0.25, softcap=None if why == "uncapped" else (200.0 if why == "large_cap" else 2.0))
+    if why == "dropout":
+        kw["dropout_p"] = 0.1
+    if why == "sink":
+        kw["sink"] = torch.randn(4, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if why == "two_threads" else 1)
+        out = chunked.chunked_attention(q, k, v, **kw)
+        out.sum().backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert spy.calls == 0
