@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import torch
 
-from .native import MODULE as _NATIVE_MODULE
 from .native import NATIVE  # the native op in use, or None (:mod:`.native`)
 from .tiles import TILE_ELEMENTS, position_mask, tanh_doubled_
 
