@@ -61,10 +61,13 @@ SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
 #   tanh, cap, softmax, bmm: the lean path's ops);
 #   no check, no routing, no cap-backend check. It computes the patched model's logits to the bit (checked before it
 #   is timed) and holds only for what the token table runs (CPU, eager, no gradient, one query, no mask, layernorm):
-#   between it and the unpatched model is the cost of the ops the scheme adds, not of the code around them.
+#   between it and the unpatched model is the cost of the ops the scheme adds, not of the code around them;
+# - ``<scheme>_aten``: the scheme with the native op (hf_qknorm/attention/native.py) turned off while its model runs
+#   (forward and, decided there, backward): the ATen ops beside the native ones, in the same process and rounds.
 ABLATIONS = {
     "qk_norm_noop": "qk_norm",
     **{f"{scheme}_floor": scheme for scheme in SCHEMES},
+    **{f"{scheme}_aten": scheme for scheme in SCHEMES},
 }
 
 
@@ -128,11 +131,31 @@ def _providers(shape: str, sliding: bool, schemes) -> dict:
         models[scheme] = hf_qknorm.patch_model(copy.deepcopy(base), ABLATIONS.get(scheme, scheme))
         if scheme.endswith("_floor"):
             _floor(models[scheme], reference=models.get(ABLATIONS[scheme]))
+        elif scheme.endswith("_aten"):
+            _without_native(models[scheme])
         elif scheme in ABLATIONS:
             for module in models[scheme].modules():
                 for slot in module.__dict__.get("_qknorm_norms", {}).values():
                     setattr(module, slot, _NoOp())
     return models
+
+
+def _without_native(model) -> None:
+    """``model`` runs with the native op turned off: its forward (the tiled path's backward follows the forward's
+    choice) sets the op's slot to None and restores it after."""
+    from hf_qknorm.attention import native
+
+    saved = []
+
+    def off(module, args, kwargs):
+        saved.append(native.NATIVE[0])
+        native.NATIVE[0] = None
+
+    def restore(module, args, kwargs, output):
+        native.NATIVE[0] = saved.pop()
+
+    model.register_forward_pre_hook(off, with_kwargs=True)
+    model.register_forward_hook(restore, with_kwargs=True, always_call=True)
 
 
 def _floor_projection(projection, norm, head_dim: int):

@@ -110,3 +110,41 @@ def test_the_floor_ablations_compute_the_patched_models_logits_and_refuse_otherw
     monkeypatch.setattr(bench_decode, "_floor_projection", biased)
     with pytest.raises(AssertionError, match="the floor model's logits differ from the patched model's"):
         bench_decode._providers("tiny", False, ["qk_norm_floor"])
+
+
+def test_the_aten_ablation_runs_its_model_without_the_native_op():
+    """``<scheme>_aten`` turns the native op off while its model runs -- forward and the tiled path's backward -- and
+    back on after, an exception included; the other providers keep it."""
+    import torch
+
+    from hf_qknorm.attention import native
+
+    if native.MODULE is None:
+        pytest.skip("the native op was not built here")
+    saved = native.NATIVE[0]
+    native.NATIVE[0] = native.MODULE
+    seen = []
+
+    class Spy:
+        def __getattr__(self, name):
+            seen.append(name)
+            return getattr(native.MODULE, name)
+
+    try:
+        native.NATIVE[0] = Spy()
+        models = bench_decode._providers("tiny", False, ["qk_norm_cap", "qk_norm_cap_aten"])
+        seen.clear()  # patching ran its self-check's forward
+        ids = torch.randint(3, 100, (1, 12))
+        with torch.no_grad():
+            models["qk_norm_cap_aten"].generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        models["qk_norm_cap_aten"](ids, labels=ids).loss.backward()
+        assert seen == [] and isinstance(native.NATIVE[0], Spy)
+        with torch.no_grad():
+            models["qk_norm_cap"].generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        models["qk_norm_cap"](ids, labels=ids).loss.backward()
+        assert "capped_f32" in seen and "backward_p_f32" in seen
+        with pytest.raises(Exception):
+            models["qk_norm_cap_aten"](torch.full((1, 4), 10**6))  # an id past the vocabulary: the forward raises
+        assert isinstance(native.NATIVE[0], Spy)  # restored all the same
+    finally:
+        native.NATIVE[0] = saved
