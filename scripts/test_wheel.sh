@@ -31,9 +31,9 @@ from hf_qknorm.modeling.remote import remote_files
 
 assert (bundled_model_dir() / "model.safetensors").is_file() and bundled_text("tinyshakespeare")
 assert template_path().is_file() and len(remote_files()) >= 10
-from hf_qknorm.attention import lean  # the optional native decoding op: built where a C compiler is (CI has one)
+from hf_qknorm.attention import native  # the optional native op: built where a C compiler is (CI has one)
 
-assert lean._NATIVE_MODULE is not None and Path(lean._NATIVE_MODULE.__file__).resolve().is_relative_to(venv)
+assert native.MODULE is not None and Path(native.MODULE.__file__).resolve().is_relative_to(venv)
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -149,8 +149,8 @@ class _Call:
 
     def use_native(self, q: torch.Tensor) -> None:
         """Take the native elementwise passes (:mod:`.native`) where this call is theirs: a cap whose exponents need
-        no row shift, float32 on the CPU, no dropout, eager, one thread (the ATen passes share a tile among threads;
-        the native ones do not)."""
+        no row shift, plain float32 tensors on the CPU, no dropout, eager, one thread (the ATen passes share a tile
+        among threads; the native ones do not)."""
         native = NATIVE[0]
         if (
             native is not None
@@ -158,6 +158,7 @@ class _Call:
             and not self.row_shift
             and self.acc is torch.float32
             and self.dropout_p == 0
+            and type(q) is torch.Tensor  # a subclass (a DTensor, a fake tensor) may keep its values elsewhere
             and q.is_cpu
             and not torch.compiler.is_compiling()
             and torch.get_num_threads() == 1

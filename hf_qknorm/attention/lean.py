@@ -202,11 +202,15 @@ def lean_attention(
 
 def _native_capped(query, key, value, scaling, softcap, mask, sliding_window) -> torch.Tensor | None:
     """One query per row through the native op (``_native.c``): ``(batch, 1, heads, head_dim)``, or ``None`` where
-    the call is not its own -- not float32 CPU tensors, a head dim it does not take, a row of the key or value cache
-    not contiguous, a mask that is not boolean, a large call where several threads share the ATen ops
-    (:data:`NATIVE_PARALLEL_MAX`), recording a gradient or compiling."""
+    the call is not its own -- not plain float32 CPU tensors (a subclass may keep its values elsewhere), a head dim
+    it does not take, a row of the key or value cache not contiguous, a mask that is not boolean, a large call where
+    several threads share the ATen ops (:data:`NATIVE_PARALLEL_MAX`), recording a gradient or compiling."""
+    plain = torch.Tensor  # a subclass (a DTensor, a fake tensor) may not hold its values at its data pointer
     if (
-        query.dtype is not torch.float32
+        type(query) is not plain
+        or type(key) is not plain
+        or type(value) is not plain
+        or query.dtype is not torch.float32
         or key.dtype is not torch.float32
         or value.dtype is not torch.float32
         or not (query.is_cpu and key.is_cpu and value.is_cpu)
@@ -228,7 +232,9 @@ def _native_capped(query, key, value, scaling, softcap, mask, sliding_window) ->
     if mask is None:
         m_ptr = m_sb = m_sh = m_sk = 0
     else:
-        if mask.dtype is not torch.bool or not mask.is_cpu or mask.dim() != 4 or mask.shape[2] != 1:
+        if type(mask) is not plain or mask.dtype is not torch.bool or not mask.is_cpu or mask.dim() != 4:
+            return None
+        if mask.shape[2] != 1:
             return None
         if mask.shape[-1] != kv_len or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads):
             return None

@@ -17,18 +17,19 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.attention import chunked, lean, tiles
+from hf_qknorm.attention import native as native_op
 from hf_qknorm.reference import attention_reference
 from tests._support.tiny_models import VOCAB, tiny_model
 
-pytestmark = pytest.mark.skipif(lean._NATIVE_MODULE is None, reason="the native op was not built here")
+pytestmark = pytest.mark.skipif(native_op.MODULE is None, reason="the native op was not built here")
 
 
 @pytest.fixture
 def native():
     """The native op in use for the test, whatever the environment says."""
     saved = lean.NATIVE[0]
-    lean.NATIVE[0] = lean._NATIVE_MODULE
-    yield lean._NATIVE_MODULE
+    lean.NATIVE[0] = native_op.MODULE
+    yield native_op.MODULE
     lean.NATIVE[0] = saved
 
 
@@ -179,9 +180,13 @@ def test_non_finite_inputs(native):
     _assert_reference(got[1:], q[1:], k[1:], v[1:])
 
 
+class _Subclass(torch.Tensor):
+    pass
+
+
 @pytest.mark.parametrize(
     "why",
-    ["float64", "bfloat16", "head_dim", "uncapped", "two_queries", "grad", "sink", "disabled"],
+    ["float64", "bfloat16", "head_dim", "uncapped", "two_queries", "grad", "sink", "subclass", "disabled"],
 )
 def test_calls_it_does_not_take(native, why):
     """Every other call takes the ATen ops -- the same values to the reference -- and never the op."""
@@ -199,6 +204,8 @@ def test_calls_it_does_not_take(native, why):
         q.requires_grad_(True)
     if why == "sink":
         kw["sink"] = torch.randn(4)
+    if why == "subclass":  # a tensor subclass (a DTensor, a fake tensor) may not hold its values at its pointer
+        q, k, v = (x.as_subclass(_Subclass) for x in (q, k, v))
     with torch.enable_grad():
         got = lean.lean_attention(q, k, v, **kw)
     assert spy.calls == 0
@@ -231,7 +238,7 @@ def test_several_threads_keep_large_calls_on_the_aten_ops(native):
 
 
 def test_the_environment_switch_turns_it_off():
-    code = "from hf_qknorm.attention import lean; print(lean.NATIVE[0] is None, lean._NATIVE_MODULE is None)"
+    code = "from hf_qknorm.attention import native; print(native.NATIVE[0] is None, native.MODULE is None)"
     env = dict(os.environ, HF_QKNORM_NATIVE="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "False"]
@@ -322,7 +329,9 @@ def test_tiled_passes_match_the_float64_reference(native, monkeypatch, tq, tk, p
         assert error <= 3 * aten_error + 1e-6, (name, error, aten_error)
 
 
-@pytest.mark.parametrize("why", ["two_threads", "dropout", "large_cap", "sink", "float64", "uncapped", "disabled"])
+@pytest.mark.parametrize(
+    "why", ["two_threads", "dropout", "large_cap", "sink", "float64", "uncapped", "subclass", "disabled"]
+)
 def test_tiled_passes_stay_off_where_they_do_not_apply(native, why):
     """Every other call keeps the ATen passes: several threads (they share a tile), dropout, a cap whose exponents
     need the row shift, a sink (which forces it), float64, no cap, the op turned off."""
@@ -336,6 +345,8 @@ def test_tiled_passes_stay_off_where_they_do_not_apply(native, why):
         kw["dropout_p"] = 0.1
     if why == "sink":
         kw["sink"] = torch.randn(4, generator=g)
+    if why == "subclass":
+        q, k, v = (x.detach().as_subclass(_Subclass).requires_grad_() for x in (q, k, v))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2 if why == "two_threads" else 1)
