@@ -148,3 +148,25 @@ def test_the_aten_ablation_runs_its_model_without_the_native_op():
         assert isinstance(native.NATIVE[0], Spy)  # restored all the same
     finally:
         native.NATIVE[0] = saved
+
+
+def test_bench_native_times_every_shape_and_reports_its_errors(capsys):
+    """``benchmarks/bench_native.py``: a row per shape, three times per row, the native op's and the ATen ops' error
+    against float64 within float32's reach."""
+    import bench_native
+
+    from hf_qknorm.attention import native
+
+    if native.MODULE is None:
+        pytest.skip("the native op was not built here")
+    saved = native.NATIVE[0]
+    try:
+        assert bench_native.main(["--rounds", "1"]) == 0
+    finally:
+        native.NATIVE[0] = saved
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == len(bench_native.SHAPES)
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        errors = [float(cell.split("(")[1].rstrip(")")) for cell in cells[1:3]]
+        assert all(0 <= error < 1e-5 for error in errors), row
