@@ -245,6 +245,15 @@ def test_the_environment_switch_turns_it_off():
     env["HF_QKNORM_NATIVE"] = "1"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+    env["HF_QKNORM_NATIVE"] = " Off "
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]
+    env["HF_QKNORM_NATIVE"] = "nope"  # a value it does not know: a warning naming it and the valid ones, op off
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["True", "False"]
+    assert (
+        "HF_QKNORM_NATIVE='nope' is not one of 0, off, false, no, 1, on, true, yes: the native op is off" in run.stderr
+    )
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
