@@ -235,9 +235,7 @@ def _native_capped(query, key, value, scaling, softcap, mask, sliding_window) ->
     else:
         if type(mask) is not plain or mask.dtype is not torch.bool or not mask.is_cpu or mask.dim() != 4:
             return None
-        if mask.shape[2] != 1:
-            return None
-        if mask.shape[-1] != kv_len or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads):
+        if mask.shape[2:] != (1, kv_len) or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads):
             return None
         ms = mask.stride()
         m_ptr, m_sk = mask.data_ptr(), ms[3]
