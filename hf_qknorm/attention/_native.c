@@ -192,70 +192,73 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
    `rows` rows of `cols` logits, contiguous; a per-row vector of a tile (log-sum-exp, delta) is `n` blocks of `rows`
    values, `stride` apart. */
 
+/* 2^y for -126 <= y <= 126 (and NaN, which it returns): exp2_f without its clamps, for the forward's exponents
+   gain * tanh, which lie in [-gain, gain] with |gain| <= 126 (forward_f32 checks it) */
+static inline float exp2_bounded(float y) {
+    float n = (y + 12582912.0f) - 12582912.0f;
+    n = (n == n) ? n : 0.0f;
+    float r = y - n;
+    float p = ((((1.535336188319500E-4f * r + 1.339887440266574E-3f) * r + 9.618437357674640E-3f) * r +
+                5.550332471162809E-2f) *
+                   r +
+               2.402264791363012E-1f) *
+                  r +
+              6.931472028550421E-1f;
+    p = 1.0f + r * p;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* The passes below go over a row CHUNK logits at a time, each step a loop of its own over the chunk: one loop doing
+   everything per element vectorised worse (3.3 ns per element against 2.0 split, AVX2). */
+#define CHUNK 256
+
 /* forward: x holds 2s/c (the matmul's output); p = 2^(gain * tanh(x / 2)) written over it, t = tanh(x / 2) into
-   `kept` where given, each row's sum of p into `sums` */
+   `kept` where given, each row's sum of p into `sums` (eight lanes over the row, then its last cols % 8) */
 HFQ_CLONES
 static void tile_forward(float *x, long long blocks, long long rows, long long cols, float gain, float *kept,
                          float *sums) {
+    float scratch[CHUNK];
     const long long full = cols - cols % LANES;
     for (long long r = 0; r < blocks * rows; r++) {
         float *xr = x + r * cols;
-        float *kr = kept ? kept + r * cols : NULL;
-        float sum8[LANES] = {0};
-        for (long long j = 0; j < full; j += LANES)
-            for (int u = 0; u < LANES; u++) {
-                float t = tanh_f(0.5f * xr[j + u]);
-                if (kr) kr[j + u] = t;
-                float e = exp2_f(gain * t);
-                xr[j + u] = e;
-                sum8[u] += e;
-            }
-        float sum = ((sum8[0] + sum8[4]) + (sum8[1] + sum8[5])) + ((sum8[2] + sum8[6]) + (sum8[3] + sum8[7]));
-        for (long long j = full; j < cols; j++) {
-            float t = tanh_f(0.5f * xr[j]);
-            if (kr) kr[j] = t;
-            float e = exp2_f(gain * t);
-            xr[j] = e;
-            sum += e;
+        vec8 acc = {0};
+        for (long long j0 = 0; j0 < cols; j0 += CHUNK) {
+            const long long m = cols - j0 < CHUNK ? cols - j0 : CHUNK;
+            float *e = xr + j0;
+            float *t = kept ? kept + r * cols + j0 : scratch;
+            for (long long j = 0; j < m; j++) t[j] = tanh_f(0.5f * e[j]);
+            for (long long j = 0; j < m; j++) e[j] = exp2_bounded(gain * t[j]);
+            for (long long j = 0; j + LANES <= m; j += LANES) acc += load8(e + j);
         }
+        float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for (long long j = full; j < cols; j++) sum += xr[j];
         sums[r] = sum;
     }
 }
 
-/* one row of tile_backward_p; `recompute` is a constant at each call, so each copy has one branch */
-static inline __attribute__((always_inline)) void backward_p_row(const float *sr, const int recompute, long long cols,
-                                                                 float shift, float gain, float *pr, float *dr) {
-    /* eight at a time, every load before any store: `pr` may be `sr` */
-    const long long full = cols - cols % LANES;
-    long long j = 0;
-    for (; j < full; j += LANES) {
-        float t[LANES];
-        for (int u = 0; u < LANES; u++) t[u] = recompute ? tanh_f(0.5f * sr[j + u]) : sr[j + u];
-        for (int u = 0; u < LANES; u++) {
-            dr[j + u] = 1.0f - t[u] * t[u];
-            pr[j + u] = exp2_f(gain * t[u] + shift);
-        }
-    }
-    for (; j < cols; j++) {
-        float t = recompute ? tanh_f(0.5f * sr[j]) : sr[j];
-        dr[j] = 1.0f - t * t;
-        pr[j] = exp2_f(gain * t + shift);
-    }
-}
-
 /* backward, before the products: t = tanh(src / 2) (src holds 2s/c) or t = src (forward's kept tanh);
-   p = 2^(gain * t - lse) and the cap's slope 1 - t^2; `p` may be `src` */
+   p = 2^(gain * t - lse) and the cap's slope 1 - t^2; `p` may be `src` (a chunk's t is read before its p is
+   written). Masked pairs' exponents may exceed 0 (the caller zeroes their p): exp2_f's clamps keep them finite. */
 HFQ_CLONES
 static void tile_backward_p(const float *src, int recompute, long long blocks, long long rows, long long cols,
                             const float *neg_lse, long long lse_stride, float gain, float *p, float *slope) {
+    float scratch[CHUNK];
     for (long long b = 0; b < blocks; b++)
         for (long long i = 0; i < rows; i++) {
             const long long r = b * rows + i;
             const float shift = neg_lse[b * lse_stride + i];
-            if (recompute)
-                backward_p_row(src + r * cols, 1, cols, shift, gain, p + r * cols, slope + r * cols);
-            else
-                backward_p_row(src + r * cols, 0, cols, shift, gain, p + r * cols, slope + r * cols);
+            for (long long j0 = 0; j0 < cols; j0 += CHUNK) {
+                const long long m = cols - j0 < CHUNK ? cols - j0 : CHUNK;
+                const float *sr = src + r * cols + j0, *t = recompute ? scratch : sr;
+                float *pr = p + r * cols + j0, *dr = slope + r * cols + j0;
+                if (recompute)
+                    for (long long j = 0; j < m; j++) scratch[j] = tanh_f(0.5f * sr[j]);
+                for (long long j = 0; j < m; j++) dr[j] = 1.0f - t[j] * t[j];
+                for (long long j = 0; j < m; j++) pr[j] = exp2_f(gain * t[j] + shift);
+            }
         }
 }
 
@@ -302,6 +305,10 @@ static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t n
     double gain = PyFloat_AsDouble(args[6]);
     if (gain == -1.0 && PyErr_Occurred()) return NULL;
     if (!sizes_ok(i[1], i[2], i[3])) return NULL;
+    if (!(fabs(gain) <= 126.0)) {
+        PyErr_Format(PyExc_ValueError, "forward_f32: gain must be within [-126, 126] (no row shift), got %g", gain);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS tile_forward(PTR(float, i[0]), i[1], i[2], i[3], (float)gain, PTR(float, i[4]),
                                         PTR(float, i[5]));
     Py_END_ALLOW_THREADS Py_RETURN_NONE;

@@ -167,6 +167,55 @@ def test_tanh_and_exp_on_a_grid(native):
         torch.testing.assert_close(got, expected, atol=3e-7, rtol=1e-6)
 
 
+def _ulps(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """``|got - expected|`` in units of float32's spacing at ``expected`` (the float64 value)."""
+    spacing = torch.nextafter(expected.abs().float(), torch.tensor(float("inf"))).double() - expected.abs().float()
+    return (got.double() - expected).abs() / spacing.double()
+
+
+def _dense_grid() -> torch.Tensor:
+    """Float32 arguments over the elementwise functions' whole range, both signs: tiny ones, every region boundary
+    and around 1, the clamp, infinities."""
+    g = torch.Generator().manual_seed(13)
+    tiny = torch.logspace(-40, -2, 20001, dtype=torch.float64)
+    dense = torch.linspace(0, 12, 400001, dtype=torch.float64)
+    scattered = torch.rand(200000, generator=g, dtype=torch.float64) * 20
+    edges = torch.tensor([0.5, 0.55, 0.625, 0.6875, 1, 2, 7.9, 8, 9, 9.5, 10, 40, 1e30], dtype=torch.float64)
+    x = torch.cat([tiny, dense, scattered, edges]).float()
+    return torch.cat([x, -x, torch.tensor([float("inf"), float("-inf")])])
+
+
+def test_tiled_forward_tanh_and_exp2_within_two_ulp(native):
+    """The forward pass's kept tanh and its exponents over a dense grid, against float64: tanh within 2 ulp of the
+    true value everywhere (its error, times the cap, is a logit's error: a relative bound keeps small logits as exact
+    as the ATen ops make them), never past +-1, odd, exact at 0, +-1 at the infinities; 2^(gain * t) within 2 ulp."""
+    s = _dense_grid()
+    for gain in (1.0, 72.1, -126.0):
+        x = (2 * s).contiguous()  # the pass reads 2s/c and takes tanh of half of it (exact)
+        kept, sums = torch.empty_like(x), torch.empty(1)
+        native.forward_f32(x.data_ptr(), 1, 1, x.numel(), kept.data_ptr(), sums.data_ptr(), gain)
+        finite = torch.isfinite(s)
+        expected = torch.tanh(s.double())
+        assert _ulps(kept[finite], expected[finite]).max().item() <= 2.0
+        assert kept.abs().max().item() <= 1.0
+        assert torch.equal(kept[~finite], torch.sign(s[~finite]))
+        half = (s.numel() - 2) // 2  # the grid, then its negation, then the two infinities
+        assert torch.equal(kept[:half], -kept[half:-2])  # odd, to the bit
+        exponent = (torch.tensor(gain, dtype=torch.float32) * kept).double()  # the pass's float32 exponent
+        assert _ulps(x, torch.exp2(exponent)).max().item() <= 2.0
+    zeros, kept, sums = torch.tensor([0.0, -0.0]), torch.empty(2), torch.empty(1)  # alive through the call
+    native.forward_f32(zeros.data_ptr(), 1, 1, 2, kept.data_ptr(), sums.data_ptr(), 1.0)
+    assert torch.equal(kept, torch.zeros(2))  # tanh(+-0) = 0 (the sign of a zero logit changes nothing)
+
+
+def test_tiled_forward_refuses_a_gain_that_needs_the_row_shift(native):
+    x, sums = torch.zeros(8), torch.empty(1)
+    for gain in (127.0, -127.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="gain must be within"):
+            native.forward_f32(x.data_ptr(), 1, 1, 8, 0, sums.data_ptr(), gain)
+    assert torch.equal(x, torch.zeros(8))  # nothing written
+
+
 def test_non_finite_inputs(native):
     q, k, v = _inputs(3, 2, 1, 10, 8, seed=6)
     q = q.abs().contiguous() + 0.1  # positive queries: a key of +inf gives a logit of +inf, not NaN
@@ -308,7 +357,8 @@ def _tiled(q, k, v, *, grad_out, **kw):
 @pytest.mark.parametrize("tq,tk", [(1, 1), (37, 37), (130, 130), (5, 60)])
 @pytest.mark.parametrize("pattern", ["causal", "window", "mask", "full"])
 @pytest.mark.parametrize("keep", ["all", "part", "none"])
-def test_tiled_passes_match_the_float64_reference(native, monkeypatch, tq, tk, pattern, keep):
+@pytest.mark.parametrize("softcap", [2.0, 50.0])
+def test_tiled_passes_match_the_float64_reference(native, monkeypatch, tq, tk, pattern, keep, softcap):
     """Output and gradients of a capped float32 call through the native passes: within the flash rule of the ATen
     passes' own error against float64 (3x, plus 1e-6), the per-head max logits the same; tiles kept, partly kept or
     recomputed in backward, edge tiles masked."""
@@ -319,7 +369,7 @@ def test_tiled_passes_match_the_float64_reference(native, monkeypatch, tq, tk, p
     q = torch.randn(2, 4, tq, 16, generator=g) * 3
     k, v = torch.randn(2, 2, tk, 16, generator=g) * 3, torch.randn(2, 2, tk, 16, generator=g)
     grad_out = torch.randn(2, 4, tq, 16, generator=g)
-    kw = dict(scaling=0.25, softcap=2.0, causal=pattern in ("causal", "window"), return_max_logits=True)
+    kw = dict(scaling=0.25, softcap=softcap, causal=pattern in ("causal", "window"), return_max_logits=True)
     if pattern == "window":
         kw["sliding_window"] = 7
     if pattern == "mask":
