@@ -68,21 +68,23 @@ static inline float exp_nonpositive(float x) {
     return x < -87.3f ? 0.0f : e;
 }
 
-/* tanh(x): Cephes tanhf's odd polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above (|x| clamped at 9.5, where
-   tanh is 1 in float32); +-1 for +-inf, NaN for NaN */
+/* tanh(x), branch-free: a rational function for 2 tanh(a/2) (a = x clamped to +-X), then tanh(a) = 4T / (4 + T^2)
+   written as T + T (-T^2 / (4 + T^2)). Coefficients a minimax (Remez) fit of (2 tanh(a/2) / a - 1) / a^2 = S/Q,
+   S of degree 2 and Q of degree 3 in a^2, rounded to float32 and tuned in their last bits; X the least float32 whose
+   tanh rounds to 1, and |x| >= X gives exactly +-1. Checked over every positive float32 against double tanh: at most
+   1.81 ulp with the products and sums fused (FMA: the x86-64-v3 clone), 1.98 without; odd to the bit, x itself
+   below 2^-12, never past 1, NaN for NaN. About half the time of Cephes' tanhf computed branch-free. */
 static inline float tanh_f(float x) {
-    float a = fabsf(x);
-    float z = x * x;
-    float small = ((((-5.70498872745E-3f * z + 2.06390887954E-2f) * z - 5.37397155531E-2f) * z + 1.33314422036E-1f) *
-                       z -
-                   3.33332819422E-1f) *
-                      z * x +
-                  x;
-    float e = exp_poly(2.0f * (a > 9.5f ? 9.5f : a));
-    float big = 1.0f - 2.0f / (e + 1.0f);
-    big = x < 0.0f ? -big : big;
-    float t = a < 0.625f ? small : big;
-    return x != x ? x : t;
+    const float X = 9.01091385f;
+    float a = x > X ? X : x; /* NaN passes */
+    a = a < -X ? -X : a;
+    float z = a * a;
+    float s = (-2.807676765e-06f * z - 1.252262387e-03f) * z - 8.333333582e-02f;
+    float q = ((2.902577535e-06f * z + 1.417362597e-03f) * z + 1.150271520e-01f) * z + 1.0f;
+    float t = a * (s * z / q) + a; /* 2 tanh(a / 2) */
+    float nq = -(t * t);
+    float y = t * (nq / (4.0f - nq)) + t;
+    return fabsf(x) >= X ? copysignf(1.0f, x) : y; /* exactly +-1 there, with or without fused products */
 }
 
 /* 2^y: Cephes exp2f's polynomial on r = y - round(y), |r| <= 1/2; 0 below -126 (and for -inf; float32's
