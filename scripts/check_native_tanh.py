@@ -2,7 +2,8 @@
 float64 ``tanh``: the largest error in ulp (float32's spacing at the true value), and that the result is odd to the
 bit, never past 1, ``x`` itself for tiny ``x`` and exactly 1 from the clamp on. The op's forward pass keeps the tanh
 it computes, so this reads the tanh of the code as compiled and dispatched on this machine (on x86-64 with AVX2 and
-FMA its x86-64-v3 clone). About four minutes on two cores; the tests check a dense grid of the same (tests/attention/test_native.py).
+FMA its x86-64-v3 clone). About four minutes on two cores; the tests check a dense grid of the same
+(tests/attention/test_native.py).
 
     python scripts/check_native_tanh.py          # exit 1 if any check fails
 """
