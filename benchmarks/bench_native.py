@@ -4,6 +4,7 @@ without a cap, side by side: microseconds per call, and each result's largest er
     python benchmarks/bench_native.py                       # one thread
     python benchmarks/bench_native.py --threads 2           # as dispatched: large calls keep the ATen ops
     python benchmarks/bench_native.py --threads 2 --no-thread-limit   # where lean.NATIVE_PARALLEL_MAX comes from
+    python benchmarks/bench_native.py --passes              # the tiled path's passes: nanoseconds per logit
 
 The three are timed in interleaved rounds (50 calls each per round, best round kept), on the shapes (batch, heads,
 kv_heads, keys, head_dim) below: the tiny test models', the bundled model's, a 12-head hidden-768 layer, a Llama-1B
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -63,6 +65,45 @@ def _row(shape, cap: float, rounds: int) -> str:
     )
 
 
+def _passes(rounds: int) -> None:
+    """Nanoseconds per logit of the tiled path's native passes (chunked.py) on one tile of 16k logits (in cache) and
+    one of 512k (the default tile, ``tiles.TILE_ELEMENTS``), rows of 512 logits, best of ``rounds`` calls; beside
+    them ``torch.tanh`` and ``torch.exp2`` over the same tile, for scale."""
+    from hf_qknorm.attention import native
+
+    op, gain = native.MODULE, 50.0 * 1.4426950408889634  # cap 50's exponent scale
+    print("nanoseconds per logit (one thread)")
+    print("| logits | forward, tanh kept | forward | backward p, kept tanh | backward p, tanh recomputed | "
+          "backward dS | torch.tanh | torch.exp2 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for n in (1 << 14, 1 << 19):
+        g = torch.Generator().manual_seed(1)
+        x0 = (torch.rand(n, generator=g) - 0.5) * 8  # 2s/c of logits within +-2c
+        rows, cols = n // 512, 512
+        x, kept, p, slope, out = (torch.empty(n) for _ in range(5))
+        sums, neg_lse, delta = torch.empty(rows), torch.full((rows,), -80.0), torch.full((rows,), 0.1)
+        kept.copy_(torch.tanh(x0 / 2))
+        xp, kp, sp, pp, lp, dp = (t.data_ptr() for t in (x, kept, sums, p, neg_lse, delta))
+        calls = {
+            "fk": partial(op.forward_f32, xp, 1, rows, cols, kp, sp, gain),
+            "f": partial(op.forward_f32, xp, 1, rows, cols, 0, sp, gain),
+            "bk": partial(op.backward_p_f32, kp, 0, 1, rows, cols, lp, 1, pp, slope.data_ptr(), gain),
+            "br": partial(op.backward_p_f32, x0.data_ptr(), 1, 1, rows, cols, lp, 1, pp, slope.data_ptr(), gain),
+            "ds": partial(op.backward_ds_f32, out.data_ptr(), pp, slope.data_ptr(), 1, rows, cols, dp, 1),
+            "tanh": partial(torch.tanh, x0, out=out),
+            "exp2": partial(torch.exp2, x0, out=out),
+        }
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(rounds):
+            for name, call in calls.items():
+                x.copy_(x0)  # the forward writes over its input
+                out.copy_(x0)
+                start = time.perf_counter()
+                call()
+                best[name] = min(best[name], (time.perf_counter() - start) / n * 1e9)
+        print(f"| {n} | " + " | ".join(f"{best[name]:.2f}" for name in calls) + " |")
+
+
 def main(argv=None) -> int:
     from hf_qknorm.attention import native
 
@@ -75,6 +116,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="the native op for every call, however large, with several threads too (lean.NATIVE_PARALLEL_MAX lifted)",
     )
+    parser.add_argument("--passes", action="store_true", help="time the tiled path's native passes instead")
     args = parser.parse_args(argv)
     for name, value in (("--threads", args.threads), ("--rounds", args.rounds), ("--cap", args.cap)):
         if not value > 0:
@@ -85,6 +127,9 @@ def main(argv=None) -> int:
     from hf_qknorm.attention import lean
 
     torch.set_num_threads(args.threads)
+    if args.passes:
+        _passes(args.rounds)
+        return 0
     limit = lean.NATIVE_PARALLEL_MAX
     if args.no_thread_limit:
         lean.NATIVE_PARALLEL_MAX = float("inf")

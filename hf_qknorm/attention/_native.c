@@ -4,14 +4,17 @@
    Decoding a small model spends its time per op, not per element: the lean path's six ATen calls (matmul, scale,
    tanh, cap, softmax, matmul) cost about six times one call's overhead, where the unpatched model's sdpa costs one.
    This is one call, with the same semantics as lean_attention: the cap before the mask, a row with no allowed key
-   gives zeros, float32 sums. The tanh and exp are evaluated here (Cephes' float32 polynomials, within a few ulp of
-   the float64 values -- tests/attention/test_native_decode.py measures them) so that the loops vectorise.
+   gives zeros, float32 sums. The tanh, exp and exp2 are evaluated here so that the loops vectorise: a rational tanh
+   (tanh_f), Cephes' float32 exp and exp2 polynomials, each within 2 ulp of the float64 values
+   (tests/attention/test_native.py measures them; scripts/check_native_tanh.py checks the tanh on every float32).
+   The same file holds the tiled path's capped elementwise passes (tile_forward, tile_backward_p, tile_backward_ds).
 
    Built at install time as an optional extension (setup.py); where it cannot be built, or HF_QKNORM_NATIVE=0 is set,
    lean.py runs its ATen ops instead. On x86-64 Linux with GCC an AVX2/FMA clone is chosen at load time.
 
-   Memory: the caller passes data pointers and strides of live CPU tensors (lean.py checks dtype, device, layout);
-   this file reads q, k, v and the mask within the given shapes and writes only `out` (batch, heads, dim). */
+   Memory: the caller passes data pointers and strides of live CPU tensors (lean.py and chunked.py check dtype,
+   device, layout); the decoding op reads q, k, v and the mask within the given shapes and writes only `out` (batch,
+   heads, dim), the passes read and write only the tiles they are given. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

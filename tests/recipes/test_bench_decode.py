@@ -170,3 +170,32 @@ def test_bench_native_times_every_shape_and_reports_its_errors(capsys):
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         errors = [float(cell.split("(")[1].rstrip(")")) for cell in cells[1:3]]
         assert all(0 <= error < 1e-5 for error in errors), row
+
+
+def test_bench_native_times_the_tiled_passes(capsys):
+    """``benchmarks/bench_native.py --passes``: a row per tile size, a positive time per pass and per ATen op."""
+    import bench_native
+
+    from hf_qknorm.attention import native
+
+    if native.MODULE is None:
+        pytest.skip("the native op was not built here")
+    assert bench_native.main(["--passes", "--rounds", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["16384", "524288"]
+    for row in rows:
+        times = [float(cell) for cell in row.strip("|").split("|")[1:]]
+        assert len(times) == 7 and all(0 < t < 1e3 for t in times), row
+
+
+def test_providers_take_every_place_in_turn():
+    """The interleaved tables rotate the providers' order by one place per round: over as many rounds as there are
+    providers, each runs at each place once, the unpatched model included."""
+    import bench_decode
+
+    items = {"sdpa": 0, "qk_norm": 1, "soft_cap": 2}
+    orders = [[name for name, _ in bench_decode._rotated(items, r)] for r in range(3)]
+    assert orders[0] == ["sdpa", "qk_norm", "soft_cap"]
+    for place in range(3):
+        assert sorted(order[place] for order in orders) == sorted(items)
+    assert all(sorted(order) == sorted(items) for order in orders)
