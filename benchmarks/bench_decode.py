@@ -281,9 +281,9 @@ def _decode(model, ids, cache: str, new_tokens: int, compiled: bool = False) -> 
 
 def _rotated(items: dict, round_index: int) -> list:
     """The providers' (name, value) pairs in round ``round_index``'s order: the order of ``items`` rotated by one
-    place per round, so that each provider runs at each place in the round equally often (the provider run right after
-    another pays for what that one left behind -- freed memory, cold caches -- and a fixed order charges it to one
-    provider: the bundled step at T=2048 read 1.06x for the provider run second and 1.01x for the fourth)."""
+    place per round, so that each provider runs at each place in the round equally often: a provider run right after
+    another pays for what that one left behind (freed memory, cold caches), and a fixed order would charge it to the
+    same provider every round."""
     pairs = list(items.items())
     shift = round_index % len(pairs)
     return pairs[shift:] + pairs[:shift]
