@@ -90,13 +90,13 @@ static inline float tanh_f(float x) {
     return fabsf(x) >= X ? copysignf(1.0f, x) : y; /* exactly +-1 there, with or without fused products */
 }
 
-/* 2^y: Cephes exp2f's polynomial on r = y - round(y), |r| <= 1/2; 0 below -126 (and for -inf; float32's
-   subnormals, below 1.2e-38, are flushed), inf above 128, NaN for NaN */
-static inline float exp2_f(float y) {
-    float c = y < -126.0f ? -126.0f : (y > 128.0f ? 128.0f : y);
-    float n = (c + 12582912.0f) - 12582912.0f;
+/* 2^y for -126 <= y <= 128 (inf at 128) and NaN (which it returns): Cephes exp2f's polynomial on r = y - round(y),
+   |r| <= 1/2, times 2^round(y) made from its bits. Used bare where the exponent is known to be in range (the tiled
+   forward's gain * tanh: |gain| <= 126, forward_f32 checks it), else through exp2_f's clamps. */
+static inline float exp2_bounded(float y) {
+    float n = (y + 12582912.0f) - 12582912.0f;
     n = (n == n) ? n : 0.0f;
-    float r = c - n;
+    float r = y - n;
     float p = ((((1.535336188319500E-4f * r + 1.339887440266574E-3f) * r + 9.618437357674640E-3f) * r +
                 5.550332471162809E-2f) *
                    r +
@@ -107,7 +107,13 @@ static inline float exp2_f(float y) {
     int32_t bits = ((int32_t)n + 127) << 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
-    return y < -126.0f ? 0.0f : p * two_n;
+    return p * two_n;
+}
+
+/* 2^y: 0 below -126 (and for -inf; float32's subnormals, below 1.2e-38, are flushed), inf above 128, NaN for NaN */
+static inline float exp2_f(float y) {
+    float e = exp2_bounded(y < -126.0f ? -126.0f : (y > 128.0f ? 128.0f : y));
+    return y < -126.0f ? 0.0f : e;
 }
 
 HFQ_CLONES
@@ -197,25 +203,6 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
    `rows` rows of `cols` logits, contiguous; a per-row vector of a tile (log-sum-exp, delta) is `n` blocks of `rows`
    values, `stride` apart. */
 
-/* 2^y for -126 <= y <= 126 (and NaN, which it returns): exp2_f without its clamps, for the forward's exponents
-   gain * tanh, which lie in [-gain, gain] with |gain| <= 126 (forward_f32 checks it) */
-static inline float exp2_bounded(float y) {
-    float n = (y + 12582912.0f) - 12582912.0f;
-    n = (n == n) ? n : 0.0f;
-    float r = y - n;
-    float p = ((((1.535336188319500E-4f * r + 1.339887440266574E-3f) * r + 9.618437357674640E-3f) * r +
-                5.550332471162809E-2f) *
-                   r +
-               2.402264791363012E-1f) *
-                  r +
-              6.931472028550421E-1f;
-    p = 1.0f + r * p;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 /* The passes below go over a row CHUNK logits at a time, each step a loop of its own over the chunk: one loop doing
    everything per element vectorised worse (3.3 ns per element against 2.0 split, AVX2). */
 #define CHUNK 256
@@ -246,7 +233,7 @@ static void tile_forward(float *x, long long blocks, long long rows, long long c
 
 /* backward, before the products: t = tanh(src / 2) (src holds 2s/c) or t = src (forward's kept tanh);
    p = 2^(gain * t - lse) and the cap's slope 1 - t^2; `p` may be `src` (a chunk's t is read before its p is
-   written). Masked pairs' exponents may exceed 0 (the caller zeroes their p): exp2_f's clamps keep them finite. */
+   written). Masked pairs' exponents may exceed 0 (up to inf through exp2_f's clamp; the caller zeroes their p). */
 HFQ_CLONES
 static void tile_backward_p(const float *src, int recompute, long long blocks, long long rows, long long cols,
                             const float *neg_lse, long long lse_stride, float gain, float *p, float *slope) {
