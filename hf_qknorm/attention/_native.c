@@ -288,6 +288,18 @@ static int sizes_ok(long long blocks, long long rows, long long cols) {
 
 #define PTR(type, value) ((type *)(uintptr_t)(value))
 
+/* A float for an error message: PyErr_Format takes no %g (Python 3.12 raises SystemError on it), so it goes in as
+   text. */
+typedef struct {
+    char text[32];
+} number_text;
+
+static number_text as_text(double value) {
+    number_text out;
+    PyOS_snprintf(out.text, sizeof out.text, "%g", value);
+    return out;
+}
+
 /* forward_f32(x, blocks, rows, cols, kept or 0, sums, gain) */
 static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -298,7 +310,8 @@ static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (gain == -1.0 && PyErr_Occurred()) return NULL;
     if (!sizes_ok(i[1], i[2], i[3])) return NULL;
     if (!(fabs(gain) <= 126.0)) {
-        PyErr_Format(PyExc_ValueError, "forward_f32: gain must be within [-126, 126] (no row shift), got %g", gain);
+        PyErr_Format(PyExc_ValueError, "forward_f32: gain must be within [-126, 126] (no row shift), got %s",
+                     as_text(gain).text);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS tile_forward(PTR(float, i[0]), i[1], i[2], i[3], (float)gain, PTR(float, i[4]),
@@ -358,8 +371,8 @@ static PyObject *capped_f32(PyObject *self, PyObject *const *args, Py_ssize_t na
         dim > MAX_DIM || !(cap > 0.0)) {
         PyErr_Format(PyExc_ValueError,
                      "capped_f32: unsupported sizes (batch %lld, heads %lld, kv_heads %lld, kv_len %lld, dim %lld, "
-                     "cap %g)",
-                     batch, heads, kv_heads, kv_len, dim, cap);
+                     "cap %s)",
+                     batch, heads, kv_heads, kv_len, dim, as_text(cap).text);
         return NULL;
     }
     float *s = (float *)malloc((size_t)kv_len * sizeof(float));
