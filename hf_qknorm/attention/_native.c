@@ -45,6 +45,9 @@ static inline vec8 load8(const float *p) {
 
 static inline void store8(float *p, vec8 x) { memcpy(p, &x, sizeof x); }
 
+/* the sum of eight lanes, in one fixed order (pairs four apart, then their pairs) */
+static inline float lanes_sum(vec8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
 /* 2^n * p for exp: Cephes expf's polynomial on r = x - n ln2, |r| <= ln2 / 2 */
 static inline float exp_poly(float x) {
     /* n = round(x / ln2) by adding and subtracting 1.5 * 2^23 (|x / ln2| < 2^22 here): no libm call, so it vectorises
@@ -142,7 +145,7 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
                 }
                 if (c < dim) lane += load8(qr + c) * load8(kr + c);
                 lane += odd;
-                s[j] = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+                s[j] = lanes_sum(lane);
             }
             for (long long j = 0; j < kv_len; j++) s[j] = cap * tanh_f(s[j] * pre);
             if (mr)
@@ -172,7 +175,7 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
                     s[j + u] = e;
                     sum8[u] += e;
                 }
-            float sum = ((sum8[0] + sum8[4]) + (sum8[1] + sum8[5])) + ((sum8[2] + sum8[6]) + (sum8[3] + sum8[7]));
+            float sum = lanes_sum(load8(sum8));
             for (long long j = full; j < kv_len; j++) {
                 float e = exp_nonpositive(s[j] - top);
                 s[j] = e;
@@ -225,7 +228,7 @@ static void tile_forward(float *x, long long blocks, long long rows, long long c
             for (long long j = 0; j < m; j++) e[j] = exp2_bounded(gain * t[j]);
             for (long long j = 0; j + LANES <= m; j += LANES) acc += load8(e + j);
         }
-        float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        float sum = lanes_sum(acc);
         for (long long j = full; j < cols; j++) sum += xr[j];
         sums[r] = sum;
     }
