@@ -210,22 +210,54 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
    everything per element vectorised worse (3.3 ns per element against 2.0 split, AVX2). */
 #define CHUNK 256
 
+/* The pairs of a tile a causal or windowed row may see are a band of its columns, the same for every block: row i
+   of a block (query qi = i / groups) allows columns [lo0 + lo_step * qi, hi0 + hi_step * qi), clamped to the row.
+   The passes write p = 0 (and the slope 0) outside it, so no masking pass over the tile follows; (0, 0, cols, 0)
+   allows every column. */
+typedef struct {
+    long long lo0, lo_step, hi0, hi_step, groups;
+} band;
+
+static inline void band_row(const band *w, long long i, long long cols, long long *a, long long *b) {
+    const long long qi = i / w->groups;
+    long long lo = w->lo0 + w->lo_step * qi, hi = w->hi0 + w->hi_step * qi;
+    lo = lo < 0 ? 0 : (lo > cols ? cols : lo);
+    hi = hi < lo ? lo : (hi > cols ? cols : hi);
+    *a = lo;
+    *b = hi;
+}
+
+/* zero x[j] for the j of [j0, j0 + m) outside [a, b) (a select, so the loop vectorises) */
+static inline void outside_band(float *x, long long j0, long long m, long long a, long long b) {
+    if (j0 >= a && j0 + m <= b) return;
+    for (long long j = 0; j < m; j++) x[j] = (j0 + j >= a && j0 + j < b) ? x[j] : 0.0f;
+}
+
 /* forward: x holds 2s/c (the matmul's output); p = 2^(gain * tanh(x / 2)) written over it, t = tanh(x / 2) into
-   `kept` where given, each row's sum of p into `sums` (eight lanes over the row, then its last cols % 8) */
+   `kept` where given, each row's sum of p into `sums` (eight lanes over the row, then its last cols % 8); p and t
+   are 0 outside the row's band, and chunks wholly outside it are not computed */
 HFQ_CLONES
 static void tile_forward(float *x, long long blocks, long long rows, long long cols, float gain, float *kept,
-                         float *sums) {
+                         float *sums, band w) {
     float scratch[CHUNK];
     const long long full = cols - cols % LANES;
     for (long long r = 0; r < blocks * rows; r++) {
         float *xr = x + r * cols;
+        long long a, b;
+        band_row(&w, r % rows, cols, &a, &b);
         vec8 acc = {0};
         for (long long j0 = 0; j0 < cols; j0 += CHUNK) {
             const long long m = cols - j0 < CHUNK ? cols - j0 : CHUNK;
             float *e = xr + j0;
             float *t = kept ? kept + r * cols + j0 : scratch;
+            if (j0 + m <= a || j0 >= b) {
+                memset(e, 0, (size_t)m * sizeof(float));
+                if (kept) memset(t, 0, (size_t)m * sizeof(float));
+                continue;
+            }
             for (long long j = 0; j < m; j++) t[j] = tanh_f(0.5f * e[j]);
             for (long long j = 0; j < m; j++) e[j] = exp2_bounded(gain * t[j]);
+            outside_band(e, j0, m, a, b);
             for (long long j = 0; j + LANES <= m; j += LANES) acc += load8(e + j);
         }
         float sum = lanes_sum(acc);
@@ -235,24 +267,33 @@ static void tile_forward(float *x, long long blocks, long long rows, long long c
 }
 
 /* backward, before the products: t = tanh(src / 2) (src holds 2s/c) or t = src (forward's kept tanh);
-   p = 2^(gain * t - lse) and the cap's slope 1 - t^2; `p` may be `src` (a chunk's t is read before its p is
-   written). Masked pairs' exponents may exceed 0 (up to inf through exp2_f's clamp; the caller zeroes their p). */
+   p = 2^(gain * t - lse) and the cap's slope 1 - t^2, both 0 outside the row's band; `p` may be `src` (a chunk's t
+   is read before its p is written). */
 HFQ_CLONES
 static void tile_backward_p(const float *src, int recompute, long long blocks, long long rows, long long cols,
-                            const float *neg_lse, long long lse_stride, float gain, float *p, float *slope) {
+                            const float *neg_lse, long long lse_stride, float gain, float *p, float *slope, band w) {
     float scratch[CHUNK];
     for (long long b = 0; b < blocks; b++)
         for (long long i = 0; i < rows; i++) {
             const long long r = b * rows + i;
             const float shift = neg_lse[b * lse_stride + i];
+            long long lo, hi;
+            band_row(&w, i, cols, &lo, &hi);
             for (long long j0 = 0; j0 < cols; j0 += CHUNK) {
                 const long long m = cols - j0 < CHUNK ? cols - j0 : CHUNK;
                 const float *sr = src + r * cols + j0, *t = recompute ? scratch : sr;
                 float *pr = p + r * cols + j0, *dr = slope + r * cols + j0;
+                if (j0 + m <= lo || j0 >= hi) {
+                    memset(pr, 0, (size_t)m * sizeof(float));
+                    memset(dr, 0, (size_t)m * sizeof(float));
+                    continue;
+                }
                 if (recompute)
                     for (long long j = 0; j < m; j++) scratch[j] = tanh_f(0.5f * sr[j]);
                 for (long long j = 0; j < m; j++) dr[j] = 1.0f - t[j] * t[j];
                 for (long long j = 0; j < m; j++) pr[j] = exp2_f(gain * t[j] + shift);
+                outside_band(pr, j0, m, lo, hi);
+                outside_band(dr, j0, m, lo, hi);
             }
         }
 }
@@ -303,11 +344,27 @@ static number_text as_text(double value) {
     return out;
 }
 
-/* forward_f32(x, blocks, rows, cols, kept or 0, sums, gain) */
+/* The optional band of a pass (band_row): five integers after its other arguments, or none (every column allowed). */
+static int band_args(PyObject *const *args, Py_ssize_t count, long long cols, band *out) {
+    *out = (band){0, 0, cols, 0, 1};
+    if (count == 0) return 0;
+    long long v[5];
+    if (ints(args, 5, v) < 0) return -1;
+    if (v[4] <= 0) {
+        PyErr_Format(PyExc_ValueError, "band groups must be positive, got %lld", v[4]);
+        return -1;
+    }
+    *out = (band){v[0], v[1], v[2], v[3], v[4]};
+    return 0;
+}
+
+/* forward_f32(x, blocks, rows, cols, kept or 0, sums, gain[, lo0, lo_step, hi0, hi_step, groups]) */
 static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long i[6];
-    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "forward_f32 takes 7 arguments, got %zd", nargs);
+    band w;
+    if (nargs != 7 && nargs != 12)
+        return PyErr_Format(PyExc_TypeError, "forward_f32 takes 7 or 12 arguments, got %zd", nargs);
     if (ints(args, 6, i) < 0) return NULL;
     double gain = PyFloat_AsDouble(args[6]);
     if (gain == -1.0 && PyErr_Occurred()) return NULL;
@@ -317,23 +374,27 @@ static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t n
                      as_text(gain).text);
         return NULL;
     }
+    if (band_args(args + 7, nargs - 7, i[3], &w) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS tile_forward(PTR(float, i[0]), i[1], i[2], i[3], (float)gain, PTR(float, i[4]),
-                                        PTR(float, i[5]));
+                                        PTR(float, i[5]), w);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* backward_p_f32(src, recompute, blocks, rows, cols, neg_lse, lse_stride, p, slope, gain) */
+/* backward_p_f32(src, recompute, blocks, rows, cols, neg_lse, lse_stride, p, slope, gain[, band as forward_f32]) */
 static PyObject *backward_p_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long i[9];
-    if (nargs != 10) return PyErr_Format(PyExc_TypeError, "backward_p_f32 takes 10 arguments, got %zd", nargs);
+    band w;
+    if (nargs != 10 && nargs != 15)
+        return PyErr_Format(PyExc_TypeError, "backward_p_f32 takes 10 or 15 arguments, got %zd", nargs);
     if (ints(args, 9, i) < 0) return NULL;
     double gain = PyFloat_AsDouble(args[9]);
     if (gain == -1.0 && PyErr_Occurred()) return NULL;
     if (!sizes_ok(i[2], i[3], i[4])) return NULL;
+    if (band_args(args + 10, nargs - 10, i[4], &w) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS tile_backward_p(PTR(const float, i[0]), (int)i[1], i[2], i[3], i[4],
                                            PTR(const float, i[5]), i[6], (float)gain, PTR(float, i[7]),
-                                           PTR(float, i[8]));
+                                           PTR(float, i[8]), w);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 

@@ -172,6 +172,22 @@ class _Call:
         bound = torch.linalg.vector_norm(qp, dim=-1).max() * torch.linalg.vector_norm(kp, dim=-1).max()
         self.clamp = not bool(bound <= TANH_CLAMP)  # NaN or inf inputs: clamp
 
+    def band(self, tile) -> tuple[int, int, int, int, int]:
+        """The causal/window pattern of ``tile`` as the native passes take it: row ``i`` of a block (query ``i //
+        groups`` of the tile) sees columns ``[lo0 + lo_step * qi, hi0 + hi_step * qi)`` -> ``(lo0, lo_step, hi0,
+        hi_step, groups)``; the same pairs :func:`~.tiles.position_mask` allows."""
+        n0, n1, start, end, lo, hi, _ = tile
+        shift = self.kv_len - self.q_len  # query r sits at key position r + shift (bottom-right aligned)
+        lo0, lo_step = (0, 0) if self.window is None else (start + shift - self.window + 1 - lo, 1)
+        hi0, hi_step = (start + shift + 1 - lo, 1) if self.causal else (hi - lo, 0)
+        return lo0, lo_step, hi0, hi_step, self.groups
+
+    def user_masks(self, tile) -> list:
+        """The caller's mask's part of :meth:`masks` (what the native passes' band leaves to the caller)."""
+        if self.mask is None:
+            return []
+        return [(slice(None), ~user_mask_tile(self.mask, tile, self.kv_heads, self.groups))]
+
     def masks(self, tile, device) -> list:
         """``(column slice, blocked)`` pairs for ``tile``, each ``blocked`` (True = hidden) broadcastable to the tile
         viewed as ``(rows, queries, groups, keys)``: the causal/window edges (the same for every row range of a query
@@ -188,10 +204,7 @@ class _Call:
                 )
                 for c0, c1 in edges
             ]
-        out = list(self._edges[key])
-        if self.mask is not None:
-            out.append((slice(None), ~user_mask_tile(self.mask, tile, self.kv_heads, self.groups)))
-        return out
+        return self._edges[key] + self.user_masks(tile)
 
     def uncovered_rows(self):
         """Packed query rows no tile covers (they attend to nothing), as slices."""
@@ -239,9 +252,10 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs, 
     n0, n1, start, end, lo, hi, _ = tile
     rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
     s = torch.bmm(qp[n0:n1, rows], kp[n0:n1, lo:hi].transpose(1, 2), out=_scratch(bufs[0], shape))
-    masks = c.masks(tile, s.device)
+    masks = None
     shift = None
     if c.row_shift or head_max is not None:
+        masks = c.masks(tile, s.device)
         _fill(s, masks, c.groups, float("-inf"))
         top = s.amax(-1, keepdim=True)  # the largest allowed (scaled) pre-cap logit of each row
         if head_max is not None:
@@ -257,13 +271,18 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs, 
     if c.native is not None:  # one pass: tanh, the exponent, its row sums (and the kept tanh); no shift here
         norm = torch.empty((*shape[:2], 1), dtype=s.dtype)
         kept_ptr = _kept(c, i, kept, shape).data_ptr() if kept is not None else 0
-        c.native.forward_f32(s.data_ptr(), shape[0], shape[1], shape[2], kept_ptr, norm.data_ptr(), c.gain)
+        c.native.forward_f32(
+            s.data_ptr(), shape[0], shape[1], shape[2], kept_ptr, norm.data_ptr(), c.gain, *c.band(tile)
+        )  # pairs outside the causal/window band: p = 0, not summed
         p = s
-        if masks:  # masked pairs hold a finite exponent: zeroed, and the sums taken again without them
-            _fill(p, masks, c.groups, 0.0)
+        user = c.user_masks(tile)
+        if user:  # the caller's masked pairs hold a finite exponent: zeroed, and the sums taken again without them
+            _fill(p, user, c.groups, 0.0)
             norm = p.sum(-1, keepdim=True)
         _finish_forward_tile(c, tile, p, norm, None, vp, out, lse, bufs)
         return
+    if masks is None:
+        masks = c.masks(tile, s.device)
     base = torch.zeros((), dtype=s.dtype, device=s.device) if shift is None else shift.neg_()
     if c.softcap is None:
         p = torch.add(base, s, alpha=c.gain, out=s).exp2_()
@@ -340,9 +359,17 @@ def _backward_tile_native(c: _Call, i: int, tile, qt, dot, kt, vt, neg_lse, delt
     slope = _scratch(bufs[2], shape)
     row_lse, row_delta = neg_lse[n0:n1, rows], delta[n0:n1, rows]  # (rows, queries, 1), strided over rows
     c.native.backward_p_f32(
-        src.data_ptr(), recompute, *shape, row_lse.data_ptr(), row_lse.stride(0), p.data_ptr(), slope.data_ptr(), c.gain
-    )
-    _fill(p, c.masks(tile, p.device), c.groups, 0.0)
+        src.data_ptr(),
+        recompute,
+        *shape,
+        row_lse.data_ptr(),
+        row_lse.stride(0),
+        p.data_ptr(),
+        slope.data_ptr(),
+        c.gain,
+        *c.band(tile),
+    )  # p and slope 0 outside the causal/window band
+    _fill(p, c.user_masks(tile), c.groups, 0.0)
     _matmul_into(dvt[n0:n1, :, lo:hi], dot.transpose(1, 2), p, bufs[4], True)
     dp = torch.bmm(dot, vt.transpose(1, 2), out=_scratch(bufs[1], shape))
     c.native.backward_ds_f32(

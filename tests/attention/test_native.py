@@ -216,6 +216,70 @@ def test_tiled_forward_refuses_a_gain_that_needs_the_row_shift(native):
     assert torch.equal(x, torch.zeros(8))  # nothing written
 
 
+def _band_reference(rows, cols, band):
+    """Boolean ``(rows, cols)``: which columns each row of a block may see, written from the band's definition."""
+    lo0, lo_step, hi0, hi_step, groups = band
+    allowed = torch.zeros(rows, cols, dtype=torch.bool)
+    for i in range(rows):
+        qi = i // groups
+        for j in range(cols):
+            allowed[i, j] = lo0 + lo_step * qi <= j < hi0 + hi_step * qi
+    return allowed
+
+
+@pytest.mark.parametrize(
+    "band",
+    [
+        (0, 0, 300, 1, 2),  # causal, the diagonal near the end: nothing outside
+        (0, 0, 3, 1, 2),  # causal on the diagonal: whole chunks past it
+        (0, 0, -5, 1, 4),  # bottom-right aligned with more queries than keys: the first rows see nothing
+        (-2, 1, 5, 1, 1),  # a window of 7
+        (290, 1, 600, 0, 3),  # a window's trailing edge without causality, a whole chunk before it
+        (0, 0, 600, 0, 1),  # everything
+    ],
+)
+def test_tiled_passes_band(native, band):
+    """The passes' causal/window band against the same call without one: outside the band p (and the kept tanh,
+    the slope) exactly 0, inside the same bits as without a band, each row's sum the sum of its allowed p."""
+    blocks, rows, cols, gain = 2, 12, 530, 7.2  # 530 columns: two whole chunks of 256 and a tail, not a multiple of 8
+    g = torch.Generator().manual_seed(sum(band))
+    x = torch.randn(blocks, rows, cols, generator=g) * 3
+    allowed = _band_reference(rows, cols, band).expand(blocks, rows, cols)
+    free_p, free_kept, free_sums = x.clone(), torch.empty_like(x), torch.empty(blocks * rows)
+    native.forward_f32(free_p.data_ptr(), blocks, rows, cols, free_kept.data_ptr(), free_sums.data_ptr(), gain)
+    p, kept, sums = x.clone(), torch.full_like(x, float("nan")), torch.empty(blocks * rows)
+    native.forward_f32(p.data_ptr(), blocks, rows, cols, kept.data_ptr(), sums.data_ptr(), gain, *band)
+    assert torch.equal(p[allowed], free_p[allowed]) and torch.equal(kept[allowed], free_kept[allowed])
+    assert not p[~allowed].any()
+    assert not torch.isnan(kept).any()  # every kept value written: backward may read any of them
+    expected = (free_p * allowed).double().sum(-1).flatten()
+    torch.testing.assert_close(sums.double(), expected, rtol=2e-6, atol=0)
+    neg_lse = -torch.rand(blocks, rows, generator=g) * 4
+    for recompute, src in ((1, x), (0, free_kept)):
+        out = {}
+        for name, extra in (("free", ()), ("band", band)):
+            bp, slope = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+            native.backward_p_f32(
+                src.data_ptr(), recompute, blocks, rows, cols, neg_lse.data_ptr(), rows, bp.data_ptr(),
+                slope.data_ptr(), gain, *extra,
+            )  # fmt: skip
+            out[name] = bp, slope
+        for got, free in zip(out["band"], out["free"]):
+            assert torch.equal(got[allowed], free[allowed]) and not got[~allowed].any()
+            assert not torch.isnan(got).any()
+
+
+def test_tiled_passes_band_arguments(native):
+    x, sums = torch.zeros(8), torch.empty(1)
+    with pytest.raises(ValueError, match=r"^band groups must be positive, got 0$"):
+        native.forward_f32(x.data_ptr(), 1, 1, 8, 0, sums.data_ptr(), 1.0, 0, 0, 8, 0, 0)
+    with pytest.raises(TypeError, match=r"^forward_f32 takes 7 or 12 arguments, got 9$"):
+        native.forward_f32(x.data_ptr(), 1, 1, 8, 0, sums.data_ptr(), 1.0, 0, 0)
+    with pytest.raises(TypeError, match=r"^backward_p_f32 takes 10 or 15 arguments, got 11$"):
+        native.backward_p_f32(x.data_ptr(), 0, 1, 1, 8, sums.data_ptr(), 1, x.data_ptr(), x.data_ptr(), 1.0, 3)
+    assert torch.equal(x, torch.zeros(8))  # nothing written
+
+
 def test_bad_sizes_are_a_value_error_naming_them(native):
     """The op's own argument check (lean.py never calls it so): a ValueError that names the sizes and the cap, on
     every Python (a float in the message once raised SystemError on 3.12)."""
@@ -365,8 +429,8 @@ def _tiled(q, k, v, *, grad_out, **kw):
     return (out, *torch.autograd.grad(out, args, grad_out)), top
 
 
-@pytest.mark.parametrize("tq,tk", [(1, 1), (37, 37), (130, 130), (5, 60)])
-@pytest.mark.parametrize("pattern", ["causal", "window", "mask", "full"])
+@pytest.mark.parametrize("tq,tk", [(1, 1), (37, 37), (130, 130), (5, 60), (60, 5)])
+@pytest.mark.parametrize("pattern", ["causal", "window", "mask", "full", "causal_mask", "window_only"])
 @pytest.mark.parametrize("keep", ["all", "part", "none"])
 @pytest.mark.parametrize("softcap", [2.0, 50.0])
 def test_tiled_passes_match_the_float64_reference(native, monkeypatch, tq, tk, pattern, keep, softcap):
@@ -380,10 +444,11 @@ def test_tiled_passes_match_the_float64_reference(native, monkeypatch, tq, tk, p
     q = torch.randn(2, 4, tq, 16, generator=g) * 3
     k, v = torch.randn(2, 2, tk, 16, generator=g) * 3, torch.randn(2, 2, tk, 16, generator=g)
     grad_out = torch.randn(2, 4, tq, 16, generator=g)
-    kw = dict(scaling=0.25, softcap=softcap, causal=pattern in ("causal", "window"), return_max_logits=True)
-    if pattern == "window":
+    kw = dict(scaling=0.25, softcap=softcap, causal=pattern in ("causal", "window", "causal_mask"))
+    kw["return_max_logits"] = True
+    if pattern in ("window", "window_only"):
         kw["sliding_window"] = 7
-    if pattern == "mask":
+    if pattern in ("mask", "causal_mask"):
         kw["mask"] = torch.rand(2, 1, tq, tk, generator=g) > 0.3
     spy = _Spy(native)
     lean.NATIVE[0] = spy
