@@ -19,7 +19,11 @@ with ``torch.compile`` when the cache is static; told to on a CPU too, ``fullgra
 graphs made before the timed rounds. Rows carry ``"compiled": true``.
 
 Step table: one training step (forward + backward + AdamW) at T = 512 and 2048, batch 1, of the bundled shape and
-the 12x768 shape, interleaved the same way.
+the 12x768 shape, interleaved the same way. Besides CPU time (user + system) each row has the ratios of user time
+alone (``_user``) and the minor page faults per step (``_faults``): glibc's heap gives memory back to the system at
+the end of a step and faults it in again in the next, which is system time, and the count depends on how much a
+model allocates per step and in what order -- so the rows also record the allocator's environment (``MALLOC_*``,
+``GLIBC_TUNABLES``, ``LD_PRELOAD``).
 
 Rows go to ``benchmarks/results/decode.jsonl`` with the machine, versions and the command.
 
@@ -42,7 +46,9 @@ import contextlib
 import copy
 import datetime as dt
 import json
+import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -395,16 +401,21 @@ def step_cell(shape, seq, rounds, schemes) -> dict:
     for r in range(rounds):
         for name, step in _rotated(steps, r):
             _sync()
-            c, w = time.process_time(), time.perf_counter()
+            c, w, u = time.process_time(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             step()
             _sync()
-            times[name].append((time.process_time() - c, time.perf_counter() - w))
+            v = resource.getrusage(resource.RUSAGE_SELF)
+            user, faults = v.ru_utime - u.ru_utime, v.ru_minflt - u.ru_minflt
+            times[name].append((time.process_time() - c, time.perf_counter() - w, user, faults))
     row = {"table": "step", "shape": shape, "seq": seq, "batch": 1}
     row["sdpa_s"] = round(statistics.median(t[_CLOCKS[_clock_name()]] for t in times["sdpa"]), 3)
+    row["sdpa_faults"] = int(statistics.median(t[3] for t in times["sdpa"]))
     for name in schemes:
-        for clock, label in ((0, "cpu"), (1, "wall")):
-            ratios = [t[clock] / b[clock] for t, b in zip(times[name], times["sdpa"])]  # time over sdpa's
-            row[f"{name}_{label}"] = round(statistics.median(ratios), 3)
+        # cpu: user + system time (the page faults of the heap's growth are system time); user: without them
+        for clock, label in ((0, "cpu"), (1, "wall"), (2, "user")):
+            ratios = [t[clock] / b[clock] for t, b in zip(times[name], times["sdpa"]) if b[clock] > 0]  # over sdpa's
+            row[f"{name}_{label}"] = round(statistics.median(ratios), 3) if ratios else float("nan")
+        row[f"{name}_faults"] = int(statistics.median(t[3] for t in times[name]))  # minor page faults per step
     return row
 
 
@@ -436,6 +447,8 @@ def _environment() -> dict:
         "hf_qknorm": getattr(hf_qknorm, "__version__", "?"),
         "hf_qknorm_path": str(Path(hf_qknorm.__file__).parent),
         "command": "python " + " ".join(sys.argv),
+        # the heap's settings change how many page faults a step takes (glibc trims and regrows its heap)
+        "allocator": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))},
     }
 
 
@@ -485,6 +498,13 @@ def markdown(rows: list[dict]) -> str:
         for r in steps:
             cells = [r["shape"], r["seq"], r["sdpa_s"]] + [f"{_ratio(r, s):.3f}x" for s in schemes]
             out += ["| " + " | ".join(map(str, cells)) + " |"]
+        if "sdpa_faults" in steps[0]:  # user time alone, and minor page faults per step (the unpatched model's first)
+            out += ["", "| shape | T | user time: " + " | ".join(f"`{s}`" for s in schemes) + " | page faults per step |"]
+            out += ["|---" * (3 + len(schemes)) + "|"]
+            for r in steps:
+                faults = " / ".join(str(r.get(f"{s}_faults", "?")) for s in ("sdpa", *schemes))
+                cells = [r["shape"], r["seq"]] + [f"{r.get(f'{s}_user', float('nan')):.3f}x" for s in schemes]
+                out += ["| " + " | ".join(map(str, cells + [faults])) + " |"]
     return "\n".join(out)
 
 

@@ -199,3 +199,15 @@ def test_providers_take_every_place_in_turn():
     for place in range(3):
         assert sorted(order[place] for order in orders) == sorted(items)
     assert all(sorted(order) == sorted(items) for order in orders)
+
+
+def test_step_rows_split_user_time_and_count_page_faults():
+    """A step row gives CPU (user + system), wall and user-time ratios and page faults per step for each provider,
+    and the report shows the user-time ratios and the faults beside the step table."""
+    row = bench_decode.step_cell("bundled", 32, 2, ["soft_cap"])
+    for key in ("soft_cap_cpu", "soft_cap_wall", "soft_cap_user"):
+        assert 0.1 < row[key] < 10, (key, row[key])
+    assert isinstance(row["sdpa_faults"], int) and row["sdpa_faults"] >= 0 and row["soft_cap_faults"] >= 0
+    text = bench_decode.markdown([row])
+    assert f"| bundled | 32 | {row['soft_cap_user']:.3f}x | {row['sdpa_faults']} / {row['soft_cap_faults']} |" in text
+    assert isinstance(bench_decode._environment()["allocator"], dict)
