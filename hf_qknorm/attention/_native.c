@@ -7,7 +7,8 @@
    gives zeros, float32 sums. The tanh, exp and exp2 are evaluated here so that the loops vectorise: a rational tanh
    (tanh_f), Cephes' float32 exp and exp2 polynomials, each within 2 ulp of the float64 values
    (tests/attention/test_native.py measures them; scripts/check_native_tanh.py checks the tanh on every float32).
-   The same file holds the tiled path's capped elementwise passes (tile_forward, tile_backward_p, tile_backward_ds).
+   The same file holds the tiled path's capped elementwise passes (tile_forward, tile_backward_p, tile_backward_ds)
+   and decoding's head layer norm (layer_norm_rows).
 
    Built at install time as an optional extension (setup.py); where it cannot be built, or HF_QKNORM_NATIVE=0 is set,
    lean.py runs its ATen ops instead. On x86-64 Linux with GCC an AVX2/FMA clone is chosen at load time.
@@ -312,6 +313,26 @@ static void tile_backward_ds(float *dp, const float *p, const float *slope, long
         }
 }
 
+/* A head layer norm in place, float32: each row of `dim` values becomes (x - mean) / sqrt(var + eps) * w + b (the
+   biased variance, as torch.layer_norm), the statistics and the affine map in double and rounded once. Decoding
+   normalises a few rows per projection, where torch.layer_norm's call (three allocations, a parallel region) costs
+   several times the arithmetic. */
+HFQ_CLONES
+static void layer_norm_rows(float *x, long long rows, long long dim, const float *w, const float *b, double eps) {
+    for (long long r = 0; r < rows; r++) {
+        float *row = x + r * dim;
+        double sum = 0.0, squares = 0.0;
+        for (long long j = 0; j < dim; j++) sum += row[j];
+        const double mean = sum / (double)dim;
+        for (long long j = 0; j < dim; j++) {
+            const double d = row[j] - mean;
+            squares += d * d;
+        }
+        const double rstd = 1.0 / sqrt(squares / (double)dim + eps);
+        for (long long j = 0; j < dim; j++) row[j] = (float)((row[j] - mean) * rstd * w[j] + b[j]);
+    }
+}
+
 /* Arguments of the wrappers below: Python integers (pointers, sizes, strides in elements) and floats, in the order
    of the C function's parameters. */
 static int ints(PyObject *const *args, Py_ssize_t count, long long *out) {
@@ -410,6 +431,28 @@ static PyObject *backward_ds_f32(PyObject *self, PyObject *const *args, Py_ssize
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* layer_norm_f32(x, rows, dim, weight, bias, eps): x (rows, dim) contiguous, normalised in place */
+static PyObject *layer_norm_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long i[5];
+    if (nargs != 6) return PyErr_Format(PyExc_TypeError, "layer_norm_f32 takes 6 arguments, got %zd", nargs);
+    if (ints(args, 5, i) < 0) return NULL;
+    double eps = PyFloat_AsDouble(args[5]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    if (i[1] < 0 || i[2] <= 0) {
+        PyErr_Format(PyExc_ValueError, "layer_norm_f32: rows must not be negative and dim must be positive, got %lld, %lld",
+                     i[1], i[2]);
+        return NULL;
+    }
+    if (!(eps >= 0.0)) {
+        PyErr_Format(PyExc_ValueError, "layer_norm_f32: eps must be a non-negative number, got %s", as_text(eps).text);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS layer_norm_rows(PTR(float, i[0]), i[1], i[2], PTR(const float, i[3]), PTR(const float, i[4]),
+                                           eps);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 /* capped_f32(q, q_sb, q_sh, k, k_sb, k_sh, k_st, v, v_sb, v_sh, v_st, mask, m_sb, m_sh, m_sk, out,
               batch, heads, kv_heads, kv_len, dim, scale, cap): pointers and strides (in elements) as integers,
               mask 0 for none; out is (batch, heads, dim) contiguous. */
@@ -459,6 +502,8 @@ static PyMethodDef methods[] = {
      "A capped tile's probabilities and the cap's slope in backward (hf_qknorm.attention.chunked)."},
     {"backward_ds_f32", (PyCFunction)(void (*)(void))backward_ds_f32, METH_FASTCALL,
      "A capped tile's logit gradients (hf_qknorm.attention.chunked)."},
+    {"layer_norm_f32", (PyCFunction)(void (*)(void))layer_norm_f32, METH_FASTCALL,
+     "A projection's heads layer-normalised in place, float32 (hf_qknorm.attention.native)."},
     {NULL, NULL, 0, NULL},
 };
 

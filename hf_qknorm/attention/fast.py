@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..portable import hooks
+from .native import layer_norm_in_place
 from ..portable.hooks import (
     _LINEAR_FORWARD,
     _attn_implementation,
@@ -165,8 +166,11 @@ def _project(attn, slot: str, x: torch.Tensor, shape, direct: bool, projection_l
         if plan[2] == shape[-1] and _rowwise(norm) == "layer_norm":
             norm_params = _layer_norm_params(norm, out.dtype)
             if norm_params is not None:  # the norm on the heads: the same values as on their rows (_normed)
+                in_place = hooks.LAYER_NORM_IN_PLACE[0]  # out is F.linear's, fresh: as _normed(fresh=True) does
+                if in_place is not None and in_place(out, plan[2], norm_params):
+                    return out.view(shape)
                 return _layer_norm(out.view(shape), plan[2], norm_params)
-    out = _normed(module, out)
+    out = _normed(module, out, True)  # F.linear's output, fresh
     return out if shape is None else out.view(shape)
 
 
@@ -229,3 +233,4 @@ def _make(base: type, window):
 
 
 hooks.FAST_FORWARD[0] = fast_forward
+hooks.LAYER_NORM_IN_PLACE[0] = layer_norm_in_place

@@ -1,8 +1,10 @@
 """The optional native ops: ``_native.c``, built at install time by ``setup.py`` where a C compiler is.
 
-Two users: the lean path's one-query capped attention (:func:`.lean._native_capped`: one call where the ATen ops are
-six) and the tiled path's capped elementwise passes (:mod:`.chunked`: one pass over a tile where the ATen ops make six
-in forward and seven in backward). Both take float32 CPU tensors only and keep the ATen ops for everything else.
+Three users: the lean path's one-query capped attention (:func:`.lean._native_capped`: one call where the ATen ops
+are six), the tiled path's capped elementwise passes (:mod:`.chunked`: one pass over a tile where the ATen ops make six
+in forward and seven in backward, the causal band included) and the head layer norm of a projection's fresh output
+when no gradient is recorded (:func:`layer_norm_in_place`, through :data:`hf_qknorm.portable.hooks.LAYER_NORM_IN_PLACE`).
+All take float32 CPU tensors only and keep the ATen ops for everything else.
 
 ``NATIVE[0]`` is the module in use, or ``None``: where it was not built, or ``HF_QKNORM_NATIVE=0`` (or ``off``,
 ``false``, ``no``) is set in the environment (then every call takes the ATen ops, to compare or to rule the op out).
@@ -13,6 +15,9 @@ from __future__ import annotations
 
 import os
 import warnings
+
+import torch
+from torch import nn
 
 try:
     from . import _native as MODULE
@@ -38,3 +43,36 @@ def _switch(value: str | None) -> bool:
 
 
 NATIVE = [MODULE if _switch(os.environ.get("HF_QKNORM_NATIVE")) else None]
+
+# Above this many values with several threads, torch.layer_norm shares the rows among them; the op runs on one.
+LAYER_NORM_PARALLEL_MAX = 1 << 16
+
+
+def layer_norm_in_place(x: torch.Tensor, head_dim: int, params) -> bool:
+    """Normalise ``x`` -- a projection's output that nothing else holds yet, its last dimension whole heads -- in place
+    with the head layer norm ``params`` (``(weight, bias, eps)``, :func:`~hf_qknorm.portable.hooks._layer_norm_params`)
+    where the native op takes the call: plain float32 CPU tensors, contiguous, weight and bias of ``head_dim`` values,
+    no gradient to record. True where it did; False where it did not (``x`` untouched: the caller makes the
+    ``torch.layer_norm`` call). The values are ``torch.layer_norm``'s to float32 rounding (its statistics in double,
+    rounded once). Decoding runs this for every normalised projection of every layer at every token: one call where
+    ``torch.layer_norm`` and the views around it cost about four microseconds on one CPU thread."""
+    module = NATIVE[0]
+    if module is None:
+        return False
+    weight, bias, eps = params
+    if (
+        type(x) is not torch.Tensor  # a subclass (DTensor, a fake tensor) may keep its values elsewhere
+        or type(weight) is not nn.Parameter and type(weight) is not torch.Tensor
+        or type(bias) is not nn.Parameter and type(bias) is not torch.Tensor
+        or x.dtype is not torch.float32  # the weight and bias have x's dtype (_layer_norm_params)
+        or not (x.is_cpu and weight.is_cpu and bias.is_cpu)
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
+        or not (x.is_contiguous() and weight.is_contiguous() and bias.is_contiguous())
+        or weight.numel() != head_dim
+        or bias.numel() != head_dim
+        or x.numel() % head_dim
+        or (x.numel() > LAYER_NORM_PARALLEL_MAX and torch.get_num_threads() > 1)
+    ):
+        return False
+    module.layer_norm_f32(x.data_ptr(), x.numel() // head_dim, head_dim, weight.data_ptr(), bias.data_ptr(), eps)
+    return True

@@ -103,7 +103,7 @@ def _norm_role(attn: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     return _call(attn._modules[attn.__dict__["_qknorm_norms"][role]], x)
 
 
-def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+def _normed(module: nn.Module, output: torch.Tensor, fresh: bool = False) -> torch.Tensor:
     """``output`` of the projection ``module`` with the norms of the attention module that owns it applied to the
     parts its slot names: ``("q",)``, ``("k",)``, ``("v",)`` for separate projections, or a triple such as
     ``("q", "k", "")`` for a fused projection (``""``: that part is left as it is).
@@ -113,8 +113,9 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     no hook on it, a contiguous output -- is one frame: the norm on the rows ``(-1, head_dim)``, the same values as
     on ``(batch, seq, heads, head_dim)``; a norm that declares ``rowwise = "layer_norm"`` (:class:`HeadLayerNorm`)
     is that one ``torch.layer_norm`` call, made here, without the norm's own frame (about three microseconds less per
-    call on one CPU thread, together). Otherwise, and whenever a hook or a ``forward`` replaced on the norm instance
-    could see its input, the norm is called on the per-head view."""
+    call on one CPU thread, together) -- or, where ``fresh`` (``output`` was just made by ``F.linear`` and nothing
+    else holds it) and :data:`LAYER_NORM_IN_PLACE` takes the call, the norm in place. Otherwise, and whenever a hook
+    or a ``forward`` replaced on the norm instance could see its input, the norm is called on the per-head view."""
     state = module.__dict__
     attn = state.get("_qknorm_owner")
     # A stale module (replaced, e.g. it became a LoRA layer's ``base_layer``, or the patch was undone) does nothing.
@@ -134,6 +135,9 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
         if rows == "layer_norm":
             params = _layer_norm_params(norm, output.dtype)
             if params is not None:
+                in_place = LAYER_NORM_IN_PLACE[0]
+                if fresh and in_place is not None and in_place(output, head_dim, params):
+                    return output
                 return _layer_norm(flat, head_dim, params).view_as(output)
         return norm.forward(flat).view_as(output)
     # unflatten/flatten, not view(x.shape): the shape object costs a microsecond per call when decoding
@@ -210,7 +214,7 @@ def projection_class(base: type) -> type:
                 weight = params.get("weight")
                 if weight is None or "bias" not in params or nn.Linear.forward is not _LINEAR_FORWARD:
                     return _normed(self, base.forward(self, input))
-                return _normed(self, _F.linear(input, weight, params["bias"]))
+                return _normed(self, _F.linear(input, weight, params["bias"]), True)  # a fresh tensor
 
         else:
 
@@ -292,6 +296,11 @@ def _setattr(self, name, value):
 # (:mod:`hf_qknorm.attention.fast`), or None; the plugin sets the maker. A saved folder's copy of this module, loaded
 # without the plugin, has none: its modules run the upstream forward.
 FAST_FORWARD: list = [None]
+
+# ``(x, head_dim, (weight, bias, eps)) -> bool``: a head layer norm of a projection's fresh output in place, True where
+# it took the call (:func:`hf_qknorm.attention.native.layer_norm_in_place`: float32 on the CPU, no gradient recorded);
+# the plugin sets it. A saved folder's copy of this module, loaded without the plugin, has none: ``torch.layer_norm``.
+LAYER_NORM_IN_PLACE: list = [None]
 
 _PLAIN_GETTER: dict[type, bool] = {}
 

@@ -34,16 +34,17 @@ def native():
 
 
 class _Spy:
-    """Stands in for the native module and counts its calls."""
+    """Stands in for the native module and counts its calls (and keeps their names)."""
 
     def __init__(self, module):
-        self.module, self.calls = module, 0
+        self.module, self.calls, self.names = module, 0, []
 
     def __getattr__(self, name):
         function = getattr(self.module, name)
 
         def counted(*args):
             self.calls += 1
+            self.names.append(name)
             return function(*args)
 
         return counted
@@ -490,3 +491,117 @@ def test_tiled_passes_stay_off_where_they_do_not_apply(native, why):
     finally:
         torch.set_num_threads(threads)
     assert spy.calls == 0
+
+
+# --- the head layer norm in place (native.layer_norm_in_place, through hooks.LAYER_NORM_IN_PLACE) ---
+
+
+def _norm_params(dim, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.nn.Parameter(torch.randn(dim, generator=g, dtype=dtype))
+    bias = torch.nn.Parameter(torch.randn(dim, generator=g, dtype=dtype))
+    return weight, bias, 1e-5
+
+
+@pytest.mark.parametrize("dim", [3, 8, 16, 32, 64, 128, 256])
+def test_layer_norm_in_place_matches_the_float64_reference(native, dim):
+    """Rows of every kind -- random, a large offset with small noise (cancellation), constant (zero variance), tiny --
+    within float32's rounding of the float64 layer norm: no further from it than torch.layer_norm in float32."""
+    weight, bias, eps = _norm_params(dim, dim)
+    g = torch.Generator().manual_seed(dim + 1)
+    rows = [
+        torch.randn(5, dim, generator=g) * 3,
+        1e4 + torch.randn(2, dim, generator=g) * 1e-2,
+        torch.full((1, dim), 7.5),
+        torch.randn(2, dim, generator=g) * 1e-20,
+    ]
+    x = torch.cat(rows)
+    expected = torch.layer_norm(x.double(), (dim,), weight.double(), bias.double(), eps)
+    torch_error = (torch.layer_norm(x, (dim,), weight, bias, eps).double() - expected).abs().max().item()
+    got = x.clone()
+    with torch.no_grad():
+        assert native_op.layer_norm_in_place(got, dim, (weight, bias, eps))
+    error = (got.double() - expected).abs().max().item()
+    assert error <= max(torch_error, 4e-7 * expected.abs().max().item()), (error, torch_error)
+
+
+def test_layer_norm_in_place_non_finite_rows(native):
+    """A NaN or an infinity in a row makes that row NaN (as torch.layer_norm's), the other rows untouched by it."""
+    weight, bias, eps = _norm_params(8)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    x[0, 2], x[1, 5] = float("nan"), float("inf")
+    got = x.clone()
+    with torch.no_grad():
+        assert native_op.layer_norm_in_place(got, 8, (weight, bias, eps))
+    want = torch.layer_norm(x, (8,), weight.detach(), bias.detach(), eps)
+    assert torch.isnan(got[:2]).all() and torch.isnan(want[:2]).all()
+    torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["grad", "float64", "bfloat16", "strided", "subclass", "weight_size", "threads", "disabled", "weight_strided"],
+)
+def test_layer_norm_in_place_declines_and_leaves_the_tensor(native, why):
+    """Every call it must not take returns False and writes nothing: a gradient to record, another dtype, a strided
+    or subclassed tensor, a weight that is not head_dim values or not contiguous, a large call with several threads,
+    the op off."""
+    dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(why, torch.float32)
+    weight, bias, eps = _norm_params(16, dtype=dtype)
+    x = torch.randn(4, 64 if why != "threads" else 1 << 17, dtype=dtype)
+    if why == "strided":
+        x = torch.randn(64, 4, dtype=dtype).t()
+    if why == "subclass":
+        x = x.as_subclass(_Subclass)
+    if why == "weight_size":
+        weight, bias = torch.nn.Parameter(torch.ones(32)), torch.nn.Parameter(torch.zeros(32))
+    if why == "weight_strided":
+        weight = torch.ones(32)[::2]
+    before = x.clone()
+    threads = torch.get_num_threads()
+    if why == "disabled":
+        lean.NATIVE[0] = None
+    try:
+        torch.set_num_threads(2 if why == "threads" else 1)
+        with torch.set_grad_enabled(why == "grad"):
+            assert not native_op.layer_norm_in_place(x, 16, (weight, bias, eps))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(x, before)
+
+
+def test_layer_norm_op_argument_checks(native):
+    x, w = torch.zeros(8), torch.ones(8)
+    for rows, dim in ((-1, 8), (1, 0)):
+        with pytest.raises(ValueError, match=rf"^layer_norm_f32: rows must not be negative .*got {rows}, {dim}$"):
+            native.layer_norm_f32(x.data_ptr(), rows, dim, w.data_ptr(), w.data_ptr(), 1e-5)
+    with pytest.raises(ValueError, match=r"^layer_norm_f32: eps must be a non-negative number, got nan$"):
+        native.layer_norm_f32(x.data_ptr(), 1, 8, w.data_ptr(), w.data_ptr(), float("nan"))
+    assert torch.equal(x, torch.zeros(8))
+
+
+@pytest.mark.parametrize("scheme", ["qk_norm", "qkv_norm", "qk_norm_cap"])
+def test_decoding_normalises_in_place_and_training_does_not(native, scheme):
+    """A patched model's projections take the in-place norm when no gradient is recorded (prefill and every decoding
+    step, through the fast forward and through the module call alike) and never when one is; the logits of both
+    modes agree to float32 rounding, and greedy decoding gives the tokens it gives with the op off."""
+    model = tiny_model("llama")
+    hf_qknorm.patch_model(model, scheme=scheme)
+    model.eval()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    spy = _Spy(native)
+    lean.NATIVE[0] = spy
+    calls = spy.names
+    with torch.no_grad():
+        fast = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    roles = 3 if scheme == "qkv_norm" else 2
+    norms = calls.count("layer_norm_f32")
+    assert norms == roles * model.config.num_hidden_layers * 6  # the forward, generate's prefill and 4 more steps
+    calls.clear()
+    graded = model(ids).logits
+    assert "layer_norm_f32" not in calls
+    torch.testing.assert_close(fast, graded.detach(), rtol=1e-5, atol=1e-5)
+    lean.NATIVE[0] = None
+    with torch.no_grad():
+        assert torch.equal(tokens, model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0))
