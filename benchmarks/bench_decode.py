@@ -512,7 +512,8 @@ def markdown(rows: list[dict]) -> str:
             cells = [r["shape"], r["seq"], r["sdpa_s"]] + [f"{_ratio(r, s):.3f}x" for s in schemes]
             out += ["| " + " | ".join(map(str, cells)) + " |"]
         if "sdpa_faults" in steps[0]:  # user time alone, and minor page faults per step (the unpatched model's first)
-            out += ["", "| shape | T | user time: " + " | ".join(f"`{s}`" for s in schemes) + " | page faults per step |"]
+            names = " | ".join(f"`{s}`" for s in schemes)
+            out += ["", f"| shape | T | user time: {names} | page faults per step |"]
             out += ["|---" * (3 + len(schemes)) + "|"]
             for r in steps:
                 faults = " / ".join(str(r.get(f"{s}_faults", "?")) for s in ("sdpa", *schemes))

@@ -440,8 +440,8 @@ static PyObject *layer_norm_f32(PyObject *self, PyObject *const *args, Py_ssize_
     double eps = PyFloat_AsDouble(args[5]);
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
     if (i[1] < 0 || i[2] <= 0) {
-        PyErr_Format(PyExc_ValueError, "layer_norm_f32: rows must not be negative and dim must be positive, got %lld, %lld",
-                     i[1], i[2]);
+        PyErr_Format(PyExc_ValueError,
+                     "layer_norm_f32: rows must not be negative and dim must be positive, got %lld, %lld", i[1], i[2]);
         return NULL;
     }
     if (!(eps >= 0.0)) {

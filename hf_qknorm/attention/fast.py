@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from ..portable import hooks
-from .native import layer_norm_in_place
 from ..portable.hooks import (
     _LINEAR_FORWARD,
     _attn_implementation,
@@ -41,6 +40,7 @@ from ..portable.hooks import (
     _normed,
     _rowwise,
 )
+from .native import layer_norm_in_place
 
 _F = torch.nn.functional
 

@@ -3,8 +3,9 @@
 Three users: the lean path's one-query capped attention (:func:`.lean._native_capped`: one call where the ATen ops
 are six), the tiled path's capped elementwise passes (:mod:`.chunked`: one pass over a tile where the ATen ops make six
 in forward and seven in backward, the causal band included) and the head layer norm of a projection's fresh output
-when no gradient is recorded (:func:`layer_norm_in_place`, through :data:`hf_qknorm.portable.hooks.LAYER_NORM_IN_PLACE`).
-All take float32 CPU tensors only and keep the ATen ops for everything else.
+when no gradient is recorded (:func:`layer_norm_in_place`, through
+:data:`hf_qknorm.portable.hooks.LAYER_NORM_IN_PLACE`). All take float32 CPU tensors only and keep the ATen ops for
+everything else.
 
 ``NATIVE[0]`` is the module in use, or ``None``: where it was not built, or ``HF_QKNORM_NATIVE=0`` (or ``off``,
 ``false``, ``no``) is set in the environment (then every call takes the ATen ops, to compare or to rule the op out).
@@ -62,8 +63,10 @@ def layer_norm_in_place(x: torch.Tensor, head_dim: int, params) -> bool:
     weight, bias, eps = params
     if (
         type(x) is not torch.Tensor  # a subclass (DTensor, a fake tensor) may keep its values elsewhere
-        or type(weight) is not nn.Parameter and type(weight) is not torch.Tensor
-        or type(bias) is not nn.Parameter and type(bias) is not torch.Tensor
+        or type(weight) is not nn.Parameter
+        and type(weight) is not torch.Tensor
+        or type(bias) is not nn.Parameter
+        and type(bias) is not torch.Tensor
         or x.dtype is not torch.float32  # the weight and bias have x's dtype (_layer_norm_params)
         or not (x.is_cpu and weight.is_cpu and bias.is_cpu)
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
