@@ -506,7 +506,8 @@ def _norm_params(dim, seed=0, dtype=torch.float32):
 @pytest.mark.parametrize("dim", [3, 8, 16, 32, 64, 128, 256])
 def test_layer_norm_in_place_matches_the_float64_reference(native, dim):
     """Rows of every kind -- random, a large offset with small noise (cancellation), constant (zero variance), tiny --
-    within float32's rounding of the float64 layer norm: no further from it than torch.layer_norm in float32."""
+    within float32's rounding of the float64 layer norm, and never further from it than torch.layer_norm in float32
+    (whose statistics lose up to 0.2 on the offset rows here: theirs cancel in float32)."""
     weight, bias, eps = _norm_params(dim, dim)
     g = torch.Generator().manual_seed(dim + 1)
     rows = [
@@ -522,7 +523,8 @@ def test_layer_norm_in_place_matches_the_float64_reference(native, dim):
     with torch.no_grad():
         assert native_op.layer_norm_in_place(got, dim, (weight, bias, eps))
     error = (got.double() - expected).abs().max().item()
-    assert error <= max(torch_error, 4e-7 * expected.abs().max().item()), (error, torch_error)
+    assert error <= 1e-6 * max(1.0, expected.abs().max().item()), error
+    assert error <= torch_error + 1e-7, (error, torch_error)
 
 
 def test_layer_norm_in_place_non_finite_rows(native):
