@@ -68,7 +68,16 @@ def test_a_stopped_count_stops_its_counted_run_and_leaves_nothing(tmp_path, sign
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "count_decode.py"
     results = bench_decode.RESULTS.read_bytes() if bench_decode.RESULTS.exists() else None
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", TMPDIR=str(scratch))
-    proc = subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child whatever this process inherited: a suite started as a background job of a
+    # shell without job control runs with SIGINT ignored, which the script respects (as under nohup), and then the
+    # signal this test sends would do nothing
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 120
         while not (pid_file.exists() and pid_file.read_text().strip()):
