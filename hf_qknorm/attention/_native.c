@@ -448,8 +448,8 @@ static PyObject *layer_norm_f32(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_Format(PyExc_ValueError, "layer_norm_f32: eps must be a non-negative number, got %s", as_text(eps).text);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS layer_norm_rows(PTR(float, i[0]), i[1], i[2], PTR(const float, i[3]), PTR(const float, i[4]),
-                                           eps);
+    Py_BEGIN_ALLOW_THREADS layer_norm_rows(PTR(float, i[0]), i[1], i[2], PTR(const float, i[3]),
+                                           PTR(const float, i[4]), eps);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 

@@ -47,6 +47,7 @@ NATIVE = [MODULE if _switch(os.environ.get("HF_QKNORM_NATIVE")) else None]
 
 # Above this many values with several threads, torch.layer_norm shares the rows among them; the op runs on one.
 LAYER_NORM_PARALLEL_MAX = 1 << 16
+_PLAIN = (torch.Tensor, nn.Parameter)  # the norm's parameters as the op reads them: no subclass
 
 
 def layer_norm_in_place(x: torch.Tensor, head_dim: int, params) -> bool:
@@ -63,10 +64,8 @@ def layer_norm_in_place(x: torch.Tensor, head_dim: int, params) -> bool:
     weight, bias, eps = params
     if (
         type(x) is not torch.Tensor  # a subclass (DTensor, a fake tensor) may keep its values elsewhere
-        or type(weight) is not nn.Parameter
-        and type(weight) is not torch.Tensor
-        or type(bias) is not nn.Parameter
-        and type(bias) is not torch.Tensor
+        or type(weight) not in _PLAIN
+        or type(bias) not in _PLAIN
         or x.dtype is not torch.float32  # the weight and bias have x's dtype (_layer_norm_params)
         or not (x.is_cpu and weight.is_cpu and bias.is_cpu)
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
