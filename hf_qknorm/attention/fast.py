@@ -8,11 +8,16 @@ patched classes add one more for the cap check. For these families this module m
 itself, and a projection that is a plain ``nn.Linear`` (or the patch's subclass of it) with no hook and nothing
 replaced on it is one ``F.linear`` on its parameters, followed by the norm exactly as the subclass applies it
 (:func:`~hf_qknorm.portable.hooks._normed`). Anything else -- a hook, a peft layer, an instance ``forward``, a
-parametrization, a replaced ``nn.Linear.forward`` -- is called as a module, as upstream calls it. RoPE, the cache
+parametrization, a replaced ``nn.Linear.forward`` -- is called as a module, as upstream calls it. The cache
 update, the attention backend (``ALL_ATTENTION_FUNCTIONS.get_interface``, whatever implementation is set) and the
 output projection are the upstream forward's, called the same way, with the same arguments; the functions are looked
 up in the family's module at every call, as upstream looks them up (a library that replaces ``apply_rotary_pos_emb``
-is honoured). With a gradient, or under ``torch.compile``, the upstream forward runs.
+or ``rotate_half`` is honoured). RoPE too, except for one position's fresh query and key (both made here by
+``F.linear``, no module call having handed them to anyone) where the family's function is Llama's
+(:func:`_llama_rope`: its source, and that of the ``rotate_half`` it calls, are Llama's): those are rotated in place
+by the native op (:func:`~hf_qknorm.attention.native.rotary_in_place`), the same bits as Llama's ATen ops, one call
+where those cost about twenty microseconds per layer per token. With a gradient, or under ``torch.compile``, the
+upstream forward runs.
 
 Only a forward whose source is one this module transcribes gets it: the upstream forward's signature and body,
 comments and blank lines aside, must be Llama's (:data:`_BODY`), or Llama's with one ``sliding_window=`` argument to
@@ -24,6 +29,7 @@ upstream forward, for every scheme and cache kind: ``tests/modeling/test_fast_fo
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import textwrap
@@ -40,7 +46,7 @@ from ..portable.hooks import (
     _normed,
     _rowwise,
 )
-from .native import layer_norm_in_place
+from .native import layer_norm_in_place, rotary_in_place
 
 _F = torch.nn.functional
 
@@ -150,15 +156,17 @@ def _plain_linear_params(module: nn.Module, projection_linear: type | None):
 
 def _project(attn, slot: str, x: torch.Tensor, shape, direct: bool, projection_linear: type | None):
     """``attn.<slot>(x)`` viewed as ``shape`` (``None``: as it is), by ``F.linear`` (and the patch's norm, one
-    ``layer_norm`` on the heads where that is what the norm's call does) where that is what the call does."""
+    ``layer_norm`` on the heads where that is what the norm's call does) where that is what the call does; and
+    whether the result is fresh: made here by ``F.linear`` (and normalised here), held by nothing else -- no module
+    call, so no hook or module of another party has seen it."""
     module = attn.__dict__["_modules"][slot]
     params = _plain_linear_params(module, projection_linear) if direct else None
     if params is None:
         out = module(x)
-        return out if shape is None else out.view(shape)
+        return (out if shape is None else out.view(shape)), False
     out = _F.linear(x, params[0], params[1])
     if type(module) is not projection_linear:
-        return out if shape is None else out.view(shape)
+        return (out if shape is None else out.view(shape)), True
     own = module.__dict__
     plan = own.get("_qknorm_plan")  # (slot, norm attribute, head_dim): hooks._attach
     if shape is not None and own.get("_qknorm_owner") is attn and plan[0] == slot and plan[1] is not None:
@@ -168,10 +176,72 @@ def _project(attn, slot: str, x: torch.Tensor, shape, direct: bool, projection_l
             if norm_params is not None:  # the norm on the heads: the same values as on their rows (_normed)
                 in_place = hooks.LAYER_NORM_IN_PLACE[0]  # out is F.linear's, fresh: as _normed(fresh=True) does
                 if in_place is not None and in_place(out, plan[2], norm_params):
-                    return out.view(shape)
-                return _layer_norm(out.view(shape), plan[2], norm_params)
-    out = _normed(module, out, True)  # F.linear's output, fresh
-    return out if shape is None else out.view(shape)
+                    return out.view(shape), True
+                return _layer_norm(out.view(shape), plan[2], norm_params), True
+    out = _normed(module, out, True)  # F.linear's output, fresh; the norm's call may pass it to a hook
+    return (out if shape is None else out.view(shape)), False
+
+
+def _rope_code(function) -> str | None:
+    """What ``function`` runs, for comparison: the syntax tree of its source without its docstring, decorators and
+    annotations, its name aside; None for anything but a plain function with a source (a wrapper, a function an
+    attribute was set on -- a kernel library's mark -- or one with free variables)."""
+    if not inspect.isfunction(function) or function.__dict__ or function.__closure__:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    for argument in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs):
+        argument.annotation = None
+    node.name, node.body, node.decorator_list, node.returns = "f", body, [], None
+    return ast.dump(tree)
+
+
+# Llama's ``apply_rotary_pos_emb`` and ``rotate_half`` as Transformers writes them (5.4 to 5.23), as :func:`_rope_code`
+# gives them
+_LLAMA_ROPE = tuple(
+    ast.dump(ast.parse(text))
+    for text in (
+        """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+""",
+        """
+def f(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+""",
+    )
+)
+_ROPES: dict = {}  # (apply_rotary_pos_emb, the rotate_half it calls) -> whether they are Llama's
+_ROPES_MAX = 256
+
+
+def _llama_rope(apply) -> bool:
+    """Whether ``apply`` -- the family's ``apply_rotary_pos_emb``, looked up at the call -- computes what Llama's
+    does: its code and that of the ``rotate_half`` it calls (looked up now, as it will be) are Llama's, and that
+    ``torch`` is torch. Then :func:`~.native.rotary_in_place` gives its values to the bit. Decided once per pair."""
+    rotate = getattr(apply, "__globals__", {}).get("rotate_half")
+    key = (apply, rotate)
+    known = _ROPES.get(key)
+    if known is None:
+        if len(_ROPES) >= _ROPES_MAX:
+            _ROPES.clear()
+        pair = (_rope_code(apply), _rope_code(rotate))
+        known = _ROPES[key] = pair == _LLAMA_ROPE and rotate.__globals__.get("torch") is torch
+    return known
 
 
 def _make(base: type, window):
@@ -205,11 +275,17 @@ def _make(base: type, window):
         linear = hooks._PROJECTION_CLASSES.get(nn.Linear)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = _project(self, "q_proj", hidden_states, hidden_shape, direct, linear).transpose(1, 2)
-        key_states = _project(self, "k_proj", hidden_states, hidden_shape, direct, linear).transpose(1, 2)
-        value_states = _project(self, "v_proj", hidden_states, hidden_shape, direct, linear).transpose(1, 2)
+        query_states, fresh_query = _project(self, "q_proj", hidden_states, hidden_shape, direct, linear)
+        key_states, fresh_key = _project(self, "k_proj", hidden_states, hidden_shape, direct, linear)
+        value_states = _project(self, "v_proj", hidden_states, hidden_shape, direct, linear)[0].transpose(1, 2)
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
         cos, sin = position_embeddings
-        query_states, key_states = family["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
+        rope = family["apply_rotary_pos_emb"]
+        # one position's fresh query and key rows: rotated in place, the same bits as Llama's function
+        if not (
+            fresh_query and fresh_key and _llama_rope(rope) and rotary_in_place(query_states, key_states, cos, sin)
+        ):
+            query_states, key_states = rope(query_states, key_states, cos, sin)
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
         attention_interface = family["ALL_ATTENTION_FUNCTIONS"].get_interface(impl, family["eager_attention_forward"])
@@ -226,7 +302,7 @@ def _make(base: type, window):
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return _project(self, "o_proj", attn_output, None, direct, linear), attn_weights
+        return _project(self, "o_proj", attn_output, None, direct, linear)[0], attn_weights
 
     forward.__doc__ = f"{base.__name__}.forward's steps with less host work when decoding (hf_qknorm.attention.fast)."
     return forward

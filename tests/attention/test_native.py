@@ -607,3 +607,99 @@ def test_decoding_normalises_in_place_and_training_does_not(native, scheme):
     lean.NATIVE[0] = None
     with torch.no_grad():
         assert torch.equal(tokens, model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0))
+
+
+# --- the rotary embedding of one position in place (native.rotary_in_place, through the fast forward) ---
+
+
+def _rope_inputs(batch, heads, kv_heads, dim, cos_batch, seed=0):
+    """One position's query and key as the fast forward hands them on -- ``(batch, 1, heads, dim)`` projections viewed
+    as ``(batch, heads, 1, dim)`` -- and cos / sin of Llama's rotary embedding at large positions (one per batch entry
+    or one for all), the query's values spread over six orders of magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 10.0 ** torch.randint(-3, 4, (batch, 1, heads, 1), generator=g)
+    q = (torch.randn(batch, 1, heads, dim, generator=g) * scale).transpose(1, 2)
+    k = torch.randn(batch, 1, kv_heads, dim, generator=g).transpose(1, 2)
+    positions = torch.randint(0, 100_000, (cos_batch, 1), generator=g).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.cat([positions[..., None] * inv_freq] * 2, dim=-1)
+    return q, k, angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,dim,cos_batch",
+    [(1, 4, 2, 16, 1), (8, 4, 2, 16, 8), (8, 4, 2, 16, 1), (2, 12, 12, 64, 2), (3, 32, 8, 128, 3), (1, 1, 1, 2, 1)],
+)
+def test_rotary_in_place_gives_llamas_bits(native, batch, heads, kv_heads, dim, cos_batch):
+    """The same bits as Llama's ``apply_rotary_pos_emb`` (its ATen ops: each product and sum rounded once), within
+    float32 rounding of the float64 rotation; and the inputs tell the two apart from a fused product and sum (the FMA
+    a compiler may form: one rounding fewer), so a contracted build fails here."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    for seed in range(5):
+        q, k, cos, sin = _rope_inputs(batch, heads, kv_heads, dim, cos_batch, seed)
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+        q64, k64 = apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
+        # the fused form: q * cos exact in float64, plus the rounded other product, rounded once
+        half = dim // 2
+        rotated = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
+        fused = (q.double() * cos.double()[:, None] + (rotated * sin[:, None]).double()).float()
+        with torch.no_grad():
+            assert native_op.rotary_in_place(q, k, cos, sin)
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+        for got, exact in ((q, q64), (k, k64)):
+            bound = 4 * torch.finfo(torch.float32).eps * exact.abs().amax(-1, keepdim=True)
+            assert ((got.double() - exact).abs() <= bound).all()
+        if dim >= 16 and seed == 0:
+            assert not torch.equal(fused, want_q), "the inputs cannot tell a fused product and sum from Llama's"
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["grad", "float64", "bfloat16", "subclass", "positions", "odd_dim", "cos_shape", "cos_batch", "strided",
+     "threads", "disabled"],
+)  # fmt: skip
+def test_rotary_in_place_declines_and_leaves_the_tensors(native, why):
+    """Every call it must not take returns False and writes nothing: a gradient to record, another dtype, a subclass,
+    more than one position, an odd head dim, cos / sin of another shape or batch, a strided last dimension, a large
+    call with several threads, the op off."""
+    dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(why, torch.float32)
+    batch, heads = (64, 256) if why == "threads" else (2, 4)
+    q, k, cos, sin = _rope_inputs(batch, heads, 2, 16, batch)
+    q, k, cos, sin = q.to(dtype), k.to(dtype), cos.to(dtype), sin.to(dtype)
+    if why == "grad":
+        q.requires_grad_()
+    if why == "subclass":
+        k = k.as_subclass(_Subclass)
+    if why == "positions":
+        q, k = q.expand(-1, -1, 2, -1).contiguous(), k.expand(-1, -1, 2, -1).contiguous()
+    if why == "odd_dim":
+        q, k, cos, sin = q[..., :15], k[..., :15], cos[..., :15], sin[..., :15]
+    if why == "cos_shape":
+        cos, sin = cos[:, 0], sin[:, 0]
+    if why == "cos_batch":
+        cos, sin = cos[:1].expand(3, -1, -1), sin[:1].expand(3, -1, -1)
+    if why == "strided":
+        q = torch.randn(2, 4, 1, 32)[..., ::2]
+    before = [t.detach().clone() for t in (q, k)]
+    threads = torch.get_num_threads()
+    if why == "disabled":
+        lean.NATIVE[0] = None
+    try:
+        torch.set_num_threads(2 if why == "threads" else 1)
+        with torch.set_grad_enabled(why == "grad"):
+            assert not native_op.rotary_in_place(q, k, cos, sin)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(q.detach(), before[0]) and torch.equal(k.detach(), before[1])
+
+
+def test_rope_op_argument_checks(native):
+    x = torch.zeros(8)
+    for batch, heads, dim in ((-1, 1, 8), (1, -1, 8), (1, 1, 7), (1, 1, 0)):
+        pointer = x.data_ptr()
+        with pytest.raises(ValueError, match=rf"^rope_f32: .*got batch {batch}, heads {heads}, kv_heads 1, dim {dim}$"):
+            native.rope_f32(pointer, 8, 8, heads, pointer, 8, 8, 1, pointer, 0, pointer, 0, batch, dim)
+    with pytest.raises(TypeError, match=r"^rope_f32 takes 14 arguments, got 2$"):
+        native.rope_f32(1, 2)
+    assert torch.equal(x, torch.zeros(8))

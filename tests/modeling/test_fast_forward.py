@@ -285,3 +285,111 @@ def test_copies_and_pickles_keep_the_fast_forward():
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert type(_attention_modules(clone)[0]).forward is type(_attention_modules(model)[0]).forward
         assert all(torch.equal(a, b) for a, b in zip(_generate(clone, ids), want))
+
+
+# --- the rotary embedding of one position in place (native.rotary_in_place) ---
+
+
+def _counting_rotary(monkeypatch):
+    """Counts the fast forward's in-place rotations that were taken."""
+    taken = []
+    original = fast.rotary_in_place
+
+    def rotary(*args):
+        done = original(*args)
+        taken.append(done)
+        return done
+
+    monkeypatch.setattr(fast, "rotary_in_place", rotary)
+    return taken
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_decoding_rotates_in_place_with_upstreams_logits(monkeypatch, scheme):
+    """Every decoding step of every layer rotates its fresh query and key in place (prefill, several positions, does
+    not), and the logits are the upstream forward's to the bit -- with padding too (cos / sin a row per batch
+    entry)."""
+    from hf_qknorm.attention import native
+
+    if native.NATIVE[0] is None:
+        pytest.skip("the native op is off or not built")
+    model = hf_qknorm.patch_model(tiny_model("llama"), scheme)
+    taken = _counting_rotary(monkeypatch)
+    ids = _ids(model, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    _same_as_upstream(model, ids, mask, new=5)
+    layers = model.config.num_hidden_layers
+    assert taken.count(True) == 4 * layers and taken.count(False) == layers  # 4 decoding steps; the prefill declined
+
+
+@pytest.mark.parametrize(
+    "model_type,llamas", [("llama", True), ("mistral", True), ("qwen2", True), ("gemma", True), ("cohere", False)]
+)
+def test_only_llamas_rotary_function_is_rotated_in_place(model_type, llamas):
+    """The in-place rotation stands for Llama's ``apply_rotary_pos_emb`` and ``rotate_half`` (the same code in a
+    family's own module counts); Cohere's, which rotates interleaved pairs, does not."""
+    import importlib
+
+    family = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    assert fast._llama_rope(family.apply_rotary_pos_emb) is llamas
+
+
+def test_a_changed_wrapped_or_marked_rotary_function_is_not_llamas():
+    import functools
+
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    def changed(q, k, cos, sin, unsqueeze_dim=1):
+        cos = cos.unsqueeze(unsqueeze_dim)
+        sin = sin.unsqueeze(unsqueeze_dim)
+        q_embed = (q * cos) - (modeling_llama.rotate_half(q) * sin)
+        k_embed = (k * cos) + (modeling_llama.rotate_half(k) * sin)
+        return q_embed, k_embed
+
+    def marked(q, k, cos, sin, unsqueeze_dim=1):
+        cos = cos.unsqueeze(unsqueeze_dim)
+        sin = sin.unsqueeze(unsqueeze_dim)
+        q_embed = (q * cos) + (rotate_half(q) * sin)  # noqa: F821 - never called
+        k_embed = (k * cos) + (rotate_half(k) * sin)  # noqa: F821
+        return q_embed, k_embed
+
+    marked.kernel_layer_name = "rotary_pos_emb"
+    assert fast._llama_rope(original)
+    for function in (wrapped, changed, marked, lambda q, k, cos, sin: (q, k)):
+        assert not fast._llama_rope(function), function
+
+
+def test_rotate_half_replaced_in_the_familys_module_is_honoured(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    model = hf_qknorm.patch_model(tiny_model("llama"), "qk_norm")
+    ids = _ids(model)
+    plain = _generate(model, ids)
+    original = modeling_llama.rotate_half
+    monkeypatch.setattr(modeling_llama, "rotate_half", lambda x: original(x) * 0.5)
+    replaced = _same_as_upstream(model, ids)
+    assert not torch.equal(plain[-1], replaced[-1])
+
+
+@pytest.mark.parametrize("where", ["q_proj", "q_norm", "k_proj", "k_norm"])
+def test_a_hook_that_keeps_an_output_finds_it_unchanged(where):
+    """A hook on a projection or on its norm that keeps the tensor it saw (a monitor, an activation cache) still holds
+    those values after the forward: only tensors no module call has handed out are rotated in place."""
+    model = hf_qknorm.patch_model(tiny_model("llama"), "qk_norm")
+    kept = []
+    module = getattr(model.model.layers[1].self_attn, where)
+    handle = module.register_forward_hook(lambda m, args, output: kept.append((output, output.clone())))
+    try:
+        _same_as_upstream(model, _ids(model), new=3)
+    finally:
+        handle.remove()
+    assert len(kept) == 6
+    for output, seen in kept:
+        assert torch.equal(output, seen)
