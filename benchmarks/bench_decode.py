@@ -68,7 +68,9 @@ SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
 #   the native op where the lean path takes it, else bmm, scale, tanh, cap, softmax, bmm: the lean path's ops); no
 #   check, no routing, no cap-backend check. It computes the patched model's logits to the bit (checked before it
 #   is timed) and holds only for what the token table runs (CPU, eager, no gradient, one query, no mask, layernorm):
-#   between it and the unpatched model is the cost of the ops the scheme adds, not of the code around them;
+#   between it and the unpatched model is the cost of the ops the scheme adds, not of the code around them. It runs
+#   the upstream attention forward (RoPE by the ATen ops), so the schemes' own decoding forward, which rotates one
+#   position in place (hf_qknorm/attention/fast.py), can run below it;
 # - ``<scheme>_aten``: the scheme with the native op (hf_qknorm/attention/native.py) turned off while its model runs
 #   (forward and, decided there, backward): the ATen ops beside the native ones, in the same process and rounds.
 ABLATIONS = {
