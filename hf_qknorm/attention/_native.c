@@ -33,6 +33,7 @@
 #define LANES 8
 #define MAX_DIM 512
 #define BLOCK 256 /* keys per partial sum of the values */
+#define FEW_CHUNKS 4 /* up to this many eights of a head dim (32 values), the values' sums run over the keys */
 
 /* eight floats as one value (GCC and Clang vector extensions): one AVX register in the x86-64-v3 clone, two SSE
    registers in the default one */
@@ -48,6 +49,27 @@ static inline void store8(float *p, vec8 x) { memcpy(p, &x, sizeof x); }
 
 /* the sum of eight lanes, in one fixed order (pairs four apart, then their pairs) */
 static inline float lanes_sum(vec8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
+/* two vectors' lanes picked by eight indices (0-7 the first's, 8-15 the second's) */
+#if defined(__clang__)
+#define PICK8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int ivec8 __attribute__((vector_size(LANES * sizeof(int))));
+#define PICK8(a, b, ...) __builtin_shuffle(a, b, (ivec8){__VA_ARGS__})
+#endif
+
+/* each of eight vectors' lane sums, as one vector (lane u: the sum of v[u]'s lanes, ((0+1)+(2+3))+((4+5)+(6+7))):
+   three rounds of adjacent pairs */
+static inline vec8 lanes_sums(const vec8 v[LANES]) {
+    vec8 w[4], x[2];
+    for (int u = 0; u < 4; u++)
+        w[u] = PICK8(v[2 * u], v[2 * u + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               PICK8(v[2 * u], v[2 * u + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int u = 0; u < 2; u++)
+        x[u] = PICK8(w[2 * u], w[2 * u + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               PICK8(w[2 * u], w[2 * u + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return PICK8(x[0], x[1], 0, 1, 2, 3, 8, 9, 10, 11) + PICK8(x[0], x[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
 
 /* 2^n * p for exp: Cephes expf's polynomial on r = x - n ln2, |r| <= ln2 / 2 */
 static inline float exp_poly(float x) {
@@ -135,8 +157,20 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
             const float *kb = k + b * k_sb + (h / groups) * k_sh;
             const float *vb = v + b * v_sb + (h / groups) * v_sh;
             const unsigned char *mr = mask ? mask + b * m_sb + h * m_sh : NULL;
-            /* logits; capped; masked */
-            for (long long j = 0; j < kv_len; j++) {
+            /* logits, eight keys at a time (eight FMA chains in flight, and their lanes summed together: one
+               shuffle tree per eight keys, not one per key -- at head_dim 16 that tree was most of a logit's work);
+               the last keys one at a time; capped; masked */
+            long long j = 0;
+            for (; j + LANES <= kv_len; j += LANES) {
+                vec8 dots[LANES];
+                for (int u = 0; u < LANES; u++) dots[u] = (vec8){0};
+                for (long long c = 0; c < dim; c += LANES) {
+                    const vec8 qc = load8(qr + c);
+                    for (int u = 0; u < LANES; u++) dots[u] += qc * load8(kb + (j + u) * k_st + c);
+                }
+                store8(s + j, lanes_sums(dots));
+            }
+            for (; j < kv_len; j++) {
                 const float *kr = kb + j * k_st;
                 vec8 lane = {0}, odd = {0}; /* two sums: half the rounding chain, and two FMA chains in flight */
                 long long c = 0;
@@ -189,13 +223,31 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
             for (long long c = 0; c < chunks; c++) acc[c] = (vec8){0};
             for (long long j0 = 0; j0 < kv_len; j0 += BLOCK) {
                 const long long j1 = j0 + BLOCK < kv_len ? j0 + BLOCK : kv_len;
-                for (long long c = 0; c < chunks; c++) part[c] = (vec8){0};
-                for (long long j = j0; j < j1; j++) {
-                    const float *vr = vb + j * v_st;
-                    const vec8 p = (vec8){0} + s[j];
-                    for (long long c = 0; c < chunks; c++) part[c] += p * load8(vr + c * LANES);
+                if (chunks > FEW_CHUNKS) { /* each key's row once, a sum per eight values kept in `part` */
+                    for (long long c = 0; c < chunks; c++) part[c] = (vec8){0};
+                    for (long long j = j0; j < j1; j++) {
+                        const float *vr = vb + j * v_st;
+                        const vec8 p = (vec8){0} + s[j];
+                        for (long long c = 0; c < chunks; c++) part[c] += p * load8(vr + c * LANES);
+                    }
+                    for (long long c = 0; c < chunks; c++) acc[c] += part[c];
+                    continue;
                 }
-                for (long long c = 0; c < chunks; c++) acc[c] += part[c];
+                /* a small head dim: the sums above are a few, each waiting on its last add through memory at every
+                   key; here each eight values' sum runs as four chains over the keys, in registers */
+                for (long long c = 0; c < chunks; c++) {
+                    const float *vc = vb + c * LANES;
+                    vec8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    long long j = j0;
+                    for (; j + 4 <= j1; j += 4) {
+                        a0 += ((vec8){0} + s[j]) * load8(vc + j * v_st);
+                        a1 += ((vec8){0} + s[j + 1]) * load8(vc + (j + 1) * v_st);
+                        a2 += ((vec8){0} + s[j + 2]) * load8(vc + (j + 2) * v_st);
+                        a3 += ((vec8){0} + s[j + 3]) * load8(vc + (j + 3) * v_st);
+                    }
+                    for (; j < j1; j++) a0 += ((vec8){0} + s[j]) * load8(vc + j * v_st);
+                    acc[c] += (a0 + a1) + (a2 + a3);
+                }
             }
             const vec8 inv = (vec8){0} + 1.0f / sum;
             for (long long c = 0; c < chunks; c++) store8(o + c * LANES, acc[c] * inv);

@@ -39,7 +39,8 @@ from .tiles import TILE_ELEMENTS, position_mask, tanh_doubled_
 # the native op takes head dims that are multiples of its vector width, up to its stack buffer (``_native.c``)
 NATIVE_DIM_MULTIPLE, NATIVE_MAX_DIM = 8, 512
 # The native op runs on one thread. With one thread it beat the ATen ops at every size measured; with more, the ATen
-# ops share large calls among them, so the op takes calls of at most this many logits (``python
+# ops share large calls among them, so the op takes calls of at most this many logits (measured before stop 45 made
+# the op's small head dims about twice as fast: ``python
 # benchmarks/bench_native.py --threads 2 --no-thread-limit``, us per call, native vs ATen ops, (batch, heads,
 # kv_heads, kv_len, head_dim): (8, 4, 2, 512, 16) 160 vs 165; (2, 12, 12, 512, 64) 185 vs 213; (4, 12, 12, 512, 64)
 # 618 vs 551; (1, 32, 8, 1024, 128) 830 vs 532; with one thread the last 1,920 vs 2,550)

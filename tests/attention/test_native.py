@@ -95,6 +95,10 @@ def _assert_reference(got, q, k, v, **kw):
         (2, 6, 2, 513, 64),  # past the vector width in keys, odd length
         (1, 12, 12, 200, 128),
         (2, 8, 1, 64, 512),  # the largest head dim it takes
+        (2, 4, 2, 517, 16),  # a small head dim (its values' sums over the keys), three blocks of keys, odd tails
+        (1, 2, 1, 259, 32),  # the largest head dim summed over the keys
+        (1, 4, 4, 300, 40),  # the smallest summed per key
+        (1, 2, 2, 7, 24),  # fewer keys than eight: each key's logit alone
     ],
 )
 @pytest.mark.parametrize("softcap", [1.0, 5.0, 50.0, 500.0])
