@@ -544,6 +544,20 @@ def test_layer_norm_in_place_non_finite_rows(native):
     torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-6)
 
 
+def _assert_declines(why: str, call) -> None:
+    """``call()`` returns False -- with the op off where ``why`` is ``"disabled"``, two threads where it is
+    ``"threads"``, a gradient recorded where it is ``"grad"``, else one thread and none."""
+    threads = torch.get_num_threads()
+    if why == "disabled":
+        lean.NATIVE[0] = None
+    try:
+        torch.set_num_threads(2 if why == "threads" else 1)
+        with torch.set_grad_enabled(why == "grad"):
+            assert not call()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     "why",
     ["grad", "float64", "bfloat16", "strided", "subclass", "weight_size", "threads", "disabled", "weight_strided"],
@@ -564,15 +578,7 @@ def test_layer_norm_in_place_declines_and_leaves_the_tensor(native, why):
     if why == "weight_strided":
         weight = torch.ones(32)[::2]
     before = x.clone()
-    threads = torch.get_num_threads()
-    if why == "disabled":
-        lean.NATIVE[0] = None
-    try:
-        torch.set_num_threads(2 if why == "threads" else 1)
-        with torch.set_grad_enabled(why == "grad"):
-            assert not native_op.layer_norm_in_place(x, 16, (weight, bias, eps))
-    finally:
-        torch.set_num_threads(threads)
+    _assert_declines(why, lambda: native_op.layer_norm_in_place(x, 16, (weight, bias, eps)))
     assert torch.equal(x, before)
 
 
@@ -686,15 +692,7 @@ def test_rotary_in_place_declines_and_leaves_the_tensors(native, why):
     if why == "strided":
         q = torch.randn(2, 4, 1, 32)[..., ::2]
     before = [t.detach().clone() for t in (q, k)]
-    threads = torch.get_num_threads()
-    if why == "disabled":
-        lean.NATIVE[0] = None
-    try:
-        torch.set_num_threads(2 if why == "threads" else 1)
-        with torch.set_grad_enabled(why == "grad"):
-            assert not native_op.rotary_in_place(q, k, cos, sin)
-    finally:
-        torch.set_num_threads(threads)
+    _assert_declines(why, lambda: native_op.rotary_in_place(q, k, cos, sin))
     assert torch.equal(q.detach(), before[0]) and torch.equal(k.detach(), before[1])
 
 
