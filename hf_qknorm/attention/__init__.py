@@ -2,7 +2,6 @@
 (CUDA) or the PyTorch path under a scoped policy (:mod:`.dispatch`), and the memory-lean chunked path for capped
 attention."""
 
-from . import fast  # noqa: F401  (gives the patched attention classes of the Llama-shaped families their forward)
 from .dispatch import KernelFallbackError, KernelPolicy, current_kernel_policy, kernel_policy
 from .interface import ATTN_IMPLEMENTATION, qknorm_attention_forward, register
 

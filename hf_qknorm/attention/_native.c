@@ -7,8 +7,7 @@
    gives zeros, float32 sums. The tanh, exp and exp2 are evaluated here so that the loops vectorise: a rational tanh
    (tanh_f), Cephes' float32 exp and exp2 polynomials, each within 2 ulp of the float64 values
    (tests/attention/test_native.py measures them; scripts/check_native_tanh.py checks the tanh on every float32).
-   The same file holds the tiled path's capped elementwise passes (tile_forward, tile_backward_p, tile_backward_ds)
-   and decoding's head layer norm (layer_norm_rows) and rotary embedding (rope_rows).
+   The same file holds the tiled path's capped elementwise passes (tile_forward, tile_backward_p, tile_backward_ds).
 
    Built at install time as an optional extension (setup.py); where it cannot be built, or HF_QKNORM_NATIVE=0 is set,
    lean.py runs its ATen ops instead. On x86-64 Linux with GCC an AVX2/FMA clone is chosen at load time.
@@ -365,61 +364,6 @@ static void tile_backward_ds(float *dp, const float *p, const float *slope, long
         }
 }
 
-/* No contraction of a product and a sum into one fused operation (FMA) in the function it marks: its results must be
-   those of separate, each-rounded ATen ops. GCC contracts across statements by default in its GNU C modes (and
-   wherever FMA is the target's baseline, as on AArch64); Clang only within an expression, which rope_rows avoids. */
-#if defined(__GNUC__) && !defined(__clang__)
-#define HFQ_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#else
-#define HFQ_NO_CONTRACT
-#endif
-
-/* Rotary position embedding of one position in place, float32, as Llama's apply_rotary_pos_emb computes it:
-   x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1) -- for i < half, x[i] * cos[i] + (-x[i + half]) *
-   sin[i] and x[i + half] * cos[i + half] + x[i] * sin[i + half], each product and the sum rounded once, as its ATen
-   ops round them (the same bits). `rows` rows of `dim` values per batch entry (the heads), `x_sb`/`x_sh` their strides;
-   cos and sin (dim values) per batch entry, `c_sb`/`s_sb` apart (0: one for every entry). Decoding rotates a few rows
-   per layer, where the ATen ops (two slices, a negation, a concatenation, four products, two sums per tensor) cost
-   about twenty microseconds of host time. */
-HFQ_NO_CONTRACT
-static void rope_rows(float *x, long long batch, long long rows, long long x_sb, long long x_sh, const float *cos,
-                      long long c_sb, const float *sin, long long s_sb, long long dim) {
-    const long long half = dim / 2;
-    for (long long b = 0; b < batch; b++) {
-        const float *c = cos + b * c_sb, *s = sin + b * s_sb;
-        for (long long h = 0; h < rows; h++) {
-            float *r = x + b * x_sb + h * x_sh;
-            for (long long i = 0; i < half; i++) {
-                const float lo = r[i], hi = r[i + half];
-                const float lo_cos = lo * c[i], hi_sin = (-hi) * s[i];
-                const float hi_cos = hi * c[i + half], lo_sin = lo * s[i + half];
-                r[i] = lo_cos + hi_sin;
-                r[i + half] = hi_cos + lo_sin;
-            }
-        }
-    }
-}
-
-/* A head layer norm in place, float32: each row of `dim` values becomes (x - mean) / sqrt(var + eps) * w + b (the
-   biased variance, as torch.layer_norm), the statistics and the affine map in double and rounded once. Decoding
-   normalises a few rows per projection, where torch.layer_norm's call (three allocations, a parallel region) costs
-   several times the arithmetic. */
-HFQ_CLONES
-static void layer_norm_rows(float *x, long long rows, long long dim, const float *w, const float *b, double eps) {
-    for (long long r = 0; r < rows; r++) {
-        float *row = x + r * dim;
-        double sum = 0.0, squares = 0.0;
-        for (long long j = 0; j < dim; j++) sum += row[j];
-        const double mean = sum / (double)dim;
-        for (long long j = 0; j < dim; j++) {
-            const double d = row[j] - mean;
-            squares += d * d;
-        }
-        const double rstd = 1.0 / sqrt(squares / (double)dim + eps);
-        for (long long j = 0; j < dim; j++) row[j] = (float)((row[j] - mean) * rstd * w[j] + b[j]);
-    }
-}
-
 /* Arguments of the wrappers below: Python integers (pointers, sizes, strides in elements) and floats, in the order
    of the C function's parameters. */
 static int ints(PyObject *const *args, Py_ssize_t count, long long *out) {
@@ -518,51 +462,6 @@ static PyObject *backward_ds_f32(PyObject *self, PyObject *const *args, Py_ssize
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* layer_norm_f32(x, rows, dim, weight, bias, eps): x (rows, dim) contiguous, normalised in place */
-static PyObject *layer_norm_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long i[5];
-    if (nargs != 6) return PyErr_Format(PyExc_TypeError, "layer_norm_f32 takes 6 arguments, got %zd", nargs);
-    if (ints(args, 5, i) < 0) return NULL;
-    double eps = PyFloat_AsDouble(args[5]);
-    if (eps == -1.0 && PyErr_Occurred()) return NULL;
-    if (i[1] < 0 || i[2] <= 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "layer_norm_f32: rows must not be negative and dim must be positive, got %lld, %lld", i[1], i[2]);
-        return NULL;
-    }
-    if (!(eps >= 0.0)) {
-        PyErr_Format(PyExc_ValueError, "layer_norm_f32: eps must be a non-negative number, got %s", as_text(eps).text);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS layer_norm_rows(PTR(float, i[0]), i[1], i[2], PTR(const float, i[3]),
-                                           PTR(const float, i[4]), eps);
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
-}
-
-/* rope_f32(q, q_sb, q_sh, heads, k, k_sb, k_sh, kv_heads, cos, c_sb, sin, s_sb, batch, dim): q (batch, heads, dim)
-   and k (batch, kv_heads, dim) rows at the given strides (the last stride 1), rotated in place by cos and sin (dim
-   values per batch entry, c_sb / s_sb apart) */
-static PyObject *rope_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long i[14];
-    if (nargs != 14) return PyErr_Format(PyExc_TypeError, "rope_f32 takes 14 arguments, got %zd", nargs);
-    if (ints(args, 14, i) < 0) return NULL;
-    const long long batch = i[12], dim = i[13];
-    if (batch < 0 || i[3] < 0 || i[7] < 0 || dim <= 0 || dim % 2) {
-        PyErr_Format(PyExc_ValueError,
-                     "rope_f32: batch and head counts must not be negative and dim must be positive and even, got "
-                     "batch %lld, heads %lld, kv_heads %lld, dim %lld",
-                     batch, i[3], i[7], dim);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS rope_rows(PTR(float, i[0]), batch, i[3], i[1], i[2], PTR(const float, i[8]), i[9],
-                                     PTR(const float, i[10]), i[11], dim);
-    rope_rows(PTR(float, i[4]), batch, i[7], i[5], i[6], PTR(const float, i[8]), i[9], PTR(const float, i[10]), i[11],
-              dim);
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
-}
-
 /* capped_f32(q, q_sb, q_sh, k, k_sb, k_sh, k_st, v, v_sb, v_sh, v_st, mask, m_sb, m_sh, m_sk, out,
               batch, heads, kv_heads, kv_len, dim, scale, cap): pointers and strides (in elements) as integers,
               mask 0 for none; out is (batch, heads, dim) contiguous. */
@@ -612,10 +511,6 @@ static PyMethodDef methods[] = {
      "A capped tile's probabilities and the cap's slope in backward (hf_qknorm.attention.chunked)."},
     {"backward_ds_f32", (PyCFunction)(void (*)(void))backward_ds_f32, METH_FASTCALL,
      "A capped tile's logit gradients (hf_qknorm.attention.chunked)."},
-    {"layer_norm_f32", (PyCFunction)(void (*)(void))layer_norm_f32, METH_FASTCALL,
-     "A projection's heads layer-normalised in place, float32 (hf_qknorm.attention.native)."},
-    {"rope_f32", (PyCFunction)(void (*)(void))rope_f32, METH_FASTCALL,
-     "One position's query and key rows rotated in place, float32 (hf_qknorm.attention.native)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,7 +1,6 @@
 """Per-head norms applied at the projections, so that Transformers' own attention forward runs unmodified.
 
-A patched attention module keeps its upstream ``forward`` (when decoding through a Llama-shaped family, the plugin's
-transcription of it: :data:`FAST_FORWARD`). Its norms are applied to the output of the projections
+A patched attention module keeps its upstream ``forward``. Its norms are applied to the output of the projections
 that feed it: ``q_proj``'s output ``(batch, seq, heads * head_dim)`` is viewed as ``(batch, seq, heads, head_dim)``
 (or, where no hook can see the difference, as ``(-1, head_dim)`` rows: :func:`_normed`), ``attn.q_norm`` applied
 and the result handed on, so the upstream forward splits heads, applies RoPE (after the norm,
@@ -103,7 +102,7 @@ def _norm_role(attn: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     return _call(attn._modules[attn.__dict__["_qknorm_norms"][role]], x)
 
 
-def _normed(module: nn.Module, output: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     """``output`` of the projection ``module`` with the norms of the attention module that owns it applied to the
     parts its slot names: ``("q",)``, ``("k",)``, ``("v",)`` for separate projections, or a triple such as
     ``("q", "k", "")`` for a fused projection (``""``: that part is left as it is).
@@ -112,9 +111,7 @@ def _normed(module: nn.Module, output: torch.Tensor, fresh: bool = False) -> tor
     role, a norm whose own class declares ``rowwise`` (it reduces over the last dimension only: this package's),
     no hook on it, a contiguous output -- is one frame: the norm on the rows ``(-1, head_dim)``, the same values as
     on ``(batch, seq, heads, head_dim)``; a norm that declares ``rowwise = "layer_norm"`` (:class:`HeadLayerNorm`)
-    is that one ``torch.layer_norm`` call, made here, without the norm's own frame (about three microseconds less per
-    call on one CPU thread, together) -- or, where ``fresh`` (``output`` was just made by ``F.linear`` and nothing
-    else holds it) and :data:`LAYER_NORM_IN_PLACE` takes the call, the norm in place. Otherwise, and whenever a hook
+    is that one ``torch.layer_norm`` call, made here, without the norm's own frame. Otherwise, and whenever a hook
     or a ``forward`` replaced on the norm instance could see its input, the norm is called on the per-head view."""
     state = module.__dict__
     attn = state.get("_qknorm_owner")
@@ -135,9 +132,6 @@ def _normed(module: nn.Module, output: torch.Tensor, fresh: bool = False) -> tor
         if rows == "layer_norm":
             params = _layer_norm_params(norm, output.dtype)
             if params is not None:
-                in_place = LAYER_NORM_IN_PLACE[0]
-                if fresh and in_place is not None and in_place(output, head_dim, params):
-                    return output
                 return _layer_norm(flat, head_dim, params).view_as(output)
         return norm.forward(flat).view_as(output)
     # unflatten/flatten, not view(x.shape): the shape object costs a microsecond per call when decoding
@@ -214,7 +208,7 @@ def projection_class(base: type) -> type:
                 weight = params.get("weight")
                 if weight is None or "bias" not in params or nn.Linear.forward is not _LINEAR_FORWARD:
                     return _normed(self, base.forward(self, input))
-                return _normed(self, _F.linear(input, weight, params["bias"]), True)  # a fresh tensor
+                return _normed(self, _F.linear(input, weight, params["bias"]))
 
         else:
 
@@ -292,16 +286,6 @@ def _setattr(self, name, value):
         _attach(self, name)
 
 
-# base attention class -> a ``forward`` for it that computes what the upstream one does with less host work per call
-# (:mod:`hf_qknorm.attention.fast`), or None; the plugin sets the maker. A saved folder's copy of this module, loaded
-# without the plugin, has none: its modules run the upstream forward.
-FAST_FORWARD: list = [None]
-
-# ``(x, head_dim, (weight, bias, eps)) -> bool``: a head layer norm of a projection's fresh output in place, True where
-# it took the call (:func:`hf_qknorm.attention.native.layer_norm_in_place`: float32 on the CPU, no gradient recorded);
-# the plugin sets it. A saved folder's copy of this module, loaded without the plugin, has none: ``torch.layer_norm``.
-LAYER_NORM_IN_PLACE: list = [None]
-
 _PLAIN_GETTER: dict[type, bool] = {}
 
 
@@ -336,15 +320,11 @@ def attention_class(base: type, capped: bool) -> type:
     """``QKNorm<base>``: ``base`` with hook relocation on reassignment; ``QKNormCapped<base>``, its subclass for a
     capped module, also checks at every call that the attention backend applies the cap (made once each). An
     uncapped module has no check to make, and its class no ``forward`` of its own: a frame per layer per token less
-    when decoding. Where :data:`FAST_FORWARD` has a forward for ``base``, both classes take it (it makes the cap
-    check itself)."""
+    when decoding."""
     if base in _ATTENTION_CLASSES.values():
         return base
-    fast = FAST_FORWARD[0](base) if FAST_FORWARD[0] is not None else None
     if (base, False) not in _ATTENTION_CLASSES:
         body = {"__setattr__": _setattr, "__module__": __name__}
-        if fast is not None:  # checks the cap backend itself, as the capped class's forward below does
-            body["forward"] = fast
         cls = type(f"{CLASS_PREFIX}{base.__name__}", (base,), body)
         globals()[cls.__name__] = cls  # importable by name: pickling and copying work
         _ATTENTION_CLASSES[base, False] = cls
@@ -356,7 +336,7 @@ def attention_class(base: type, capped: bool) -> type:
             return base.forward(self, *args, **kwargs)  # the upstream forward, unmodified
 
         name = f"{CLASS_PREFIX}Capped{base.__name__}"
-        cls = type(name, (_ATTENTION_CLASSES[base, False],), {"forward": fast or forward, "__module__": __name__})
+        cls = type(name, (_ATTENTION_CLASSES[base, False],), {"forward": forward, "__module__": __name__})
         globals()[name] = cls
         _ATTENTION_CLASSES[base, True] = cls
     return _ATTENTION_CLASSES[base, capped]

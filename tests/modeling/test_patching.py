@@ -339,12 +339,9 @@ def test_copies_and_pickles_of_a_patched_model_compute_the_same(scheme):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("scheme", ["qk_norm", "qkv_norm", "soft_cap", "qk_norm_cap"])
 def test_only_a_capped_modules_class_checks_the_backend_at_every_call(scheme, family):
-    """A patched attention module's class relocates norms on reassignment. Where the upstream forward is one
-    :mod:`hf_qknorm.attention.fast` transcribes (Llama), both classes take its forward, which checks the cap backend
-    itself; otherwise (Qwen3) only a capped module's class has a ``forward`` of its own (the check that the backend
-    applies its cap) -- an uncapped one runs the upstream forward with no frame around it. Either class is undone by
-    ``uninstall`` (a patch refused after installation)."""
-    from hf_qknorm.attention import fast
+    """A patched attention module's class relocates norms on reassignment. Only a capped module's class has a
+    ``forward`` of its own (the check that the backend applies its cap) -- an uncapped one runs the upstream forward
+    with no frame around it. Either class is undone by ``uninstall`` (a patch refused after installation)."""
     from hf_qknorm.portable import hooks
 
     model = hf_qknorm.patch_model(tiny_model(family), scheme)
@@ -352,10 +349,8 @@ def test_only_a_capped_modules_class_checks_the_backend_at_every_call(scheme, fa
     base = attn.__dict__["_qknorm_base_class"]
     capped = "cap" in scheme
     assert isinstance(attn, base) and type(attn).__setattr__ is hooks._setattr
-    quick = fast.fast_forward(base)
-    assert (quick is not None) is (family == "llama")
-    assert ("forward" in type(attn).__dict__) is (capped or quick is not None)
-    assert type(attn).forward is (quick or (type(attn).__dict__["forward"] if capped else base.forward))
+    assert ("forward" in type(attn).__dict__) is capped
+    assert type(attn).forward is (type(attn).__dict__["forward"] if capped else base.forward)
     assert type(attn).__name__ == ("QKNormCapped" if capped else "QKNorm") + base.__name__
     if capped:
         model.config._attn_implementation = "sdpa"  # as if set behind the patch's back
