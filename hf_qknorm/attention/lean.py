@@ -64,9 +64,12 @@ EXPM1_TANH_MIN = 4096
 # 68 vs 57; (1, 12, 12, 64, 512) 64.8 vs 61.5; (8, 12, 12, 64, 512) 691 vs 596)
 MATH_MIN = 4096
 
-# mask (by identity and version) -> its additive form, shaped for the logits, and whether every row of it lets a key
-# through: every layer of a forward gets the same mask tensor, so this is done once per forward, not once per layer
-_BIAS_CACHE: list = [None, None, None, None]
+# (key, mask, its additive form shaped for the logits, whether every row of it lets a key through), key = the mask's
+# identity and version, dtype, heads, kv_heads: every layer of a forward gets the same mask tensor, so this is done
+# once per forward, not once per layer. One immutable entry, read once and replaced whole: a thread decoding beside
+# another sees either's whole entry, never one's key with the other's bias (no lock on the hot path: one reference
+# read, one reference write)
+_BIAS_CACHE: tuple = (None, None, None, None)
 
 
 # (value, dtype) -> that value as a 0-d CPU tensor. An in-place op with a Python number first makes it a tensor and
@@ -95,18 +98,23 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype, heads: int, kv_heads: int)
     0``, ``log(0) = -inf``), viewed to broadcast against the logits viewed as ``(batch, kv_heads, groups, q_len,
     kv_len)``; and whether every row lets at least one key through (then no row's softmax can be 0/0, and the NaN
     clean-up is skipped; found once per mask, not per layer; under ``torch.compile``, never assumed)."""
+    global _BIAS_CACHE
     compiling = torch.compiler.is_compiling()
-    key = None if compiling else (id(mask), mask._version, dtype, heads, kv_heads)
-    if compiling or _BIAS_CACHE[0] != key or _BIAS_CACHE[1] is not mask:
-        bias = mask.to(dtype).log_()
-        if bias.dim() == 4:
-            per_head = bias.shape[1] == heads and heads > 1
-            shape = (kv_heads, heads // kv_heads) if per_head else (1, 1)
-            bias = bias.view(bias.shape[0], *shape, bias.shape[2], bias.shape[3])
-        if compiling:
-            return bias, False
-        _BIAS_CACHE[:] = [key, mask, bias, bool(mask.any(-1).all())]
-    return _BIAS_CACHE[2], _BIAS_CACHE[3]
+    if not compiling:
+        key = (id(mask), mask._version, dtype, heads, kv_heads)
+        cached_key, cached_mask, bias, every_row_open = _BIAS_CACHE  # the one read: checked and used from here
+        if cached_mask is mask and cached_key == key:
+            return bias, every_row_open
+    bias = mask.to(dtype).log_()
+    if bias.dim() == 4:
+        per_head = bias.shape[1] == heads and heads > 1
+        shape = (kv_heads, heads // kv_heads) if per_head else (1, 1)
+        bias = bias.view(bias.shape[0], *shape, bias.shape[2], bias.shape[3])
+    if compiling:
+        return bias, False
+    every_row_open = bool(mask.any(-1).all())
+    _BIAS_CACHE = (key, mask, bias, every_row_open)
+    return bias, every_row_open
 
 
 _HALF = (torch.float16, torch.bfloat16)

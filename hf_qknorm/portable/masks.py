@@ -117,9 +117,11 @@ def allowed_pairs(mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bo
     return mask
 
 
-# position_ids tensor (by identity and version) -> whether it restarts: every layer of a forward gets the same tensor,
-# so the host sync that answers it happens once per forward, not once per layer.
-_RESTART_CACHE: list = [None, None, None]
+# (key, position_ids, whether they restart), key = the tensor's identity and version: every layer of a forward gets the
+# same tensor, so the host sync that answers it happens once per forward, not once per layer. One immutable entry,
+# read once and replaced whole: a thread beside another sees either's whole entry, never one's key with the other's
+# answer (no lock on the hot path: one reference read, one reference write).
+_RESTART_CACHE: tuple = (None, None, False)
 
 
 def _restarts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -138,14 +140,17 @@ def packed_sequence_mask(
     ``mask`` (if any) lets no query see them (a prefill); otherwise the cache holds tokens, and which of them belong
     to which packed sequence cannot be known: refused. Under ``torch.compile`` (no data-dependent checks) the mask is
     built whenever keys and queries match, and left to Transformers otherwise."""
+    global _RESTART_CACHE
     if position_ids is None or q_len < 2 or position_ids.shape[-1] != q_len:
         return None
     compiling = torch.compiler.is_compiling()
     if not compiling:  # eager: skip all of this when nothing restarts (one sync per forward)
         key = (id(position_ids), position_ids._version)
-        if _RESTART_CACHE[0] != key or _RESTART_CACHE[1] is not position_ids:
-            _RESTART_CACHE[:] = [key, position_ids, bool(_restarts(position_ids).any())]
-        if not _RESTART_CACHE[2]:
+        cached_key, cached_ids, restarts = _RESTART_CACHE  # the one read: checked and used from here
+        if cached_ids is not position_ids or cached_key != key:
+            restarts = bool(_restarts(position_ids).any())
+            _RESTART_CACHE = (key, position_ids, restarts)
+        if not restarts:
             return None
         if kv_len != q_len and mask is not None and bool(mask[..., q_len:].any()):
             raise ValueError(
