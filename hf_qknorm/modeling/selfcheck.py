@@ -22,8 +22,11 @@ the probe norms on, once with them off (identity). It then requires, per layer:
   norm, would lose it).
 
 A layer whose inputs are not finite (a source model that computes inf) is not judged: nothing there can be
-compared. It costs about four short forwards of the model (one of them with a backward) and runs on the model's own
-device and dtype; a model on the ``meta`` device is not checked (there is nothing to run).
+compared. Nor is a row whose norm input is zero (a padding token's, whose embedding row ``nn.Embedding`` zeroes, or a
+pruned head's): ``c / rms(x)`` of it is no number, so it proves nothing either way; a layer where no row of a role
+can be judged is refused, saying so. The probe's tokens avoid the padding id and zero embedding rows where the
+vocabulary has any other. It costs about four short forwards of the model (one of them with a backward) and runs on
+the model's own device and dtype; a model on the ``meta`` device is not checked (there is nothing to run).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from ..portable.names import ATTN_IMPLEMENTATION
 
 ROLE_SCALE = {"q": 1.0, "k": 2.0, "v": 3.0}
 PROBE_SHAPE = (2, 7)  # batch, tokens
+PROBE_VOCAB = 512  # the probe draws its tokens from the first ids
+# A row of a norm's input whose rms is below this fraction of the largest row's is zero for the check: its probe
+# factor c / rms(x) is no number it could compare (and float32 squares underflow long before 1e-30).
+ZERO_ROW = 1e-6
 
 # Keywords the "qknorm" backend honours or knows to be harmless (hf_qknorm.attention.interface), and a few more that
 # some decoders pass and no attention function reads.
@@ -81,8 +88,9 @@ def self_check(model: nn.Module, plan) -> None:
     family, cfg = plan.family, plan.cfg
     name = f"model type {family.model_type!r}"
     roles = [r for r in ("q", "k", "v") if (cfg.norms_v if r == "v" else cfg.norms_qk)]
+    ids = _probe_ids(model)
     with _probe_mode(model, plan, roles) as (probes, recorder, inputs, feeds):
-        _record_forward(model, name)
+        _record_forward(model, name, ids)
         if cfg.removes_prenorm and feeds:
             raise UnsupportedModelError(
                 f"{name}: qkv_norm removes the pre-attention norm, whose output also feeds "
@@ -124,7 +132,7 @@ def self_check(model: nn.Module, plan) -> None:
     if plan.switch_backend:
         config._attn_implementation_internal = ATTN_IMPLEMENTATION
     try:
-        _record_forward(model, name, train=True)
+        _record_forward(model, name, ids, train=True)
     finally:
         config._attn_implementation_internal = old_impl
 
@@ -196,16 +204,46 @@ def _watch_prenorm(block, family, feeds: set) -> list:
     return handles
 
 
-def _record_forward(model, name: str, train: bool = False) -> None:
+def _probe_ids(model) -> torch.Tensor:
+    """The probe's token ids, ``PROBE_SHAPE``, drawn (seeded) from the first ``PROBE_VOCAB`` ids -- not the padding
+    id nor an id whose embedding row is zero (such a token's hidden state is zero, and a zero row proves nothing),
+    unless every id is one of those."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = max(1, min(int(getattr(text, "vocab_size", 0) or 2), PROBE_VOCAB))
+    ids = torch.arange(n)
+    pad = getattr(text, "pad_token_id", None)
+    pads = [t for t in (pad if isinstance(pad, (list, tuple)) else [pad]) if isinstance(t, int)]
+    keep = ~torch.isin(ids, torch.tensor(pads, dtype=torch.long))
+    rows = _embedding_rows(model, n)
+    if rows is not None:
+        keep &= rows.ne(0).any(-1).cpu()
+    candidates = ids[keep] if bool(keep.any()) else ids
+    pick = torch.randint(0, len(candidates), PROBE_SHAPE, generator=torch.Generator().manual_seed(0))
+    return candidates[pick].to(next(model.parameters()).device)
+
+
+def _input_embeddings(model) -> nn.Module | None:
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return embeddings if isinstance(embeddings, nn.Module) else None
+
+
+def _embedding_rows(model, n: int) -> torch.Tensor | None:
+    """The first ``n`` rows of the model's input embedding matrix, or ``None`` where it has none to read."""
+    weight = getattr(_input_embeddings(model), "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < n:
+        return None
+    return weight.detach()[:n]
+
+
+def _record_forward(model, name: str, ids: torch.Tensor, train: bool = False) -> None:
     """The probe tokens through the model (``train``: with the real norms, in training mode, forward and backward,
     gradients discarded and the mode restored)."""
-    config = model.config
-    vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", 0)
-    device = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, max(2, min(int(vocab or 2), 512)), PROBE_SHAPE, generator=gen).to(device)
     training = model.training
-    try:
+    with _probe_errors(name):
         if train:
             params = [p for p in model.parameters() if p.requires_grad]
             grads = [p.grad for p in params]
@@ -220,6 +258,13 @@ def _record_forward(model, name: str, train: bool = False) -> None:
         else:
             with torch.no_grad():
                 model(input_ids=ids, use_cache=False)
+
+
+@contextlib.contextmanager
+def _probe_errors(name: str):
+    """An error of the probe forward (or backward) as a refusal naming the model type."""
+    try:
+        yield
     except UnsupportedModelError:
         raise
     except Exception as exc:
@@ -285,7 +330,11 @@ def _check_layer(name, i, attn, plan, roles, seen) -> None:
 
 
 def _check_rows(where, role, a, b, x) -> None:
-    """``a`` (norms on) is ``b`` (norms off) times ``c / rms(x_row)``, row by row, as a multiset over the rows."""
+    """``a`` (norms on) is ``b`` (norms off) times ``c / rms(x_row)``, row by row, as a multiset over the rows.
+
+    Rows whose norm input ``x`` is zero (``ZERO_ROW``) are left out of the multiset, as are the backend's rows that
+    are zero with the norms off: in an exact model those are the same rows (RoPE keeps a row's norm), and a row
+    that is zero off and not on still fails the residual."""
     acc = torch.float64
     a2, b2 = a.to(acc).reshape(-1, a.shape[-1]), b.to(acc).reshape(-1, b.shape[-1])
     tol = _tolerance(a)
@@ -293,10 +342,17 @@ def _check_rows(where, role, a, b, x) -> None:
     factor = (a2 * b2).sum(-1) / bb.clamp_min(1e-300)
     resid = (a2 - factor[:, None] * b2).norm(dim=-1) / a2.norm(dim=-1).clamp_min(1e-30)
     x2 = x.to(acc).reshape(-1, x.shape[-1])
-    expected = ROLE_SCALE[role] / x2.pow(2).mean(-1).sqrt().clamp_min(1e-30)
+    x_rms, b_rms = x2.pow(2).mean(-1).sqrt(), (bb / b2.shape[-1]).sqrt()
+    floor = ZERO_ROW * float(x_rms.max()) if x_rms.numel() else 0.0
+    if not bool((x_rms > floor).any()):
+        raise UnsupportedModelError(
+            f"{where}: no {role} row could be judged: the {role} norm's input is zero in every probe row (the "
+            "probe's tokens have zero embedding rows?), so nothing shows whether the scheme reaches the backend"
+        )
+    expected = ROLE_SCALE[role] / x_rms[x_rms > floor]
     ok = bool((resid <= tol * 10).all())
     if ok:
-        got = torch.sort(factor).values
+        got = torch.sort(factor[b_rms > floor]).values
         want = torch.sort(expected).values
         if got.numel() != want.numel() and got.numel() % max(want.numel(), 1) == 0:
             want = torch.sort(want.repeat_interleave(got.numel() // want.numel())).values
