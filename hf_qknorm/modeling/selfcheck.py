@@ -25,8 +25,10 @@ A layer whose inputs are not finite (a source model that computes inf) is not ju
 compared. Nor is a row whose norm input is zero (a padding token's, whose embedding row ``nn.Embedding`` zeroes, or a
 pruned head's): ``c / rms(x)`` of it is no number, so it proves nothing either way; a layer where no row of a role
 can be judged is refused, saying so. The probe's tokens avoid the padding id and zero embedding rows where the
-vocabulary has any other. It costs about four short forwards of the model (one of them with a backward) and runs on
-the model's own device and dtype; a model on the ``meta`` device is not checked (there is nothing to run).
+vocabulary has any other. It costs about four short forwards of the model (one of them with a backward, whose
+gradient is taken with respect to the new norms and the embeddings' output only: the model's own parameters get
+none) and runs on the model's own device and dtype; a model on the ``meta`` device is not checked (there is nothing
+to run).
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def self_check(model: nn.Module, plan) -> None:
     if plan.switch_backend:
         config._attn_implementation_internal = ATTN_IMPLEMENTATION
     try:
-        _record_forward(model, name, ids, train=True)
+        _train_pass(model, name, ids, _norm_parameters(plan))
     finally:
         config._attn_implementation_internal = old_impl
 
@@ -239,25 +241,50 @@ def _embedding_rows(model, n: int) -> torch.Tensor | None:
     return weight.detach()[:n]
 
 
-def _record_forward(model, name: str, ids: torch.Tensor, train: bool = False) -> None:
-    """The probe tokens through the model (``train``: with the real norms, in training mode, forward and backward,
-    gradients discarded and the mode restored)."""
+def _norm_parameters(plan) -> list[torch.Tensor]:
+    """The parameters of the scheme's norms (gains, biases, logit scales) that require grad."""
+    return [
+        p
+        for attn in plan.attentions
+        for slot in attn.__dict__.get("_qknorm_norms", {}).values()
+        for p in attn._modules[slot].parameters()
+        if p.requires_grad
+    ]
+
+
+def _record_forward(model, name: str, ids: torch.Tensor) -> None:
+    """The probe tokens through the model, without gradients."""
+    with _probe_errors(name), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+
+
+def _train_pass(model, name: str, ids: torch.Tensor, norm_params: list) -> None:
+    """The probe tokens through the model in training mode, forward and backward, the mode restored. The gradient is
+    taken (``torch.autograd.grad``, nothing accumulated) with respect to the new norms' parameters and the embeddings'
+    output only: no gradient of the model's own parameters is computed, and the backward still runs through every
+    layer's backend where the model is frozen or the scheme adds no parameter."""
+    leaves = []
+
+    def leaf(module, args, output):
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            leaves.append(output.detach().requires_grad_())
+            return leaves[-1].clone()  # the model may write into its embeddings' output; a leaf takes no in-place op
+
+    embeddings = _input_embeddings(model)
+    handle = embeddings.register_forward_hook(leaf) if embeddings is not None else None
     training = model.training
-    with _probe_errors(name):
-        if train:
-            params = [p for p in model.parameters() if p.requires_grad]
-            grads = [p.grad for p in params]
+    try:
+        with _probe_errors(name):
             model.train()
-            try:
-                out = model(input_ids=ids, use_cache=False)
-                (out.logits if getattr(out, "logits", None) is not None else out[0]).float().sum().backward()
-            finally:
-                for p, g in zip(params, grads):
-                    p.grad = g
-                model.train(training)
-        else:
-            with torch.no_grad():
-                model(input_ids=ids, use_cache=False)
+            out = model(input_ids=ids, use_cache=False)
+            inputs = leaves + list(norm_params)
+            if inputs:  # else nothing here has a gradient to take (no embedding module, no new parameter)
+                logits = out.logits if getattr(out, "logits", None) is not None else out[0]
+                torch.autograd.grad(logits.float().sum(), inputs, allow_unused=True)
+    finally:
+        if handle is not None:
+            handle.remove()
+        model.train(training)
 
 
 @contextlib.contextmanager

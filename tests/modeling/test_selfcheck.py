@@ -1,12 +1,14 @@
 """The patch-time self-check judges what it can judge and costs the model nothing: an exact model whose embedding has
-a zero (padding) row is patched, a model where nothing can be judged is refused in one true line, and a model the
-check should refuse still is. Expected values come
+a zero (padding) row is patched, a model where nothing can be judged is refused in one true line, a model the check
+should refuse still is, and the check's backward leaves the model's gradients and memory alone. Expected values come
 from the models' own tensors, never from the code under test."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_qknorm
 from hf_qknorm import UnsupportedModelError
@@ -90,3 +92,86 @@ def test_a_model_where_no_row_can_be_judged_is_refused_in_one_true_line(case):
     assert "no q row could be judged" in message and "llama" in message and "\n" not in message
     assert "per-head norm of the projection" not in message  # the false verdict of issue 51
     assert not hf_qknorm.is_patched(model)
+
+
+class _CreatedBytes(TorchDispatchMode):
+    """Adds up the bytes of every storage an operator creates (an output sharing an input's storage -- a view, an
+    in-place result -- is not new): an upper bound on what the operators had allocated at any moment."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def storages(tree):
+            return {t.untyped_storage().data_ptr(): t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+        given = storages((args, kwargs))
+        out = func(*args, **(kwargs or {}))
+        self.total += sum(t.untyped_storage().nbytes() for ptr, t in storages(out).items() if ptr not in given)
+        return out
+
+
+def test_the_self_check_leaves_every_grad_as_it_was():
+    """Patching a model whose parameters require grad gives none of them (nor the new norms) a .grad, and a
+    pre-existing .grad is the same tensor with the same values afterwards."""
+    model = _model()
+    params = list(model.parameters())
+    assert all(p.requires_grad for p in params)
+    kept = model.lm_head.weight.grad = torch.full_like(model.lm_head.weight, 0.25)
+    hf_qknorm.patch_model(model, "qk_norm_cap")
+    assert model.lm_head.weight.grad is kept and bool((kept == 0.25).all())
+    assert all(p.grad is None for p in model.parameters() if p is not model.lm_head.weight)
+    assert all(p.requires_grad for p in params)
+
+
+def test_the_self_check_allocates_far_less_than_a_set_of_gradients():
+    """Patching a model whose parameters require grad (a large vocabulary: embedding and head dominate) creates
+    less than a quarter of the bytes of one gradient per parameter, all operators together."""
+    model = _model(vocab_size=32768, hidden_size=256, intermediate_size=256)
+    assert all(p.requires_grad for p in model.parameters())
+    gradient_set = sum(p.numel() * p.element_size() for p in model.parameters())
+    with _CreatedBytes() as created:
+        hf_qknorm.patch_model(model, "qk_norm_cap")
+    assert created.total < gradient_set / 4, (created.total, gradient_set)
+
+
+@pytest.mark.parametrize("scheme", ["soft_cap", "qk_norm_cap"])
+def test_a_frozen_model_is_patched_and_stays_frozen(scheme):
+    """A model loaded for inference (no parameter requires grad) is patched, and its parameters keep
+    requires_grad=False."""
+    model = _model()
+    own = list(model.parameters())
+    model.requires_grad_(False)
+    hf_qknorm.patch_model(model, scheme)
+    assert hf_qknorm.is_patched(model)
+    assert not any(p.requires_grad or p.grad is not None for p in own)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the backend's backward ran")
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_training_pass_runs_the_backends_backward(monkeypatch, frozen):
+    """The check's backward goes through the attention backend whatever requires grad: a backend whose backward
+    fails is refused, soft_cap (no new parameter) on a frozen model included."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    backend = ALL_ATTENTION_FUNCTIONS["qknorm"]
+
+    def failing(module, query, key, value, attention_mask, **kwargs):
+        out, weights = backend(module, query, key, value, attention_mask, **kwargs)
+        return _FailingBackward.apply(out), weights
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "qknorm", failing)
+    model = _model()
+    model.requires_grad_(not frozen)
+    with pytest.raises(UnsupportedModelError, match="probe forward failed .RuntimeError: the backend's backward ran"):
+        hf_qknorm.patch_model(model, "soft_cap")
