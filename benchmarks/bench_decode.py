@@ -62,15 +62,13 @@ SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
 # ablations (``--schemes qk_norm_noop ...``), each patched with the scheme it names:
 # - ``qk_norm_noop``: every norm the patch added replaced by a module that returns its input -- what the patch costs
 #   besides the norms' own arithmetic (the projection's subclass, the per-head views, the module call);
-# - ``<scheme>_floor``: the scheme's decoding cut to the least code a patch of this design could run (:func:`_floor`):
-#   a normalised projection is ``F.linear`` and the native op's layer norm in place (without the op: a view, one
-#   ``layer_norm`` and a view back); one query's attention is its math alone (sdpa and a view without a cap; with one
-#   the native op where the lean path takes it, else bmm, scale, tanh, cap, softmax, bmm: the lean path's ops); no
-#   check, no routing, no cap-backend check. It computes the patched model's logits to the bit (checked before it
-#   is timed) and holds only for what the token table runs (CPU, eager, no gradient, one query, no mask, layernorm):
-#   between it and the unpatched model is the cost of the ops the scheme adds, not of the code around them. It runs
-#   the upstream attention forward (RoPE by the ATen ops), so the schemes' own decoding forward, which rotates one
-#   position in place (hf_qknorm/attention/fast.py), can run below it;
+# - ``<scheme>_floor``: the scheme's decoding cut to the least code a patch of this design could run (:func:`_floor`): a
+#   normalised projection is ``F.linear``, a view, one ``layer_norm`` and a view back; one query's attention is its math
+#   alone (sdpa and a view without a cap; with one the native op where the lean path takes it, else bmm, scale, tanh,
+#   cap, softmax, bmm: the lean path's ops); no check, no routing, no cap-backend check. It computes the patched model's
+#   logits to the bit (checked before it is timed) and holds only for what the token table runs (CPU, eager, no
+#   gradient, one query, no mask, layernorm): between it and the unpatched model is the cost of the ops the scheme adds,
+#   not of the code around them;
 # - ``<scheme>_aten``: the scheme with the native op (hf_qknorm/attention/native.py) turned off while its model runs
 #   (forward and, decided there, backward): the ATen ops beside the native ones, in the same process and rounds.
 ABLATIONS = {
@@ -168,23 +166,11 @@ def _without_native(model) -> None:
 
 
 def _floor_projection(projection, norm, head_dim: int):
-    """A normalised projection's forward with nothing around its arithmetic: ``F.linear``, then the norm in place by
-    the native op where the patch takes it (float32 on the CPU), else the rows and one ``layer_norm``."""
-    from hf_qknorm.attention import native
-
+    """A normalised projection's forward with nothing around its arithmetic: ``F.linear``, then the rows and one
+    ``layer_norm``."""
     weight, bias = projection._parameters["weight"], projection._parameters["bias"]
     gain, shift, eps = norm._parameters["weight"], norm._parameters["bias"], norm.eps
     linear, layer_norm = torch.nn.functional.linear, torch.layer_norm
-    op = native.NATIVE[0]
-    if op is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
-        layer_norm_f32, gain_ptr, shift_ptr = op.layer_norm_f32, gain.data_ptr(), shift.data_ptr()
-
-        def forward(x):
-            out = linear(x, weight, bias)
-            layer_norm_f32(out.data_ptr(), out.numel() // head_dim, head_dim, gain_ptr, shift_ptr, eps)
-            return out
-
-        return forward
 
     def forward(x):
         out = linear(x, weight, bias)
@@ -346,6 +332,8 @@ def token_steps(shape: str, batch: int, prompt: int, schemes, warm_up: int) -> d
     are patched outside it: the patch's self-check runs a backward pass)."""
     from transformers import DynamicCache
 
+    from hf_qknorm.upstream import cache_kwargs
+
     models = _providers(shape, False, schemes)
     vocab = models["sdpa"].config.vocab_size
     ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -355,12 +343,12 @@ def token_steps(shape: str, batch: int, prompt: int, schemes, warm_up: int) -> d
         kv = DynamicCache(config=model.config)
 
         def step(model=model, kv=kv):
-            model(nxt, past_key_values=kv, use_cache=True)
+            model(nxt, use_cache=True, **cache_kwargs(model, kv))
             kv.crop(-1)
 
         steps[name] = step
         with torch.no_grad():
-            model(ids, past_key_values=kv, use_cache=True)
+            model(ids, use_cache=True, **cache_kwargs(model, kv))
             for _ in range(warm_up):  # first calls validate and cache
                 step()
     return steps

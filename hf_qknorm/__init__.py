@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 
 from ._version import __version__
-from .upstream import check_transformers_version
+from .upstream import check_transformers_version, run_as_command_line
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {
@@ -83,5 +83,5 @@ def _register() -> None:
     register_auto_classes()
 
 
-check_transformers_version()
+check_transformers_version(quiet=run_as_command_line())
 _register()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # dependency range, .ci/run, the README's Testing section and docs/compatibility.md (every minor version, measured).
 OLDEST_TESTED = "5.4.0"
 MIDDLE_TESTED = "5.17.0"
-NEWEST_TESTED = "5.23.0"
+NEWEST_TESTED = "5.24.0"
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -31,27 +31,51 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def check_transformers_version(version: str | None = None) -> None:
-    """Refuse a Transformers older than :data:`OLDEST_TESTED`; warn (once) for one newer than
-    :data:`NEWEST_TESTED` minor series, which the package was not tested with."""
-    if version is None:
-        import transformers
+def _installed_transformers() -> str:
+    import transformers
 
-        version = transformers.__version__
-    have = _version_tuple(version)
-    if have < _version_tuple(OLDEST_TESTED):
+    return transformers.__version__
+
+
+def untested_version_note(version: str | None = None) -> str | None:
+    """One line saying that Transformers ``version`` (the installed one by default) is newer than the newest minor
+    series tested, or None."""
+    version = _installed_transformers() if version is None else version
+    if _version_tuple(version)[:2] <= _version_tuple(NEWEST_TESTED)[:2]:
+        return None
+    tested = f"{OLDEST_TESTED} to {NEWEST_TESTED}"
+    return f"hf_qknorm {_own_version()} was tested with transformers {tested}; found {version}"
+
+
+def check_transformers_version(version: str | None = None, *, quiet: bool = False) -> None:
+    """Refuse a Transformers older than :data:`OLDEST_TESTED`; warn (once) for one newer than
+    :data:`NEWEST_TESTED` minor series, which the package was not tested with (``quiet``: not here, the caller
+    reports :func:`untested_version_note` itself, as the command line does)."""
+    version = _installed_transformers() if version is None else version
+    if _version_tuple(version) < _version_tuple(OLDEST_TESTED):
         raise ImportError(
             f"hf_qknorm needs transformers>={OLDEST_TESTED} (tested {OLDEST_TESTED} to "
             f"{NEWEST_TESTED}); found {version}. Upgrade: pip install -U 'transformers>={OLDEST_TESTED}'"
         )
-    if have[:2] > _version_tuple(NEWEST_TESTED)[:2]:
+    note = untested_version_note(version)
+    if note is not None and not quiet:
         warnings.warn(
-            f"hf_qknorm {_own_version()} was tested with transformers {OLDEST_TESTED} to {NEWEST_TESTED}; "
-            f"found {version}. It may work; run `hf-qknorm verify` on your model to check that the "
-            "scheme is computed exactly.",
+            f"{note}. It may work; run `hf-qknorm verify` on your model to check that the scheme is computed exactly.",
             UserWarning,
             stacklevel=3,
         )
+
+
+def run_as_command_line() -> bool:
+    """Whether this process is the ``hf-qknorm`` command (the console script, or ``python -m hf_qknorm.cli``),
+    which reports an untested version in its own lines instead of a warning printed at import."""
+    import os
+    import sys
+
+    if os.path.basename(sys.argv[0] if sys.argv else "").split(".")[0] == "hf-qknorm":
+        return True
+    argv = list(getattr(sys, "orig_argv", ()))
+    return any(a == "-m" and b in ("hf_qknorm.cli", "hf_qknorm") for a, b in zip(argv, argv[1:]))
 
 
 def _own_version() -> str:
@@ -116,6 +140,64 @@ def is_checkpointing(model) -> bool:
     if hasattr(type(model), "is_activation_checkpointing") or hasattr(model, "activation_checkpointing_enable"):
         return bool(model.is_activation_checkpointing)
     return bool(model.is_gradient_checkpointing)
+
+
+# Transformers 5.24 renamed the key/value cache from ``past_key_values`` to ``cache``: the models' and attention
+# modules' forward arguments, the mask builders' and the outputs' field. The old name lives on (a ``deprecate_kwarg``
+# wrapper and output properties, both warning) until 5.40. Every call and read of the plugin goes through these
+# helpers, which pick the name by what the callee declares, never by the version alone.
+CACHE_RENAMED_IN = "5.24.0"
+CACHE_NAMES = ("cache", "past_key_values")  # the new name first
+CALL_CACHE_NAMES = (*CACHE_NAMES, "layer_past")  # as an attention module receives it (GPT-NeoX: layer_past)
+_CACHE_ARGUMENT: dict = {}
+
+
+def cache_argument(model) -> str:
+    """The name under which ``model``'s forward (a module, or its class) takes the key/value cache: ``"cache"``
+    where it declares that parameter, else ``"past_key_values"``."""
+    import inspect
+
+    cls = model if isinstance(model, type) else type(model)
+    name = _CACHE_ARGUMENT.get(cls)
+    if name is None:
+        try:
+            params = inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):  # no signature to read: the installed version's name
+            params = {}
+        name = next((n for n in CACHE_NAMES if n in params), None)
+        if name is None:
+            import transformers
+
+            new = _version_tuple(transformers.__version__) >= _version_tuple(CACHE_RENAMED_IN)
+            name = CACHE_NAMES[0] if new else CACHE_NAMES[1]
+        _CACHE_ARGUMENT[cls] = name  # the same value from every thread: a plain store
+    return name
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` for a call of ``model``, under the name its forward takes."""
+    return {cache_argument(model): cache}
+
+
+def output_cache(output):
+    """The key/value cache a model's output carries (``output.cache``, or ``output.past_key_values`` before 5.24),
+    without touching the other name's deprecated property."""
+    keys = output.keys() if hasattr(output, "keys") else ()
+    for name in CACHE_NAMES:
+        if name in keys:
+            return output[name]
+    fields = getattr(type(output), "__dataclass_fields__", {})
+    name = next((n for n in CACHE_NAMES if n in fields), None)
+    return None if name is None else getattr(output, name)
+
+
+def called_cache(kwargs: dict):
+    """The cache in the keyword arguments of an attention module's call (a forward hook's ``kwargs``), under either
+    name, or ``layer_past`` (GPT-NeoX's and its relatives' attention modules)."""
+    for name in CALL_CACHE_NAMES:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
 
 
 @dataclass(frozen=True)
@@ -259,5 +341,13 @@ RELIANCES: tuple[Reliance, ...] = (
         f"from {ACTIVATION_CHECKPOINTING_SINCE} on; gradient_checkpointing_enable(gradient_checkpointing_kwargs="
         "...) and is_gradient_checkpointing (deprecated from then on) before",
         "tests/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
+    ),
+    Reliance(
+        "transformers.models.llama.modeling_llama.LlamaForCausalLM.forward",
+        "upstream.py (cache_argument, cache_kwargs, output_cache, called_cache)",
+        f"the models' forwards, attention modules' calls and outputs name the key/value cache 'cache' from "
+        f"{CACHE_RENAMED_IN} on and 'past_key_values' before; every model the plugin calls or hooks takes one of "
+        "the two",
+        "tests/test_upstream.py::test_every_argument_the_plugin_reads_is_declared",
     ),
 )

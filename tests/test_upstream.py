@@ -155,3 +155,74 @@ def test_checkpointing_shim_follows_the_installed_version():
     else:  # the new names do not exist yet
         with pytest.raises(TypeError, match="activation_checkpointing"):
             TrainingArguments("unused", use_cpu=True, report_to="none", activation_checkpointing=True)
+
+
+# Llama, GPT-2 (a fused projection, no RoPE) and Qwen3 (native q/k norms) beside the coverage sample's families
+_ARGUMENT_FAMILIES = ("llama", "gpt2", "qwen3", "mistral", "mixtral", "gemma3_text", "phi3", "gpt_neox", "gpt_oss")
+
+
+@pytest.mark.parametrize("model_type", _ARGUMENT_FAMILIES)
+def test_every_argument_the_plugin_reads_is_declared(model_type):
+    """Each name the plugin passes to a model's forward or reads from a call or an output is the installed
+    Transformers' own: the cache under :func:`upstream.cache_argument`'s name (declared by the forward, not a
+    fallback), the output's cache field, the cache and the rotary embedding as the attention module receives them.
+    A release that renames one of them fails here instead of leaving the plugin reading ``None`` -- and no call of
+    the plugin's helpers meets a deprecated name."""
+    import inspect
+
+    from hf_qknorm.portable.layout import attention_modules
+    from hf_qknorm.verification.tiny import tiny_model as tiny
+
+    model = tiny(model_type)
+    declared = inspect.signature(type(model).forward).parameters
+    name = upstream.cache_argument(model)
+    assert name in declared, (name, list(declared))
+    assert {"input_ids", "attention_mask", "position_ids", "use_cache"} <= set(declared)
+    _, attns = attention_modules(model)
+    seen = []
+    attns[0].register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs), with_kwargs=True)
+    ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        warnings.filterwarnings("error", message=".*`cache`.*")
+        first = model(input_ids=ids[:, :-1], use_cache=True)
+        cache = upstream.output_cache(first)
+        assert cache is not None
+        model(input_ids=ids[:, -1:], use_cache=True, **upstream.cache_kwargs(model, cache))
+    assert upstream.called_cache(seen[-1]) is cache  # the attention module got the cache under a name we read
+    if getattr(model.config, "rope_parameters", None) is not None or "rope_theta" in model.config.to_dict():
+        assert seen[-1].get("position_embeddings") is not None
+
+
+def test_an_untested_version_never_breaks_a_command_lines_one_line_error(monkeypatch, capsys):
+    """On a Transformers newer than the newest tested, the command line still fails in one line (the version note
+    inside it) and says it in one ``warning:`` line after a command that ran; the import-time warning is left to
+    library users (the command says it itself)."""
+    import sys
+
+    from hf_qknorm.cli.main import main
+
+    monkeypatch.setattr(upstream, "NEWEST_TESTED", upstream.OLDEST_TESTED)
+    monkeypatch.setattr("transformers.__version__", "5.99.0")
+    assert main(["coverage", "not_a_model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "found 5.99.0" in err[0], err
+    assert main(["info"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("warning: ") and "found 5.99.0" in err[-1], err
+    for argv, orig, cli in (
+        (["/usr/bin/hf-qknorm"], ["python", "/usr/bin/hf-qknorm"], True),
+        (["-m"], ["python", "-m", "hf_qknorm.cli", "info"], True),
+        (["train.py"], ["python", "train.py"], False),
+        (["-m"], ["python", "-m", "pytest"], False),
+    ):
+        monkeypatch.setattr(sys, "argv", argv)
+        monkeypatch.setattr(sys, "orig_argv", orig)
+        assert upstream.run_as_command_line() is cli, argv
+
+
+def test_the_verifiers_probe_reads_the_cache_under_the_same_names():
+    """verification/probe.py runs where hf_qknorm cannot be imported, so it keeps its own copy of the names."""
+    from hf_qknorm.verification import probe
+
+    assert probe.CALL_CACHE_NAMES == upstream.CALL_CACHE_NAMES

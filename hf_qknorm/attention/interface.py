@@ -78,7 +78,8 @@ HONOURED_KWARGS = frozenset(
         # harmless: options of the model's forward that reach the attention through **kwargs and change nothing in it
         "use_cache",
         "cache_position",
-        "past_key_values",
+        "cache",  # the key/value cache (Transformers 5.24's name; upstream.CACHE_NAMES)
+        "past_key_values",  # its name before 5.24
         "output_hidden_states",
         "output_router_logits",
         "num_items_in_batch",

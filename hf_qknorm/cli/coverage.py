@@ -16,7 +16,7 @@ def add_parser(sub):
         "self-check, forward and backward, cached decoding against the full forward); print one line per model "
         "type: patched, refused (with the reason), FAIL, or out of scope. Exit status 1 if any model type FAILs.",
     )
-    p.add_argument("model_types", nargs="*", help="model types to check (default: all)")
+    p.add_argument("model_types", nargs="*", help="model types to check, separated by spaces or commas (default: all)")
     p.add_argument("--markdown", type=Path, help="also write the table as Markdown to this file")
     p.add_argument("--json", type=Path, help="also write every variant's result as JSON to this file")
     return p
@@ -28,7 +28,10 @@ def run(args) -> int:
     from ..verification import coverage as cov
 
     known = set(cov.causal_model_types())
-    unknown = sorted(set(args.model_types) - known)
+    wanted = [t.strip() for arg in args.model_types for t in arg.split(",") if t.strip()]
+    if args.model_types and not wanted:
+        raise ValueError(f"no model type in {' '.join(args.model_types)!r}: name one or more, e.g. llama,qwen3")
+    unknown = sorted(set(wanted) - known)
     if unknown:
         raise ValueError(
             f"unknown model type(s) {', '.join(map(repr, unknown))}: not a causal-LM model type of Transformers "
@@ -39,7 +42,7 @@ def run(args) -> int:
         note = f"  {result.reason}" if result.reason else ""
         print(f"{result.model_type:28} {result.status:13}{note}", flush=True)
 
-    results = cov.coverage(args.model_types or None, progress=show)
+    results = cov.coverage(list(dict.fromkeys(wanted)) or None, progress=show)
     print(cov.summary(results))
     versions = f"Transformers {transformers.__version__}"
     for path, text in ((args.markdown, cov.markdown(results, versions)), (args.json, cov.to_json(results))):

@@ -156,12 +156,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def main(argv: list[str] | None = None) -> int:
     """Run ``hf-qknorm`` with ``argv``; returns the exit status. Never raises (but ``SystemExit`` from ``--help``)."""
     from ..conversion.tempdirs import stop_signals_raise
+    from ..upstream import untested_version_note
 
     parser, runners = build_parser()
     args = parser.parse_args(argv)
+    note = untested_version_note()  # an untested Transformers: said in the error's line, or in one line after
     try:
         with stop_signals_raise():  # SIGTERM as an exception, so cleanups run and the message below is printed
-            return int(runners[args.command](args) or 0)
+            status = int(runners[args.command](args) or 0)
+        if note is not None and status != 2:
+            print(f"warning: {note}; `hf-qknorm verify` checks a model against its scheme", file=sys.stderr)
+        return status
     except BrokenPipeError:  # `hf-qknorm ... | head`: the reader left; nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             raise  # SystemExit of --help and the like
         if args.debug:
             traceback.print_exc()
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        suffix = f" ({note})" if note is not None else ""
+        print(f"error: {message}{suffix}", file=sys.stderr, flush=True)
         return EXIT_CODES[kind]
 
 

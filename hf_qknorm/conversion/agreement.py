@@ -26,6 +26,8 @@ from importlib import resources
 
 import torch
 
+from ..upstream import cache_kwargs, output_cache
+
 __all__ = [
     "AgreementReport",
     "Prompt",
@@ -145,8 +147,9 @@ def _greedy_batch(model, encoded: list[list[int]], new_tokens: int, ends: set[in
     done = [False] * len(encoded)
     past = None
     for _ in range(new_tokens):
-        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-        past, tokens = step.past_key_values, step.logits[:, -1].float().argmax(-1).tolist()
+        cache = cache_kwargs(model, past)
+        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+        past, tokens = output_cache(step), step.logits[:, -1].float().argmax(-1).tolist()
         for row, token in enumerate(tokens):
             if not done[row]:
                 conts[row].append(token)

@@ -21,6 +21,7 @@ import re
 
 import torch
 
+from ..upstream import cache_kwargs, output_cache
 from . import ranks
 
 __all__ = ["batch_seed", "mixed_text", "self_generated_text", "topics"]
@@ -62,8 +63,9 @@ def _sample(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out, past = [[] for _ in prompts], None
     for _ in range(new_tokens):
-        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-        past = step.past_key_values
+        cache = cache_kwargs(model, past)
+        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+        past = output_cache(step)
         probs = torch.softmax(step.logits[:, -1].float() / temperature, dim=-1).cpu()
         tokens = torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()
         for row, t in enumerate(tokens):

@@ -27,6 +27,7 @@ from ..modeling.patch import patch_model
 from ..portable.families import Family
 from ..portable.layout import find_layers
 from ..portable.schemes import QKNormConfig
+from ..upstream import CACHE_NAMES
 from .shards import SourceWeights, WeightPlan, plan_weights, transform_tensor
 
 
@@ -168,7 +169,7 @@ class StreamedCheckpoint:
             in_args = bool(args)
             x = args[0] if in_args else kwargs.pop("hidden_states")
             rest = args[1:] if in_args else ()
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", "past_key_values", "past_key_value")}
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", *CACHE_NAMES, "past_key_value")}
             calls[index].append(
                 BlockCall(tuple(None if a is not None and _is_cache(a) else a for a in rest), kwargs, in_args)
             )

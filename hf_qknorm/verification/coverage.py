@@ -31,6 +31,7 @@ import torch
 
 from ..portable.families import UnsupportedModelError, out_of_scope
 from ..portable.schemes import NORMS, SCHEMES
+from ..upstream import cache_kwargs, output_cache
 
 PATCHED, REFUSED, FAIL, OUT_OF_SCOPE, UNTESTED = "patched", "refused", "FAIL", "out of scope", "untested"
 
@@ -172,9 +173,9 @@ def _failures(model) -> dict:
                 cache = _cache(model, kind, ids.shape)
                 if cache is False:
                     continue
-                kwargs = {} if cache is None else {"past_key_values": cache}
+                kwargs = {} if cache is None else cache_kwargs(model, cache)
                 first = model(input_ids=ids[:, :-1], use_cache=True, **kwargs)
-                step = model(input_ids=ids[:, -1:], past_key_values=first.past_key_values, use_cache=True)
+                step = model(input_ids=ids[:, -1:], use_cache=True, **cache_kwargs(model, output_cache(first)))
                 _close(out, f"{kind}-cache", step.logits[:, -1], full)
             except Exception as exc:
                 out[f"{kind}-cache"] = f"{type(exc).__name__}: {_line(exc)}"

@@ -38,6 +38,11 @@ import math
 
 import torch
 
+# The key/value cache as an attention module receives it: Transformers 5.24's name, the older one, GPT-NeoX's. The
+# same names as hf_qknorm.upstream.called_cache, which this module cannot import (tests/test_upstream.py keeps them
+# equal).
+CALL_CACHE_NAMES = ("cache", "past_key_values", "layer_past")
+
 BATCH = 2
 PROBE_LEN = 20  # longer than the tiny test models' sliding window (12)
 PAD = 5  # left padding of row 0 in the padded probes
@@ -111,7 +116,7 @@ class _Recorder:
     def _attn_hook(self, i):
         def hook(module, args, kwargs, output):
             rope = kwargs.get("position_embeddings")
-            cache = kwargs.get("past_key_values")
+            cache = next((kwargs[n] for n in CALL_CACHE_NAMES if kwargs.get(n) is not None), None)
             call = {
                 "x": _cpu(_hidden(args, kwargs)),
                 "out": _cpu(_first(output)),

@@ -215,3 +215,16 @@ def test_coverage_command_prints_the_table_and_refuses_unknown_types(tmp_path, c
     assert rows["llama"]["status"] == "patched" and len(rows["llama"]["variants"]) == 13
     assert main(["coverage", "not_a_model"]) == 2
     assert "not_a_model" in capsys.readouterr().err
+
+
+def test_coverage_command_takes_a_comma_separated_list(tmp_path, capsys):
+    """``llama,mamba`` names two types, as ``llama mamba`` does; an empty list is refused in one line."""
+    from hf_qknorm.cli.main import main
+
+    assert main(["coverage", "llama,mamba", "--json", str(tmp_path / "c.json")]) == 0
+    rows = {r["model_type"]: r["status"] for r in json.loads((tmp_path / "c.json").read_text())}
+    assert rows == {"llama": "patched", "mamba": "out of scope"}
+    capsys.readouterr()
+    assert main(["coverage", ","]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no model type in ','" in err[0]
