@@ -257,6 +257,14 @@ RELIANCES: tuple[Reliance, ...] = (
         "tests/modeling/test_export.py::test_saved_folders_load_without_the_plugin",
     ),
     Reliance(
+        "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS._local_mapping",
+        "modeling/selfcheck.py",
+        "a dict of the instance's own entries that its lookups (get_interface, []) consult before the registered "
+        "functions, on every attention call; the self-check puts its recorder in front of 'qknorm' there for the "
+        "probe and restores the dict as it was",
+        "tests/test_upstream.py::test_a_local_attention_entry_is_what_the_models_call",
+    ),
+    Reliance(
         "transformers.models.auto.modeling_auto.MODEL_MAPPING",
         "portable/structure.py (AUTO_HEADS)",
         "config class -> head class mappings (MODEL_FOR_CAUSAL_LM_MAPPING and the classification / QA ones)",

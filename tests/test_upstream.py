@@ -96,6 +96,40 @@ def test_backend_is_registered():
     assert "qknorm" in ALL_ATTENTION_FUNCTIONS.valid_keys() and "qknorm" in ALL_MASK_ATTENTION_FUNCTIONS.valid_keys()
 
 
+def test_a_local_attention_entry_is_what_the_models_call():
+    """An entry in ALL_ATTENTION_FUNCTIONS._local_mapping is what every attention layer of a model on that
+    implementation calls, ahead of the registered function, looked up at each call; removed, the registered one is
+    called again (the self-check's recorder relies on both)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import hf_qknorm  # noqa: F401  (registers)
+
+    registered = ALL_ATTENTION_FUNCTIONS["qknorm"]
+    assert "qknorm" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    model = tiny_model("llama", attn_implementation="qknorm")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    calls = []
+
+    def recorder(module, *args, **kwargs):
+        calls.append(module)
+        return registered(module, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS._local_mapping["qknorm"] = recorder
+    try:
+        assert ALL_ATTENTION_FUNCTIONS.get_interface("qknorm", None) is recorder
+        with torch.no_grad():
+            got = model(ids).logits
+    finally:
+        del ALL_ATTENTION_FUNCTIONS._local_mapping["qknorm"]
+    assert calls == [layer.self_attn for layer in model.model.layers]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.no_grad():
+        model(ids)
+    assert len(calls) == len(model.model.layers) and ALL_ATTENTION_FUNCTIONS["qknorm"] is registered
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_rotary_function_is_the_forwards_rotation(family):
     """The function the monitor and calibration use to rebuild post-RoPE q and k is the half-split rotation the
