@@ -28,11 +28,13 @@ delta would be added after the norm. The attention module's class is therefore a
 module's (``QKNormCapped<Attention>``, a subclass of it) also has a ``forward``, which checks that the attention
 backend can apply the module's cap, then calls the upstream forward.
 
-This module imports nothing but ``torch`` and :mod:`.names`: it is also copied into exported folders
-(``trust_remote_code``).
+This module imports nothing but the standard library, ``torch`` and :mod:`.names`: it is also copied into exported
+folders (``trust_remote_code``).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -43,6 +45,9 @@ from .names import ATTN_IMPLEMENTATION, CLASS_PREFIX
 CAP_READING_BACKENDS = (ATTN_IMPLEMENTATION,)
 
 _ATTENTION_CLASSES: dict[tuple[type, bool], type] = {}  # (upstream class, capped) -> its patched class
+# Held while a patched class is made and stored: two threads patching models of one family at once must get the same
+# class (a module of a class that lost the race would no longer count as patched, nor unpatch).
+_CLASSES_LOCK = threading.RLock()
 
 
 # torch's process-wide module hooks: while any is set, a module call must go through ``nn.Module.__call__``
@@ -194,6 +199,14 @@ _F = torch.nn.functional  # ``F.linear`` looked up per call, as ``nn.Linear.forw
 def projection_class(base: type) -> type:
     """``QKNorm<base>``: ``base`` whose ``forward`` is followed by the owning attention module's norms (made once;
     importable from this module by name, so patched models copy and pickle)."""
+    made = _PROJECTION_CLASSES.get(base)
+    if made is not None:
+        return made
+    with _CLASSES_LOCK:
+        return _make_projection_class(base)
+
+
+def _make_projection_class(base: type) -> type:
     if base in _PROJECTION_CLASSES.values():
         return base
     if base not in _PROJECTION_CLASSES:
@@ -321,6 +334,14 @@ def attention_class(base: type, capped: bool) -> type:
     capped module, also checks at every call that the attention backend applies the cap (made once each). An
     uncapped module has no check to make, and its class no ``forward`` of its own: a frame per layer per token less
     when decoding."""
+    made = _ATTENTION_CLASSES.get((base, capped))
+    if made is not None:
+        return made
+    with _CLASSES_LOCK:
+        return _make_attention_class(base, capped)
+
+
+def _make_attention_class(base: type, capped: bool) -> type:
     if base in _ATTENTION_CLASSES.values():
         return base
     if (base, False) not in _ATTENTION_CLASSES:
