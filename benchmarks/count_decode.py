@@ -31,7 +31,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import bench_decode  # this folder's, beside the script
+# this folder's bench_decode: on the path however the script is started (python benchmarks/count_decode.py puts the
+# folder there, runpy and importers do not)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_decode  # noqa: E402
 
 from hf_qknorm.conversion.tempdirs import stop_signals_raise
 
