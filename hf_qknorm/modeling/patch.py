@@ -31,6 +31,15 @@ def patch_model(
     softcap: float | None = None,
     eps: float | None = None,
     p: float | None = None,
+def _not_a_model(model) -> str:
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        return (
+            f"patch_model takes a loaded model, not the name or path {str(model)!r}: load it first, e.g. "
+            f"model = AutoModelForCausalLM.from_pretrained({str(model)!r}), then patch_model(model, ...)"
+        )
+    return f"patch_model takes a loaded Transformers model (a torch.nn.Module), not a {type(model).__name__}"
+
+
 ) -> nn.Module:
     """Patch every attention layer of ``model`` with ``scheme``; returns the same (patched) model.
 
@@ -63,6 +72,8 @@ def patch_model(
     except BaseException:
         target.__dict__.pop("_qknorm_family", None)  # a refused model keeps nothing of the attempt
         raise
+    if not isinstance(model, nn.Module):
+        raise TypeError(_not_a_model(model))
     old_config = own_config(target)
     replaced = install_scheme(target, plan)
     try:
