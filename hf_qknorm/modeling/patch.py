@@ -23,14 +23,6 @@ from .sharding import refuse_distributed
 logger = logging.getLogger(__name__)
 
 
-def patch_model(
-    model: nn.Module,
-    scheme: str | QKNormConfig = "qk_norm_cap",
-    *,
-    norm: str | None = None,
-    softcap: float | None = None,
-    eps: float | None = None,
-    p: float | None = None,
 def _not_a_model(model) -> str:
     if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
         return (
@@ -40,6 +32,14 @@ def _not_a_model(model) -> str:
     return f"patch_model takes a loaded Transformers model (a torch.nn.Module), not a {type(model).__name__}"
 
 
+def patch_model(
+    model: nn.Module,
+    scheme: str | QKNormConfig = "qk_norm_cap",
+    *,
+    norm: str | None = None,
+    softcap: float | None = None,
+    eps: float | None = None,
+    p: float | None = None,
 ) -> nn.Module:
     """Patch every attention layer of ``model`` with ``scheme``; returns the same (patched) model.
 
@@ -64,6 +64,8 @@ def _not_a_model(model) -> str:
     a model on ``eager``/``sdpa`` (which cannot cap) to the ``"qknorm"`` attention implementation; any other backend
     is refused.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(_not_a_model(model))
     cfg = _resolve_config(scheme, norm=norm, softcap=softcap, eps=eps, p=p)
     refuse_distributed(model)  # patch first, then wrap or shard: DDP/FSDP would not sync the norms added here
     target = unwrap(model)
@@ -72,8 +74,6 @@ def _not_a_model(model) -> str:
     except BaseException:
         target.__dict__.pop("_qknorm_family", None)  # a refused model keeps nothing of the attempt
         raise
-    if not isinstance(model, nn.Module):
-        raise TypeError(_not_a_model(model))
     old_config = own_config(target)
     replaced = install_scheme(target, plan)
     try:
