@@ -14,16 +14,23 @@ One entry point per calling shape, each returning one type (:mod:`.attn_interfac
 
 The kernels run on CUDA tensors; on CPU they run under Triton's interpreter when ``TRITON_INTERPRET=1`` is set
 before the first kernel module is imported (that is how the tests run them). Nothing here imports transformers.
+
+With a soft cap, fp16/bf16 inputs on an NVIDIA GPU get the cap's ``tanh`` from the hardware instruction
+``tanh.approx.f32`` (relative error about 2^-11, as in FlashAttention); ``HF_QKNORM_EXACT_TANH=1`` in the
+environment, read at every launch, selects the exact float32 tanh instead, which fp32 inputs and Triton's
+interpreter always use. :func:`tanh_mode` says which one this process uses.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import warnings
 
 __all__ = [
     "is_available",
     "unavailable_reason",
+    "tanh_mode",
     "AttnOutputWithMaxLogits",
     "qknorm_attn_func",
     "qknorm_attn_func_with_max_logits",
@@ -37,7 +44,7 @@ _INSTALL_HINT = "pip install 'hf-qknorm[triton]'"
 
 # public name -> (module, attribute); resolved lazily by __getattr__ below
 _LAZY = {
-    **{name: ("attn_interface", name) for name in __all__[2:]},
+    **{name: ("attn_interface", name) for name in __all__[3:]},
     "attn_fwd": ("attention", "attn_fwd"),
     "attn_bwd": ("attention", "attn_bwd"),
 }
@@ -75,6 +82,35 @@ def is_available() -> bool:
     """True when the kernels can run here: triton is importable and recent enough, and there is a CUDA device (or
     Triton's interpreter is on, ``TRITON_INTERPRET=1``, as in the tests)."""
     return unavailable_reason() is None
+
+
+EXACT_TANH_ENV = "HF_QKNORM_EXACT_TANH"
+_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def exact_tanh_requested() -> bool:
+    """``HF_QKNORM_EXACT_TANH``: one of ``1 on true yes`` asks for the exact tanh; unset, empty or one of
+    ``0 off false no`` leaves the hardware one. Anything else warns, naming the valid values, and takes the exact
+    tanh (correct everywhere, only slower). Read from the environment at each call."""
+    value = os.environ.get(EXACT_TANH_ENV, "").strip().lower()
+    if value in _OFF or not value:
+        return False
+    if value not in _ON:
+        warnings.warn(
+            f"{EXACT_TANH_ENV}={value!r} is not one of {', '.join(_OFF + _ON)}: the capped kernels use the exact tanh",
+            stacklevel=2,
+        )
+    return True
+
+
+def tanh_mode() -> str:
+    """How the capped kernels compute ``tanh`` for fp16/bf16 inputs in this process: ``"approx"``
+    (``tanh.approx.f32``, on NVIDIA GPUs of compute capability 7.5 or later) or ``"exact"`` (asked for with
+    ``HF_QKNORM_EXACT_TANH=1``, or Triton's interpreter, which cannot run inline assembly). fp32 inputs, and AMD
+    GPUs, always get the exact tanh. Imports nothing."""
+    if exact_tanh_requested() or os.environ.get("TRITON_INTERPRET") == "1":
+        return "exact"
+    return "approx"
 
 
 def __getattr__(name: str):

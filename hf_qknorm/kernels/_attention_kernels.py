@@ -1,10 +1,11 @@
-"""Triton kernels for capped flash attention: forward, backward preprocess, dK/dV and dQ.
+"""Triton kernels for capped flash attention: the forward and the helpers every attention kernel shares.
 
 The algorithm is FlashAttention-2's (Tri Dao, 2023: online softmax over key blocks, the log-sum-exp saved for the
 backward, a separate dQ pass so that no atomics are needed); the Triton fused-attention tutorial showed how to lay
 it out in Triton. What is added here: the tanh soft cap of Gemma 2 as a compile-time switch, bottom-right aligned
 causality, a sliding window, a dense boolean mask read tile by tile, packed (varlen) sequences and GQA without
-repeating K/V. Design notes: docs/kernels.md.
+repeating K/V. The backward kernels are in ``_attention_bwd_kernels.py``, the decoding-shaped forward in
+``_decode_kernels.py``. Design notes: docs/kernels.md.
 
 Conventions used by every kernel
 --------------------------------
@@ -13,7 +14,18 @@ Conventions used by every kernel
   of the ``seq`` axis, and the launcher passes batch strides of 0.
 * Logits are kept in the base-2 domain (``s * log2(e)``) so the exponentials are ``exp2``; the saved LSE is in
   natural log units. ``qk_scale`` is ``scaling * log2(e)`` without a cap and ``scaling / softcap`` with one, in
-  which case the log2-domain logit is ``cap_log2 * tanh(qk * qk_scale)`` with ``cap_log2 = softcap * log2(e)``.
+  which case the log2-domain logit is ``cap_log2 * tanh(qk * qk_scale)`` with ``cap_log2 = softcap * log2(e)``:
+  one multiply before the tanh, and ``cap_log2`` folded into the exponential's argument as one FMA,
+  ``exp2(fma(t, cap_log2, -m))`` (FlashAttention-2's folding). The mask is applied to ``t``, after the tanh.
+* ``FAST_TANH`` (a constexpr) computes that tanh with the GPU's ``tanh.approx.f32``; otherwise ``_tanh`` below,
+  exact to a few ulps. The launcher sets it only for fp16/bf16 inputs on NVIDIA GPUs, never under the interpreter
+  (which cannot run inline assembly) nor when ``HF_QKNORM_EXACT_TANH`` asks for the exact tanh.
+* Causal and windowed loops are split (``_key_range``, ``_query_range``): blocks that every row of the tile may see
+  in full run without computing or applying a mask (``MASKED=False``); only the blocks on the diagonal, the window's
+  edge and the sequence's end are masked element-wise. A dense mask is applied to every block.
+* The backward recomputes ``t`` and multiplies dS by ``1 - t^2`` in registers (nothing stored); ``P`` is zeroed at
+  masked positions with ``where`` after the exponential, and ``t`` is never set to ``-inf``, so ``1 - t^2`` stays
+  finite there (FlashAttention-3 computes it before masking for the same reason).
 * Query ``i`` of a sequence sits at absolute position ``i + k_len - q_len`` (bottom-right alignment, as in
   flash-attn >= 2.1 and in a KV cache); ``diag = k_len - q_len``.
 * A row with no allowed key outputs 0 and gets ``lse = +inf``, so that ``exp(s - lse) = 0`` in the backward.
@@ -65,6 +77,24 @@ def _tanh(x):
 
 
 @triton.jit
+def _tanh_approx(x):
+    """``tanh.approx.f32`` (sm_75+): one special-function instruction, relative error about 2^-11 -- what
+    FlashAttention-2 (``cutlass::fast_tanh``) and FlashInfer ship for the soft cap. CUDA only: the interpreter
+    cannot run inline assembly, so the launcher never selects it there."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _capped(x, FAST_TANH: tl.constexpr):
+    """``tanh(x)`` for ``x = q.k * scaling / c``: the hardware approximation or the exact ``_tanh``."""
+    if FAST_TANH:
+        t = _tanh_approx(x)
+    else:
+        t = _tanh(x)
+    return t
+
+
+@triton.jit
 def _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     """Start row and length of sequence ``b`` in the query and key tensors."""
     if VARLEN:
@@ -75,16 +105,6 @@ def _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
         return q_start.to(tl.int64), q_len, k_start.to(tl.int64), k_len
     else:
         return 0, seqlen_q, 0, seqlen_k
-
-
-@triton.jit
-def _logits(qk, qk_scale, cap_log2, HAS_CAP: tl.constexpr):
-    """Raw ``q.k`` products -> log2-domain logits, and the tanh value the backward needs for ``1 - t^2``."""
-    if HAS_CAP:
-        t = _tanh(qk * qk_scale)
-        return t * cap_log2, t
-    else:
-        return qk * qk_scale, qk
 
 
 @triton.jit
@@ -107,6 +127,16 @@ def _mask_tile(mask_base, qpos, kpos, ok, stride_mm, stride_mn):
 
 
 @triton.jit
+def _split(lo, first, last, hi):
+    """``[lo, hi)`` cut into ``[lo, mid_lo)``, ``[mid_lo, mid_hi)``, ``[mid_hi, hi)``, with the middle part inside
+    ``[first, last)`` (where no element needs a mask) and ``lo <= mid_lo <= mid_hi`` always, so the three loops
+    together visit exactly the blocks of ``range(lo, hi, BLOCK)``."""
+    mid_lo = tl.maximum(tl.minimum(first, hi), lo)
+    mid_hi = tl.maximum(tl.minimum(last, hi), mid_lo)
+    return mid_lo, mid_hi
+
+
+@triton.jit
 def _key_range(
     m0,
     k_len,
@@ -117,8 +147,13 @@ def _key_range(
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):
-    """Key blocks that a query block ``[m0, m0 + BLOCK_M)`` can see: skipping the rest is where causal and
-    windowed attention save their work. ``lo`` is a multiple of BLOCK_N; ``hi <= lo`` means nothing to do."""
+    """Key blocks that a query block ``[m0, m0 + BLOCK_M)`` can see -- skipping the rest is where causal and
+    windowed attention save their work -- as ``(lo, mid_lo, mid_hi, hi)``: blocks in ``[mid_lo, mid_hi)`` are
+    allowed for every row of the tile and run unmasked; those in ``[lo, mid_lo)`` (the window's edge) and
+    ``[mid_hi, hi)`` (the diagonal, the last keys) are masked. ``lo``, ``mid_lo`` and ``mid_hi`` are multiples of
+    BLOCK_N; ``hi <= lo`` means nothing to do. Tile rows past ``q_len`` are not considered: their queries are loaded
+    as zeros and their results never stored. Divisions only see non-negative numbers (C and Python round negative
+    quotients differently, and the interpreter is Python)."""
     lo = 0
     hi = k_len
     if IS_CAUSAL:
@@ -126,7 +161,140 @@ def _key_range(
     if HAS_WINDOW:
         lo = tl.maximum(m0 + diag - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
-    return lo, hi
+    # Unmasked blocks: the tile's first row sees keys up to m0 + diag (causal), its last row keys from
+    # m0 + BLOCK_M + diag - window on (window), and no key is past the sequence's end.
+    first = lo
+    if HAS_WINDOW:
+        first = tl.maximum(m0 + BLOCK_M + diag - window, 0)
+        first = (first + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    last = k_len
+    if IS_CAUSAL:
+        last = tl.minimum(last, m0 + diag + 1)
+    last = (tl.maximum(last, 0) // BLOCK_N) * BLOCK_N
+    mid_lo, mid_hi = _split(lo, first, last, hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _query_range(
+    n0,
+    q_len,
+    k_len,
+    diag,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    """The mirror image of ``_key_range`` for the dK/dV kernel: query blocks that can see the key block
+    ``[n0, n0 + BLOCK_N)``, as ``(lo, mid_lo, mid_hi, hi)`` with the same meaning. A query block is unmasked only if
+    all its rows are in the sequence and the key block is too (those rows and keys are real here)."""
+    lo = 0
+    hi = q_len
+    if IS_CAUSAL:
+        lo = tl.maximum(n0 - diag, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:
+        hi = tl.minimum(hi, n0 + BLOCK_N - 1 + window - diag)
+    # Unmasked blocks: the tile's first query sees the last key (causal), its last query the first key (window).
+    first = lo
+    if IS_CAUSAL:
+        first = tl.maximum(n0 + BLOCK_N - 1 - diag, 0)
+        first = (first + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    last = q_len
+    if HAS_WINDOW:
+        last = tl.minimum(last, n0 + window - diag)
+    last = (tl.maximum(last, 0) // BLOCK_M) * BLOCK_M
+    last = tl.where(n0 + BLOCK_N <= k_len, last, 0)  # a key block cut by the sequence's end is always masked
+    mid_lo, mid_hi = _split(lo, first, last, hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _fwd_loop(
+    acc,
+    l_i,
+    m_i,
+    x_max,
+    q,
+    k_base,
+    v_base,
+    mask_base,
+    rows,
+    lo,
+    hi,
+    q_len,
+    k_len,
+    diag,
+    window,
+    qk_scale,
+    cap_log2,
+    stride_kn,
+    stride_vn,
+    stride_mm,
+    stride_mn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    RETURN_MAX: tl.constexpr,
+):
+    """The online softmax over key blocks ``range(lo, hi, BLOCK_N)``; ``MASKED=False`` only for blocks that
+    ``_key_range`` found allowed for every row. Returns the updated ``(acc, l_i, m_i, x_max)``."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        kt = tl.load(
+            k_base + cols[None, :] * stride_kn + offs_d[:, None],
+            mask=(cols[None, :] < k_len) & d_ok[:, None],
+            other=0.0,
+        )
+        qk = dot(q, kt, None, DOT_PRECISION)
+        # z is the logit before its last factor: t = tanh(x) with a cap (times cap_log2 below), else s * log2(e).
+        x = qk * qk_scale
+        if HAS_CAP:
+            z = _capped(x, FAST_TANH)
+        else:
+            z = x
+        if MASKED or HAS_MASK:
+            ok = _allowed(rows[:, None], cols[None, :], q_len, k_len, diag, window, IS_CAUSAL, HAS_WINDOW)
+            if HAS_MASK:
+                ok = ok & _mask_tile(mask_base, rows[:, None], cols[None, :], ok, stride_mm, stride_mn)
+            if RETURN_MAX and HAS_CAP:
+                x_max = tl.maximum(x_max, tl.max(tl.where(ok, x, float("-inf")), 1))
+            z = tl.where(ok, z, float("-inf"))  # the mask after the cap, as in Gemma 2 and FlashAttention
+        elif RETURN_MAX and HAS_CAP:
+            x_max = tl.maximum(x_max, tl.max(x, 1))
+        if HAS_CAP:
+            m_new = tl.maximum(m_i, tl.max(z, 1) * cap_log2)  # cap_log2 > 0: the largest t gives the largest logit
+        else:
+            m_new = tl.maximum(m_i, tl.max(z, 1))
+        # A row that has seen no allowed key yet keeps m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if HAS_CAP:
+            p = tl.math.exp2(tl.fma(z, cap_log2, -m_safe[:, None]))
+        else:
+            p = tl.math.exp2(z - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vn + offs_d[None, :],
+            mask=(cols[:, None] < k_len) & d_ok[None, :],
+            other=0.0,
+        )
+        # P is rounded to the input dtype for the tensor-core product, as in FlashAttention-2.
+        acc = dot(to_dtype(p, v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i, x_max
 
 
 @triton.jit
@@ -176,6 +344,7 @@ def _attn_fwd_kernel(
     VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     RETURN_MAX: tl.constexpr,
+    FAST_TANH: tl.constexpr,
 ):
     """One program = BLOCK_M query rows of one (sequence, query head). Grid: (cdiv(max_seqlen_q, BLOCK_M),
     batch * heads). Writes O (input dtype), LSE (fp32, natural log) and, with RETURN_MAX, MX (fp32, LSE's layout)."""
@@ -191,7 +360,6 @@ def _attn_fwd_kernel(
     diag = k_len - q_len
     b64 = b.to(tl.int64)
     rows = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM  # BLOCK_D is head_dim padded to a power of two (80 -> 128)
 
@@ -207,36 +375,25 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     x_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # RETURN_MAX with a cap: max of s / c
-    lo, hi = _key_range(m0, k_len, diag, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kt = tl.load(
-            k_base + cols[None, :] * stride_kn + offs_d[:, None],
-            mask=(cols[None, :] < k_len) & d_ok[:, None],
-            other=0.0,
-        )
-        qk = dot(q, kt, None, DOT_PRECISION)
-        s, _t = _logits(qk, qk_scale, cap_log2, HAS_CAP)  # cap before the mask, as in Gemma 2
-        ok = _allowed(rows[:, None], cols[None, :], q_len, k_len, diag, window, IS_CAUSAL, HAS_WINDOW)
-        if HAS_MASK:
-            ok = ok & _mask_tile(mask_base, rows[:, None], cols[None, :], ok, stride_mm, stride_mn)
-        if RETURN_MAX and HAS_CAP:
-            x_max = tl.maximum(x_max, tl.max(tl.where(ok, qk * qk_scale, float("-inf")), 1))
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no allowed key yet keeps m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + cols[:, None] * stride_vn + offs_d[None, :],
-            mask=(cols[:, None] < k_len) & d_ok[None, :],
-            other=0.0,
-        )
-        # P is rounded to the input dtype for the tensor-core product, as in FlashAttention-2.
-        acc = dot(to_dtype(p, v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
-        m_i = m_new
+    lo, mid_lo, mid_hi, hi = _key_range(m0, k_len, diag, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    if HAS_WINDOW:  # the window's left edge
+        acc, l_i, m_i, x_max = _fwd_loop(
+            acc, l_i, m_i, x_max, q, k_base, v_base, mask_base, rows, lo, mid_lo, q_len, k_len, diag, window,
+            qk_scale, cap_log2, stride_kn, stride_vn, stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+            IS_CAUSAL, HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION, RETURN_MAX,
+        )  # fmt: skip
+    # keys every row of the tile may see
+    acc, l_i, m_i, x_max = _fwd_loop(
+        acc, l_i, m_i, x_max, q, k_base, v_base, mask_base, rows, mid_lo, mid_hi, q_len, k_len, diag, window, qk_scale,
+        cap_log2, stride_kn, stride_vn, stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL,
+        HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION, RETURN_MAX,
+    )  # fmt: skip
+    # the diagonal and the sequence's last keys
+    acc, l_i, m_i, x_max = _fwd_loop(
+        acc, l_i, m_i, x_max, q, k_base, v_base, mask_base, rows, mid_hi, hi, q_len, k_len, diag, window, qk_scale,
+        cap_log2, stride_kn, stride_vn, stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL,
+        HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION, RETURN_MAX,
+    )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -262,283 +419,3 @@ def _pre_cap_max(m_i, x_max, cap_log2, HAS_CAP: tl.constexpr):
         return x_max * (cap_log2 * LN2)
     else:
         return m_i * LN2
-
-
-@triton.jit
-def _attn_bwd_preprocess_kernel(
-    O,
-    DO,
-    DLSE,
-    DELTA,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    num_heads,
-    seqlen,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-):
-    """``delta = rowsum(dO * O) - dLSE`` in fp32, shape (batch, heads, seq) contiguous.
-
-    dS = P * (dP - delta) is the softmax backward; a gradient flowing into the LSE output adds ``P * dLSE`` to dS,
-    which is the same as subtracting it from delta, so the main kernels need not know about it."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // num_heads).to(tl.int64)
-    h = (pid_bh % num_heads).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :], mask=ok, other=0.0)
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :], mask=ok, other=0.0
-    )
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    row_base = pid_bh.to(tl.int64) * seqlen
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + row_base + rows, mask=rows < seqlen, other=0.0)
-    tl.store(DELTA + row_base + rows, delta, mask=rows < seqlen)
-
-
-@triton.jit
-def _attn_bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    MASK,
-    CU_Q,
-    CU_K,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dkb,
-    stride_dkh,
-    stride_dkn,
-    stride_dvb,
-    stride_dvh,
-    stride_dvn,
-    stride_lb,
-    stride_lh,
-    stride_mb,
-    stride_mh,
-    stride_mm,
-    stride_mn,
-    num_kv_heads,
-    groups,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    cap_log2,
-    scaling,
-    window,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_CAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One program = BLOCK_N keys of one (sequence, KV head); it loops over the ``groups`` query heads that share
-    the KV head and over their query blocks, so dK and dV are summed over the GQA group in registers (no atomics,
-    deterministic). Grid: (cdiv(max_seqlen_k, BLOCK_N), batch * kv_heads). Works in transposed tiles (keys x
-    queries) so that K and V stay as loaded."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_kv_heads
-    hk = pid_bh % num_kv_heads
-    q_start, q_len, k_start, k_len = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
-    n0 = pid_n * BLOCK_N
-    if n0 >= k_len:
-        return
-    diag = k_len - q_len
-    b64 = b.to(tl.int64)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    kv_ok = (cols[:, None] < k_len) & d_ok[None, :]
-    k_off = b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_start * stride_kn
-    k = tl.load(K + k_off + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_ok, other=0.0)
-    v_off = b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_start * stride_vn
-    v = tl.load(V + v_off + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_ok, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    # Query blocks that can see this key block (the mirror image of _key_range).
-    lo = 0
-    hi = q_len
-    if IS_CAUSAL:
-        lo = tl.maximum(n0 - diag, 0)
-        lo = (lo // BLOCK_M) * BLOCK_M
-    if HAS_WINDOW:
-        hi = tl.minimum(hi, n0 + BLOCK_N - 1 + window - diag)
-    for g in range(groups):
-        h = (hk * groups + g).to(tl.int64)
-        q_base = Q + b64 * stride_qb + h * stride_qh + q_start * stride_qm
-        do_base = DO + b64 * stride_dob + h * stride_doh + q_start * stride_dom
-        row_base = b64 * stride_lb + h * stride_lh + q_start  # LSE and DELTA share one layout
-        mask_base = MASK + b64 * stride_mb + h * stride_mh
-        for m0 in range(lo, hi, BLOCK_M):
-            rows = m0 + offs_m
-            row_ok = rows < q_len
-            qt = tl.load(
-                q_base + rows[None, :] * stride_qm + offs_d[:, None], mask=row_ok[None, :] & d_ok[:, None], other=0.0
-            )
-            do = tl.load(
-                do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
-            )
-            lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * LOG2E
-            delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
-            st, tt = _logits(dot(k, qt, None, DOT_PRECISION), qk_scale, cap_log2, HAS_CAP)
-            ok = _allowed(rows[None, :], cols[:, None], q_len, k_len, diag, window, IS_CAUSAL, HAS_WINDOW)
-            if HAS_MASK:
-                ok = ok & _mask_tile(mask_base, rows[None, :], cols[:, None], ok, stride_mm, stride_mn)
-            pt = tl.where(ok, tl.math.exp2(st - lse2[None, :]), 0.0)
-            dv = dot(to_dtype(pt, do.dtype), do, dv, DOT_PRECISION)
-            dpt = dot(v, tl.trans(do), None, DOT_PRECISION)
-            dst = pt * (dpt - delta[None, :])
-            if HAS_CAP:
-                dst = dst * (1.0 - tt * tt)  # d(c*tanh(x/c))/dx = 1 - tanh^2
-            dk = dot(to_dtype(dst, qt.dtype), tl.trans(qt), dk, DOT_PRECISION)
-    dk *= scaling
-    dk_off = b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + k_start * stride_dkn
-    tl.store(DK + dk_off + cols[:, None] * stride_dkn + offs_d[None, :], to_dtype(dk, DK.dtype.element_ty), mask=kv_ok)
-    dv_off = b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + k_start * stride_dvn
-    tl.store(DV + dv_off + cols[:, None] * stride_dvn + offs_d[None, :], to_dtype(dv, DV.dtype.element_ty), mask=kv_ok)
-
-
-@triton.jit
-def _attn_bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    MASK,
-    CU_Q,
-    CU_K,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dqb,
-    stride_dqh,
-    stride_dqm,
-    stride_lb,
-    stride_lh,
-    stride_mb,
-    stride_mh,
-    stride_mm,
-    stride_mn,
-    num_heads,
-    groups,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    cap_log2,
-    scaling,
-    window,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_CAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One program = BLOCK_M query rows of one (sequence, query head); recomputes P from the saved LSE over the
-    same key blocks as the forward. Grid: (cdiv(max_seqlen_q, BLOCK_M), batch * heads)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    hk = h // groups
-    q_start, q_len, k_start, k_len = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= q_len:
-        return
-    diag = k_len - q_len
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    rows = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    row_ok = rows < q_len
-    q_ok = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(
-        Q + b64 * stride_qb + h64 * stride_qh + (q_start + rows[:, None]) * stride_qm + offs_d[None, :],
-        mask=q_ok,
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b64 * stride_dob + h64 * stride_doh + (q_start + rows[:, None]) * stride_dom + offs_d[None, :],
-        mask=q_ok,
-        other=0.0,
-    )
-    row_base = b64 * stride_lb + h64 * stride_lh + q_start
-    lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * LOG2E
-    delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
-    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_start * stride_kn
-    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_start * stride_vn
-    mask_base = MASK + b64 * stride_mb + h64 * stride_mh
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, hi = _key_range(m0, k_len, diag, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kv_ok = (cols[None, :] < k_len) & d_ok[:, None]
-        kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=kv_ok, other=0.0)
-        vt = tl.load(v_base + cols[None, :] * stride_vn + offs_d[:, None], mask=kv_ok, other=0.0)
-        s, t = _logits(dot(q, kt, None, DOT_PRECISION), qk_scale, cap_log2, HAS_CAP)
-        ok = _allowed(rows[:, None], cols[None, :], q_len, k_len, diag, window, IS_CAUSAL, HAS_WINDOW)
-        if HAS_MASK:
-            ok = ok & _mask_tile(mask_base, rows[:, None], cols[None, :], ok, stride_mm, stride_mn)
-        p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = dot(do, vt, None, DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if HAS_CAP:
-            ds = ds * (1.0 - t * t)
-        dq = dot(to_dtype(ds, kt.dtype), tl.trans(kt), dq, DOT_PRECISION)
-    dq *= scaling
-    tl.store(
-        DQ + b64 * stride_dqb + h64 * stride_dqh + (q_start + rows[:, None]) * stride_dqm + offs_d[None, :],
-        to_dtype(dq, DQ.dtype.element_ty),
-        mask=q_ok,
-    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attention_kernels import LN2, _allowed, _logits, _pre_cap_max
+from ._attention_kernels import LN2, _allowed, _capped, _pre_cap_max
 from ._common import dot, to_dtype
 
 
@@ -66,6 +66,7 @@ def _attn_fwd_split_kernel(
     HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     RETURN_MAX: tl.constexpr,
+    FAST_TANH: tl.constexpr,
 ):
     """Grid: (num_splits, batch * kv_heads, cdiv(q_len * groups, BLOCK_M)). Row ``r`` of a tile is query
     ``r // groups`` of head ``kv_head * groups + r % groups``. Keys ``[split * split_len, (split + 1) * split_len)``
@@ -114,18 +115,25 @@ def _attn_fwd_split_kernel(
         kt = tl.load(
             k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
         )
-        qk = dot(q, kt, None, DOT_PRECISION)
-        s, _t = _logits(qk, qk_scale, cap_log2, HAS_CAP)
+        x = dot(q, kt, None, DOT_PRECISION) * qk_scale
         ok = _allowed(qi[:, None], cols[None, :], seqlen_q, seqlen_k, diag, window, IS_CAUSAL, HAS_WINDOW)
         ok = ok & row_ok[:, None]
         if HAS_MASK:
             ok = ok & (tl.load(mask_rows[:, None] + cols[None, :] * stride_mn, mask=ok, other=0) != 0)
         if RETURN_MAX and HAS_CAP:
-            x_max = tl.maximum(x_max, tl.max(tl.where(ok, qk * qk_scale, float("-inf")), 1))
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            x_max = tl.maximum(x_max, tl.max(tl.where(ok, x, float("-inf")), 1))
+        # As in _attn_fwd_kernel: the mask after the tanh, cap_log2 folded into the exponential as one FMA.
+        if HAS_CAP:
+            t = tl.where(ok, _capped(x, FAST_TANH), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(t, 1) * cap_log2)
+        else:
+            s = tl.where(ok, x, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
+        if HAS_CAP:
+            p = tl.math.exp2(tl.fma(t, cap_log2, -m_safe[:, None]))
+        else:
+            p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(

@@ -1,9 +1,10 @@
 """Capped flash attention in Triton: the launchers and the ``torch.library`` custom ops.
 
-Ladder: ``_attn_*_kernel`` (``_attention_kernels.py``, ``_decode_kernels.py``) -> ``attn_fwd()`` / ``attn_bwd()``
-launchers here (shape and dtype checks, tiles, grids) -> ``torch.ops.hf_qknorm.attn_fwd`` / ``attn_fwd_max`` /
-``attn_bwd`` custom ops here (fake + autograd, so they work under ``torch.compile``) -> the public entry points in
-:mod:`.attn_interface` (``qknorm_attn_func``, ``qknorm_attn_varlen_func``, ``qknorm_attn_with_kvcache``, ...).
+Ladder: ``_attn_*_kernel`` (``_attention_kernels.py``, ``_attention_bwd_kernels.py``, ``_decode_kernels.py``) ->
+``attn_fwd()`` / ``attn_bwd()`` launchers here (shape and dtype checks, tiles, grids) ->
+``torch.ops.hf_qknorm.attn_fwd`` / ``attn_fwd_max`` / ``attn_bwd`` custom ops here (fake + autograd, so they work
+under ``torch.compile``) -> the public entry points in :mod:`.attn_interface` (``qknorm_attn_func``,
+``qknorm_attn_varlen_func``, ``qknorm_attn_with_kvcache``, ...).
 
 Layouts
 -------
@@ -25,9 +26,12 @@ Layouts
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
+from . import exact_tanh_requested
 from ._attention_args import (  # noqa: F401 (MAX_HEAD_DIM: part of this module's interface)
     MAX_HEAD_DIM,
     _check_inputs,
@@ -38,12 +42,8 @@ from ._attention_args import (  # noqa: F401 (MAX_HEAD_DIM: part of this module'
     _strides3,
     _varlen_args,
 )
-from ._attention_kernels import (
-    _attn_bwd_dkdv_kernel,
-    _attn_bwd_dq_kernel,
-    _attn_bwd_preprocess_kernel,
-    _attn_fwd_kernel,
-)
+from ._attention_bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
+from ._attention_kernels import _attn_fwd_kernel
 from ._common import block_dim, dot_precision, is_interpreted, launch_context
 from ._decode_kernels import _attn_combine_kernel, _attn_fwd_split_kernel
 
@@ -74,6 +74,22 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool) -
     if dtype == torch.float32:
         bm, bn, stages = max(bm // 2, 16), max(bn // 2, 16), 1
     return bm, bn, warps, stages
+
+
+@functools.cache
+def _has_tanh_approx(device: torch.device) -> bool:
+    """``tanh.approx.f32`` exists from compute capability 7.5 on, and only in NVIDIA's PTX (not on ROCm)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (7, 5)
+
+
+def fast_tanh(dtype: torch.dtype, device: torch.device, interpreted: bool) -> bool:
+    """The kernels' ``FAST_TANH`` flag: the cap's tanh from ``tanh.approx.f32`` for fp16/bf16 inputs on an NVIDIA
+    GPU that has it, unless ``HF_QKNORM_EXACT_TANH`` asks for the exact one. Its error (about 2^-11 relative) is
+    below fp16/bf16 rounding, not below fp32's: fp32 inputs, taken for exactness, keep the exact tanh. The
+    interpreter cannot run inline assembly."""
+    if interpreted or dtype not in (torch.float16, torch.bfloat16) or device.type != "cuda":
+        return False
+    return not exact_tanh_requested() and _has_tanh_approx(device)
 
 
 # The decoding-shaped forward (_decode_kernels.py) handles calls with at most this many (query, head) rows per
@@ -130,7 +146,8 @@ def attn_fwd(
             q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causal, softcap, sliding_window, num_splits
         )
         return done
-    bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, is_interpreted(_attn_fwd_kernel))
+    interpreted = is_interpreted(_attn_fwd_kernel)
+    bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, interpreted)
     bm, bn = block_m or bm, block_n or bn
     batch = len(cu_q) - 1 if varlen else q.shape[0]
     grid = (triton.cdiv(grid_q, bm), batch * q.shape[1])
@@ -170,6 +187,7 @@ def attn_fwd(
             VARLEN=varlen,
             DOT_PRECISION=dot_precision(q.dtype),
             RETURN_MAX=return_max,
+            FAST_TANH=fast_tanh(q.dtype, q.device, interpreted),
             num_warps=warps,
             num_stages=stages,
         )
@@ -241,6 +259,7 @@ def _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causa
             HAS_MASK=attn_mask is not None,
             DOT_PRECISION=dot_precision(q.dtype),
             RETURN_MAX=row_max is not None,
+            FAST_TANH=fast_tanh(q.dtype, q.device, interpreted),
             num_warps=warps,
             num_stages=stages,
         )
@@ -319,6 +338,7 @@ def attn_bwd(
         HAS_MASK=attn_mask is not None,
         VARLEN=varlen,
         DOT_PRECISION=dot_precision(q.dtype),
+        FAST_TANH=fast_tanh(q.dtype, q.device, interpreted),
     )
     lse_strides = (0 if varlen else lse.stride(0), lse.stride(1))
     scalars = (q.shape[1] // k.shape[1], seqlen_q, seqlen_k, qk_scale, cap_log2, scaling, sliding_window or 0)
