@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hf_qknorm
+from hf_qknorm.upstream import cache_kwargs, output_cache
 from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 NEW_TOKENS = 5
@@ -309,7 +310,7 @@ def test_generate_from_embeddings_and_continue_from_a_cache(family):
     more = model.generate(
         first.sequences,
         attention_mask=torch.ones_like(first.sequences),
-        past_key_values=first.past_key_values,
+        **cache_kwargs(model, output_cache(first)),
         max_new_tokens=3,
         min_new_tokens=3,
         do_sample=False,

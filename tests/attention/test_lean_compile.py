@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 import hf_qknorm
+from hf_qknorm.upstream import cache_kwargs
 from tests._support.tiny_models import VOCAB, tiny_model
 
 SCHEMES = ("qk_norm", "soft_cap", "qk_norm_cap", "qkv_norm")
@@ -50,11 +51,11 @@ def test_decoding_step_compiles_without_graph_breaks(scheme, cache_kind, monkeyp
         else DynamicCache(config=model.config)
     )
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, use_cache=True, **cache_kwargs(model, cache))
         nxt = out.logits[:, -1:].argmax(-1)
         torch._dynamo.reset()
         explanation = torch._dynamo.explain(model)(
-            nxt, past_key_values=cache, use_cache=True, cache_position=torch.tensor([ids.shape[1]])
+            nxt, use_cache=True, **cache_kwargs(model, cache), cache_position=torch.tensor([ids.shape[1]])
         )
     in_attention = [
         r
@@ -79,14 +80,14 @@ def test_compiled_static_cache_decoding_matches_eager(scheme):
     caches = [StaticCache(config=eager.config, max_cache_len=24) for _ in range(2)]
     with torch.no_grad():
         logits = [
-            m(ids, past_key_values=c, use_cache=True).logits[:, -1:] for m, c in zip((eager, compiled_model), caches)
+            m(ids, use_cache=True, **cache_kwargs(m, c)).logits[:, -1:] for m, c in zip((eager, compiled_model), caches)
         ]
         torch.testing.assert_close(logits[1], logits[0])
         nxt = logits[0].argmax(-1)
         for step in range(4):
             pos = torch.tensor([ids.shape[1] + step])
-            a = eager(nxt, past_key_values=caches[0], use_cache=True, cache_position=pos).logits
-            b = compiled(nxt, past_key_values=caches[1], use_cache=True, cache_position=pos).logits
+            a = eager(nxt, use_cache=True, **cache_kwargs(eager, caches[0]), cache_position=pos).logits
+            b = compiled(nxt, use_cache=True, **cache_kwargs(eager, caches[1]), cache_position=pos).logits
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
             nxt = a.argmax(-1)
 

@@ -14,6 +14,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm.attention import qknorm_attention_forward
+from hf_qknorm.upstream import cache_kwargs
 from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 
@@ -67,11 +68,11 @@ def test_packed_after_cached_tokens_is_refused():
 
     model = _model("llama", "qk_norm_cap")
     cache = DynamicCache(config=model.config)
-    model(torch.randint(1, VOCAB, (1, 4)), past_key_values=cache, use_cache=True)
+    model(torch.randint(1, VOCAB, (1, 4)), use_cache=True, **cache_kwargs(model, cache))
     ids = torch.randint(1, VOCAB, (1, 6))
     position_ids = torch.tensor([[4, 5, 6, 0, 1, 2]])
     with pytest.raises(ValueError, match="packed sequences .* appended to a cache that holds 4 earlier tokens"):
-        model(ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        model(ids, position_ids=position_ids, use_cache=True, **cache_kwargs(model, cache))
 
 
 def test_packed_prefill_into_a_static_cache():
@@ -82,7 +83,7 @@ def test_packed_prefill_into_a_static_cache():
     seqs, batch = _packed()
     cache = StaticCache(config=model.config, max_cache_len=40)
     packed = model(
-        input_ids=batch["input_ids"], position_ids=batch["position_ids"], past_key_values=cache, use_cache=True
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True, **cache_kwargs(model, cache)
     ).logits[0]
     start = 0
     for s in seqs:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import hf_qknorm
+from hf_qknorm.upstream import cache_kwargs, output_cache
 from tests._support.tiny_models import FAMILY_NAMES, VOCAB, tiny_model
 
 
@@ -148,7 +149,7 @@ def test_generate_with_cache_matches_uncached(family, scheme, norm):
     # and the cached logits equal the full-sequence logits
     out = model(cached[:, :-1], use_cache=False).logits
     step = model(cached[:, :-2], use_cache=True)
-    last = model(cached[:, -2:-1], past_key_values=step.past_key_values, use_cache=True).logits
+    last = model(cached[:, -2:-1], use_cache=True, **cache_kwargs(model, output_cache(step))).logits
     torch.testing.assert_close(last[:, -1], out[:, -1], rtol=1e-4, atol=1e-4)
 
 

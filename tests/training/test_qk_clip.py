@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import hf_qknorm
+from hf_qknorm import upstream
 from hf_qknorm.portable import hooks
 from hf_qknorm.reference import attention_reference
 from tests._support.tiny_models import VOCAB, tiny_model
@@ -82,7 +83,7 @@ def _record_inputs(model, ids):
         handles.append(
             attn.register_forward_pre_hook(
                 lambda m, args, kwargs: calls.append(
-                    (args, {k: v for k, v in kwargs.items() if k != "past_key_values"})
+                    (args, {k: v for k, v in kwargs.items() if k not in upstream.CALL_CACHE_NAMES})
                 ),
                 with_kwargs=True,
             )
