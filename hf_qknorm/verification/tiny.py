@@ -7,6 +7,8 @@ build, which the table reports).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 64, 4, 2, 16, 2, 256
@@ -51,7 +53,11 @@ def tiny_config(model_type: str):
     """A small config of ``model_type`` (its config class with the sizes above), dropout off, one pad token."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type]()
+    return _shrink(CONFIG_MAPPING[model_type]())
+
+
+def _shrink(config):
+    """``config`` with the sizes above where it has them, one layer of each kind it names, dropout off."""
     for name, value in SIZES.items():
         if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
             try:
@@ -120,3 +126,229 @@ def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
     except TypeError:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# multimodal (image-text-to-text) models: the text config shrunk as above, the vision config to VISION
+# --------------------------------------------------------------------------------------------------------------------
+IMAGE, PATCH = 32, 8  # a tiny image's side and patch side: 4 x 4 patches
+VISION = {
+    "hidden_size": 32,
+    "embed_dim": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "depth": 2,
+    "num_attention_heads": 2,
+    "num_heads": 2,
+    "head_dim": 16,
+    "image_size": IMAGE,
+    "patch_size": PATCH,
+    "projection_dim": HIDDEN,  # PaliGemma's projector writes the vision config's projection_dim
+    "out_hidden_size": HIDDEN,  # Qwen-VL's merger writes the text model's width
+    "num_position_embeddings": (IMAGE // PATCH) ** 2,
+}
+# The ids a multimodal config gives its special tokens, set to the top of the tiny vocabulary (in this order).
+SPECIAL_IDS = (
+    ("image_token_id", "image_token_index"),
+    ("video_token_id", "video_token_index"),
+    ("vision_start_token_id",),
+    ("vision_end_token_id",),
+    ("boi_token_index", "boi_token_id"),
+    ("eoi_token_index", "eoi_token_id"),
+)
+# What the generic sizes do not say, per type: (vision config, top-level config) settings, and the form of the
+# pixel input (``square``: (batch, 3, side, side); ``tiles``: one tile per image with a pixel mask, Idefics3;
+# ``anyres``: base image plus tiles with image_sizes, LLaVA-NeXT; ``sized``: with image_sizes, Pixtral;
+# ``patches``: flattened patches with image_grid_thw, Qwen-VL).
+MULTIMODAL = {
+    "llava": ({}, {}, "square"),
+    "llava_next": ({}, {"image_grid_pinpoints": [[IMAGE, IMAGE]]}, "anyres"),
+    "paligemma": ({}, {"projection_dim": HIDDEN}, "square"),
+    "gemma3": ({}, {"mm_tokens_per_image": 4}, "square"),
+    "mistral3": ({}, {"spatial_merge_size": 2}, "sized"),
+    "idefics3": ({}, {"scale_factor": 2}, "tiles"),
+    "smolvlm": ({}, {"scale_factor": 2}, "tiles"),
+    "internvl": ({"image_size": [IMAGE, IMAGE], "patch_size": [PATCH, PATCH]}, {"image_seq_length": 4}, "square"),
+    "qwen2_vl": ({"hidden_size": HIDDEN}, {}, "patches"),
+    "qwen2_5_vl": ({"window_size": 2 * PATCH * 2, "fullatt_block_indexes": [1]}, {}, "patches"),
+    "qwen3_vl": ({"deepstack_visual_indexes": [1]}, {}, "patches"),
+    "llama4": (
+        {"vision_output_dim": 32, "projector_input_dim": HIDDEN, "projector_output_dim": HIDDEN},
+        {},
+        "square",
+    ),
+}
+
+
+def is_multimodal(config) -> bool:
+    """Whether ``config`` is a multimodal model's (its text config is another config)."""
+    return hasattr(config, "get_text_config") and config.get_text_config() is not config
+
+
+def tiny_multimodal_config(model_type: str):
+    """A small config of an image-text-to-text ``model_type``: its text config shrunk as :func:`tiny_config` does,
+    its vision config to :data:`VISION` (and the type's :data:`MULTIMODAL` settings), its special tokens' ids at the
+    top of the tiny vocabulary."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    vision, top, _ = MULTIMODAL.get(model_type, ({}, {}, None))
+    text = _shrink(config.get_text_config())
+    if isinstance(getattr(text, "cross_attention_layers", None), list):  # Mllama: keep a cross-attention layer
+        text.cross_attention_layers = [LAYERS - 1]
+    sub = getattr(config, "vision_config", None)
+    if sub is not None:
+        for name, value in {**VISION, **vision}.items():
+            if name in sub.to_dict():
+                setattr(sub, name, value)
+        _shrink_dropout(sub)
+    for name, value in top.items():
+        setattr(config, name, value)
+    taken = VOCAB - 1
+    for names in SPECIAL_IDS:
+        for name in names:
+            if isinstance(getattr(config, name, None), int):
+                setattr(config, name, taken)
+        taken -= 1
+    if "image_seq_length" in config.to_dict() and "image_seq_length" not in top:
+        config.image_seq_length = (IMAGE // PATCH) ** 2
+    return config
+
+
+def _shrink_dropout(config) -> None:
+    for name in dir(config):
+        if "dropout" in name or name.endswith("_pdrop"):
+            value = getattr(config, name, None)
+            if isinstance(value, float):
+                setattr(config, name, 0.0)
+
+
+MAX_TINY_PARAMETERS = 20_000_000  # a config whose sizes go by other names stays big: refused, not built
+
+
+def tiny_multimodal_model(model_type: str, dtype=torch.float32, seed: int = 0):
+    """A randomly initialised tiny image-text-to-text model of ``model_type`` on the CPU, in eval mode. A config
+    the sizes above do not shrink (its sub-models name their sizes otherwise) is measured on the ``meta`` device
+    first and refused with ``ValueError`` rather than built."""
+    from transformers import AutoModelForImageTextToText
+
+    config = tiny_multimodal_config(model_type)
+    with torch.device("meta"):
+        skeleton = AutoModelForImageTextToText.from_config(copy.deepcopy(config))
+    if _fit_mrope(skeleton, config):
+        with torch.device("meta"):
+            skeleton = AutoModelForImageTextToText.from_config(copy.deepcopy(config))
+    count = sum(p.numel() for p in skeleton.parameters())
+    if count > MAX_TINY_PARAMETERS:
+        raise ValueError(f"the shrunk config still has {count / 1e6:.0f}M parameters (sizes named otherwise)")
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
+
+
+def _fit_mrope(skeleton, config) -> bool:
+    """Multimodal RoPE (Qwen2-VL, GLM-4V, ...) splits a head's rotary frequencies into three position rows by a
+    ``mrope_section`` its config may leave to the class default (sized for the real head width): scale the split to
+    the tiny model's frequencies, in the default's proportions. Returns whether the config changed."""
+    text = config.get_text_config()
+    rope = getattr(text, "rope_parameters", None)
+    for module in skeleton.modules():
+        section, freqs = getattr(module, "mrope_section", None), getattr(module, "inv_freq", None)
+        if not isinstance(section, (list, tuple)) or not isinstance(freqs, torch.Tensor) or not isinstance(rope, dict):
+            continue
+        need, have = freqs.shape[-1], sum(section)
+        if need == have or not have:
+            return False
+        shares = [need * part / have for part in section]
+        fitted = [int(x) for x in shares]
+        for i in sorted(range(len(shares)), key=lambda i: fitted[i] - shares[i])[: need - sum(fitted)]:
+            fitted[i] += 1  # largest remainders first
+        rope["mrope_section"] = fitted
+        return True
+    return False
+
+
+def image_text_inputs(model, batch: int = 2, text: int = 5, seed: int = 0) -> dict:
+    """Inputs of one image per row and ``text`` tokens around it, for a tiny model of a :data:`MULTIMODAL` type:
+    ``input_ids`` (with the model's image placeholder tokens, as many as its vision tower gives features, inside
+    the vision start/end tokens where the type has them), ``pixel_values`` in the type's form, and what the type
+    needs besides (``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask``, ``token_type_ids``)."""
+    config = model.config
+    kind = MULTIMODAL[base_type(config.model_type)][2]
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    pixels = _pixel_inputs(kind, config, batch, gen, dtype)
+    count = _image_tokens(model, pixels, batch)
+    image = _first_int(config, SPECIAL_IDS[0])
+    start, end = _first_int(config, SPECIAL_IDS[2]), _first_int(config, SPECIAL_IDS[3])
+    rows, types = [], []
+    for _ in range(batch):
+        words = torch.randint(3, VOCAB - len(SPECIAL_IDS), (text,), generator=gen)
+        pieces = [words[:2]]
+        if start is not None:
+            pieces.append(torch.tensor([start]))
+        pieces.append(torch.full((count,), image))
+        if end is not None:
+            pieces.append(torch.tensor([end]))
+        pieces.append(words[2:])
+        row = torch.cat(pieces)
+        rows.append(row)
+        types.append((row == image).long())
+    out = {"input_ids": torch.stack(rows), **pixels}
+    for name in ("token_type_ids", "mm_token_type_ids"):  # image tokens 1 (Gemma 3's and Qwen-VL's M-RoPE's rule)
+        if name in _forward_parameters(model):
+            out[name] = torch.stack(types)
+    return out
+
+
+def base_type(model_type: str) -> str:
+    return model_type[len("qknorm_") :] if model_type.startswith("qknorm_") else model_type
+
+
+def _first_int(config, names):
+    return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+
+
+def _forward_parameters(model) -> set:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _pixel_inputs(kind: str, config, batch: int, gen, dtype) -> dict:
+    side = IMAGE
+
+    def pixels(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    if kind == "square":
+        return {"pixel_values": pixels(batch, 3, side, side)}
+    if kind == "sized":
+        return {"pixel_values": pixels(batch, 3, side, side), "image_sizes": torch.tensor([[side, side]] * batch)}
+    if kind == "anyres":
+        return {"pixel_values": pixels(batch, 2, 3, side, side), "image_sizes": torch.tensor([[side, side]] * batch)}
+    if kind == "tiles":
+        return {
+            "pixel_values": pixels(batch, 1, 3, side, side),
+            "pixel_attention_mask": torch.ones(batch, 1, side, side, dtype=torch.bool),
+        }
+    if kind == "patches":
+        vision = config.vision_config
+        grid = side // PATCH
+        width = vision.in_channels * vision.temporal_patch_size * PATCH * PATCH
+        return {
+            "pixel_values": pixels(batch * grid * grid, width),
+            "image_grid_thw": torch.tensor([[1, grid, grid]] * batch),
+        }
+    raise ValueError(f"no pixel input of kind {kind!r}")
+
+
+def _image_tokens(model, pixels: dict, batch: int) -> int:
+    """How many placeholder tokens one image takes: the rows of features the model's vision tower gives it."""
+    with torch.no_grad():
+        out = model.get_image_features(**pixels)
+    feats = out if isinstance(out, (torch.Tensor, list, tuple)) else getattr(out, "pooler_output", None)
+    if feats is None:
+        feats = out[0]
+    parts = [feats] if isinstance(feats, torch.Tensor) else list(feats)
+    rows = sum(p.reshape(-1, p.shape[-1]).shape[0] for p in parts)
+    return rows // batch
