@@ -67,13 +67,27 @@ def _conversion_mapping():
     return conversion_mapping
 
 
+# Auto classes of multimodal models (LLaVA, Qwen2-VL, ...), whose language model patch_model patches: a saved
+# folder of one loads through these with the plugin. Those a Transformers release lacks are skipped.
+MULTIMODAL_HEADS = (
+    ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING"),
+    ("AutoModelForMultimodalLM", "MODEL_FOR_MULTIMODAL_LM_MAPPING"),
+)
+
+
+def _heads():
+    from transformers.models.auto import modeling_auto
+
+    return [(a, m) for a, m in (*AUTO_HEADS, *MULTIMODAL_HEADS) if hasattr(modeling_auto, m + "_NAMES")]
+
+
 def _register_heads(cls: type, base_cfg: type, model_type: str) -> None:
     import transformers
     from transformers.models.auto import modeling_auto
 
-    for auto_name, mapping_name in AUTO_HEADS:
+    for auto_name, mapping_name in _heads():
         mapping = getattr(modeling_auto, mapping_name)
-        if base_cfg in mapping:
+        if base_cfg in mapping and hasattr(transformers, auto_name):
             head = mapping[base_cfg]
             if isinstance(head, type):
                 getattr(transformers, auto_name).register(cls, model_class(head, model_type), exist_ok=True)
@@ -85,8 +99,23 @@ def model_class(base_cls: type, model_type: str) -> type:
     if key not in _MODELS:
         cls = make_model_class(base_cls, config_class(model_type), __name__)
         globals().setdefault(cls.__name__, cls)
+        _share_class_mapping(base_cls.__name__, cls.__name__)
         _MODELS[key] = cls
     return _MODELS[key]
+
+
+def _share_class_mapping(base_name: str, name: str) -> None:
+    """A checkpoint conversion mapping Transformers keys by class name (Qwen2-VL's, which moves the language model's
+    weights from ``model.layers`` to ``model.language_model.layers`` on loading, and back on saving) applies to
+    ``QKNorm<Class>`` too, so a saved folder's weights load into the patched class where they came from."""
+    module = _conversion_mapping()
+    get = getattr(module, "get_checkpoint_conversion_mapping", None)
+    register = getattr(module, "register_checkpoint_conversion_mapping", None)
+    if get is None or register is None:
+        return
+    mapping = get(base_name)
+    if mapping and not get(name):
+        register(name, mapping)
 
 
 def __getattr__(name: str):
@@ -101,7 +130,7 @@ def __getattr__(name: str):
         for model_type, class_name in CONFIG_MAPPING_NAMES.items():
             if class_name == base:
                 return config_class(model_type)
-        for _auto, mapping_name in AUTO_HEADS:
+        for _auto, mapping_name in _heads():
             types = [t for t, c in getattr(modeling_auto, mapping_name + "_NAMES").items() if c == base]
             types = [t for t in types if t in _CONFIGS] or types  # a class shared by types: the one in use
             if types:

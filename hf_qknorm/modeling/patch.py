@@ -12,10 +12,18 @@ import logging
 
 from torch import nn
 
+from ..portable.families import UnsupportedModelError
 from ..portable.layout import unwrap
 from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import QKNormConfig
-from ..portable.structure import fold_prenorms, install_scheme, own_config, plan_scheme, uninstall_scheme
+from ..portable.structure import (
+    fold_prenorms,
+    install_scheme,
+    own_config,
+    plan_scheme,
+    text_model,
+    uninstall_scheme,
+)
 from .classes import mark_patched
 from .selfcheck import self_check
 from .sharding import refuse_distributed
@@ -48,7 +56,9 @@ def patch_model(
             (any head class: ``*ForCausalLM``, the base model, sequence/token classification, question
             answering), in any dtype, optionally wrapped by
             ``peft`` or ``torch.compile``; not yet wrapped by DDP or sharded (FSDP2, tensor parallelism): patch
-            first, then wrap or shard, so that the new norms are synchronised like every other parameter.
+            first, then wrap or shard, so that the new norms are synchronised like every other parameter. A
+            multimodal model (LLaVA, Qwen2-VL, PaliGemma, ...) has its language model patched -- found from its
+            structure, checked by the same probe -- and its vision tower left as it was.
         scheme: ``"qk_norm"``, ``"soft_cap"``, ``"qk_norm_cap"`` or ``"qkv_norm"`` -- or a :class:`QKNormConfig`
             (then give no other settings), as ``peft.get_peft_model(model, config)`` takes one.
         norm: ``"layernorm"`` (default), ``"rmsnorm"``, ``"l2"`` or ``"lp"`` (with ``p``); not for ``soft_cap``.
@@ -76,22 +86,28 @@ def patch_model(
         raise
     old_config = own_config(target)
     replaced = install_scheme(target, plan)
+    language = text_model(target)  # a multimodal model's language model: checked and switched on its own
     try:
-        self_check(target, plan)  # a probe forward: the scheme reaches the backend exactly, or the patch is undone
-    except BaseException:
+        self_check(language, plan)  # a probe forward: the scheme reaches the backend exactly, or the patch is undone
+    except BaseException as exc:
         uninstall_scheme(plan, replaced)
         own_config(target, old_config)
         target.__dict__.pop("_qknorm_family", None)
+        if language is not target and isinstance(exc, UnsupportedModelError):
+            raise UnsupportedModelError(
+                f"model type {target.config.model_type!r} (multimodal), its language model .{plan.family.text_model}: "
+                f"{exc}"
+            ) from None
         raise
     fold_prenorms(plan)
     mark_patched(target.config, plan.cfg)
     if plan.switch_backend:
         logger.info(
             "attention implementation %r cannot cap logits; switching to %r",
-            target.config._attn_implementation,
+            language.config._attn_implementation,
             ATTN_IMPLEMENTATION,
         )
-        target.set_attn_implementation(ATTN_IMPLEMENTATION)
+        language.set_attn_implementation(ATTN_IMPLEMENTATION)  # the vision encoder keeps its own backend
     return model
 
 

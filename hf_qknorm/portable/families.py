@@ -14,7 +14,7 @@ folders, where it derives the family of the model being loaded the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -95,6 +95,9 @@ class Family:
         max_len_attr: config attribute holding the training context length, or ``None``.
         final_norm: attribute of the base model holding the norm applied before the output head.
         prenorm_eps: the pre-attention norm's epsilon, where the config states none.
+        text_model: in a multimodal model, the dotted path to its language model (``model.language_model``), which
+            the scheme patches and whose config holds the sizes; ``None`` for a text model. ``layers`` then runs
+            from the multimodal model, and the other facts are the language model's.
     """
 
     model_type: str
@@ -116,6 +119,7 @@ class Family:
     max_len_attr: str | None = None
     final_norm: str = "norm"
     prenorm_eps: float | None = None
+    text_model: str | None = None
 
     @property
     def fused_qkv(self) -> bool:
@@ -196,7 +200,13 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList, str]:
             "hf_qknorm patches decoder-only models with one stack"
         )
     path, blocks, attrs = found[0]
-    if len(attrs) > 1 or not all(isinstance(getattr(b, next(iter(attrs)), None), nn.Module) for b in blocks):
+    lacking = [b for b in blocks if not isinstance(getattr(b, next(iter(attrs)), None), nn.Module)]
+    if len(attrs) == 1 and any("cross" in name for b in lacking for name, _ in b.named_children()):
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has cross-attention layers among its self-attention layers (Mllama's, to the "
+            "image features); hf_qknorm patches stacks of self-attention layers"
+        )
+    if len(attrs) > 1 or lacking:
         raise UnsupportedModelError(
             f"model type {model_type!r} has blocks without self-attention (a hybrid model: some layers are "
             "recurrent, state-space or linear attention)"
@@ -256,6 +266,9 @@ def derive_family(model: nn.Module) -> Family:
     and what is missing."""
     config = model.config
     model_type = base_model_type(getattr(config, "model_type", "?"))
+    path = None if getattr(config, "is_encoder_decoder", False) else text_model_path(model)
+    if path is not None:
+        return _multimodal_family(model, path)
     reason = out_of_scope(config)
     if reason:
         raise UnsupportedModelError(reason)
@@ -338,8 +351,56 @@ def derive_family(model: nn.Module) -> Family:
     )
 
 
+def text_model_path(model: nn.Module) -> str | None:
+    """The dotted path to the language model of a multimodal model, or ``None`` for a text model (one whose config is
+    its own text config). The language model is found from the structure, not from a table: the outermost
+    submodule that is a model of its own (it has a ``base_model_prefix``) and holds the config's text config
+    (``config.get_text_config()``) -- ``model.language_model`` in LLaVA, Qwen2-VL or PaliGemma, ``model.text_model``
+    in Idefics3 and SmolVLM, ``language_model`` (a causal LM) in Llama 4. Raises :class:`UnsupportedModelError` when
+    a multimodal model holds no such submodule."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config:
+        return None
+    models = [(name, m) for name, m in model.named_modules() if name and hasattr(m, "base_model_prefix")]
+    found = [name for name, m in models if m.__dict__.get("config") is text]
+    if not found:  # a config copied on the way in: the same model type, as a last resort
+        kind = getattr(text, "model_type", None)
+        found = [name for name, m in models if getattr(getattr(m, "config", None), "model_type", 0) == kind]
+    outer = sorted({n for n in found if not any(n.startswith(o + ".") for o in found)}, key=len)
+    if len(outer) != 1:
+        where = f"several ({', '.join(outer)})" if outer else "none"
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', '?')!r} is a multimodal model whose language model "
+            f"(text config {getattr(text, 'model_type', '?')!r}) hf_qknorm cannot find: {where} of its submodules "
+            "holds the text config"
+        )
+    return outer[0]
+
+
+def _multimodal_family(model: nn.Module, path: str) -> Family:
+    """The family of a multimodal model: its language model's, with ``layers`` from the multimodal model and
+    ``text_model`` set. A refusal of the language model names the multimodal type too."""
+    inner = model.get_submodule(path)
+    try:
+        family = derive_family(inner)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(
+            f"model type {getattr(model.config, 'model_type', '?')!r} (multimodal), its language model .{path}: {exc}"
+        ) from None
+    blocks = _blocks(inner)[1]
+    layers = next(name for name, m in model.named_modules() if m is blocks)
+    return replace(family, layers=layers, text_model=path)
+
+
+def _text_config(config):
+    """A multimodal config's text config (whose sizes its language model's attention modules have), else itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def head_dim_of(attn: nn.Module, config) -> int:
     """The per-head width of an attention module: its own ``head_dim``, the config's, or hidden size / heads."""
+    config = _text_config(config)
     for value in (getattr(attn, "head_dim", None), _config_int(config, "head_dim")):
         if isinstance(value, int) and value > 0:
             return value
@@ -350,6 +411,7 @@ def head_dim_of(attn: nn.Module, config) -> int:
 
 def heads_of(attn: nn.Module, config) -> tuple[int, int]:
     """``(query heads, key/value heads)`` of an attention module, for the whole model (not one rank's share)."""
+    config = _text_config(config)
     heads = None
     for name in ("num_attention_heads", "n_head", "num_heads"):
         heads = _config_int(config, name)
@@ -377,10 +439,11 @@ def out_of_scope(config) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return f"model type {model_type!r} is an encoder-decoder model; hf_qknorm patches decoder-only models"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is not config:
+    if text is not config:  # a model in hand is patched through its language model (derive_family); a config is not
         return (
-            f"model type {model_type!r} is a multimodal model; patch its text model type "
-            f"({getattr(text, 'model_type', '?')!r}) instead"
+            f"model type {model_type!r} is a multimodal model: hf_qknorm.patch_model(model) patches its language "
+            f"model ({getattr(text, 'model_type', '?')!r}) in place; tools that take a model type or config take "
+            "text models only"
         )
     if getattr(config, "is_decoder", True) is False and "bert" in model_type:
         return f"model type {model_type!r} is an encoder model; hf_qknorm patches decoder-only models"

@@ -63,6 +63,7 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
             "patching twice is not supported: patch the original model once"
         )
     family = family_of_model(model)
+    config = text_model(model).config  # a multimodal model's sizes, backend and eps are its language model's
     if cfg.eps is None:
         cfg = dataclasses.replace(cfg, eps=family.norm_eps(config))
     if getattr(config, "add_cross_attention", False) or getattr(config, "is_encoder_decoder", False):
@@ -140,7 +141,7 @@ def install_scheme(model: nn.Module, plan: Plan) -> list:
     roles = [r for r in ("q", "k", "v") if (cfg.norms_v if r == "v" else cfg.norms_qk)]
     hooked = {r for r in roles if r not in family.native}  # a native norm's forward call needs no hook
     slots = hook_slots(family, hooked)
-    config = model.config
+    config = text_model(model).config
     replaced = []
     for attn in plan.attentions:
         head_dim = head_dim_of(attn, config)
@@ -239,13 +240,34 @@ def fold_prenorms(plan: Plan) -> None:
 def own_config(model: nn.Module, config=None):
     """Give ``model`` (and every submodule that shares it) a private copy of its config, so patching never changes
     a config object the caller may reuse for another model; returns the config it had. With ``config``: put that
-    one back instead (a refused patch)."""
+    one back instead (a refused patch). A submodule holding one of the config's sub-configs (a multimodal model's
+    language model holds its ``text_config``) is given the copy's."""
     old = model.config
     new = copy.deepcopy(old) if config is None else config
+    swap = {id(a): b for a, b in _config_pairs(old, new)}
     for module in model.modules():
-        if module.__dict__.get("config") is old:
-            module.config = new
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in swap:
+            module.config = swap[id(held)]
     return old
+
+
+def _config_pairs(a, b, depth: int = 0):
+    """``(a, b)`` and the pairs of their sub-configs (attributes that are configs themselves), recursively."""
+    yield a, b
+    if depth > 4:
+        return
+    for name, value in vars(a).items():
+        other = vars(b).get(name)
+        if value is not a and hasattr(value, "to_json_string") and type(other) is type(value):
+            yield from _config_pairs(value, other, depth + 1)
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The module a scheme acts on and is checked on: a multimodal model's language model
+    (:attr:`Family.text_model`), else ``model`` itself."""
+    path = family_of_model(model).text_model
+    return model.get_submodule(path) if path else model
 
 
 def patch_on_init(model: nn.Module) -> None:
@@ -258,5 +280,5 @@ def patch_on_init(model: nn.Module) -> None:
     if all(is_installed(attn) for attn in plan.attentions):
         return  # built from already-patched parts (a head class whose base model is made by AutoModel)
     apply_scheme(model, plan)
-    if plan.switch_backend:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if plan.switch_backend:  # a multimodal model's language model only: its vision encoder keeps its backend
+        text_model(model).set_attn_implementation(ATTN_IMPLEMENTATION)

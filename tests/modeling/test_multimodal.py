@@ -1,0 +1,328 @@
+"""Multimodal models patched as the user has them: ``patch_model(vlm)`` patches the language model (found from the
+structure), exactly as for its text type; the vision tower is untouched; saved folders reload patched. Expected
+values come from the models' own tensors and the plain formulas of ``hf_qknorm.reference``, in float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_qknorm
+from hf_qknorm import UnsupportedModelError
+from hf_qknorm.portable.layout import attention_modules
+from hf_qknorm.reference import attention_reference, norm_reference, rope_reference
+from hf_qknorm.verification.tiny import image_text_inputs, tiny_multimodal_model
+
+# Tiny models of these types build, take image inputs and are patched (their language model: Llama, Mistral,
+# Qwen2, Gemma, Gemma 3, Qwen2-VL / Qwen2.5-VL with multimodal RoPE, Qwen3-VL).
+SUPPORTED = (
+    "llava",
+    "llava_next",
+    "paligemma",
+    "gemma3",
+    "mistral3",
+    "idefics3",
+    "smolvlm",
+    "internvl",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+)
+SCHEMES = [("qk_norm_cap", "layernorm"), ("qk_norm", "rmsnorm")]
+CAP = 5.0
+
+
+def _patched(model_type, scheme="qk_norm_cap", norm="layernorm", dtype=torch.float64):
+    """``(unpatched, patched)`` tiny models of ``model_type`` (same weights), the norms' gains and biases random."""
+    plain = tiny_multimodal_model(model_type, dtype=dtype)
+    model = copy.deepcopy(plain)
+    hf_qknorm.patch_model(model, scheme, norm=norm, softcap=CAP if "cap" in scheme else None)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                noise = torch.randn(prm.shape, generator=gen, dtype=prm.dtype)
+                prm.copy_((1 + 0.5 * noise) if name.endswith("weight") else 0.5 * noise)
+    return plain, model
+
+
+def _record(attns):
+    """Each attention module's call (args, kwargs) and output, by layer."""
+    calls, handles = {}, []
+    for i, attn in enumerate(attns):
+
+        def pre(module, args, kwargs, i=i):
+            calls[i] = {"args": args, "kwargs": dict(kwargs)}
+
+        def post(module, args, kwargs, out, i=i):
+            calls[i]["out"] = out[0] if isinstance(out, tuple) else out
+
+        handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(attn.register_forward_hook(post, with_kwargs=True))
+    return calls, handles
+
+
+def _layer_reference(attn, x, cos, sin, mask, norm, softcap):
+    """One patched attention layer from the formulas (projection, per-head norm, RoPE, capped softmax attention,
+    output projection), with the projections' own weights and the scheme's norm parameters."""
+    b, t, _ = x.shape
+    heads = {}
+    for role in ("q", "k", "v"):
+        proj = getattr(attn, f"{role}_proj")
+        heads[role] = torch.nn.functional.linear(x, proj.weight, proj.bias).view(b, t, -1, attn.head_dim)
+    for role in ("q", "k"):
+        n = getattr(attn, f"{role}_norm")
+        heads[role] = norm_reference(heads[role], norm, n.weight, getattr(n, "bias", None), eps=n.eps)
+    q, k, v = (heads[r].transpose(1, 2) for r in ("q", "k", "v"))
+    q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    allowed = None if mask is None else (mask if mask.dtype == torch.bool else mask == 0)
+    out = attention_reference(
+        q,
+        k,
+        v,
+        scaling=attn.scaling,
+        softcap=softcap,
+        causal=allowed is None,
+        mask=allowed,
+        sliding_window=getattr(attn, "sliding_window", None) if allowed is None else None,
+    )
+    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("scheme,norm", SCHEMES)
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_every_language_model_layer_matches_the_float64_reference_with_images(model_type, scheme, norm):
+    """Image and text inputs through the patched model: every attention layer of its language model computes the
+    scheme from the formulas, on the mask the unpatched model builds (Gemma 3's and PaliGemma's bidirectional image
+    blocks included) and the RoPE angles of the model's own positions (Qwen2-VL's three-row M-RoPE included)."""
+    plain, model = _patched(model_type, scheme, norm)
+    inputs = image_text_inputs(model)
+    softcap = CAP if "cap" in scheme else None
+    _, plain_attns = attention_modules(plain)
+    family, attns = attention_modules(model)
+    assert family.text_model and len(attns) == len(plain_attns) >= 1
+    want_calls, h0 = _record(plain_attns)
+    got_calls, h1 = _record(attns)
+    with torch.no_grad():
+        plain(**inputs)
+        logits = model(**inputs).logits
+    for h in h0 + h1:
+        h.remove()
+    assert torch.isfinite(logits).all()
+    for i, attn in enumerate(attns):
+        call = got_calls[i]
+        x = call["args"][0] if call["args"] else call["kwargs"]["hidden_states"]
+        cos, sin = call["kwargs"]["position_embeddings"]
+        with torch.no_grad():
+            want = _layer_reference(attn, x, cos, sin, want_calls[i]["kwargs"].get("attention_mask"), norm, softcap)
+        torch.testing.assert_close(call["out"], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+def test_multimodal_rope_positions_reach_the_patched_layers(model_type):
+    """The reference test above is not vacuous for M-RoPE: the image tokens' three position rows differ, so the
+    rotation the patched layers receive is not the text-only one."""
+    _, model = _patched(model_type)
+    rotary = model.get_submodule(attention_modules(model)[0].text_model).rotary_emb
+    seen = []
+    handle = rotary.register_forward_pre_hook(lambda m, args: seen.append(args[1]))
+    with torch.no_grad():
+        model(**image_text_inputs(model))
+    handle.remove()
+    positions = seen[0]
+    assert positions.shape[0] == 3 and not torch.equal(positions[1], positions[2])
+
+
+@pytest.mark.parametrize("model_type", ["llava", "mistral3", "smolvlm", "internvl"])
+def test_text_logits_equal_the_text_model_patched_alone(model_type):
+    """The language model inside is patched exactly as the text model type is: a ``*ForCausalLM`` of the text
+    config with the same weights, patched alone with the same scheme and norms, gives the same text logits."""
+    from transformers import AutoModelForCausalLM
+
+    plain, model = _patched(model_type)
+    language = model.get_submodule(attention_modules(model)[0].text_model)
+    alone = AutoModelForCausalLM.from_config(copy.deepcopy(plain.config.get_text_config()), dtype=torch.float64)
+    alone.model.load_state_dict(plain.get_submodule(attention_modules(model)[0].text_model).state_dict())
+    alone.lm_head.load_state_dict(plain.lm_head.state_dict())
+    hf_qknorm.patch_model(alone.eval(), "qk_norm_cap", softcap=CAP)
+    alone.model.load_state_dict(language.state_dict())  # the random norm gains too
+    ids = image_text_inputs(model)["input_ids"]
+    ids = torch.where(ids >= 200, 7, ids)  # no image placeholders: text only
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, alone(input_ids=ids).logits, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "model_type,path",
+    [("llava", "model.language_model"), ("smolvlm", "model.text_model"), ("qwen2_vl", "model.language_model")],
+)
+def test_the_vision_tower_is_untouched(model_type, path):
+    """Patching changes the language model only: the vision tower's features are bit-identical, its modules and
+    attention backend as they were, and only the language model's attention modules carry norms."""
+    plain, model = _patched(model_type, dtype=torch.float32)
+    assert attention_modules(model)[0].text_model == path
+    pixels = {k: v for k, v in image_text_inputs(model).items() if k not in ("input_ids", "token_type_ids")}
+    pixels.pop("mm_token_type_ids", None)
+    with torch.no_grad():
+        want, got = plain.get_image_features(**pixels), model.get_image_features(**pixels)
+    want, got = (getattr(o, "pooler_output", o) for o in (want, got))
+    want, got = ([o] if isinstance(o, torch.Tensor) else list(o) for o in (want, got))
+    assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
+    vision = model.config.vision_config
+    assert vision._attn_implementation == plain.config.vision_config._attn_implementation != "qknorm"
+    assert model.config.get_text_config()._attn_implementation == "qknorm"  # the cap moved the language model only
+    normed = {n.rsplit(".", 2)[0] for n, _ in model.named_parameters() if ".q_norm." in n}
+    assert normed and all(n.startswith(path + ".") for n in normed)
+    plain_state = plain.state_dict()
+    assert all(torch.equal(t, plain_state[k]) for k, t in model.state_dict().items() if not k.startswith(path))
+
+
+def test_a_language_model_refused_refuses_the_multimodal_model_in_one_line():
+    """Llama 4's text model is refused by the self-check (its L2 q/k norm after RoPE undoes the scheme): so is the
+    multimodal model, naming both types and the language model, and left exactly as it was."""
+    model = tiny_multimodal_model("llama4")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config, classes = model.config, [type(m) for m in model.modules()]
+    with pytest.raises(UnsupportedModelError) as info:
+        hf_qknorm.patch_model(model, "qk_norm")
+    text = str(info.value)
+    assert len(text.splitlines()) == 1 and "'llama4'" in text and "'llama4_text'" in text and ".language_model" in text
+    assert model.config is config and not hasattr(config, "qknorm") and type(config).__name__ == "Llama4Config"
+    assert [type(m) for m in model.modules()] == classes
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and before.keys() == set(
+        model.state_dict()
+    )
+
+
+def test_a_multimodal_model_whose_language_model_cannot_be_found_is_refused():
+    from transformers import MistralConfig
+
+    model = tiny_multimodal_model("llava")
+    model.config.text_config = MistralConfig()  # a text config no submodule holds, of a type none has
+    with pytest.raises(UnsupportedModelError, match="'llava' is a multimodal model whose language model") as info:
+        hf_qknorm.patch_model(model)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_type_level_tools_say_a_multimodal_type_is_patched_through_a_model():
+    from hf_qknorm.modeling.derive import get_family
+
+    with pytest.raises(UnsupportedModelError, match=r"patch_model\(model\) patches its language model \('llama'\)"):
+        get_family("llava")
+
+
+def test_patching_a_patched_multimodal_model_again_is_refused():
+    _, model = _patched("llava", dtype=torch.float32)
+    with pytest.raises(ValueError, match="already patched"):
+        hf_qknorm.patch_model(model)
+    assert hf_qknorm.is_patched(model) and hf_qknorm.qknorm_config(model).scheme == "qk_norm_cap"
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl", "smolvlm", "paligemma"])
+def test_a_saved_folder_reloads_patched_with_the_same_logits(model_type, tmp_path):
+    """``save_pretrained`` of a patched multimodal model writes ``qknorm_<type>``; the Auto class loads it back
+    patched (Qwen2-VL's checkpoint conversion, which keys the language model's weights by class, included), the
+    language model on "qknorm" and the vision tower on its own backend, with the same logits on images and text."""
+    from transformers import AutoModelForImageTextToText
+
+    _, model = _patched(model_type, dtype=torch.float32)
+    inputs = image_text_inputs(model)
+    with torch.no_grad():
+        want = model(**inputs).logits
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    assert loaded.config.model_type == f"qknorm_{model_type}" and hf_qknorm.is_patched(loaded)
+    assert loaded.config.get_text_config()._attn_implementation == "qknorm"
+    assert loaded.config.vision_config._attn_implementation != "qknorm"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, want, rtol=0, atol=0)
+
+
+def test_a_saved_folder_never_loads_as_the_unpatched_model_without_the_plugin(tmp_path):
+    """Without the plugin the folder fails loudly, with or without ``trust_remote_code``: it never loads as the
+    plain LLaVA (whose language model would silently lose its norms)."""
+    import subprocess
+    import sys
+
+    _, model = _patched("llava", dtype=torch.float32)
+    model.save_pretrained(tmp_path / "saved")
+    script = (
+        "import sys, transformers\n"
+        "for auto in ('AutoModelForImageTextToText', 'AutoModel'):\n"
+        "    for remote in (False, True):\n"
+        "        try:\n"
+        f"            getattr(transformers, auto).from_pretrained({str(tmp_path / 'saved')!r}, "
+        "trust_remote_code=remote)\n"
+        "        except Exception as exc:\n"
+        "            print('refused', auto, remote, type(exc).__name__)\n"
+        "        else:\n"
+        "            print('LOADED', auto, remote)\n"
+        "assert 'hf_qknorm' not in sys.modules\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 4 and all(line.startswith("refused") for line in lines), res.stdout
+
+
+class _ImageRows(torch.utils.data.Dataset):
+    def __init__(self, inputs):
+        self.inputs = inputs
+
+    def __len__(self):
+        return len(self.inputs["input_ids"])
+
+    def __getitem__(self, i):
+        row = {k: v[i] for k, v in self.inputs.items()}
+        return {**row, "labels": row["input_ids"]}
+
+
+def test_a_trainer_step_on_images_and_text_trains_the_norms(tmp_path):
+    """``transformers.Trainer`` on a patched LLaVA with image and text inputs: finite loss, and the scheme's norms
+    (in the language model) move."""
+    from transformers import Trainer
+
+    from tests._support.trainer_runs import training_args
+
+    _, model = _patched("llava", dtype=torch.float32)
+    model.train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "_norm." in n and "self_attn" in n}
+    data = _ImageRows(image_text_inputs(model, batch=4))
+    args = training_args(tmp_path, max_steps=2, save_strategy="no", per_device_train_batch_size=2, warmup_steps=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    after = dict(model.named_parameters())
+    assert before and all(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_plain_training_step_with_multimodal_rope_trains_the_norms():
+    _, model = _patched("qwen2_vl", scheme="qk_norm", norm="rmsnorm", dtype=torch.float32)
+    model.train()
+    inputs = image_text_inputs(model)
+    norms = [p for n, p in model.named_parameters() if ".q_norm." in n or ".k_norm." in n]
+    before = [p.detach().clone() for p in norms]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = model(**inputs, labels=inputs["input_ids"]).loss
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and all(not torch.equal(a, p) for a, p in zip(before, norms))
+
+
+def test_patching_keeps_the_callers_config_and_the_language_models_link_to_its_own():
+    """The model gets its own copy of the config, sub-configs included: the caller's text config keeps its backend,
+    and the language model and vision tower hold the copy's sub-configs (so the saved config is what they run)."""
+    from transformers import AutoModelForImageTextToText
+
+    from hf_qknorm.verification.tiny import tiny_multimodal_config
+
+    config = tiny_multimodal_config("llava")
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    theirs = model.config
+    hf_qknorm.patch_model(model, "qk_norm_cap")
+    assert model.config is not theirs and not hasattr(theirs, "qknorm")
+    assert theirs.text_config._attn_implementation != "qknorm"
+    assert model.model.language_model.config is model.config.text_config
+    assert model.model.vision_tower.config is model.config.vision_config
