@@ -117,7 +117,27 @@ def _cmd_info(args) -> int:
         print("triton kernels:", "available" if reason is None else f"unavailable ({reason})")
     except Exception as exc:  # kernels are optional; say why they cannot be used
         print(f"triton kernels: unavailable ({exc})")
+    from hf_qknorm.kernels import tanh_mode
+
+    print(f"capped tanh:    {tanh_mode()} (tanh.approx.f32 for fp16/bf16 on CUDA; HF_QKNORM_EXACT_TANH=1: exact)")
+    print("native CPU op: ", _native_state())
+    from hf_qknorm.upstream import NEWEST_TESTED, OLDEST_TESTED, installed_versions
+
+    v = installed_versions()
+    tested = f"tested {OLDEST_TESTED} to {NEWEST_TESTED}"
+    print(f"versions:       transformers {v['transformers']} ({tested}), torch {v['torch']}")
     return 0
+
+
+def _native_state() -> str:
+    """Whether the optional native op (attention/_native.c) runs the CPU path's capped float32 calls, and if not why."""
+    from hf_qknorm.attention import native
+
+    if native.MODULE is None:
+        return "not built (no C compiler at install time): the ATen ops run"
+    if native.NATIVE[0] is None:
+        return "built, off (HF_QKNORM_NATIVE): the ATen ops run"
+    return "in use (capped float32 calls on the CPU; HF_QKNORM_NATIVE=0 turns it off)"
 
 
 # The subcommands, in the order --help lists them: (name, add_parser(subparsers) -> parser, run(args) -> exit status).

@@ -457,3 +457,27 @@ def test_convert_prints_answer_agreement_beside_perplexity(tmp_path, capsys):
     assert f"prefix {100 * report['agreement']['prefix']:.1f}%" in lines[verdict + 1]
     code, out, _ = run(capsys, "convert", "-o", tmp_path / "b", *small, "--agreement-tokens", "0")
     assert code == 0 and "answer agreement" not in out
+
+
+def test_info_says_whether_the_native_op_runs_and_which_tanh(monkeypatch, capsys):
+    """``hf-qknorm info`` names the native CPU op's state (in use, off by the switch, or not built), the capped
+    tanh's mode and the Transformers version against the tested range."""
+    from hf_qknorm import upstream
+    from hf_qknorm.attention import native
+    from hf_qknorm.cli.main import main
+
+    states = {}
+    for name, module, slot in (
+        ("in use", object(), "x"),
+        ("off", object(), None),
+        ("not built", None, None),
+    ):
+        monkeypatch.setattr(native, "MODULE", module)
+        monkeypatch.setattr(native, "NATIVE", [module if slot else None])
+        assert main(["info"]) == 0
+        out = capsys.readouterr().out
+        states[name] = next(line for line in out.splitlines() if line.startswith("native CPU op:"))
+        assert "capped tanh:" in out and f"tested {upstream.OLDEST_TESTED} to {upstream.NEWEST_TESTED}" in out
+    assert "in use" in states["in use"]
+    assert "built, off" in states["off"]
+    assert "not built" in states["not built"]
