@@ -14,7 +14,11 @@ check the unpatched tiny model fails itself is not made for that type (the table
 - ``untested`` when no tiny model of it can be built from its config class (the table cannot say; patching a real
   model of the type still runs the self-check);
 - ``out of scope`` when it is not a decoder-only softmax-attention text model (an encoder, an encoder-decoder, a
-  multimodal model, a recurrent, state-space or hybrid model).
+  recurrent, state-space or hybrid model).
+
+A multimodal (image-text-to-text) type is checked through its language model, which ``patch_model`` patches: a tiny
+model of it (tiny text and vision configs) goes through the same variants and text checks, and, where its tiny image
+inputs are known, an image forward and backward with the vision tower's features unchanged (:mod:`.multimodal`).
 
 ``hf-qknorm coverage`` prints it; ``--markdown`` writes the table committed in docs/coverage/.
 """
@@ -61,13 +65,15 @@ def check_model_type(model_type: str) -> TypeResult:
     """Patch a tiny model of ``model_type`` with every variant and check it (see the module's docstring)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from .tiny import tiny_model
+    from .tiny import is_multimodal, tiny_model
 
     start = time.perf_counter()
     try:
         config = CONFIG_MAPPING[model_type]()
     except Exception as exc:
         return TypeResult(model_type, UNTESTED, f"its config cannot be built with defaults ({type(exc).__name__})")
+    if is_multimodal(config):  # patch_model patches its language model
+        return _check_multimodal(model_type, config, start)
     reason = out_of_scope(config)
     if reason:
         return TypeResult(model_type, OUT_OF_SCOPE, reason)
@@ -133,6 +139,80 @@ def _check_variant(model_type: str, scheme: str, norm: str | None, skip=()) -> s
         return _exercise(model, skip)
     except Exception as exc:
         return f"FAIL: {type(exc).__name__}: {_line(exc)}"
+
+
+def _check_multimodal(model_type: str, config, start: float) -> TypeResult:
+    """An image-text-to-text type, whose language model ``patch_model`` patches: a tiny model of it
+    (:func:`.tiny.tiny_multimodal_model`) through every variant and the text checks; where :data:`.tiny.MULTIMODAL`
+    builds its image inputs, an image forward and backward and the vision features unchanged too
+    (:mod:`.multimodal`)."""
+    from ..portable.families import text_model_path
+    from .multimodal import image_features
+    from .tiny import MULTIMODAL, tiny_multimodal_model
+
+    if getattr(config, "is_encoder_decoder", False):
+        return TypeResult(model_type, OUT_OF_SCOPE, f"model type {model_type!r} is an encoder-decoder model")
+    try:
+        base = tiny_multimodal_model(model_type)
+    except Exception as exc:
+        return TypeResult(model_type, UNTESTED, f"no tiny model could be built ({type(exc).__name__}: {_line(exc)})")
+    try:
+        text_model_path(base)
+    except UnsupportedModelError as exc:
+        return TypeResult(model_type, REFUSED, _line(exc))
+    try:
+        baseline = _failures(base)
+    except Exception as exc:
+        baseline = {"train": f"{type(exc).__name__}: {_line(exc)}"}
+    if "train" in baseline:  # nothing to compare against; a refusal of the structure still says why
+        said = _check_multimodal_variant(model_type, "qk_norm", "layernorm", exercise=False)
+        if said.startswith("refused: ") and "probe forward failed" not in said:
+            return TypeResult(model_type, REFUSED, said[len("refused: ") :])
+        return TypeResult(model_type, UNTESTED, f"the unpatched tiny model fails itself ({baseline['train']})")
+    features = image_features(base) if model_type in MULTIMODAL else None
+    del base
+    results = {}
+    for scheme, norm in variants():
+        key = f"{scheme}/{norm}" if norm else scheme
+        results[key] = _check_multimodal_variant(model_type, scheme, norm, tuple(baseline), features)
+        if key == "qk_norm/layernorm" and results[key].startswith("refused"):
+            break
+    result = _summarise(model_type, results)
+    if result.status == REFUSED and any(r in result.reason for r in _SCOPE_REASONS if r != "multimodal"):
+        result.status = OUT_OF_SCOPE  # a hybrid or encoder language model, as the text table says of its type
+    notes = [result.reason] if result.reason else []
+    if baseline and result.status == PATCHED:
+        notes.append(f"not checked (the unpatched model fails them too): {', '.join(sorted(baseline))}")
+    if features is None and result.status == PATCHED:
+        notes.append("text inputs only (no tiny image inputs for this type)")
+    result.reason = "; ".join(notes)
+    result.seconds = round(time.perf_counter() - start, 1)
+    return result
+
+
+def _check_multimodal_variant(model_type, scheme, norm, skip=(), features=None, exercise=True) -> str:
+    import hf_qknorm
+
+    from .multimodal import image_failures
+    from .tiny import tiny_multimodal_model
+
+    model = tiny_multimodal_model(model_type)
+    settings = {"norm": norm, "p": 3.0 if norm == "lp" else None}
+    try:
+        hf_qknorm.patch_model(model, scheme, **{k: v for k, v in settings.items() if v is not None})
+    except UnsupportedModelError as exc:
+        return "refused: " + _line(exc)
+    except Exception as exc:  # a crash while patching is a bug, not a refusal
+        return f"FAIL: patching raised {type(exc).__name__}: {_line(exc)}"
+    if not exercise:
+        return "ok"
+    try:
+        failed = {k: v for k, v in _failures(model).items() if k not in skip}
+        if features is not None:
+            failed.update(image_failures(model, features))
+    except Exception as exc:
+        return f"FAIL: {type(exc).__name__}: {_line(exc)}"
+    return "ok" if not failed else "FAIL: " + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items()))
 
 
 CHECKS = ("train", "dynamic-cache", "static-cache", "padding", "packing")
@@ -232,10 +312,12 @@ def _line(exc) -> str:
 
 
 def causal_model_types() -> list[str]:
-    """Every model type with a causal-LM class in the installed Transformers."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """Every model type with a causal-LM class in the installed Transformers, and every multimodal one with an
+    image-text-to-text class (whose language model ``patch_model`` patches)."""
+    from transformers.models.auto import modeling_auto
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    image_text = getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {})
+    return sorted({*modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *image_text})
 
 
 def coverage(types=None, progress=None) -> list[TypeResult]:

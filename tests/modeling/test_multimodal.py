@@ -311,6 +311,19 @@ def test_a_plain_training_step_with_multimodal_rope_trains_the_norms():
     assert torch.isfinite(loss) and all(not torch.equal(a, p) for a, p in zip(before, norms))
 
 
+def test_coverage_patches_or_refuses_multimodal_types(monkeypatch):
+    """``hf-qknorm coverage`` lists the image-text-to-text types: LLaVA and Qwen2-VL patched (text checks, an image
+    forward and backward, the vision tower unchanged), Llama 4 refused with its language model's reason."""
+    from hf_qknorm.verification import coverage as cov
+
+    assert {"llava", "qwen2_vl", "smolvlm", "llama"} <= set(cov.causal_model_types())
+    monkeypatch.setattr(cov, "variants", lambda: [("qk_norm", "layernorm"), ("qk_norm_cap", "rmsnorm")])
+    results = {r.model_type: r for r in cov.coverage(["llava", "qwen2_vl", "llama4"])}
+    assert results["llava"].status == cov.PATCHED and set(results["llava"].variants.values()) == {"ok"}
+    assert results["qwen2_vl"].status == cov.PATCHED, results["qwen2_vl"].variants
+    assert results["llama4"].status == cov.REFUSED and "llama4_text" in results["llama4"].reason
+
+
 def test_patching_keeps_the_callers_config_and_the_language_models_link_to_its_own():
     """The model gets its own copy of the config, sub-configs included: the caller's text config keeps its backend,
     and the language model and vision tower hold the copy's sub-configs (so the saved config is what they run)."""
