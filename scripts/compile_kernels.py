@@ -85,7 +85,11 @@ def record_launches(scenario: dict) -> list:
     from hf_qknorm.kernels import _attention_args, attention
 
     calls: list = []
-    patches = [mock.patch.object(_attention_args, "check_device", lambda *a, **k: None)]
+    patches = [
+        mock.patch.object(_attention_args, "check_device", lambda *a, **k: None),
+        # the launches a GPU makes: the hardware tanh for fp16/bf16 (the CPU tensors here would turn it off)
+        mock.patch.object(attention, "fast_tanh", lambda dtype, device, interpreted: dtype != torch.float32),
+    ]
     for name in (
         "_attn_fwd_kernel",
         "_attn_bwd_preprocess_kernel",
