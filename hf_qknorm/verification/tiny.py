@@ -159,7 +159,7 @@ SPECIAL_IDS = (
 # What the generic sizes do not say, per type: (vision config, top-level config) settings, and the form of the
 # pixel input (``square``: (batch, 3, side, side); ``tiles``: one tile per image with a pixel mask, Idefics3;
 # ``anyres``: base image plus tiles with image_sizes, LLaVA-NeXT; ``sized``: with image_sizes, Pixtral;
-# ``patches``: flattened patches with image_grid_thw, Qwen-VL).
+# ``patches``: flattened patches with image_grid_thw, Qwen-VL; ``None``: no image inputs, the sizes only).
 MULTIMODAL = {
     "llava": ({}, {}, "square"),
     "llava_next": ({}, {"image_grid_pinpoints": [[IMAGE, IMAGE]]}, "anyres"),
@@ -172,12 +172,13 @@ MULTIMODAL = {
     "qwen2_vl": ({"hidden_size": HIDDEN}, {}, "patches"),
     "qwen2_5_vl": ({"window_size": 2 * PATCH * 2, "fullatt_block_indexes": [1]}, {}, "patches"),
     "qwen3_vl": ({"deepstack_visual_indexes": [1]}, {}, "patches"),
-    "llama4": (
-        {"vision_output_dim": 32, "projector_input_dim": HIDDEN, "projector_output_dim": HIDDEN},
-        {},
-        "square",
-    ),
+    "llama4": ({"vision_output_dim": 32, "projector_input_dim": HIDDEN, "projector_output_dim": HIDDEN}, {}, None),
 }
+
+
+# M-RoPE sections of types whose default config leaves them to a checkpoint (Transformers 5.4 reads them in the
+# attention, with no class default): HEAD_DIM // 2 frequencies over the time, height and width rows.
+MROPE_SECTIONS = {"qwen2_vl": [2, 3, 3], "qwen2_5_vl": [2, 3, 3]}
 
 
 def is_multimodal(config) -> bool:
@@ -194,6 +195,9 @@ def tiny_multimodal_config(model_type: str):
     config = CONFIG_MAPPING[model_type]()
     vision, top, _ = MULTIMODAL.get(model_type, ({}, {}, None))
     text = _shrink(config.get_text_config())
+    rope = getattr(text, "rope_parameters", None)
+    if model_type in MROPE_SECTIONS and isinstance(rope, dict):
+        rope.setdefault("mrope_section", list(MROPE_SECTIONS[model_type]))
     if isinstance(getattr(text, "cross_attention_layers", None), list):  # Mllama: keep a cross-attention layer
         text.cross_attention_layers = [LAYERS - 1]
     sub = getattr(config, "vision_config", None)

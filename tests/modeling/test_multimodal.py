@@ -68,6 +68,10 @@ def _layer_reference(attn, x, cos, sin, mask, norm, softcap):
     """One patched attention layer from the formulas (projection, per-head norm, RoPE, capped softmax attention,
     output projection), with the projections' own weights and the scheme's norm parameters."""
     b, t, _ = x.shape
+    if cos.dim() == 4:  # three position rows, combined in the attention (Transformers 5.4's M-RoPE): each section of
+        # the head's frequencies takes its angles from one row (time, height, width, in turn)
+        section = list(attn.config.rope_parameters["mrope_section"]) * 2
+        cos, sin = (torch.cat([m[i % 3] for i, m in enumerate(c.split(section, dim=-1))], dim=-1) for c in (cos, sin))
     heads = {}
     for role in ("q", "k", "v"):
         proj = getattr(attn, f"{role}_proj")
