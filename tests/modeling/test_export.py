@@ -168,7 +168,18 @@ def test_saved_folders_load_without_the_plugin(tmp_path):
 
 
 def test_remote_code_imports_only_torch_transformers_and_itself():
-    allowed = {"__future__", "copy", "dataclasses", "logging", "math", "sys", "typing", "torch", "transformers"}
+    allowed = {
+        "__future__",
+        "copy",
+        "dataclasses",
+        "logging",
+        "math",
+        "sys",
+        "threading",
+        "typing",
+        "torch",
+        "transformers",
+    }
     files = remote_files()
     for name, text in files.items():
         tree = ast.parse(text)
