@@ -40,7 +40,7 @@ from torch import nn
 
 from ..portable.eager import effective_softcap
 from ..portable.families import UnsupportedModelError
-from ..portable.names import ATTN_IMPLEMENTATION
+from ..portable.names import ATTN_IMPLEMENTATION, ROLES
 
 ROLE_SCALE = {"q": 1.0, "k": 2.0, "v": 3.0}
 PROBE_SHAPE = (2, 7)  # batch, tokens
@@ -89,7 +89,7 @@ def self_check(model: nn.Module, plan) -> None:
         return
     family, cfg = plan.family, plan.cfg
     name = f"model type {family.model_type!r}"
-    roles = [r for r in ("q", "k", "v") if (cfg.norms_v if r == "v" else cfg.norms_qk)]
+    roles = [r for r in ROLES if (cfg.norms_v if r == "v" else cfg.norms_qk)]
     ids = _probe_ids(model)
     with _probe_mode(model, plan, roles) as (probes, recorder, inputs, feeds):
         _record_forward(model, name, ids)
@@ -329,7 +329,7 @@ def _check_layer(name, i, attn, plan, roles, seen) -> None:
         )
     if not all(bool(torch.isfinite(t).all()) for t in (on["q"], on["k"], on["v"], off["q"], off["k"], off["v"])):
         return  # a layer fed non-finite values (a broken source model) cannot be judged; its own checks say so
-    for role in ("q", "k", "v"):
+    for role in ROLES:
         a, b = on[role], off[role]
         if a.shape != b.shape:
             raise UnsupportedModelError(f"{where}: the {role} tensor at the backend changed shape under the norms")

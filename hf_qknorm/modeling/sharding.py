@@ -31,8 +31,8 @@ from torch import nn
 
 from ..portable import hooks
 from ..portable.layout import attention_sites, num_heads, unwrap
+from ..portable.names import NORM_SLOTS
 
-NORM_SLOTS = ("q_norm", "k_norm", "v_norm")
 _SYNCED = "_qknorm_grad_sync"  # set on a norm parameter whose gradient is summed over the tensor-parallel group
 _TP_MARK = "_qknorm_tensor_parallel"  # set on an attention module by parallelize_attention: its mesh
 

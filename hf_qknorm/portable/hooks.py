@@ -39,7 +39,7 @@ import threading
 import torch
 from torch import nn
 
-from .names import ATTN_IMPLEMENTATION, CLASS_PREFIX
+from .names import ATTN_IMPLEMENTATION, CLASS_PREFIX, ROLES
 
 # Attention implementations that read the cap a patched module carries (``module._qknorm_softcap``).
 CAP_READING_BACKENDS = (ATTN_IMPLEMENTATION,)
@@ -243,9 +243,9 @@ def hook_slots(family, roles: set[str]) -> dict[str, tuple[str, ...]]:
     (OLMo 2), that norm, whose output the scheme's per-head norm then takes. ``roles``: the roles whose norm is
     applied by a hook (``"q"``, ``"k"``, ``"v"``); a role whose norm replaces a native one needs none."""
     if family.qkv_proj is not None:
-        return {family.qkv_proj: tuple(r if r in roles else "" for r in ("q", "k", "v"))} if roles else {}
+        return {family.qkv_proj: tuple(r if r in roles else "" for r in ROLES)} if roles else {}
     sources = {**family.projections, **family.kept}
-    return {sources[r]: (r,) for r in ("q", "k", "v") if r in roles}
+    return {sources[r]: (r,) for r in ROLES if r in roles}
 
 
 def _attach(attn: nn.Module, slot: str) -> None:

@@ -6,5 +6,8 @@ patched model's ``model_type`` from its base's (``llama`` -> ``qknorm_llama``); 
 """
 
 ATTN_IMPLEMENTATION = "qknorm"
+ROLES = ("q", "k", "v")  # the parts of attention a scheme normalises, in this order everywhere
+# where a model without q/k norms of its own gets the scheme's (Family.norm_slot: the attribute for each role)
+NORM_SLOTS = tuple(f"{role}_norm" for role in ROLES)
 PREFIX = "qknorm_"
 CLASS_PREFIX = "QKNorm"

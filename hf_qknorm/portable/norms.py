@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .names import ROLES
+
 _FULL = (torch.float32, torch.float64)  # dtypes the norms compute in as they are
 
 
@@ -155,14 +157,14 @@ def henry_logit_scale(seq_len: int) -> float:
 def make_norm(
     kind: str, role: str, head_dim: int, eps: float, p: float | None = None, logit_scale: float = 1.0
 ) -> nn.Module:
-    """Build the norm for ``role`` in ``("q", "k", "v")``.
+    """Build the norm for ``role`` in :data:`~.names.ROLES`.
 
     For ``layernorm``/``rmsnorm`` the three roles are the same module type. For ``l2``/``lp`` the query norm holds
     the learnable logit scale (initialised to ``logit_scale``), the key norm has no parameter and the value norm has
     a per-channel scale initialised to 1.
     """
-    if role not in ("q", "k", "v"):
-        raise ValueError(f"role must be 'q', 'k' or 'v', got {role!r}")
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(map(repr, ROLES))}, got {role!r}")
     if kind == "layernorm":
         return HeadLayerNorm(head_dim, eps)
     if kind == "rmsnorm":

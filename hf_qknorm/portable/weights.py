@@ -9,8 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .families import family_of_model
-
-NORM_SLOTS = ("q_norm", "k_norm", "v_norm")  # where a model without q/k norms of its own gets the scheme's
+from .names import ROLES
 
 
 class SchemeWeightsError(ValueError):
@@ -33,7 +32,7 @@ def check_scheme_weights(model: nn.Module, loading_info) -> None:
     settings = getattr(model.config, "qknorm", None) or {}
     family = family_of_model(model)
     prenorm = family.prenorm if settings.get("scheme") == "qkv_norm" else None
-    slots = {family.norm_slot(role) for role in ("q", "k", "v")}
+    slots = {family.norm_slot(role) for role in ROLES}
     missing = [k for k in loading_info.missing_keys if _scheme_key(model, k, prenorm, slots)]
     unexpected = [k for k in loading_info.unexpected_keys if _scheme_key(model, k, prenorm, slots)]
     mismatched = [m for m in loading_info.mismatched_keys if _scheme_key(model, m[0], prenorm, slots)]

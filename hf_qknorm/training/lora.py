@@ -18,9 +18,8 @@ import re
 
 from torch import nn
 
+from ..portable.names import ROLES
 from .sites import attention_sites
-
-NORM_NAMES = ("q_norm", "k_norm", "v_norm")
 
 
 def lora_target_modules(model: nn.Module) -> str:
@@ -42,9 +41,7 @@ def trainable_norm_modules(model: nn.Module) -> list[str]:
     attn = sites[0].module
     slots = attn.__dict__.get("_qknorm_norms", {})
     return [
-        slots[role]
-        for role in ("q", "k", "v")
-        if role in slots and any(True for _ in getattr(attn, slots[role]).parameters())
+        slots[role] for role in ROLES if role in slots and any(True for _ in getattr(attn, slots[role]).parameters())
     ]
 
 

@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from ..modeling.saved import read_config
-from ..portable.names import PREFIX
-from ..portable.weights import NORM_SLOTS
+from ..portable.names import NORM_SLOTS, PREFIX
 from .checks import build_report, check_tolerance
 from .layers import ReferenceModel
 from .loading import FolderWeightsError, load_folder, weights_report

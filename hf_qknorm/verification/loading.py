@@ -13,7 +13,8 @@ import math
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..portable.weights import NORM_SLOTS, SchemeWeightsError, keys_text
+from ..portable.names import NORM_SLOTS
+from ..portable.weights import SchemeWeightsError, keys_text
 from .report import Check, VerifyReport
 
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
