@@ -4,7 +4,7 @@
 # `hf-qknorm convert` (e.g. `bash scripts/main.sh path/to/llama out --scheme qk_norm --norm rmsnorm`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+HF_QKNORM_EXTRAS="" bash scripts/setup.sh  # the package alone: no test or kernel tooling
 export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX512_CORE_BF16}
 if [ "$#" -eq 0 ]; then
   set -- --overwrite  # the default output folder converted/tiny-llama-qk_norm_cap-layernorm is rebuilt on each run

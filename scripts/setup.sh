@@ -2,10 +2,15 @@
 # Install everything hf_qknorm needs on a fresh machine (CPU). torch==2.13.0 first: on the project's machines a CPU
 # wheel of it is already on disk, and any other version would pull gigabytes of CUDA packages. Then the newest tested
 # Transformers (hf_qknorm/upstream.py NEWEST_TESTED, what the suite runs on: an environment that already had an older
-# one in the supported range would keep it through the package's own install), then this package.
+# one in the supported range would keep it through the package's own install), then this package: with its `dev`
+# extras (pytest, Triton, ruff, matplotlib: what the tests need) by default, or with the extras named in HF_QKNORM_EXTRAS
+# (empty: the package alone, what the main job needs -- scripts/main.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 NEWEST=$($PY -c "import ast; t=open('hf_qknorm/upstream.py').read(); print([n.value.value for n in ast.parse(t).body if isinstance(n, ast.Assign) and getattr(n.targets[0], 'id', '') == 'NEWEST_TESTED'][0])")
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
-$PY -m pip install -q --disable-pip-version-check -e ".[dev]" "transformers==$NEWEST"
+EXTRAS=${HF_QKNORM_EXTRAS-dev}
+TARGET=.
+if [ -n "$EXTRAS" ]; then TARGET=".[$EXTRAS]"; fi
+$PY -m pip install -q --disable-pip-version-check -e "$TARGET" "transformers==$NEWEST"
