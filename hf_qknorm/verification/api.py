@@ -42,11 +42,29 @@ def verify(model: nn.Module, *, tolerance: float | None = None, generate: bool =
     Returns a :class:`VerifyReport`; ``report.ok`` is False, and ``str(report)`` ends with ``FAILED: ...``, when an
     error exceeds the tolerance or a cap, norm or mask is not applied."""
     tolerance = check_tolerance(tolerance)
+    _refuse_multimodal(model)
     ref = ReferenceModel(model)
     captured = run_probes(model, ref.plan(generate=generate))
     report = build_report(ref, captured, tolerance=tolerance, source="in process")
     report.checks += [Check(None, "adapter", math.nan, math.nan, note=note) for note in _adapter_problems(model)]
     return _log(report)
+
+
+def _refuse_multimodal(model: nn.Module) -> None:
+    """The verifier's probes and reference are a text decoder's: a multimodal model is refused in one line (its
+    language model was checked at patch time by the self-check, with the same probe as the text type's)."""
+    from ..portable.families import UnsupportedModelError, family_of_model
+    from ..portable.layout import unwrap
+
+    try:
+        path = family_of_model(unwrap(model)).text_model
+    except UnsupportedModelError:
+        return  # not a model patching knows: the reference side says why
+    if path:
+        raise ValueError(
+            f"verify checks text decoders; {type(unwrap(model)).__name__} is multimodal (its language model "
+            f".{path} was checked when it was patched, by the self-check); verify a text model of its type instead"
+        )
 
 
 def _adapter_problems(model) -> list[str]:

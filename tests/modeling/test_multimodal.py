@@ -343,3 +343,14 @@ def test_patching_keeps_the_callers_config_and_the_language_models_link_to_its_o
     assert theirs.text_config._attn_implementation != "qknorm"
     assert model.model.language_model.config is model.config.text_config
     assert model.model.vision_tower.config is model.config.vision_config
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl"])
+def test_verify_refuses_a_multimodal_model_in_one_line(model_type):
+    """The verifier's probes and reference are a text decoder's: a multimodal model gets one line saying so, patched
+    or not (it crashed on the top-level config's missing head count)."""
+    _, model = _patched(model_type, dtype=torch.float32)
+    for candidate in (model, tiny_multimodal_model(model_type)):
+        with pytest.raises(ValueError, match=r"^verify checks text decoders; .* is multimodal") as info:
+            hf_qknorm.verify(candidate)
+        assert "\n" not in str(info.value)
