@@ -105,9 +105,28 @@ def share_conversion_mapping(model_type: str, conversion_mapping) -> None:
         register(PREFIX + model_type, mapping)
 
 
+def _share_class_conversion_mapping(base_model: type) -> None:
+    """Register the conversion mapping Transformers keeps under ``base_model``'s class name (GPT-NeoX's
+    ``embed_out`` -> ``lm_head`` is ``GPTNeoXForCausalLM``'s, not ``gpt_neox``'s) for its ``QKNorm`` twin too, so
+    that twin loads the checkpoint its base class saves. Transformers is imported by then (``base_model`` is one of
+    its classes); this module still imports nothing of it."""
+    import sys
+
+    conversion_mapping = sys.modules.get("transformers.conversion_mapping")
+    get = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
+    register = getattr(conversion_mapping, "register_checkpoint_conversion_mapping", None)
+    if get is None or register is None:
+        return
+    mapping = get(base_model.__name__)
+    name = patched_architecture(base_model.__name__)
+    if mapping and not get(name):
+        register(name, mapping)
+
+
 def make_model_class(base_model: type, config_class: type, module: str) -> type:
     """``QKNorm<Base>``: builds ``base_model``, then its patched structure from ``config.qknorm``, so a saved
     folder's norm weights have somewhere to load into."""
+    _share_class_conversion_mapping(base_model)
 
     def __init__(self, config, *args, **kwargs):
         base_model.__init__(self, config, *args, **kwargs)

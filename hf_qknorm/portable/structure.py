@@ -122,7 +122,7 @@ def _prenorm_form(block, attn, family: Family, index: int, loading: bool):
 def _warn_dropped_native_gain(attn, family: Family, cfg: QKNormConfig) -> None:
     native = getattr(attn, family.native.get("q", ""), None)
     weight = getattr(native, "weight", None)
-    if weight is not None and not torch.all(weight == 1):
+    if weight is not None and not weight.is_meta and not torch.all(weight == 1):  # a skeleton has no values
         logger.warning(
             "the model's own per-channel q/k norm gains cannot be carried into norm %r (one scalar logit "
             "scale): they are replaced, so the patched model starts from different attention. Use "
