@@ -101,20 +101,22 @@ def add_convert(sub):
     g = p.add_argument_group("output")
     g.add_argument(
         "--export",
-        choices=("auto", "qwen3", "qknorm"),
+        choices=("auto", "qwen3", "native", "qknorm"),
         default="auto",
-        help="auto: plain qwen3 when the result is a Qwen3 model (Llama/Mistral + rmsnorm qk_norm), else "
-        "qknorm_<base> with trust_remote_code code; qwen3: fail if impossible; qknorm: always the "
-        "remote-code format (default: auto)",
+        help="auto: plain qwen3 when the result is a Qwen3 model (Llama/Mistral + rmsnorm qk_norm), the source's "
+        "own model type when its own per-head q/k norms are the scheme's (Qwen3, Gemma 3, ... + qk_norm with their "
+        "norm), else qknorm_<base> with trust_remote_code code; qwen3, native: fail if impossible; qknorm: always "
+        "the remote-code format (default: auto)",
     )
     g.add_argument("--overwrite", action="store_true", help="replace an existing output folder (atomically)")
     g.add_argument(
         "--verify",
         choices=("full", "plugin", "off"),
         default="full",
-        help="check the written model against the float64 reference before it is renamed into place "
-        "(first layers, small probe): full = with hf_qknorm and, for remote-code folders, without it "
-        "in a subprocess; plugin = with hf_qknorm only; off = skip (default: full)",
+        help="check the written model before it is renamed into place (first layers, small probe): its logits "
+        "against the converted model in memory, and against the float64 reference where that spells out the "
+        "model's attention; full = with hf_qknorm and without it in a subprocess; plugin = with hf_qknorm only; "
+        "off = skip (default: full)",
     )
     g.add_argument("--quiet", action="store_true", help="no progress bars or progress log lines")
     g.add_argument("--json", action="store_true", help="also print the result as JSON on the last line")

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..portable.norms import NORM_CLASSES
 from .progress import Stage
 from .stats import CalibrationReport, LayerStats, converted_max_logits
 
@@ -122,11 +121,13 @@ class CalibrationSettings:
 # end-to-end KL distillation of the patched model (the optional polish)
 # --------------------------------------------------------------------------------------------------------------------
 def new_norm_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters of the norms a patch added (``...q_norm.weight`` etc.), by state-dict name."""
+    """The parameters of the norms a patch added (``...q_norm.weight`` etc., wherever the scheme put them), by
+    state-dict name."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, NORM_CLASSES) and name.rsplit(".", 1)[-1] in ("q_norm", "k_norm", "v_norm"):
-            out.update({f"{name}.{k}": prm for k, prm in module.named_parameters()})
+        for slot in module.__dict__.get("_qknorm_norms", {}).values():  # a patched attention module's norms
+            prefix = f"{name}.{slot}" if name else slot
+            out.update({f"{prefix}.{k}": prm for k, prm in module._modules[slot].named_parameters()})
     return out
 
 

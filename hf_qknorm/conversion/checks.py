@@ -8,12 +8,15 @@ Before the rename (nothing reaches the destination unless all of these pass):
 - :func:`check_report_finite`: every perplexity, KL and logit of the calibration report is a finite number;
 - :func:`check_written`: every tensor the conversion added is in the written shards with exactly the planned value,
   and every tensor it removed is gone (all layers; only the small norm tensors are read);
-- :func:`verify_output`: the folder is loaded the way users will load it and run through
-  :func:`hf_qknorm.verify` -- with the plugin in this process, and (``"full"``) for a ``qknorm_<base>`` folder also
-  through its shipped remote code in a process that cannot import ``hf_qknorm``. To stay cheap on large models
-  it loads only the first :data:`VERIFY_LAYERS` layers, in float32 (a view of the folder whose ``config.json`` has
-  fewer layers and dtype float32; the weights are links to the written ones), and checks that the loaded scheme is
-  the one asked for and that no tensor of those layers was missing.
+- :func:`verify_output`: the folder is loaded the way users will load it -- with the plugin in this process, and
+  (``"full"``) in a process that cannot import ``hf_qknorm`` (a ``qknorm_<base>`` folder through its shipped remote
+  code, a plain export through plain Transformers) -- and its logits must be those of the converted model in memory:
+  the source loaded by Transformers, :func:`hf_qknorm.patch_model`-ed (the self-check runs on the source's own
+  weights) and given every tensor the conversion computed. Where :func:`hf_qknorm.verify`'s float64 reference spells
+  out the model's attention, it must pass too (with and without the plugin). To stay cheap on large models it loads
+  only the first :data:`VERIFY_LAYERS` layers, in float32 (:func:`layer_view`: a view of the folder whose
+  ``config.json`` has fewer layers and dtype float32; the weights are links to the written ones), and checks that
+  the loaded scheme (or plain class) is the one asked for and that no tensor of those layers was missing.
 """
 
 from __future__ import annotations
@@ -156,10 +159,13 @@ def check_written(folder: Path, plan) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # the verifier on the written folder
 # --------------------------------------------------------------------------------------------------------------------
-def verify_output(folder: Path, cfg, kind: str, mode: str = "full", log=None) -> None:
-    """Run :func:`hf_qknorm.verify` on the written ``folder`` (see the module docstring); raise
-    :class:`ConversionCheckError` when it fails. ``mode``: ``"full"``, ``"plugin"`` (in this process only) or
-    ``"off"``."""
+def verify_output(
+    folder: Path, cfg, kind: str, mode: str = "full", log=None, source=None, values: dict | None = None
+) -> None:
+    """Check the written ``folder`` (see the module docstring); raise :class:`ConversionCheckError` when it fails.
+    ``mode``: ``"full"``, ``"plugin"`` (in this process only) or ``"off"``. With ``source`` (the
+    :class:`~hf_qknorm.conversion.source.Source`) and ``values`` (the new norms' values by state-dict name, as the
+    scheme's norms hold them), the written model's logits are compared with the converted model in memory."""
     if mode not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode {mode!r}; choose one of {', '.join(VERIFY_MODES)}")
     say = log or (lambda *a: None)
@@ -169,29 +175,123 @@ def verify_output(folder: Path, cfg, kind: str, mode: str = "full", log=None) ->
     from transformers import AutoModelForCausalLM
 
     from ..modeling.patch import qknorm_config
+    from ..portable.families import UnsupportedModelError
     from ..verification import verify, verify_folder
     from ..verification.loading import quiet_transformers
 
-    with quiet_transformers(), _view(folder, VERIFY_LAYERS) as view:
+    reports, skipped, agreed = [], None, None
+    with quiet_transformers(), layer_view(folder, VERIFY_LAYERS) as view:
         model, info = AutoModelForCausalLM.from_pretrained(view, output_loading_info=True)
+        model.eval()
         if info.get("missing_keys"):
             _fail(f"the written folder lacks {', '.join(sorted(info['missing_keys'])[:3])}")
         got = qknorm_config(model)
-        wanted = None if kind == "qwen3" else cfg
-        if got != wanted or (kind == "qwen3" and type(model).__name__ != "Qwen3ForCausalLM"):
-            _fail(f"the written folder loads as {type(model).__name__} with scheme {got}, not {wanted or 'qwen3'}")
-        reports = [verify(model)]
-        del model
-        if mode == "full" and kind == "qknorm":
+        wanted = cfg if kind == "qknorm" else None
+        plain = _plain_class(kind, source)
+        if got != wanted or (plain is not None and type(model).__name__ != plain):
+            _fail(f"the written folder loads as {type(model).__name__} with scheme {got}, not {wanted or plain}")
+        try:
+            reports.append(verify(model))
+        except UnsupportedModelError as exc:  # the float64 reference does not spell out this model's attention
+            skipped = str(exc).splitlines()[0]
+        if mode == "full" and kind == "qknorm" and skipped is None:
             reports.append(verify_folder(view, no_plugin=True))
-    for report, how in zip(reports, ("with hf_qknorm", "without hf_qknorm, through its remote code")):
-        if not report.ok:
-            say(str(report))
-            _fail(f"the written model failed verification ({how}): {'; '.join(report.problems()[:3])}")
-    ways = "with and without the plugin" if len(reports) == 2 else "with the plugin"
-    say(
-        f"verified the written model ({ways}, first {VERIFY_LAYERS} layers in float32, float64 reference): "
-        f"{reports[0].summary()}"
+        for report, how in zip(reports, ("with hf_qknorm", "without hf_qknorm, through its remote code")):
+            if not report.ok:
+                say(str(report))
+                _fail(f"the written model failed verification ({how}): {'; '.join(report.problems()[:3])}")
+        if source is not None and values is not None:
+            # without the plugin once: through the float64 reference above where it ran on the remote code
+            again = mode == "full" and len(reports) < 2
+            agreed = _agreement(model, view, source, cfg, kind, values, again)
+        del model
+    if agreed is not None:
+        say(f"verified the written model: {agreed}")
+    if reports:
+        ways = "with and without the plugin" if len(reports) == 2 else "with the plugin"
+        say(
+            f"verified the written model ({ways}, first {VERIFY_LAYERS} layers in float32, float64 reference): "
+            f"{reports[0].summary()}"
+        )
+    elif skipped:
+        say(f"float64 reference not run: {skipped}")
+
+
+def _plain_class(kind: str, source) -> str | None:
+    """The class a plain export loads as (``None`` for ``qknorm``)."""
+    if kind == "qwen3":
+        return "Qwen3ForCausalLM"
+    if kind == "native" and source is not None:
+        archs = getattr(source.config, "architectures", None) or []
+        return next((a for a in archs if a.endswith(("ForCausalLM", "LMHeadModel"))), None)
+    return None
+
+
+AGREEMENT_SHAPE, AGREEMENT_PAD = (2, 20), 5  # probe batch (one row left-padded by AGREEMENT_PAD tokens)
+
+
+def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_plugin: bool) -> str:
+    """Compare the logits of the written model (``model``, loaded from ``view`` with the plugin; and without it, in
+    a fresh interpreter, when ``without_plugin``) with the converted model in memory: the source's first
+    :data:`VERIFY_LAYERS` layers loaded in its own dtype, :func:`hf_qknorm.patch_model` with ``cfg`` (its self-check
+    runs on the source's own weights), every tensor the conversion computed set to its value (the new norms; with
+    healing the attention's weights too), then run in float32. Returns what was checked;
+    :class:`ConversionCheckError` when they differ."""
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling.patch import patch_model
+    from ..verification.plain import logits_without_plugin
+    from .calibrate import new_norm_parameters
+
+    vocab = int(model.config.get_text_config().vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(3, vocab - 1), min(vocab, 512), AGREEMENT_SHAPE, generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :AGREEMENT_PAD] = 0
+    dtype = source.weights.dtype
+    with layer_view(source.path, VERIFY_LAYERS) as src_view:
+        ref = AutoModelForCausalLM.from_pretrained(src_view, dtype=dtype)
+    patch_model(ref, cfg)
+    missing = sorted(set(new_norm_parameters(ref)) - set(values))
+    if missing:
+        _fail(f"the conversion computed no value for {missing[0]}")
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, value in values.items():  # the new norms, and with healing the attention's own weights
+            if name in params:  # the view holds the first layers only
+                params[name].copy_(value)
+    ref = ref.float().eval()
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits.float()
+        got = {"with the plugin": model(input_ids=ids, attention_mask=mask).logits.float()}
+    how = "plain Transformers" if kind != "qknorm" else "its remote code"
+    if without_plugin:
+        job = {"key": "0", "path": str(view), "remote": kind == "qknorm", "ids": ids.tolist(), "mask": mask.tolist()}
+        try:
+            row = logits_without_plugin([job])["0"]
+        except RuntimeError as exc:
+            row = {"error": str(exc)}
+        if "error" in row:
+            _fail(f"the written folder does not load without hf_qknorm ({how}): {row['error']}")
+        got[f"without the plugin ({how}, {row['cls']})"] = row["logits"]
+    # a plain export in half precision stores a gain as the model's own convention (1 + w as w), rounded anew
+    tol = 3e-2 if kind == "native" and dtype in (torch.float16, torch.bfloat16) else 1e-4
+    scale = float(want[1].abs().max())
+    worst = 0.0
+    for where, logits in got.items():
+        diff = max(
+            float((logits[1] - want[1]).abs().max()),
+            float((logits[0, AGREEMENT_PAD:] - want[0, AGREEMENT_PAD:]).abs().max()),
+        )
+        worst = max(worst, diff / max(scale, 1e-30))
+        if not diff <= tol * scale:
+            _fail(
+                f"the written model's logits {where} differ from the converted model's by {diff:.3g} "
+                f"(largest logit {scale:.3g})"
+            )
+    return (
+        f"logits {', '.join(got)} equal the converted model's (patch_model of the source with the new norms, "
+        f"first {VERIFY_LAYERS} layers, float32; largest difference {worst:.1e} of the largest logit)"
     )
 
 
@@ -212,7 +312,7 @@ def _layers_key(raw: dict) -> str:
 
 
 @contextmanager
-def _view(folder: Path, layers: int):
+def layer_view(folder: Path, layers: int):
     """A folder that loads as ``folder`` with at most ``layers`` layers: its own ``config.json`` (layer count and
     per-layer lists cut), links to the weights and copies of the small files a model load reads."""
     raw = json.loads((Path(folder) / "config.json").read_text())

@@ -163,7 +163,7 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
     from .export import check_tokenizer_fits, has_tokenizer, resolve_export
     from .heal import check_world
 
-    source = inspect_source(req.src)
+    source = inspect_source(req.src, req.cfg)  # patching's refusals too, on the source's own layers, before any work
     config, family = source.config, source.family
     if req.cfg.eps is None:
         req = dataclasses.replace(req, cfg=dataclasses.replace(req.cfg, eps=family.norm_eps(config, "; pass --eps")))
@@ -178,7 +178,7 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
         return dst
 
     dst = ranks.first(check)
-    kind, note = resolve_export(req.export, config, cfg, family)
+    kind, note = resolve_export(req.export, config, cfg, family, source)
     texts = read_texts(req.calibration_text, req.eval_text) if req.calibrate else None
     if has_tokenizer(source.path):
         check_tokenizer_fits(source.path, source.config)
@@ -227,7 +227,7 @@ def _write(req: _Request, source: Source, dst: Path, export, prepared, progress:
             settings=settings,
         )
         check_written(tmp, plan)
-        verify_output(tmp, cfg, kind, req.verify, log)
+        verify_output(tmp, cfg, kind, req.verify, log, source=source, values=new_values)
     result.files = sorted(str(f.relative_to(dst)) for f in dst.rglob("*") if f.is_file())
     if report is not None:
         log(report.summary())
@@ -341,14 +341,19 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
 
 
 def _identity(source: Source, cfg):
-    """The patched config and identity-initialised norm values, from a model built on the meta device."""
-    from transformers import AutoModelForCausalLM
-
+    """The patched config and identity-initialised norm values (a model's own per-head norms carried into the
+    scheme's that replace them, as :func:`hf_qknorm.patch_model` does), from models built on the meta device."""
     from ..modeling.patch import patch_model
+    from ..portable.layout import find_layers
+    from .forms import native_values
+    from .shards import skeleton
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(source.config)
+    original, model = skeleton(source.config), skeleton(source.config)
     patch_model(model, cfg)
-    return model.config, {
+    values = {
         name: torch.full(prm.shape, initial_value(model, name)) for name, prm in new_norm_parameters(model).items()
     }
+    if source.family.native:
+        for i in range(len(find_layers(original, source.family))):
+            values.update(native_values(original, model, source.family, source.weights, i))
+    return model.config, values

@@ -388,7 +388,7 @@ def _held_out(stream, values, healed, eval_blocks, batch_size, progress) -> dict
 
 @torch.no_grad()
 def _logits(stream, h: torch.Tensor) -> torch.Tensor:
-    return stream.original.get_output_embeddings()(stream.final_hidden(h)).float()
+    return stream.logits(h).float()
 
 
 @torch.no_grad()

@@ -147,8 +147,8 @@ def source_licence(source_dir: Path | None) -> dict:
     return kept
 
 
-def _load_snippet(export: str, name: str, tokenizer: bool = True) -> tuple[str, str]:
-    snippet, note = _model_snippet(export, name)
+def _load_snippet(export: str, name: str, tokenizer: bool = True, model_type: str | None = None) -> tuple[str, str]:
+    snippet, note = _model_snippet(export, name, model_type)
     if tokenizer:
         return snippet, note
     snippet = snippet.replace(", AutoTokenizer", "").replace(
@@ -160,8 +160,17 @@ def _load_snippet(export: str, name: str, tokenizer: bool = True) -> tuple[str, 
     )
 
 
-def _model_snippet(export: str, name: str) -> tuple[str, str]:
+def _model_snippet(export: str, name: str, model_type: str | None = None) -> tuple[str, str]:
     name = py_str(name)
+    if export == "native":
+        return (
+            f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f"model = AutoModelForCausalLM.from_pretrained({name})  # a plain {model_type} model\n"
+            f"tokenizer = AutoTokenizer.from_pretrained({name})",
+            f"The model's own per-head query and key norms are this scheme's norms, so the converted model is still "
+            f"a `{model_type}` model (only their gains changed): plain Transformers loads it with no plugin and no "
+            "remote code.",
+        )
     if export == "qwen3":
         return (
             f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
@@ -195,8 +204,10 @@ def build_model_card(
     source_dir: Path | None = None,
     export_note: str | None = None,
     versions: dict | None = None,
+    model_type: str | None = None,
 ):
-    """The filled :class:`huggingface_hub.ModelCard` of a converted folder."""
+    """The filled :class:`huggingface_hub.ModelCard` of a converted folder (``model_type``: the type a ``native``
+    export is written as)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from ..upstream import installed_versions
@@ -206,7 +217,7 @@ def build_model_card(
     tags = ["hf-qknorm", scheme["scheme"].replace("_", "-")]
     tags += [f"{scheme['norm']}-qk-norm"] if cfg.norms_qk else []
     tags += ["softcap"] if cfg.caps else []
-    tags += ["qwen3"] if export == "qwen3" else ["custom_code"]
+    tags += ["qwen3"] if export == "qwen3" else [str(model_type)] if export == "native" else ["custom_code"]
     licence = source_licence(source_dir)
     unusable = licence.pop("unusable", False)
     data = ModelCardData(
@@ -215,14 +226,13 @@ def build_model_card(
     title, description = _SCHEMES[scheme["scheme"]]
     from .export import has_tokenizer
 
-    snippet, note = _load_snippet(export, model_name, source_dir is None or has_tokenizer(source_dir))
-    fmt = (
-        "plain `qwen3` (no plugin needed)"
-        if export == "qwen3"
-        else "`qknorm_<base>` with `trust_remote_code` modelling code"
-    )
-    if export_note and export != "qwen3":
-        fmt += f" (not `qwen3`: {md_text(export_note)})"
+    snippet, note = _load_snippet(export, model_name, source_dir is None or has_tokenizer(source_dir), model_type)
+    fmt = {
+        "qwen3": "plain `qwen3` (no plugin needed)",
+        "native": f"plain `{model_type}`, the source's own model type (no plugin needed)",
+    }.get(export, "`qknorm_<base>` with `trust_remote_code` modelling code")
+    if export_note and export == "qknorm":
+        fmt += f" (not a plain model type: {md_text(export_note)})"
     return ModelCard.from_template(
         data,
         template_path=str(template_path()),
@@ -272,8 +282,10 @@ def write_model_card(
     import json
 
     folder = Path(folder)
-    dtype = json.loads((folder / "config.json").read_text()).get("dtype", "float32")
+    saved = json.loads((folder / "config.json").read_text())
+    dtype = saved.get("dtype", "float32")
     card = build_model_card(
+        model_type=saved.get("model_type"),
         base_model=base_model,
         cfg=cfg,
         export=export,

@@ -41,21 +41,16 @@ STREAMS = ("original", "identity", "least_squares", "calibrated")
 
 
 def identity_values(stream: StreamedCheckpoint) -> dict[str, torch.Tensor]:
-    """Identity init of every new norm parameter (weight 1, bias 0; Henry et al.'s logit scale for ``l2``/``lp``;
-    a Qwen3 source's own q/k norm gains where the new norm has the same shape), by state-dict name."""
+    """Identity init of every new norm parameter (weight 1, bias 0; Henry et al.'s logit scale for ``l2``/``lp``),
+    by state-dict name. Where a new norm takes the place of the model's own per-head norm its start is that norm's
+    gain (and bias), read when its layer is materialised (:meth:`StreamedCheckpoint.native_values`)."""
     from ..portable.norms import initial_value
+    from .calibrate import new_norm_parameters
 
-    values = {}
-    for name, prm in stream.patched.named_parameters():
-        owner_name, _, leaf = name.rpartition(".")
-        if owner_name.rsplit(".", 1)[-1] not in ("q_norm", "k_norm", "v_norm"):
-            continue
-        key = stream.weights.source_key(name)
-        if key in stream.weights.key_file and list(stream.weights.shapes[key]) == list(prm.shape):
-            values[name] = stream.weights.read(key).float()  # Qwen3's own norm: carried over, as patch_model does
-        else:
-            values[name] = torch.full(prm.shape, initial_value(stream.patched, name))
-    return values
+    return {
+        name: torch.full(prm.shape, initial_value(stream.patched, name))
+        for name, prm in new_norm_parameters(stream.patched).items()
+    }
 
 
 def _layer_values(values: dict, prefix: str) -> dict:
@@ -102,6 +97,10 @@ def calibrate_checkpoint(
         for i in range(stream.num_layers):
             prefix = f"{stream.prefix}{i}."
             orig, patched = stream.block(i, _layer_values(ident, prefix))
+            carried = stream.native_values(i)  # the model's own per-head norms: the new norms start from them
+            ident.update(carried)
+            values.update(carried)
+            stream.set_values(carried)
             stats, calib = _fit_layer(stream, i, orig, patched, calib, calib_calls[i], cfg, settings, stage)
             for name in _layer_values(values, prefix):
                 values[name] = stream.patched.get_parameter(name).detach().float().cpu().clone()
@@ -165,7 +164,7 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
     after the original block."""
     family = stream.family
     o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
-    recorder = ActivationRecorder([o_attn], family, cfg, stream.device, indices=[i])
+    recorder = ActivationRecorder(stream.original, family, cfg, stream.device, indices=[i])
     targets, attn_calls, out = [], [], []
     h_t = o_attn.register_forward_hook(lambda m, a, o: targets.append((o[0] if isinstance(o, tuple) else o).detach()))
     with torch.no_grad(), recorder:
@@ -178,7 +177,8 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
             attn_calls.append(attention_call(patched, p_attn, h, call))
     stage.update(0, note=f"layer {i}: statistics")
     layer = recorder.layer_stats()[0]
-    closed_form(p_attn, recorder.moments[0], float(o_attn.scaling))
+    start = {k: p.detach().clone() for k, p in norm_parameters(p_attn).items()}  # identity, or the model's own norms
+    closed_form(p_attn, recorder.moments[0], recorder.scaling[0] if recorder.scaling[0] is not None else 1.0)
     prefix = f"{stream.prefix}{i}.{family.attention}."
     ls = {prefix + k: p.detach().float().cpu().clone() for k, p in norm_parameters(p_attn).items()}
     every = max(1, settings.local_steps // 4)
@@ -189,6 +189,7 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
         steps=settings.local_steps,
         lr=settings.local_lr,
         seed=settings.seed + i,
+        start=start,
         on_step=lambda s: (
             stage.update(0, note=f"layer {i}: step {s + 1}/{settings.local_steps}") if (s + 1) % every == 0 else None
         ),
@@ -258,12 +259,11 @@ def _advance_eval(stream, orig, patched, streams, calls: list[BlockCall], versio
 @torch.no_grad()
 def _perplexity(stream, hidden: list[torch.Tensor], blocks: torch.Tensor, batch_size: int) -> float:
     """Token perplexity from the last block's outputs (the layout of :func:`hf_qknorm.data.perplexity`)."""
-    head = stream.original.get_output_embeddings()
     nll, count = 0.0, 0
     for j, h in enumerate(hidden):
         ids = blocks[j * batch_size : (j + 1) * batch_size].to(h.device)
         for row in range(len(ids)):  # one block at a time: the logits of a large vocabulary dominate memory here
-            logits = head(stream.final_hidden(h[row : row + 1]))[0, :-1].float()
+            logits = stream.logits(h[row : row + 1])[0, :-1].float()
             nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
             count += ids.shape[1] - 1
     return math.exp(nll / count)

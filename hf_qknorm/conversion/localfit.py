@@ -40,12 +40,18 @@ class FitResult:
     kept_fit: bool  # False when the local fit did not improve on the closed form
 
 
+def scheme_norms(attn: nn.Module) -> dict[str, str]:
+    """Role -> attribute of the patched ``attn`` holding the scheme's norm for it (``q_norm``, a native slot such as
+    Persimmon's ``q_layernorm``, or ``qknorm_q_norm`` beside a norm the model keeps)."""
+    return dict(attn.__dict__.get("_qknorm_norms", {}))
+
+
 def closed_form(attn: nn.Module, moments: dict, scaling: float) -> None:
     """Set the new norms of the patched ``attn`` from the least-squares sums ``moments[role]``."""
     with torch.no_grad():
-        for role in ROLES:
-            norm = getattr(attn, f"{role}_norm", None)
-            if norm is not None and moments[role].count:
+        for role, name in scheme_norms(attn).items():
+            norm = attn._modules[name]
+            if moments[role].count:
                 _init_norm(norm, role, moments, scaling)
 
 
@@ -64,12 +70,10 @@ def _init_norm(norm: nn.Module, role: str, moments: dict, scaling: float) -> Non
 
 
 def norm_parameters(attn: nn.Module) -> dict[str, nn.Parameter]:
-    """The new norms' parameters of ``attn``, by name relative to it (``q_norm.weight`` ...)."""
+    """The new norms' parameters of the patched ``attn``, by name relative to it (``q_norm.weight`` ...)."""
     out = {}
-    for role in ROLES:
-        norm = getattr(attn, f"{role}_norm", None)
-        if isinstance(norm, nn.Module):
-            out.update({f"{role}_norm.{k}": p for k, p in norm.named_parameters()})
+    for name in scheme_norms(attn).values():
+        out.update({f"{name}.{k}": p for k, p in attn._modules[name].named_parameters()})
     return out
 
 
@@ -116,16 +120,28 @@ def fit_attention(
     steps: int,
     lr: float,
     seed: int = 0,
+    start: dict | None = None,
     on_step=None,
 ) -> FitResult:
     """Fit the new norms of the patched ``attn`` (already set to the closed form) to ``targets``: the original
-    attention layer's outputs for the recorded ``calls`` (one per calibration block). Leaves ``attn`` with the
-    better of the closed form and the fit; ``on_step(step)`` is called after every step (progress)."""
+    attention layer's outputs for the recorded ``calls`` (one per calibration block). ``start``: other values of the
+    norms (by name relative to ``attn``: identity, or the model's own per-head norms they replace), from which the
+    fit starts instead when they do better than the closed form -- a ``qk_norm`` / ``rmsnorm`` conversion of a model
+    with such norms starts from the original layer itself. Leaves ``attn`` with the best of these and the fit;
+    ``on_step(step)`` is called after every step (progress)."""
     params = norm_parameters(attn)
     denom = max(sum(t.float().pow(2).sum().item() for t in targets) / max(1, sum(t.numel() for t in targets)), 1e-30)
     error_cf = relative_error(attn, calls, targets, denom)
+    best = error_cf
+    if start and params:
+        error_start = relative_error(attn, calls, targets, denom, start)
+        if error_start <= error_cf:
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(start[k])
+            best = error_start
     if steps <= 0 or not params:
-        return FitResult(error_cf, error_cf, False)
+        return FitResult(error_cf, best, False)
     rep = _Reparam(params)
     opt = torch.optim.Adam(list(rep.theta.values()), lr=lr, betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(seed)
@@ -142,8 +158,8 @@ def fit_attention(
             on_step(step)
     fitted = {k: v.detach() for k, v in rep.values().items()}
     error = relative_error(attn, calls, targets, denom, fitted)
-    if not error < error_cf:
-        return FitResult(error_cf, error_cf, False)
+    if not error < best:
+        return FitResult(error_cf, best, False)
     with torch.no_grad():
         for k, p in params.items():
             p.copy_(fitted[k])

@@ -22,6 +22,7 @@ import torch
 from ..portable.families import Family
 from ..portable.fold import bias_shift, fold_gain, shifted_bias
 from ..portable.schemes import QKNormConfig
+from .keys import KeyMap, fuse, key_map
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,7 +45,8 @@ _MAX_HEADER = 100 * 2**20
 
 @dataclass
 class SourceWeights:
-    """The safetensors files of a source folder (validated) and where each tensor lives."""
+    """The safetensors files of a source folder (validated), where each tensor lives, and how each parameter of the
+    model is read from them (:mod:`.keys`: Transformers' own renaming and fusing rules)."""
 
     folder: Path
     files: list[str]
@@ -53,10 +55,30 @@ class SourceWeights:
     index: dict | None
     dtype: torch.dtype
     strip: str = ""  # base-model prefix that the source's tensor names lack (e.g. "transformer." for GPT-2)
+    names: KeyMap = field(default_factory=KeyMap)
+    param_shapes: dict[str, list[int]] = field(default_factory=dict)  # model parameter name -> shape
 
     def source_key(self, canonical: str) -> str:
-        """The source's name of a tensor named ``canonical`` in the loaded model's state dict."""
+        """The source's name of the tensor a model parameter ``canonical`` loads from (a new tensor: the name it is
+        written under, in the source's convention)."""
+        key = self.names.direct.get(canonical)
+        if key is not None:
+            return key
         return canonical[len(self.strip) :] if self.strip and canonical.startswith(self.strip) else canonical
+
+    def has(self, canonical: str) -> bool:
+        """Whether the checkpoint holds the model parameter ``canonical`` (as one tensor or fused from several)."""
+        return canonical in self.names
+
+    def read_param(self, canonical: str) -> torch.Tensor:
+        """The model parameter ``canonical`` as the model loads it (a fused parameter made from its tensors)."""
+        fused = self.names.fused.get(canonical)
+        if fused is None:
+            key = self.source_key(canonical)
+            if key not in self.key_file:
+                raise ValueError(f"{self.folder}: the checkpoint has no tensor {key!r}")
+            return self.read(key)
+        return fuse(canonical, fused, self.read, self.param_shapes[canonical])
 
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -120,8 +142,9 @@ def check_safetensors(path: Path) -> dict:
     return header
 
 
-def read_source_weights(folder: Path, family: Family) -> SourceWeights:
-    """Find and validate the safetensors weights of ``folder`` (single file or sharded with an index)."""
+def read_source_weights(folder: Path, family: Family, config, model=None) -> SourceWeights:
+    """Find and validate the safetensors weights of ``folder`` (single file or sharded with an index), and how each
+    parameter of ``config``'s model (``model``: a skeleton of it, made when not given) is read from them."""
     folder = Path(folder)
     index = None
     if (folder / INDEX_FILE).is_file():
@@ -153,37 +176,51 @@ def read_source_weights(folder: Path, family: Family) -> SourceWeights:
         for key, name in weight_map.items():
             if key_file.get(key) != name:
                 raise ValueError(f"{folder / INDEX_FILE} maps {key!r} to {name}, which does not contain it")
+    model = skeleton(config, folder) if model is None else model
     weights = SourceWeights(folder, files, key_file, shapes, index, torch.float32)
-    weights.strip = _missing_prefix(weights, family)
-    probe = weights.source_key(_proj_key(family, 0, family.qkv_proj or family.q_proj, "weight"))
-    weights.dtype = _DTYPES.get(dtypes[probe], (torch.float32,))[0] or torch.float32
+    weights.names = key_map(model, key_file)
+    weights.param_shapes = {n: list(t.shape) for n, t in model.state_dict().items()}
+    anchor = _proj_key(family, 0, family.qkv_proj or family.q_proj, "weight")
+    if anchor not in weights.names.direct:
+        raise ValueError(
+            f"{folder}: unexpected tensor names for a {family.model_type} checkpoint "
+            f"(no {anchor!r}); is it a {family.model_type} causal LM?"
+        )
+    key = weights.names.direct[anchor]
+    weights.strip = anchor[: len(anchor) - len(key)] if anchor.endswith("." + key) else ""
+    weights.dtype = _DTYPES.get(dtypes[key], (torch.float32,))[0] or torch.float32
     return weights
 
 
-def check_matches_config(weights: SourceWeights, config) -> None:
-    """Every tensor the model ``config`` describes is in ``weights`` with that shape (tied weights: one of them);
-    else a ``ValueError`` naming the first disagreement -- before any work, where Transformers would only refuse at
-    the end, pointing at a report the command line does not show (or, for a missing pre-norm gain, a ``qkv_norm``
-    fold would go on without it). The model is built on the meta device: no memory, no initialisation."""
+def skeleton(config, folder: Path | None = None):
+    """``config``'s causal-LM model on the meta device (no memory, no initialisation); a ``ValueError`` naming the
+    config when it describes no model Transformers can build (e.g. heads that do not divide the width)."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception as exc:  # sizes that build no model (e.g. heads that do not divide the width)
-        raise ValueError(
-            f"{weights.folder / 'config.json'} describes no model Transformers can build ({type(exc).__name__}: {exc})"
-        ) from None
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:
+        where = f"{Path(folder) / 'config.json'}" if folder is not None else "the config"
+        raise ValueError(f"{where} describes no model Transformers can build ({type(exc).__name__}: {exc})") from None
+
+
+def check_matches_config(weights: SourceWeights, config) -> None:
+    """Every tensor the model ``config`` describes is in ``weights`` with that shape (tied weights: one of them; a
+    fused parameter: its tensors, whose fused shape is checked when it is read); else a ``ValueError`` naming the
+    first disagreement -- before any work, where Transformers would only refuse at the end, pointing at a report the
+    command line does not show (or, for a missing pre-norm gain, a ``qkv_norm`` fold would go on without it)."""
+    model = skeleton(config, weights.folder)
     mismatched, missing, seen = [], [], {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         seen.setdefault(id(tensor), []).append((name, list(tensor.shape)))
     for names in seen.values():  # one entry per tensor: tied weights share it, and one copy on disk is enough
-        present = [(n, shape) for n, shape in names if weights.source_key(n) in weights.shapes]
+        present = [(n, shape) for n, shape in names if weights.has(n)]
         if not present:
             missing.append(weights.source_key(names[0][0]))
         for name, want in present:
-            key = weights.source_key(name)
-            if list(weights.shapes[key]) != want:
+            key = weights.names.direct.get(name)
+            if key is not None and list(weights.shapes[key]) != want:
                 mismatched.append((key, weights.shapes[key], want))
     if mismatched:  # the first in the model's order (the embedding, when the width is off)
         key, saved, want = mismatched[0]
@@ -204,19 +241,6 @@ def _proj_key(family: Family, layer: int, proj: str, param: str) -> str:
     return f"{family.layers}.{layer}.{family.attention}.{proj}.{param}"
 
 
-def _missing_prefix(weights: SourceWeights, family: Family) -> str:
-    canonical = _proj_key(family, 0, family.qkv_proj or family.q_proj, "weight")
-    if canonical in weights.key_file:
-        return ""
-    head = canonical.split(".", 1)[0] + "."
-    if canonical[len(head) :] in weights.key_file:
-        return head
-    raise ValueError(
-        f"{weights.folder}: unexpected tensor names for a {family.model_type} checkpoint "
-        f"(no {canonical!r}); is it a {family.model_type} causal LM?"
-    )
-
-
 @dataclass
 class WeightPlan:
     """What changes, by source tensor name: tensors to add or replace (``new``, with the file each goes to),
@@ -235,46 +259,51 @@ def plan_weights(
     family: Family,
     cfg: QKNormConfig,
     new_values: dict[str, torch.Tensor],
-    num_layers: int,
-    carry_native: bool = False,
+    prenorm_forms: list | None = None,
 ) -> WeightPlan:
-    """Plan the new tensors ``new_values`` (state-dict names) and, for ``qkv_norm``, the pre-norm fold.
-
-    ``carry_native``: a new norm weight that the source already has with the same shape (Qwen3's own q/k norms)
-    keeps the source's values, as :func:`hf_qknorm.patch_model` does (used with identity init)."""
+    """Plan the new tensors ``new_values`` (state-dict names; a native norm the scheme's takes the place of is
+    replaced) and, for ``qkv_norm``, the pre-norm fold of every layer: ``prenorm_forms`` holds each block's
+    pre-attention norm as ``(gain, bias)`` (:func:`hf_qknorm.conversion.forms.prenorm_forms`)."""
     plan = WeightPlan(conv1d=family.conv1d)
     anchor_proj = family.qkv_proj or family.q_proj
     for canonical, value in new_values.items():
         key = weights.source_key(canonical)
-        if carry_native and key in weights.key_file and list(weights.shapes[key]) == list(value.shape):
-            value = weights.read(key)
         plan.new[key] = value.detach().to(weights.dtype).contiguous()
         anchor = weights.source_key(f"{canonical.rsplit('.', 2)[0]}.{anchor_proj}.weight")
         plan.new_file[key] = weights.key_file.get(key) or weights.key_file.get(anchor) or weights.files[-1]
+    if cfg.norms_qk and family.native:  # a native norm's tensors the scheme's norm in its place lacks (lp's k)
+        slots = "|".join(re.escape(name) for name in family.native.values())
+        own = re.compile(rf"^{re.escape(family.layers)}\.\d+\.{re.escape(family.attention)}\.({slots})\.\w+$")
+        plan.drop.update(k for n, k in weights.names.direct.items() if own.match(n) and k not in plan.new)
     if cfg.removes_prenorm:
-        for layer in range(num_layers):
-            _plan_fold(plan, weights, family, layer)
+        if prenorm_forms is None:
+            raise ValueError("qkv_norm needs the pre-attention norms' forms to fold them")
+        for layer, form in enumerate(prenorm_forms):
+            _plan_fold(plan, weights, family, layer, form)
     return plan
 
 
-def _plan_fold(plan: WeightPlan, weights: SourceWeights, family: Family, layer: int) -> None:
-    """The ``qkv_norm`` fold of one layer's removed pre-norm (:mod:`hf_qknorm.portable.fold`, the rule
-    :func:`hf_qknorm.patch_model` applies too): its gain scales the projections' input channels and its bias
-    shifts their biases, computed here from the unfolded weights, one projection weight in memory at a time."""
+def _plan_fold(plan: WeightPlan, weights: SourceWeights, family: Family, layer: int, form: tuple) -> None:
+    """The ``qkv_norm`` fold of one layer's removed pre-norm ``form`` = ``(gain, bias)``
+    (:mod:`hf_qknorm.portable.fold`, the rule :func:`hf_qknorm.patch_model` applies too): its gain scales the
+    projections' input channels and its bias shifts their biases, computed here from the unfolded weights, one
+    projection weight in memory at a time."""
+    gain, bias = form
     norm = f"{family.layers}.{layer}.{family.prenorm}"
-    gain_key, bias_key = (weights.source_key(f"{norm}.{p}") for p in ("weight", "bias"))
-    gain = weights.read(gain_key) if gain_key in weights.key_file else None
-    bias = weights.read(bias_key) if bias_key in weights.key_file else None
-    plan.drop.update(k for k in (gain_key, bias_key) if k in weights.key_file)
+    plan.drop.update(
+        k for k in (weights.source_key(f"{norm}.{p}") for p in ("weight", "bias")) if k in weights.key_file
+    )
     for proj in [family.qkv_proj] if family.fused_qkv else [family.q_proj, family.k_proj, family.v_proj]:
         w_key = weights.source_key(_proj_key(family, layer, proj, "weight"))
         b_key = weights.source_key(_proj_key(family, layer, proj, "bias"))
+        if w_key not in weights.key_file:
+            raise ValueError(f"{weights.folder}: cannot fold {norm} into {w_key}: the checkpoint stores it otherwise")
         if gain is not None:
-            plan.folds[w_key] = gain
+            plan.folds[w_key] = gain.detach().cpu()
         if bias is not None:
             if b_key not in weights.key_file:
                 raise ValueError(f"cannot fold the bias of {norm} into {w_key}: the projection has no bias")
-            plan.shifts[b_key] = bias_shift(weights.read(w_key), bias, family.conv1d)
+            plan.shifts[b_key] = bias_shift(weights.read(w_key), bias.detach().cpu(), family.conv1d)
 
 
 def transform_tensor(key: str, tensor: torch.Tensor, plan: WeightPlan) -> torch.Tensor:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..modeling.derive import get_family
 from ..modeling.saved import read_config
-from ..portable.families import SPELLED_OUT_TYPES, Family, UnsupportedModelError
+from ..portable.families import Family, UnsupportedModelError
+from ..portable.layout import find_layers
 from ..portable.names import PREFIX
-from .shards import SourceWeights, check_matches_config, read_source_weights
+from .shards import SourceWeights, check_matches_config, read_source_weights, skeleton
 
-__all__ = ["Source", "inspect_source", "resolve_source"]
+__all__ = ["Source", "check_patchable", "inspect_source", "resolve_source"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -56,8 +58,9 @@ def _download(repo_id: str) -> Path:
         ) from exc
 
 
-def inspect_source(src) -> Source:
-    """Load and check the source's config and weight files (nothing heavy is read)."""
+def inspect_source(src, cfg=None) -> Source:
+    """Load and check the source's config and weight files (nothing heavy is read). With the scheme ``cfg``, refuse
+    first what patching would refuse (:func:`check_patchable`)."""
     from transformers import AutoConfig
 
     path, name = resolve_source(src)
@@ -73,12 +76,40 @@ def inspect_source(src) -> Source:
         )
     config = AutoConfig.from_pretrained(path)
     family = get_family(config)
-    if family.model_type not in SPELLED_OUT_TYPES:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
         raise UnsupportedModelError(
-            f"convert calibrates and verifies model types {', '.join(SPELLED_OUT_TYPES)}; model type "
-            f"{family.model_type!r} is patched by hf_qknorm.patch_model (then save_pretrained writes a folder that "
-            "loads with or without the plugin), but not converted"
+            f"model type {family.model_type!r} is a multimodal model: hf_qknorm.convert converts text decoders; "
+            "patch it with hf_qknorm.patch_model and save it with save_pretrained"
         )
-    weights = read_source_weights(path, family)
+    model = skeleton(config, path)
+    # where the causal LM holds its blocks (a head model whose base-model prefix names no attribute of it)
+    blocks = find_layers(model, family)
+    family = dataclasses.replace(family, layers=next(n for n, m in model.named_modules() if m is blocks))
+    weights = read_source_weights(path, family, config, model)
     check_matches_config(weights, config)
+    if cfg is not None:
+        eps = family.norm_eps(config, "; pass --eps") if cfg.eps is None else cfg.eps
+        check_patchable(path, dataclasses.replace(cfg, eps=eps))
     return Source(path=path, name=name, config=config, family=family, weights=weights)
+
+
+PROBE_LAYERS = 2  # layers of the source that the patch's self-check runs on before a conversion starts
+
+
+def check_patchable(path: Path, cfg) -> None:
+    """Refuse, before any work, a conversion that :func:`hf_qknorm.patch_model` would refuse: the source's first
+    :data:`PROBE_LAYERS` layers (of the source folder ``path``) are loaded (float32, its own weights) and patched
+    with ``cfg`` (its ``eps`` resolved), so the patch-time
+    self-check runs on the source itself (a parallel block under ``qkv_norm``, a transform between the projections
+    and the attention backend, ...). Raises :class:`~hf_qknorm.portable.families.UnsupportedModelError` with
+    patching's one-line reason."""
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling.patch import patch_model
+    from ..verification.loading import quiet_transformers
+    from .checks import layer_view
+
+    with quiet_transformers(), layer_view(path, PROBE_LAYERS) as view:
+        model = AutoModelForCausalLM.from_pretrained(view)
+    patch_model(model.eval(), cfg)

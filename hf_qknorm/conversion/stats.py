@@ -1,9 +1,10 @@
 """What calibration measures: activation statistics of the original model and the report of a calibration.
 
-:class:`ActivationRecorder` puts forward pre-hooks on every attention module of an (unpatched) model and accumulates,
-per layer, the least-squares sums that :func:`hf_qknorm.conversion.localfit.closed_form` needs (per channel, pooled
-over heads and tokens), the per-head RMS of q, k and v before RoPE, and the largest logit. :class:`CalibrationReport`
-holds the perplexities and per-layer statistics and formats them for the command line and the model card.
+:class:`ActivationRecorder` records, while the original model runs, what the new norms will read and what the
+original model hands on there, per layer: the least-squares sums that
+:func:`hf_qknorm.conversion.localfit.closed_form` needs (per channel, pooled over heads and tokens), the per-head RMS
+of q, k and v before RoPE, and the largest logit. :class:`CalibrationReport` holds the perplexities and per-layer
+statistics and formats them for the command line and the model card.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 
 from ..modeling.telemetry import LogitTap, head_max_logits
-from ..portable.families import Family
-from ..portable.layout import find_layers, rotary_function
+from ..portable.families import Family, head_dim_of, heads_of
+from ..portable.hooks import hook_slots, install, uninstall
+from ..portable.layout import find_layers
 from ..portable.norms import HeadLpNorm, make_norm
 from ..portable.schemes import QKNormConfig
 
@@ -251,20 +253,6 @@ def _parameter_free(cfg: QKNormConfig, head_dim: int) -> nn.Module:
     return make_norm(cfg.norm, "q", head_dim, cfg.eps).double()
 
 
-def _heads(attn, family: Family, hidden: torch.Tensor):
-    """Projections ``x`` (what the new norms will read) and targets ``y`` (what the original model feeds RoPE)
-    of one attention module, each ``(batch, seq, heads, head_dim)``."""
-    if family.fused_qkv:
-        q, k, v = getattr(attn, family.qkv_proj)(hidden).split(attn.split_size, dim=2)
-    else:
-        q, k, v = (getattr(attn, name)(hidden) for name in (family.q_proj, family.k_proj, family.v_proj))
-    xq, xk, xv = (t.view(*t.shape[:-1], -1, attn.head_dim) for t in (q, k, v))
-    yq, yk = xq, xk
-    if family.native_qk_norm:  # Qwen3: the original model normalises q and k itself
-        yq, yk = attn.q_norm(xq), attn.k_norm(xk)
-    return (xq, xk, xv), (yq, yk, xv)
-
-
 def max_logit(q: torch.Tensor, k: torch.Tensor, scaling: float) -> float:
     """Largest pre-cap logit ``scaling * q.k`` over causal pairs, signed as the converted model's and the telemetry's
     (:func:`~hf_qknorm.modeling.telemetry.head_max_logits`: the backend's mask rule and tiles); ``q`` ``(b, h, s,
@@ -272,57 +260,108 @@ def max_logit(q: torch.Tensor, k: torch.Tensor, scaling: float) -> float:
     return float(head_max_logits(q.float(), k.float(), None, scaling=scaling, causal=True).max())
 
 
-class ActivationRecorder:
-    """Forward pre-hooks on attention modules of the original model (``attns``, the layers numbered ``indices``),
-    accumulating :class:`_Moments` for q, k and v and the largest logit per layer."""
+class _Tap(nn.Module):
+    """Stands where the scheme's norm of one role will sit, in the original model: hands each call's input ``x``
+    and output ``y`` to ``sink`` and returns ``y`` -- its input unchanged, or the model's own per-head norm of it
+    (``inner``), so the original model computes exactly what it did."""
 
-    def __init__(
-        self,
-        attns: list[nn.Module],
-        family: Family,
-        cfg: QKNormConfig,
-        device: torch.device,
-        indices: list[int] | None = None,
-    ):
-        self.family, self.cfg = family, cfg
-        self.attns = list(attns)
-        self.indices = list(indices) if indices is not None else list(range(len(self.attns)))
+    def __init__(self, role: str, inner: nn.Module | None, sink):
+        super().__init__()
+        self.role, self.inner, self.sink = role, inner, sink
+
+    def forward(self, x):
+        y = x if self.inner is None else self.inner(x)
+        self.sink(self.role, x, y)
+        return y
+
+
+class ActivationRecorder:
+    """Records, while the original model runs, what the scheme's norms will read in each of the layers ``indices``
+    of ``model`` (an unpatched model): per role the per-head input ``x`` of the new norm and the value ``y`` the
+    original model hands on at that point (``x`` itself, or its own per-head norm's output), accumulated as
+    :class:`_Moments`; and the largest logit the attention backend sees (with the scaling it is passed).
+
+    Where the new norm reads is found as patching finds it: the scheme's hooks (:mod:`hf_qknorm.portable.hooks`)
+    are installed on the original attention modules with a recording identity in place of each norm (in place of
+    the model's own per-head norm, which it then calls), so fused projections, per-head layouts and norms the model
+    keeps over the whole projection are split exactly as in the patched model. The hooks are removed on exit. The
+    logits come from the ``"qknorm"`` backend (:class:`~hf_qknorm.modeling.telemetry.LogitTap`), which the model
+    must run on."""
+
+    def __init__(self, model: nn.Module, family: Family, cfg: QKNormConfig, device: torch.device, indices: list[int]):
+        self.model, self.family, self.cfg = model, family, cfg
+        blocks = find_layers(model, family)
+        self.indices = list(indices)
+        self.attns = [getattr(blocks[i], family.attention) for i in self.indices]
         self.moments = [{r: _Moments() for r in "qkv"} for _ in self.attns]
         self.max_logit = [0.0 for _ in self.attns]
-        self.norm = _parameter_free(cfg, self.attns[0].head_dim).to(device) if cfg.norms_qk else None
-        self._handles = []
+        self.scaling: list[float | None] = [None for _ in self.attns]
+        config = model.config
+        self.shapes = [(head_dim_of(a, config), *heads_of(a, config)) for a in self.attns]
+        self.norm = _parameter_free(cfg, self.shapes[0][0]).to(device) if cfg.norms_qk else None
+        self._undo = []
+        self._tap = None
 
     def __enter__(self):
-        for i, attn in enumerate(self.attns):
-            self._handles.append(attn.register_forward_pre_hook(self._hook(i), with_kwargs=True))
+        self._tap = LogitTap(self.model, self._logits)  # first: it reads the family off the unpatched structure
+        self._tap.attach()
+        for j, attn in enumerate(self.attns):
+            self._undo.append(self._install(j, attn))
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
+        if self._tap is not None:
+            self._tap.detach()
+        for attn, old in zip(self.attns, self._undo):
+            uninstall(attn)
+            for name, module in old.items():
+                if module is None:
+                    delattr(attn, name)
+                else:
+                    setattr(attn, name, module)
+        self._undo = []
 
-    def _hook(self, i):
-        def hook(attn, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
+    def _install(self, j: int, attn: nn.Module) -> dict:
+        family = self.family
+        head_dim, heads, kv_heads = self.shapes[j]
+        old, norms = {}, {}
+        for role in ("q", "k", "v"):
+            name = family.norm_slot(role)
+            inner = attn._modules.get(name) if role in family.native else None
+            old[name] = attn._modules.get(name)
+            setattr(attn, name, _Tap(role, inner, self._sink(j)))
+            norms[role] = name
+        slots = hook_slots(family, {r for r in ("q", "k", "v") if r not in family.native})
+        install(attn, slots, norms, (head_dim, heads, kv_heads, family.fused_layout), None, None)
+        return old
+
+    def _sink(self, j: int):
+        heads = {"q": self.shapes[j][1], "k": self.shapes[j][2], "v": self.shapes[j][2]}
+
+        def sink(role, x, y):
+            if self.norm is None:
+                return
+            if x.dim() == 4 and x.shape[-2] != heads[role] and x.shape[1] == heads[role]:
+                x, y = x.transpose(1, 2), y.transpose(1, 2)  # a model that normalises (batch, heads, seq, dim)
+            p = self.cfg.p if self.cfg.learned_logit_scale else None
             with torch.no_grad():
-                xs, ys = _heads(attn, self.family, hidden)
-                if self.norm is not None:
-                    p = self.cfg.p if self.cfg.learned_logit_scale else None
-                    for role, x, y in zip("qkv", xs, ys):
-                        self.moments[i][role].add(self.norm(x.double()), y, p)
-                q, k = (t.transpose(1, 2) for t in ys[:2])
-                if self.family.rope:
-                    rope = rotary_function(attn)
-                    q, k = rope(q, k, *kwargs["position_embeddings"])
-                self.max_logit[i] = max(self.max_logit[i], max_logit(q, k, float(attn.scaling)))
+                self.moments[j][role].add(self.norm(x.detach().double()), y.detach(), p)
 
-        return hook
+        return sink
+
+    def _logits(self, index, module, q, k, mask, scaling, softcap):
+        if index not in self.indices:
+            return
+        j = self.indices.index(index)
+        top = head_max_logits(q, k, mask, scaling=float(scaling), causal=getattr(module, "is_causal", True))
+        self.max_logit[j] = max(self.max_logit[j], float(top.max()))
+        self.scaling[j] = float(scaling)
 
     def layer_stats(self) -> list[LayerStats]:
         out = []
-        for i, m in enumerate(self.moments):
+        for j, m in enumerate(self.moments):
             rms = {r: (m[r].head_rms() if m[r].count else []) for r in "qkv"}
-            out.append(LayerStats(self.indices[i], rms["q"], rms["k"], rms["v"], self.max_logit[i]))
+            out.append(LayerStats(self.indices[j], rms["q"], rms["k"], rms["v"], self.max_logit[j]))
         return out
 
 

@@ -6,8 +6,11 @@ original model and the same model patched with the scheme (:func:`hf_qknorm.patc
 conversion without calibration). :meth:`StreamedCheckpoint.block` materialises block ``i`` of both from the source
 files -- the patched block from exactly the tensors a conversion writes for that layer (the ``qkv_norm`` fold of
 the removed pre-norm into the projections included, :mod:`hf_qknorm.conversion.shards`), plus the norm values given
--- and :meth:`StreamedCheckpoint.release` returns them to ``meta``. The embeddings are materialised only to embed
-the calibration text, the final norm and output head only to score it. Peak memory is one block (twice: original
+-- and :meth:`StreamedCheckpoint.release` returns them to ``meta``. Every parameter is read as ``from_pretrained``
+reads it (:mod:`hf_qknorm.conversion.keys`: fused experts, renamed tensors). The embeddings, final norm and output
+head are materialised only to embed the calibration text and to score it (:meth:`StreamedCheckpoint.logits`: the
+model's own forward after the blocks). Both models run on the ``"qknorm"`` attention backend, which reports the q
+and k it attends over (the logit statistics) for every family. Peak memory is one block (twice: original
 and patched) plus the activations, whatever the depth -- the way GPTQ-style tools quantise models larger than memory.
 
 :meth:`StreamedCheckpoint.block_inputs` runs the skeleton's own forward with every block replaced by a recorder, so
@@ -26,8 +29,10 @@ from torch import nn
 from ..modeling.patch import patch_model
 from ..portable.families import Family
 from ..portable.layout import find_layers
+from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import QKNormConfig
 from ..upstream import CACHE_NAMES
+from .forms import native_values, prenorm_forms
 from .shards import SourceWeights, WeightPlan, plan_weights, transform_tensor
 
 
@@ -64,6 +69,8 @@ class StreamedCheckpoint:
             self.patched = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         patch_model(self.patched, cfg)
         for model in (self.original, self.patched):
+            # the backend that hands over what it attends over (the logit statistics), for every family
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
             model.eval()
             for buf_owner in model.modules():
                 for key, buf in list(buf_owner._buffers.items()):
@@ -73,7 +80,13 @@ class StreamedCheckpoint:
         self.patched_blocks = find_layers(self.patched, family)
         self.prefix = family.layers + "."
         # the qkv_norm fold of every layer (tiny vectors: gains and bias shifts), and the dropped pre-norm tensors
-        self.plan: WeightPlan = plan_weights(weights, family, cfg, {}, len(self.blocks))
+        forms = prenorm_forms(self.original, family, weights) if cfg.removes_prenorm else None
+        self.plan: WeightPlan = plan_weights(weights, family, cfg, {}, forms)
+
+    def native_values(self, i: int) -> dict:
+        """The values the scheme's norms of layer ``i`` start from where they replace the model's own per-head norms
+        (:func:`hf_qknorm.conversion.forms.native_values`); empty for other models."""
+        return native_values(self.original, self.patched, self.family, self.weights, i)
 
     @property
     def num_layers(self) -> int:
@@ -85,12 +98,9 @@ class StreamedCheckpoint:
             if values is not None and name in values:
                 tensor = values[name].clone()  # the block's parameter must never share memory with the caller's
             else:
-                key = self.weights.source_key(name)
-                if key not in self.weights.key_file:
-                    raise ValueError(f"{self.weights.folder}: the checkpoint has no tensor {key!r}")
-                tensor = self.weights.read(key)
+                tensor = self.weights.read_param(name)
                 if transform:
-                    tensor = transform_tensor(key, tensor, self.plan)
+                    tensor = transform_tensor(self.weights.source_key(name), tensor, self.plan)
             _set_tensor(model, name, tensor.to(device=self.device, dtype=torch.float32))
 
     def _names(self, model: nn.Module, prefix: str | None, outer: bool = False) -> list[str]:
@@ -123,7 +133,7 @@ class StreamedCheckpoint:
         tied = getattr(self.original.config.get_text_config(), "tie_word_embeddings", False)
         head = self.original.get_output_embeddings()
         head_name = next(f"{n}.weight" for n, m in self.original.named_modules() if m is head)
-        loadable = [n for n in names if self.weights.source_key(n) in self.weights.key_file]
+        loadable = [n for n in names if self.weights.has(n)]
         missing = sorted(set(names) - set(loadable) - ({head_name} if tied else set()))
         if missing:
             raise ValueError(f"{self.weights.folder}: the checkpoint lacks {missing}")
@@ -181,9 +191,34 @@ class StreamedCheckpoint:
 
         return forward
 
-    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """The final norm of the last block's output (needs :meth:`outer`)."""
-        return self.original.get_decoder().get_submodule(self.family.final_norm)(x)
+    @torch.no_grad()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's logits for the last block's output ``x`` ``(batch, seq, hidden)``: the rest of the model's own
+        forward -- whatever it does after the blocks (final norm, an output projection, a logit scale or cap) --
+        with the first block handing on ``x`` and the others passing it through (needs :meth:`outer`)."""
+        originals = [blk.__dict__.get("forward") for blk in self.blocks]
+        for index, blk in enumerate(self.blocks):
+            blk.forward = _replay(x) if index == 0 else _passthrough
+        try:
+            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+            return self.original(input_ids=ids, use_cache=False).logits
+        finally:
+            for blk, fwd in zip(self.blocks, originals):
+                if fwd is None:
+                    del blk.forward
+                else:
+                    blk.forward = fwd
+
+
+def _replay(x: torch.Tensor):
+    def forward(*args, **kwargs):
+        return x
+
+    return forward
+
+
+def _passthrough(*args, **kwargs):
+    return args[0] if args else kwargs["hidden_states"]
 
 
 def _is_cache(value) -> bool:

@@ -48,19 +48,23 @@ def write_folder(
     model_name: str,
     settings: CalibrationSettings,
 ) -> WeightPlan:
-    from .export import copy_side_files, write_config
+    from .export import copy_side_files, native_form, stored_values, write_config
     from .hub import write_model_card
 
-    plan: WeightPlan = plan_weights(
-        source.weights,
-        source.family,
-        cfg,
-        new_values,
-        source.config.get_text_config().num_hidden_layers,
-        carry_native=result.report is None,
-    )
+    forms = None
+    if cfg.removes_prenorm:
+        from .forms import prenorm_forms
+        from .shards import skeleton
+
+        forms = prenorm_forms(skeleton(source.config), source.family, source.weights)
+    if kind == "native":  # the model's own norms keep their convention (Gemma's 1 + w stored as w)
+        offsets, why = native_form(source, cfg)
+        if offsets is None:
+            raise ValueError(f"cannot export as a plain {source.family.model_type} model: {why}")
+        new_values = stored_values(new_values, offsets, source.family, source.weights)
+    plan: WeightPlan = plan_weights(source.weights, source.family, cfg, new_values, forms)
     write_weights(source.weights, plan, tmp, progress)
-    write_config(tmp, kind, patched_config, source.weights.dtype)
+    write_config(tmp, kind, patched_config, source.weights.dtype, source.config)
     copy_side_files(source.path, tmp)
     if result.report is not None and settings.agreement_tokens > 0:
         result.report.agreement = _answer_agreement(source, tmp, settings, progress)

@@ -114,8 +114,8 @@ def test_a_config_that_lost_its_cap_fails_the_conversion(tmp_path, monkeypatch):
     save_source(tmp_path / "src", "llama")
     real = export.write_config
 
-    def wrong_cap(folder, kind, patched_config, dtype):
-        out = real(folder, kind, patched_config, dtype)
+    def wrong_cap(folder, kind, patched_config, dtype, *rest):
+        out = real(folder, kind, patched_config, dtype, *rest)
         data = json.loads((folder / "config.json").read_text())
         data["qknorm"]["softcap"] = 1e6  # a cap so large it never acts
         (folder / "config.json").write_text(json.dumps(data))

@@ -1,0 +1,203 @@
+"""hf_qknorm.convert on every kind of model patch_model covers: a tiny checkpoint of each sample type converted with the
+main schemes. What is checked comes from the models themselves, never from the converter's own arithmetic:
+
+- the written folder's logits, loaded with the plugin and in a fresh interpreter without it (remote code, or plain
+  Transformers for a plain export), equal the converted model in memory: the source loaded by Transformers,
+  ``patch_model``-ed, with the norm values the folder holds (so the writer's fold of the pre-norm, its names for
+  fused experts and renamed tensors, and the exported code are all checked against patching);
+- the report's perplexities are the source model's and the converted model's own (so the streamed, block-by-block
+  calibration read every tensor -- fused experts, renamed heads -- and ran every block as the model does);
+- a scheme that patching refuses for a model is refused by convert with patching's reason, before any work;
+- a qk_norm / rmsnorm conversion of a model with its own RMS q/k norms changes nothing and stays its own type.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_qknorm
+from hf_qknorm import QKNormConfig, UnsupportedModelError, convert
+from hf_qknorm.conversion.calibrate import new_norm_parameters
+from hf_qknorm.conversion.texts import text_blocks
+from hf_qknorm.data import perplexity, split_text
+from hf_qknorm.verification import conversions
+from tests.modeling.test_coverage import SAMPLE
+from tests.modeling.test_export import run_without_plugin
+
+SCHEMES = ("qk_norm", "qk_norm_cap", "qkv_norm")
+GAIN_OFFSET = {"gemma3_text": 1.0}  # Gemma 3's own q/k norms multiply by 1 + w (Gemma3RMSNorm)
+TEXT = conversions._text()
+SETTINGS = conversions.settings()
+IDS, MASK = conversions.probe_inputs()
+
+
+def _quiet(*args, **kwargs):
+    pass
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS, attention_mask=MASK).logits.float()
+
+
+def _in_memory(src, cfg, written: dict) -> torch.nn.Module:
+    """The converted model in memory: the source as Transformers loads it, patched, with the folder's norm values."""
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    hf_qknorm.patch_model(model, cfg)
+    with torch.no_grad():
+        for name, prm in new_norm_parameters(model).items():
+            prm.copy_(written[name])
+    return model
+
+
+def _convert_one(tmp, model_type, scheme, norm=None):
+    """Convert the tiny ``model_type`` checkpoint with ``scheme``; what the tests look at, or the refusal."""
+    src = tmp / model_type / "source"
+    if not src.exists():
+        conversions.tiny_source(model_type, src)
+    cfg = QKNormConfig(scheme, norm=norm)
+    out = tmp / model_type / f"{scheme}-{norm}"
+    try:
+        result = convert(src, out, cfg, SETTINGS, calibration_text=TEXT, verify="plugin", progress=False, log=_quiet)
+    except UnsupportedModelError as exc:
+        return {"refused": str(exc), "src": src, "cfg": cfg, "out": out}
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    held = split_text(TEXT, 0.1)[1]
+    blocks = text_blocks(held, AutoTokenizer.from_pretrained(src), SETTINGS.block_len, SETTINGS.eval_blocks, "held")
+    row = {"result": result, "src": src, "cfg": cfg, "out": out, "plugin": _logits(loaded), "blocks": blocks}
+    if result.export == "qknorm":
+        written = {k: p.detach().clone() for k, p in new_norm_parameters(loaded).items()}
+    else:  # the model's own norms: their tensors hold the gain in the model's convention
+        offset = GAIN_OFFSET.get(model_type, 0.0)
+        written = {k: v + offset if k.endswith(".weight") else v for k, v in _tensors(out).items()}
+    converted = _in_memory(src, cfg, written)
+    row["memory"] = _logits(converted)
+    row["ppl_converted"] = perplexity(converted, blocks)
+    row["ppl_source"] = perplexity(AutoModelForCausalLM.from_pretrained(src).eval(), blocks)
+    return row
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Every sample type converted with every main scheme, and every written folder loaded without the plugin in
+    one fresh interpreter; (type, scheme) -> what each test looks at (an exception raised is kept, not raised)."""
+    tmp = tmp_path_factory.mktemp("every_type")
+    rows, jobs = {}, []
+    for model_type in SAMPLE:
+        for scheme in SCHEMES:
+            try:
+                rows[model_type, scheme] = row = _convert_one(tmp, model_type, scheme)
+            except Exception as exc:  # noqa: BLE001 -- reported by the test of this type
+                rows[model_type, scheme] = {"error": exc}
+                continue
+            if "result" in row:
+                key = f"{model_type}/{scheme}"
+                remote = row["result"].export == "qknorm"
+                jobs.append({"name": key, "path": str(row["out"]), "remote": remote, "ids": IDS.tolist(),
+                             "mask": MASK.tolist()})  # fmt: skip
+    got = run_without_plugin(tmp, jobs)
+    for (model_type, scheme), row in rows.items():
+        if "result" in row:
+            row["without"] = got[f"{model_type}/{scheme}"]
+    return rows
+
+
+def _close(got, want, what):
+    # row 0 is left-padded: its padded positions are not compared
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4, msg=what)
+    torch.testing.assert_close(got[0, conversions.PROBE_PAD :], want[0, conversions.PROBE_PAD :], rtol=1e-4, atol=1e-4,
+                               msg=what)  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", SAMPLE)
+def test_every_sample_type_converts_and_reloads_without_the_plugin(converted, model_type):
+    for scheme in SCHEMES:
+        row = converted[model_type, scheme]
+        if "error" in row:
+            raise row["error"]
+        if "refused" in row:  # patching refuses it too, with the same one line
+            with pytest.raises(UnsupportedModelError) as patched:
+                hf_qknorm.patch_model(AutoModelForCausalLM.from_pretrained(row["src"]), row["cfg"])
+            assert row["refused"] == str(patched.value) and model_type in row["refused"]
+            assert scheme == "qkv_norm" and not row["out"].exists()
+            continue
+        result, without = row["result"], row["without"]
+        saved = json.loads((row["out"] / "config.json").read_text())
+        if result.export == "native":  # Persimmon's own LayerNorm is qk_norm / layernorm: still a Persimmon
+            assert (scheme, saved["model_type"]) == ("qk_norm", model_type) and "qknorm" not in saved
+            assert not without["module"].startswith("transformers_modules")
+        else:
+            assert result.export == "qknorm" and saved["model_type"] == f"qknorm_{model_type}"
+            assert QKNormConfig.from_dict(saved["qknorm"]) == dataclass_eps(row["cfg"], result.scheme)
+            assert without["module"].startswith("transformers_modules")  # the folder's own code, no plugin
+        _close(row["plugin"], row["memory"], f"{model_type} {scheme}: with the plugin")
+        _close(without["logits"], row["memory"], f"{model_type} {scheme}: without the plugin")
+        # the streamed calibration ran the model as Transformers does: the report's perplexities are the models' own
+        report = result.report
+        assert report.ppl_original == pytest.approx(row["ppl_source"], rel=1e-4)
+        assert report.ppl_calibrated == pytest.approx(row["ppl_converted"], rel=1e-4)
+
+
+def dataclass_eps(asked: QKNormConfig, resolved: QKNormConfig) -> QKNormConfig:
+    """The scheme asked for with the epsilon the conversion resolved (the model's own)."""
+    import dataclasses
+
+    return dataclasses.replace(asked, eps=resolved.eps)
+
+
+@pytest.mark.parametrize(
+    "model_type, norm", [("gemma3_text", "rmsnorm"), ("qwen3_moe", "rmsnorm"), ("persimmon", "layernorm")]
+)
+def test_a_model_whose_own_qk_norms_are_the_scheme_converts_to_itself(tmp_path, model_type, norm):
+    """Gemma 3's (1 + w), Qwen3-MoE's (w) RMS q/k norms and Persimmon's LayerNorm are qk_norm with that norm: the
+    conversion starts from their own gains, changes nothing, and is written as the model's own type."""
+    row = _convert_one(tmp_path, model_type, "qk_norm", norm)
+    result = row["result"]
+    assert result.export == "native"
+    source, written = _tensors(row["src"]), _tensors(row["out"])
+    assert source.keys() == written.keys() and all(torch.equal(source[k], written[k]) for k in source)
+    config = json.loads((row["out"] / "config.json").read_text())
+    assert config["model_type"] == model_type and "qknorm" not in config and "auto_map" not in config
+    got = run_without_plugin(tmp_path, [{"name": "n", "path": str(row["out"]), "remote": False, "ids": IDS.tolist(),
+                                        "mask": MASK.tolist()}])["n"]  # fmt: skip
+    plain = AutoModelForCausalLM.from_pretrained(row["src"]).eval()
+    assert got["cls"] == type(plain).__name__ and not got["module"].startswith("transformers_modules")
+    _close(got["logits"], _logits(plain), f"{model_type}: without the plugin")
+    _close(row["plugin"], _logits(plain), f"{model_type}: with the plugin")
+    if norm == "rmsnorm":  # patch_model carries a native gain (not a LayerNorm's bias, which it resets)
+        patched = hf_qknorm.patch_model(AutoModelForCausalLM.from_pretrained(row["src"]).eval(), row["cfg"])
+        _close(_logits(patched), _logits(plain), f"{model_type}: patch_model carries the gains too")
+
+
+def test_a_refused_scheme_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A parallel block (Phi) cannot lose its pre-norm: qkv_norm is refused with patching's reason before the
+    calibration text is read or the checkpoint streamed; a model type patching refuses is refused the same way."""
+    from hf_qknorm.conversion import converter, layerwise
+
+    def never(*args, **kwargs):
+        raise AssertionError("work started before the refusal")
+
+    monkeypatch.setattr(layerwise, "calibrate_checkpoint", never)
+    monkeypatch.setattr(converter, "read_texts", never)
+    for model_type, scheme, words in (("phi", "qkv_norm", "parallel block"), ("llama4_text", "qk_norm", "llama4")):
+        src = conversions.tiny_source(model_type, tmp_path / model_type)
+        with pytest.raises(UnsupportedModelError) as refused:
+            convert(src, tmp_path / f"{model_type}-out", QKNormConfig(scheme), SETTINGS, calibration_text=TEXT,
+                    progress=False, log=_quiet)  # fmt: skip
+        with pytest.raises(UnsupportedModelError) as patched:
+            hf_qknorm.patch_model(AutoModelForCausalLM.from_pretrained(src), scheme)
+        assert str(refused.value) == str(patched.value) and words in str(refused.value)
+        assert not (tmp_path / f"{model_type}-out").exists()
