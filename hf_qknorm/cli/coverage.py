@@ -14,11 +14,19 @@ def add_parser(sub):
         description="For every model type with a causal-LM class in the installed Transformers (or those given), "
         "build a tiny model from its config class, patch it with every scheme x norm and check it (the patch-time "
         "self-check, forward and backward, cached decoding against the full forward); print one line per model "
-        "type: patched, refused (with the reason), FAIL, or out of scope. Exit status 1 if any model type FAILs.",
+        "type: patched, refused (with the reason), FAIL, or out of scope; and for each patched type whether a tiny "
+        "checkpoint of it converts (hf_qknorm.convert with six variants, the written folder checked and reloaded "
+        "without the plugin). Exit status 1 if any model type FAILs either.",
     )
     p.add_argument("model_types", nargs="*", help="model types to check, separated by spaces or commas (default: all)")
     p.add_argument("--markdown", type=Path, help="also write the table as Markdown to this file")
     p.add_argument("--json", type=Path, help="also write every variant's result as JSON to this file")
+    p.add_argument(
+        "--no-conversion",
+        action="store_true",
+        help="skip the conversion column (each patched type converted with six variants and reloaded without the "
+        "plugin)",
+    )
     return p
 
 
@@ -41,8 +49,10 @@ def run(args) -> int:
     def show(result):
         note = f"  {result.reason}" if result.reason else ""
         print(f"{result.model_type:28} {result.status:13}{note}", flush=True)
+        if result.conversion:
+            print(f"{'':28} {'conversion':13}{result.conversion}: {result.conversion_note}", flush=True)
 
-    results = cov.coverage(list(dict.fromkeys(wanted)) or None, progress=show)
+    results = cov.coverage(list(dict.fromkeys(wanted)) or None, progress=show, convert=not args.no_conversion)
     print(cov.summary(results))
     versions = f"Transformers {transformers.__version__}"
     for path, text in ((args.markdown, cov.markdown(results, versions)), (args.json, cov.to_json(results))):
@@ -55,4 +65,4 @@ def run(args) -> int:
             finally:
                 partial.unlink(missing_ok=True)
             print(f"wrote {path}", file=sys.stderr)
-    return 1 if cov.counts(results)[cov.FAIL] else 0
+    return 1 if cov.failing(results) else 0

@@ -241,7 +241,7 @@ def summarise(results: dict) -> ConversionResult:
     return ConversionResult(CONVERTED, note, results)
 
 
-def check_conversions(model_types: list[str], progress=None) -> dict[str, ConversionResult]:
+def check_conversions(model_types: list[str], progress=None, variants=VARIANTS) -> dict[str, ConversionResult]:
     """:func:`convert_variants` for each model type, then one reload without the plugin for all of them."""
     out, jobs_of, results_of = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="hf_qknorm_coverage_") as tmp:
@@ -253,7 +253,7 @@ def check_conversions(model_types: list[str], progress=None) -> dict[str, Conver
             work = Path(tmp) / model_type
             work.mkdir()
             try:
-                results_of[model_type], jobs_of[model_type] = convert_variants(model_type, work)
+                results_of[model_type], jobs_of[model_type] = convert_variants(model_type, work, variants)
             except Exception as exc:  # no tiny checkpoint of the type could be saved
                 out[model_type] = ConversionResult(UNTESTED, f"no tiny checkpoint ({type(exc).__name__}: {_line(exc)})")
         reloaded = reload_without_plugin([job for jobs in jobs_of.values() for job in jobs])

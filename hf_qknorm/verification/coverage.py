@@ -20,6 +20,10 @@ A multimodal (image-text-to-text) type is checked through its language model, wh
 model of it (tiny text and vision configs) goes through the same variants and text checks, and, where its tiny image
 inputs are known, an image forward and backward with the vision tower's features unchanged (:mod:`.multimodal`).
 
+The conversion column (:mod:`.conversions`) says, for every patched type, whether a tiny checkpoint of it converts
+with :func:`hf_qknorm.convert` (calibrated, written, checked against the converted model in memory and reloaded
+without the plugin): ``converted``, ``refused`` (with the reason), ``FAIL`` or ``untested``.
+
 ``hf-qknorm coverage`` prints it; ``--markdown`` writes the table committed in docs/coverage/.
 """
 
@@ -59,6 +63,9 @@ class TypeResult:
     reason: str = ""
     variants: dict = field(default_factory=dict)  # "scheme/norm" -> "ok" or the refusal / failure
     seconds: float = 0.0
+    conversion: str = ""  # the conversion column (.conversions): converted, refused, FAIL, untested; "" not tried
+    conversion_note: str = ""
+    conversion_variants: dict = field(default_factory=dict)
 
 
 def check_model_type(model_type: str) -> TypeResult:
@@ -325,25 +332,54 @@ def causal_model_types() -> list[str]:
     return sorted({*modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *image_text})
 
 
-def coverage(types=None, progress=None) -> list[TypeResult]:
-    """:func:`check_model_type` over ``types`` (default: every causal-LM model type), quietly."""
+CONVERSION_CHUNK = 8  # model types whose converted folders are reloaded without the plugin in one interpreter
+
+
+def coverage(types=None, progress=None, convert: bool = True) -> list[TypeResult]:
+    """:func:`check_model_type` over ``types`` (default: every causal-LM model type), quietly; with ``convert``, the
+    conversion column too (:func:`.conversions.check_conversions`, for the patched types). ``progress(result)`` is
+    called for each type once both are known."""
     results = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         previous = logging.root.manager.disable
         logging.disable(logging.WARNING)
         try:
-            for model_type in types or causal_model_types():
-                try:
-                    result = check_model_type(model_type)
-                except Exception as exc:  # a model type whose tiny model breaks in a way not foreseen
-                    result = TypeResult(model_type, FAIL, f"the check crashed: {type(exc).__name__}: {_line(exc)}")
-                results.append(result)
-                if progress is not None:
-                    progress(result)
+            todo = list(types or causal_model_types())
+            for start in range(0, len(todo), CONVERSION_CHUNK):
+                chunk = [_checked(model_type) for model_type in todo[start : start + CONVERSION_CHUNK]]
+                if convert:
+                    _add_conversions(chunk)
+                for result in chunk:
+                    results.append(result)
+                    if progress is not None:
+                        progress(result)
         finally:
             logging.disable(previous)
     return results
+
+
+def _checked(model_type: str) -> TypeResult:
+    try:
+        return check_model_type(model_type)
+    except Exception as exc:  # a model type whose tiny model breaks in a way not foreseen
+        return TypeResult(model_type, FAIL, f"the check crashed: {type(exc).__name__}: {_line(exc)}")
+
+
+def _add_conversions(results: list[TypeResult]) -> None:
+    from .conversions import check_conversions
+
+    patched = [r for r in results if r.status == PATCHED]
+    try:
+        found = check_conversions([r.model_type for r in patched])
+    except Exception as exc:  # the conversion check itself broke
+        found = {}
+        for r in patched:
+            r.conversion, r.conversion_note = FAIL, f"the check crashed: {type(exc).__name__}: {_line(exc)}"
+    for r in patched:
+        if r.model_type in found:
+            got = found[r.model_type]
+            r.conversion, r.conversion_note, r.conversion_variants = got.status, got.reason, got.variants
 
 
 def counts(results) -> dict[str, int]:
@@ -353,14 +389,37 @@ def counts(results) -> dict[str, int]:
     return out
 
 
+def conversion_counts(results) -> dict[str, int]:
+    from .conversions import CONVERTED
+
+    out = {CONVERTED: 0, REFUSED: 0, FAIL: 0, UNTESTED: 0}
+    for r in results:
+        if r.conversion:
+            out[r.conversion] += 1
+    return out
+
+
+def failing(results) -> int:
+    """Model types failing a check: patching, or the conversion of a patched type."""
+    return counts(results)[FAIL] + conversion_counts(results)[FAIL]
+
+
 def summary(results) -> str:
     c = counts(results)
     scope = c[PATCHED] + c[REFUSED] + c[FAIL] + c[UNTESTED]
-    return (
+    text = (
         f"{c[PATCHED]} of {scope} decoder-only softmax-attention text model types patched exactly, {c[REFUSED]} "
         f"refused with the reason, {c[UNTESTED]} untested (no working tiny model), {c[FAIL]} failing; "
         f"{c[OUT_OF_SCOPE]} other causal-LM types out of scope"
     )
+    if any(r.conversion for r in results):
+        v = conversion_counts(results)
+        tried = sum(v.values())
+        text += (
+            f". Conversion: {v['converted']} of {tried} patched types converted and reloaded without the plugin, "
+            f"{v[REFUSED]} refused with the reason, {v[UNTESTED]} untested, {v[FAIL]} failing"
+        )
+    return text
 
 
 def markdown(results, versions: str) -> str:
@@ -369,16 +428,21 @@ def markdown(results, versions: str) -> str:
         "",
         "Generated by `hf-qknorm coverage --markdown` (hf_qknorm/verification/coverage.py): every model type with a "
         "causal-LM class, a tiny model of it patched with every scheme x norm (13 variants), each accepted variant "
-        "run forward and backward and decoded with dynamic and static caches against the full forward.",
+        "run forward and backward and decoded with dynamic and static caches against the full forward. Conversion "
+        "(hf_qknorm/verification/conversions.py): a tiny checkpoint of each patched type converted by `hf_qknorm."
+        "convert` with six variants (qk_norm_cap, qk_norm and qkv_norm with layernorm, qk_norm with rmsnorm and lp, "
+        "soft_cap), each written folder's logits checked against the converted model in memory (and the float64 "
+        "reference where `verify` spells out the type's attention) and against the folder reloaded without the "
+        "plugin (remote code, or plain Transformers for a plain export).",
         "",
         f"**{summary(results)}.**",
         "",
-        "| model type | status | reason / note |",
-        "|---|---|---|",
+        "| model type | status | reason / note | conversion | conversion note |",
+        "|---|---|---|---|---|",
     ]
     for r in results:
-        reason = r.reason.replace("|", "\\|")
-        lines.append(f"| `{r.model_type}` | {r.status} | {reason} |")
+        reason, note = (text.replace("|", "\\|") for text in (r.reason, r.conversion_note))
+        lines.append(f"| `{r.model_type}` | {r.status} | {reason} | {r.conversion or '-'} | {note} |")
     return "\n".join(lines) + "\n"
 
 
