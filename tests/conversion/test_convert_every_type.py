@@ -201,3 +201,28 @@ def test_a_refused_scheme_is_refused_before_any_work(tmp_path, monkeypatch):
             hf_qknorm.patch_model(AutoModelForCausalLM.from_pretrained(src), scheme)
         assert str(refused.value) == str(patched.value) and words in str(refused.value)
         assert not (tmp_path / f"{model_type}-out").exists()
+
+
+def test_remote_code_that_skips_the_norm_fails_a_conversion_the_float64_reference_does_not_cover(tmp_path, monkeypatch):
+    """Mixtral has no float64 reference in verify: the written folder's logits without the plugin, against the
+    converted model in memory, are what catch shipped code that drops the norm (nothing is written)."""
+    from hf_qknorm.conversion.checks import ConversionCheckError
+    from hf_qknorm.modeling import remote
+    from tests._support.convert_support import hook_source_skipping_the_norm
+
+    src = conversions.tiny_source("mixtral", tmp_path / "src")
+    real = remote.remote_files
+
+    def edited(*args):
+        files = real(*args)
+        files["qknorm_hooks.py"] = hook_source_skipping_the_norm(files["qknorm_hooks.py"])
+        return files
+
+    monkeypatch.setattr(remote, "remote_files", edited)
+    with pytest.raises(ConversionCheckError, match=r"logits without the plugin \(its remote code.*differ.*nothing"):
+        convert(src, tmp_path / "out", QKNormConfig("qk_norm"), calibrate=False, progress=False, log=_quiet)
+    assert not (tmp_path / "out").exists()
+    convert(
+        src, tmp_path / "out", QKNormConfig("qk_norm"), calibrate=False, progress=False, log=_quiet, verify="plugin"
+    )
+    assert (tmp_path / "out").is_dir()  # the plugin alone cannot see what the shipped code does
