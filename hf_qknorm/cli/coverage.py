@@ -52,7 +52,10 @@ def run(args) -> int:
         if result.conversion:
             print(f"{'':28} {'conversion':13}{result.conversion}: {result.conversion_note}", flush=True)
 
-    results = cov.coverage(list(dict.fromkeys(wanted)) or None, progress=show, convert=not args.no_conversion)
+    from ..conversion.coverage import add_conversions
+
+    hook = None if args.no_conversion else add_conversions
+    results = cov.coverage(list(dict.fromkeys(wanted)) or None, progress=show, chunk_hook=hook)
     print(cov.summary(results))
     versions = f"Transformers {transformers.__version__}"
     for path, text in ((args.markdown, cov.markdown(results, versions)), (args.json, cov.to_json(results))):

@@ -20,9 +20,10 @@ A multimodal (image-text-to-text) type is checked through its language model, wh
 model of it (tiny text and vision configs) goes through the same variants and text checks, and, where its tiny image
 inputs are known, an image forward and backward with the vision tower's features unchanged (:mod:`.multimodal`).
 
-The conversion column (:mod:`.conversions`) says, for every patched type, whether a tiny checkpoint of it converts
-with :func:`hf_qknorm.convert` (calibrated, written, checked against the converted model in memory and reloaded
-without the plugin): ``converted``, ``refused`` (with the reason), ``FAIL`` or ``untested``.
+The conversion column (:mod:`hf_qknorm.conversion.coverage`, filled in by ``hf-qknorm coverage`` through
+``coverage(..., chunk_hook=...)``) says, for every patched type, whether a tiny checkpoint of it converts with
+:func:`hf_qknorm.convert` (calibrated, written, checked against the converted model in memory and reloaded without
+the plugin): ``converted``, ``refused`` (with the reason), ``FAIL`` or ``untested``.
 
 ``hf-qknorm coverage`` prints it; ``--markdown`` writes the table committed in docs/coverage/.
 """
@@ -42,6 +43,7 @@ from ..portable.schemes import NORMS, SCHEMES
 from ..upstream import cache_kwargs, output_cache
 
 PATCHED, REFUSED, FAIL, OUT_OF_SCOPE, UNTESTED = "patched", "refused", "FAIL", "out of scope", "untested"
+CONVERTED = "converted"  # the conversion column's status of a type that converts
 
 # Not decoder-only softmax attention, read off the structure by derive_family's refusals.
 _SCOPE_REASONS = ("no softmax self-attention", "several stacks", "hybrid model", "encoder", "multimodal")
@@ -63,7 +65,7 @@ class TypeResult:
     reason: str = ""
     variants: dict = field(default_factory=dict)  # "scheme/norm" -> "ok" or the refusal / failure
     seconds: float = 0.0
-    conversion: str = ""  # the conversion column (.conversions): converted, refused, FAIL, untested; "" not tried
+    conversion: str = ""  # the conversion column: converted, refused, FAIL, untested; "" not tried
     conversion_note: str = ""
     conversion_variants: dict = field(default_factory=dict)
 
@@ -332,13 +334,14 @@ def causal_model_types() -> list[str]:
     return sorted({*modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *image_text})
 
 
-CONVERSION_CHUNK = 8  # model types whose converted folders are reloaded without the plugin in one interpreter
+CHUNK = 8  # model types checked before ``chunk_hook`` runs (the conversion column reloads a chunk's folders at once)
 
 
-def coverage(types=None, progress=None, convert: bool = True) -> list[TypeResult]:
-    """:func:`check_model_type` over ``types`` (default: every causal-LM model type), quietly; with ``convert``, the
-    conversion column too (:func:`.conversions.check_conversions`, for the patched types). ``progress(result)`` is
-    called for each type once both are known."""
+def coverage(types=None, progress=None, chunk_hook=None) -> list[TypeResult]:
+    """:func:`check_model_type` over ``types`` (default: every causal-LM model type), quietly. ``chunk_hook(results)``
+    is called on every :data:`CHUNK` results before they are reported (the command line fills in the conversion
+    column: :func:`hf_qknorm.conversion.coverage.add_conversions`); ``progress(result)`` is called for each type
+    after that."""
     results = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -346,10 +349,10 @@ def coverage(types=None, progress=None, convert: bool = True) -> list[TypeResult
         logging.disable(logging.WARNING)
         try:
             todo = list(types or causal_model_types())
-            for start in range(0, len(todo), CONVERSION_CHUNK):
-                chunk = [_checked(model_type) for model_type in todo[start : start + CONVERSION_CHUNK]]
-                if convert:
-                    _add_conversions(chunk)
+            for start in range(0, len(todo), CHUNK):
+                chunk = [_checked(model_type) for model_type in todo[start : start + CHUNK]]
+                if chunk_hook is not None:
+                    chunk_hook(chunk)
                 for result in chunk:
                     results.append(result)
                     if progress is not None:
@@ -366,22 +369,6 @@ def _checked(model_type: str) -> TypeResult:
         return TypeResult(model_type, FAIL, f"the check crashed: {type(exc).__name__}: {_line(exc)}")
 
 
-def _add_conversions(results: list[TypeResult]) -> None:
-    from .conversions import check_conversions
-
-    patched = [r for r in results if r.status == PATCHED]
-    try:
-        found = check_conversions([r.model_type for r in patched])
-    except Exception as exc:  # the conversion check itself broke
-        found = {}
-        for r in patched:
-            r.conversion, r.conversion_note = FAIL, f"the check crashed: {type(exc).__name__}: {_line(exc)}"
-    for r in patched:
-        if r.model_type in found:
-            got = found[r.model_type]
-            r.conversion, r.conversion_note, r.conversion_variants = got.status, got.reason, got.variants
-
-
 def counts(results) -> dict[str, int]:
     out = {PATCHED: 0, REFUSED: 0, FAIL: 0, UNTESTED: 0, OUT_OF_SCOPE: 0}
     for r in results:
@@ -390,8 +377,6 @@ def counts(results) -> dict[str, int]:
 
 
 def conversion_counts(results) -> dict[str, int]:
-    from .conversions import CONVERTED
-
     out = {CONVERTED: 0, REFUSED: 0, FAIL: 0, UNTESTED: 0}
     for r in results:
         if r.conversion:
@@ -429,7 +414,7 @@ def markdown(results, versions: str) -> str:
         "Generated by `hf-qknorm coverage --markdown` (hf_qknorm/verification/coverage.py): every model type with a "
         "causal-LM class, a tiny model of it patched with every scheme x norm (13 variants), each accepted variant "
         "run forward and backward and decoded with dynamic and static caches against the full forward. Conversion "
-        "(hf_qknorm/verification/conversions.py): a tiny checkpoint of each patched type converted by `hf_qknorm."
+        "(hf_qknorm/conversion/coverage.py): a tiny checkpoint of each patched type converted by `hf_qknorm."
         "convert` with six variants (qk_norm_cap, qk_norm and qkv_norm with layernorm, qk_norm with rmsnorm and lp, "
         "soft_cap), each written folder's logits checked against the converted model in memory (and the float64 "
         "reference where `verify` spells out the type's attention) and against the folder reloaded without the "

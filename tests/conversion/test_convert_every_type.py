@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_qknorm
 from hf_qknorm import QKNormConfig, UnsupportedModelError, convert
+from hf_qknorm.conversion import coverage as conversions
 from hf_qknorm.conversion.calibrate import new_norm_parameters
 from hf_qknorm.conversion.texts import text_blocks
 from hf_qknorm.data import perplexity, split_text
-from hf_qknorm.verification import conversions
 from tests.modeling.test_coverage import SAMPLE
 from tests.modeling.test_export import run_without_plugin
 

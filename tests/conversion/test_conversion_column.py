@@ -4,12 +4,13 @@ the plugin a FAIL."""
 
 from __future__ import annotations
 
-from hf_qknorm.verification import conversions, plain
+from hf_qknorm.conversion import coverage as conversions
 from hf_qknorm.verification import coverage as cov
+from hf_qknorm.verification import plain
 
 
 def test_the_conversion_column_says_what_converts_and_what_is_refused():
-    phi, bloom = cov.coverage(["phi", "bloom"])
+    phi, bloom = cov.coverage(["phi", "bloom"], chunk_hook=conversions.add_conversions)
     assert phi.status == cov.PATCHED and phi.conversion == conversions.CONVERTED
     assert set(phi.conversion_variants) == {conversions.variant_key(s, n) for s, n in conversions.VARIANTS}
     assert phi.conversion_variants["qkv_norm/layernorm"] == "refused: " + phi.variants["qkv_norm/layernorm"][9:]

@@ -1,19 +1,20 @@
-"""The conversion column of the coverage table: a tiny checkpoint of each patched model type converted with every
-variant of :data:`VARIANTS`, and every written folder reloaded without the plugin.
+"""The conversion column of the coverage table (:mod:`hf_qknorm.verification.coverage`): a tiny checkpoint of each
+patched model type converted with every variant of :data:`VARIANTS`, and every written folder reloaded without the
+plugin.
 
-Per model type (:func:`check_conversions`) a tiny model of the type (:mod:`.tiny`, its vocabulary widened to the
-bundled tokenizer's, its norms given trained-looking gains so folds and carried gains matter) is saved with the
-bundled tokenizer and converted by :func:`hf_qknorm.convert` with each variant: calibration streamed layer by
-layer, then the written folder checked before it is renamed into place -- its logits against the converted model
-in memory (:func:`hf_qknorm.patch_model` of the source with the calibrated norms), and against the float64
-reference of :func:`hf_qknorm.verify` where that spells out the model's attention. Then every written folder is
-loaded in one fresh interpreter that cannot import the plugin (:mod:`.plain`: remote code, or plain Transformers for a
-plain export) and its logits compared with the same folder's loaded with the plugin.
+Per model type (:func:`check_conversions`) a tiny model of the type (:mod:`hf_qknorm.verification.tiny`, its
+vocabulary widened to the bundled tokenizer's, its norms given trained-looking gains so folds and carried gains
+matter) is saved with the bundled tokenizer and converted by :func:`hf_qknorm.convert` with each variant: calibration
+streamed layer by layer, then the written folder checked before it is renamed into place -- its logits against the
+converted model in memory (:func:`hf_qknorm.patch_model` of the source with the calibrated norms), and against the
+float64 reference of :func:`hf_qknorm.verify` where that spells out the model's attention. Then every written folder
+is loaded in one fresh interpreter that cannot import the plugin (:mod:`hf_qknorm.verification.plain`: remote code,
+or plain Transformers for a plain export) and its logits compared with the same folder's loaded with the plugin.
 
 A variant is ``ok`` with the format written, ``refused`` with :func:`hf_qknorm.convert`'s one-line reason (the same
 as patching's: ``qkv_norm`` on a parallel block), or ``FAIL``. A model type is ``converted`` when every variant is ok,
-or every one but ``qkv_norm`` with ``qkv_norm`` refused; ``refused`` when every variant is; ``FAIL`` when any
-variant fails; ``untested`` when no tiny checkpoint of it can be saved.
+or every one but those patching refuses; ``refused`` when every variant is (a multimodal model: convert takes text
+decoders); ``FAIL`` when any variant fails; ``untested`` when no tiny checkpoint of it can be saved.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-CONVERTED, REFUSED, FAIL, UNTESTED = "converted", "refused", "FAIL", "untested"
+from ..verification.coverage import CONVERTED, FAIL, PATCHED, REFUSED, UNTESTED
 
 # scheme, norm: the default, a plain export where one exists (Qwen3 for a Llama, the type itself for a model with its
 # own RMS q/k norms), the l2/lp logit scale, the cap alone, qkv_norm's fold
@@ -43,7 +44,7 @@ PROBE_SHAPE, PROBE_PAD = (2, 12), 3
 
 def settings():
     """Calibration small enough for a table of seventy types: every stage runs, on a few tokens."""
-    from ..conversion.calibrate import CalibrationSettings
+    from .calibrate import CalibrationSettings
 
     return CalibrationSettings(
         block_len=16, calibration_blocks=2, eval_blocks=1, local_steps=2, batch_size=2, agreement_tokens=0
@@ -65,13 +66,13 @@ def variant_key(scheme: str, norm: str | None) -> str:
 
 def tiny_source(model_type: str, folder: Path, seed: int = 0) -> Path:
     """A tiny checkpoint of ``model_type`` saved to ``folder`` with the bundled tokenizer: the coverage table's tiny
-    config (:func:`.tiny.tiny_config`) with room for the tokenizer's ids, every 1-d parameter (norm gains and biases)
-    moved off its initial value so that what a conversion folds or carries shows."""
+    config (:func:`hf_qknorm.verification.tiny.tiny_config`) with room for the tokenizer's ids, every 1-d parameter
+    (norm gains and biases) moved off its initial value so that what a conversion folds or carries shows."""
     from transformers import AutoModelForCausalLM
 
     from ..data import bundled_model_dir
-    from .loading import quiet_transformers
-    from .tiny import tiny_config
+    from ..verification.loading import quiet_transformers
+    from ..verification.tiny import tiny_config
 
     config = _per_layer_lists_cut(model_type, tiny_config(model_type))
     config.vocab_size = SOURCE_VOCAB
@@ -131,10 +132,10 @@ def convert_variants(model_type: str, workdir: Path, variants=VARIANTS) -> tuple
     plugin)."""
     from transformers import AutoModelForCausalLM
 
-    from .. import convert
     from ..portable.families import UnsupportedModelError
     from ..portable.schemes import QKNormConfig
-    from .loading import quiet_transformers
+    from ..verification.loading import quiet_transformers
+    from .converter import convert
 
     source = tiny_source(model_type, Path(workdir) / "source")
     ids, mask = probe_inputs()
@@ -195,7 +196,7 @@ def _format(result, source: Path) -> str:
 def reload_without_plugin(jobs: list[dict]) -> dict[str, str]:
     """Load every job's folder without the plugin (one fresh interpreter) and compare its logits with the plugin's:
     key -> ``"ok"`` or ``"FAIL: ..."``."""
-    from .plain import logits_without_plugin
+    from ..verification.plain import logits_without_plugin
 
     if not jobs:
         return {}
@@ -280,5 +281,25 @@ def _text() -> str:
 
 
 def _line(exc) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
+    """The first line of an exception's message (and the second where the first only announces it)."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not text:
+        return type(exc).__name__
+    return (" ".join(text[:2]) if text[0].endswith(":") else text[0])[:300]
+
+
+def add_conversions(results: list) -> None:
+    """Fill in the conversion column of the coverage table's ``results`` (one chunk of
+    :class:`~hf_qknorm.verification.coverage.TypeResult`) for the patched types:
+    ``coverage(..., chunk_hook=add_conversions)``."""
+    patched = [r for r in results if r.status == PATCHED]
+    try:
+        found = check_conversions([r.model_type for r in patched])
+    except Exception as exc:  # the conversion check itself broke
+        found = {}
+        for r in patched:
+            r.conversion, r.conversion_note = FAIL, f"the check crashed: {type(exc).__name__}: {_line(exc)}"
+    for r in patched:
+        if r.model_type in found:
+            got = found[r.model_type]
+            r.conversion, r.conversion_note, r.conversion_variants = got.status, got.reason, got.variants
