@@ -27,6 +27,13 @@ def add_parser(sub):
         help="skip the conversion column (each patched type converted with six variants and reloaded without the "
         "plugin)",
     )
+    p.add_argument(
+        "--conversion-variants",
+        choices=("main", "all"),
+        default="main",
+        help="the conversion column's variants: main (six: qk_norm_cap, qk_norm and qkv_norm with layernorm, qk_norm "
+        "with rmsnorm and lp, soft_cap) or all (every scheme x norm, 13) (default: main)",
+    )
     return p
 
 
@@ -52,9 +59,12 @@ def run(args) -> int:
         if result.conversion:
             print(f"{'':28} {'conversion':13}{result.conversion}: {result.conversion_note}", flush=True)
 
-    from ..conversion.coverage import add_conversions
+    import functools
 
-    hook = None if args.no_conversion else add_conversions
+    from ..conversion.coverage import VARIANTS, add_conversions
+
+    variants = cov.variants() if args.conversion_variants == "all" else VARIANTS
+    hook = None if args.no_conversion else functools.partial(add_conversions, variants=variants)
     results = cov.coverage(list(dict.fromkeys(wanted)) or None, progress=show, chunk_hook=hook)
     print(cov.summary(results))
     versions = f"Transformers {transformers.__version__}"

@@ -288,13 +288,13 @@ def _line(exc) -> str:
     return (" ".join(text[:2]) if text[0].endswith(":") else text[0])[:300]
 
 
-def add_conversions(results: list) -> None:
+def add_conversions(results: list, variants=VARIANTS) -> None:
     """Fill in the conversion column of the coverage table's ``results`` (one chunk of
     :class:`~hf_qknorm.verification.coverage.TypeResult`) for the patched types:
-    ``coverage(..., chunk_hook=add_conversions)``."""
+    ``coverage(..., chunk_hook=add_conversions)``; ``variants``: the (scheme, norm) pairs converted."""
     patched = [r for r in results if r.status == PATCHED]
     try:
-        found = check_conversions([r.model_type for r in patched])
+        found = check_conversions([r.model_type for r in patched], variants=variants)
     except Exception as exc:  # the conversion check itself broke
         found = {}
         for r in patched:

@@ -415,10 +415,9 @@ def markdown(results, versions: str) -> str:
         "causal-LM class, a tiny model of it patched with every scheme x norm (13 variants), each accepted variant "
         "run forward and backward and decoded with dynamic and static caches against the full forward. Conversion "
         "(hf_qknorm/conversion/coverage.py): a tiny checkpoint of each patched type converted by `hf_qknorm."
-        "convert` with six variants (qk_norm_cap, qk_norm and qkv_norm with layernorm, qk_norm with rmsnorm and lp, "
-        "soft_cap), each written folder's logits checked against the converted model in memory (and the float64 "
-        "reference where `verify` spells out the type's attention) and against the folder reloaded without the "
-        "plugin (remote code, or plain Transformers for a plain export).",
+        f"convert` with {_conversion_variants(results)}, each written folder's logits checked against the converted "
+        "model in memory (and the float64 reference where `verify` spells out the type's attention) and against the "
+        "folder reloaded without the plugin (remote code, or plain Transformers for a plain export).",
         "",
         f"**{summary(results)}.**",
         "",
@@ -429,6 +428,13 @@ def markdown(results, versions: str) -> str:
         reason, note = (text.replace("|", "\\|") for text in (r.reason, r.conversion_note))
         lines.append(f"| `{r.model_type}` | {r.status} | {reason} | {r.conversion or '-'} | {note} |")
     return "\n".join(lines) + "\n"
+
+
+def _conversion_variants(results) -> str:
+    n = max((len(r.conversion_variants) for r in results), default=0)
+    if n == len(variants()):
+        return f"every scheme x norm ({n} variants)"
+    return "six variants (qk_norm_cap, qk_norm and qkv_norm with layernorm, qk_norm with rmsnorm and lp, soft_cap)"
 
 
 def to_json(results) -> str:
