@@ -359,7 +359,7 @@ def text_model_path(model: nn.Module) -> str | None:
     in Idefics3 and SmolVLM, ``language_model`` (a causal LM) in Llama 4. Raises :class:`UnsupportedModelError` when
     a multimodal model holds no such submodule."""
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config_of(config)
     if text is config:
         return None
     models = [(name, m) for name, m in model.named_modules() if name and hasattr(m, "base_model_prefix")]
@@ -393,14 +393,20 @@ def _multimodal_family(model: nn.Module, path: str) -> Family:
     return replace(family, layers=layers, text_model=path)
 
 
-def _text_config(config):
-    """A multimodal config's text config (whose sizes its language model's attention modules have), else itself."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+def text_config_of(config):
+    """A multimodal config's text config (whose sizes its language model's attention modules have), else itself --
+    also where Transformers finds several text configs (an encoder and a decoder, as MusicGen's) and refuses to pick."""
+    if not hasattr(config, "get_text_config"):
+        return config
+    try:
+        return config.get_text_config()
+    except ValueError:  # ambiguous: no one language model to patch
+        return config
 
 
 def head_dim_of(attn: nn.Module, config) -> int:
     """The per-head width of an attention module: its own ``head_dim``, the config's, or hidden size / heads."""
-    config = _text_config(config)
+    config = text_config_of(config)
     for value in (getattr(attn, "head_dim", None), _config_int(config, "head_dim")):
         if isinstance(value, int) and value > 0:
             return value
@@ -411,7 +417,7 @@ def head_dim_of(attn: nn.Module, config) -> int:
 
 def heads_of(attn: nn.Module, config) -> tuple[int, int]:
     """``(query heads, key/value heads)`` of an attention module, for the whole model (not one rank's share)."""
-    config = _text_config(config)
+    config = text_config_of(config)
     heads = None
     for name in ("num_attention_heads", "n_head", "num_heads"):
         heads = _config_int(config, name)
@@ -438,7 +444,7 @@ def out_of_scope(config) -> str | None:
     model_type = base_model_type(getattr(config, "model_type", "?"))
     if getattr(config, "is_encoder_decoder", False):
         return f"model type {model_type!r} is an encoder-decoder model; hf_qknorm patches decoder-only models"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config_of(config)
     if text is not config:  # a model in hand is patched through its language model (derive_family); a config is not
         return (
             f"model type {model_type!r} is a multimodal model: hf_qknorm.patch_model(model) patches its language "

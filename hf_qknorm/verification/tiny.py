@@ -183,7 +183,9 @@ MROPE_SECTIONS = {"qwen2_vl": [2, 3, 3], "qwen2_5_vl": [2, 3, 3]}
 
 def is_multimodal(config) -> bool:
     """Whether ``config`` is a multimodal model's (its text config is another config)."""
-    return hasattr(config, "get_text_config") and config.get_text_config() is not config
+    from ..portable.families import text_config_of
+
+    return text_config_of(config) is not config
 
 
 def tiny_multimodal_config(model_type: str):

@@ -354,3 +354,13 @@ def test_verify_refuses_a_multimodal_model_in_one_line(model_type):
         with pytest.raises(ValueError, match=r"^verify checks text decoders; .* is multimodal") as info:
             hf_qknorm.verify(candidate)
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("model_type", ["musicgen", "musicgen_melody"])
+def test_a_config_with_several_text_configs_is_out_of_scope_not_a_crash(model_type):
+    """MusicGen holds a text encoder and a decoder: Transformers' get_text_config refuses to pick one, and the
+    coverage check crashed on it; it is an encoder-decoder model, out of scope."""
+    from hf_qknorm.verification import coverage as cov
+
+    result = cov.check_model_type(model_type)
+    assert result.status == cov.OUT_OF_SCOPE and "encoder-decoder" in result.reason
