@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..modeling.derive import get_family
 from ..modeling.saved import read_config
 from ..portable.families import Family, UnsupportedModelError
@@ -90,20 +92,21 @@ def inspect_source(src, cfg=None) -> Source:
     check_matches_config(weights, config)
     if cfg is not None:
         eps = family.norm_eps(config, "; pass --eps") if cfg.eps is None else cfg.eps
-        check_patchable(path, dataclasses.replace(cfg, eps=eps))
+        check_patchable(path, dataclasses.replace(cfg, eps=eps), weights)
     return Source(path=path, name=name, config=config, family=family, weights=weights)
 
 
 PROBE_LAYERS = 2  # layers of the source that the patch's self-check runs on before a conversion starts
 
 
-def check_patchable(path: Path, cfg) -> None:
+def check_patchable(path: Path, cfg, weights: SourceWeights | None = None) -> None:
     """Refuse, before any work, a conversion that :func:`hf_qknorm.patch_model` would refuse: the source's first
     :data:`PROBE_LAYERS` layers (of the source folder ``path``) are loaded (float32, its own weights) and patched
     with ``cfg`` (its ``eps`` resolved), so the patch-time
     self-check runs on the source itself (a parallel block under ``qkv_norm``, a transform between the projections
     and the attention backend, ...). Raises :class:`~hf_qknorm.portable.families.UnsupportedModelError` with
-    patching's one-line reason."""
+    patching's one-line reason. With the source's ``weights``, a NaN or infinite weight in those layers is an error
+    naming it first."""
     from transformers import AutoModelForCausalLM
 
     from ..modeling.patch import patch_model
@@ -112,4 +115,8 @@ def check_patchable(path: Path, cfg) -> None:
 
     with quiet_transformers(), layer_view(path, PROBE_LAYERS) as view:
         model = AutoModelForCausalLM.from_pretrained(view)
+    if weights is not None:  # a NaN or inf weight is named as such, not as the refusal a probe of it would give
+        for name, prm in model.named_parameters():
+            if prm.is_floating_point() and not bool(torch.isfinite(prm).all()) and weights.has(name):
+                weights.read_param(name)  # raises naming the tensor and its file
     patch_model(model.eval(), cfg)
