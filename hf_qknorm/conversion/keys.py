@@ -2,15 +2,17 @@
 loads them under are not always the same.
 
 Transformers renames some checkpoint keys on loading (GPT-NeoX's ``embed_out`` is the model's ``lm_head``; a
-checkpoint saved without the base-model prefix) and fuses others (a mixture of experts stores ``experts.0.w1``,
-``experts.1.w1``, ... which the model holds as one ``experts.gate_up_proj``), and reverses both on saving. Its own
+checkpoint saved without the base-model prefix), fuses others (a mixture of experts stores ``experts.0.w1``,
+``experts.1.w1``, ... which the model holds as one ``experts.gate_up_proj``) and splits some (Sarvam's
+``query_key_value`` into ``q_proj``, ``k_proj``, ``v_proj``), and reverses all of it on saving. Its own
 rules for a model (``transformers.conversion_mapping.get_model_conversion_mapping``, applied by
 ``transformers.core_model_loading.rename_source_key`` and the converters' own operations: what its loader calls;
 tests/conversion/test_convert_every_type.py fails when they change, through the streamed perplexities of mixture of
 experts models) are read here once per conversion, so that the streamed conversion reads every parameter the way
 ``from_pretrained`` would -- one block at a time -- and writes the checkpoint back in the source's own layout, as
-``save_pretrained`` would. A fusion by an operation other than stacking and concatenating is refused in one line,
-naming it.
+``save_pretrained`` would; the ``qkv_norm`` fold is planned on the checkpoint's own tensors (a split q/k/v
+projection is folded whole). A conversion by an operation other than stacking, concatenating and splitting is
+refused in one line, naming it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Transformers' operations a fused parameter may be made with: each stacks or concatenates the checkpoint's tensors.
-FUSING_OPERATIONS = ("MergeModulelist", "Concatenate")
+# Transformers' operations a parameter may be made with: each stacks, concatenates or splits the checkpoint's tensors.
+FUSING_OPERATIONS = ("MergeModulelist", "Concatenate", "Split")
 
 
 def _natural(key: str):
@@ -31,20 +33,26 @@ def _natural(key: str):
 
 @dataclass
 class Fused:
-    """A model parameter made from several checkpoint tensors: ``sources`` (pattern -> keys, in order) through the
-    converter's operations."""
+    """A model parameter made from checkpoint tensors other than one of its own: ``sources`` (pattern -> keys, in
+    order) through the converter's operations, which give ``target`` (the converter's target pattern this parameter
+    is; a split makes several) -- stacked experts, or Sarvam's ``query_key_value`` split into q, k and v."""
 
     converter: object
     sources: dict[str, list[str]] = field(default_factory=dict)
+    target: str = ""
+    first: str = ""  # the name Transformers gives the converter's first target for this layer (its ``full_layer_name``)
 
 
 @dataclass
 class KeyMap:
-    """Model parameter name -> checkpoint key (``direct``) or :class:`Fused` tensors (``fused``)."""
+    """Model parameter name -> checkpoint key (``direct``) or :class:`Fused` tensors (``fused``). ``rows``: a
+    parameter split off the rows of one checkpoint tensor (a fused q/k/v projection Transformers splits on loading)
+    -> that tensor's key: a fold of the input channels or a shift of the bias is that tensor's too."""
 
     direct: dict[str, str] = field(default_factory=dict)
     fused: dict[str, Fused] = field(default_factory=dict)
     checkpoint: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model name (direct ones)
+    rows: dict[str, str] = field(default_factory=dict)
 
     def __contains__(self, name: str) -> bool:
         return name in self.direct or name in self.fused
@@ -76,8 +84,16 @@ def key_map(model, checkpoint_keys) -> KeyMap:
                 f"model type {model_type!r}: its checkpoint's {key} is converted by Transformers on loading "
                 f"({', '.join(unknown)}), which the streamed conversion does not reproduce"
             )
-        fused = out.fused.setdefault(name, Fused(converter))
-        fused.sources.setdefault(pattern, []).append(key)
+        targets = list(converter.target_patterns)
+        for target in targets:  # one parameter per target: a split makes several
+            tname = name.replace(targets[0], target) if target != targets[0] else name
+            if tname not in meta:
+                continue
+            fused = out.fused.setdefault(tname, Fused(converter, target=target, first=name))
+            fused.sources.setdefault(pattern, []).append(key)
+            if len(targets) > 1 and ops and all(o == "Split" for o in ops):
+                if all(getattr(op, "dim", None) == 0 for op in converter.operations):
+                    out.rows[tname] = key
     return out
 
 
@@ -110,13 +126,17 @@ def loaded_name(key: str, model) -> str:
 
 
 @torch.no_grad()
-def fuse(name: str, fused: Fused, read, shape) -> torch.Tensor:
+def fuse(name: str, fused: Fused, read, shape, model) -> torch.Tensor:
     """The model parameter ``name`` made from its checkpoint tensors (``read(key)`` reads one) by the converter's
-    operations; ``ValueError`` when the result does not have the model's ``shape``."""
+    operations (``model``: a skeleton of the model, whose shapes a split reads); ``ValueError`` when the result does
+    not have the model's ``shape``."""
     converter = fused.converter
     tensors: dict = {p: [read(k) for k in fused.sources[p]] for p in converter.source_patterns if p in fused.sources}
+    targets = converter.target_patterns
     for op in converter.operations:
-        tensors = op.convert(tensors, converter.source_patterns, converter.target_patterns, full_layer_name=name)
+        tensors = op.convert(tensors, converter.source_patterns, targets, full_layer_name=fused.first, model=model)
+    if len(tensors) > 1 and fused.target in tensors:
+        tensors = {fused.target: tensors[fused.target]}
     if len(tensors) != 1:
         raise ValueError(f"{name}: the checkpoint's tensors fuse into {len(tensors)} parameters, one expected")
     (value,) = tensors.values()

@@ -57,11 +57,12 @@ class SourceWeights:
     strip: str = ""  # base-model prefix that the source's tensor names lack (e.g. "transformer." for GPT-2)
     names: KeyMap = field(default_factory=KeyMap)
     param_shapes: dict[str, list[int]] = field(default_factory=dict)  # model parameter name -> shape
+    model: object = None  # the model's skeleton (meta device): the shapes a split reads
 
     def source_key(self, canonical: str) -> str:
-        """The source's name of the tensor a model parameter ``canonical`` loads from (a new tensor: the name it is
-        written under, in the source's convention)."""
-        key = self.names.direct.get(canonical)
+        """The source's name of the tensor a model parameter ``canonical`` loads from (a parameter split off the rows
+        of a fused tensor: that tensor; a new tensor: the name it is written under, in the source's convention)."""
+        key = self.names.direct.get(canonical) or self.names.rows.get(canonical)
         if key is not None:
             return key
         return canonical[len(self.strip) :] if self.strip and canonical.startswith(self.strip) else canonical
@@ -70,15 +71,22 @@ class SourceWeights:
         """Whether the checkpoint holds the model parameter ``canonical`` (as one tensor or fused from several)."""
         return canonical in self.names
 
-    def read_param(self, canonical: str) -> torch.Tensor:
-        """The model parameter ``canonical`` as the model loads it (a fused parameter made from its tensors)."""
+    def read_param(self, canonical: str, transform=None) -> torch.Tensor:
+        """The model parameter ``canonical`` as the model loads it (a fused parameter made from its tensors), each
+        checkpoint tensor first passed through ``transform(key, tensor)`` where given (the ``qkv_norm`` fold, which
+        is planned on the checkpoint's tensors)."""
+
+        def read(key):
+            tensor = self.read(key)
+            return tensor if transform is None else transform(key, tensor)
+
         fused = self.names.fused.get(canonical)
         if fused is None:
-            key = self.source_key(canonical)
+            key = self.names.direct.get(canonical, self.source_key(canonical))
             if key not in self.key_file:
                 raise ValueError(f"{self.folder}: the checkpoint has no tensor {key!r}")
-            return self.read(key)
-        return fuse(canonical, fused, self.read, self.param_shapes[canonical])
+            return read(key)
+        return fuse(canonical, fused, read, self.param_shapes[canonical], self.model)
 
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -180,13 +188,16 @@ def read_source_weights(folder: Path, family: Family, config, model=None) -> Sou
     weights = SourceWeights(folder, files, key_file, shapes, index, torch.float32)
     weights.names = key_map(model, key_file)
     weights.param_shapes = {n: list(t.shape) for n, t in model.state_dict().items()}
+    weights.model = model
     anchor = _proj_key(family, 0, family.qkv_proj or family.q_proj, "weight")
-    if anchor not in weights.names.direct:
+    if anchor not in weights.names:
         raise ValueError(
             f"{folder}: unexpected tensor names for a {family.model_type} checkpoint "
             f"(no {anchor!r}); is it a {family.model_type} causal LM?"
         )
-    key = weights.names.direct[anchor]
+    key = weights.source_key(anchor)
+    if key not in key_file:  # made from several tensors: any of them says the dtype
+        key = next(k for keys in weights.names.fused[anchor].sources.values() for k in keys)
     weights.strip = anchor[: len(anchor) - len(key)] if anchor.endswith("." + key) else ""
     weights.dtype = _DTYPES.get(dtypes[key], (torch.float32,))[0] or torch.float32
     return weights

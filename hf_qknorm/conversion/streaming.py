@@ -97,10 +97,9 @@ class StreamedCheckpoint:
         for name in names:
             if values is not None and name in values:
                 tensor = values[name].clone()  # the block's parameter must never share memory with the caller's
-            else:
-                tensor = self.weights.read_param(name)
-                if transform:
-                    tensor = transform_tensor(self.weights.source_key(name), tensor, self.plan)
+            else:  # the qkv_norm fold is planned on the checkpoint's tensors, before any split or fusion
+                fold = (lambda key, t: transform_tensor(key, t, self.plan)) if transform else None
+                tensor = self.weights.read_param(name, fold)
             _set_tensor(model, name, tensor.to(device=self.device, dtype=torch.float32))
 
     def _names(self, model: nn.Module, prefix: str | None, outer: bool = False) -> list[str]:

@@ -82,7 +82,7 @@ def _convert_one(tmp, model_type, scheme, norm=None):
         written = {k: p.detach().clone() for k, p in new_norm_parameters(loaded).items()}
     else:  # the model's own norms: their tensors hold the gain in the model's convention
         offset = GAIN_OFFSET.get(model_type, 0.0)
-        written = {k: v + offset if k.endswith(".weight") else v for k, v in _tensors(out).items()}
+        written = {k: v + offset if k.endswith(".weight") else v for k, v in loaded.state_dict().items()}
     converted = _in_memory(src, cfg, written)
     row["memory"] = _logits(converted)
     row["ppl_converted"] = perplexity(converted, blocks)
@@ -226,3 +226,28 @@ def test_remote_code_that_skips_the_norm_fails_a_conversion_the_float64_referenc
         src, tmp_path / "out", QKNormConfig("qk_norm"), calibrate=False, progress=False, log=_quiet, verify="plugin"
     )
     assert (tmp_path / "out").is_dir()  # the plugin alone cannot see what the shipped code does
+
+
+def test_a_checkpoint_whose_qkv_transformers_splits_on_loading_converts(tmp_path):
+    """Sarvam MoE stores attention.query_key_value (and query_layernorm), which Transformers renames and splits into
+    q/k/v on loading: the streamed conversion reads it the same way, folds qkv_norm's pre-norm into the stored tensor
+    and writes the source's layout back; its own q/k norms make qk_norm / rmsnorm a plain Sarvam MoE."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "sarvam_moe" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("Sarvam MoE is not in this Transformers")
+    jobs, rows = [], {}
+    for scheme, norm in (("qkv_norm", None), ("qk_norm", "rmsnorm")):
+        row = rows[scheme] = _convert_one(tmp_path, "sarvam_moe", scheme, norm)
+        written = _tensors(row["out"])
+        assert "model.layers.0.attention.query_key_value.weight" in written  # the source's own layout
+        assert not any("self_attn.q_proj" in k for k in written)
+        jobs.append({"name": scheme, "path": str(row["out"]), "remote": row["result"].export == "qknorm",
+                     "ids": IDS.tolist(), "mask": MASK.tolist()})  # fmt: skip
+    assert (rows["qkv_norm"]["result"].export, rows["qk_norm"]["result"].export) == ("qknorm", "native")
+    got = run_without_plugin(tmp_path, jobs)
+    for scheme, row in rows.items():
+        _close(row["plugin"], row["memory"], f"sarvam_moe {scheme}: with the plugin")
+        _close(got[scheme]["logits"], row["memory"], f"sarvam_moe {scheme}: without the plugin")
+        assert row["result"].report.ppl_original == pytest.approx(row["ppl_source"], rel=1e-4)
+        assert row["result"].report.ppl_calibrated == pytest.approx(row["ppl_converted"], rel=1e-4)
