@@ -62,7 +62,7 @@ def _signature(fn, args, kwargs):
     signature, constexprs = {}, {}
     for p in fn.params:
         v = values[p.name]
-        if p.is_constexpr:
+        if p.is_constexpr or v is None:  # None: an absent optional pointer, specialised away
             signature[p.name] = "constexpr"
             constexprs[p.name] = v
         elif isinstance(v, torch.Tensor):
@@ -82,6 +82,8 @@ def _signature(fn, args, kwargs):
 
 def record_launches(scenario: dict) -> list:
     """Run the launchers for one scenario with tiny CPU tensors and return the recorded kernel launches."""
+    if scenario.get("norm"):
+        return _record_norm_launches(scenario)
     from hf_qknorm.kernels import _attention_args, attention
 
     calls: list = []
@@ -148,6 +150,24 @@ def _resource_usage(cubin: bytes) -> dict:
     }
 
 
+def _record_norm_launches(scenario: dict) -> list:
+    """The fused per-head norm's forward and backward launches (hf_qknorm.kernels.norms) for one norm kind."""
+    from hf_qknorm.kernels import norms
+
+    calls: list = []
+    kind, dtype, d = scenario["norm"], scenario["dtype"], scenario["head_dim"]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(norms, "check_device", lambda *a, **k: None))
+        for name in ("_head_norm_fwd", "_head_norm_bwd"):
+            stack.enter_context(mock.patch.object(norms, name, _Recorder(getattr(norms, name), calls)))
+        x = torch.zeros(8, d, dtype=dtype, requires_grad=True)
+        w = torch.ones(1 if scenario.get("logit") else d, dtype=dtype, requires_grad=True)
+        b = torch.zeros(d, dtype=dtype, requires_grad=True) if kind == "layernorm" else None
+        y = norms.head_norm(x, w, b, kind=kind, eps=1e-6, p=scenario.get("p", 2.0))
+        y.backward(torch.zeros_like(y))
+    return calls
+
+
 def compile_launch(fn, args, kwargs, arch: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -190,6 +210,11 @@ def scenarios(quick: bool, dtypes=None) -> list[dict]:
             out.append(dict(dtype=dtype, head_dim=d, softcap=50.0, mask=True, max_logits=True))
             out.append(dict(dtype=dtype, head_dim=d, softcap=None, varlen=True, max_logits=True))
             out.append(dict(dtype=dtype, head_dim=d, softcap=50.0, decode=True, max_logits=True))
+    for dtype, d in itertools.product(dtypes, [64, 80] if quick else [64, 80, 96, 128, 256]):
+        out.append(dict(dtype=dtype, head_dim=d, norm="layernorm"))
+        out.append(dict(dtype=dtype, head_dim=d, norm="rmsnorm"))
+        out.append(dict(dtype=dtype, head_dim=d, norm="lp", p=2.0, logit=True))
+        out.append(dict(dtype=dtype, head_dim=d, norm="lp", p=3.0))
     return out
 
 

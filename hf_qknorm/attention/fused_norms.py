@@ -1,0 +1,52 @@
+"""Route the per-head norms to the fused Triton kernels (:mod:`hf_qknorm.kernels.norms`) where the kernel policy
+(:func:`.dispatch.kernel_policy`) sends a tensor's device to the kernels and the call is eager; under
+``torch.compile`` the module's own forward runs (Inductor fuses it already)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .dispatch import current_kernel_policy
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fused_head_norm(norm: torch.nn.Module, x: torch.Tensor):
+    """``norm(x)`` through the kernel where the kernel policy sends ``x``'s device to the kernels, the call is eager
+    and ``norm`` is exactly one of the package's norm classes with parameters the kernel takes; else None."""
+    if torch.compiler.is_compiling() or x.dtype not in _KERNEL_DTYPES or x.shape[-1] == 0:
+        return None
+    if x.device.type not in current_kernel_policy().devices:
+        return None
+    from .. import kernels
+
+    if kernels.unavailable_reason() is not None:  # no Triton, or a broken one
+        return None
+    from ..kernels import norms
+    from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+
+    if x.device.type == "cpu" and type(norms._head_norm_fwd).__name__ != "InterpretedFunction":
+        return None
+    cls = type(norm)
+    params = norm._parameters
+    weight = params.get("weight")
+    if weight is not None and weight.dtype not in _KERNEL_DTYPES:
+        return None
+    if cls is HeadLayerNorm:
+        bias = params.get("bias")
+        if weight is None or bias is None or bias.dtype not in _KERNEL_DTYPES:
+            return None
+        return norms.head_norm(x, weight, bias, kind="layernorm", eps=norm.eps)
+    if cls is HeadRMSNorm:
+        if weight is None:
+            return None
+        return norms.head_norm(
+            x, weight, kind="rmsnorm", eps=norm.variance_epsilon, out_dtype=torch.promote_types(weight.dtype, x.dtype)
+        )
+    if cls is HeadLpNorm:
+        if not (math.isfinite(norm.p) and norm.p >= 1):
+            return None
+        return norms.head_norm(x, weight, kind="lp", eps=norm.eps, p=norm.p)
+    return None

@@ -1,0 +1,153 @@
+"""The fused per-head norm kernels (hf_qknorm.kernels.norms) against float64 references of each norm module, forward
+and backward, under Triton's interpreter on CPU; and their routing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+norms_k = pytest.importorskip("hf_qknorm.kernels.norms")
+from hf_qknorm.portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+CASES = [
+    ("layernorm", None, None),
+    ("rmsnorm", None, None),
+    ("lp", 2.0, None),
+    ("lp", 2.0, "logit"),
+    ("lp", 2.0, "channel"),
+    ("lp", 3.0, "logit"),
+    ("lp", 1.5, "channel"),
+]
+
+
+def _module(kind, p, scale, D, dtype):
+    torch.manual_seed(1)
+    if kind == "layernorm":
+        m = HeadLayerNorm(D, 1e-5)
+    elif kind == "rmsnorm":
+        m = HeadRMSNorm(D, 1e-6)
+    else:
+        m = HeadLpNorm(D, p, 1e-6, scale, init=3.0)
+    with torch.no_grad():
+        for param in m.parameters():
+            param.add_(torch.randn_like(param) * 0.3)
+    return m.to(dtype)
+
+
+def _call(kind, m, x, offset=0.0):
+    params = dict(m.named_parameters())
+    w, b = params.get("weight"), params.get("bias")
+    if kind == "lp":
+        return norms_k.head_norm(x, w, kind="lp", eps=m.eps, p=m.p, offset=offset)
+    if kind == "rmsnorm":
+        return norms_k.head_norm(
+            x, w, kind="rmsnorm", eps=m.eps, offset=offset, out_dtype=torch.promote_types(w.dtype, x.dtype)
+        )
+    return norms_k.head_norm(x, w, b, kind="layernorm", eps=m.eps, offset=offset)
+
+
+@pytest.mark.parametrize("kind,p,scale", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [8, 37])
+def test_forward_backward_against_float64(kind, p, scale, dtype, D):
+    m = _module(kind, p, scale, D, dtype).to(DEVICE)
+    x = torch.randn(2, 3, 4, D, device=DEVICE) * 2
+    x[0, 1] = 0  # rows of zeros
+    x = x.to(dtype).requires_grad_()
+    ref = _module(kind, p, scale, D, torch.float64).to(DEVICE)
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(ref.named_parameters(), m.named_parameters()):
+            a.copy_(b.double())
+    x64 = x.detach().double().requires_grad_()
+    y = _call(kind, m, x)
+    y64 = ref(x64)
+    own = m(x)
+    assert y.dtype == own.dtype and y.shape == own.shape
+    tol = TOL[dtype]
+    torch.testing.assert_close(y.double(), y64, atol=tol * 4, rtol=tol)
+    # as close to the reference as the module itself is
+    assert (y.double() - y64).abs().max() <= 2 * (own.double() - y64).abs().max() + 1e-6
+    g = torch.randn_like(y64)
+    gx, *gp = torch.autograd.grad(y, [x, *m.parameters()], g.to(y.dtype))
+    gx64, *gp64 = torch.autograd.grad(y64, [x64, *ref.parameters()], g)
+    # an lp norm's zero rows have gradient g / eps, past float16's range: there the module's own is inf as well
+    (own_gx,) = torch.autograd.grad(own, [x], g.to(own.dtype))
+    finite = torch.isfinite(own_gx)
+    assert torch.equal(torch.isfinite(gx), finite) and finite[1].all()
+    scale_g = 1 + gx64[finite].abs().max()
+    torch.testing.assert_close(gx.double()[finite] / scale_g, gx64[finite] / scale_g, atol=tol * 8, rtol=0)
+    for a, b in zip(gp, gp64):
+        s = 1 + b.abs().max()
+        torch.testing.assert_close(a.double() / s, b / s, atol=tol * 8, rtol=0)
+
+
+def test_unit_offset_gain():
+    """``1 + w`` gains: offset=1 is the norm with gain ``1 + w``."""
+    D = 13
+    x = torch.randn(5, D, dtype=torch.float64).float().requires_grad_()
+    w = (torch.randn(D) * 0.1).requires_grad_()
+    b = torch.randn(D).requires_grad_()
+    y = norms_k.head_norm(x, w, b, kind="layernorm", eps=1e-5, offset=1.0)
+    ref = torch.nn.functional.layer_norm(x.double(), (D,), 1 + w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn(5, D, dtype=torch.float64)
+    got = torch.autograd.grad(y, [x, w, b], g.float())
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    want = torch.autograd.grad(torch.nn.functional.layer_norm(x64, (D,), 1 + w64, b64, 1e-5), [x64, w64, b64], g)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a.double(), c, atol=1e-4, rtol=1e-4)
+
+
+def test_many_rows_per_program():
+    """More rows than one program per row takes (ROWS > 1), and the partial gain sums across programs."""
+    m = _module("rmsnorm", None, None, 16, torch.float32)
+    x = torch.randn(4100, 16, requires_grad=True)
+    y = _call("rmsnorm", m, x)
+    torch.testing.assert_close(y, m(x), atol=1e-5, rtol=1e-5)
+    (gw,) = torch.autograd.grad(y.sum(), [m.weight])
+    (gw_ref,) = torch.autograd.grad(m(x).sum(), [m.weight])
+    torch.testing.assert_close(gw, gw_ref, atol=1e-3, rtol=1e-4)
+
+
+def test_routing():
+    """fused_head_norm: None (the module's own path) where the policy does not send the device to the kernels or
+    the module is not exactly one of the package's norms; the kernel's result, equal to the module's, where it does."""
+    from hf_qknorm.attention.dispatch import kernel_policy
+    from hf_qknorm.attention.fused_norms import fused_head_norm
+
+    m = _module("layernorm", None, None, 16, torch.float32).to(DEVICE)
+    x = torch.randn(3, 16, device=DEVICE)
+    with kernel_policy(devices=()):
+        assert fused_head_norm(m, x) is None
+    if DEVICE == "cpu":
+        assert fused_head_norm(m, x) is None  # the default policy: CUDA only
+
+    class Sub(HeadLayerNorm):
+        pass
+
+    with kernel_policy(devices=(DEVICE,)):
+        y = fused_head_norm(m, x)
+        assert y is not None
+        torch.testing.assert_close(y, m(x), atol=1e-5, rtol=1e-5)
+        assert fused_head_norm(Sub(16, 1e-5), x) is None
+        assert fused_head_norm(m, x.double()) is None
+        lp = _module("lp", 4.0, "logit", 16, torch.float32)
+        torch.testing.assert_close(fused_head_norm(lp, x), lp(x), atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_bitwise_in_bf16():
+    """rmsnorm in bf16 rounds the normalised row before the gain, as Qwen3RMSNorm does: equal to the module's."""
+    m = _module("rmsnorm", None, None, 64, torch.bfloat16)
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    y = _call("rmsnorm", m, x)
+    assert (y.float() - m(x).float()).abs().max() <= 2**-7 * m(x).float().abs().max()
