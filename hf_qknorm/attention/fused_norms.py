@@ -1,13 +1,17 @@
 """Route the per-head norms to the fused Triton kernels (:mod:`hf_qknorm.kernels.norms`) where the kernel policy
 (:func:`.dispatch.kernel_policy`) sends a tensor's device to the kernels and the call is eager; under
-``torch.compile`` the module's own forward runs (Inductor fuses it already)."""
+``torch.compile`` the module's own forward runs (Inductor fuses it already), and so it does where no gradient is
+taken (decoding: a Triton launch costs the host more than the ATen norm). Importing this module fills the slot
+:data:`hf_qknorm.portable.hooks.FUSED_NORM` where a kernel may run (CUDA, or ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
+from ..portable import hooks
 from .dispatch import current_kernel_policy
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -19,6 +23,10 @@ def fused_head_norm(norm: torch.nn.Module, x: torch.Tensor):
     if torch.compiler.is_compiling() or x.dtype not in _KERNEL_DTYPES or x.shape[-1] == 0:
         return None
     if x.device.type not in current_kernel_policy().devices:
+        return None
+    if not torch.is_grad_enabled() or not (
+        x.requires_grad or any(p is not None and p.requires_grad for p in norm._parameters.values())
+    ):
         return None
     from .. import kernels
 
@@ -50,3 +58,12 @@ def fused_head_norm(norm: torch.nn.Module, x: torch.Tensor):
             return None
         return norms.head_norm(x, weight, kind="lp", eps=norm.eps, p=norm.p)
     return None
+
+
+def install() -> None:
+    """Fill :data:`hf_qknorm.portable.hooks.FUSED_NORM` where a kernel may run (idempotent)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        hooks.FUSED_NORM = fused_head_norm
+
+
+install()

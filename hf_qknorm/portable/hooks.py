@@ -107,6 +107,11 @@ def _norm_role(attn: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     return _call(attn._modules[attn.__dict__["_qknorm_norms"][role]], x)
 
 
+# A slot the plugin fills (hf_qknorm.attention.fused_norms; this folder imports no kernels): ``FUSED_NORM(norm, rows)``
+# is the norm of the rows ``(-1, head_dim)`` through a fused kernel, or None where the norm's own forward runs.
+FUSED_NORM = None
+
+
 def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     """``output`` of the projection ``module`` with the norms of the attention module that owns it applied to the
     parts its slot names: ``("q",)``, ``("k",)``, ``("v",)`` for separate projections, or a triple such as
@@ -134,6 +139,10 @@ def _normed(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
     # a width that is not whole heads (a misconfigured or oddly sharded projection) takes unflatten, which refuses it
     if rows and output.is_contiguous() and output.size(-1) % head_dim == 0:
         flat = output.view(-1, head_dim)
+        if FUSED_NORM is not None:  # the plugin's fused kernel (hf_qknorm.attention.fused_norms), where it applies
+            normed = FUSED_NORM(norm, flat)
+            if normed is not None:
+                return normed.view_as(output)
         if rows == "layer_norm":
             params = _layer_norm_params(norm, output.dtype)
             if params is not None:

@@ -151,3 +151,42 @@ def test_rmsnorm_bitwise_in_bf16():
     x = torch.randn(32, 64).to(torch.bfloat16)
     y = _call("rmsnorm", m, x)
     assert (y.float() - m(x).float()).abs().max() <= 2**-7 * m(x).float().abs().max()
+
+
+def test_patched_model_routes_norms(monkeypatch):
+    """A patched model's norms: on CPU by default the module's own path (the kernel is not called); with the policy
+    sending CPU to the kernels (the interpreter) the fused kernel runs for a training forward, with equal results
+    and gradients; without gradients (decoding) the module's own path again."""
+    import hf_qknorm
+    from hf_qknorm.attention.dispatch import kernel_policy
+    from hf_qknorm.portable import hooks
+    from tests._support.tiny_models import VOCAB, tiny_model
+
+    assert hooks.FUSED_NORM is not None  # filled on import under the interpreter
+    calls = []
+    launch = norms_k.head_norm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["kind"])
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(norms_k, "head_norm", spy)
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    hf_qknorm.patch_model(model, "qkv_norm", norm="layernorm")
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with kernel_policy(devices=()):
+        ref = model(ids).logits
+        ref_g = torch.autograd.grad(ref.square().sum(), [p for p in model.parameters() if p.requires_grad])
+    assert calls == []
+    with kernel_policy(devices=("cpu",)):
+        out = model(ids).logits
+        g = torch.autograd.grad(out.square().sum(), [p for p in model.parameters() if p.requires_grad])
+        assert calls and set(calls) == {"layernorm"}
+        n = len(calls)
+        with torch.no_grad():
+            model(ids)
+        assert len(calls) == n
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
