@@ -6,10 +6,14 @@
 Providers (each skipped, with a note, where unavailable):
   eager-cap     plain PyTorch: q k^T, c*tanh(s/c), mask, softmax, @ v (materialises T x T logits; what Llama's
                 `eager` path costs with a cap)
-  sdpa          torch's scaled_dot_product_attention, NO cap: the speed of light for uncapped attention
+  sdpa          torch's scaled_dot_product_attention, NO cap: the speed of light for uncapped attention (its
+                default pick of backend)
+  sdpa-cudnn / sdpa-flash / sdpa-efficient
+                the same, pinned to one backend (torch.nn.attention.sdpa_kernel), NO cap
   flex-cap      FlexAttention, torch.compile'd, tanh score_mod + causal block mask
   flash-cap     flash-attn's `softcap=` (flash_attn_func), where flash-attn is installed
   qknorm-triton hf_qknorm.kernels.qknorm_attn_func with the cap
+  qknorm-nocap  the same kernel without the cap
 Modes: fwd, bwd (backward alone, forward graph kept), fwd+bwd. The token count per step is fixed (batch =
 tokens // T), so every row does the same useful work; TFLOP/s count causal FLOPs (half of 4*B*H*T^2*D forward,
 2.5x that backward, as flash-attn's benchmarks do). Peak memory is the allocator's peak during the measured call,
@@ -32,7 +36,23 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention_gpu.jsonl"
-PROVIDERS = ("eager-cap", "sdpa", "flex-cap", "flash-cap", "qknorm-triton")
+PROVIDERS = (
+    "eager-cap",
+    "sdpa",
+    "sdpa-cudnn",
+    "sdpa-flash",
+    "sdpa-efficient",
+    "flex-cap",
+    "flash-cap",
+    "qknorm-triton",
+    "qknorm-nocap",
+)
+UNCAPPED = ("sdpa", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "qknorm-nocap")
+_SDPA_BACKENDS = {
+    "sdpa-cudnn": "CUDNN_ATTENTION",
+    "sdpa-flash": "FLASH_ATTENTION",
+    "sdpa-efficient": "EFFICIENT_ATTENTION",
+}
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
@@ -55,6 +75,16 @@ def make_provider(name: str, q, k, v, scaling: float, cap: float):
             lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling),
             (q, k, v),
         )
+    if name in _SDPA_BACKENDS:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, _SDPA_BACKENDS[name])
+
+        def pinned():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+
+        return pinned, (q, k, v)
     if name == "flex-cap":
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -78,12 +108,13 @@ def make_provider(name: str, q, k, v, scaling: float, cap: float):
         # flash-attn wants (batch, seq, heads, head_dim); the transposed views are made once, outside the timing.
         qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
         return (lambda: flash_attn_func(qt, kt, vt, softmax_scale=scaling, causal=True, softcap=cap)), (qt, kt, vt)
-    if name == "qknorm-triton":
+    if name in ("qknorm-triton", "qknorm-nocap"):
         from hf_qknorm import kernels
 
         if not kernels.is_available():
             return kernels.unavailable_reason()
-        return (lambda: kernels.qknorm_attn_func(q, k, v, scaling=scaling, softcap=cap, causal=True)), (q, k, v)
+        softcap = cap if name == "qknorm-triton" else None
+        return (lambda: kernels.qknorm_attn_func(q, k, v, scaling=scaling, softcap=softcap, causal=True)), (q, k, v)
     raise ValueError(name)
 
 
@@ -208,7 +239,9 @@ def main(argv=None) -> int:
             do = torch.randn(batch, heads, t, d, device=device, generator=g, dtype=dtype)
             for name in args.providers:
                 kk, vv = k, v
-                if kv_heads != heads and name in ("eager-cap", "sdpa"):  # no native GQA in these paths
+                if kv_heads != heads and (
+                    name == "eager-cap" or name.startswith("sdpa")
+                ):  # no native GQA in these paths
                     kk, vv = (x.repeat_interleave(heads // kv_heads, 1) for x in (k, v))
                 provider = make_provider(name, q, kk, vv, scaling, args.softcap)
                 for mode in args.modes:
@@ -223,7 +256,7 @@ def main(argv=None) -> int:
                         "batch": batch,
                         "heads": heads,
                         "kv_heads": kv_heads,
-                        "softcap": None if name == "sdpa" else args.softcap,
+                        "softcap": None if name in UNCAPPED else args.softcap,
                     }
                     if isinstance(provider, str):
                         row["skipped"] = provider
