@@ -1,35 +1,97 @@
 #!/usr/bin/env bash
-# The decode and step figures on a CUDA machine (one GPU, bf16), in one command of under ten minutes; rows are
-# appended to benchmarks/results/decode.jsonl (device, dtype, versions, route and command in each) and, where $OUT is
-# set, copied there as decode_gpu.jsonl.
-#   bash benchmarks/run_gpu.sh [label]
-# Shapes: tiny (4 layers, hidden 64: every kernel launch costs more than its work) and 1b (Llama-3.2-1B's layer,
-# 8 of them). Each step has its own time limit; a step that fails or runs out is reported and the next one runs.
-set -uo pipefail
+# Every GPU figure of issue 50 in one command that fits one device call (under 8 minutes on an H100):
+#   bash benchmarks/run_gpu.sh [label]          # on a CUDA machine, bf16
+#   bash benchmarks/run_gpu.sh --dry-run        # every section at a tiny size on CPU, nothing saved (tests)
+# Sections, each under its own time limit (seconds, in the step lines below):
+#   attention  bench_attention.py: our kernel with and without the cap, sdpa's default pick and sdpa pinned to cuDNN,
+#              flash and efficient, FlexAttention with the tanh score_mod; fwd, bwd, fwd+bwd TFLOP/s; head_dim
+#              64/128; T 1k, 4k, 16k; causal
+#   step       bench_decode.py --table step: the 1B-shaped training step, T 2k and 8k, every scheme and unpatched
+#   token      bench_decode.py --table token: one eager decoding forward, every scheme
+#   decode     bench_decode.py --table decode: eager generations, dynamic and static cache; compiled static cache
+# Rows go to benchmarks/results/attention_gpu.jsonl and benchmarks/results/decode.jsonl as the benchmarks write them
+# (device, versions, date in each) and, at exit -- a failure included -- the rows of this run are copied to
+# benchmarks/results/gpu/<date>-run.jsonl with the command, and to $OUT where it is set. The first failing section
+# stops the run (set -e) with its name and exit status on stderr.
+set -euo pipefail
 cd "$(dirname "$0")/.."
-label=${1:-gpu}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-before=$(wc -l < benchmarks/results/decode.jsonl 2>/dev/null || echo 0)
-status=0
-step() {  # step SECONDS ARGS...: one bench_decode.py run on CUDA
-  local limit=$1
+dry=0
+if [ "${1:-}" = "--dry-run" ]; then
+  dry=1
   shift
-  timeout "$limit" python3 benchmarks/bench_decode.py --device cuda --label "$label" "$@" || {
-    echo "!! bench_decode.py $* ended with $?" >&2
-    status=1
-  }
+  export TRITON_INTERPRET=1
+fi
+label=${1:-gpu}
+command="bash benchmarks/run_gpu.sh $*"
+attn=benchmarks/results/attention_gpu.jsonl
+dec=benchmarks/results/decode.jsonl
+if [ "$dry" = 1 ]; then
+  attn=$(mktemp)
+  : > "$attn"
+fi
+attn_before=$(wc -l < "$attn" 2>/dev/null || echo 0)
+dec_before=$(wc -l < "$dec" 2>/dev/null || echo 0)
+
+collect() {  # at exit: this run's rows, with the command, in one file
+  local rc=$?
+  if [ "$dry" = 0 ]; then
+    local dest="benchmarks/results/gpu/$(date -u +%F)-run.jsonl"
+    mkdir -p benchmarks/results/gpu
+    {
+      tail -n +"$((attn_before + 1))" "$attn" 2>/dev/null || true
+      tail -n +"$((dec_before + 1))" "$dec" 2>/dev/null || true
+    } | python3 -c 'import json, sys
+for line in sys.stdin:
+    if line.strip():
+        row = json.loads(line)
+        row["command"] = sys.argv[1]
+        row["run_exit"] = int(sys.argv[2])
+        print(json.dumps(row))' "$command" "$rc" >> "$dest"
+    echo "# rows of this run appended to $dest (exit $rc)"
+    if [ -n "${OUT:-}" ]; then cp "$dest" "$OUT/"; fi
+  fi
+  exit $rc
 }
-# one decoding forward at a time (dynamic cache, eager), every scheme and the norms' ablations beside them
-step 150 --table token --shapes tiny 1b --batch 1 8 --prompt 512 --rounds 8 \
-  --schemes qk_norm soft_cap qk_norm_cap qkv_norm qk_norm_noop
-# the capped schemes with every attention call on the PyTorch path (kernel_policy(devices=()))
-step 90 --table token --shapes tiny 1b --batch 1 8 --prompt 512 --rounds 8 --route pytorch --schemes soft_cap qk_norm_cap
-# whole greedy generations of 128 new tokens, eager (generate's own compile turned off), dynamic and static caches
-step 120 --table decode --shapes tiny 1b --caches dynamic static --batch 1 --prompt 512 --rounds 2 \
-  --schemes qk_norm qk_norm_cap
-# generate's compiled decoding with the static cache (CUDA graphs: Transformers' "reduce-overhead")
-step 140 --table decode --caches static --compile --shapes 1b --batch 1 --prompt 512 --rounds 2 --schemes qk_norm_cap
-# a training step (forward, backward, fused AdamW), batch 1
-step 60 --table step --shapes 1b --seq 2048 --rounds 5
-if [ -n "${OUT:-}" ]; then tail -n +"$((before + 1))" benchmarks/results/decode.jsonl > "$OUT/decode_gpu.jsonl"; fi
-exit $status
+trap collect EXIT
+
+section() {  # section NAME SECONDS CMD...: one benchmark under a time limit; a failure stops the run, loudly
+  local name=$1 limit=$2
+  shift 2
+  echo "## $name (limit ${limit}s): $*"
+  local rc=0
+  timeout "$limit" "$@" || rc=$?
+  if [ "$rc" != 0 ]; then
+    if [ "$rc" = 124 ]; then echo "!! section $name ran out of its ${limit}s" >&2; fi
+    echo "!! section $name ended with exit status $rc" >&2
+    exit "$rc"
+  fi
+}
+
+if [ "$dry" = 1 ]; then
+  # bench_attention.py says there is no CUDA device and exits 0: its arguments are checked, nothing is timed
+  section attention 60 python3 benchmarks/bench_attention.py --head-dims 64 --seqlens 128 --tokens 128 \
+    --warmup 0 --reps 1 --out "$attn"
+  section step 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table step --shapes 12x768 \
+    --seq 16 --rounds 1 --schemes qk_norm_cap
+  section token 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table token --shapes tiny \
+    --batch 1 --prompt 8 --rounds 1 --schemes qk_norm_cap
+  section decode 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table decode --shapes tiny \
+    --caches dynamic static --batch 1 --prompt 8 --new-tokens 4 --rounds 1 --schemes qk_norm_cap
+  rm -f "$attn"
+  echo "# dry run: every section ran"
+  exit 0
+fi
+
+python3 -c 'import torch, triton, transformers; print("#", torch.cuda.get_device_name(), "torch", torch.__version__,
+"triton", triton.__version__, "transformers", transformers.__version__)' || echo "!! could not name the device and versions" >&2
+section attention 200 python3 benchmarks/bench_attention.py --head-dims 64 128 --seqlens 1024 4096 16384 \
+  --providers sdpa sdpa-cudnn sdpa-flash sdpa-efficient flex-cap qknorm-triton qknorm-nocap --warmup 2 --reps 5
+section step 90 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table step --shapes 1b \
+  --seq 2048 8192 --rounds 3
+section token 60 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table token --shapes 1b \
+  --batch 1 8 --prompt 512 --rounds 5 --schemes qk_norm soft_cap qk_norm_cap qkv_norm
+section decode 60 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table decode --shapes 1b \
+  --caches dynamic static --batch 1 --prompt 512 --rounds 2 --schemes qk_norm qk_norm_cap
+section decode-compiled 70 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table decode \
+  --caches static --compile --shapes 1b --batch 1 --prompt 512 --rounds 2 --schemes qk_norm_cap

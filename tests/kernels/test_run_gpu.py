@@ -1,0 +1,72 @@
+"""benchmarks/run_gpu.sh --dry-run: every section of the GPU measuring command runs at a tiny size on CPU, and the
+script stops loudly at the first failure."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_section():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for section in ("attention", "step", "token", "decode"):
+        assert f"## {section} (limit" in res.stdout
+    assert '"table": "step"' in res.stdout and '"table": "decode"' in res.stdout
+    assert "# dry run: every section ran" in res.stdout
+
+
+def test_script_is_strict():
+    text = SCRIPT.read_text()
+    assert "set -euo pipefail" in text and "trap collect EXIT" in text
+    res = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+
+
+def test_first_failure_stops_the_run_loudly(tmp_path):
+    """A section that fails ends the run with its status and name on stderr; later sections do not run."""
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "run_gpu.sh").write_text(SCRIPT.read_text())
+    (bench / "bench_attention.py").write_text("print('attention ran')\n")
+    (bench / "bench_decode.py").write_text("import sys\nprint('decode ran', sys.argv[1:])\nsys.exit(3)\n")
+    res = subprocess.run(
+        ["bash", str(bench / "run_gpu.sh"), "--dry-run"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert res.returncode == 3
+    assert "attention ran" in res.stdout and res.stdout.count("decode ran") == 1
+    assert "section step ended with exit status 3" in res.stderr
+
+
+def test_rows_measured_before_a_failure_are_kept(tmp_path):
+    """The GPU run's rows up to the failure land in results/gpu/<date>-run.jsonl with the command and exit status."""
+    import json
+
+    bench = tmp_path / "benchmarks"
+    (bench / "results").mkdir(parents=True)
+    (bench / "run_gpu.sh").write_text(SCRIPT.read_text())
+    (bench / "results" / "decode.jsonl").write_text('{"old": 1}\n')
+    (bench / "bench_attention.py").write_text(
+        "open('benchmarks/results/attention_gpu.jsonl', 'a').write('{\"provider\": \"sdpa\"}\\n')\n"
+    )
+    (bench / "bench_decode.py").write_text(
+        "import sys\nopen('benchmarks/results/decode.jsonl', 'a').write('{\"table\": \"step\"}\\n')\nsys.exit(3)\n"
+    )
+    res = subprocess.run(
+        ["bash", str(bench / "run_gpu.sh"), "mylabel"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 3, res.stderr
+    (run,) = (bench / "results" / "gpu").glob("*-run.jsonl")
+    rows = [json.loads(line) for line in run.read_text().splitlines()]
+    assert [r.get("provider") or r.get("table") for r in rows] == ["sdpa", "step"]
+    assert all(r["run_exit"] == 3 and r["command"] == "bash benchmarks/run_gpu.sh mylabel" for r in rows)
