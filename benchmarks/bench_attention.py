@@ -118,6 +118,19 @@ def make_provider(name: str, q, k, v, scaling: float, cap: float):
     raise ValueError(name)
 
 
+def sdpa_pick(q, k, v, scaling: float) -> str:
+    """The backend sdpa's default dispatch picks for these inputs (causal, no mask), by name; "?" where torch cannot
+    say."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scaling)
+        names = {int(b.value): name for name, b in SDPBackend.__members__.items()}
+        return names.get(int(choice), str(choice))
+    except Exception:  # a private API: its absence must not stop the benchmark
+        return "?"
+
+
 def _time_ms(fn, warmup: int, reps: int) -> float:
     """Median milliseconds of ``fn`` over ``reps`` CUDA-event-timed calls (after ``warmup`` calls)."""
     for _ in range(warmup):
@@ -258,6 +271,8 @@ def main(argv=None) -> int:
                         "kv_heads": kv_heads,
                         "softcap": None if name in UNCAPPED else args.softcap,
                     }
+                    if name == "sdpa":
+                        row["sdpa_backend"] = sdpa_pick(q, kk, vv, scaling)
                     if isinstance(provider, str):
                         row["skipped"] = provider
                     else:
@@ -269,9 +284,10 @@ def main(argv=None) -> int:
                         except Exception as exc:  # one failing provider must not lose the others' rows
                             row["skipped"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                         torch.cuda.empty_cache()
+                    shown = f"{name}({row['sdpa_backend']})" if "sdpa_backend" in row else name
                     if "ms" in row:
                         print(
-                            f"{name:>14} {mode:>8} {d:>4} {t:>6} {batch:>3} {row['ms']:>9.3f} "
+                            f"{shown:>14} {mode:>8} {d:>4} {t:>6} {batch:>3} {row['ms']:>9.3f} "
                             f"{row['tflops']:>8.1f} {row['peak_mib']:>9.0f}"
                         )
                     else:

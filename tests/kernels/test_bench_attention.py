@@ -37,3 +37,8 @@ def test_providers_agree(bench):
     for name in ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient"):
         fn, leaves = bench.make_provider(name, q, k, v, scaling, cap)
         assert callable(fn) and len(leaves) == 3
+
+
+def test_sdpa_pick_names_a_backend(bench):
+    q = torch.randn(1, 2, 8, 16)
+    assert bench.sdpa_pick(q, q, q, 0.25) in ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "?")
