@@ -85,7 +85,7 @@ fi
 
 python3 -c 'import torch, triton, transformers; print("#", torch.cuda.get_device_name(), "torch", torch.__version__,
 "triton", triton.__version__, "transformers", transformers.__version__)' || echo "!! could not name the device and versions" >&2
-section attention 200 python3 benchmarks/bench_attention.py --head-dims 64 128 --seqlens 1024 4096 16384 \
+section attention 180 python3 benchmarks/bench_attention.py --head-dims 64 128 --seqlens 1024 4096 16384 \
   --providers sdpa sdpa-cudnn sdpa-flash sdpa-efficient flex-cap qknorm-triton qknorm-nocap --warmup 2 --reps 5
 section step 90 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table step --shapes 1b \
   --seq 2048 8192 --rounds 3
