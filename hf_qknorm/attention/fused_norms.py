@@ -2,7 +2,9 @@
 (:func:`.dispatch.kernel_policy`) sends a tensor's device to the kernels and the call is eager; under
 ``torch.compile`` the module's own forward runs (Inductor fuses it already), and so it does where no gradient is
 taken (decoding: a Triton launch costs the host more than the ATen norm). Importing this module fills the slot
-:data:`hf_qknorm.portable.hooks.FUSED_NORM` where a kernel may run (CUDA, or ``TRITON_INTERPRET=1``)."""
+:data:`hf_qknorm.portable.hooks.FUSED_NORM` where a kernel may run (CUDA, or ``TRITON_INTERPRET=1``) and
+``HF_QKNORM_FUSED_NORMS=1`` asks for it: opt-in until the kernels are measured against the ATen norms on a GPU
+(docs/kernels.md); under the interpreter (the tests) it is on unless set to 0."""
 
 from __future__ import annotations
 
@@ -60,9 +62,23 @@ def fused_head_norm(norm: torch.nn.Module, x: torch.Tensor):
     return None
 
 
+def requested(environ=os.environ) -> bool:
+    """``HF_QKNORM_FUSED_NORMS``: ``1`` turns the fused norms on, ``0`` off; unset, on under Triton's interpreter
+    only. Any other value warns, naming the valid ones, and leaves them off."""
+    value = environ.get("HF_QKNORM_FUSED_NORMS", "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        import warnings
+
+        warnings.warn(f"HF_QKNORM_FUSED_NORMS={value!r} is not 0 or 1: the fused norms are off", stacklevel=2)
+        return False
+    return environ.get("TRITON_INTERPRET") == "1"
+
+
 def install() -> None:
-    """Fill :data:`hf_qknorm.portable.hooks.FUSED_NORM` where a kernel may run (idempotent)."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    """Fill :data:`hf_qknorm.portable.hooks.FUSED_NORM` where a kernel may run and it is asked for (idempotent)."""
+    if (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1") and requested():
         hooks.FUSED_NORM = fused_head_norm
 
 

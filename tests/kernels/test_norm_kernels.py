@@ -190,3 +190,16 @@ def test_patched_model_routes_norms(monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_the_fused_norms_are_opt_in_outside_the_interpreter():
+    """Not measured on a GPU yet: on CUDA they run only where HF_QKNORM_FUSED_NORMS=1 asks; the interpreter (these
+    tests) takes them unless it is 0; another value warns and leaves them off."""
+    from hf_qknorm.attention.fused_norms import requested
+
+    assert requested({}) is False
+    assert requested({"HF_QKNORM_FUSED_NORMS": "1"}) is True
+    assert requested({"TRITON_INTERPRET": "1"}) is True
+    assert requested({"TRITON_INTERPRET": "1", "HF_QKNORM_FUSED_NORMS": "0"}) is False
+    with pytest.warns(UserWarning, match=r"HF_QKNORM_FUSED_NORMS='yes' is not 0 or 1"):
+        assert requested({"HF_QKNORM_FUSED_NORMS": "yes"}) is False
