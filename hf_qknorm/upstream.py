@@ -343,6 +343,20 @@ RELIANCES: tuple[Reliance, ...] = (
         "tests/test_upstream.py::test_checkpointing_shim_follows_the_installed_version",
     ),
     Reliance(
+        "transformers.conversion_mapping.get_model_conversion_mapping",
+        "conversion/keys.py",
+        "the renamings (WeightRenaming) and converters (WeightConverter: fused MoE experts, split q/k/v) "
+        "from_pretrained applies to a model's checkpoint keys; convert reads a source's tensors by the same rules",
+        "tests/conversion/test_convert_every_type.py::test_every_sample_type_converts_and_reloads_without_the_plugin",
+    ),
+    Reliance(
+        "transformers.core_model_loading.rename_source_key",
+        "conversion/keys.py",
+        "(key, renamings, converters, prefix, meta state dict) -> (the model name a checkpoint key loads under, the "
+        "converter pattern it matched); the prefix argument is positional (renamed between 5.4 and later)",
+        "tests/conversion/test_convert_every_type.py::test_a_checkpoint_whose_qkv_transformers_splits_on_loading_converts",
+    ),
+    Reliance(
         "transformers.PreTrainedModel.gradient_checkpointing_enable",
         "upstream.py (enable_checkpointing, is_checkpointing)",
         f"activation_checkpointing_enable(activation_checkpointing_kwargs=...) and is_activation_checkpointing "
