@@ -153,22 +153,13 @@ class StreamedCheckpoint:
         """The first block's input hidden states for ``ids`` in batches of ``batch_size``, and every block's other
         arguments per batch: ``(hidden per batch, calls[layer][batch])``. Needs :meth:`outer`."""
         hidden, calls = [], [[] for _ in self.blocks]
-        originals = [blk.__dict__.get("forward") for blk in self.blocks]
-        for index, blk in enumerate(self.blocks):
-            blk.forward = self._recorder(index, calls, hidden)
-        try:
+        with _block_forwards(self.blocks, [self._recorder(i, calls, hidden) for i in range(len(self.blocks))]):
             base = self.original.get_decoder() if hasattr(self.original, "get_decoder") else self.original
             for start in range(0, len(ids), batch_size):
                 try:
                     base(input_ids=ids[start : start + batch_size].to(self.device), use_cache=False)
                 except _Stop:
                     pass
-        finally:
-            for blk, fwd in zip(self.blocks, originals):
-                if fwd is None:
-                    del blk.forward
-                else:
-                    blk.forward = fwd
         return hidden, calls
 
     def _recorder(self, index: int, calls, hidden):
@@ -195,18 +186,27 @@ class StreamedCheckpoint:
         """The model's logits for the last block's output ``x`` ``(batch, seq, hidden)``: the rest of the model's own
         forward -- whatever it does after the blocks (final norm, an output projection, a logit scale or cap) --
         with the first block handing on ``x`` and the others passing it through (needs :meth:`outer`)."""
-        originals = [blk.__dict__.get("forward") for blk in self.blocks]
-        for index, blk in enumerate(self.blocks):
-            blk.forward = _replay(x) if index == 0 else _passthrough
-        try:
+        forwards = [_replay(x)] + [_passthrough] * (len(self.blocks) - 1)
+        with _block_forwards(self.blocks, forwards):
             ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
             return self.original(input_ids=ids, use_cache=False).logits
-        finally:
-            for blk, fwd in zip(self.blocks, originals):
-                if fwd is None:
-                    del blk.forward
-                else:
-                    blk.forward = fwd
+
+
+@contextmanager
+def _block_forwards(blocks, forwards):
+    """Each block's ``forward`` replaced on the instance by the matching one of ``forwards`` for the ``with``, then
+    each block's own instance ``forward`` (or none) restored, whatever happened."""
+    originals = [blk.__dict__.get("forward") for blk in blocks]
+    for blk, fwd in zip(blocks, forwards):
+        blk.forward = fwd
+    try:
+        yield
+    finally:
+        for blk, fwd in zip(blocks, originals):
+            if fwd is None:
+                del blk.forward
+            else:
+                blk.forward = fwd
 
 
 def _replay(x: torch.Tensor):
