@@ -3,9 +3,14 @@
 #   ruff check --fix . && ruff format .
 set -euo pipefail
 cd "$(dirname "$0")/.."
-want=$(python3 -c 'import re; print(re.search(r"\"ruff==([^\"]+)\"", open("pyproject.toml").read()).group(1))')
-if [ "$(python3 -m ruff --version 2>/dev/null | cut -d' ' -f2)" != "$want" ]; then
-    python3 -m pip install -q "ruff==$want"
+source scripts/_venv.sh  # the project's environment (scripts/setup.sh makes it)
+if [ ! -x "$PY" ]; then
+  echo "$0: the project's environment $VENV is missing; run 'bash scripts/setup.sh' first" >&2
+  exit 2
 fi
-python3 -m ruff check .
-python3 -m ruff format --check .
+want=$("$PY" -c 'import re; print(re.search(r"\"ruff==([^\"]+)\"", open("pyproject.toml").read()).group(1))')
+if [ "$("$PY" -m ruff --version 2>/dev/null | cut -d' ' -f2)" != "$want" ]; then
+    "$PY" -m pip install -q "ruff==$want"
+fi
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite (CPU; the Triton kernels run under TRITON_INTERPRET=1).
+# Set up (the project's environment, scripts/setup.sh), then run the test suite (CPU; the Triton kernels run under TRITON_INTERPRET=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/_venv.sh
 # Transformers' common model tests (tests/transformers_suite) come from the sdist of the installed Transformers,
 # fetched from the package index into ~/.cache/hf_qknorm. Index unreachable (exit 3): the script prints a banner and
 # the suite is skipped with that reason; any other fetch failure stops here.
 fetch_rc=0
-python3 scripts/fetch_transformers_tests.py || fetch_rc=$?
+"$PY" scripts/fetch_transformers_tests.py || fetch_rc=$?
 if [ "$fetch_rc" -eq 3 ]; then
   echo "!! continuing WITHOUT Transformers' common model tests (package index unreachable; see the banner above)" >&2
 elif [ "$fetch_rc" -ne 0 ]; then
@@ -18,10 +19,10 @@ export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 # Test files are spread over worker processes (pytest-xdist; a module's tests stay together, so its fixtures are built
 # once): as many as the CPUs, at most 4 -- each test uses one thread, and the distributed tests start 2-4 processes of
 # their own. HF_QKNORM_TEST_WORKERS=1 runs everything in this process.
-workers=${HF_QKNORM_TEST_WORKERS:-$(python3 -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}
+workers=${HF_QKNORM_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}
 if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
   echo "scripts/test.sh: HF_QKNORM_TEST_WORKERS must be a whole number of processes, 1 or more; got '$workers'" >&2
   exit 2
 fi
 if [ "$workers" -eq 1 ]; then dist=(-p no:xdist); else dist=(-n "$workers" --dist loadscope); fi
-python3 -m pytest -q -p no:cacheprovider "${dist[@]}" --durations=25 "$@"  # the slowest listed: CI has 25 minutes
+"$PY" -m pytest -q -p no:cacheprovider "${dist[@]}" --durations=25 "$@"  # the slowest listed: CI has 25 minutes

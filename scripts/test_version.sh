@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One Transformers lane of CI beside the main job: the core subset and the training subset of the tests on one
-# Transformers version, in a virtual environment this script makes beside the main one (.venv-<version>). It reuses
-# the main environment's packages (torch, peft, accelerate, ...) and installs only that Transformers over them.
+# Transformers version, in a virtual environment this script makes beside the project's own (.venv-<version> beside
+# .venv; scripts/_venv.sh). It sees the project environment's packages (torch, peft, accelerate, ...: run
+# scripts/setup.sh first) and installs only that Transformers in front of them.
 #
 #   bash scripts/test_version.sh oldest      # hf_qknorm/upstream.py: OLDEST_TESTED
 #   bash scripts/test_version.sh middle      # hf_qknorm/upstream.py: MIDDLE_TESTED
@@ -12,10 +13,14 @@
 # Training: Trainer (checkpointing, resume; every control's state through a checkpoint), QK-Clip (under LoRA too),
 # Muon, the monitor, Q/K learning rates, and every recipe's tiny run (continued pretraining, LoRA, from-scratch DDP
 # over two processes, the LR / Lp sweeps, conversion recovery).
-# VENV=DIR uses (or makes) that environment instead of .venv-<version>.
+# LANE_VENV=DIR uses (or makes) that environment instead of .venv-<version>.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/_venv.sh
+if [ ! -x "$PY" ]; then
+  echo "$0: the project's environment $VENV is missing; run 'bash scripts/setup.sh' first" >&2
+  exit 2
+fi
 WANT=${1:?usage: scripts/test_version.sh oldest|middle|X.Y.Z [pytest arguments]}
 shift
 case "$WANT" in
@@ -25,19 +30,17 @@ case "$WANT" in
     ;;
   *) VERSION=$WANT ;;
 esac
-VENV=${VENV:-.venv-$VERSION}
-if [ ! -x "$VENV/bin/python" ]; then
-  $PY -m venv --system-site-packages "$VENV"
-fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "transformers==$VERSION"
-"$VENV/bin/python" -c "import transformers; assert transformers.__version__ == '$VERSION', transformers.__version__"
+LANE=${LANE_VENV:-.venv-$VERSION}
+lane_env "$LANE"
+"$LANE/bin/python" -m pip install -q --disable-pip-version-check "transformers==$VERSION"
+"$LANE/bin/python" -c "import transformers; assert transformers.__version__ == '$VERSION', transformers.__version__"
 export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX512_CORE_BF16}
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 echo "core and training tests on transformers $VERSION"
 # Transformers' common model tests of this version too (tests/transformers_suite; CI subset for Llama and GPT-2):
 # its sdist's test files are fetched like scripts/test.sh fetches the newest's (index unreachable: skipped, loudly).
 fetch_rc=0
-"$VENV/bin/python" scripts/fetch_transformers_tests.py || fetch_rc=$?
+"$LANE/bin/python" scripts/fetch_transformers_tests.py || fetch_rc=$?
 if [ "$fetch_rc" -eq 3 ]; then
   echo "!! continuing WITHOUT Transformers' common model tests (package index unreachable; see the banner above)" >&2
 elif [ "$fetch_rc" -ne 0 ]; then
@@ -48,6 +51,6 @@ CORE=(tests/verification/test_reference.py tests/modeling/test_patching.py tests
 TRAINING=(tests/training/test_trainer.py tests/training/test_controls.py tests/training/test_qk_clip.py
           tests/training/test_qk_clip_lora.py tests/training/test_muon.py tests/training/test_monitor.py tests/training/test_qk_lr.py
           tests/training/test_training.py tests/recipes/test_lr_sweep.py tests/recipes/test_conversion_recovery.py tests/training/test_distributed.py)
-VENV_ABS=$(cd "$VENV" && pwd)
-HF_QKNORM_SUITE_FAMILIES=llama,gpt2 HF_QKNORM_PYTHON="$VENV_ABS/bin/python" "$VENV/bin/python" -m pytest -q \
+LANE_ABS=$(cd "$LANE" && pwd)
+HF_QKNORM_SUITE_FAMILIES=llama,gpt2 HF_QKNORM_PYTHON="$LANE_ABS/bin/python" "$LANE/bin/python" -m pytest -q \
   -p no:cacheprovider "${CORE[@]}" "${TRAINING[@]}" "$@"

@@ -4,20 +4,20 @@
 # native decoding op (setup.py) ship.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/_venv.sh  # PY: the project's environment (scripts/setup.sh)
 $PY -m pip install -q --disable-pip-version-check build
 rm -rf dist
 $PY -m build -q --outdir dist . >/dev/null
 ls dist
 WHEEL=$(ls dist/hf_qknorm-*.whl)
-VENV=$(mktemp -d)/venv
-# --system-site-packages: torch and the other dependencies come from the main environment; hf_qknorm itself from
-# the wheel, installed into the venv (which comes first on sys.path)
-$PY -m venv --system-site-packages "$VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$WHEEL"
+WENV=$(mktemp -d)/venv
+# torch and the other dependencies come from the project's environment; hf_qknorm itself from the wheel, installed
+# into the new venv (whose own site-packages come first on sys.path)
+lane_env "$WENV"
+"$WENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$WHEEL"
 WORK=$(mktemp -d)
 cd "$WORK"
-"$VENV/bin/python" - "$VENV" <<'PY'
+"$WENV/bin/python" - "$WENV" <<'PY'
 import sys
 from pathlib import Path
 
@@ -48,6 +48,6 @@ ids = torch.randint(0, 64, (1, 9))
 torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 print(f"wheel smoke test passed: hf_qknorm {hf_qknorm.__version__} from {Path(hf_qknorm.__file__).parent}")
 PY
-"$VENV/bin/hf-qknorm" convert --overwrite  # the main job's default: the bundled tiny Llama
+"$WENV/bin/hf-qknorm" convert --overwrite  # the main job's default: the bundled tiny Llama
 test -f converted/tiny-llama-qk_norm_cap-layernorm/config.json
 echo "main job from the wheel passed"
