@@ -202,7 +202,7 @@ def called_cache(kwargs: dict):
 
 @dataclass(frozen=True)
 class Reliance:
-    """One thing hf_qknorm relies on in Transformers."""
+    """One thing hf_qknorm relies on in Transformers (or, where it reads private state, in torch)."""
 
     symbol: str  # dotted path, importable
     used_by: str  # our module that relies on it
@@ -263,6 +263,16 @@ RELIANCES: tuple[Reliance, ...] = (
         "functions, on every attention call; the self-check puts its recorder in front of 'qknorm' there for the "
         "probe and restores the dict as it was",
         "tests/test_upstream.py::test_a_local_attention_entry_is_what_the_models_call",
+    ),
+    Reliance(
+        "torch.nn.modules.module._global_forward_hooks",
+        "portable/hooks.py",
+        "torch keeps its process-wide module hooks in four module-level dicts (_global_forward_pre_hooks, "
+        "_global_forward_hooks, _global_backward_pre_hooks, _global_backward_hooks) and a module's own in "
+        "_forward_hooks, _forward_pre_hooks, _backward_hooks, _backward_pre_hooks; all empty means "
+        "nn.Module.__call__ would only call forward, so the per-head norms' call skips it (where the dicts are "
+        "missing, every call goes through __call__)",
+        "tests/modeling/test_patching.py::test_every_kind_of_hook_on_a_norm_is_called",
     ),
     Reliance(
         "transformers.models.auto.modeling_auto.MODEL_MAPPING",
