@@ -117,6 +117,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     )
 
 
+@pytest.mark.spawns
 def test_real_full_and_read_only_file_system(src, tmp_path, capsys):
     """The same on a real 64 KiB tmpfs (where this process may mount one): full, then remounted read-only."""
     mnt = tmp_path / "mnt"
@@ -275,6 +276,7 @@ def test_internal_error_and_debug(src, tmp_path, capsys, monkeypatch):
         assert err.strip().splitlines()[-1].startswith("error: internal error: TypeError")
 
 
+@pytest.mark.spawns
 def test_module_entry_point_exit_status(tmp_path):
     """`python -m hf_qknorm.cli` (the console script calls the same main): the status reaches the shell."""
     res = subprocess.run(

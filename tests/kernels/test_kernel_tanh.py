@@ -153,6 +153,7 @@ for fn, args, kwargs in calls:
 """
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 def test_fast_tanh_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia", reason="this triton build has no NVIDIA backend")

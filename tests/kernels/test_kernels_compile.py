@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia", reason="this triton build has no NVIDIA backend")
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 def test_dry_run_runs_every_section():
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -26,6 +27,7 @@ def test_dry_run_runs_every_section():
     assert "# dry run: every section ran" in res.stdout
 
 
+@pytest.mark.spawns
 def test_script_is_strict():
     text = SCRIPT.read_text()
     assert "set -euo pipefail" in text and "trap collect EXIT" in text
@@ -33,6 +35,7 @@ def test_script_is_strict():
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.spawns
 def test_first_failure_stops_the_run_loudly(tmp_path):
     """A section that fails ends the run with its status and name on stderr; later sections do not run."""
     bench = tmp_path / "benchmarks"
@@ -48,6 +51,7 @@ def test_first_failure_stops_the_run_loudly(tmp_path):
     assert "section step ended with exit status 3" in res.stderr
 
 
+@pytest.mark.spawns
 def test_rows_measured_before_a_failure_are_kept(tmp_path):
     """The GPU run's rows up to the failure land in results/gpu/<date>-run.jsonl with the command and exit status."""
     import json

@@ -179,6 +179,7 @@ def test_whole_projection_norms_are_kept_and_the_scheme_norm_follows():
     torch.testing.assert_close(attn.q_norm(q).view_as(expected), expected)
 
 
+@pytest.mark.spawns
 def test_a_new_model_type_saves_and_loads_with_and_without_the_plugin(tmp_path):
     """InternLM3 shares Llama's class names: the saved folder names its own base model type."""
     from transformers import AutoModelForCausalLM
@@ -202,6 +203,7 @@ def test_a_new_model_type_saves_and_loads_with_and_without_the_plugin(tmp_path):
         torch.testing.assert_close(out[model_type]["logits"], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.spawns
 def test_coverage_command_prints_the_table_and_refuses_unknown_types(tmp_path, capsys):
     from hf_qknorm.cli.main import main
 
@@ -214,6 +216,7 @@ def test_coverage_command_prints_the_table_and_refuses_unknown_types(tmp_path, c
     assert "not_a_model" in capsys.readouterr().err
 
 
+@pytest.mark.spawns
 def test_coverage_command_takes_a_comma_separated_list(tmp_path, capsys):
     """``llama,mamba`` names two types, as ``llama mamba`` does; an empty list is refused in one line."""
     from hf_qknorm.cli.main import main

@@ -111,6 +111,7 @@ def run_without_plugin(tmp_path, jobs: list[dict]) -> dict:
     return torch.load(tmp_path / "out.pt")
 
 
+@pytest.mark.spawns
 def test_saved_folders_load_without_the_plugin(tmp_path):
     """model.save_pretrained of a patched model, every family and scheme: same logits without the plugin;
     generation and gradients too for a capped Llama."""
@@ -233,6 +234,7 @@ def _source(tmp_path, name, family, dtype=torch.float32, **overrides):
     return save_source(tmp_path / name, family, dtype=dtype, **overrides)
 
 
+@pytest.mark.spawns
 def test_exports_load_without_the_plugin(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 30))
     cases = {  # name: (family, scheme, norm, expected format, dtype, config overrides)

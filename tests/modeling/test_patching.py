@@ -192,6 +192,7 @@ def test_half_precision_models_keep_their_dtype_through_every_norm(norm, dtype):
 # --------------------------------------------------------------------------------------------------------------------
 # one rule for the qkv_norm fold: patch and conversion write the same bits
 # --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.spawns
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_qkv_norm_fold_patch_and_conversion_agree_in_bf16(family, tmp_path):
     from safetensors.torch import load_file

@@ -45,6 +45,7 @@ def test_round_trip_keeps_bf16(tmp_path):
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
 
 
+@pytest.mark.spawns
 def test_without_plugin_loading_asks_for_the_shipped_code(tmp_path):
     """Without the plugin, a saved folder never loads as a plain Llama: Transformers refuses it until the user
     trusts the remote code saved in it (which ``tests/modeling/test_export.py`` loads and checks)."""
@@ -149,6 +150,7 @@ def test_a_folder_whose_norm_weights_do_not_match_its_scheme_never_loads(tmp_pat
         AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, ignore_mismatched_sizes=True)
 
 
+@pytest.mark.spawns
 def test_the_shipped_code_refuses_them_too(tmp_path):
     """The rule lives in the shipped code (qknorm_structure.py), so a user without the plugin is refused alike."""
     folders = [_broken_folder(tmp_path, case) for case in ("every-q_norm-deleted", "unexpected-bias-on-rmsnorm")]

@@ -120,6 +120,7 @@ def test_package_imports_no_test_tools():
         assert not any(n.split(".")[0] in ("unittest", "pytest") for n in names), path
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("sub", SUBPACKAGES)
 def test_each_subpackage_imports_alone(sub):
     res = subprocess.run([sys.executable, "-c", f"import hf_qknorm.{sub}"], capture_output=True, text=True, timeout=300)

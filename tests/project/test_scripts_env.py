@@ -24,6 +24,7 @@ def _bash(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("script", ["setup.sh", "main.sh", "test.sh"])
 def test_a_folder_the_scripts_did_not_make_is_refused_before_any_install(tmp_path, script):
     foreign = tmp_path / "someone-elses-env"
@@ -38,6 +39,7 @@ def test_a_folder_the_scripts_did_not_make_is_refused_before_any_install(tmp_pat
     assert "installed-into-the-wrong-env" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.spawns
 def test_the_environment_folder_is_absolute_and_defaults_to_dot_venv(tmp_path):
     proc = _bash('source scripts/_venv.sh && echo "$VENV|$PY"', HF_QKNORM_VENV="")
     venv, py = proc.stdout.strip().split("|")
@@ -46,6 +48,7 @@ def test_the_environment_folder_is_absolute_and_defaults_to_dot_venv(tmp_path):
     assert proc.stdout.strip() == str(ROOT / "rel" / "env")
 
 
+@pytest.mark.spawns
 def test_a_lane_environment_sees_the_project_packages_behind_its_own(tmp_path):
     """What CI's Transformers lanes and the wheel test rely on: the lane's own site-packages come first (a Transformers
     installed there shadows the project's), the project environment's packages (torch) are found behind them."""

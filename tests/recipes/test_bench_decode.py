@@ -42,6 +42,7 @@ def test_token_table_leaves_the_cache_as_it_found_it():
     assert seen and set(seen) == {5}
 
 
+@pytest.mark.spawns
 def test_token_table_refuses_caches_it_does_not_time():
     """The token table times the dynamic cache only: asking it for another is an error naming it, not a silent swap."""
     script = Path(bench_decode.__file__)

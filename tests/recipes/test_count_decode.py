@@ -54,6 +54,7 @@ def test_without_valgrind_it_says_so_and_exits_2(monkeypatch, capsys):
     assert "needs valgrind and callgrind_control (Debian: apt-get install valgrind)" in capsys.readouterr().err
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stopped_count_stops_its_counted_run_and_leaves_nothing(tmp_path, signum):
     """SIGINT or SIGTERM while valgrind runs: the counted run is killed (not left running), the dumps' folder removed,

@@ -121,6 +121,7 @@ def _worker(out: Path) -> None:
     os._exit(0)
 
 
+@pytest.mark.spawns
 def test_two_processes_ddp_recipe_and_fsdp(tmp_path):
     import torch
     from safetensors import safe_open

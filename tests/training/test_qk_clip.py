@@ -402,6 +402,7 @@ def test_trainer_callback(tmp_path):
     assert all(torch.all(m <= 5.0 * 1.5) for m in final), final  # one optimizer step past the last clip
 
 
+@pytest.mark.spawns
 def test_two_processes_clip_identically(tmp_path):
     """Only rank 0's batch has the large logits; the all-reduced maxima make both ranks clip the same heads by the
     same factors, so their weights stay identical."""

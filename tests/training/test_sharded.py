@@ -61,6 +61,7 @@ def _load(out: Path, name: str, world: int) -> list[dict]:
 CASES = [(w, n) for w in (2, 4) for n, spec in S.SPECS.items() if w in spec.worlds]
 
 
+@pytest.mark.spawns(shared=True)  # one launch per world size, started by the first test that needs it
 @pytest.mark.parametrize("world,name", CASES, ids=[f"{w}proc-{n}" for w, n in CASES])
 def test_sharded_training_equals_one_process(world, name, tmp_path_factory):
     spec = S.SPECS[name]
@@ -160,6 +161,7 @@ def test_unsupported_layouts_are_refused_clearly(tmp_path_factory):
     assert "unsharded" in refused["unsharded_step"] and "after optimizer.step()" in refused["unsharded_step"]
 
 
+@pytest.mark.spawns
 def test_recipe_fsdp_resumes_identically(tmp_path):
     """``recipes/pretrain_sharded.py`` under torchrun (2 gloo processes, FSDP2, QK-Clip, monitor and the Q/K rule on):
     a run resumed from its step-2 sharded checkpoint ends with the uninterrupted run's weights, bit for bit, and the

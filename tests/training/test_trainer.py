@@ -65,6 +65,7 @@ def _recipe(name):
     return importlib.import_module(name)
 
 
+@pytest.mark.spawns
 def test_recipes_help_and_tiny_runs(tmp_path, capsys):
     """Every recipe answers --help; continued pretraining converts the bundled tiny Llama and trains it, and LoRA
     fine-tunes the result and merges it (from-scratch pretraining runs in tests/training/test_distributed.py)."""

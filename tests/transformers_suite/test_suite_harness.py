@@ -181,6 +181,7 @@ def test_fetch_extracts_the_test_files_of_the_right_version(tmp_path, fetch):
     assert fetch.cached("9.9.9") is None
 
 
+@pytest.mark.spawns
 def test_an_unreachable_index_is_told_apart_and_remembered(fetch, monkeypatch):
     # Nothing listens on port 9 of this machine: pip cannot reach the index (and never leaves the machine).
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
