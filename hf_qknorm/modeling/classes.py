@@ -15,7 +15,7 @@ Transformers looks up ``qknorm_<base>``, so importing the plugin imports no mode
 
 from __future__ import annotations
 
-from ..portable.autoclasses import AUTO_HEADS, make_config_class, make_model_class, share_conversion_mapping
+from ..portable.autoclasses import heads_of_release, make_config_class, make_model_class, share_conversion_mapping
 from ..portable.families import base_model_type
 from ..portable.names import PREFIX
 from ..portable.schemes import QKNormConfig
@@ -67,18 +67,10 @@ def _conversion_mapping():
     return conversion_mapping
 
 
-# Auto classes of multimodal models (LLaVA, Qwen2-VL, ...), whose language model patch_model patches: a saved
-# folder of one loads through these with the plugin. Those a Transformers release lacks are skipped.
-MULTIMODAL_HEADS = (
-    ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING"),
-    ("AutoModelForMultimodalLM", "MODEL_FOR_MULTIMODAL_LM_MAPPING"),
-)
-
-
 def _heads():
     from transformers.models.auto import modeling_auto
 
-    return [(a, m) for a, m in (*AUTO_HEADS, *MULTIMODAL_HEADS) if hasattr(modeling_auto, m + "_NAMES")]
+    return heads_of_release(modeling_auto)
 
 
 def _register_heads(cls: type, base_cfg: type, model_type: str) -> None:

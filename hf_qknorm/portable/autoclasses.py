@@ -20,6 +20,14 @@ AUTO_HEADS = (
     ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING"),
     ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING"),
 )
+# The Auto classes of multimodal models (LLaVA, Qwen2-VL, ...), whose language model the scheme patches. Releases
+# that lack one are skipped (:func:`heads_of_release`).
+MULTIMODAL_HEADS = (
+    ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING"),
+    ("AutoModelForMultimodalLM", "MODEL_FOR_MULTIMODAL_LM_MAPPING"),
+)
+# A multimodal model's head class (``LlavaForConditionalGeneration``) and the Auto classes that load it.
+MULTIMODAL_SUFFIX = "ForConditionalGeneration"
 REMOTE_CONFIG_MODULE, REMOTE_MODELING_MODULE = "configuration_qknorm", "modeling_qknorm"
 
 
@@ -55,6 +63,12 @@ class PatchedConfigMixin:
         self._output_attentions = value
 
 
+def heads_of_release(modeling_auto) -> list[tuple[str, str]]:
+    """``(Auto class, mapping)`` of :data:`AUTO_HEADS` and :data:`MULTIMODAL_HEADS` that the installed
+    Transformers' ``modeling_auto`` module has."""
+    return [(a, m) for a, m in (*AUTO_HEADS, *MULTIMODAL_HEADS) if hasattr(modeling_auto, m + "_NAMES")]
+
+
 def patched_architecture(name: str) -> str:
     """``QKNormLlamaForCausalLM`` for ``LlamaForCausalLM`` (and for itself)."""
     return name if name.startswith(CLASS_PREFIX) else CLASS_PREFIX + name
@@ -65,8 +79,12 @@ def auto_map(config_class_name: str, architectures) -> dict:
     out = {"AutoConfig": f"{REMOTE_CONFIG_MODULE}.{config_class_name}"}
     for arch in architectures or []:
         head = next((h for h in _HEAD_SUFFIXES if arch.endswith(h)), None)
-        auto = "AutoModelForCausalLM" if head in ("ForCausalLM", "LMHeadModel") else f"AutoModel{head or ''}"
-        out[auto] = f"{REMOTE_MODELING_MODULE}.{arch}"
+        if head == MULTIMODAL_SUFFIX:
+            autos = [a for a, _ in MULTIMODAL_HEADS]
+        else:
+            autos = ["AutoModelForCausalLM" if head in ("ForCausalLM", "LMHeadModel") else f"AutoModel{head or ''}"]
+        for auto in autos:
+            out[auto] = f"{REMOTE_MODELING_MODULE}.{arch}"
         if head is not None:  # the base model loads from any head's folder
             out.setdefault("AutoModel", f"{REMOTE_MODELING_MODULE}.{arch[: -len(head)]}Model")
     return out
@@ -78,6 +96,7 @@ _HEAD_SUFFIXES = (
     "ForSequenceClassification",
     "ForTokenClassification",
     "ForQuestionAnswering",
+    MULTIMODAL_SUFFIX,
 )
 
 

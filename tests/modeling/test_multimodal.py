@@ -245,8 +245,9 @@ def test_a_saved_folder_reloads_patched_with_the_same_logits(model_type, tmp_pat
 
 
 def test_a_saved_folder_never_loads_as_the_unpatched_model_without_the_plugin(tmp_path):
-    """Without the plugin the folder fails loudly, with or without ``trust_remote_code``: it never loads as the
-    plain LLaVA (whose language model would silently lose its norms)."""
+    """Without the plugin the folder fails loudly without ``trust_remote_code``, and with it loads the folder's own
+    ``QKNorm`` classes: it never loads as the plain LLaVA (whose language model would silently lose its norms).
+    ``test_multimodal_export.py`` checks the logits of folders loaded so."""
     import subprocess
     import sys
 
@@ -254,21 +255,26 @@ def test_a_saved_folder_never_loads_as_the_unpatched_model_without_the_plugin(tm
     model.save_pretrained(tmp_path / "saved")
     script = (
         "import sys, transformers\n"
+        "sys.modules['hf_qknorm'] = None\n"
         "for auto in ('AutoModelForImageTextToText', 'AutoModel'):\n"
         "    for remote in (False, True):\n"
         "        try:\n"
-        f"            getattr(transformers, auto).from_pretrained({str(tmp_path / 'saved')!r}, "
+        f"            m = getattr(transformers, auto).from_pretrained({str(tmp_path / 'saved')!r}, "
         "trust_remote_code=remote)\n"
         "        except Exception as exc:\n"
         "            print('refused', auto, remote, type(exc).__name__)\n"
         "        else:\n"
-        "            print('LOADED', auto, remote)\n"
-        "assert 'hf_qknorm' not in sys.modules\n"
+        "            print('LOADED', auto, remote, type(m).__name__, type(m).__module__.split('.')[0])\n"
     )
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 4 and all(line.startswith("refused") for line in lines), res.stdout
+    assert lines == [
+        "refused AutoModelForImageTextToText False ValueError",
+        "LOADED AutoModelForImageTextToText True QKNormLlavaForConditionalGeneration transformers_modules",
+        "refused AutoModel False ValueError",
+        "LOADED AutoModel True QKNormLlavaModel transformers_modules",
+    ], res.stdout
 
 
 class _ImageRows(torch.utils.data.Dataset):

@@ -20,7 +20,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 # {SHIPPED_IMPORTS}
 from .configuration_qknorm import BASE_MODEL_TYPE, config_class
-from .qknorm_autoclasses import AUTO_HEADS, make_model_class
+from .qknorm_autoclasses import heads_of_release, make_model_class
 from .qknorm_eager import capped_eager_attention
 from .qknorm_names import ATTN_IMPLEMENTATION, CLASS_PREFIX
 
@@ -34,7 +34,7 @@ _MODELS = {}
 def __getattr__(name):
     if name.startswith(CLASS_PREFIX) and name not in _MODELS:
         base = name[len(CLASS_PREFIX) :]
-        for _auto, mapping_name in AUTO_HEADS:
+        for _auto, mapping_name in heads_of_release(modeling_auto):
             names = getattr(modeling_auto, mapping_name + "_NAMES")
             types = [t for t, class_name in names.items() if class_name == base]
             # Several model types can share a class (EXAONE's is Llama's): the folder's own first.
