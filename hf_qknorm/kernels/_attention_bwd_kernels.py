@@ -1,8 +1,11 @@
 """Triton kernels for the backward of capped flash attention: preprocess (delta), dK/dV and dQ.
 
-FlashAttention-2's backward: P is recomputed from the forward's saved log-sum-exp, dK/dV and dQ are separate
-passes so that no atomics are needed. Conventions (layouts, log2-domain logits, the folded cap, the split loops,
-bottom-right causality) are those of ``_attention_kernels.py``, whose helpers these kernels share.
+FlashAttention-2's backward: P is recomputed from the forward's saved log-sum-exp. Two ways to get dQ, chosen per
+tile-table entry (``_tile_table.py``): "separate" runs dK/dV and dQ as two passes (no atomics, deterministic, dS
+computed twice); "atomic" (``ATOMIC_DQ``) adds each dK/dV program's dQ contribution into an fp32 buffer with
+atomic adds (dS computed once, non-deterministic summation order). Conventions (layouts, log2-domain logits, the
+folded cap, the split loops, bottom-right causality) are those of ``_attention_kernels.py``, whose helpers these
+kernels share.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ def _dkdv_loop(
     stride_dom,
     stride_mm,
     stride_mn,
+    dq_base,
+    stride_dqm,
+    scaling,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -89,9 +95,11 @@ def _dkdv_loop(
     HAS_MASK: tl.constexpr,
     FAST_TANH: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
     """dK and dV of one key block over the query blocks ``range(lo, hi, BLOCK_M)`` of one query head, in
-    transposed tiles (keys x queries); ``MASKED=False`` only for blocks ``_query_range`` found wholly allowed."""
+    transposed tiles (keys x queries); ``MASKED=False`` only for blocks ``_query_range`` found wholly allowed.
+    With ``ATOMIC_DQ`` each block's ``scaling * dS^T K`` is also added into the fp32 dQ rows at ``dq_base``."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -123,7 +131,12 @@ def _dkdv_loop(
         dst = pt * (dpt - delta[None, :])
         if HAS_CAP:
             dst = dst * (1.0 - tt * tt)  # d(c*tanh(x/c))/dx = 1 - tanh^2, from the recomputed t
-        dk = dot(to_dtype(dst, qt.dtype), tl.trans(qt), dk, DOT_PRECISION)
+        dst = to_dtype(dst, qt.dtype)
+        dk = dot(dst, tl.trans(qt), dk, DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = dot(tl.trans(dst), k, None, DOT_PRECISION) * scaling
+            dq_ok = row_ok[:, None] & d_ok[None, :]
+            tl.atomic_add(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], dq, mask=dq_ok, sem="relaxed")
     return dk, dv
 
 
@@ -137,6 +150,7 @@ def _attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    DQ,
     MASK,
     CU_Q,
     CU_K,
@@ -158,6 +172,9 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb,
     stride_dvh,
     stride_dvn,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
     stride_lb,
     stride_lh,
     stride_mb,
@@ -183,11 +200,13 @@ def _attn_bwd_dkdv_kernel(
     VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FAST_TANH: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
     """One program = BLOCK_N keys of one (sequence, KV head); it loops over the ``groups`` query heads that share
     the KV head and over their query blocks, so dK and dV are summed over the GQA group in registers (no atomics,
-    deterministic). Grid: (cdiv(max_seqlen_k, BLOCK_N), batch * kv_heads). Works in transposed tiles (keys x
-    queries) so that K and V stay as loaded."""
+    deterministic). With ``ATOMIC_DQ``, DQ is a zeroed fp32 buffer into which each group head's dQ is added
+    atomically. Grid: (cdiv(max_seqlen_k, BLOCK_N), batch * kv_heads). Works in transposed tiles (keys x queries)
+    so that K and V stay as loaded."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_kv_heads
@@ -216,23 +235,27 @@ def _attn_bwd_dkdv_kernel(
         do_base = DO + b64 * stride_dob + h * stride_doh + q_start * stride_dom
         row_base = b64 * stride_lb + h * stride_lh + q_start  # LSE and DELTA share one layout
         mask_base = MASK + b64 * stride_mb + h * stride_mh
+        dq_base = DQ + b64 * stride_dqb + h * stride_dqh + q_start * stride_dqm
         if IS_CAUSAL:  # the diagonal
             dk, dv = _dkdv_loop(
                 dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, mask_base, cols, lo, mid_lo, q_len,
-                k_len, diag, window, qk_scale, cap_log2, stride_qm, stride_dom, stride_mm, stride_mn, HEAD_DIM,
-                BLOCK_D, BLOCK_M, True, IS_CAUSAL, HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION,
+                k_len, diag, window, qk_scale, cap_log2, stride_qm, stride_dom, stride_mm, stride_mn, dq_base,
+                stride_dqm, scaling, HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, HAS_CAP, HAS_WINDOW, HAS_MASK,
+                FAST_TANH, DOT_PRECISION, ATOMIC_DQ,
             )  # fmt: skip
         # queries that see every key of the block
         dk, dv = _dkdv_loop(
             dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, mask_base, cols, mid_lo, mid_hi, q_len,
-            k_len, diag, window, qk_scale, cap_log2, stride_qm, stride_dom, stride_mm, stride_mn, HEAD_DIM, BLOCK_D,
-            BLOCK_M, False, IS_CAUSAL, HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION,
+            k_len, diag, window, qk_scale, cap_log2, stride_qm, stride_dom, stride_mm, stride_mn, dq_base, stride_dqm,
+            scaling, HEAD_DIM, BLOCK_D, BLOCK_M, False, IS_CAUSAL, HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH,
+            DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
         # the window's edge and the sequence's last queries
         dk, dv = _dkdv_loop(
             dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, mask_base, cols, mid_hi, hi, q_len,
-            k_len, diag, window, qk_scale, cap_log2, stride_qm, stride_dom, stride_mm, stride_mn, HEAD_DIM, BLOCK_D,
-            BLOCK_M, True, IS_CAUSAL, HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION,
+            k_len, diag, window, qk_scale, cap_log2, stride_qm, stride_dom, stride_mm, stride_mn, dq_base, stride_dqm,
+            scaling, HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH,
+            DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
     dk *= scaling
     dk_off = b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + k_start * stride_dkn

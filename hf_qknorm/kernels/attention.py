@@ -31,7 +31,7 @@ import functools
 import torch
 import triton
 
-from . import exact_tanh_requested
+from . import _tile_table, exact_tanh_requested
 from ._attention_args import (  # noqa: F401 (MAX_HEAD_DIM: part of this module's interface)
     MAX_HEAD_DIM,
     _check_inputs,
@@ -50,23 +50,48 @@ from ._decode_kernels import _attn_combine_kernel, _attn_fwd_split_kernel
 __all__ = ["attn_fwd", "attn_bwd"]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head_dim bucket, for 2-byte inputs. Chosen with
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head_dim bucket, for 2-byte inputs: the fallback for
+# any card or shape the frozen tile table (_tile_table.py) has no entry for. Chosen with
 # `python scripts/compile_kernels.py` (no register spills, shared memory within sm_80/sm_86/sm_90 limits)
 # and FlashAttention-2's shapes: the forward and dQ keep many query rows resident and stream keys; dK/dV keeps
-# many keys resident and streams queries. Not autotuned on hardware yet -- see docs/kernels.md.
+# many keys resident and streams queries. Not tuned on hardware -- see docs/kernels.md.
 _CONFIGS = {
     "fwd": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     "dkdv": {64: (32, 128, 8, 2), 128: (32, 64, 4, 2), 256: (16, 32, 4, 2)},
     "dq": {64: (128, 32, 8, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)},
 }
+BWD_MODES = _tile_table.MODES
 
 
-def _config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool) -> tuple[int, int, int, int]:
-    """Tile sizes and launch options for ``kernel`` in ("fwd", "dkdv", "dq").
+@functools.cache
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def _arch(device: torch.device, interpreted: bool) -> str:
+    """The tile table's ``arch`` key: ``"interpreter"`` under ``TRITON_INTERPRET=1``, else ``"smNN"``."""
+    if interpreted or device.type != "cuda":
+        return "interpreter"
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _entry(kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device, interpreted: bool):
+    return _tile_table.lookup(_arch(device, interpreted), kernel, head_dim, causal, str(dtype).removeprefix("torch."))
+
+
+def _config(
+    kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, causal: bool, device: torch.device
+) -> tuple[int, int, int, int]:
+    """Tile sizes and launch options ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for ``kernel`` in ("fwd",
+    "dkdv", "dq"): the tile table's entry for this card and shape, else the fallback below.
 
     Under the interpreter the cost is per tile, and 32x32 tiles keep CPU tests fast while still exercising the
     multi-block paths at the test lengths. fp32 tiles take twice the bytes: halve both sides and do not pipeline
     (fp32 is for exactness, not speed; this keeps every head_dim under sm_86's 99 KiB of shared memory)."""
+    entry = _entry(kernel, head_dim, dtype, causal, device, interpreted)
+    if entry is not None:
+        return entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"]
     if interpreted:
         return 32, 32, 4, 1
     bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
@@ -74,6 +99,12 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool) -
     if dtype == torch.float32:
         bm, bn, stages = max(bm // 2, 16), max(bn // 2, 16), 1
     return bm, bn, warps, stages
+
+
+def _bwd_mode(head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device, interpreted: bool) -> str:
+    """How dQ is computed: the "dkdv" entry's ``mode`` where the table has one, else "separate"."""
+    entry = _entry("dkdv", head_dim, dtype, causal, device, interpreted)
+    return "separate" if entry is None else entry.get("mode", "separate")
 
 
 @functools.cache
@@ -147,7 +178,7 @@ def attn_fwd(
         )
         return done
     interpreted = is_interpreted(_attn_fwd_kernel)
-    bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, interpreted)
+    bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, interpreted, causal, q.device)
     bm, bn = block_m or bm, block_n or bn
     batch = len(cu_q) - 1 if varlen else q.shape[0]
     grid = (triton.cdiv(grid_q, bm), batch * q.shape[1])
@@ -212,7 +243,10 @@ def _decode_fwd(q, k, v, out, lse, row_max, attn_mask, qk_scale, cap_log2, causa
     groups = heads // kv_heads
     interpreted = is_interpreted(_attn_fwd_split_kernel)
     bm = min(DECODE_MAX_ROWS, max(16, triton.next_power_of_2(q_len * groups)))
-    if interpreted:
+    entry = _entry("decode", head_dim, q.dtype, causal, q.device, interpreted)
+    if entry is not None:
+        bn, warps, stages = entry["block_n"], entry["num_warps"], entry["num_stages"]
+    elif interpreted:
         bn, warps, stages = 32, 4, 1
     elif q.dtype == torch.float32:
         bn, warps, stages = 32 if head_dim <= 128 else 16, 4, 1
@@ -302,9 +336,14 @@ def attn_bwd(
     dlse=None,
     block_m: int | None = None,
     block_n: int | None = None,
+    mode: str | None = None,
 ):
     """Backward launcher: ``(dq, dk, dv)``, contiguous, in the inputs' dtype. ``out``/``lse`` come from
-    :func:`attn_fwd` with the same arguments; ``dlse`` (optional) is a gradient flowing into the LSE output."""
+    :func:`attn_fwd` with the same arguments; ``dlse`` (optional) is a gradient flowing into the LSE output.
+    ``mode`` overrides the tile table's way of computing dQ: "separate" (its own pass) or "atomic" (fp32 atomic
+    adds from the dK/dV program)."""
+    if mode is not None and mode not in BWD_MODES:
+        raise ValueError(f"attn_bwd: mode={mode!r} is not one of {BWD_MODES}")
     _check_inputs(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, scaling, softcap, sliding_window)
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError(
@@ -322,6 +361,9 @@ def attn_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     interpreted = is_interpreted(_attn_fwd_kernel)
     head_dim, heads, kv_heads = q.shape[3], q.shape[1], k.shape[1]
+    atomic = (mode or _bwd_mode(head_dim, q.dtype, causal, q.device, interpreted)) == "atomic"
+    # Atomic mode accumulates into fp32 (zeroed: every program adds into it), cast once at the end.
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
     bd = block_dim(head_dim)
     mask, mask_strides = _mask_args(attn_mask, q, k)
     qk_scale, cap_log2 = _scales(scaling, softcap)
@@ -359,7 +401,7 @@ def attn_bwd(
             HAS_DLSE=dlse is not None,
         )
         # dK/dV: BLOCK_N keys resident, query blocks of every head in the GQA group streamed.
-        bm, bn, warps, stages = _config("dkdv", head_dim, q.dtype, interpreted)
+        bm, bn, warps, stages = _config("dkdv", head_dim, q.dtype, interpreted, causal, q.device)
         bm, bn = block_m or bm, block_n or bn
         _attn_bwd_dkdv_kernel[(triton.cdiv(grid_k, bn), batch * kv_heads)](
             q,
@@ -370,6 +412,7 @@ def attn_bwd(
             delta,
             dk,
             dv,
+            dq_acc,
             mask,
             cu_q,
             cu_k,
@@ -379,18 +422,23 @@ def attn_bwd(
             *_strides3(dout, varlen),
             *_strides3(dk, varlen),
             *_strides3(dv, varlen),
+            *_strides3(dq_acc, varlen),
             *lse_strides,
             *mask_strides,
             kv_heads,
             *scalars,
             BLOCK_M=bm,
             BLOCK_N=bn,
+            ATOMIC_DQ=atomic,
             num_warps=warps,
             num_stages=stages,
             **flags,
         )
+        if atomic:
+            dq.copy_(dq_acc)
+            return dq, dk, dv
         # dQ: BLOCK_M queries resident, key blocks streamed (the forward's loop).
-        bm, bn, warps, stages = _config("dq", head_dim, q.dtype, interpreted)
+        bm, bn, warps, stages = _config("dq", head_dim, q.dtype, interpreted, causal, q.device)
         bm, bn = block_m or bm, block_n or bn
         _attn_bwd_dq_kernel[(triton.cdiv(grid_q, bm), batch * heads)](
             q,

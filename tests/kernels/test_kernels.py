@@ -105,8 +105,16 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["separate", "atomic"])
+def bwd_mode(request, monkeypatch):
+    """Both ways of computing dQ (its own pass, or atomic adds from the dK/dV program), forced whatever the tile
+    table says, on every path that reaches ``attn_bwd`` (the autograd of the public entry points included)."""
+    monkeypatch.setattr(attn_mod, "_bwd_mode", lambda *args: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_attention_matches_reference(case):
+def test_attention_matches_reference(case, bwd_mode):
     b, h, hkv, tq, tk, d, causal, cap, window, blocks = CASES[case]
     scaling = d**-0.5
     # |s| ~ scale^2 for unit-variance inputs and scaling = d^-1/2: sqrt(cap) puts the logits well into the tanh
@@ -201,7 +209,7 @@ def test_attention_dense_mask(mask_kind):
 
 
 @pytest.mark.parametrize("window", [None, 7])
-def test_attention_varlen(window):
+def test_attention_varlen(window, bwd_mode):
     """Packed sequences = each sequence attended alone; lengths include 1 and 0, q_len != kv_len per sequence,
     and trailing rows past cu_seqlens[-1] that belong to no sequence (zero output, zero gradient)."""
     lens_q, lens_k = [17, 1, 40, 0, 5], [20, 11, 40, 3, 5]
