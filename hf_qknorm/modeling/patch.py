@@ -24,9 +24,12 @@ from ..portable.structure import (
     text_model,
     uninstall_scheme,
 )
+from ..portable.vision import CONFIG_KEY as VISION_KEY
+from ..portable.vision import install_vision, plan_vision, uninstall_vision, vision_settings
 from .classes import mark_patched
 from .selfcheck import self_check
 from .sharding import refuse_distributed
+from .vision import check_vision, switch_vision_backend
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ def patch_model(
     softcap: float | None = None,
     eps: float | None = None,
     p: float | None = None,
+    vision: bool | QKNormConfig = False,
 ) -> nn.Module:
     """Patch every attention layer of ``model`` with ``scheme``; returns the same (patched) model.
 
@@ -65,6 +69,11 @@ def patch_model(
         softcap: the cap ``c``; ``None`` means 50.0 for the capped schemes.
         eps: the norm epsilon; ``None`` takes the model's own norm epsilon.
         p: the exponent of the ``lp`` norm.
+        vision: a multimodal model's vision encoder: ``False`` (default) leaves it untouched; ``True`` gives its
+            attention the scheme's q/k norm kind, bidirectional and without a cap (ViT-22B's QK-norm); a
+            :class:`QKNormConfig` gives it those settings (``qk_norm`` or ``qk_norm_cap`` with ``layernorm`` or
+            ``rmsnorm``: a cap only there). Encoders whose attention is not reached exactly are refused
+            (:mod:`hf_qknorm.portable.vision`).
 
     New norm weights start as identity (weight 1, bias 0); ``l2``/``lp`` start their logit scale at Henry et al.'s
     ``log2(L^2 - L)`` for the model's context length ``L``. ``qkv_norm`` removes the pre-attention norm and folds
@@ -81,6 +90,8 @@ def patch_model(
     target = unwrap(model)
     try:
         plan = plan_scheme(target, cfg)  # every check that needs no forward happens here, before anything changes
+        vision_cfg = vision_settings(plan.cfg, vision)
+        vplan = None if vision_cfg is None else plan_vision(target, vision_cfg)
     except BaseException:
         target.__dict__.pop("_qknorm_family", None)  # a refused model keeps nothing of the attempt
         raise
@@ -89,11 +100,16 @@ def patch_model(
     language = text_model(target)  # a multimodal model's language model: checked and switched on its own
     try:
         self_check(language, plan)  # a probe forward: the scheme reaches the backend exactly, or the patch is undone
+        if vplan is not None:
+            install_vision(vplan)
+            check_vision(target, vplan)
     except BaseException as exc:
+        if vplan is not None:
+            uninstall_vision(vplan)
         uninstall_scheme(plan, replaced)
         own_config(target, old_config)
         target.__dict__.pop("_qknorm_family", None)
-        if language is not target and isinstance(exc, UnsupportedModelError):
+        if language is not target and isinstance(exc, UnsupportedModelError) and "vision encoder" not in str(exc):
             raise UnsupportedModelError(
                 f"model type {target.config.model_type!r} (multimodal), its language model .{plan.family.text_model}: "
                 f"{exc}"
@@ -101,6 +117,9 @@ def patch_model(
         raise
     fold_prenorms(plan)
     mark_patched(target.config, plan.cfg)
+    if vplan is not None:
+        setattr(target.config, VISION_KEY, vplan.cfg.to_dict())
+        switch_vision_backend(target, vplan)
     if plan.switch_backend:
         logger.info(
             "attention implementation %r cannot cap logits; switching to %r",

@@ -23,5 +23,6 @@ SHIPPED = {
     "autoclasses": "qknorm_autoclasses.py",
     "masks": "qknorm_masks.py",
     "eager": "qknorm_eager.py",
+    "vision": "qknorm_vision.py",
 }
 ENTRY_FILES = ("configuration_qknorm.py", "modeling_qknorm.py")

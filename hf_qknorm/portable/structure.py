@@ -29,6 +29,8 @@ from .layout import find_layers
 from .names import ATTN_IMPLEMENTATION, PREFIX
 from .norms import henry_logit_scale, make_norm
 from .schemes import QKNormConfig
+from .vision import CONFIG_KEY as VISION_KEY
+from .vision import install_vision, plan_vision
 
 logger = logging.getLogger(__name__)
 
@@ -282,3 +284,9 @@ def patch_on_init(model: nn.Module) -> None:
     apply_scheme(model, plan)
     if plan.switch_backend:  # a multimodal model's language model only: its vision encoder keeps its backend
         text_model(model).set_attn_implementation(ATTN_IMPLEMENTATION)
+    vision = getattr(model.config, VISION_KEY, None)
+    if vision is not None:  # the vision encoder's own settings (patch_model(..., vision=...))
+        vplan = plan_vision(model, QKNormConfig.from_dict(vision), loading=True)
+        install_vision(vplan)
+        if vplan.cfg.caps:
+            model.get_submodule(vplan.path).set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -370,3 +370,134 @@ def test_a_config_with_several_text_configs_is_out_of_scope_not_a_crash(model_ty
 
     result = cov.check_model_type(model_type)
     assert result.status == cov.OUT_OF_SCOPE and "encoder-decoder" in result.reason
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the vision encoder, on request (vision=...)
+# --------------------------------------------------------------------------------------------------------------------
+VISION_TYPES = ("llava", "paligemma", "smolvlm")  # CLIP, SigLIP, SmolVLM's vision transformer
+
+
+def _vision_attentions(model):
+    from hf_qknorm.portable.vision import plan_vision
+
+    return plan_vision(model, hf_qknorm.QKNormConfig("qk_norm"), loading=True).attentions
+
+
+def _vision_reference(attn, x, norm, softcap):
+    """One patched vision attention layer from the formulas: projections, the scheme's norm on each head of q and k,
+    bidirectional softmax attention (no mask, no RoPE) with the module's scaling and the cap if any, the output
+    projection."""
+    b, t, _ = x.shape
+    heads = {}
+    for role in ("q", "k", "v"):
+        proj = getattr(attn, f"{role}_proj")
+        heads[role] = torch.nn.functional.linear(x, proj.weight, proj.bias).view(b, t, -1, attn.head_dim)
+    for role in ("q", "k"):
+        n = getattr(attn, f"{role}_norm")
+        heads[role] = norm_reference(heads[role], norm, n.weight, getattr(n, "bias", None), eps=n.eps)
+    q, k, v = (heads[r].transpose(1, 2) for r in ("q", "k", "v"))
+    out = attention_reference(q, k, v, scaling=attn.scale, softcap=softcap, causal=False, mask=None)
+    return attn.out_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _vision_pixels(model):
+    drop = ("input_ids", "token_type_ids", "mm_token_type_ids")
+    return {k: v for k, v in image_text_inputs(model).items() if k not in drop}
+
+
+@pytest.mark.parametrize(
+    "vision,norm,softcap",
+    [(True, "layernorm", None), (True, "rmsnorm", None), ("capped", "rmsnorm", 2.0)],
+)
+@pytest.mark.parametrize("model_type", VISION_TYPES)
+def test_the_vision_encoder_on_request_matches_the_float64_reference(model_type, vision, norm, softcap):
+    """``vision=True`` (the scheme's norm kind, no cap) or a QKNormConfig with a cap: every attention layer of the
+    vision encoder computes the norms and bidirectional attention from the formulas, with random gains; identity
+    norms are not a no-op (they normalise), so the encoder's features differ from the unpatched model's."""
+    plain = tiny_multimodal_model(model_type, dtype=torch.float64)
+    model = copy.deepcopy(plain)
+    setting = hf_qknorm.QKNormConfig("qk_norm_cap", norm=norm, softcap=softcap) if vision == "capped" else True
+    hf_qknorm.patch_model(model, "qk_norm", norm=norm, vision=setting)
+    pixels = _vision_pixels(model)
+    with torch.no_grad():
+        want, got = plain.get_image_features(**pixels), model.get_image_features(**pixels)
+    want, got = (getattr(o, "pooler_output", o) for o in (want, got))
+    want, got = ([o] if isinstance(o, torch.Tensor) else list(o) for o in (want, got))
+    assert not all(torch.allclose(a, b) for a, b in zip(want, got))  # identity norms still normalise
+    attns = _vision_attentions(model)
+    assert len(attns) >= 1 and all("_qknorm_slots" in a.__dict__ for a in attns)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for attn in attns:
+            for name, prm in (*attn.q_norm.named_parameters(), *attn.k_norm.named_parameters()):
+                noise = torch.randn(prm.shape, generator=gen, dtype=prm.dtype)
+                prm.copy_((1 + 0.5 * noise) if name == "weight" else 0.5 * noise)
+    calls, handles = _record(attns)
+    with torch.no_grad():
+        model.get_image_features(**pixels)
+    for h in handles:
+        h.remove()
+    assert model.config.vision_config._attn_implementation == ("qknorm" if softcap else "sdpa")
+    for i, attn in enumerate(attns):
+        x = calls[i]["args"][0] if calls[i]["args"] else calls[i]["kwargs"]["hidden_states"]
+        assert calls[i]["kwargs"].get("attention_mask") is None
+        with torch.no_grad():
+            ref = _vision_reference(attn, x, norm, softcap)
+        torch.testing.assert_close(calls[i]["out"], ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "model_type,reason",
+    [
+        ("qwen2_vl", "no separate q_proj/k_proj/v_proj"),
+        ("mistral3", "takes position_embeddings"),
+        ("internvl", "has q/k norms of its own"),
+    ],
+)
+def test_a_vision_encoder_that_cannot_be_patched_exactly_is_refused_in_one_line(model_type, reason):
+    """The whole patch is refused (the language model too) and the model left exactly as it was."""
+    model = tiny_multimodal_model(model_type)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config
+    with pytest.raises(UnsupportedModelError, match=reason) as info:
+        hf_qknorm.patch_model(model, "qk_norm", vision=True)
+    assert len(str(info.value).splitlines()) == 1 and f"'{model_type}'" in str(info.value)
+    assert model.config is config and not hasattr(config, "qknorm") and not hasattr(config, "qknorm_vision")
+    assert before.keys() == set(model.state_dict()) and all(
+        torch.equal(before[k], v) for k, v in model.state_dict().items()
+    )
+
+
+def test_the_vision_argument_is_checked_in_one_line():
+    model = tiny_multimodal_model("llava")
+    with pytest.raises(ValueError, match="scheme 'soft_cap' has none"):
+        hf_qknorm.patch_model(model, "soft_cap", vision=True)
+    with pytest.raises(TypeError, match="vision must be True, False or a QKNormConfig, got 'yes'"):
+        hf_qknorm.patch_model(model, "qk_norm", vision="yes")
+    with pytest.raises(ValueError, match="norm 'l2' is not supported on a vision encoder"):
+        hf_qknorm.patch_model(model, "qk_norm", norm="l2", vision=True)
+    with pytest.raises(UnsupportedModelError, match="holding its vision_config"):
+        hf_qknorm.patch_model(tiny_multimodal_model("llava").model.language_model, "qk_norm", vision=True)
+    assert not hf_qknorm.is_patched(model)
+
+
+def test_a_patched_vision_encoder_saves_and_reloads_with_the_plugin(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    model = tiny_multimodal_model("llava", dtype=torch.float32)
+    hf_qknorm.patch_model(model, "qk_norm_cap", vision=hf_qknorm.QKNormConfig("qk_norm_cap", softcap=3.0))
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                prm.add_(0.3 * torch.randn_like(prm))
+    inputs = image_text_inputs(model)
+    with torch.no_grad():
+        want = model(**inputs).logits
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    assert loaded.config.qknorm_vision == model.config.qknorm_vision
+    assert loaded.config.vision_config._attn_implementation == "qknorm"
+    assert {n for n, _ in loaded.named_parameters()} == {n for n, _ in model.named_parameters()}
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, want, rtol=0, atol=0)

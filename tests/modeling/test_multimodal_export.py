@@ -44,11 +44,12 @@ _LOADER = textwrap.dedent("""
 """)
 
 
-def _patched(model_type, scheme="qk_norm_cap", norm="layernorm"):
+def _patched(model_type, scheme="qk_norm_cap", norm="layernorm", vision=False):
     """``(unpatched, patched)`` tiny models of ``model_type`` with the same weights, the norms' gains random."""
     plain = tiny_multimodal_model(model_type, dtype=torch.float32).eval()
     model = copy.deepcopy(plain)
-    hf_qknorm.patch_model(model, scheme, norm=norm, softcap=2.0 if "cap" in scheme else None)  # a cap that bends
+    softcap = 2.0 if "cap" in scheme else None  # a cap that bends the logits
+    hf_qknorm.patch_model(model, scheme, norm=norm, softcap=softcap, vision=vision)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, prm in model.named_parameters():
@@ -88,12 +89,18 @@ def test_saved_multimodal_folders_load_without_the_plugin_with_the_same_logits(t
     """Each type, capped layernorm norms with random gains: the folder loads as ``QKNorm<Head>`` from the folder's
     own code, the language model on the capped "qknorm" attention and the vision tower on its own backend, and its
     logits on text alone and on images and text are the patched model's; ``AutoModel`` gives the patched base
-    model. Qwen2-VL is also saved with rmsnorm ``qk_norm`` (no cap)."""
-    cases = [(t, "qk_norm_cap", "layernorm") for t in TYPES] + [("qwen2_vl", "qk_norm", "rmsnorm")]
+    model. Qwen2-VL is also saved with rmsnorm ``qk_norm`` (no cap), and LLaVA and PaliGemma with their vision
+    encoders patched too (a capped one and ``vision=True``)."""
+    capped_vision = hf_qknorm.QKNormConfig("qk_norm_cap", softcap=2.0)
+    cases = [(t, "qk_norm_cap", "layernorm", False) for t in TYPES] + [
+        ("qwen2_vl", "qk_norm", "rmsnorm", False),
+        ("llava", "qk_norm", "layernorm", capped_vision),
+        ("paligemma", "qk_norm_cap", "rmsnorm", True),
+    ]
     jobs, want = [], {}
-    for model_type, scheme, norm in cases:
-        name = f"{model_type}-{scheme}-{norm}"
-        plain, model = _patched(model_type, scheme, norm)
+    for model_type, scheme, norm, vision in cases:
+        name = f"{model_type}-{scheme}-{norm}" + ("-vision" if vision else "")
+        plain, model = _patched(model_type, scheme, norm, vision)
         inputs = _inputs(model)
         torch.save(inputs, tmp_path / f"{name}.pt")
         model.save_pretrained(tmp_path / name)
@@ -103,7 +110,7 @@ def test_saved_multimodal_folders_load_without_the_plugin_with_the_same_logits(t
             assert all(not torch.allclose(plain(**v).logits, want[name][k], atol=1e-3) for k, v in inputs.items())
         jobs.append({"name": name, "path": str(tmp_path / name), "inputs": str(tmp_path / f"{name}.pt"),
                      "auto": "AutoModelForImageTextToText"})  # fmt: skip
-        if model_type == "llava":
+        if model_type == "llava" and not vision:
             with torch.no_grad():
                 want[name + "-base"] = {k: model.model(**v).last_hidden_state for k, v in inputs.items()}
             jobs.append({**jobs[-1], "name": name + "-base", "auto": "AutoModel"})
@@ -111,7 +118,7 @@ def test_saved_multimodal_folders_load_without_the_plugin_with_the_same_logits(t
     for name, expected in want.items():
         row = got[name]
         assert row["module"].startswith("transformers_modules") and row["cls"].startswith("QKNorm"), row["cls"]
-        assert row["vision_backend"] != "qknorm"
+        assert (row["vision_backend"] == "qknorm") == ("llava-qk_norm-layernorm-vision" == name)
         assert row["text_backend"] == ("qknorm" if "cap" in name else row["text_backend"])
         for kind, logits in expected.items():
             torch.testing.assert_close(row[kind], logits, rtol=1e-5, atol=1e-5, msg=f"{name} ({kind})")
