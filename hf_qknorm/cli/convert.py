@@ -162,6 +162,7 @@ def run_convert(args) -> int:
             export=args.export,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            log=print,
         )
     except FirstRankFailed as exc:  # rank 0 printed the error; leave with its exit status, silently
         from .errors import EXIT_CODES, describe

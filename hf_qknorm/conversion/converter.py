@@ -80,7 +80,7 @@ def convert(
     overwrite: bool = False,
     verify: str = "full",
     progress: bool = True,
-    log=print,
+    log=None,
 ) -> ConversionResult:
     """Convert a pretrained checkpoint to the scheme of ``config`` and write it to ``dst``.
 
@@ -109,6 +109,11 @@ def convert(
             folder also through its remote code in a process without the plugin), ``"plugin"`` or ``"off"``. The
             added tensors are always checked, and a report that is not finite always fails.
 
+        progress: stage lines on the ``hf_qknorm.conversion`` logger (INFO; shown only where logging is
+            configured) and a bar when stderr is a terminal.
+        log: a function given each line of the report (``log=print`` shows it, as ``hf-qknorm convert`` does);
+            ``None`` (the default) keeps the library quiet.
+
     Raises ``ValueError``/``OSError`` for bad input or a failed write, and
     :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
     is left at ``dst`` (or an existing ``dst`` is unchanged).
@@ -131,8 +136,8 @@ def convert(
     )
     with ranks.process_group(settings.resolved_device()) as device:
         if ranks.rank() != 0:  # rank 0 alone logs and shows progress
-            progress, log = False, _quiet
-        return _convert(request, device, progress, log)
+            progress, log = False, None
+        return _convert(request, device, progress, log or _quiet)
 
 
 def _quiet(*args, **kwargs):

@@ -408,3 +408,22 @@ def test_patched_and_converted_models_start_from_the_same_norms(tmp_path, norm):
     for name, value in patched.items():
         torch.testing.assert_close(start[name], value, rtol=0, atol=0, msg=name)
     assert get_family("llama").training_length(SimpleNamespace()) == DEFAULT_TRAINING_LENGTH
+
+
+def test_convert_is_quiet_by_default_and_the_cli_prints_its_report(tmp_path, capsys):
+    """The library writes nothing to stdout or stderr unless asked (``log=print``); ``hf-qknorm convert`` asks."""
+    from hf_qknorm.cli.main import main
+
+    small = CalibrationSettings(block_len=64, calibration_blocks=2, eval_blocks=2, local_steps=2, agreement_tokens=2)
+    result = convert(None, tmp_path / "lib", calibration=small, calibration_text=SHORT_TEXT, verify="plugin")
+    assert result.report is not None
+    assert capsys.readouterr() == ("", "")
+    text = tmp_path / "text.txt"
+    text.write_text(SHORT_TEXT)
+    argv = ["convert", "-o", str(tmp_path / "cli"), "--calibration-text", str(text), "--block-len", "64"]
+    argv += ["--calibration-blocks", "2", "--eval-blocks", "2", "--local-steps", "2", "--agreement-tokens", "2"]
+    assert main([*argv, "--verify", "plugin", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("converting hf_qknorm/tiny-llama (bundled) (llama, ")
+    assert f"wrote {tmp_path / 'cli'} (qknorm): " in out
+    assert "perplexity" in out  # the calibration report's summary
