@@ -90,7 +90,7 @@ def patch_model(
     target = unwrap(model)
     try:
         plan = plan_scheme(target, cfg)  # every check that needs no forward happens here, before anything changes
-        vision_cfg = vision_settings(plan.cfg, vision)
+        vision_cfg = vision_settings(cfg, vision)  # eps unresolved: the encoder's own, unless given
         vplan = None if vision_cfg is None else plan_vision(target, vision_cfg)
     except BaseException:
         target.__dict__.pop("_qknorm_family", None)  # a refused model keeps nothing of the attempt

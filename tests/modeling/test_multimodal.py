@@ -501,3 +501,38 @@ def test_a_patched_vision_encoder_saves_and_reloads_with_the_plugin(tmp_path):
     assert {n for n, _ in loaded.named_parameters()} == {n for n, _ in model.named_parameters()}
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, want, rtol=0, atol=0)
+
+
+def test_vision_true_takes_the_norm_kind_and_the_encoders_own_epsilon():
+    """``vision=True``: ``qk_norm`` with the scheme's norm kind, no cap (the language model's cap stays there), the
+    vision config's ``layer_norm_eps`` (not the language model's) unless ``eps`` is given."""
+    model = tiny_multimodal_model("llava")
+    vision_eps, text_eps = model.config.vision_config.layer_norm_eps, model.config.text_config.rms_norm_eps
+    assert vision_eps != text_eps
+    hf_qknorm.patch_model(model, "qk_norm_cap", norm="rmsnorm", vision=True)
+    assert model.config.qknorm_vision == {
+        "scheme": "qk_norm", "norm": "rmsnorm", "softcap": None, "eps": vision_eps, "p": None
+    }  # fmt: skip
+    assert model.config.qknorm["eps"] == text_eps and model.config.qknorm["softcap"] == 50.0
+    assert all(a.q_norm.eps == vision_eps for a in _vision_attentions(model))
+    given = tiny_multimodal_model("llava")
+    hf_qknorm.patch_model(given, "qk_norm", eps=1e-3, vision=True)
+    assert given.config.qknorm_vision["eps"] == 1e-3
+
+
+def test_a_saved_folder_missing_a_vision_norm_weight_is_refused_on_loading(tmp_path):
+    """A vision norm weight is a scheme weight like the language model's: a folder without one does not load with
+    fresh norms in place of the trained ones."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    model = tiny_multimodal_model("llava", dtype=torch.float32)
+    hf_qknorm.patch_model(model, "qk_norm", vision=True)
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = [k for k in weights if "vision_tower" in k and k.endswith("q_norm.weight")]
+    assert dropped
+    save_file({k: v for k, v in weights.items() if k != dropped[0]}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    with pytest.raises(ValueError, match="norm weights do not match"):
+        AutoModelForImageTextToText.from_pretrained(tmp_path)
