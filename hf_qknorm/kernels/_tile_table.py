@@ -8,9 +8,10 @@ fp32 atomic adds in the dK/dV program, and the "dq" entry is then unused); a "de
 (the decoding forward sizes its rows to the call).
 
 Entries are written by ``python benchmarks/sweep_tiles.py --apply RESULT`` from a sweep run on that card; nothing
-is tuned at run time. A card or shape absent here falls back to ``attention._CONFIGS``. The table is empty: no
-sweep has been run on a GPU yet. The key ``arch`` ``"interpreter"`` is looked up under ``TRITON_INTERPRET=1``
-(tests put entries there to check that an entry reaches the launch); the committed table holds none.
+is tuned at run time. A card or shape absent here falls back to ``attention._CONFIGS``; :data:`SOURCES` names the
+sweep behind each arch's rows (empty while no sweep has been run on a GPU). The ``arch`` ``"interpreter"`` is
+looked up under ``TRITON_INTERPRET=1`` (tests put rows there to check that a row reaches the launch); the
+committed table holds none.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ DTYPES = ("bfloat16", "float16", "float32")
 TILES: dict[tuple[str, str, int, bool, str], dict[str, int | str]] = {
 }
 # fmt: on
+
+# arch -> the device, date and result file of the sweep its rows come from.
+SOURCES: dict[str, str] = {}
 
 
 def _power_of_two(n) -> bool:

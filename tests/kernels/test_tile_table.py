@@ -3,8 +3,14 @@ the launch (under the interpreter, the "interpreter" arch key)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +187,94 @@ def test_decode_entry_reaches_the_launch(monkeypatch):
     assert seen == [(16, 2)]
     ref = attention_reference(*(t.double() for t in (q, k, v)), **kw)
     assert math.isclose(0.0, ((out.double() - ref).abs().max() / ref.abs().max()).item(), abs_tol=1e-4)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SWEEP = ROOT / "benchmarks" / "sweep_tiles.py"
+
+
+def _sweep(*args, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, str(SWEEP), *args], capture_output=True, text=True, env=env, timeout=timeout, check=False
+    )
+
+
+@pytest.mark.spawns
+@pytest.mark.slow
+def test_sweep_dry_run_writes_timings_and_a_table(tmp_path):
+    """--dry-run: every direction checked against the reference and timed under the interpreter, the jsonl and the
+    winning table written with the device, versions, date and command; its result cannot be applied."""
+    res = _sweep("--dry-run", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (jsonl,) = tmp_path.glob("*-tiles.jsonl")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert {r["direction"] for r in rows} == {"fwd", "dkdv", "dq", "atomic", "decode"}
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows), rows
+    assert all(r["max_rel_err"] < 1e-4 for r in rows)
+    for field in ("device", "torch", "triton", "date", "command"):
+        assert rows[0][field]
+    result = json.loads(jsonl.with_suffix(".json").read_text())
+    assert result["arch"] == "interpreter" and "--dry-run" in result["command"]
+    assert {tuple(r["key"])[1] for r in result["tiles"]} == {"fwd", "dkdv", "dq", "decode"}
+    _tile_table.check_table({tuple(r["key"]): r["entry"] for r in result["tiles"]})
+    table = tmp_path / "table.py"
+    shutil.copy(_tile_table.__file__, table)
+    res = _sweep("--apply", str(jsonl.with_suffix(".json")), "--table", str(table))
+    assert res.returncode != 0 and "dry run" in res.stderr
+    assert table.read_text() == Path(_tile_table.__file__).read_text()
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location("table_copy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(tmp_path, name, rows, arch="sm90"):
+    path = tmp_path / name
+    result = dict(arch=arch, device="NVIDIA H100", date="2026-11-26T00:00:00+00:00", dry_run=False, tiles=rows)
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+@pytest.mark.spawns
+def test_sweep_apply_merges_validated_rows(tmp_path):
+    table = tmp_path / "table.py"
+    shutil.copy(_tile_table.__file__, table)
+    fwd = {"key": ["sm90", "fwd", 128, True, "bfloat16"], "entry": GOOD}
+    dkdv = {"key": ["sm90", "dkdv", 128, True, "bfloat16"], "entry": {**GOOD, "block_m": 64, "mode": "atomic"}}
+    other = {"key": ["sm80", "fwd", 64, False, "float16"], "entry": GOOD}
+    assert _sweep("--apply", _result(tmp_path, "a.json", [other], arch="sm80"), "--table", str(table)).returncode == 0
+    res = _sweep("--apply", _result(tmp_path, "b.json", [fwd, dkdv]), "--table", str(table))
+    assert res.returncode == 0, res.stderr
+    merged = _load(table)
+    assert merged.TILES == {tuple(r["key"]): r["entry"] for r in (fwd, dkdv, other)}
+    assert set(merged.SOURCES) == {"sm80", "sm90"} and "b.json" in merged.SOURCES["sm90"]
+    assert max(len(line) for line in table.read_text().splitlines()) <= 120
+    # A new sweep of the same arch replaces its rows; another arch's stay.
+    res = _sweep("--apply", _result(tmp_path, "c.json", [dkdv]), "--table", str(table))
+    assert res.returncode == 0
+    assert _load(table).TILES == {tuple(r["key"]): r["entry"] for r in (dkdv, other)}
+    # A bad row: refused in one line naming it, the table untouched.
+    before = table.read_text()
+    bad = {"key": ["sm90", "fwd", 128, True, "bfloat16"], "entry": {**GOOD, "num_warps": 3}}
+    res = _sweep("--apply", _result(tmp_path, "d.json", [bad]), "--table", str(table))
+    assert res.returncode != 0 and "num_warps=3" in res.stderr.strip().splitlines()[-1]
+    assert table.read_text() == before
+
+
+def test_shared_estimate_orders_tiles():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sweep_tiles
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    small = sweep_tiles.shared_estimate("fwd", (64, 32, 4, 2), 128)
+    assert small < sweep_tiles.shared_estimate("fwd", (64, 128, 4, 4), 128)
+    assert sweep_tiles.shared_estimate("dkdv", (64, 128, 8, 2), 128) > 232448 // 4
+    for direction, grid in sweep_tiles.GRIDS.items():
+        for tiles in grid + list(sweep_tiles.DRY_GRIDS[direction]):
+            key_direction, entry = sweep_tiles._entry(direction, tiles)
+            _tile_table.check_entry(("sm90", key_direction, 128, True, "bfloat16"), entry)
