@@ -13,6 +13,8 @@
 # (device, versions, date in each) and, at exit -- a failure included -- the rows of this run are copied to
 # benchmarks/results/gpu/<date>-run.jsonl with the command, and to $OUT where it is set. The first failing section
 # stops the run (set -e) with its name and exit status on stderr.
+# Not a section here (the limits above fill the call): the tile sweep is its own device call, 420 s by default,
+#   python3 benchmarks/sweep_tiles.py            # then --apply the .json it writes (docs/kernels.md, "Tile sizes")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

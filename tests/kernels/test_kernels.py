@@ -183,7 +183,7 @@ def _padding_mask(b, tq, tk, pads):
 
 
 @pytest.mark.parametrize("mask_kind", ["padding-broadcast", "dense-fully-masked-rows", "per-head"])
-def test_attention_dense_mask(mask_kind):
+def test_attention_dense_mask(mask_kind, bwd_mode):
     b, h, hkv, t, d, cap = 2, 4, 2, 40, 64, 5.0
     q, k, v, do = _qkv(b, h, hkv, t, t, d, scale=math.sqrt(cap), seed=3)
     g = torch.Generator().manual_seed(7)
@@ -252,7 +252,7 @@ def test_attention_varlen(window, bwd_mode):
     assert (out[:, :, sum(lens_q) :] == 0).all() and (dq[:, :, sum(lens_q) :] == 0).all()
 
 
-def test_attention_lse_and_its_gradient():
+def test_attention_lse_and_its_gradient(bwd_mode):
     """The forward's LSE equals logsumexp of the masked, capped logits (+inf on empty rows), and a gradient
     flowing into it is honoured."""
     q, k, v, do = _qkv(1, 2, 1, 20, 12, 32, scale=2.0, seed=5)
