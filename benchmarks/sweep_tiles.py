@@ -18,8 +18,9 @@ it has, so the sweep fits one device call.
 
 Writes ``<date>-<device>-tiles.jsonl`` (every candidate: tiles, status, error, milliseconds, TFLOP/s) and
 ``<date>-<device>-tiles.json`` (the winning table rows, device name, capability, torch/triton versions, date and
-the exact command) under ``--out`` (default benchmarks/results/gpu/). ``--apply`` merges such a file into
-hf_qknorm/kernels/_tile_table.py (validated; rows of the same arch replaced), for a session to commit.
+the exact command) under ``--out`` (default benchmarks/results/gpu/), copied to ``$OUT`` where that is set.
+``--apply`` merges such a file into hf_qknorm/kernels/_tile_table.py (validated; rows of the same arch replaced),
+for a session to commit.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -317,6 +319,9 @@ def sweep(args) -> int:
         rows = [dict(key=list(key), entry=entry, ms=ms) for key, (ms, entry) in sorted(s.winners.items())]
         result = dict(meta, stopped=s.stopped, tiles=rows)
         Path(f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+        if os.environ.get("OUT") and not args.dry_run:  # a device call brings back only what is under $OUT
+            for suffix in (".jsonl", ".json"):
+                shutil.copy(f"{stem}{suffix}", os.environ["OUT"])
         print(
             f"# {len(s.rows)} candidates, {len(rows)} table rows -> {stem}.json(l)"
             + (f"; {s.stopped}" if s.stopped else "")
