@@ -40,6 +40,37 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos[:, None] + rot * sin[:, None]
 
 
+ROPE_LAYOUTS = ("half", "interleaved", "interleaved_from_half", "half_per_pair")
+
+
+def rope_layout_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half") -> torch.Tensor:
+    """Rotary embedding of the first ``r`` channels of ``x`` (``r`` = ``cos.shape[-1]``; the rest pass unchanged:
+    partial rotary), in one of :data:`ROPE_LAYOUTS`:
+
+    - ``half``: Llama's ``x * cos + rotate_half(x) * sin``, channel ``i`` paired with ``i + r/2``;
+    - ``interleaved``: GPT-J's, channel ``2i`` paired with ``2i + 1`` (``cos`` already repeated per pair);
+    - ``interleaved_from_half``: GLM's, interleaved pairs with the angles of the first half of a half-layout ``cos``;
+    - ``half_per_pair``: gpt-oss's, ``cos`` holding one angle per pair (``r = 2 * cos.shape[-1]``), half-split pairs.
+
+    ``x`` is ``(batch, heads, seq, head_dim)``, ``cos``/``sin`` are ``(batch, seq, r)``."""
+    if layout not in ROPE_LAYOUTS:
+        raise ValueError(f"unknown rotary layout {layout!r}; choose one of {', '.join(ROPE_LAYOUTS)}")
+    if layout == "half_per_pair":
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        if cos.shape[-1] > x.shape[-1]:
+            return torch.full_like(x, float("nan"))  # no such rotation of this width: matches nothing
+    r = cos.shape[-1]
+    if layout == "interleaved_from_half":
+        cos = cos[..., : r // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : r // 2].repeat_interleave(2, dim=-1)
+    head, rest = x[..., :r], x[..., r:]
+    if layout in ("half", "half_per_pair"):
+        return torch.cat((rope_reference(head, cos, sin), rest), dim=-1)
+    pairs = head.unflatten(-1, (r // 2, 2))
+    rot = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return torch.cat((head * cos[:, None] + rot * sin[:, None], rest), dim=-1)
+
+
 def allowed_reference(
     q_len: int, kv_len: int, *, causal: bool, sliding_window: int | None = None, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -70,8 +101,10 @@ def attention_reference(
     causal: bool = True,
     mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``softmax(mask(c * tanh(scaling * q k^T / c))) v``; rows with no allowed key give zeros.
+    """``softmax(mask(c * tanh(scaling * q k^T / c))) v``; rows with no allowed key give zeros. ``sinks``
+    ``(heads,)``: one more logit per row (uncapped, attending to nothing) in each head's softmax, as gpt-oss's.
     Returns ``(batch, heads, q_len, head_dim)``."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
@@ -82,7 +115,11 @@ def attention_reference(
     ok = allowed_reference(q.shape[2], k.shape[2], causal=causal, sliding_window=sliding_window, mask=mask)
     ok = ok.to(q.device)
     s = s.masked_fill(~ok, float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    if sinks is not None:
+        column = sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
     p = torch.where(ok, p, torch.zeros((), dtype=p.dtype, device=p.device))  # fully masked rows: 0, not NaN
     p = torch.nan_to_num(p, nan=0.0)
     return p @ v
@@ -115,20 +152,31 @@ def attention_layer_reference(
     sliding_window=None,
     eps=1e-6,
     p=2.0,
+    rope_layout="half",
+    sinks=None,
+    q_whole=None,
+    k_whole=None,
 ):
     """One patched attention layer from the formulas, on hidden states ``x`` of shape ``(batch, seq, hidden)``.
 
     ``w*`` are ``(out, in)`` matrices as in ``nn.Linear``. ``q_norm``/``k_norm``/``v_norm`` are dicts with the norm's
     ``weight``/``bias`` (or ``None`` for no norm on that input). Order: project -> split heads -> norm -> RoPE ->
     attention (cap, mask, softmax) -> merge heads -> output projection.
+
+    The model's own parts, where it has them: ``q_whole``/``k_whole`` (dicts ``kind``, ``weight``, ``bias``,
+    ``eps``) normalise the whole projection before the heads are split (OLMo 2); ``rope_layout`` and a ``cos``
+    narrower than ``head_dim`` (:func:`rope_layout_reference`); ``sinks`` (:func:`attention_reference`).
+    ``cos=None``: no rotation (NoPE).
     """
     b, t, _ = x.shape
 
-    def proj(w, bias, n):
+    def proj(w, bias, n, whole=None):
         y = x @ w.T + (bias if bias is not None else 0)
+        if whole is not None:
+            y = norm_reference(y, whole["kind"], whole.get("weight"), whole.get("bias"), eps=whole["eps"])
         return y.view(b, t, n, head_dim)
 
-    q, k, v = proj(wq, bq, heads), proj(wk, bk, kv_heads), proj(wv, bv, kv_heads)
+    q, k, v = proj(wq, bq, heads, q_whole), proj(wk, bk, kv_heads, k_whole), proj(wv, bv, kv_heads)
     for name, norm_params in (("q", q_norm), ("k", k_norm), ("v", v_norm)):
         if norm_params is None:
             continue
@@ -142,9 +190,17 @@ def attention_layer_reference(
             v = t_
     q, k, v = (a.transpose(1, 2) for a in (q, k, v))
     if cos is not None:
-        q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+        q, k = rope_layout_reference(q, cos, sin, rope_layout), rope_layout_reference(k, cos, sin, rope_layout)
     o = attention_reference(
-        q, k, v, scaling=scaling, softcap=softcap, causal=causal, mask=mask, sliding_window=sliding_window
+        q,
+        k,
+        v,
+        scaling=scaling,
+        softcap=softcap,
+        causal=causal,
+        mask=mask,
+        sliding_window=sliding_window,
+        sinks=sinks,
     )
     o = o.transpose(1, 2).reshape(b, t, heads * head_dim)
     return o @ wo.T + (bo if bo is not None else 0)

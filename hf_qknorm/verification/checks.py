@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ..reference import allowed_reference, attention_layer_reference, norm_reference, rope_reference
+from ..reference import allowed_reference, attention_layer_reference, norm_reference, rope_layout_reference
 from .layers import LayerSpec, ReferenceModel
 from .report import APPLIED, DROPPED, REMOVED, UNCLEAR, UNEXERCISED, Check, VerifyReport
 
@@ -102,11 +102,16 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
     into the query projection when the layer has no query norm."""
     w = dict(spec.weights)
     norms = {r: (None if "norms" in drop else getattr(spec, f"{r}_norm")) for r in ("q", "k", "v")}
+    q_whole = spec.q_whole
     if q_gain != 1.0:
-        if norms["q"] is not None:
-            qn = norms["q"]
+        if norms["q"] is not None or q_whole is not None:  # the gain multiplies the last norm's output
+            qn = norms["q"] if norms["q"] is not None else q_whole
             weight = qn["weight"] if qn["weight"] is not None else torch.ones((), dtype=torch.float64)
-            norms["q"] = {"weight": q_gain * weight, "bias": None if qn["bias"] is None else q_gain * qn["bias"]}
+            scaled = {**qn, "weight": q_gain * weight, "bias": None if qn["bias"] is None else q_gain * qn["bias"]}
+            if norms["q"] is not None:
+                norms["q"] = scaled
+            else:
+                q_whole = scaled
         else:
             w["wq"] = q_gain * w["wq"]
             w["bq"] = None if w["bq"] is None else q_gain * w["bq"]
@@ -123,13 +128,17 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
         q_norm=norms["q"],
         k_norm=norms["k"],
         v_norm=norms["v"],
-        cos=cos,
-        sin=sin,
+        cos=cos if spec.rotates else None,
+        sin=sin if spec.rotates else None,
         causal="causal" not in drop,
         mask=mask,
         sliding_window=None if "window" in drop else spec.window,
         eps=spec.eps,
         p=spec.p,
+        rope_layout=spec.rope_layout,
+        sinks=spec.sinks,
+        q_whole=q_whole,
+        k_whole=spec.k_whole,
     )
 
 
@@ -171,11 +180,15 @@ def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0) -> 
 
     def heads(role: str, n: int, gain: float = 1.0):
         w, bias, norm = spec.weights[f"w{role}"], spec.weights[f"b{role}"], getattr(spec, f"{role}_norm")
-        y = (x @ w.T + (0 if bias is None else bias)).view(b, t, n, spec.head_dim)
+        y = x @ w.T + (0 if bias is None else bias)
+        whole = getattr(spec, f"{role}_whole")
+        if whole is not None:
+            y = norm_reference(y, whole["kind"], whole["weight"], whole["bias"], eps=whole["eps"])
+        y = y.view(b, t, n, spec.head_dim)
         if norm is not None:
             y = norm_reference(y, spec.norm or "rmsnorm", norm["weight"], norm["bias"], eps=spec.eps, p=spec.p)
         y = (gain * y).transpose(1, 2)  # the stress gain multiplies the final pre-RoPE query
-        return y if cos is None else rope_reference(y, cos, sin)
+        return y if cos is None or not spec.rotates else rope_layout_reference(y, cos, sin, spec.rope_layout)
 
     q, k = heads("q", spec.heads, q_gain), heads("k", spec.kv_heads)
     s = spec.scaling * (q @ k.repeat_interleave(spec.heads // spec.kv_heads, dim=1).transpose(-1, -2))
@@ -224,7 +237,8 @@ def check_prenorm(spec: LayerSpec, rec: dict, tol: float) -> Check:
     if pn is None:
         ref, other = block, norm_reference(block, "rmsnorm", eps=spec.eps)
     else:
-        ref, other = norm_reference(block, pn["kind"], pn["weight"], pn["bias"], eps=pn["eps"]), block
+        with torch.no_grad():
+            ref, other = _f64(pn(block)), block
     e = relative_error(got, ref, rows)
     status = mechanism_status(e, relative_error(got, other, rows, ref), relative_error(other, ref, rows), tol)
     return Check(
@@ -248,11 +262,12 @@ def build_report(
     expected = {"causal", "padding", "prenorm"}
     for i in range(len(ref)):
         spec = ref.spec(i)
+        _settle_rope(ref, spec, probes)
         expected |= applicable(spec, torch.zeros(1, 1, dtype=torch.bool))
         for name, probe in probes.items():
             if "error" not in probe:
                 checks.append(check_layer(spec, name, probe["layers"][i], probe["mask"], tol, widen))
-        if i in captured["prenorm"]:
+        if i in captured["prenorm"] and spec.has_prenorm:
             checks.append(check_prenorm(spec, captured["prenorm"][i], tol))
         for name, amplified in captured.get("amplified", {}).items():
             rec = amplified["layers"].get(i)
@@ -297,6 +312,16 @@ def build_report(
         required=required,
         source=source,
     )
+
+
+def _settle_rope(ref: ReferenceModel, spec: LayerSpec, probes: dict) -> None:
+    """Settle the layer's rotation from the first probe that recorded one (see :meth:`ReferenceModel.settle_rope`)."""
+    for probe in probes.values():
+        rec = probe.get("layers", [None] * (spec.index + 1))[spec.index] if "error" not in probe else None
+        if rec is not None and rec.get("cos") is not None:
+            ref.settle_rope(spec, _f64(rec["cos"]), _f64(rec["sin"]))
+            if ref._rope.get(spec.index):
+                return
 
 
 def _scheme(ref: ReferenceModel) -> str:

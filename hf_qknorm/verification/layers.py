@@ -1,24 +1,27 @@
 """What the reference needs to know about each attention layer, read from a model: effective float64 weights, norms,
-scaling, cap, window and pre-norm -- and the probe plan that names the modules to watch.
+scaling, cap, sinks, window, rotation and pre-norm -- and the probe plan that names the modules to watch.
 
-Everything here comes from the weights and the config, never from what the attention code computes: the scheme
-from ``config.qknorm``, the logit scale from the formulas (``head_dim ** -0.5``; ``1`` for ``l2``/``lp``, whose
-query norm carries the learnable scale; GPT-2's layer-index scaling from its config), the window from the config.
-Weights are those a forward would use: ``transformers.Conv1D`` transposed to ``(out, in)``, GPT-2's fused ``c_attn``
-split in thirds, and ``peft`` LoRA layers as ``base + sum of active unmerged deltas`` (``get_delta_weight``).
+Everything here comes from the weights, the structure and the config (:mod:`.derive`), never from what the attention
+code under test computes: the scheme from ``config.qknorm``, the logit scale from the formulas (``1`` for
+``l2``/``lp``, whose query norm carries the learnable scale), the cap (the scheme's, else the model's own), the
+window from the config. Weights are those a forward would use: ``transformers.Conv1D`` transposed to ``(out, in)``,
+a fused q/k/v projection split by its layout, and ``peft`` LoRA layers as ``base + sum of active unmerged deltas``
+(``get_delta_weight``).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..modeling.patch import qknorm_config
-from ..portable.families import SPELLED_OUT_TYPES, Family, UnsupportedModelError, family_of_model
+from ..portable.families import Family, UnsupportedModelError, family_of_model, head_dim_of, heads_of
 from ..portable.layout import find_layers, unwrap
 from ..portable.schemes import QKNormConfig
+from . import derive
 from .probe import probe_tokens
 
 
@@ -29,8 +32,10 @@ class LayerSpec:
     ``wq`` ``(heads * head_dim, hidden)``, ``wk``/``wv`` ``(kv_heads * head_dim, hidden)``, ``wo``
     ``(hidden, heads * head_dim)``; biases ``(out,)`` or ``None``. ``q_norm``/``k_norm``/``v_norm``: dicts with
     ``weight``/``bias`` (``(head_dim,)``, ``(1,)`` for the lp logit scale, or ``None``), or ``None`` for no norm.
-    ``prenorm``: the block's pre-attention norm (``kind``, ``weight``, ``bias``, ``eps``), or ``None`` when the
-    scheme removes it (``qkv_norm``)."""
+    ``prenorm``: a float64 copy of the block's pre-attention norm module (Transformers' own), or ``None`` when the
+    scheme removes it (``qkv_norm``) or the block has none (``has_prenorm`` False). ``q_whole``/``k_whole``: the
+    model's own norms over the whole projection (:func:`.derive.own_norm`). ``sinks`` ``(heads,)`` or ``None``.
+    ``rotates``/``rope_layout``: settled from the first recorded rotation (:meth:`ReferenceModel.settle_rope`)."""
 
     index: int
     weights: dict
@@ -46,7 +51,13 @@ class LayerSpec:
     k_norm: dict | None
     v_norm: dict | None
     window: int | None
-    prenorm: dict | None = field(default=None)
+    prenorm: nn.Module | None = field(default=None)
+    has_prenorm: bool = True
+    q_whole: dict | None = None
+    k_whole: dict | None = None
+    sinks: torch.Tensor | None = None
+    rotates: bool = True
+    rope_layout: str = "half"
 
     @property
     def has_norms(self) -> bool:
@@ -62,34 +73,39 @@ class ReferenceModel:
         self.inner = unwrap(model)
         self.config = self.inner.config
         self.family: Family = family_of_model(self.inner)
-        if self.family.model_type not in SPELLED_OUT_TYPES:
-            raise UnsupportedModelError(
-                f"verify recomputes attention in float64 for model types {', '.join(SPELLED_OUT_TYPES)}; model type "
-                f"{self.family.model_type!r} was checked when it was patched (the patch-time self-check)"
-            )
         self.scheme: QKNormConfig | None = qknorm_config(self.inner)
         self.blocks = find_layers(self.inner, self.family)
         self.attns = [getattr(b, self.family.attention) for b in self.blocks]
         self._names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self._rope: dict[int, tuple[bool, str]] = {}
+        for i, attn in enumerate(self.attns):  # refused before any probe runs when a part cannot be derived
+            parts = derive.unmodelled_parts(attn, self.family)
+            if parts:
+                raise UnsupportedModelError(
+                    f"model type {self.family.model_type!r}: verify's float64 reference does not model "
+                    f"{', '.join(parts)} of {derive.own_class(attn).__name__} (checked when it was patched, by the "
+                    "self-check)"
+                )
+            self.scaling(i, self.head_counts(attn)[2])
 
     def __len__(self) -> int:
         return len(self.attns)
 
     # ---------------------------------------------------------------------------------------------------------------
     def head_counts(self, attn) -> tuple[int, int, int]:
-        heads = int(self.config.num_attention_heads)
-        kv = int(getattr(self.config, "num_key_value_heads", None) or heads)
-        return heads, kv, int(attn.head_dim)
+        heads, kv = heads_of(attn, self.config)
+        return heads, kv, head_dim_of(attn, self.config)
 
     def scaling(self, index: int, head_dim: int) -> float:
         if self.scheme is not None and self.scheme.learned_logit_scale:
             return 1.0  # the query norm's learnable scale replaces 1/sqrt(head_dim)
-        if self.family.model_type == "gpt2":
-            s = head_dim**-0.5 if getattr(self.config, "scale_attn_weights", True) else 1.0
-            if getattr(self.config, "scale_attn_by_inverse_layer_idx", False):
-                s /= float(index + 1)
-            return s
-        return head_dim**-0.5
+        return derive.base_scaling(self.config, self.family, self.attns[index], index, head_dim)
+
+    def cap(self) -> float | None:
+        """The cap the attention applies: the scheme's, which replaces the model's own (Gemma 2's)."""
+        if self.scheme is not None and self.scheme.caps:
+            return self.scheme.softcap
+        return derive.native_cap(self.config)
 
     def window(self, index: int) -> int | None:
         types = getattr(self.config, "layer_types", None)
@@ -97,37 +113,61 @@ class ReferenceModel:
             return self.config.sliding_window if types[index] == "sliding_attention" else None
         return getattr(self.config, "sliding_window", None)
 
-    def norm_settings(self) -> tuple[str | None, bool, float, float]:
-        """``(kind, on values, eps, p)`` of the q/k(/v) norms of the scheme, or of Qwen3's own q/k RMSNorm."""
-        s = self.scheme
+    def settle_rope(self, spec: LayerSpec, cos, sin) -> None:
+        """Set ``spec.rotates`` and ``spec.rope_layout`` from a recorded rotation (:mod:`.derive`), once per layer."""
+        known = self._rope.get(spec.index)
+        if known is None:
+            attn = self.attns[spec.index]
+            layout = derive.rope_layout(attn, self.family.model_type, cos, sin, spec.head_dim)
+            known = (derive.rotates(attn, self.config, spec.index, _probe_x(spec, cos), cos, sin), layout)
+            if layout is not None:
+                self._rope[spec.index] = known
+        spec.rotates, spec.rope_layout = known[0], known[1] or "half"
+
+    def _norms(self, attn, index: int) -> tuple[dict, str | None, float, float]:
+        """Per role the per-head norm's ``weight``/``bias`` (or ``None``), and the ``(kind, eps, p)`` they share:
+        the scheme's norms, else the model's own per-head q/k norms (Qwen3's; Gemma 3's ``1 + w``)."""
+        s, f = self.scheme, self.family
         if s is not None and s.norms_qk:
-            return s.norm, s.norms_v, float(s.eps), float(s.p or 2.0)
-        if self.family.native_qk_norm:
-            return "rmsnorm", False, float(self.family.norm_eps(self.config)), 2.0
-        return None, False, 1e-6, 2.0
+            norms = {}
+            for role in ("q", "k", "v"):
+                if role == "v" and not s.norms_v:
+                    norms[role] = None
+                    continue
+                module = getattr(attn, f.norm_slot(role), None)
+                if module is None:
+                    raise ValueError(
+                        f"layer {index}: the scheme has a {role} norm but the attention module has no "
+                        f"{f.norm_slot(role)}"
+                    )
+                norms[role] = _norm_params(module)
+            return norms, s.norm, float(s.eps), float(s.p or 2.0)
+        if not f.native:
+            return {"q": None, "k": None, "v": None}, None, 1e-6, 2.0
+        own = {r: derive.own_norm(_active_module(getattr(attn, n)), f"the {r} norm .{n}") for r, n in f.native.items()}
+        first = next(iter(own.values()))
+        if any((o["kind"], o["eps"]) != (first["kind"], first["eps"]) for o in own.values()):
+            raise UnsupportedModelError(f"model type {f.model_type!r}: its q and k norms differ in kind or epsilon")
+        norms = {r: ({"weight": own[r]["weight"], "bias": own[r]["bias"]} if r in own else None) for r in "qkv"}
+        return norms, first["kind"], first["eps"], 2.0
 
     # ---------------------------------------------------------------------------------------------------------------
     def spec(self, index: int) -> LayerSpec:
         attn, block = self.attns[index], self.blocks[index]
         heads, kv, head_dim = self.head_counts(attn)
-        kind, on_v, eps, p = self.norm_settings()
-        norms = {}
-        for role in ("q", "k", "v"):
-            wanted = kind is not None and (role != "v" or on_v)
-            module = getattr(attn, f"{role}_norm", None) if wanted else None
-            if wanted and module is None:
-                raise ValueError(
-                    f"layer {index}: the scheme has a {role} norm but the attention module has no {role}_norm"
-                )
-            norms[role] = _norm_params(module) if wanted else None
-        return LayerSpec(
+        norms, kind, eps, p = self._norms(attn, index)
+        whole = {
+            r: derive.own_norm(_active_module(getattr(attn, n)), f"the {r} norm .{n}")
+            for r, n in self.family.kept.items()
+        }
+        spec = LayerSpec(
             index=index,
-            weights=self._weights(attn),
+            weights=self._weights(attn, heads, kv, head_dim),
             heads=heads,
             kv_heads=kv,
             head_dim=head_dim,
             scaling=self.scaling(index, head_dim),
-            softcap=self.scheme.softcap if self.scheme else None,
+            softcap=self.cap(),
             norm=kind,
             eps=eps,
             p=p,
@@ -136,19 +176,20 @@ class ReferenceModel:
             v_norm=norms["v"],
             window=self.window(index),
             prenorm=self._prenorm(block),
+            has_prenorm=self.family.prenorm is not None,
+            q_whole=whole.get("q"),
+            k_whole=whole.get("k"),
+            sinks=derive.sinks_of(attn),
         )
+        if index in self._rope:
+            spec.rotates, spec.rope_layout = self._rope[index][0], self._rope[index][1]
+        return spec
 
-    def _weights(self, attn) -> dict:
+    def _weights(self, attn, heads: int, kv: int, head_dim: int) -> dict:
         f = self.family
         if f.fused_qkv:
             w, b = _effective(getattr(attn, f.qkv_proj), f.conv1d)
-            e = w.shape[0] // 3
-            out = {"wq": w[:e], "wk": w[e : 2 * e], "wv": w[2 * e :]}
-            out.update(
-                {"bq": None, "bk": None, "bv": None}
-                if b is None
-                else {"bq": b[:e], "bk": b[e : 2 * e], "bv": b[2 * e :]}
-            )
+            out = derive.split_fused(w, b, heads, kv, head_dim, f.fused_layout, f.model_type)
         else:
             out = {}
             for role, name in f.projections.items():
@@ -156,12 +197,13 @@ class ReferenceModel:
         out["wo"], out["bo"] = _effective(getattr(attn, f.out_proj), f.conv1d)
         return out
 
-    def _prenorm(self, block) -> dict | None:
-        if self.scheme is not None and self.scheme.removes_prenorm:
+    def _prenorm(self, block) -> nn.Module | None:
+        """A float64 copy of the block's pre-attention norm: Transformers' own module (not the code under test; a
+        norm outside attention, e.g. Gemma's ``1 + w``), run on the recorded block input."""
+        if (self.scheme is not None and self.scheme.removes_prenorm) or self.family.prenorm is None:
             return None  # qkv_norm: the attention reads the residual stream itself
-        module = getattr(block, self.family.prenorm)
-        kind = "layernorm" if isinstance(module, nn.LayerNorm) else "rmsnorm"
-        return {"kind": kind, "eps": float(self.family.norm_eps(self.config)), **_norm_params(module)}
+        module = _active_module(getattr(block, self.family.prenorm))
+        return copy.deepcopy(module).to(device="cpu", dtype=torch.float64).eval()
 
     # ---------------------------------------------------------------------------------------------------------------
     def name(self, module: nn.Module) -> str:
@@ -184,7 +226,7 @@ class ReferenceModel:
                     "k": self._producer(attn, "k"),
                     "head_dim": head_dim,
                     "scaling": self.scaling(i, head_dim),
-                    "cap": self.scheme.softcap if self.scheme else None,
+                    "cap": self.cap(),
                 }
             )
         gen = getattr(self.inner, "generation_config", None)
@@ -197,15 +239,26 @@ class ReferenceModel:
         }
 
     def _producer(self, attn, role: str) -> list:
-        """``[module name, part, parts]`` of the module whose output is the final pre-RoPE ``role`` vector: the
-        norm when the layer has one, else the projection (a third of GPT-2's fused ``c_attn``)."""
-        norm = getattr(attn, f"{role}_norm", None)
-        if isinstance(norm, nn.Module):
-            return [self.name(norm), 0, 1]
+        """``[module name, spans]`` of the module whose output is the final pre-RoPE ``role`` vector: the scheme's
+        or the model's own per-head norm, else its whole-projection norm, else the projection; ``spans``: the
+        ``[start, stop)`` channel ranges of ``role`` in a fused projection's output, ``None`` for the whole output."""
         f = self.family
+        per_head = f.norm_slot(role) if self.scheme is not None and self.scheme.norms_qk else f.native.get(role)
+        for name in (per_head, f.kept.get(role)):
+            module = getattr(attn, name, None) if name else None
+            if isinstance(module, nn.Module):
+                return [self.name(module), None]
         if f.fused_qkv:
-            return [self.name(getattr(attn, f.qkv_proj)), "qkv".index(role), 3]
-        return [self.name(getattr(attn, f.projections[role])), 0, 1]
+            heads, kv, head_dim = self.head_counts(attn)
+            spans = derive.fused_spans(role, heads, kv, head_dim, f.fused_layout)
+            return [self.name(getattr(attn, f.qkv_proj)), spans]
+        return [self.name(getattr(attn, f.projections[role])), None]
+
+
+def _probe_x(spec: LayerSpec, cos) -> torch.Tensor:
+    """Random hidden states ``(1, seq, hidden)`` for the NoPE probe of :func:`.derive.rotates`."""
+    hidden = spec.weights["wq"].shape[1]
+    return torch.randn(1, cos.shape[1], hidden, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
 
 
 # -------------------------------------------------------------------------------------------------------------------

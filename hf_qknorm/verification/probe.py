@@ -160,20 +160,20 @@ def _module(modules: dict, name: str):
     return modules[name]
 
 
-def _part(output, part, parts):
-    """The ``part``-th of ``parts`` equal slices of the last dim (GPT-2's fused q|k|v), or the whole output."""
+def _part(output, spans):
+    """The channels of ``spans`` (``[start, stop)`` ranges of the last dim: one role of a fused q/k/v projection)
+    joined, or the whole output when ``spans`` is ``None``."""
     out = _first(output)
-    if parts == 1:
+    if spans is None:
         return out
-    size = out.shape[-1] // parts
-    return out[..., part * size : (part + 1) * size]
+    return torch.cat([out[..., a:b] for a, b in spans], dim=-1)
 
 
-def _norm_hook(store: list, part: int, parts: int, head_dim: int):
+def _norm_hook(store: list, spans, head_dim: int):
     """Record the largest per-head vector norm of a query (or key) producing module's output."""
 
     def hook(module, args, output):
-        t = _part(output, part, parts).detach().float()
+        t = _part(output, spans).detach().float()
         store.append(float(t.reshape(-1, head_dim).norm(dim=-1).max()))
 
     return hook
@@ -182,25 +182,24 @@ def _norm_hook(store: list, part: int, parts: int, head_dim: int):
 def _watch_q_k(modules: dict, layer: dict, store: dict) -> list:
     """Hooks recording the largest query and key norms of one layer into ``store["q"]``/``store["k"]``."""
     return [
-        _module(modules, layer[r][0]).register_forward_hook(
-            _norm_hook(store[r], layer[r][1], layer[r][2], layer["head_dim"])
-        )
+        _module(modules, layer[r][0]).register_forward_hook(_norm_hook(store[r], layer[r][1], layer["head_dim"]))
         for r in ("q", "k")
     ]
 
 
-def _gain_hook(alpha: float, part: int, parts: int):
-    """Multiply the query part of the output by ``alpha`` (a new tensor: the module's own output is not changed)."""
+def _gain_hook(alpha: float, spans):
+    """Multiply the query channels (``spans``, or the whole output) by ``alpha`` (a new tensor: the module's own
+    output is not changed)."""
 
     def hook(module, args, output):
         out = _first(output)
-        if parts == 1:
+        if spans is None:
             scaled = out * alpha
         else:
-            size = out.shape[-1] // parts
-            pieces = list(out.split(size, dim=-1))
-            pieces[part] = pieces[part] * alpha
-            scaled = torch.cat(pieces, dim=-1)
+            gain = torch.ones(out.shape[-1], dtype=out.dtype, device=out.device)
+            for a, b in spans:
+                gain[a:b] = alpha
+            scaled = out * gain
         return (scaled, *output[1:]) if isinstance(output, tuple) else scaled
 
     return hook
@@ -392,8 +391,8 @@ def _stress(plan, recorder, modules, norms, result):
         )
         bound = layer["scaling"] * q * k
         alpha = STRESS_TARGET * cap / bound if bound > 0 and math.isfinite(bound) else 1.0
-        mod, part, parts = layer["q"]
-        handle = _module(modules, mod).register_forward_hook(_gain_hook(alpha, part, parts))
+        mod, spans = layer["q"]
+        handle = _module(modules, mod).register_forward_hook(_gain_hook(alpha, spans))
         attn = recorder.attns[i]
         saved = _upcast_module(attn)
         recorder.start()

@@ -1,0 +1,226 @@
+"""The facts of a model's attention that the float64 reference needs beyond its weights, derived from the structure
+and the config -- never from the instance under test (its hooks, its norms, its attention backend).
+
+- the logit scale: ``query_pre_attn_scalar ** -0.5`` (Gemma 2/3), ``attention_multiplier`` (Granite), GPT-2's
+  settings, else ``head_dim ** -0.5``; a type whose attention module was built with another scale is refused;
+- the model's own cap (``attn_logit_softcapping``), which a scheme's cap replaces;
+- the attention sinks (gpt-oss's per-head ``sinks``);
+- the model's own q/k norms (per head, or over the whole projection as OLMo 2's): their normalisation (RMS or
+  mean-and-variance), gain (``1 + w`` for Gemma's), bias and epsilon, read by a probe as the converter reads them
+  (:func:`hf_qknorm.portable.fold.affine_form`);
+- a fused projection's rows for q, k and v (``[q | k | v]``, or per head ``[q_h k_h v_h]``);
+- the rotary layout: the modelling file's own ``apply_rotary_pos_emb`` called on probe vectors and matched against
+  the reference's layouts (:data:`hf_qknorm.reference.ROPE_LAYOUTS`; partial rotary is the width of ``cos``);
+- which layers rotate at all (NoPE layers: SmolLM3's, Cohere 2's full-attention layers): a fresh, unpatched
+  float64 instance of the layer's Transformers attention class, run eagerly with the recorded rotation and with none.
+
+What cannot be derived is refused in one line (:class:`~hf_qknorm.portable.families.UnsupportedModelError`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from ..portable.families import PER_HEAD, Family, UnsupportedModelError
+from ..portable.fold import affine_form
+from ..reference import ROPE_LAYOUTS, norm_reference, rope_layout_reference
+
+
+def own_class(module: nn.Module) -> type:
+    """The model's own class of ``module``: the first class of its MRO that hf_qknorm did not make (patching gives a
+    patched attention module or projection a subclass of its own class)."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("hf_qknorm") and not cls.__name__.startswith("QKNorm"):
+            return cls
+    return type(module)
+
+
+def unpatched(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` as its own class, without hooks: the model's own computation on the same
+    parameters (a norm over the whole projection that patching made apply the scheme's norms too)."""
+    clone = copy.copy(module)
+    clone.__class__ = own_class(module)
+    clone._forward_hooks, clone._forward_pre_hooks = OrderedDict(), OrderedDict()
+    return clone
+
+
+def unmodelled_parts(attn: nn.Module, family: Family) -> list[str]:
+    """The children and own parameters of an attention module that the reference does not model (an output gate, a
+    norm before the output projection, learned q/k scales): anything but the projections, the q/k(/v) norms (the
+    model's own and the scheme's), dropout, a rotary embedding and gpt-oss's ``sinks``."""
+    known = {family.qkv_proj, family.q_proj, family.k_proj, family.v_proj, family.out_proj, "sinks"}
+    known |= set(family.native.values()) | set(family.kept.values())
+    known |= {family.norm_slot(r) for r in ("q", "k", "v")}
+    harmless = (nn.Dropout, nn.Identity)
+    parts = [
+        name
+        for name, child in attn.named_children()
+        if name not in known and not isinstance(child, harmless) and "Rotary" not in type(child).__name__
+    ]
+    return parts + [name for name, _ in attn.named_parameters(recurse=False) if name not in known]
+
+
+def base_scaling(config, family: Family, attn, index: int, head_dim: int) -> float:
+    """The logit scale of layer ``index`` before any scheme, from the config; refused when the attention module was
+    built with another one (a rule the reference does not know)."""
+    if family.model_type == "gpt2":
+        s = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+            s /= float(index + 1)
+        return s
+    if isinstance(getattr(config, "query_pre_attn_scalar", None), (int, float)):
+        s = float(config.query_pre_attn_scalar) ** -0.5
+    elif isinstance(getattr(config, "attention_multiplier", None), (int, float)):
+        s = float(config.attention_multiplier)
+    else:
+        s = head_dim**-0.5
+    built = getattr(attn, "scaling", None)
+    if isinstance(built, (int, float)) and not math.isclose(float(built), s, rel_tol=1e-9) and float(built) != 1.0:
+        raise UnsupportedModelError(
+            f"model type {family.model_type!r}: verify cannot derive the logit scale of {type(attn).__name__} from "
+            f"its config (the module uses {float(built):g}, the config gives {s:g})"
+        )
+    return s
+
+
+def native_cap(config) -> float | None:
+    """The model's own logit cap (Gemma 2's ``attn_logit_softcapping``), or ``None``."""
+    cap = getattr(config, "attn_logit_softcapping", None)
+    return float(cap) if isinstance(cap, (int, float)) and cap > 0 else None
+
+
+def sinks_of(attn) -> torch.Tensor | None:
+    """gpt-oss's per-head attention-sink logits ``(heads,)`` in float64, or ``None``."""
+    sinks = getattr(attn, "sinks", None)
+    if isinstance(sinks, torch.Tensor) and sinks.dim() == 1:
+        return sinks.detach().to(device="cpu", dtype=torch.float64)
+    return None
+
+
+def own_norm(module: nn.Module, what: str) -> dict:
+    """A model's own q/k norm as the reference computes it: ``kind`` (``rmsnorm``/``layernorm``), ``weight`` (the
+    gain, ``1 + w`` for Gemma's), ``bias`` and ``eps``, all float64; refused when it is not ``gain * n(x) + bias``."""
+    eps = next(
+        (float(v) for v in (getattr(module, a, None) for a in ("eps", "variance_epsilon")) if v is not None), None
+    )
+    module = unpatched(module)
+    try:
+        gain, bias = affine_form(module)
+    except ValueError:
+        gain = None
+    if gain is None or eps is None:
+        raise UnsupportedModelError(f"verify cannot model {what} ({type(module).__name__}): not gain * n(x) + bias")
+    gain, bias = _f64(gain), _f64(bias)
+    x = torch.randn(16, gain.shape[-1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref = next(iter(module.parameters()))
+    y = module(x.to(device=ref.device, dtype=ref.dtype)).to(device="cpu", dtype=torch.float64)
+    tol = 2e-2 if ref.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    for kind in ("rmsnorm", "layernorm"):
+        if (norm_reference(x, kind, gain, bias, eps=eps) - y).abs().max() <= tol * y.abs().max():
+            return {"kind": kind, "weight": gain, "bias": bias, "eps": eps}
+    raise UnsupportedModelError(f"verify cannot model {what} ({type(module).__name__}): its epsilon is not {eps:g}")
+
+
+def split_fused(w, b, heads: int, kv: int, head_dim: int, layout: str | None, model_type: str) -> dict:
+    """``wq``/``wk``/``wv`` and ``bq``/``bk``/``bv`` of a fused projection's ``(out, in)`` weight and bias."""
+    sizes = (heads * head_dim, kv * head_dim, kv * head_dim)
+    if w.shape[0] != sum(sizes):
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: the fused q/k/v projection has {w.shape[0]} outputs, not "
+            f"{heads} + 2 x {kv} heads of {head_dim}"
+        )
+    if layout == PER_HEAD:
+        if heads != kv:
+            raise UnsupportedModelError(f"model type {model_type!r}: a per-head fused q/k/v layout with GQA")
+
+        def parts(t):
+            return None if t is None else list(t.reshape(heads, 3, head_dim, *t.shape[1:]).unbind(1))
+
+        ws, bs = parts(w), parts(b)
+        ws = [p.reshape(heads * head_dim, *w.shape[1:]) for p in ws]
+        bs = None if bs is None else [p.reshape(heads * head_dim) for p in bs]
+    else:
+        ws = list(w.split(sizes, dim=0))
+        bs = None if b is None else list(b.split(sizes, dim=0))
+    out = {f"w{r}": ws[i] for i, r in enumerate("qkv")}
+    out.update({f"b{r}": (None if bs is None else bs[i]) for i, r in enumerate("qkv")})
+    return out
+
+
+def fused_spans(role: str, heads: int, kv: int, head_dim: int, layout: str | None) -> list[list[int]]:
+    """The ``[start, stop)`` spans of a fused projection's output that hold ``role``'s heads."""
+    if layout == PER_HEAD:
+        i = "qkv".index(role)
+        return [[(3 * h + i) * head_dim, (3 * h + i + 1) * head_dim] for h in range(heads)]
+    start = {"q": 0, "k": heads * head_dim, "v": (heads + kv) * head_dim}[role]
+    return [[start, start + (heads if role == "q" else kv) * head_dim]]
+
+
+def rope_layout(attn, model_type: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> str | None:
+    """The rotary layout in which the modelling file of ``attn``'s class applies the recorded ``cos``/``sin``
+    ``(batch, seq, r)``: its ``apply_rotary_pos_emb`` called on probe vectors (on the first ``r`` channels when it
+    takes only those: partial rotary split by the caller) and matched against :data:`ROPE_LAYOUTS`. ``None`` when
+    several match (positions at which the layouts agree); refused when it has none or none matches."""
+    home = own_class(attn).__module__
+    apply = getattr(sys.modules.get(home), "apply_rotary_pos_emb", None)
+    where = f"model type {model_type!r}: verify cannot read the rotary layout"
+    if apply is None:
+        raise UnsupportedModelError(f"{where} ({home} has no apply_rotary_pos_emb)")
+    if cos.dim() != 3 or cos.shape[-1] > head_dim:
+        raise UnsupportedModelError(f"{where} (position embeddings of shape {tuple(cos.shape)}, e.g. M-RoPE)")
+    c, s = cos[:1].to(torch.float64), sin[:1].to(torch.float64)
+    r = c.shape[-1]
+    q = torch.randn(1, 2, c.shape[1], head_dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    try:
+        got = apply(q, q, c, s)[0]
+    except Exception:  # partial rotary split by the caller: the function takes the rotated channels only
+        try:
+            got = torch.cat([apply(q[..., :r], q[..., :r], c, s)[0], q[..., r:]], dim=-1)
+        except Exception as exc:
+            raise UnsupportedModelError(f"{where} ({type(exc).__name__} from apply_rotary_pos_emb)") from None
+    found = [
+        layout
+        for layout in ROPE_LAYOUTS
+        if got.shape == q.shape and torch.allclose(got, rope_layout_reference(q, c, s, layout), rtol=1e-5, atol=1e-5)
+    ]
+    if not found:
+        raise UnsupportedModelError(
+            f"{where} (apply_rotary_pos_emb of {home} matches none of {', '.join(ROPE_LAYOUTS)})"
+        )
+    return found[0] if len(found) == 1 else None
+
+
+def rotates(attn, config, index: int, x, cos, sin) -> bool:
+    """Whether layer ``index`` rotates q and k with the recorded ``cos``/``sin``: a fresh float64 instance of its
+    Transformers attention class (unpatched, eager) run with that rotation and with none (NoPE layers differ)."""
+    cfg = copy.deepcopy(config)
+    try:
+        cfg._attn_implementation = "eager"
+    except Exception:  # a config that guards the attribute: set the stored value
+        cfg._attn_implementation_internal = "eager"
+    try:
+        torch.manual_seed(index)
+        fresh = own_class(attn)(cfg, layer_idx=index).to(torch.float64).eval()
+        x = x[:1, :4].to(torch.float64)
+        cos, sin = cos[:1, :4].to(torch.float64), sin[:1, :4].to(torch.float64)
+        with torch.no_grad():
+            out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
+            flat = fresh(
+                hidden_states=x, position_embeddings=(torch.ones_like(cos), torch.zeros_like(sin)), attention_mask=None
+            )[0]
+    except Exception as exc:
+        raise UnsupportedModelError(
+            f"verify cannot tell whether layer {index} of {type(attn).__name__} rotates q and k: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
+    return not torch.allclose(out, flat, rtol=1e-9, atol=1e-12)
+
+
+def _f64(t):
+    return None if t is None else t.detach().to(device="cpu", dtype=torch.float64)

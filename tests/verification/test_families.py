@@ -1,0 +1,198 @@
+"""``verify``'s float64 reference on every kind of attention the structure describes: Gemma's ``1 + w`` q/k norms,
+sliding windows, ``query_pre_attn_scalar``, Gemma 2's own cap, Granite's multiplier, partial rotary (Phi, GPT-NeoX,
+StableLM, Persimmon), interleaved rotary (Cohere, GLM), gpt-oss's sinks and its per-pair rotary, NoPE layers (SmolLM3,
+Cohere 2), per-head fused q/k/v (GPT-NeoX), OLMo 2's whole-projection norms.
+
+Each correct tiny model verifies, unpatched and patched. The adversaries pair a reference model with a computing
+model that differs in one thing the weights and config do not show -- a norm gain, the cap, the rotation, the
+window -- as a folder loaded without the plugin differs from the one the reference reads; each must FAIL, so the
+reference cannot be the computing model's own arithmetic. What the reference does not model is refused in one line.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_qknorm
+from hf_qknorm.portable.families import UnsupportedModelError, family_of_model
+from hf_qknorm.portable.layout import find_layers
+from hf_qknorm.reference import rope_layout_reference
+from hf_qknorm.verification import checks, derive, layers, probe
+from hf_qknorm.verification.loading import quiet_transformers
+from hf_qknorm.verification.tiny import tiny_model
+
+KINDS = [
+    "gemma3_text",  # 1 + w q/k norms, sliding layers, query_pre_attn_scalar
+    "gemma2",  # its own cap 50, query_pre_attn_scalar
+    "granite",  # attention_multiplier
+    "phi",  # partial rotary, dense out projection
+    "gpt_neox",  # fused query_key_value, per head [q k v], partial rotary
+    "stablelm",
+    "persimmon",  # fused per head, per-head LayerNorm q/k with biases
+    "cohere",  # interleaved rotary
+    "glm",  # interleaved rotary from a half-layout cos, partial
+    "cohere2",  # NoPE full-attention layers, sliding layers
+    "smollm3",  # NoPE layers (no_rope_layers)
+    "gpt_oss",  # sinks, rotary with one angle per pair, sliding layers
+    "olmo2",  # q/k norms over the whole projection, kept under the scheme's per-head norms
+]
+
+
+def _model(model_type, scheme=None, seed=0):
+    """A tiny model of ``model_type`` (patched with ``scheme``/rmsnorm), its 1-d weights moved off their init so
+    that the reference must read them (Gemma's ``1 + w`` gains included)."""
+    with quiet_transformers():
+        model = tiny_model(model_type, seed=seed)
+    if scheme is not None:
+        hf_qknorm.patch_model(model, hf_qknorm.QKNormConfig(scheme, norm="rmsnorm"))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if prm.dim() <= 1 and ("norm" in name or "sinks" in name):
+                prm.add_(0.3 * torch.randn(prm.shape, generator=gen))
+    return model
+
+
+def _judge(reference_model, computing_model):
+    """The report of ``computing_model``'s probes against the reference read from ``reference_model``."""
+    ref = layers.ReferenceModel(reference_model)
+    return checks.build_report(ref, probe.run_probes(computing_model, ref.plan(generate=False)))
+
+
+def _attns(model):
+    family = family_of_model(model)
+    return family, [getattr(b, family.attention) for b in find_layers(model, family)]
+
+
+@pytest.mark.parametrize("scheme", [None, "qk_norm_cap"])
+@pytest.mark.parametrize("model_type", KINDS)
+def test_every_kind_of_attention_verifies(model_type, scheme):
+    report = hf_qknorm.verify(_model(model_type, scheme), generate=False)
+    assert report.ok, str(report)
+    assert report.mechanism("causal") == "applied" and report.mechanism("padding") == "applied"
+    if scheme is not None or model_type == "gemma2":
+        assert report.mechanism("cap") == "applied", str(report)
+    if model_type in ("gemma3_text", "cohere2", "gpt_oss"):
+        assert report.mechanism("window") == "applied", str(report)
+
+
+def test_the_reference_reads_gemmas_gain_as_one_plus_w():
+    model = _model("gemma3_text")
+    _, attns = _attns(model)
+    spec = layers.ReferenceModel(model).spec(0)
+    assert torch.allclose(spec.q_norm["weight"], 1 + attns[0].q_norm.weight.detach().double(), atol=1e-6)
+    assert spec.scaling == model.config.query_pre_attn_scalar**-0.5
+
+
+@pytest.mark.parametrize(
+    "model_type,layout",
+    [("llama", "half"), ("cohere", "interleaved"), ("glm", "interleaved_from_half"), ("gpt_oss", "half_per_pair")],
+)
+def test_rotary_layout_is_read_from_the_modelling_file(model_type, layout):
+    model = _model(model_type)
+    _, attns = _attns(model)
+    x = torch.randn(1, 6, model.config.hidden_size)
+    cos, sin = model.model.rotary_emb(x, torch.arange(6)[None])
+    head_dim = layers.ReferenceModel(model).head_counts(attns[0])[2]
+    assert derive.rope_layout(attns[0], model_type, cos, sin, head_dim) == layout
+
+
+def test_nope_layers_are_read_from_the_attention_class():
+    model = _model("smollm3")
+    ref = layers.ReferenceModel(model)
+    report = checks.build_report(ref, probe.run_probes(model, ref.plan(generate=False)))
+    assert report.ok
+    rotates = [ref.spec(i).rotates for i in range(len(ref))]
+    assert rotates == [bool(v) for v in model.config.no_rope_layers[: len(ref)]]
+
+
+def test_rope_layouts_agree_on_their_common_case():
+    """Partial rotary passes the other channels; the interleaved layouts differ from the half-split one."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 5, 8, generator=gen, dtype=torch.float64)
+    angles = torch.rand(1, 5, 2, generator=gen, dtype=torch.float64)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    half = rope_layout_reference(x, cos, sin, "half")
+    assert torch.equal(half[..., 4:], x[..., 4:])
+    assert torch.allclose(half, rope_layout_reference(x, cos[..., :2], sin[..., :2], "half_per_pair"))
+    assert not torch.allclose(half, rope_layout_reference(x, cos, sin, "interleaved_from_half"))
+    with pytest.raises(ValueError, match="unknown rotary layout 'spiral'; choose one of half"):
+        rope_layout_reference(x, cos, sin, "spiral")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# adversaries: the computing model differs from the reference model in one thing
+# --------------------------------------------------------------------------------------------------------------------
+ADVERSARY_TYPES = ["gemma3_text", "gpt_neox", "cohere", "gpt_oss", "olmo2", "phi"]
+
+
+@pytest.mark.parametrize("model_type", ADVERSARY_TYPES)
+def test_a_perturbed_norm_gain_fails(model_type):
+    model = _model(model_type, "qk_norm_cap")
+    assert _judge(model, copy.deepcopy(model)).ok  # the pair agrees while nothing differs
+    bad = copy.deepcopy(model)
+    family, attns = _attns(bad)
+    with torch.no_grad():
+        getattr(attns[0], family.norm_slot("q")).weight[0] += 0.5
+    report = _judge(model, bad)
+    assert not report.ok and "layer 0" in str(report), str(report)
+
+
+@pytest.mark.parametrize("model_type", [*ADVERSARY_TYPES, "gemma2"])
+def test_a_wrong_cap_fails(model_type):
+    model = _model(model_type, None if model_type == "gemma2" else "qk_norm_cap")
+    bad = copy.deepcopy(model)
+    for attn in _attns(bad)[1]:
+        if model_type == "gemma2":
+            attn.attn_logit_softcapping = 5.0  # the model's own cap, as its forward reads it
+        else:
+            attn.__dict__["_qknorm_softcap"] /= 4  # the cap the "qknorm" backend applies
+    report = _judge(model, bad)
+    assert not report.ok and report.mechanism("cap") != "applied", str(report)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_neox", "cohere", "glm", "gpt_oss", "phi", "smollm3"])
+def test_a_missing_rotation_fails(model_type):
+    model = _model(model_type, "qk_norm_cap")
+    bad = copy.deepcopy(model)
+    for attn in _attns(bad)[1]:  # the forward drops the rotation it is given; the recorder sees the one given
+        forward = attn.forward
+
+        def unrotated(*args, _forward=forward, **kwargs):
+            cos, sin = kwargs["position_embeddings"]
+            kwargs["position_embeddings"] = (torch.ones_like(cos), torch.zeros_like(sin))
+            return _forward(*args, **kwargs)
+
+        attn.forward = unrotated
+    report = _judge(model, bad)
+    assert not report.ok, str(report)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "cohere2", "gpt_oss"])
+def test_a_wrong_window_fails(model_type):
+    model = _model(model_type, "qk_norm_cap")
+    bad = copy.deepcopy(model)
+    bad.config.sliding_window = 2 * model.config.sliding_window
+    for attn in _attns(bad)[1]:
+        if getattr(attn, "sliding_window", None):
+            attn.sliding_window = bad.config.sliding_window
+    report = _judge(model, bad)
+    assert not report.ok and report.mechanism("window") != "applied", str(report)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# refused in one line
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "model_type,part", [("afmoe", "gate_proj"), ("bitnet", "attn_sub_norm"), ("beam", "gate_proj, gate_bias")]
+)
+def test_what_the_reference_does_not_model_is_refused_in_one_line(model_type, part):
+    with quiet_transformers():
+        model = tiny_model(model_type)
+    with pytest.raises(UnsupportedModelError) as err:
+        hf_qknorm.verify(model, generate=False)
+    line = str(err.value)
+    assert "\n" not in line and f"model type {model_type!r}" in line and f"does not model {part} of" in line
