@@ -21,7 +21,6 @@ bend ``s`` noticeably: by 8% at ``s = c / 2``).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .optim import cosine_adam
 from .progress import Stage
 from .stats import CalibrationReport, LayerStats, converted_max_logits
 
@@ -152,31 +152,28 @@ def distill(
             {"params": [p], "lr": settings.lr * max(p.detach().pow(2).mean().sqrt().item(), 1e-2)}
             for p in params.values()
         ]
-        for g in groups:
-            g["base_lr"] = g["lr"]
-        opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
-        kl_start = best = _kl(model, blocks[monitor], teacher[monitor])
-        best_state = {k: p.detach().clone() for k, p in params.items()}
+        kl_start = _kl(model, blocks[monitor], teacher[monitor])
+        best = [kl_start, {k: p.detach().clone() for k, p in params.items()}]  # the monitor KL and its parameters
         model.train(False)  # dropout off: distillation matches the deterministic model
+
+        def loss(step):
+            idx = torch.randint(0, len(blocks), (min(settings.batch_size, len(blocks)),), generator=gen)
+            return _kl(model, blocks[idx], teacher[idx], grad=True)
+
+        def tick(step, _):
+            if (step + 1) % 25 == 0 or step + 1 == settings.steps:
+                current = _kl(model, blocks[monitor], teacher[monitor])
+                if current < best[0]:
+                    best[:] = current, {k: p.detach().clone() for k, p in params.items()}
+                stage.update(0, note=f"monitor KL {current:.4f} (start {kl_start:.4f})")
+            stage.update(1)
+
         with Stage("KL distillation", settings.steps, "steps", progress) as stage:
-            for step in range(settings.steps):
-                for g in opt.param_groups:
-                    g["lr"] = g["base_lr"] * 0.5 * (1 + math.cos(math.pi * step / max(1, settings.steps)))
-                idx = torch.randint(0, len(blocks), (min(settings.batch_size, len(blocks)),), generator=gen)
-                loss = _kl(model, blocks[idx], teacher[idx], grad=True)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                if (step + 1) % 25 == 0 or step + 1 == settings.steps:
-                    current = _kl(model, blocks[monitor], teacher[monitor])
-                    if current < best:
-                        best, best_state = current, {k: p.detach().clone() for k, p in params.items()}
-                    stage.update(0, note=f"monitor KL {current:.4f} (start {kl_start:.4f})")
-                stage.update(1)
+            cosine_adam(groups, settings.steps, loss, tick)
         with torch.no_grad():
             for k, p in params.items():
-                p.copy_(best_state[k])
-        return kl_start, best
+                p.copy_(best[1][k])
+        return kl_start, best[0]
     finally:
         for p in frozen:
             p.requires_grad_(True)

@@ -15,6 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from .heal import HealReport, HealSettings
+from .optim import cosine_adam
 from .progress import Stage
 
 __all__ = ["end_to_end"]
@@ -69,25 +70,24 @@ def end_to_end(
     before = _kl(teacher, student, monitor, device)
     for p in params.values():
         p.requires_grad_(True)
-    opt = torch.optim.Adam(list(params.values()), lr=settings.end_to_end_lr, betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(settings.seed)
     block_len = blocks.shape[1]
+
+    def loss(step):
+        ids = blocks[int(torch.randint(0, len(blocks), (1,), generator=gen))][None].to(device)
+        with torch.no_grad():
+            target = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
+        logq = F.log_softmax(student(input_ids=ids).logits.float(), dim=-1)
+        return F.kl_div(logq, target, log_target=True, reduction="none").sum(-1).mean()
+
+    def tick(step, value):
+        stage.update(block_len)
+        if (step + 1) % max(1, steps // 8) == 0:
+            stage.update(0, note=f"step {step + 1}/{steps}: KL {value.item():.4f} nats/token")
+
     try:
         with Stage("end-to-end distillation", steps * block_len, "tok", progress) as stage:
-            for step in range(steps):
-                for group in opt.param_groups:
-                    group["lr"] = settings.end_to_end_lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-                ids = blocks[int(torch.randint(0, len(blocks), (1,), generator=gen))][None].to(device)
-                with torch.no_grad():
-                    target = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
-                logq = F.log_softmax(student(input_ids=ids).logits.float(), dim=-1)
-                loss = F.kl_div(logq, target, log_target=True, reduction="none").sum(-1).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                stage.update(block_len)
-                if (step + 1) % max(1, steps // 8) == 0:
-                    stage.update(0, note=f"step {step + 1}/{steps}: KL {loss.item():.4f} nats/token")
+            cosine_adam([{"params": list(params.values()), "lr": settings.end_to_end_lr}], steps, loss, tick)
     finally:
         for p in params.values():
             p.requires_grad_(False)

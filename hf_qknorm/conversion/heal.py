@@ -37,13 +37,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
-from torch.nn import functional as F
 
 from . import ranks
 from .layerwise import attention_call
-from .localfit import attention_output
+from .localfit import fit_output, output_scale, relative_error
 from .progress import Stage
-from .streaming import StreamedCheckpoint, run_block
+from .streaming import StreamedCheckpoint, run_block, run_capturing
 
 __all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal_text"]
 
@@ -163,42 +162,22 @@ class HealReport:
         return asdict(self)
 
 
-def _attention_parameters(attn) -> dict:
-    """Every parameter of the converted attention module (projections and new norms), by name relative to it."""
-    return dict(attn.named_parameters())
-
-
 def _fit(attn, calls, targets, steps: int, lr: float, seed: int, tick) -> tuple[float, float, dict | None]:
-    """Adam on every parameter of ``attn`` towards ``targets``; returns (error before, error after, the new
-    parameters or ``None`` when the fit did not lower the error)."""
-    params = _attention_parameters(attn)
-    denom = max(sum(t.float().pow(2).sum().item() for t in targets) / max(1, sum(t.numel() for t in targets)), 1e-30)
-
-    @torch.no_grad()
-    def error() -> float:
-        total = sum((attention_output(attn, c) - t).float().pow(2).sum().item() for c, t in zip(calls, targets))
-        return total / sum(t.numel() for t in targets) / denom
-
-    before = error()
+    """The layer fit (:func:`~hf_qknorm.conversion.localfit.fit_output`) on every parameter of ``attn``
+    (projections and new norms); returns (error before, error after, the new parameters by name relative to ``attn``
+    or ``None`` when the fit did not lower the error)."""
+    params = dict(attn.named_parameters())
+    denom = output_scale(targets)
+    before = relative_error(attn, calls, targets, denom)
     start = {k: p.detach().clone() for k, p in params.items()}
     for p in params.values():
         p.requires_grad_(True)
-    opt = torch.optim.Adam(list(params.values()), lr=lr, betas=(0.9, 0.99))
-    gen = torch.Generator().manual_seed(seed)
     try:
-        for step in range(steps):
-            for group in opt.param_groups:
-                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-            j = int(torch.randint(0, len(calls), (1,), generator=gen))
-            loss = (attention_output(attn, calls[j]) - targets[j]).float().pow(2).mean() / denom
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            tick(step)
+        fit_output(attn, calls, targets, denom, list(params.values()), lambda: None, steps, lr, seed, tick)
     finally:
         for p in params.values():
             p.requires_grad_(False)
-    after = error()
+    after = relative_error(attn, calls, targets, denom)
     if not after < before:
         with torch.no_grad():
             for k, p in params.items():
@@ -238,23 +217,6 @@ def heal_checkpoint(
         if ranks.world() == 1:
             return _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0)
         return _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0)
-
-
-def _layer(values: dict, stream, i: int) -> dict:
-    """The entries of ``values`` that belong to block ``i``."""
-    prefix = f"{stream.prefix}{i}."
-    return {k: v for k, v in values.items() if k.startswith(prefix)}
-
-
-def _original_step(orig, o_attn, inputs, calls):
-    """The original block on the heal inputs: ``(its attention outputs, its outputs)``."""
-    targets = []
-    hook = o_attn.register_forward_hook(lambda m, a, o: targets.append((o[0] if isinstance(o, tuple) else o).detach()))
-    try:
-        nxt = [run_block(orig, h, call) for h, call in zip(inputs, calls)]
-    finally:
-        hook.remove()
-    return targets, nxt
 
 
 def _merge(stream, values: dict, results: list) -> tuple[dict, list, int]:
@@ -307,11 +269,10 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
     results = []
     n_tokens = stream.num_layers * steps * block_len
     with Stage("healing layer by layer", n_tokens, "tok", progress) as stage:
-        for i in range(stream.num_layers):
-            orig, patched = stream.block(i, _layer(values, stream, i))
+        for i, orig, patched in stream.layers(values):
             o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
             with torch.no_grad():
-                targets, nxt = _original_step(orig, o_attn, inputs, calls[i])
+                targets, nxt = run_capturing(orig, o_attn, inputs, calls[i])
                 fit_inputs = inputs if own is None else own
                 attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(fit_inputs, calls[i])]
                 if own is not None:  # reach the original residual stream after attention: x' + a' = x + a
@@ -329,9 +290,8 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
                 with torch.no_grad():
                     own = [run_block(patched, h, c) for h, c in zip(own, calls[i])]
             inputs = nxt
-            stream.release(i)
     out, errors, kept = _merge(stream, values, results)
-    scores = {k: _score(stream, v, streams["original"], eval_blocks, batch_size) for k, v in streams.items()}
+    scores = {k: stream.score(v, eval_blocks, batch_size, streams["original"]) for k, v in streams.items()}
     return out, _report(settings, steps, heal_blocks, t0, scores, kept, errors)
 
 
@@ -346,11 +306,10 @@ def _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, 
     mine = {}
     n_tokens = len(range(me, stream.num_layers, world)) * steps * block_len
     with Stage(f"healing layers {me}, {me + world}, ... (rank {me} of {world})", n_tokens, "tok", progress) as stage:
-        for i in range(stream.num_layers):
-            orig, patched = stream.block(i, _layer(values, stream, i))
+        for i, orig, patched in stream.layers(values):
             o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
             with torch.no_grad():
-                targets, nxt = _original_step(orig, o_attn, inputs, calls[i])
+                targets, nxt = run_capturing(orig, o_attn, inputs, calls[i])
             if i % world == me:
                 with torch.no_grad():
                     attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(inputs, calls[i])]
@@ -358,7 +317,6 @@ def _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, 
                 mine[i] = _fit(p_attn, attn_calls, targets, steps, settings.lr, settings.seed + i, tick)
                 stage.update(0, note=f"layer {i}: output error {mine[i][0]:.4f} -> {mine[i][1]:.4f}")
             inputs = nxt
-            stream.release(i)
     out, errors, kept = _merge(stream, values, ranks.all_in_order(mine, stream.num_layers))
 
     def score():
@@ -374,44 +332,22 @@ def _held_out(stream, values, healed, eval_blocks, batch_size, progress) -> dict
     held, eval_calls = stream.block_inputs(eval_blocks, batch_size)
     streams = {name: [h.clone() for h in held] for name in ("original", "before", "after")}
     with Stage("scoring the healed model", stream.num_layers, "layers", progress) as stage, torch.no_grad():
-        for i in range(stream.num_layers):
-            orig, patched = stream.block(i, _layer(values, stream, i))
+        for i, orig, patched in stream.layers(values):
             streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], eval_calls[i])]
             streams["before"] = [run_block(patched, h, c) for h, c in zip(streams["before"], eval_calls[i])]
-            stream.set_values(_layer(healed, stream, i))
+            stream.set_values(stream.layer_values(healed, i))
             streams["after"] = [run_block(patched, h, c) for h, c in zip(streams["after"], eval_calls[i])]
             lens = _agreement(stream, streams["original"][0], streams["after"][0])
             stage.update(1, note=f"layer {i}: agreement {100 * lens:.1f}%")
-            stream.release(i)
-    return {k: _score(stream, v, streams["original"], eval_blocks, batch_size) for k, v in streams.items()}
-
-
-@torch.no_grad()
-def _logits(stream, h: torch.Tensor) -> torch.Tensor:
-    return stream.logits(h).float()
+    return {k: stream.score(v, eval_blocks, batch_size, streams["original"]) for k, v in streams.items()}
 
 
 @torch.no_grad()
 def _agreement(stream, original: torch.Tensor, converted: torch.Tensor) -> float:
     """Logit-lens top-1 agreement of one held-out batch (the first block of it: a cheap heartbeat)."""
-    a = _logits(stream, original[:1]).argmax(-1)
-    b = _logits(stream, converted[:1]).argmax(-1)
+    a = stream.logits(original[:1]).float().argmax(-1)
+    b = stream.logits(converted[:1]).float().argmax(-1)
     return (a == b).float().mean().item()
-
-
-@torch.no_grad()
-def _score(stream, hidden, original, blocks: torch.Tensor, batch_size: int) -> tuple[float, float]:
-    """Perplexity and next-token top-1 agreement with ``original`` (the layout of
-    :func:`hf_qknorm.data.perplexity`: every position but the last predicts the next)."""
-    nll, count, same = 0.0, 0, 0
-    for j, (h, o) in enumerate(zip(hidden, original)):
-        ids = blocks[j * batch_size : (j + 1) * batch_size].to(h.device)
-        for row in range(len(ids)):  # one block at a time: the logits of a large vocabulary dominate memory
-            logits = _logits(stream, h[row : row + 1])[0, :-1]
-            nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
-            same += (logits.argmax(-1) == _logits(stream, o[row : row + 1])[0, :-1].argmax(-1)).sum().item()
-            count += ids.shape[1] - 1
-    return math.exp(nll / count), same / count
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -22,18 +22,16 @@ on SmolLM2-135M feeding the converted model's activations instead gave no better
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import torch
-from torch.nn import functional as F
 
 from ..modeling.telemetry import LogitTap, head_max_logits
 from ..portable.schemes import QKNormConfig
 from .localfit import closed_form, fit_attention, norm_parameters
 from .progress import Stage
 from .stats import CAP_WARN_FRACTION, ActivationRecorder, CalibrationReport, cap_warning
-from .streaming import BlockCall, StreamedCheckpoint, run_block
+from .streaming import BlockCall, StreamedCheckpoint, run_block, run_capturing
 
 logger = logging.getLogger("hf_qknorm.conversion")
 
@@ -51,10 +49,6 @@ def identity_values(stream: StreamedCheckpoint) -> dict[str, torch.Tensor]:
         name: torch.full(prm.shape, initial_value(stream.patched, name))
         for name, prm in new_norm_parameters(stream.patched).items()
     }
-
-
-def _layer_values(values: dict, prefix: str) -> dict:
-    return {k: v for k, v in values.items() if k.startswith(prefix)}
 
 
 def calibrate_checkpoint(
@@ -94,21 +88,19 @@ def calibrate_checkpoint(
     )
     layers = []
     with Stage("calibrating layer by layer", stream.num_layers, "layers", progress) as stage:
-        for i in range(stream.num_layers):
-            prefix = f"{stream.prefix}{i}."
-            orig, patched = stream.block(i, _layer_values(ident, prefix))
+        for i, orig, patched in stream.layers(ident):
             carried = stream.native_values(i)  # the model's own per-head norms: the new norms start from them
             ident.update(carried)
             values.update(carried)
             stream.set_values(carried)
             stats, calib = _fit_layer(stream, i, orig, patched, calib, calib_calls[i], cfg, settings, stage)
-            for name in _layer_values(values, prefix):
+            for name in stream.layer_values(values, i):
                 values[name] = stream.patched.get_parameter(name).detach().float().cpu().clone()
             least_squares.update(stats.pop("least_squares"))
             versions = {
-                "identity": _layer_values(ident, prefix),
-                "least_squares": _layer_values(least_squares, prefix),
-                "calibrated": _layer_values(values, prefix),
+                "identity": stream.layer_values(ident, i),
+                "least_squares": stream.layer_values(least_squares, i),
+                "calibrated": stream.layer_values(values, i),
             }
             _advance_eval(
                 stream,
@@ -119,7 +111,6 @@ def calibrate_checkpoint(
                 {k: versions[k] for k in names[1:]},
                 lambda name, i=i: stage.update(0, note=f"layer {i}: held-out {name}"),
             )
-            stream.release(i)
             layers.append(stats["layer"])
             stage.update(
                 1,
@@ -127,7 +118,7 @@ def calibrate_checkpoint(
                 f"{stats['layer'].fit_error:.4f}",
             )
     with stream.outer():
-        ppl = {name: _perplexity(stream, streams[name], eval_blocks, settings.batch_size) for name in names}
+        ppl = {name: stream.score(streams[name], eval_blocks, settings.batch_size)[0] for name in names}
     report = _report(cfg, ppl, calib_blocks, eval_blocks, layers, settings.local_steps if ident else 0)
     report.seconds = time.time() - t0
     return values, report
@@ -165,16 +156,9 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
     family = stream.family
     o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
     recorder = ActivationRecorder(stream.original, family, cfg, stream.device, indices=[i])
-    targets, attn_calls, out = [], [], []
-    h_t = o_attn.register_forward_hook(lambda m, a, o: targets.append((o[0] if isinstance(o, tuple) else o).detach()))
     with torch.no_grad(), recorder:
-        try:
-            for h, call in zip(calib, calls):
-                out.append(run_block(orig, h, call))
-        finally:
-            h_t.remove()
-        for h, call in zip(calib, calls):
-            attn_calls.append(attention_call(patched, p_attn, h, call))
+        targets, out = run_capturing(orig, o_attn, calib, calls)
+        attn_calls = [attention_call(patched, p_attn, h, call) for h, call in zip(calib, calls)]
     stage.update(0, note=f"layer {i}: statistics")
     layer = recorder.layer_stats()[0]
     start = {k: p.detach().clone() for k, p in norm_parameters(p_attn).items()}  # identity, or the model's own norms
@@ -254,16 +238,3 @@ def _advance_eval(stream, orig, patched, streams, calls: list[BlockCall], versio
         stream.set_values(vals)
         streams[name] = [run_block(patched, h, c) for h, c in zip(streams[name], calls)]
         tick(name)
-
-
-@torch.no_grad()
-def _perplexity(stream, hidden: list[torch.Tensor], blocks: torch.Tensor, batch_size: int) -> float:
-    """Token perplexity from the last block's outputs (the layout of :func:`hf_qknorm.data.perplexity`)."""
-    nll, count = 0.0, 0
-    for j, h in enumerate(hidden):
-        ids = blocks[j * batch_size : (j + 1) * batch_size].to(h.device)
-        for row in range(len(ids)):  # one block at a time: the logits of a large vocabulary dominate memory here
-            logits = stream.logits(h[row : row + 1])[0, :-1].float()
-            nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
-            count += ids.shape[1] - 1
-    return math.exp(nll / count)

@@ -20,7 +20,6 @@ it lowers the error on all calibration blocks; otherwise the closed form stays.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+from .optim import cosine_adam
 from .streaming import BlockCall
 
 ROLES = ("q", "k", "v")
@@ -84,6 +84,11 @@ def attention_output(attn: nn.Module, call: BlockCall, overrides: dict | None = 
     return out[0] if isinstance(out, tuple) else out
 
 
+def output_scale(targets: list[torch.Tensor]) -> float:
+    """The mean square of the target outputs: the fit's errors are relative to it."""
+    return max(sum(t.float().pow(2).sum().item() for t in targets) / max(1, sum(t.numel() for t in targets)), 1e-30)
+
+
 @torch.no_grad()
 def relative_error(
     attn: nn.Module, calls: list[BlockCall], targets: list[torch.Tensor], denom: float, overrides: dict | None = None
@@ -130,7 +135,7 @@ def fit_attention(
     with such norms starts from the original layer itself. Leaves ``attn`` with the best of these and the fit;
     ``on_step(step)`` is called after every step (progress)."""
     params = norm_parameters(attn)
-    denom = max(sum(t.float().pow(2).sum().item() for t in targets) / max(1, sum(t.numel() for t in targets)), 1e-30)
+    denom = output_scale(targets)
     error_cf = relative_error(attn, calls, targets, denom)
     best = error_cf
     if start and params:
@@ -143,19 +148,7 @@ def fit_attention(
     if steps <= 0 or not params:
         return FitResult(error_cf, best, False)
     rep = _Reparam(params)
-    opt = torch.optim.Adam(list(rep.theta.values()), lr=lr, betas=(0.9, 0.99))
-    gen = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        for group in opt.param_groups:  # cosine decay to 0
-            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-        j = int(torch.randint(0, len(calls), (1,), generator=gen))
-        out = attention_output(attn, calls[j], rep.values())
-        loss = (out - targets[j]).float().pow(2).mean() / denom
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if on_step is not None:
-            on_step(step)
+    fit_output(attn, calls, targets, denom, list(rep.theta.values()), rep.values, steps, lr, seed, on_step)
     fitted = {k: v.detach() for k, v in rep.values().items()}
     error = relative_error(attn, calls, targets, denom, fitted)
     if not error < best:
@@ -164,3 +157,17 @@ def fit_attention(
         for k, p in params.items():
             p.copy_(fitted[k])
     return FitResult(error_cf, error, True)
+
+
+def fit_output(attn, calls, targets, denom: float, tensors: list, overrides, steps: int, lr: float, seed: int, on_step):
+    """The layer fit: :func:`~hf_qknorm.conversion.optim.cosine_adam` on ``tensors`` so that ``attn``'s output with
+    the parameters ``overrides()`` (``None``: its own) matches ``targets``, relative to ``denom``; one recorded call
+    per step, drawn with ``seed``. ``on_step(step)`` after each step."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def loss(step):
+        j = int(torch.randint(0, len(calls), (1,), generator=gen))
+        return (attention_output(attn, calls[j], overrides()) - targets[j]).float().pow(2).mean() / denom
+
+    tick = None if on_step is None else lambda step, _: on_step(step)
+    cosine_adam([{"params": tensors, "lr": lr}], steps, loss, tick)

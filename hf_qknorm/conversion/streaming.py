@@ -20,11 +20,13 @@ RoPE position embeddings, position ids), for every family, without re-implementi
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..modeling.patch import patch_model
 from ..portable.families import Family
@@ -115,6 +117,19 @@ class StreamedCheckpoint:
         self._load(self.patched, self._names(self.patched, prefix), transform=True, values=values)
         return self.blocks[i], self.patched_blocks[i]
 
+    def layer_values(self, values: dict, i: int) -> dict:
+        """The entries of ``values`` (by state-dict name) that belong to block ``i``."""
+        prefix = f"{self.prefix}{i}."
+        return {k: v for k, v in values.items() if k.startswith(prefix)}
+
+    def layers(self, values: dict):
+        """Every block in turn: block ``i`` materialised with its entries of ``values`` (read as the loop reaches
+        it), ``(i, original, patched)`` yielded, and the block released when the loop moves on."""
+        for i in range(self.num_layers):
+            original, patched = self.block(i, self.layer_values(values, i))
+            yield i, original, patched
+            self.release(i)
+
     def set_values(self, values: dict) -> None:
         """Copy new norm values into the materialised patched block(s) they belong to."""
         with torch.no_grad():
@@ -182,6 +197,24 @@ class StreamedCheckpoint:
         return forward
 
     @torch.no_grad()
+    def score(self, hidden: list, blocks: torch.Tensor, batch_size: int, original: list | None = None):
+        """``(perplexity, top-1)`` of the last block's outputs ``hidden`` (per batch of ``batch_size`` rows of
+        ``blocks``; the layout of :func:`hf_qknorm.data.perplexity`: every position but the last predicts the next);
+        top-1 is the share of positions where the next token agrees with the one from ``original`` (``None``
+        without it). Needs :meth:`outer`."""
+        nll, count, same = 0.0, 0, 0
+        for j, h in enumerate(hidden):
+            ids = blocks[j * batch_size : (j + 1) * batch_size].to(h.device)
+            for row in range(len(ids)):  # one block at a time: the logits of a large vocabulary dominate memory
+                logits = self.logits(h[row : row + 1])[0, :-1].float()
+                nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
+                if original is not None:
+                    other = self.logits(original[j][row : row + 1])[0, :-1].float()
+                    same += (logits.argmax(-1) == other.argmax(-1)).sum().item()
+                count += ids.shape[1] - 1
+        return math.exp(nll / count), None if original is None else same / count
+
+    @torch.no_grad()
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The model's logits for the last block's output ``x`` ``(batch, seq, hidden)``: the rest of the model's own
         forward -- whatever it does after the blocks (final norm, an output projection, a logit scale or cap) --
@@ -224,6 +257,18 @@ def _is_cache(value) -> bool:
     from transformers.cache_utils import Cache
 
     return isinstance(value, Cache)
+
+
+def run_capturing(block: nn.Module, module: nn.Module, inputs: list, calls: list) -> tuple[list, list]:
+    """``block`` on each of ``inputs`` with its recorded ``calls``: ``(captured, outputs)``, where ``captured`` holds
+    the outputs of ``module`` inside it (an attention layer's: the targets its converted twin is fitted to)."""
+    captured = []
+    hook = module.register_forward_hook(lambda m, a, o: captured.append((o[0] if isinstance(o, tuple) else o).detach()))
+    try:
+        out = [run_block(block, h, call) for h, call in zip(inputs, calls)]
+    finally:
+        hook.remove()
+    return captured, out
 
 
 def run_block(block: nn.Module, hidden: torch.Tensor, call: BlockCall) -> torch.Tensor:

@@ -1,0 +1,29 @@
+"""The one training loop every fit of a conversion runs: Adam with each step size cosine-decayed to 0.
+
+Calibration's layer-wise fit and distillation and healing's layer-wise and end-to-end stages differ in what they
+train and in their loss, never in how they step; each passes its loss as a function of the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def cosine_adam(groups: list[dict], steps: int, loss, on_step=None) -> None:
+    """``steps`` Adam steps (betas 0.9, 0.99) on the parameter ``groups`` (``{"params": [...], "lr": ...}``), each
+    group's step size cosine-decayed from its ``lr`` to 0. ``loss(step)`` returns the step's loss (drawing its batch
+    itself); ``on_step(step, loss)`` runs after each step."""
+    for group in groups:
+        group["base_lr"] = group["lr"]
+    opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * 0.5 * (1 + math.cos(math.pi * step / steps))
+        value = loss(step)
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        opt.step()
+        if on_step is not None:
+            on_step(step, value)
