@@ -20,6 +20,7 @@ What cannot be derived is refused in one line (:class:`~hf_qknorm.portable.famil
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 from collections import OrderedDict
@@ -196,28 +197,31 @@ def rope_layout(attn, model_type: str, cos: torch.Tensor, sin: torch.Tensor, hea
     return found[0] if len(found) == 1 else None
 
 
-def rotates(attn, config, index: int, x, cos, sin) -> bool:
+def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?") -> bool:
     """Whether layer ``index`` rotates q and k with the recorded ``cos``/``sin``: a fresh float64 instance of its
     Transformers attention class (unpatched, eager) run with that rotation and with none (NoPE layers differ)."""
+    cls = own_class(attn)
     cfg = copy.deepcopy(config)
     try:
         cfg._attn_implementation = "eager"
     except Exception:  # a config that guards the attribute: set the stored value
         cfg._attn_implementation_internal = "eager"
+    x = x[:1, :4].to(torch.float64)
+    cos, sin = cos[:1, :4].to(torch.float64), sin[:1, :4].to(torch.float64)
+    extra = {}
+    if "position_ids" in inspect.signature(cls.forward).parameters:  # Ministral 3 scales queries by position
+        extra["position_ids"] = torch.arange(x.shape[1])[None]
     try:
         torch.manual_seed(index)
-        fresh = own_class(attn)(cfg, layer_idx=index).to(torch.float64).eval()
-        x = x[:1, :4].to(torch.float64)
-        cos, sin = cos[:1, :4].to(torch.float64), sin[:1, :4].to(torch.float64)
+        fresh = cls(cfg, layer_idx=index).to(torch.float64).eval()
         with torch.no_grad():
-            out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
-            flat = fresh(
-                hidden_states=x, position_embeddings=(torch.ones_like(cos), torch.zeros_like(sin)), attention_mask=None
-            )[0]
+            out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **extra)[0]
+            identity = (torch.ones_like(cos), torch.zeros_like(sin))
+            flat = fresh(hidden_states=x, position_embeddings=identity, attention_mask=None, **extra)[0]
     except Exception as exc:
         raise UnsupportedModelError(
-            f"verify cannot tell whether layer {index} of {type(attn).__name__} rotates q and k: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            f"model type {model_type!r}: verify cannot tell whether layer {index} of {cls.__name__} rotates q and k "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
     return not torch.allclose(out, flat, rtol=1e-9, atol=1e-12)
 

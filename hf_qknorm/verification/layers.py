@@ -119,7 +119,8 @@ class ReferenceModel:
         if known is None:
             attn = self.attns[spec.index]
             layout = derive.rope_layout(attn, self.family.model_type, cos, sin, spec.head_dim)
-            known = (derive.rotates(attn, self.config, spec.index, _probe_x(spec, cos), cos, sin), layout)
+            x = _probe_x(spec, cos)
+            known = (derive.rotates(attn, self.config, spec.index, x, cos, sin, self.family.model_type), layout)
             if layout is not None:
                 self._rope[spec.index] = known
         spec.rotates, spec.rope_layout = known[0], known[1] or "half"
