@@ -11,6 +11,8 @@ After huggingface/kernels' ``kernelize(device=, use_fallback=)`` and its ``Conte
         model(**batch)
     with kernel_policy(devices=("cuda", "cpu")):   # CPU tensors too, through Triton's interpreter (tests)
         model(**batch)
+    with kernel_policy(flash_attn="off"):          # capped calls never delegated to FlashAttention
+        model(**batch)
 
 The default sends CUDA tensors to the kernels and everything else to the PyTorch path, and allows the fallback. While
 the fallback is allowed, an eager decoding call on CUDA (a few queries, no gradient) takes the PyTorch path's lean
@@ -20,6 +22,10 @@ the kernels cannot run (Triton missing, float64, attention dropout, attention we
 falls back to the PyTorch path with a warning logged once per reason (attention weights, asked for explicitly, fall
 back without one) when ``use_fallback`` is true, and raises :class:`KernelFallbackError` naming the reason when it
 is false.
+
+``flash_attn`` decides whether a capped CUDA call the kernels would run goes to FlashAttention instead
+(:mod:`.delegate`): ``"auto"`` (the default) where the installed package was measured faster than the kernels on this
+card (the table in :mod:`.delegate`), ``"on"`` for every call that fits it, ``"off"`` never.
 
 The policy lives in a ``contextvars.ContextVar``: a ``with`` block changes it for its own thread (or asyncio task)
 only, blocks nest (an argument left out keeps the enclosing block's value), and the previous policy comes back on
@@ -45,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 DEVICE_TYPES = ("cuda", "cpu")  # where the kernels can run: CUDA, and CPU under Triton's interpreter
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLASH_ATTN_CHOICES = ("auto", "on", "off")  # delegation of capped calls to FlashAttention (.delegate)
 
 
 class KernelFallbackError(RuntimeError):
@@ -62,10 +69,14 @@ class KernelPolicy:
             are imported).
         use_fallback: on a device in ``devices``, a call the kernels cannot run takes the PyTorch path with a warning
             (True) or raises :class:`KernelFallbackError` (False).
+        flash_attn: one of :data:`FLASH_ATTN_CHOICES`: whether a capped call the kernels would run goes to
+            FlashAttention where it fits (:mod:`.delegate`): ``"auto"`` where measured faster on this card, ``"on"``
+            always, ``"off"`` never.
     """
 
     devices: tuple[str, ...] = ("cuda",)
     use_fallback: bool = True
+    flash_attn: str = "auto"
 
     def __post_init__(self):
         devices = (self.devices,) if isinstance(self.devices, str) else self.devices
@@ -83,6 +94,10 @@ class KernelPolicy:
             )
         if not isinstance(self.use_fallback, bool):
             raise TypeError(f"use_fallback must be True or False, got {self.use_fallback!r}")
+        if not isinstance(self.flash_attn, str) or self.flash_attn not in FLASH_ATTN_CHOICES:
+            raise ValueError(
+                f"flash_attn must be one of {', '.join(map(repr, FLASH_ATTN_CHOICES))}, got {self.flash_attn!r}"
+            )
         object.__setattr__(self, "devices", tuple(dict.fromkeys(devices)))
 
 
@@ -98,12 +113,11 @@ def current_kernel_policy() -> KernelPolicy:
 
 
 @contextlib.contextmanager
-def kernel_policy(*, devices=_KEEP, use_fallback=_KEEP):
+def kernel_policy(*, devices=_KEEP, use_fallback=_KEEP, flash_attn=_KEEP):
     """Set the kernel policy for the ``with`` block (see the module docstring); yields the :class:`KernelPolicy` in
     force. An argument left out keeps the enclosing policy's value."""
-    changes = {
-        name: value for name, value in (("devices", devices), ("use_fallback", use_fallback)) if value is not _KEEP
-    }
+    given = (("devices", devices), ("use_fallback", use_fallback), ("flash_attn", flash_attn))
+    changes = {name: value for name, value in given if value is not _KEEP}
     policy = dataclasses.replace(_POLICY.get(), **changes)
     token = _POLICY.set(policy)
     try:

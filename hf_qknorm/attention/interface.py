@@ -44,7 +44,7 @@ from ..portable.masks import (
 )
 from ..portable.names import ATTN_IMPLEMENTATION
 from ..portable.schemes import check_softcap
-from . import lean
+from . import delegate, lean
 from .chunked import chunked_attention, max_logits
 from .dispatch import _POLICY, KernelFallbackError, current_kernel_policy, fallback_message, route
 from .tiles import chunk_allowed
@@ -362,9 +362,11 @@ def _attention(
     if _use_kernels(query, dropout, weights=False, sink=sink is not None):
         if cu_q is not None:  # the packing is the mask: causal within each sequence as the module declares
             mask, causal = None, declared_causal
-        out, top = _kernel_attention(
-            query, key, value, mask, cu_q, cu_k, scaling, softcap, causal, sliding_window, want_max, kwargs
-        )
+        args = (query, key, value, mask, cu_q, cu_k, scaling, softcap, causal, sliding_window, want_max, kwargs)
+        delegated = delegate.try_delegate(*args)  # FlashAttention where it fits and is measured faster
+        if delegated is not None:
+            return delegated, None, None
+        out, top = _kernel_attention(*args)
         return out.transpose(1, 2).contiguous(), None, top
 
     if cu_q is not None:  # packed sequences in one row, described by their cumulative lengths

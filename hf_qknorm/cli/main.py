@@ -121,6 +121,11 @@ def _cmd_info(args) -> int:
 
     print(f"capped tanh:    {tanh_mode()} (tanh.approx.f32 for fp16/bf16 on CUDA; HF_QKNORM_EXACT_TANH=1: exact)")
     print("native CPU op: ", _native_state())
+    from hf_qknorm.attention import delegate
+
+    package, delegation = delegate.describe()
+    print(f"flash-attn:     {package}")
+    print(f"delegation:     {delegation}")
     from hf_qknorm.upstream import NEWEST_TESTED, OLDEST_TESTED, installed_versions
 
     v = installed_versions()
