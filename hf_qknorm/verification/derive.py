@@ -125,7 +125,10 @@ def own_norm(module: nn.Module, what: str) -> dict:
     for kind in ("rmsnorm", "layernorm"):
         if (norm_reference(x, kind, gain, bias, eps=eps) - y).abs().max() <= tol * y.abs().max():
             return {"kind": kind, "weight": gain, "bias": bias, "eps": eps}
-    raise UnsupportedModelError(f"verify cannot model {what} ({type(module).__name__}): its epsilon is not {eps:g}")
+    raise UnsupportedModelError(
+        f"verify cannot model {what} ({type(module).__name__}): its output is not an RMS or mean-and-variance norm "
+        f"with the gain and bias read off it and epsilon {eps:g}"
+    )
 
 
 def split_fused(w, b, heads: int, kv: int, head_dim: int, layout: str | None, model_type: str) -> dict:
