@@ -98,18 +98,20 @@ def patch_model(
     old_config = own_config(target)
     replaced = install_scheme(target, plan)
     language = text_model(target)  # a multimodal model's language model: checked and switched on its own
+    checking_language = True
     try:
         self_check(language, plan)  # a probe forward: the scheme reaches the backend exactly, or the patch is undone
+        checking_language = False
         if vplan is not None:
             install_vision(vplan)
-            check_vision(target, vplan)
+            check_vision(target, vplan)  # the same for the vision encoder's attention (its refusals name it)
     except BaseException as exc:
         if vplan is not None:
             uninstall_vision(vplan)
         uninstall_scheme(plan, replaced)
         own_config(target, old_config)
         target.__dict__.pop("_qknorm_family", None)
-        if language is not target and isinstance(exc, UnsupportedModelError) and "vision encoder" not in str(exc):
+        if checking_language and language is not target and isinstance(exc, UnsupportedModelError):
             raise UnsupportedModelError(
                 f"model type {target.config.model_type!r} (multimodal), its language model .{plan.family.text_model}: "
                 f"{exc}"

@@ -90,7 +90,7 @@ def add_remote_code(folder) -> None:
 
         archs = [patched_architecture(a) for a in data.get("architectures") or []]
         data["architectures"] = archs or None
-        data["auto_map"] = auto_map(_config_class_name(data), archs)
+        data["auto_map"] = auto_map(_config_class_name(data), archs, multimodal="text_config" in data)
         _write_atomic(config_file, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

@@ -6,7 +6,7 @@ attention interface exactly once, with the query and key the backend receives eq
 of ``q_proj``/``k_proj``'s output (nothing between them but the split into heads: no rotation, no scaling, no second
 norm), the value ``v_proj``'s own heads, no mask and ``is_causal`` false (bidirectional), the module's own scaling,
 and no cap but the one the vision settings name. The attention is then run forward and backward on the backend it
-will run on.
+will run on. A model on the ``meta`` device is not checked (there is nothing to run).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def _probe_backend(config, recorder):
 
 def check_vision(model, plan: VisionPlan) -> None:
     """Raise :class:`UnsupportedModelError` when the vision scheme of ``plan`` does not reach the backend exactly."""
+    if any(a.q_proj.weight.is_meta for a in plan.attentions):
+        return  # a skeleton on the meta device has nothing to run, as for the language model's check
     tower = model.get_submodule(plan.path)
     where = f"model type {getattr(model.config, 'model_type', '?')!r}, vision encoder .{plan.path}"
     gen = torch.Generator().manual_seed(0)

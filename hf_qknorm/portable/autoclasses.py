@@ -41,7 +41,7 @@ class PatchedConfigMixin:
         out = super().to_dict()
         archs = out.get("architectures") or []
         out["architectures"] = [patched_architecture(a) for a in archs] or None
-        out["auto_map"] = auto_map(type(self).__name__, out["architectures"])
+        out["auto_map"] = auto_map(type(self).__name__, out["architectures"], multimodal="text_config" in out)
         return out
 
     @property
@@ -74,15 +74,18 @@ def patched_architecture(name: str) -> str:
     return name if name.startswith(CLASS_PREFIX) else CLASS_PREFIX + name
 
 
-def auto_map(config_class_name: str, architectures) -> dict:
-    """``auto_map`` of a saved folder: the config class and the saved architecture in the remote code."""
+def auto_map(config_class_name: str, architectures, multimodal: bool = False) -> dict:
+    """``auto_map`` of a saved folder: the config class and the saved architecture in the remote code.
+    ``multimodal``: the config holds a text config of its own (a multimodal model), whose causal-LM head (Fuyu's)
+    loads through the image-text-to-text Auto classes too."""
     out = {"AutoConfig": f"{REMOTE_CONFIG_MODULE}.{config_class_name}"}
     for arch in architectures or []:
         head = next((h for h in _HEAD_SUFFIXES if arch.endswith(h)), None)
-        if head == MULTIMODAL_SUFFIX:
-            autos = [a for a, _ in MULTIMODAL_HEADS]
+        causal = ["AutoModelForCausalLM"] if head in ("ForCausalLM", "LMHeadModel") else []
+        if head == MULTIMODAL_SUFFIX or (multimodal and causal):
+            autos = causal + [a for a, _ in MULTIMODAL_HEADS]
         else:
-            autos = ["AutoModelForCausalLM" if head in ("ForCausalLM", "LMHeadModel") else f"AutoModel{head or ''}"]
+            autos = causal or [f"AutoModel{head or ''}"]
         for auto in autos:
             out[auto] = f"{REMOTE_MODELING_MODULE}.{arch}"
         if head is not None:  # the base model loads from any head's folder

@@ -16,7 +16,6 @@ and its siblings: it is also copied into exported folders.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 from torch import nn
@@ -97,7 +96,7 @@ def plan_vision(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
         )
     attn = attentions[0]
     name = upstream_class(attn).__name__
-    extra = sorted(set(inspect.signature(upstream_class(attn).forward).parameters) - ACCEPTED)
+    extra = sorted(set(_parameters(upstream_class(attn).forward)) - ACCEPTED)
     if extra:
         raise UnsupportedModelError(
             f"{where}: its attention ({name}) takes {', '.join(extra)} (rotary embeddings or packed images "
@@ -111,6 +110,14 @@ def plan_vision(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
         eps = getattr(getattr(tower, "config", None), "layer_norm_eps", None)
         cfg = QKNormConfig.from_dict({**cfg.to_dict(), "eps": float(eps) if eps else DEFAULT_EPS})
     return VisionPlan(cfg, path, attentions)
+
+
+def _parameters(fn) -> tuple[str, ...]:
+    """The named parameters of ``fn`` behind its decorators (``inspect`` is not among what a saved folder imports)."""
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    code = fn.__code__
+    return code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
 
 
 def install_vision(plan: VisionPlan) -> None:

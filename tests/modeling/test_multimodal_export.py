@@ -20,6 +20,9 @@ import hf_qknorm
 from hf_qknorm.verification.tiny import image_text_inputs, tiny_multimodal_model
 
 TYPES = ("llava", "qwen2_vl", "smolvlm", "paligemma", "gemma3")
+# No tiny image inputs; a head class shared with another type (PP-Chart2Table's is GOT-OCR2's, which the causal-LM
+# mapping names for that type alone), or a causal LM (Fuyu's).
+TEXT_ONLY = ("fuyu", "pp_chart2table")
 
 _LOADER = textwrap.dedent("""
     import json, sys
@@ -33,7 +36,7 @@ _LOADER = textwrap.dedent("""
         model = auto.from_pretrained(job["path"], trust_remote_code=True).eval()
         row = {"cls": type(model).__name__, "module": type(model).__module__,
                "text_backend": model.config.get_text_config()._attn_implementation,
-               "vision_backend": model.config.vision_config._attn_implementation}
+               "vision_backend": getattr(getattr(model.config, "vision_config", None), "_attn_implementation", None)}
         with torch.no_grad():
             for name, inputs in torch.load(job["inputs"]).items():
                 res = model(**inputs)
@@ -59,7 +62,10 @@ def _patched(model_type, scheme="qk_norm_cap", norm="layernorm", vision=False):
 
 
 def _inputs(model) -> dict[str, dict]:
-    """Image and text inputs of the tiny model, and text alone (the image placeholders replaced by a plain token)."""
+    """Image and text inputs of the tiny model, and text alone (the image placeholders replaced by a plain token);
+    text alone for a type without tiny image inputs."""
+    if model.config.model_type.removeprefix("qknorm_") in TEXT_ONLY:
+        return {"text": {"input_ids": torch.randint(10, 100, (2, 9), generator=torch.Generator().manual_seed(0))}}
     images = image_text_inputs(model)
     ids = images["input_ids"]
     image_ids = {getattr(model.config, a) for a in ("image_token_id", "image_token_index") if hasattr(model.config, a)}
@@ -89,10 +95,10 @@ def test_saved_multimodal_folders_load_without_the_plugin_with_the_same_logits(t
     """Each type, capped layernorm norms with random gains: the folder loads as ``QKNorm<Head>`` from the folder's
     own code, the language model on the capped "qknorm" attention and the vision tower on its own backend, and its
     logits on text alone and on images and text are the patched model's; ``AutoModel`` gives the patched base
-    model. Qwen2-VL is also saved with rmsnorm ``qk_norm`` (no cap), and LLaVA and PaliGemma with their vision
-    encoders patched too (a capped one and ``vision=True``)."""
+    model. Two types without tiny image inputs on text alone. Qwen2-VL is also saved with rmsnorm ``qk_norm`` (no
+    cap), and LLaVA and PaliGemma with their vision encoders patched too (a capped one and ``vision=True``)."""
     capped_vision = hf_qknorm.QKNormConfig("qk_norm_cap", softcap=2.0)
-    cases = [(t, "qk_norm_cap", "layernorm", False) for t in TYPES] + [
+    cases = [(t, "qk_norm_cap", "layernorm", False) for t in TYPES + TEXT_ONLY] + [
         ("qwen2_vl", "qk_norm", "rmsnorm", False),
         ("llava", "qk_norm", "layernorm", capped_vision),
         ("paligemma", "qk_norm_cap", "rmsnorm", True),
@@ -133,3 +139,16 @@ def test_the_saved_auto_map_names_the_image_text_to_text_head(tmp_path):
     assert auto_map["AutoModelForImageTextToText"] == "modeling_qknorm.QKNormLlavaForConditionalGeneration"
     assert auto_map["AutoModel"] == "modeling_qknorm.QKNormLlavaModel"
     assert "AutoModelForCausalLM" not in auto_map
+
+
+def test_a_multimodal_causal_lm_head_is_named_under_the_image_text_to_text_auto_classes_too():
+    """Fuyu's head is ``FuyuForCausalLM``: its folder loads through ``AutoModelForCausalLM`` and the image-text-to-text
+    Auto classes; a text model's causal-LM head through ``AutoModelForCausalLM`` alone."""
+    from hf_qknorm.portable.autoclasses import auto_map
+
+    multimodal = auto_map("QKNormFuyuConfig", ["QKNormFuyuForCausalLM"], multimodal=True)
+    assert {k for k, v in multimodal.items() if v.endswith("ForCausalLM")} == {
+        "AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForMultimodalLM"
+    }  # fmt: skip
+    text = auto_map("QKNormLlamaConfig", ["QKNormLlamaForCausalLM"])
+    assert set(text) == {"AutoConfig", "AutoModelForCausalLM", "AutoModel"}

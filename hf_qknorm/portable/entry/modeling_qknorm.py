@@ -34,16 +34,20 @@ _MODELS = {}
 def __getattr__(name):
     if name.startswith(CLASS_PREFIX) and name not in _MODELS:
         base = name[len(CLASS_PREFIX) :]
-        for _auto, mapping_name in heads_of_release(modeling_auto):
-            names = getattr(modeling_auto, mapping_name + "_NAMES")
-            types = [t for t, class_name in names.items() if class_name == base]
-            # Several model types can share a class (EXAONE's is Llama's): the folder's own first.
-            types = [t for t in types if t == BASE_MODEL_TYPE] or types
-            if types:
-                base_cls = getattr(modeling_auto, mapping_name)[CONFIG_MAPPING[types[0]]]
-                _MODELS[name] = make_model_class(base_cls, config_class(types[0]), __name__)
-                globals()[name] = _MODELS[name]
-                break
+        found = [
+            (t, mapping_name)
+            for _auto, mapping_name in heads_of_release(modeling_auto)
+            for t, class_name in getattr(modeling_auto, mapping_name + "_NAMES").items()
+            if class_name == base
+        ]
+        # Several model types can share a class (EXAONE's is Llama's, PP-Chart2Table's GOT-OCR2's, in another
+        # mapping than the shared type's own): the folder's own first, from whichever mapping names it.
+        found = [f for f in found if f[0] == BASE_MODEL_TYPE] or found
+        if found:
+            model_type, mapping_name = found[0]
+            base_cls = getattr(modeling_auto, mapping_name)[CONFIG_MAPPING[model_type]]
+            _MODELS[name] = make_model_class(base_cls, config_class(model_type), __name__)
+            globals()[name] = _MODELS[name]
     if name in _MODELS:
         return _MODELS[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
