@@ -110,7 +110,13 @@ def load(route: str):
             return None, None, f"flash_attn {version} has no softcap (2.6 or newer needed)"
     if not callable(getattr(module, "flash_attn_func", None)):
         return None, None, f"{route} {version} has no flash_attn_func"
+    LOADED[route] = module
     return module, version, None
+
+
+# route -> its module, as the last load() found it: what a traced graph reads (Dynamo does not trace load's cache;
+# the decision that picked the route ran load() when the graph was traced)
+LOADED: dict = {}
 
 
 def installed() -> dict[str, str]:
@@ -252,7 +258,7 @@ def flash_attention(
 
     ``query`` ``(batch, heads, q_len, head_dim)``, ``key``/``value`` ``(batch, kv_heads, kv_len, head_dim)`` (batch 1
     when packed); returns ``(batch, q_len, heads, head_dim)``, the layout the backend hands back to Transformers."""
-    module = load(route)[0]
+    module = LOADED[route] if torch.compiler.is_compiling() else load(route)[0]
     common = dict(softmax_scale=float(scaling), causal=bool(causal), softcap=float(softcap))
     common["window_size"] = window_size(sliding_window, causal)
     if cu_seqlens_q is None:

@@ -410,6 +410,22 @@ def test_packed_sequences_go_to_the_varlen_function(backend, installed):
         torch.testing.assert_close(out[:, a:b].transpose(1, 2).double(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_a_compiled_call_is_delegated_in_one_graph(installed, on_hopper):
+    fake = installed(fa2=_fake_fa2())
+    q, k, v = _inputs(2, 4, 2, 12, 12, 16, dtype=torch.bfloat16)
+
+    def attend(q, k, v):
+        return delegate.try_delegate(q, k, v, None, None, None, 0.25, 4.0, True, 5, False, {})
+
+    with kernel_policy(flash_attn="on"):
+        out = torch.compile(attend, fullgraph=True, backend="eager")(q, k, v)
+    assert len(fake.calls) == 1 and fake.calls[0]["window_size"] == (4, 0)
+    ref = attention_reference(
+        *(t.double() for t in (q, k, v)), scaling=0.25, softcap=4.0, causal=True, sliding_window=5
+    )
+    torch.testing.assert_close(out.transpose(1, 2).double(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_on_without_a_package_warns_once_and_runs_the_kernels(backend, installed, caplog):
     installed(fa2=None, fa3=None)
     with kernel_policy(flash_attn="on"), caplog.at_level("WARNING", logger=delegate.__name__):
