@@ -11,10 +11,10 @@ small grid of candidates, filtered by a shared-memory estimate, is put into the 
 launchers read it at every call). Each candidate is first checked against the float32 reference at a length no
 tile size divides (its error at most 2x the fallback configuration's, plus 1e-3); a wrong one, or one that fails
 to compile or launch, is recorded and skipped. The rest are timed with CUDA events at the timing shape; the
-backward directions time the whole backward with the other direction at its fallback tiles, and the "dkdv" row
-written is the faster of the two modes. The fallback configuration is candidate 0 of every grid, so a winner is
-never slower than today's launch (as measured). ``--budget-s`` stops the sweep between candidates and writes what
-it has, so the sweep fits one device call.
+backward directions time the whole backward with the other direction at its fallback tiles; the separate mode's
+two winners are then timed together, and the "dkdv" row written is the faster of the two modes. The fallback
+configuration is candidate 0 of every grid, so a winner is never slower than today's launch (as measured).
+``--budget-s`` stops the sweep between candidates and writes what it has, so the sweep fits one device call.
 
 Writes ``<date>-<device>-tiles.jsonl`` (every candidate: tiles, status, error, milliseconds, TFLOP/s) and
 ``<date>-<device>-tiles.json`` (the winning table rows, device name, capability, torch/triton versions, date and
@@ -185,8 +185,15 @@ class Sweep:
             self.table.TILES.update(saved)
 
     def case(self, head_dim, causal):
+        kw = dict(scaling=head_dim**-0.5, softcap=self.args.softcap or None, causal=causal)
+        bests, self.combo = {}, None
+        try:
+            return self.directions(head_dim, causal, kw, bests)
+        finally:
+            self.finish(bests, head_dim, causal, kw)
+
+    def directions(self, head_dim, causal, kw, bests) -> bool:
         args, torch = self.args, self.torch
-        kw = dict(scaling=head_dim**-0.5, softcap=args.softcap or None, causal=causal)
         grids = DRY_GRIDS if args.dry_run else GRIDS
         for direction in args.directions:
             decode = direction == "decode"
@@ -203,6 +210,8 @@ class Sweep:
                 flops = fwd_flops if direction == "fwd" else fwd_flops * 5 // 2  # backward: 2.5x the forward
             ref = self.reference(direction, *check, kw)
             check_saved, timing_saved = self.saved(direction, *check, kw), self.saved(direction, *timing, kw)
+            if timing_saved is not None:
+                self.combo = (timing, timing_saved, flops)
             base = self.fallback(direction, head_dim, causal)
             candidates = [base] + [c for c in grids[direction] if c != base]
             base_err = None
@@ -255,16 +264,39 @@ class Sweep:
                         self.table.TILES[key] = saved
                 self.emit(row)
             if best is not None:
-                self.record_winner(direction, best)
+                bests[direction] = best
         return True
 
-    def record_winner(self, direction, best):
-        ms, key, entry = best
-        if direction in ("dkdv", "atomic"):  # one "dkdv" row: the faster backward of the two modes
-            held = self.winners.get(key)
-            if held is not None and held[0] <= ms:
-                return
-        self.winners[key] = (ms, entry)
+    def finish(self, bests, head_dim, causal, kw):
+        """The case's table rows: each direction's fastest; for "dkdv", the faster backward of the two modes, the
+        separate one re-timed with its dK/dV and dQ winners together (each was timed with the other at fallback)."""
+        for direction in ("fwd", "dq", "decode"):
+            if direction in bests:
+                ms, key, entry = bests[direction]
+                self.winners[key] = (ms, entry)
+        sep, atomic, dq = bests.get("dkdv"), bests.get("atomic"), bests.get("dq")
+        if sep and dq and self.combo and self.left() > self.args.reserve_s / 2:
+            timing, saved, flops = self.combo
+            row = dict(direction="bwd-separate", head_dim=head_dim, causal=causal, dkdv=sep[2], dq=dq[2])
+            held = {key: self.table.TILES.get(key) for key in (sep[1], dq[1])}
+            self.table.TILES.update({sep[1]: sep[2], dq[1]: dq[2]})
+            try:
+                ms = self.timed(functools.partial(self.run_direction, "dkdv", *timing, saved, kw))
+                row.update(status="ok", ms=ms, tflops=flops / ms / 1e9)
+                sep = (ms, sep[1], sep[2])
+            except Exception as exc:
+                row.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            finally:
+                for key, entry in held.items():
+                    if entry is None:
+                        self.table.TILES.pop(key, None)
+                    else:
+                        self.table.TILES[key] = entry
+            self.emit(row)
+        choices = [c for c in (sep, atomic) if c is not None]
+        if choices:
+            ms, key, entry = min(choices, key=lambda c: c[0])
+            self.winners[key] = (ms, entry)
 
     def emit(self, row):
         row["elapsed_s"] = round(time.monotonic() - self.start, 1)

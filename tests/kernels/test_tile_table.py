@@ -209,9 +209,11 @@ def test_sweep_dry_run_writes_timings_and_a_table(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (jsonl,) = tmp_path.glob("*-tiles.jsonl")
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    assert {r["direction"] for r in rows} == {"fwd", "dkdv", "dq", "atomic", "decode"}
+    assert {r["direction"] for r in rows} == {"fwd", "dkdv", "dq", "atomic", "decode", "bwd-separate"}
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows), rows
-    assert all(r["max_rel_err"] < 1e-4 for r in rows)
+    assert all(r["max_rel_err"] < 1e-4 for r in rows if r["direction"] != "bwd-separate")
+    (combined,) = [r for r in rows if r["direction"] == "bwd-separate"]  # dK/dV and dQ winners timed together
+    assert combined["dkdv"]["mode"] == "separate" and "block_m" in combined["dq"]
     for field in ("device", "torch", "triton", "date", "command"):
         assert rows[0][field]
     result = json.loads(jsonl.with_suffix(".json").read_text())
@@ -278,3 +280,13 @@ def test_shared_estimate_orders_tiles():
         for tiles in grid + list(sweep_tiles.DRY_GRIDS[direction]):
             key_direction, entry = sweep_tiles._entry(direction, tiles)
             _tile_table.check_entry(("sm90", key_direction, 128, True, "bfloat16"), entry)
+
+
+@pytest.mark.spawns
+def test_sweep_budget_stops_cleanly_and_writes(tmp_path):
+    res = _sweep("--dry-run", "--out", str(tmp_path), "--budget-s", "0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    (result,) = tmp_path.glob("*-tiles.json")
+    data = json.loads(result.read_text())
+    assert data["stopped"].startswith("budget: stopped before fwd hd64 causal=True candidate 0")
+    assert data["tiles"] == [] and result.with_suffix(".jsonl").exists()
