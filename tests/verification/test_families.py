@@ -196,3 +196,18 @@ def test_what_the_reference_does_not_model_is_refused_in_one_line(model_type, pa
         hf_qknorm.verify(model, generate=False)
     line = str(err.value)
     assert "\n" not in line and f"model type {model_type!r}" in line and f"does not model {part} of" in line
+
+
+@pytest.mark.spawns
+def test_folders_of_other_families_verify_without_the_plugin(tmp_path):
+    """A saved capped Gemma 3 and gpt-oss, loaded through their remote code in a process without hf_qknorm, against
+    the reference read from the same folder loaded with it."""
+    from hf_qknorm.verification import verify_folders
+
+    for name in ("gemma3_text", "gpt_oss"):
+        _model(name, "qk_norm_cap").save_pretrained(tmp_path / name)
+    results = verify_folders([tmp_path / "gemma3_text", tmp_path / "gpt_oss"], no_plugin=True, generate=False)
+    for result in results:
+        assert result.error is None, result.error
+        assert result.report.ok and "trust_remote_code=True" in result.report.source, str(result.report)
+        assert result.report.mechanism("cap") == "applied" and result.report.mechanism("window") == "applied"
