@@ -203,7 +203,7 @@ def _decide(device_type, device_index, dtype, head_dim, heads, kv_heads, capped,
     """:func:`plan`'s decision from plain values: a traced-in constant under ``torch.compile`` (the policy is read
     when the graph is traced, as :func:`~.dispatch.route` is)."""
     setting = _POLICY.get().flash_attn
-    if setting == "off":
+    if setting == "off" or (setting == "auto" and not WINS):  # nothing measured: no device query per call
         return None
     capability = device_capability(torch.device(device_type, device_index))
     route = choose(setting, capability, head_dim, causal)

@@ -541,3 +541,26 @@ def test_the_installed_flash_attn_computes_the_reference(causal, window):
     want16 = torch.autograd.grad(ref16, (q, k, v), do)
     for a, b64, b16 in zip(got, want64, want16):
         assert (a.double() - b64).abs().max() <= 3 * (b16.double() - b64).abs().max() + 1e-3
+
+
+@pytest.mark.cuda
+def test_the_backend_delegates_to_the_installed_package_on_request():
+    pytest.importorskip("flash_attn")
+    delegate.load.cache_clear()
+    if not delegate.installed():
+        pytest.skip("; ".join(delegate.load(route)[2] for route in delegate.ROUTES))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = (torch.randn(2, 8, 300, 128, device="cuda", generator=g) * 4).to(torch.bfloat16).requires_grad_()
+    k = (torch.randn(2, 2, 300, 128, device="cuda", generator=g) * 4).to(torch.bfloat16).requires_grad_()
+    v = torch.randn(2, 2, 300, 128, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    before = sum(delegate.delegated_calls().values())
+    with kernel_policy(flash_attn="on", use_fallback=False):
+        out, _ = interface.qknorm_attention_forward(_Attn().train(), q, k, v, None, scaling=0.1, softcap=20.0)
+    assert sum(delegate.delegated_calls().values()) == before + 1  # what ran is counted
+    args = dict(scaling=0.1, softcap=20.0, causal=True)
+    ref64 = attention_reference(*(t.double() for t in (q, k, v)), **args)
+    ref16 = attention_reference(q, k, v, **args)
+    err, bar = (out.transpose(1, 2).double() - ref64).abs().max(), (ref16.double() - ref64).abs().max()
+    assert err <= 3 * bar + 1e-3, (err, bar)
+    out.float().square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0 for t in (q, k, v))
