@@ -324,7 +324,7 @@ def test_cap_is_exact_at_every_size(decode):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_attention_low_precision_small(dtype):
+def test_attention_low_precision_small(dtype, bwd_mode):
     """bf16/fp16 inputs on a small case (the GPU tests below cover larger ones)."""
     _check_low_precision(dtype, 1, 4, 2, 33, 33, 64, True, 5.0)
 
@@ -448,13 +448,13 @@ CUDA_CASES = [  # (batch, heads, kv_heads, q_len, kv_len, head_dim, causal, soft
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", range(len(CUDA_CASES)))
-def test_attention_low_precision_cuda(dtype, case):
+def test_attention_low_precision_cuda(dtype, case, bwd_mode):
     b, h, hkv, tq, tk, d, causal, cap, extra = CUDA_CASES[case]
     _check_low_precision(dtype, b, h, hkv, tq, tk, d, causal, cap, seed=case, **extra)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_attention_padding_mask_cuda(dtype):
+def test_attention_padding_mask_cuda(dtype, bwd_mode):
     mask = _padding_mask(3, 257, 257, [0, 31, 200])
     _check_low_precision(dtype, 3, 8, 4, 257, 257, 128, True, 50.0, attn_mask=mask)
