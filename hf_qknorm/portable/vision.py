@@ -71,9 +71,16 @@ def vision_tower_path(model: nn.Module) -> str:
         found = [name for name, m in models if getattr(getattr(m, "config", None), "model_type", 0) == kind]
     outer = sorted({n for n in found if not any(n.startswith(o + ".") for o in found)}, key=len)
     if len(outer) != 1:
+        what = (
+            "it has no vision_config"
+            if vision is None
+            else f"several of its submodules hold its vision_config ({', '.join(outer)})"
+            if outer
+            else "none of its submodules holds its vision_config"
+        )
         raise UnsupportedModelError(
             f"model type {getattr(config, 'model_type', '?')!r}: vision= patches a multimodal model's vision "
-            f"encoder, and hf_qknorm finds {'several' if outer else 'none'} holding its vision_config"
+            f"encoder, and {what}"
         )
     return outer[0]
 
