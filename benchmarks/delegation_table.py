@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         print(f"{key[0]:>6} head_dim {key[1]:>3} {'causal' if key[2] else 'non-causal':>10}: {verdict}")
     if not measured:
         print("# no flash-cap row paired with a qknorm-triton row: nothing measured, the table stays as it is")
-    if args.apply:
+    if args.apply and measured:
         return apply(table, measured, sources, ", ".join(Path(x).name for x in paths), Path(args.table))
     return 0
 
