@@ -3,7 +3,7 @@
 (``trust_remote_code=True``), a plain export (``qwen3``, or the source's own model type) through plain Transformers.
 
 :func:`hf_qknorm.convert` compares these with the logits of the converted model in memory for every model type,
-including those whose attention the float64 reference of :func:`hf_qknorm.verify` does not spell out.
+including those whose attention the float64 reference of :func:`hf_qknorm.verify` refuses to follow.
 """
 
 from __future__ import annotations
