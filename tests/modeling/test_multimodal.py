@@ -536,3 +536,16 @@ def test_a_saved_folder_missing_a_vision_norm_weight_is_refused_on_loading(tmp_p
               metadata={"format": "pt"})  # fmt: skip
     with pytest.raises(ValueError, match="norm weights do not match"):
         AutoModelForImageTextToText.from_pretrained(tmp_path)
+
+
+def test_a_training_step_on_images_trains_the_vision_norms():
+    """The vision encoder's norms are ordinary parameters: an image forward and backward gives every one of them a
+    finite, non-zero gradient."""
+    model = tiny_multimodal_model("paligemma", dtype=torch.float32)
+    hf_qknorm.patch_model(model, "qk_norm", norm="rmsnorm", vision=True)
+    model.train()
+    inputs = image_text_inputs(model)
+    model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    vision = {n: p for n, p in model.named_parameters() if "vision_tower" in n and ("q_norm" in n or "k_norm" in n)}
+    assert vision and all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+                          for p in vision.values())  # fmt: skip
