@@ -4,8 +4,9 @@
 #   bash benchmarks/run_gpu.sh --dry-run        # every section at a tiny size on CPU, nothing saved (tests)
 # Sections, each under its own time limit (seconds, in the step lines below):
 #   attention  bench_attention.py: our kernel with and without the cap, sdpa's default pick and sdpa pinned to cuDNN,
-#              flash and efficient, FlexAttention with the tanh score_mod; fwd, bwd, fwd+bwd TFLOP/s; head_dim
-#              64/128; T 1k, 4k, 16k; causal
+#              flash and efficient, FlexAttention with the tanh score_mod, flash-attn's softcap where installed
+#              (then `python3 benchmarks/delegation_table.py --apply` on the rows); fwd, bwd, fwd+bwd TFLOP/s;
+#              head_dim 64/128; T 1k, 4k, 16k; causal
 #   step       bench_decode.py --table step: the 1B-shaped training step, T 2k and 8k, every scheme and unpatched
 #   token      bench_decode.py --table token: one eager decoding forward, every scheme
 #   decode     bench_decode.py --table decode: eager generations, dynamic and static cache; compiled static cache
@@ -88,7 +89,7 @@ fi
 python3 -c 'import torch, triton, transformers; print("#", torch.cuda.get_device_name(), "torch", torch.__version__,
 "triton", triton.__version__, "transformers", transformers.__version__)' || echo "!! could not name the device and versions" >&2
 section attention 180 python3 benchmarks/bench_attention.py --head-dims 64 128 --seqlens 1024 4096 16384 \
-  --providers sdpa sdpa-cudnn sdpa-flash sdpa-efficient flex-cap qknorm-triton qknorm-nocap --warmup 2 --reps 5
+  --providers sdpa sdpa-cudnn sdpa-flash sdpa-efficient flex-cap flash-cap qknorm-triton qknorm-nocap --warmup 2 --reps 5
 section step 90 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table step --shapes 1b \
   --seq 2048 8192 --rounds 3
 section token 60 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table token --shapes 1b \
