@@ -3,7 +3,7 @@ without a cap, side by side: microseconds per call, and each result's largest er
 
     python benchmarks/bench_native.py                       # one thread
     python benchmarks/bench_native.py --threads 2           # as dispatched: large calls keep the ATen ops
-    python benchmarks/bench_native.py --threads 2 --no-thread-limit   # where lean.NATIVE_PARALLEL_MAX comes from
+    python benchmarks/bench_native.py --threads 2 --no-thread-limit   # where native.PARALLEL_MAX comes from
     python benchmarks/bench_native.py --passes              # the tiled path's passes: nanoseconds per logit
 
 The three are timed in interleaved rounds (50 calls each per round, best round kept), on the shapes (batch, heads,
@@ -80,16 +80,16 @@ def _passes(rounds: int) -> None:
         g = torch.Generator().manual_seed(1)
         x0 = (torch.rand(n, generator=g) - 0.5) * 8  # 2s/c of logits within +-2c
         rows, cols = n // 512, 512
-        x, kept, p, slope, out = (torch.empty(n) for _ in range(5))
-        sums, neg_lse, delta = torch.empty(rows), torch.full((rows,), -80.0), torch.full((rows,), 0.1)
+        x, kept, p, slope, out = (torch.empty(1, rows, cols) for _ in range(5))
+        x0 = x0.view(1, rows, cols)
+        sums, neg_lse, delta = torch.empty(1, rows, 1), torch.full((1, rows, 1), -80.0), torch.full((1, rows, 1), 0.1)
         kept.copy_(torch.tanh(x0 / 2))
-        xp, kp, sp, pp, lp, dp = (t.data_ptr() for t in (x, kept, sums, p, neg_lse, delta))
         calls = {
-            "fk": partial(op.forward_f32, xp, 1, rows, cols, kp, sp, gain),
-            "f": partial(op.forward_f32, xp, 1, rows, cols, 0, sp, gain),
-            "bk": partial(op.backward_p_f32, kp, 0, 1, rows, cols, lp, 1, pp, slope.data_ptr(), gain),
-            "br": partial(op.backward_p_f32, x0.data_ptr(), 1, 1, rows, cols, lp, 1, pp, slope.data_ptr(), gain),
-            "ds": partial(op.backward_ds_f32, out.data_ptr(), pp, slope.data_ptr(), 1, rows, cols, dp, 1),
+            "fk": partial(native.forward_tile, op, x, kept, sums, gain),
+            "f": partial(native.forward_tile, op, x, None, sums, gain),
+            "bk": partial(native.backward_p, op, kept, False, neg_lse, p, slope, gain),
+            "br": partial(native.backward_p, op, x0, True, neg_lse, p, slope, gain),
+            "ds": partial(native.backward_ds, op, out, p, slope, delta),
             "tanh": partial(torch.tanh, x0, out=out),
             "exp2": partial(torch.exp2, x0, out=out),
         }
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--no-thread-limit",
         action="store_true",
-        help="the native op for every call, however large, with several threads too (lean.NATIVE_PARALLEL_MAX lifted)",
+        help="the native op for every call, however large, with several threads too (native.PARALLEL_MAX lifted)",
     )
     parser.add_argument("--passes", action="store_true", help="time the tiled path's native passes instead")
     args = parser.parse_args(argv)
@@ -122,17 +122,16 @@ def main(argv=None) -> int:
         if not value > 0:
             parser.error(f"{name} must be positive; got {value}")
     if native.MODULE is None:
-        print("the native op was not built here (no C compiler at install time)", file=sys.stderr)
+        print("the native op was not built here (no GCC or Clang at install time)", file=sys.stderr)
         return 2
-    from hf_qknorm.attention import lean
 
     torch.set_num_threads(args.threads)
     if args.passes:
         _passes(args.rounds)
         return 0
-    limit = lean.NATIVE_PARALLEL_MAX
+    limit = native.PARALLEL_MAX
     if args.no_thread_limit:
-        lean.NATIVE_PARALLEL_MAX = float("inf")
+        native.PARALLEL_MAX = float("inf")
     limited = "" if args.no_thread_limit else " (as dispatched)"
     print(f"threads {args.threads}, cap {args.cap}: microseconds per call{limited}, max error against float64")
     print("| batch, heads, kv heads, keys, head dim | native op | ATen ops | sdpa, no cap |")
@@ -141,7 +140,7 @@ def main(argv=None) -> int:
         for shape in SHAPES:
             print(_row(shape, args.cap, args.rounds))
     finally:
-        lean.NATIVE_PARALLEL_MAX = limit
+        native.PARALLEL_MAX = limit
     return 0
 
 

@@ -9,12 +9,17 @@
    (tests/attention/test_native.py measures them; scripts/check_native_tanh.py checks the tanh on every float32).
    The same file holds the tiled path's capped elementwise passes (tile_forward, tile_backward_p, tile_backward_ds).
 
-   Built at install time as an optional extension (setup.py); where it cannot be built, or HF_QKNORM_NATIVE=0 is set,
-   lean.py runs its ATen ops instead. On x86-64 Linux with GCC an AVX2/FMA clone is chosen at load time.
+   Built at install time as an optional extension (setup.py) by GCC or Clang (the loops use their vector
+   extensions; another compiler gets a one-line refusal and no op); where it is not built, or HF_QKNORM_NATIVE=0 is
+   set, every path runs its ATen ops instead. On x86-64 Linux with GCC an AVX2/FMA clone is chosen at load time.
 
-   Memory: the caller passes data pointers and strides of live CPU tensors (lean.py and chunked.py check dtype,
-   device, layout); the decoding op reads q, k, v and the mask within the given shapes and writes only `out` (batch,
-   heads, dim), the passes read and write only the tiles they are given. */
+   Memory: every entry point takes each tensor's pointer with its dtype, shape, strides and storage extent, and
+   checks them all here before a loop runs (the wrappers at the end of this file), so a wrong call from Python is
+   a ValueError, never a read or write outside a tensor. */
+
+#if !defined(__GNUC__)
+#error "hf_qknorm's native op needs GCC or Clang (vector extensions); the package runs its ATen ops without it"
+#endif
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,6 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* an AVX2/FMA clone beside the default, picked at load time (an ifunc: ELF only), with GCC; Clang (14 tested) has
+   the attribute but refuses clones that pass the eight-float vectors between inlined functions, so it builds the
+   default only */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define HFQ_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
@@ -145,8 +153,8 @@ HFQ_CLONES
 static void capped_rows(const float *q, long long q_sb, long long q_sh, const float *k, long long k_sb, long long k_sh,
                         long long k_st, const float *v, long long v_sb, long long v_sh, long long v_st,
                         const unsigned char *mask, long long m_sb, long long m_sh, long long m_sk, float *out,
-                        long long batch, long long heads, long long kv_heads, long long kv_len, long long dim,
-                        float scale, float cap, float *s) {
+                        long long o_sb, long long o_sh, long long batch, long long heads, long long kv_heads,
+                        long long kv_len, long long dim, float scale, float cap, float *s) {
     const long long groups = heads / kv_heads;
     const float pre = scale / cap;
     vec8 acc[MAX_DIM / LANES], part[MAX_DIM / LANES];
@@ -194,7 +202,7 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
             float top = -INFINITY;
             for (int u = 0; u < LANES; u++) top = top8[u] > top ? top8[u] : top;
             for (long long j = full; j < kv_len; j++) top = s[j] > top ? s[j] : top;
-            float *o = out + (b * heads + h) * dim;
+            float *o = out + b * o_sb + h * o_sh;
             if (top == -INFINITY) { /* no allowed key (or every logit NaN: the NaN below is kept) */
                 int any_nan = 0;
                 for (long long j = 0; j < kv_len; j++) any_nan |= s[j] != s[j];
@@ -364,25 +372,132 @@ static void tile_backward_ds(float *dp, const float *p, const float *slope, long
         }
 }
 
-/* Arguments of the wrappers below: Python integers (pointers, sizes, strides in elements) and floats, in the order
-   of the C function's parameters. */
-static int ints(PyObject *const *args, Py_ssize_t count, long long *out) {
-    for (Py_ssize_t a = 0; a < count; a++) {
-        out[a] = PyLong_AsLongLong(args[a]);
+/* The wrappers below take each tensor as five arguments -- its data pointer, a dtype code, its shape and strides (in
+   elements, as tuples) and the elements its storage holds from the data pointer on -- and check them here before
+   any loop runs: the dtype, the rank, every size against the others, the strides the loops assume, and that every
+   index a loop will touch lies inside the storage. A check that fails raises one ValueError naming the argument;
+   the caller's Python (native.py) holds no safety of its own. */
+
+#define CODE_FLOAT32 1
+#define CODE_BOOL 2
+#define MAX_RANK 4
+#define MAX_EXTENT (1LL << 60) /* more elements than any storage: past it, the products below could overflow */
+
+typedef struct {
+    const char *name;
+    uintptr_t ptr;
+    long long code, rank, strides, extent; /* strides: how many strides were given */
+    long long size[MAX_RANK], stride[MAX_RANK];
+} tensor_arg;
+
+enum { BAD_NONE, BAD_DTYPE, BAD_RANK, BAD_SHAPE, BAD_STRIDE, BAD_BOUNDS, BAD_SIZES };
+
+static const char *const problems[] = {
+    "",
+    "has the wrong dtype",
+    "has the wrong number of dimensions",
+    "has a shape that does not match the other arguments",
+    "has strides the op does not take (its last dimension must be contiguous, a tile contiguous throughout)",
+    "reaches past the end of its storage",
+    "has sizes the op does not take (a head dim a multiple of 8 up to 512, key heads dividing the heads, keys)",
+};
+
+/* "[a, b, c]" of up to MAX_RANK integers, into `text` */
+static void list_text(char *text, size_t room, const long long *values, long long count) {
+    size_t used = (size_t)PyOS_snprintf(text, room, "[");
+    for (long long d = 0; d < count && d < MAX_RANK && used < room; d++)
+        used += (size_t)PyOS_snprintf(text + used, room - used, d ? ", %lld" : "%lld", values[d]);
+    if (used < room) PyOS_snprintf(text + used, room - used, "%s]", count > MAX_RANK ? ", ..." : "");
+}
+
+/* the error of check `bad` on argument `t` (or of the whole call where t is NULL), as one ValueError */
+static void *refuse(const char *op, const tensor_arg *t, int bad) {
+    if (t) {
+        char sizes[128], strides[128];
+        list_text(sizes, sizeof sizes, t->size, t->rank);
+        list_text(strides, sizeof strides, t->stride, t->strides);
+        PyErr_Format(PyExc_ValueError,
+                     "hf_qknorm native %s: %s %s (shape %s, strides %s, dtype code %lld, %lld elements in storage)",
+                     op, t->name, problems[bad], sizes, strides, t->code, t->extent);
+    } else {
+        PyErr_Format(PyExc_ValueError, "hf_qknorm native %s: %s", op, problems[bad]);
+    }
+    return NULL;
+}
+
+static int tuple_ints(PyObject *tuple, long long *out, long long *count) {
+    if (!PyTuple_Check(tuple)) {
+        PyErr_SetString(PyExc_TypeError, "shape and strides must be tuples of integers");
+        return -1;
+    }
+    *count = PyTuple_GET_SIZE(tuple);
+    for (Py_ssize_t a = 0; a < *count && a < MAX_RANK; a++) {
+        out[a] = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, a));
         if (out[a] == -1 && PyErr_Occurred()) return -1;
     }
     return 0;
 }
 
-static int sizes_ok(long long blocks, long long rows, long long cols) {
-    if (blocks < 0 || rows < 0 || cols < 0) {
-        PyErr_Format(PyExc_ValueError, "tile sizes must not be negative: %lld, %lld, %lld", blocks, rows, cols);
-        return 0;
-    }
-    return 1;
+/* One tensor's five arguments; -1 with a Python error where they are not integers and tuples. */
+static int tensor_args(PyObject *const *args, const char *name, tensor_arg *t) {
+    memset(t, 0, sizeof *t);
+    t->name = name;
+    t->ptr = (uintptr_t)PyLong_AsUnsignedLongLong(args[0]);
+    if (t->ptr == (uintptr_t)-1 && PyErr_Occurred()) return -1;
+    t->code = PyLong_AsLongLong(args[1]);
+    if (t->code == -1 && PyErr_Occurred()) return -1;
+    if (tuple_ints(args[2], t->size, &t->rank) < 0 || tuple_ints(args[3], t->stride, &t->strides) < 0) return -1;
+    t->extent = PyLong_AsLongLong(args[4]);
+    if (t->extent == -1 && PyErr_Occurred()) return -1;
+    return 0;
 }
 
-#define PTR(type, value) ((type *)(uintptr_t)(value))
+/* dtype, rank, and every index the shape and strides reach inside [0, extent): the largest is the sum of
+   (size - 1) * stride; an empty tensor reaches none */
+static int check_tensor(const tensor_arg *t, long long code, long long rank) {
+    if (t->code != code) return BAD_DTYPE;
+    if (t->rank != rank || t->strides != rank) return BAD_RANK;
+    if (t->extent < 0 || t->extent > MAX_EXTENT) return BAD_BOUNDS;
+    long long last = 0;
+    for (long long d = 0; d < rank; d++) {
+        if (t->size[d] < 0 || t->stride[d] < 0) return BAD_BOUNDS;
+        if (t->size[d] == 0) return BAD_NONE;
+    }
+    for (long long d = 0; d < rank; d++) {
+        if (t->size[d] > 1 && t->stride[d] > (MAX_EXTENT - last) / (t->size[d] - 1)) return BAD_BOUNDS;
+        last += (t->size[d] - 1) * t->stride[d];
+    }
+    if (last >= t->extent || t->ptr == 0) return BAD_BOUNDS;
+    return BAD_NONE;
+}
+
+/* a tile (blocks, rows, cols) or a per-row vector (blocks, rows, 1): float32, the shape given, rows `row_stride`
+   apart in a block (1: the last dims contiguous) */
+static int check_tile(const tensor_arg *t, long long blocks, long long rows, long long cols, int contiguous) {
+    int bad = check_tensor(t, CODE_FLOAT32, 3);
+    if (bad) return bad;
+    if (t->size[0] != blocks || t->size[1] != rows || t->size[2] != cols) return BAD_SHAPE;
+    if ((cols > 1 && t->stride[2] != 1) || (rows > 1 && t->stride[1] != cols)) return BAD_STRIDE;
+    if (contiguous && blocks > 1 && t->stride[0] != rows * cols) return BAD_STRIDE;
+    return BAD_NONE;
+}
+
+/* The optional band of a pass (band_row): five integers after its other arguments, or none (every column allowed). */
+static int band_args(PyObject *const *args, Py_ssize_t count, long long cols, band *out) {
+    *out = (band){0, 0, cols, 0, 1};
+    if (count == 0) return 0;
+    long long v[5];
+    for (int a = 0; a < 5; a++) {
+        v[a] = PyLong_AsLongLong(args[a]);
+        if (v[a] == -1 && PyErr_Occurred()) return -1;
+    }
+    if (v[4] <= 0) {
+        PyErr_Format(PyExc_ValueError, "band groups must be positive, got %lld", v[4]);
+        return -1;
+    }
+    *out = (band){v[0], v[1], v[2], v[3], v[4]};
+    return 0;
+}
 
 /* A float for an error message: PyErr_Format takes no %g (Python 3.12 raises SystemError on it), so it goes in as
    text. */
@@ -396,115 +511,164 @@ static number_text as_text(double value) {
     return out;
 }
 
-/* The optional band of a pass (band_row): five integers after its other arguments, or none (every column allowed). */
-static int band_args(PyObject *const *args, Py_ssize_t count, long long cols, band *out) {
-    *out = (band){0, 0, cols, 0, 1};
-    if (count == 0) return 0;
-    long long v[5];
-    if (ints(args, 5, v) < 0) return -1;
-    if (v[4] <= 0) {
-        PyErr_Format(PyExc_ValueError, "band groups must be positive, got %lld", v[4]);
-        return -1;
-    }
-    *out = (band){v[0], v[1], v[2], v[3], v[4]};
-    return 0;
+static int get_float(PyObject *arg, double *out) {
+    *out = PyFloat_AsDouble(arg);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* forward_f32(x, blocks, rows, cols, kept or 0, sums, gain[, lo0, lo_step, hi0, hi_step, groups]) */
+#define TENSOR(slot, name, var)                                                                                       \
+    if (tensor_args(args + 5 * (slot), name, &var) < 0) return NULL
+#define CHECKED(call, var)                                                                                            \
+    do {                                                                                                               \
+        int bad_ = (call);                                                                                             \
+        if (bad_) return refuse(op, &var, bad_);                                                                       \
+    } while (0)
+
+/* forward_f32(x, kept or None, sums, gain[, lo0, lo_step, hi0, hi_step, groups]), each tensor as five arguments
+   (module comment above), kept's five all None for none: x (blocks, rows, cols) contiguous, written over; kept the
+   same; sums (blocks, rows, 1) */
 static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long i[6];
+    const char *op = "forward_f32";
+    tensor_arg x, kept, sums;
     band w;
-    if (nargs != 7 && nargs != 12)
-        return PyErr_Format(PyExc_TypeError, "forward_f32 takes 7 or 12 arguments, got %zd", nargs);
-    if (ints(args, 6, i) < 0) return NULL;
-    double gain = PyFloat_AsDouble(args[6]);
-    if (gain == -1.0 && PyErr_Occurred()) return NULL;
-    if (!sizes_ok(i[1], i[2], i[3])) return NULL;
+    double gain;
+    if (nargs != 16 && nargs != 21)
+        return PyErr_Format(PyExc_TypeError, "forward_f32 takes 16 or 21 arguments, got %zd", nargs);
+    TENSOR(0, "x", x);
+    const int has_kept = args[5] != Py_None;
+    if (has_kept) TENSOR(1, "kept", kept);
+    TENSOR(2, "sums", sums);
+    if (get_float(args[15], &gain) < 0) return NULL;
+    const long long blocks = x.size[0], rows = x.size[1], cols = x.size[2];
+    CHECKED(check_tile(&x, blocks, rows, cols, 1), x);
+    if (has_kept) CHECKED(check_tile(&kept, blocks, rows, cols, 1), kept);
+    CHECKED(check_tile(&sums, blocks, rows, 1, 1), sums);
     if (!(fabs(gain) <= 126.0)) {
         PyErr_Format(PyExc_ValueError, "forward_f32: gain must be within [-126, 126] (no row shift), got %s",
                      as_text(gain).text);
         return NULL;
     }
-    if (band_args(args + 7, nargs - 7, i[3], &w) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS tile_forward(PTR(float, i[0]), i[1], i[2], i[3], (float)gain, PTR(float, i[4]),
-                                        PTR(float, i[5]), w);
+    if (band_args(args + 16, nargs - 16, cols, &w) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS tile_forward((float *)x.ptr, blocks, rows, cols, (float)gain,
+                                        has_kept ? (float *)kept.ptr : NULL, (float *)sums.ptr, w);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* backward_p_f32(src, recompute, blocks, rows, cols, neg_lse, lse_stride, p, slope, gain[, band as forward_f32]) */
+/* backward_p_f32(src, recompute, neg_lse, p, slope, gain[, band as forward_f32]): src, p, slope (blocks, rows, cols)
+   contiguous (p may be src); neg_lse (blocks, rows, 1), its rows contiguous, its blocks any stride apart */
 static PyObject *backward_p_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long i[9];
+    const char *op = "backward_p_f32";
+    tensor_arg src, lse, p, slope;
     band w;
-    if (nargs != 10 && nargs != 15)
-        return PyErr_Format(PyExc_TypeError, "backward_p_f32 takes 10 or 15 arguments, got %zd", nargs);
-    if (ints(args, 9, i) < 0) return NULL;
-    double gain = PyFloat_AsDouble(args[9]);
-    if (gain == -1.0 && PyErr_Occurred()) return NULL;
-    if (!sizes_ok(i[2], i[3], i[4])) return NULL;
-    if (band_args(args + 10, nargs - 10, i[4], &w) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS tile_backward_p(PTR(const float, i[0]), (int)i[1], i[2], i[3], i[4],
-                                           PTR(const float, i[5]), i[6], (float)gain, PTR(float, i[7]),
-                                           PTR(float, i[8]), w);
+    double gain;
+    if (nargs != 22 && nargs != 27)
+        return PyErr_Format(PyExc_TypeError, "backward_p_f32 takes 22 or 27 arguments, got %zd", nargs);
+    TENSOR(0, "src", src);
+    const int recompute = PyObject_IsTrue(args[5]);
+    if (recompute < 0) return NULL;
+    if (tensor_args(args + 6, "neg_lse", &lse) < 0 || tensor_args(args + 11, "p", &p) < 0 ||
+        tensor_args(args + 16, "slope", &slope) < 0 || get_float(args[21], &gain) < 0)
+        return NULL;
+    const long long blocks = src.size[0], rows = src.size[1], cols = src.size[2];
+    CHECKED(check_tile(&src, blocks, rows, cols, 1), src);
+    CHECKED(check_tile(&lse, blocks, rows, 1, 0), lse);
+    CHECKED(check_tile(&p, blocks, rows, cols, 1), p);
+    CHECKED(check_tile(&slope, blocks, rows, cols, 1), slope);
+    if (band_args(args + 22, nargs - 22, cols, &w) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS tile_backward_p((const float *)src.ptr, recompute, blocks, rows, cols,
+                                           (const float *)lse.ptr, lse.stride[0], (float)gain, (float *)p.ptr,
+                                           (float *)slope.ptr, w);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* backward_ds_f32(dp, p, slope, blocks, rows, cols, delta, delta_stride) */
+/* backward_ds_f32(dp, p, slope, delta): dp, p, slope (blocks, rows, cols) contiguous, dp written over; delta as
+   backward_p_f32's neg_lse */
 static PyObject *backward_ds_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long i[8];
-    if (nargs != 8) return PyErr_Format(PyExc_TypeError, "backward_ds_f32 takes 8 arguments, got %zd", nargs);
-    if (ints(args, 8, i) < 0) return NULL;
-    if (!sizes_ok(i[3], i[4], i[5])) return NULL;
-    Py_BEGIN_ALLOW_THREADS tile_backward_ds(PTR(float, i[0]), PTR(const float, i[1]), PTR(const float, i[2]), i[3],
-                                            i[4], i[5], PTR(const float, i[6]), i[7]);
+    const char *op = "backward_ds_f32";
+    tensor_arg dp, p, slope, delta;
+    if (nargs != 20) return PyErr_Format(PyExc_TypeError, "backward_ds_f32 takes 20 arguments, got %zd", nargs);
+    TENSOR(0, "dp", dp);
+    TENSOR(1, "p", p);
+    TENSOR(2, "slope", slope);
+    TENSOR(3, "delta", delta);
+    const long long blocks = dp.size[0], rows = dp.size[1], cols = dp.size[2];
+    CHECKED(check_tile(&dp, blocks, rows, cols, 1), dp);
+    CHECKED(check_tile(&p, blocks, rows, cols, 1), p);
+    CHECKED(check_tile(&slope, blocks, rows, cols, 1), slope);
+    CHECKED(check_tile(&delta, blocks, rows, 1, 0), delta);
+    Py_BEGIN_ALLOW_THREADS tile_backward_ds((float *)dp.ptr, (const float *)p.ptr, (const float *)slope.ptr, blocks,
+                                            rows, cols, (const float *)delta.ptr, delta.stride[0]);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* capped_f32(q, q_sb, q_sh, k, k_sb, k_sh, k_st, v, v_sb, v_sh, v_st, mask, m_sb, m_sh, m_sk, out,
-              batch, heads, kv_heads, kv_len, dim, scale, cap): pointers and strides (in elements) as integers,
-              mask 0 for none; out is (batch, heads, dim) contiguous. */
+/* the decoding op's arguments against each other: q (batch, heads, 1, dim); k and v (batch, kv_heads, kv_len, dim);
+   out (batch, 1, heads, dim); the mask, where given, bool (batch | 1, heads | 1, 1, kv_len); every last dimension
+   contiguous */
+static PyObject *check_capped(const tensor_arg *q, const tensor_arg *k, const tensor_arg *v, const tensor_arg *m,
+                              const tensor_arg *out) {
+    const char *op = "capped_f32";
+    const tensor_arg *floats[4] = {q, k, v, out};
+    for (int a = 0; a < 4; a++) CHECKED(check_tensor(floats[a], CODE_FLOAT32, 4), *floats[a]);
+    if (m) CHECKED(check_tensor(m, CODE_BOOL, 4), *m);
+    const long long batch = q->size[0], heads = q->size[1], dim = q->size[3];
+    const long long kv_heads = k->size[1], kv_len = k->size[2];
+    if (q->size[2] != 1) return refuse(op, q, BAD_SHAPE);
+    if (k->size[0] != batch || k->size[3] != dim) return refuse(op, k, BAD_SHAPE);
+    for (int d = 0; d < 4; d++)
+        if (v->size[d] != k->size[d]) return refuse(op, v, BAD_SHAPE);
+    if (out->size[0] != batch || out->size[1] != 1 || out->size[2] != heads || out->size[3] != dim)
+        return refuse(op, out, BAD_SHAPE);
+    if (m && ((m->size[0] != 1 && m->size[0] != batch) || (m->size[1] != 1 && m->size[1] != heads) ||
+              m->size[2] != 1 || m->size[3] != kv_len))
+        return refuse(op, m, BAD_SHAPE);
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || kv_len <= 0 || dim <= 0 || dim % LANES || dim > MAX_DIM)
+        return refuse(op, NULL, BAD_SIZES);
+    for (int a = 0; a < 4; a++)
+        if (floats[a]->stride[3] != 1) return refuse(op, floats[a], BAD_STRIDE);
+    return Py_None; /* borrowed: checked */
+}
+
+/* capped_f32(q, k, v, mask, out, scale, cap), each tensor as five arguments (module comment above), the mask's five
+   all None for none; out written, nothing else. */
 static PyObject *capped_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 23) {
-        PyErr_Format(PyExc_TypeError, "capped_f32 takes 23 arguments, got %zd", nargs);
+    tensor_arg q, k, v, m, out;
+    double scale, cap;
+    if (nargs != 27) return PyErr_Format(PyExc_TypeError, "capped_f32 takes 27 arguments, got %zd", nargs);
+    TENSOR(0, "query", q);
+    TENSOR(1, "key", k);
+    TENSOR(2, "value", v);
+    const int has_mask = args[15] != Py_None;
+    if (has_mask) TENSOR(3, "mask", m);
+    TENSOR(4, "out", out);
+    if (get_float(args[25], &scale) < 0 || get_float(args[26], &cap) < 0) return NULL;
+    if (!check_capped(&q, &k, &v, has_mask ? &m : NULL, &out)) return NULL;
+    if (!(cap > 0.0)) {
+        PyErr_Format(PyExc_ValueError, "hf_qknorm native capped_f32: cap must be positive, got %s", as_text(cap).text);
         return NULL;
     }
-    long long i[21];
-    int slot = 0;
-    for (Py_ssize_t a = 0; a < 21; a++) {
-        i[slot] = PyLong_AsLongLong(args[a]);
-        if (i[slot] == -1 && PyErr_Occurred()) return NULL;
-        slot++;
-    }
-    double scale = PyFloat_AsDouble(args[21]);
-    if (scale == -1.0 && PyErr_Occurred()) return NULL;
-    double cap = PyFloat_AsDouble(args[22]);
-    if (cap == -1.0 && PyErr_Occurred()) return NULL;
-    long long batch = i[16], heads = i[17], kv_heads = i[18], kv_len = i[19], dim = i[20];
-    if (batch < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || kv_len <= 0 || dim <= 0 || dim % LANES ||
-        dim > MAX_DIM || !(cap > 0.0)) {
-        PyErr_Format(PyExc_ValueError,
-                     "capped_f32: unsupported sizes (batch %lld, heads %lld, kv_heads %lld, kv_len %lld, dim %lld, "
-                     "cap %s)",
-                     batch, heads, kv_heads, kv_len, dim, as_text(cap).text);
-        return NULL;
-    }
+    const long long kv_len = k.size[2];
     float *s = (float *)malloc((size_t)kv_len * sizeof(float));
     if (!s) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS capped_rows((const float *)(uintptr_t)i[0], i[1], i[2], (const float *)(uintptr_t)i[3],
-                                       i[4], i[5], i[6], (const float *)(uintptr_t)i[7], i[8], i[9], i[10],
-                                       (const unsigned char *)(uintptr_t)i[11], i[12], i[13], i[14],
-                                       (float *)(uintptr_t)i[15], batch, heads, kv_heads, kv_len, dim, (float)scale,
-                                       (float)cap, s);
+    /* a dimension of size 1 is read at index 0 only, whatever its stride */
+#define STRIDE(t, d) ((t).size[d] > 1 ? (t).stride[d] : 0)
+    Py_BEGIN_ALLOW_THREADS capped_rows(
+        (const float *)q.ptr, STRIDE(q, 0), STRIDE(q, 1), (const float *)k.ptr, STRIDE(k, 0), STRIDE(k, 1),
+        STRIDE(k, 2), (const float *)v.ptr, STRIDE(v, 0), STRIDE(v, 1), STRIDE(v, 2),
+        has_mask ? (const unsigned char *)m.ptr : NULL, has_mask ? STRIDE(m, 0) : 0, has_mask ? STRIDE(m, 1) : 0,
+        has_mask ? STRIDE(m, 3) : 0, (float *)out.ptr, STRIDE(out, 0), STRIDE(out, 2), q.size[0], q.size[1],
+        k.size[1], kv_len, q.size[3], (float)scale, (float)cap, s);
     Py_END_ALLOW_THREADS free(s);
+#undef STRIDE
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"capped_f32", (PyCFunction)(void (*)(void))capped_f32, METH_FASTCALL,
-     "One decoding query's capped attention, float32 (hf_qknorm.attention.lean)."},
+     "One decoding query's capped attention, float32 (hf_qknorm.attention.native.capped_decode)."},
     {"forward_f32", (PyCFunction)(void (*)(void))forward_f32, METH_FASTCALL,
      "A capped tile's exponents, kept tanh and row sums (hf_qknorm.attention.chunked)."},
     {"backward_p_f32", (PyCFunction)(void (*)(void))backward_p_f32, METH_FASTCALL,
@@ -516,4 +680,12 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddIntConstant(m, "FLOAT32", CODE_FLOAT32) < 0 ||
+              PyModule_AddIntConstant(m, "BOOL", CODE_BOOL) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from . import native
 from . import tiles as _tiles
 from .native import NATIVE
 from .tiles import TANH_CLAMP, chunk_allowed, expm1_doubled_, position_mask, tanh_doubled_, user_mask_tile
@@ -147,23 +148,16 @@ class _Call:
         packed = (sink.detach().to(self.acc) * LOG2E).view(1, self.kv_heads, 1, self.groups)
         self.sink = packed.expand(self.batch, -1, -1, -1).reshape(self.n, 1, self.groups)
 
-    def use_native(self, q: torch.Tensor) -> None:
+    def use_native(self, qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> None:
         """Take the native elementwise passes (:mod:`.native`) where this call is theirs: a cap whose exponents need
-        no row shift, plain float32 tensors on the CPU, no dropout, eager, one thread (the ATen passes share a tile
-        among threads; the native ones do not)."""
-        native = NATIVE[0]
+        no row shift, no dropout, and the packed operands and the largest tile as :func:`.native.eligible` allows."""
         if (
-            native is not None
-            and self.softcap is not None
+            self.softcap is not None
             and not self.row_shift
-            and self.acc is torch.float32
             and self.dropout_p == 0
-            and type(q) is torch.Tensor  # a subclass (a DTensor, a fake tensor) may keep its values elsewhere
-            and q.is_cpu
-            and not torch.compiler.is_compiling()
-            and torch.get_num_threads() == 1
+            and native.eligible(qp, kp, vp, self.tile_max)
         ):
-            self.native = native
+            self.native = NATIVE[0]
 
     def check_clamp(self, qp: torch.Tensor, kp: torch.Tensor) -> None:
         """Whether tanh's argument may pass the clamp: |2x| <= |qp| |kp| (Cauchy-Schwarz), checked once per call."""
@@ -270,10 +264,8 @@ def _forward_tile(c: _Call, i: int, tile, qp, kp, vp, out, lse, head_max, bufs, 
                 shift = torch.maximum(shift.view(n1 - n0, end - start, c.groups), c.sink[n0:n1]).view(shift.shape)
     if c.native is not None:  # one pass: tanh, the exponent, its row sums (and the kept tanh); no shift here
         norm = torch.empty((*shape[:2], 1), dtype=s.dtype)
-        kept_ptr = _kept(c, i, kept, shape).data_ptr() if kept is not None else 0
-        c.native.forward_f32(
-            s.data_ptr(), shape[0], shape[1], shape[2], kept_ptr, norm.data_ptr(), c.gain, *c.band(tile)
-        )  # pairs outside the causal/window band: p = 0, not summed
+        kept_tile = _kept(c, i, kept, shape) if kept is not None else None
+        native.forward_tile(c.native, s, kept_tile, norm, c.gain, c.band(tile))  # outside the band: p = 0, not summed
         p = s
         user = c.user_masks(tile)
         if user:  # the caller's masked pairs hold a finite exponent: zeroed, and the sums taken again without them
@@ -352,29 +344,17 @@ def _backward_tile_native(c: _Call, i: int, tile, qt, dot, kt, vt, neg_lse, delt
     dq, dkt, dvt = grads
     rows, shape = slice(start * c.groups, end * c.groups), (n1 - n0, (end - start) * c.groups, hi - lo)
     if kept is not None:  # forward's tanh: no matmul, no tanh here
-        src, recompute, p = _kept(c, i, kept, shape), 0, _scratch(bufs[0], shape)
+        src, recompute, p = _kept(c, i, kept, shape), False, _scratch(bufs[0], shape)
     else:
         src = p = torch.bmm(qt, kt.transpose(1, 2), out=_scratch(bufs[0], shape))
-        recompute = 1
+        recompute = True
     slope = _scratch(bufs[2], shape)
     row_lse, row_delta = neg_lse[n0:n1, rows], delta[n0:n1, rows]  # (rows, queries, 1), strided over rows
-    c.native.backward_p_f32(
-        src.data_ptr(),
-        recompute,
-        *shape,
-        row_lse.data_ptr(),
-        row_lse.stride(0),
-        p.data_ptr(),
-        slope.data_ptr(),
-        c.gain,
-        *c.band(tile),
-    )  # p and slope 0 outside the causal/window band
+    native.backward_p(c.native, src, recompute, row_lse, p, slope, c.gain, c.band(tile))  # 0 outside the band
     _fill(p, c.user_masks(tile), c.groups, 0.0)
     _matmul_into(dvt[n0:n1, :, lo:hi], dot.transpose(1, 2), p, bufs[4], True)
     dp = torch.bmm(dot, vt.transpose(1, 2), out=_scratch(bufs[1], shape))
-    c.native.backward_ds_f32(
-        dp.data_ptr(), p.data_ptr(), slope.data_ptr(), *shape, row_delta.data_ptr(), row_delta.stride(0)
-    )
+    native.backward_ds(c.native, dp, p, slope, row_delta)
     _matmul_into(dq[n0:n1, rows], dp, kt, bufs[4], False)
     _matmul_into(dkt[n0:n1, :, lo:hi], qt.transpose(1, 2), dp, bufs[4], True)
 
@@ -410,10 +390,10 @@ class TiledAttention(torch.autograd.Function):
     ):
         c = _Call(q, k, mask, scaling, softcap, causal, sliding_window, dropout_p, seed)
         c.set_sink(sink)
-        c.use_native(q)
         qp = c.pack(q, c.prescale)
         kp = k.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
         vp = v.to(c.acc).reshape(c.n, c.kv_len, c.head_dim)
+        c.use_native(qp, kp, vp)
         c.check_clamp(qp, kp)
         out = torch.empty_like(qp)
         for rows in c.uncovered_rows():

@@ -47,6 +47,7 @@ from ..portable.schemes import check_softcap
 from . import delegate, lean
 from .chunked import chunked_attention, max_logits
 from .dispatch import _POLICY, KernelFallbackError, current_kernel_policy, fallback_message, route
+from .native import grad_recorded
 from .tiles import chunk_allowed
 
 try:  # the outputs Transformers' output capture is collecting in this forward (hf_qknorm/upstream.py)
@@ -241,7 +242,7 @@ def _one_query(module, query, key, value, attention_mask, scaling, dropout, soft
         or kwargs.get("s_aux") is not None
         or kwargs.get("cu_seq_lens_q") is not None
         or (dropout and module.training)
-        or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+        or grad_recorded(query, key, value)  # the native op's rule (.native.eligible) says the same
         or "cpu" in _POLICY.get().devices  # route() could send CPU tensors to the kernels: it decides
     ):
         return None

@@ -23,8 +23,8 @@ float32 for half-precision inputs (float64 stays float64).
 
 One capped float32 query per row on the CPU -- decoding's commonest call -- goes further: the optional native op
 (``_native.c``, built at install time) does all of it in one call, the cost of the unpatched model's one sdpa call
-(:func:`_native_capped`). ``HF_QKNORM_NATIVE=0`` in the environment, a build without it, or any other call takes the
-ops above.
+(:func:`_native_capped`, for the calls :func:`.native.eligible` allows). ``HF_QKNORM_NATIVE=0`` in the environment, a
+build without it, or any other call takes the ops above.
 
 This module imports nothing but ``torch``, :mod:`.tiles` and :mod:`.native`.
 """
@@ -33,18 +33,12 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .native import NATIVE  # the native op in use, or None (:mod:`.native`)
 from .tiles import TILE_ELEMENTS, position_mask, tanh_doubled_
 
 # the native op takes head dims that are multiples of its vector width, up to its stack buffer (``_native.c``)
 NATIVE_DIM_MULTIPLE, NATIVE_MAX_DIM = 8, 512
-# The native op runs on one thread. With one thread it beat the ATen ops at every size measured; with more, the ATen
-# ops share large calls among them, so the op takes calls of at most this many logits (measured before stop 45 made
-# the op's small head dims about twice as fast: ``python
-# benchmarks/bench_native.py --threads 2 --no-thread-limit``, us per call, native vs ATen ops, (batch, heads,
-# kv_heads, kv_len, head_dim): (8, 4, 2, 512, 16) 160 vs 165; (2, 12, 12, 512, 64) 185 vs 213; (4, 12, 12, 512, 64)
-# 618 vs 551; (1, 32, 8, 1024, 128) 830 vs 532; with one thread the last 1,920 vs 2,550)
-NATIVE_PARALLEL_MAX = 16384
 
 # The lean path takes calls of at most this many (query, head) rows per key head, the decoding entry point's limit
 # (``q_len * heads / kv_heads <= 64``), and whose logits fit one tile of the tiled path.
@@ -211,51 +205,27 @@ def lean_attention(
 
 
 def _native_capped(query, key, value, scaling, softcap, mask, sliding_window) -> torch.Tensor | None:
-    """One query per row through the native op (``_native.c``): ``(batch, 1, heads, head_dim)``, or ``None`` where
-    the call is not its own -- not plain float32 CPU tensors (a subclass may keep its values elsewhere), a head dim
-    it does not take, a row of the key or value cache not contiguous, a mask that is not boolean, a large call where
-    several threads share the ATen ops (:data:`NATIVE_PARALLEL_MAX`), recording a gradient or compiling."""
-    plain = torch.Tensor  # a subclass (a DTensor, a fake tensor) may not hold its values at its data pointer
-    if (
-        type(query) is not plain
-        or type(key) is not plain
-        or type(value) is not plain
-        or query.dtype is not torch.float32
-        or key.dtype is not torch.float32
-        or value.dtype is not torch.float32
-        or not (query.is_cpu and key.is_cpu and value.is_cpu)
-        or torch.compiler.is_compiling()
-        or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
-    ):
-        return None
+    """One query per row through the native op (:func:`.native.capped_cpu`): ``(batch, 1, heads, head_dim)``, or
+    ``None`` where the call is not its own -- not :func:`.native.eligible`, a head dim it does not take, a row of the
+    key or value cache not contiguous, a mask that is not a boolean CPU tensor over the keys."""
     batch, heads, _, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if dim % NATIVE_DIM_MULTIPLE or dim > NATIVE_MAX_DIM or kv_len == 0 or heads % kv_heads:
         return None
-    if batch * heads * kv_len > NATIVE_PARALLEL_MAX and torch.get_num_threads() > 1:
-        return None
     if mask is None and sliding_window is not None and kv_len > sliding_window:  # one query sees the last keys
         key, value, kv_len = key[:, :, -sliding_window:], value[:, :, -sliding_window:], sliding_window
-    qs, ks, vs = query.stride(), key.stride(), value.stride()
-    if qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
+    if not native.eligible(query, key, value, batch * heads * kv_len):
         return None
-    if mask is None:
-        m_ptr = m_sb = m_sh = m_sk = 0
-    else:
-        if type(mask) is not plain or mask.dtype is not torch.bool or not mask.is_cpu or mask.dim() != 4:
-            return None
-        if mask.shape[2:] != (1, kv_len) or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads):
-            return None
-        ms = mask.stride()
-        m_ptr, m_sk = mask.data_ptr(), ms[3]
-        m_sb = ms[0] if mask.shape[0] > 1 else 0
-        m_sh = ms[1] if mask.shape[1] > 1 else 0
-    out = torch.empty((batch, 1, heads, dim), dtype=torch.float32)
-    NATIVE[0].capped_f32(
-        query.data_ptr(), qs[0], qs[1],
-        key.data_ptr(), ks[0], ks[1], ks[2],
-        value.data_ptr(), vs[0], vs[1], vs[2],
-        m_ptr, m_sb, m_sh, m_sk,
-        out.data_ptr(), batch, heads, kv_heads, kv_len, dim, float(scaling), float(softcap),
-    )  # fmt: skip
-    return out
+    if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
+        return None
+    if mask is not None and (
+        type(mask) is not torch.Tensor
+        or mask.dtype is not torch.bool
+        or not mask.is_cpu
+        or mask.dim() != 4
+        or mask.shape[2:] != (1, kv_len)
+        or mask.shape[0] not in (1, batch)
+        or mask.shape[1] not in (1, heads)
+    ):
+        return None
+    return native.capped_cpu(query, key, value, mask, float(scaling), float(softcap))

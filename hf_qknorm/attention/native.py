@@ -1,9 +1,11 @@
-"""The optional native ops: ``_native.c``, built at install time by ``setup.py`` where a C compiler is.
+"""The optional native ops: ``_native.c``, built at install time by ``setup.py`` where GCC or Clang is.
 
-Two users: the lean path's one-query capped attention (:func:`.lean._native_capped`: one call where the ATen ops
-are six) and the tiled path's capped elementwise passes (:mod:`.chunked`: one pass over a tile where the ATen ops make
-six in forward and seven in backward, the causal band included). Both take float32 CPU tensors only and keep the ATen
-ops for everything else.
+Two users: the lean path's one-query capped attention (:func:`capped_decode`, the ``hf_qknorm::capped_decode``
+custom op: one call where the ATen ops are six) and the tiled path's capped elementwise passes (:mod:`.chunked`, via
+:func:`forward_tile`, :func:`backward_p` and :func:`backward_ds`: one pass over a tile where the ATen ops make six
+in forward and seven in backward). Every call hands the C code each tensor's pointer with its dtype, shape, strides
+and storage extent, and the C code checks them before it touches memory: a wrong call is a one-line ``ValueError``
+naming the argument. Which calls take the ops is one rule, :func:`eligible`.
 
 ``NATIVE[0]`` is the module in use, or ``None``: where it was not built, or ``HF_QKNORM_NATIVE=0`` (or ``off``,
 ``false``, ``no``) is set in the environment (then every call takes the ATen ops, to compare or to rule the op out).
@@ -15,9 +17,11 @@ from __future__ import annotations
 import os
 import warnings
 
+import torch
+
 try:
     from . import _native as MODULE
-except ImportError:  # pragma: no cover - a build without a C compiler
+except ImportError:  # pragma: no cover - a build without GCC or Clang
     MODULE = None
 
 
@@ -39,3 +43,102 @@ def _switch(value: str | None) -> bool:
 
 
 NATIVE = [MODULE if _switch(os.environ.get("HF_QKNORM_NATIVE")) else None]
+
+# The ops run on one thread. With one thread they beat the ATen ops at every size measured; with more, the ATen ops
+# share large calls among the threads, so a call of more logits than this keeps them (``python
+# benchmarks/bench_native.py --threads 2 --no-thread-limit`` shows where the two cross)
+PARALLEL_MAX = 16384
+
+# the dtype codes _native.c checks (its CODE_FLOAT32, CODE_BOOL); any other dtype is 0, which it refuses
+_CODES = {torch.float32: 1, torch.bool: 2}
+_PLAIN = torch.Tensor  # a subclass (a DTensor, a fake tensor) may not hold its values at its data pointer
+
+
+def grad_recorded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether autograd records this call through any of the three (then neither the lean path nor the op takes
+    it)."""
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+
+
+def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, logits: int) -> bool:
+    """Whether a call on these tensors, of ``logits`` logits (a tile's, or the whole call's), is the native ops':
+    the op built and on, plain float32 CPU tensors, no gradient recorded, eager (``torch.compile`` traces the ATen
+    ops, which it fuses), and one thread or at most :data:`PARALLEL_MAX` logits. The ops' own limits (head dims,
+    caps, shapes) are their callers'; the C code refuses the rest."""
+    return (
+        NATIVE[0] is not None
+        and type(query) is _PLAIN
+        and type(key) is _PLAIN
+        and type(value) is _PLAIN
+        and query.dtype is torch.float32
+        and key.dtype is torch.float32
+        and value.dtype is torch.float32
+        and query.is_cpu
+        and key.is_cpu
+        and value.is_cpu
+        and not torch.compiler.is_compiling()
+        and not grad_recorded(query, key, value)
+        and (logits <= PARALLEL_MAX or torch.get_num_threads() == 1)
+    )
+
+
+def _arg(t: torch.Tensor) -> tuple:
+    """A tensor as the C code takes it: pointer, dtype code, shape, strides, elements its storage holds from the
+    pointer on."""
+    extent = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return t.data_ptr(), _CODES.get(t.dtype, 0), t.shape, t.stride(), extent
+
+
+_NONE = (None,) * 5
+
+
+def capped_cpu(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float
+) -> torch.Tensor:
+    """``softmax(mask(cap * tanh(scale * q k^T / cap))) v`` for one query per row: ``query`` ``(batch, heads, 1,
+    head_dim)``, ``key``/``value`` ``(batch, kv_heads, kv_len, head_dim)``, ``mask`` boolean ``(batch|1, heads|1, 1,
+    kv_len)`` or ``None``; float32, last dimensions contiguous, a head dim a multiple of 8 up to 512. Returns ``(batch,
+    1, heads, head_dim)``; a row with no allowed key gives zeros. The C code checks every argument."""
+    shape = query.shape  # another rank: an empty out, and the C code names the query
+    out = torch.empty((shape[0], 1, shape[1], shape[3]) if len(shape) == 4 else (0,), dtype=torch.float32)
+    NATIVE[0].capped_f32(
+        *_arg(query), *_arg(key), *_arg(value), *(_NONE if mask is None else _arg(mask)), *_arg(out), scale, cap
+    )
+    return out
+
+
+@torch.library.custom_op("hf_qknorm::capped_decode", mutates_args=(), device_types="cpu")
+def capped_decode(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float
+) -> torch.Tensor:
+    """:func:`capped_cpu` as a custom op (``torch.ops.hf_qknorm.capped_decode``), for ``torch.compile`` and other
+    tracers; eager callers on the hot path call :func:`capped_cpu` itself (the dispatcher costs more than the op on
+    small calls). Where the op was not built or is off, a ``RuntimeError`` saying so."""
+    if NATIVE[0] is None:
+        raise RuntimeError("hf_qknorm::capped_decode: the native op is not built or is off (HF_QKNORM_NATIVE)")
+    return capped_cpu(query, key, value, mask, scale, cap)
+
+
+@capped_decode.register_fake
+def _(query, key, value, mask, scale, cap):
+    if query.dim() != 4 or query.shape[2] != 1:
+        raise ValueError(f"hf_qknorm::capped_decode: query must be (batch, heads, 1, head_dim), got {query.shape}")
+    batch, heads, _, dim = query.shape
+    return query.new_empty((batch, 1, heads, dim))
+
+
+def forward_tile(op, x, kept, sums, gain: float, band=()) -> None:
+    """The tiled forward's pass (``forward_f32`` of ``op``): ``x`` ``(blocks, rows, cols)`` of ``2s/c`` becomes the
+    exponents, ``kept`` (or ``None``) the tanh, ``sums`` ``(blocks, rows, 1)`` the row sums."""
+    op.forward_f32(*_arg(x), *(_NONE if kept is None else _arg(kept)), *_arg(sums), gain, *band)
+
+
+def backward_p(op, src, recompute: bool, neg_lse, p, slope, gain: float, band=()) -> None:
+    """The tiled backward's first pass (``backward_p_f32``): the probabilities into ``p`` and the cap's slope into
+    ``slope``, from ``src`` (``2s/c``, or the kept tanh) and the rows' ``neg_lse`` ``(blocks, rows, 1)``."""
+    op.backward_p_f32(*_arg(src), recompute, *_arg(neg_lse), *_arg(p), *_arg(slope), gain, *band)
+
+
+def backward_ds(op, dp, p, slope, delta) -> None:
+    """The tiled backward's second pass (``backward_ds_f32``): ``dp`` becomes ``(dp - delta) * p * slope``."""
+    op.backward_ds_f32(*_arg(dp), *_arg(p), *_arg(slope), *_arg(delta))

@@ -139,10 +139,11 @@ def _native_state() -> str:
     from hf_qknorm.attention import native
 
     if native.MODULE is None:
-        return "not built (no C compiler at install time): the ATen ops run"
+        return "not built (no GCC or Clang at install time): the ATen ops run"
     if native.NATIVE[0] is None:
         return "built, off (HF_QKNORM_NATIVE): the ATen ops run"
-    return "in use (capped float32 calls on the CPU; HF_QKNORM_NATIVE=0 turns it off)"
+    rule = f"capped float32 CPU calls, eager, no gradient, one thread or <= {native.PARALLEL_MAX} logits"
+    return f"in use ({rule}; HF_QKNORM_NATIVE=0 turns it off)"
 
 
 # The subcommands, in the order --help lists them: (name, add_parser(subparsers) -> parser, run(args) -> exit status).

@@ -197,8 +197,8 @@ def test_tiled_forward_tanh_and_exp2_within_two_ulp(native):
     s = _dense_grid()
     for gain in (1.0, 72.1, -126.0):
         x = (2 * s).contiguous()  # the pass reads 2s/c and takes tanh of half of it (exact)
-        kept, sums = torch.empty_like(x), torch.empty(1)
-        native.forward_f32(x.data_ptr(), 1, 1, x.numel(), kept.data_ptr(), sums.data_ptr(), gain)
+        kept, sums = torch.empty_like(x), torch.empty(1, 1, 1)
+        native_op.forward_tile(native, x.view(1, 1, -1), kept.view(1, 1, -1), sums, gain)
         finite = torch.isfinite(s)
         expected = torch.tanh(s.double())
         assert _ulps(kept[finite], expected[finite]).max().item() <= 2.0
@@ -208,17 +208,17 @@ def test_tiled_forward_tanh_and_exp2_within_two_ulp(native):
         assert torch.equal(kept[:half], -kept[half:-2])  # odd, to the bit
         exponent = (torch.tensor(gain, dtype=torch.float32) * kept).double()  # the pass's float32 exponent
         assert _ulps(x, torch.exp2(exponent)).max().item() <= 2.0
-    zeros, kept, sums = torch.tensor([0.0, -0.0]), torch.empty(2), torch.empty(1)  # alive through the call
-    native.forward_f32(zeros.data_ptr(), 1, 1, 2, kept.data_ptr(), sums.data_ptr(), 1.0)
-    assert torch.equal(kept, torch.zeros(2))  # tanh(+-0) = 0 (the sign of a zero logit changes nothing)
+    zeros, kept, sums = torch.tensor([[[0.0, -0.0]]]), torch.empty(1, 1, 2), torch.empty(1, 1, 1)
+    native_op.forward_tile(native, zeros, kept, sums, 1.0)
+    assert torch.equal(kept.flatten(), torch.zeros(2))  # tanh(+-0) = 0 (the sign of a zero logit changes nothing)
 
 
 def test_tiled_forward_refuses_a_gain_that_needs_the_row_shift(native):
-    x, sums = torch.zeros(8), torch.empty(1)
+    x, sums = torch.zeros(1, 1, 8), torch.empty(1, 1, 1)
     for gain in (127.0, -127.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"within \[-126, 126\] \(no row shift\), got -?(127|nan|inf)$"):
-            native.forward_f32(x.data_ptr(), 1, 1, 8, 0, sums.data_ptr(), gain)
-    assert torch.equal(x, torch.zeros(8))  # nothing written
+            native_op.forward_tile(native, x, None, sums, gain)
+    assert torch.equal(x, torch.zeros(1, 1, 8))  # nothing written
 
 
 def _band_reference(rows, cols, band):
@@ -250,24 +250,21 @@ def test_tiled_passes_band(native, band):
     g = torch.Generator().manual_seed(sum(band))
     x = torch.randn(blocks, rows, cols, generator=g) * 3
     allowed = _band_reference(rows, cols, band).expand(blocks, rows, cols)
-    free_p, free_kept, free_sums = x.clone(), torch.empty_like(x), torch.empty(blocks * rows)
-    native.forward_f32(free_p.data_ptr(), blocks, rows, cols, free_kept.data_ptr(), free_sums.data_ptr(), gain)
-    p, kept, sums = x.clone(), torch.full_like(x, float("nan")), torch.empty(blocks * rows)
-    native.forward_f32(p.data_ptr(), blocks, rows, cols, kept.data_ptr(), sums.data_ptr(), gain, *band)
+    free_p, free_kept, free_sums = x.clone(), torch.empty_like(x), torch.empty(blocks, rows, 1)
+    native_op.forward_tile(native, free_p, free_kept, free_sums, gain)
+    p, kept, sums = x.clone(), torch.full_like(x, float("nan")), torch.empty(blocks, rows, 1)
+    native_op.forward_tile(native, p, kept, sums, gain, band)
     assert torch.equal(p[allowed], free_p[allowed]) and torch.equal(kept[allowed], free_kept[allowed])
     assert not p[~allowed].any()
     assert not torch.isnan(kept).any()  # every kept value written: backward may read any of them
-    expected = (free_p * allowed).double().sum(-1).flatten()
+    expected = (free_p * allowed).double().sum(-1, keepdim=True)
     torch.testing.assert_close(sums.double(), expected, rtol=2e-6, atol=0)
-    neg_lse = -torch.rand(blocks, rows, generator=g) * 4
-    for recompute, src in ((1, x), (0, free_kept)):
+    neg_lse = -torch.rand(blocks, rows, 1, generator=g) * 4
+    for recompute, src in ((True, x), (False, free_kept)):
         out = {}
         for name, extra in (("free", ()), ("band", band)):
             bp, slope = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-            native.backward_p_f32(
-                src.data_ptr(), recompute, blocks, rows, cols, neg_lse.data_ptr(), rows, bp.data_ptr(),
-                slope.data_ptr(), gain, *extra,
-            )  # fmt: skip
+            native_op.backward_p(native, src, recompute, neg_lse, bp, slope, gain, extra)
             out[name] = bp, slope
         for got, free in zip(out["band"], out["free"]):
             assert torch.equal(got[allowed], free[allowed]) and not got[~allowed].any()
@@ -275,25 +272,148 @@ def test_tiled_passes_band(native, band):
 
 
 def test_tiled_passes_band_arguments(native):
-    x, sums = torch.zeros(8), torch.empty(1)
+    x, sums = torch.zeros(1, 1, 8), torch.empty(1, 1, 1)
     with pytest.raises(ValueError, match=r"^band groups must be positive, got 0$"):
-        native.forward_f32(x.data_ptr(), 1, 1, 8, 0, sums.data_ptr(), 1.0, 0, 0, 8, 0, 0)
-    with pytest.raises(TypeError, match=r"^forward_f32 takes 7 or 12 arguments, got 9$"):
-        native.forward_f32(x.data_ptr(), 1, 1, 8, 0, sums.data_ptr(), 1.0, 0, 0)
-    with pytest.raises(TypeError, match=r"^backward_p_f32 takes 10 or 15 arguments, got 11$"):
-        native.backward_p_f32(x.data_ptr(), 0, 1, 1, 8, sums.data_ptr(), 1, x.data_ptr(), x.data_ptr(), 1.0, 3)
-    assert torch.equal(x, torch.zeros(8))  # nothing written
+        native_op.forward_tile(native, x, None, sums, 1.0, (0, 0, 8, 0, 0))
+    with pytest.raises(TypeError, match=r"^forward_f32 takes 16 or 21 arguments, got 18$"):
+        native_op.forward_tile(native, x, None, sums, 1.0, (0, 0))
+    with pytest.raises(TypeError, match=r"^backward_p_f32 takes 22 or 27 arguments, got 23$"):
+        native_op.backward_p(native, x, False, sums, x, x, 1.0, (3,))
+    assert torch.equal(x, torch.zeros(1, 1, 8))  # nothing written
 
 
-def test_bad_sizes_are_a_value_error_naming_them(native):
-    """The op's own argument check (lean.py never calls it so): a ValueError that names the sizes and the cap, on
-    every Python (a float in the message once raised SystemError on 3.12)."""
+def _shrunk(t: torch.Tensor, elements: int) -> torch.Tensor:
+    """``t`` whose storage holds only ``elements`` elements: its shape and strides reach past the end (a view that
+    outlives a storage resized under it), which torch's own checks do not catch at a data pointer."""
+    t = t.clone()
+    t.untyped_storage().resize_(elements * t.element_size())
+    return t
+
+
+_PROBLEMS = {
+    "dtype": "has the wrong dtype",
+    "rank": "has the wrong number of dimensions",
+    "shape": "has a shape that does not match the other arguments",
+    "stride": "has strides the op does not take",
+    "bounds": "reaches past the end of its storage",
+    "sizes": "has sizes the op does not take",
+}
+
+
+def _hostile_decode(case: str):
+    """(arguments to native.capped_cpu, the argument the C code must name, the problem) for one hostile call."""
+    q, k, v = _inputs(2, 4, 2, 9, 16)
+    mask = None
+    name, problem = {
+        "query_dtype": ("query", "dtype"),
+        "query_rank": ("query", "rank"),
+        "two_queries": ("query", "shape"),
+        "key_batch": ("key", "shape"),
+        "value_keys": ("value", "shape"),
+        "mask_length": ("mask", "shape"),
+        "mask_dtype": ("mask", "dtype"),
+        "key_stride": ("key", "stride"),
+        "key_storage": ("key", "bounds"),
+        "value_offset": ("value", "bounds"),
+        "mask_storage": ("mask", "bounds"),
+        "head_dim": (None, "sizes"),
+        "heads": (None, "sizes"),
+    }[case]
+    if case == "query_dtype":
+        q = q.double()
+    elif case == "query_rank":
+        q = q[0]
+    elif case == "two_queries":
+        q = torch.randn(2, 4, 2, 16)
+    elif case == "key_batch":
+        k = k[:1]
+    elif case == "value_keys":
+        v = v[:, :, :5]
+    elif case == "mask_length":
+        mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    elif case == "mask_dtype":
+        mask = torch.ones(2, 1, 1, 9)
+    elif case == "key_stride":  # every other float of a row: in bounds, but not the contiguous rows the loads take
+        k = torch.randn(2, 2, 9, 32).as_strided(k.shape, (576, 288, 32, 2))
+    elif case == "key_storage":
+        k = _shrunk(k, k.numel() - 1)  # one float short
+    elif case == "value_offset":  # a view into the cache whose storage ends before its last key
+        v = torch.randn(2, 2, 10, 16)[:, :, 1:]
+        v.untyped_storage().resize_(v.untyped_storage().nbytes() - 4)
+    elif case == "mask_storage":
+        mask = _shrunk(torch.ones(2, 4, 1, 9, dtype=torch.bool), 20)
+    elif case == "head_dim":
+        q, k, v = (x[..., :12] for x in (q, k, v))
+    elif case == "heads":
+        q = torch.randn(2, 3, 1, 16)
+    return (q, k, v, mask, 0.25, 5.0), name, _PROBLEMS[problem]
+
+
+_HOSTILE = ["query_dtype", "query_rank", "two_queries", "key_batch", "value_keys", "mask_length", "mask_dtype",
+            "key_stride", "key_storage", "value_offset", "mask_storage", "head_dim", "heads"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", _HOSTILE)
+def test_the_c_code_refuses_a_hostile_call_in_one_line(native, case):
+    """Every check in the C code, reached by a call lean.py never makes: one ValueError naming the argument and
+    the problem, one line, nothing read or written -- through the function and through the custom op."""
+    args, name, problem = _hostile_decode(case)
+    start = f"hf_qknorm native capped_f32: {name} {problem}" if name else f"hf_qknorm native capped_f32: {problem}"
+    for call in (native_op.capped_cpu, torch.ops.hf_qknorm.capped_decode):
+        with pytest.raises(ValueError) as caught:
+            call(*args)
+        message = str(caught.value)
+        assert message.startswith(start) and "\n" not in message, message
+
+
+def test_a_cap_that_is_not_positive_is_refused(native):
     q, k, v = _inputs(1, 4, 2, 8, 16)
-    out = torch.empty(1, 4, 16)
-    ptrs = (q.data_ptr(), 16, 16, k.data_ptr(), 128, 16, 16, v.data_ptr(), 128, 16, 16, 0, 0, 0, 0, out.data_ptr())
-    for sizes, cap in (((1, 4, 2, 8, 12), 5.0), ((1, 4, 3, 8, 16), 5.0), ((1, 4, 2, 8, 16), 0.0)):
-        with pytest.raises(ValueError, match=r"unsupported sizes \(batch 1, heads 4, .*cap (5|0)\)"):
-            native.capped_f32(*ptrs, *sizes, 0.25, cap)
+    for cap in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"^hf_qknorm native capped_f32: cap must be positive, got (0|-1|nan)$"):
+            native_op.capped_cpu(q, k, v, None, 0.25, cap)
+
+
+def test_the_output_is_checked_too(native):
+    """The C code writes only ``out``: an out too small for the call, or of another dtype, is refused."""
+    q, k, v = _inputs(2, 4, 2, 9, 16)
+    arg = native_op._arg
+    for out, problem in ((torch.empty(2, 1, 4, 8), "shape"), (torch.empty(2, 1, 4, 16).double(), "dtype"),
+                         (_shrunk(torch.empty(2, 1, 4, 16), 100), "bounds")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^hf_qknorm native capped_f32: out {_PROBLEMS[problem]}"):
+            native.capped_f32(*arg(q), *arg(k), *arg(v), *(None,) * 5, *arg(out), 0.25, 5.0)
+
+
+@pytest.mark.parametrize("case", ["x_storage", "kept_dtype", "sums_rows", "x_stride", "lse_storage", "delta_rank"])
+def test_the_tiled_passes_refuse_a_hostile_call(native, case):
+    x, kept, sums = torch.zeros(2, 3, 8), torch.zeros(2, 3, 8), torch.zeros(2, 3, 1)
+    lse, name, problem = (
+        torch.zeros(2, 3, 1),
+        *{
+            "x_storage": ("x", "bounds"),
+            "kept_dtype": ("kept", "dtype"),
+            "sums_rows": ("sums", "shape"),
+            "x_stride": ("x", "stride"),
+            "lse_storage": ("neg_lse", "bounds"),
+            "delta_rank": ("delta", "rank"),
+        }[case],
+    )
+    if case == "x_storage":
+        x = _shrunk(x, 40)
+    elif case == "kept_dtype":
+        kept = kept.double()
+    elif case == "sums_rows":
+        sums = torch.zeros(2, 2, 1)
+    elif case == "x_stride":
+        x = torch.zeros(2, 8, 3).transpose(1, 2)
+    elif case == "lse_storage":
+        lse = _shrunk(lse, 5)
+    with pytest.raises(ValueError, match=rf"^hf_qknorm native \w+: {name} {_PROBLEMS[problem]}"):
+        if case.startswith("lse"):
+            native_op.backward_p(native, x, True, lse, kept, sums.expand(2, 3, 8).contiguous(), 1.0)
+        elif case.startswith("delta"):
+            native_op.backward_ds(native, x, kept, kept.clone(), lse[0])
+        else:
+            native_op.forward_tile(native, x, kept, sums, 1.0)
 
 
 def test_non_finite_inputs(native):
@@ -352,7 +472,7 @@ def test_several_threads_keep_large_calls_on_the_aten_ops(native):
     lean.NATIVE[0] = spy
     threads = torch.get_num_threads()
     small = _inputs(1, 4, 2, 64, 16)
-    large = _inputs(2, 8, 2, lean.NATIVE_PARALLEL_MAX // 16 + 1, 16)  # just past the limit
+    large = _inputs(2, 8, 2, native_op.PARALLEL_MAX // 16 + 1, 16)  # just past the limit
     try:
         torch.set_num_threads(2)
         _call(*large)
@@ -473,13 +593,15 @@ def test_tiled_passes_match_the_float64_reference(native, monkeypatch, tq, tk, p
     "why", ["two_threads", "dropout", "large_cap", "sink", "float64", "uncapped", "subclass", "disabled"]
 )
 def test_tiled_passes_stay_off_where_they_do_not_apply(native, why):
-    """Every other call keeps the ATen passes: several threads (they share a tile), dropout, a cap whose exponents
-    need the row shift, a sink (which forces it), float64, no cap, the op turned off."""
+    """Every other call keeps the ATen passes: several threads on tiles past :data:`.native.PARALLEL_MAX` (the ATen
+    passes share a tile among them), dropout, a cap whose exponents need the row shift, a sink (which forces it),
+    float64, no cap, the op turned off."""
     spy = _Spy(native)
     lean.NATIVE[0] = None if why == "disabled" else spy
     g = torch.Generator().manual_seed(9)
     dtype = torch.float64 if why == "float64" else torch.float32
-    q, k, v = (torch.randn(1, 4, 20, 16, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+    length = 200 if why == "two_threads" else 20  # two threads: tiles of 4 * 32 * 200 logits, past the limit
+    q, k, v = (torch.randn(1, 4, length, 16, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
     kw = dict(scaling=0.25, softcap=None if why == "uncapped" else (200.0 if why == "large_cap" else 2.0))
     if why == "dropout":
         kw["dropout_p"] = 0.1
@@ -495,3 +617,86 @@ def test_tiled_passes_stay_off_where_they_do_not_apply(native, why):
     finally:
         torch.set_num_threads(threads)
     assert spy.calls == 0
+
+
+def test_two_threads_take_the_tiled_passes_on_small_tiles(native):
+    """The one thread rule (:func:`.native.eligible`) for the tiled passes too: a tile of at most PARALLEL_MAX logits
+    takes them whatever the threads."""
+    spy = _Spy(native)
+    lean.NATIVE[0] = spy
+    q, k, v = (torch.randn(1, 4, 20, 16, requires_grad=True) for _ in range(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        chunked.chunked_attention(q, k, v, scaling=0.25, softcap=2.0).sum().backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert {"forward_f32", "backward_p_f32", "backward_ds_f32"} <= set(spy.names)
+
+
+# ---- the one rule, the custom op ----
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("plain", True),
+        ("float64", False),
+        ("bfloat16", False),
+        ("subclass", False),
+        ("grad", False),
+        ("grad_under_no_grad", True),
+        ("compiling", False),
+        ("off", False),
+        ("two_threads_small", True),
+        ("two_threads_large", False),
+        ("one_thread_large", True),
+    ],
+)
+def test_the_eligibility_rule(native, monkeypatch, case, expected):
+    q, k, v = _inputs(1, 4, 2, 8, 16)
+    logits, threads, grad = 64, 1, torch.enable_grad()
+    if case in ("float64", "bfloat16"):
+        k = k.to(torch.float64 if case == "float64" else torch.bfloat16)
+    if case == "subclass":
+        v = v.as_subclass(_Subclass)
+    if case.startswith("grad"):
+        q.requires_grad_(True)
+        grad = torch.no_grad() if case == "grad_under_no_grad" else grad
+    if case == "compiling":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    if case == "off":
+        lean.NATIVE[0] = None
+    if case.endswith("large"):
+        logits = native_op.PARALLEL_MAX + 1
+    if case.startswith("two_threads"):
+        threads = 2
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with grad:
+            assert native_op.eligible(q, k, v, logits) is expected
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_the_custom_op_matches_the_reference_and_passes_opcheck(native):
+    q, k, v = _inputs(2, 4, 2, 33, 16, seed=3)
+    mask = torch.rand(2, 1, 1, 33, generator=torch.Generator().manual_seed(4)) > 0.3
+    got = torch.ops.hf_qknorm.capped_decode(q, k, v, mask, 0.3, 5.0)
+    _assert_reference(got, q, k, v, mask=mask)
+    torch.library.opcheck(native_op.capped_decode, (q, k, v, mask, 0.3, 5.0))
+    torch.library.opcheck(native_op.capped_decode, (q, k, v, None, 0.3, 5.0))
+
+
+def test_the_custom_op_traces_under_torch_compile_without_a_graph_break(native):
+    """``torch.compile(fullgraph=True)`` traces the op through its fake implementation (no graph break) and the
+    compiled call gives the eager op's values."""
+    q, k, v = _inputs(1, 4, 2, 20, 16, seed=5)
+
+    def step(q, k, v):
+        return torch.ops.hf_qknorm.capped_decode(q * 1.0, k, v, None, 0.3, 5.0) + 0.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v), rtol=0, atol=0)
