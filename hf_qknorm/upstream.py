@@ -265,6 +265,27 @@ RELIANCES: tuple[Reliance, ...] = (
         "tests/test_upstream.py::test_a_local_attention_entry_is_what_the_models_call",
     ),
     Reliance(
+        "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS._local_mapping",
+        "modeling/vision.py",
+        "the vision encoder's patch-time probe puts its recorder in front of 'qknorm' there (as the self-check does) "
+        "and restores the dict as it was",
+        "tests/modeling/test_multimodal.py::test_the_vision_encoder_on_request_matches_the_float64_reference",
+    ),
+    Reliance(
+        "transformers.PretrainedConfig._attn_implementation",
+        "modeling/vision.py",
+        "the attention implementation a config dispatches on is its `_attn_implementation_internal` field: the "
+        "vision probe sets the encoder's config there for the probe forward and puts the old value back",
+        "tests/modeling/test_multimodal.py::test_the_vision_encoder_on_request_matches_the_float64_reference",
+    ),
+    Reliance(
+        "transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING",
+        "portable/autoclasses.py (MULTIMODAL_HEADS)",
+        "config class -> image-text-to-text head class (and MODEL_FOR_MULTIMODAL_LM_MAPPING where the release has "
+        "it): the Auto classes a saved multimodal folder's auto_map names, so it loads without the plugin",
+        "tests/modeling/test_multimodal_export.py::test_saved_multimodal_folders_load_without_the_plugin_with_the_same_logits",
+    ),
+    Reliance(
         "torch.nn.modules.module._global_forward_hooks",
         "portable/hooks.py",
         "torch keeps its process-wide module hooks in four module-level dicts (_global_forward_pre_hooks, "
@@ -354,14 +375,14 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance(
         "transformers.conversion_mapping.get_model_conversion_mapping",
-        "conversion/keys.py",
+        "conversion/output/keys.py",
         "the renamings (WeightRenaming) and converters (WeightConverter: fused MoE experts, split q/k/v) "
         "from_pretrained applies to a model's checkpoint keys; convert reads a source's tensors by the same rules",
         "tests/conversion/test_convert_every_type.py::test_every_sample_type_converts_and_reloads_without_the_plugin",
     ),
     Reliance(
         "transformers.core_model_loading.rename_source_key",
-        "conversion/keys.py",
+        "conversion/output/keys.py",
         "(key, renamings, converters, prefix, meta state dict) -> (the model name a checkpoint key loads under, the "
         "converter pattern it matched); the prefix argument is positional (renamed between 5.4 and later)",
         "tests/conversion/test_convert_every_type.py::test_a_checkpoint_whose_qkv_transformers_splits_on_loading_converts",
