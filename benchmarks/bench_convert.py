@@ -59,7 +59,7 @@ def parse_args(argv=None):
 
 def run_case(args, scheme: str, norm: str | None, steps: int | None, local_steps: int | None) -> dict:
     import hf_qknorm
-    from hf_qknorm.conversion.calibrate import CalibrationSettings
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
 
     given = {
         "steps": steps,

@@ -62,7 +62,7 @@ def _child(mode: str, src: str, dst: str) -> None:
         hf_qknorm.patch_model(model, "qk_norm_cap")
         model.save_pretrained(dst, max_shard_size="50MB")
     elif mode.startswith("calibrate"):
-        from hf_qknorm.conversion.calibrate import CalibrationSettings
+        from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
 
         settings = CalibrationSettings(
             block_len=64,

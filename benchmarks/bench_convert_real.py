@@ -8,8 +8,8 @@ subprocess, the written folder is loaded and compared with the original model:
 
 * held-out perplexity on Tiny Shakespeare (last 10%, text calibration never saw, another domain) for the original,
   identity-initialised and calibrated models;
-* answer agreement (:mod:`hf_qknorm.conversion.agreement`, the bundled 46 prompts of different kinds): greedy
-  prefix agreement with the original over the first ``--new-tokens`` new tokens (up to the first difference) and
+* answer agreement (:mod:`hf_qknorm.conversion.orchestration.agreement`, the bundled 46 prompts of different kinds):
+  greedy prefix agreement with the original over the first ``--new-tokens`` new tokens (up to the first difference) and
   teacher-forced next-token top-1 agreement, for the calibrated and the identity-initialised model.
 
 Rows are appended to ``benchmarks/results/convert_real_agreement.jsonl`` (``--results``) with the machine, versions
@@ -98,7 +98,7 @@ def _peak_rss_mib() -> float:
 
 
 def _settings(job: dict):
-    from hf_qknorm.conversion.calibrate import CalibrationSettings
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
 
     given = {
         k: job[k]
@@ -109,7 +109,7 @@ def _settings(job: dict):
 
 
 def _held_out_blocks(tokenizer, name: str, settings):
-    from hf_qknorm.conversion.texts import text_blocks
+    from hf_qknorm.conversion.orchestration.texts import text_blocks
     from hf_qknorm.data import bundled_text, split_text
 
     return text_blocks(
@@ -145,7 +145,7 @@ def child(job: dict) -> dict:
     from transformers.utils import logging
 
     import hf_qknorm
-    from hf_qknorm.conversion.agreement import agreement, load_prompts
+    from hf_qknorm.conversion.orchestration.agreement import agreement, load_prompts
     from hf_qknorm.data import perplexity
 
     logging.disable_progress_bar()
@@ -219,7 +219,7 @@ def reference(src: Path, new_tokens: int, settings) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_qknorm.conversion.agreement import load_prompts, reference_continuations
+    from hf_qknorm.conversion.orchestration.agreement import load_prompts, reference_continuations
     from hf_qknorm.data import perplexity
 
     tokenizer = AutoTokenizer.from_pretrained(src)

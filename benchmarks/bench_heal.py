@@ -8,8 +8,8 @@ library's defaults except the heal tokens given (``0``: no healing, the calibrat
 * perplexity on held-out text of two domains, against the original's: the last 10% of WikiText-2 (from the
   conversion's own report) and the last 10% of Tiny Shakespeare (another domain, never seen; measured on the
   written folder);
-* answer agreement on the bundled prompts (:mod:`hf_qknorm.conversion.agreement`, as ``convert`` reports it):
-  next-token top-1 agreement along the original's greedy answers and greedy prefix agreement over 16 new tokens;
+* answer agreement on the bundled prompts (:mod:`hf_qknorm.conversion.orchestration.agreement`, as ``convert`` reports
+  it): next-token top-1 agreement along the original's greedy answers and greedy prefix agreement over 16 new tokens;
 * wall time of the whole conversion and of the healing stage.
 
 Under ``torchrun --nproc_per_node N`` every rank converts (healing is shared out, docs/conversion.md) and rank 0
@@ -78,7 +78,7 @@ def parse_args(argv=None):
 
 
 def _shakespeare(tokenizer, settings):
-    from hf_qknorm.conversion.texts import text_blocks
+    from hf_qknorm.conversion.orchestration.texts import text_blocks
     from hf_qknorm.data import bundled_text, split_text
 
     held = split_text(bundled_text("tinyshakespeare"), 0.1)[1]
@@ -105,9 +105,9 @@ def run_case(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_qknorm
-    from hf_qknorm.conversion.calibrate import CalibrationSettings
-    from hf_qknorm.conversion.heal import HealSettings
-    from hf_qknorm.conversion.ranks import launched_rank
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
+    from hf_qknorm.conversion.healing.heal import HealSettings
+    from hf_qknorm.conversion.orchestration.ranks import launched_rank
     from hf_qknorm.data import bundled_text, perplexity, split_text
 
     settings = CalibrationSettings(threads=threads)
@@ -268,8 +268,8 @@ def main(argv=None) -> None:
     from build_smollm2 import DEFAULT_OUT, build
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_qknorm.conversion.calibrate import CalibrationSettings
-    from hf_qknorm.conversion.ranks import launched_rank, launched_world
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
+    from hf_qknorm.conversion.orchestration.ranks import launched_rank, launched_world
     from hf_qknorm.data import perplexity
 
     first, processes = launched_rank() == 0, launched_world()
@@ -277,7 +277,7 @@ def main(argv=None) -> None:
         build(args.src)
     torch.set_num_threads(args.threads)
     if args.log and first:
-        from hf_qknorm.conversion.progress import show_progress_logs
+        from hf_qknorm.conversion.orchestration.progress import show_progress_logs
 
         show_progress_logs()
     tokenizer = AutoTokenizer.from_pretrained(args.src)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_decode  # noqa: E402
 
-from hf_qknorm.conversion.tempdirs import stop_signals_raise
+from hf_qknorm.conversion.orchestration.tempdirs import stop_signals_raise
 
 
 def _inner(args) -> None:

@@ -113,7 +113,7 @@ def run(args, variant, n_calib):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     import hf_qknorm
-    from hf_qknorm.conversion.texts import text_blocks
+    from hf_qknorm.conversion.orchestration.texts import text_blocks
     from hf_qknorm.data import bundled_text, perplexity, split_text
 
     tok = AutoTokenizer.from_pretrained(args.src)
@@ -179,7 +179,7 @@ def sinks(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from hf_qknorm.conversion.texts import text_blocks
+    from hf_qknorm.conversion.orchestration.texts import text_blocks
     from hf_qknorm.data import bundled_text, split_text
 
     tok = AutoTokenizer.from_pretrained(args.src)

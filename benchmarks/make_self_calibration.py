@@ -3,8 +3,8 @@
 Half of the characters are the first 90% of the bundled WikiText-2 slice (the default calibration text of
 ``bench_convert_real.py``), half are the original model's own sampled answers to questions about WikiText topics,
 through its chat template, and continuations of code and prose openings
-(:func:`hf_qknorm.conversion.selftext.self_generated_text`; 48 chat turns and 16 openings of 128 tokens, seed 0).
-The file used for the "mixed_self_text" rows of ``benchmarks/results/convert_real_agreement.jsonl`` is
+(:func:`hf_qknorm.conversion.healing.selftext.self_generated_text`; 48 chat turns and 16 openings of 128 tokens, seed
+0). The file used for the "mixed_self_text" rows of ``benchmarks/results/convert_real_agreement.jsonl`` is
 ``benchmarks/results/calibration_mixed_self.txt`` (generated before the topic finder read section titles, so its
 questions are about the first words of lines; regenerating writes different questions).
 
@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_qknorm.conversion.selftext import mixed_text, self_generated_text
+    from hf_qknorm.conversion.healing.selftext import mixed_text, self_generated_text
     from hf_qknorm.data import bundled_text, split_text
 
     torch.set_num_threads(args.threads)

@@ -224,8 +224,8 @@ def _already_patched(folder: Path) -> bool:
 
 def _convert(src: Path, dst: Path, args) -> None:
     try:
-        from hf_qknorm.conversion.calibrate import CalibrationSettings
-        from hf_qknorm.conversion.converter import convert
+        from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
+        from hf_qknorm.conversion.orchestration.converter import convert
     except ImportError:  # conversion not installed: identity init through patch_model
         convert = None
     if convert is None:

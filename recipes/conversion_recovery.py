@@ -48,8 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 import hf_qknorm
-from hf_qknorm.conversion.calibrate import CalibrationSettings
-from hf_qknorm.conversion.heal import HealSettings
+from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
+from hf_qknorm.conversion.healing.heal import HealSettings
 from hf_qknorm.data import bundled_model_dir, perplexity, read_text, split_text, tokenize_blocks
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ import hf_qknorm
 venv = Path(sys.argv[1]).resolve()
 assert venv in Path(hf_qknorm.__file__).resolve().parents, f"imported {hf_qknorm.__file__}, not the wheel"
 from hf_qknorm.data import bundled_model_dir, bundled_text
-from hf_qknorm.conversion.hub import template_path
+from hf_qknorm.conversion.output.hub import template_path
 from hf_qknorm.modeling.remote import remote_files
 
 assert (bundled_model_dir() / "model.safetensors").is_file() and bundled_text("tinyshakespeare")

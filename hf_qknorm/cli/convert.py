@@ -7,9 +7,9 @@ import json
 import textwrap
 from pathlib import Path
 
-from ..conversion.calibrate import CalibrationSettings
-from ..conversion.heal import HealSettings
-from ..conversion.hub import HubSettings
+from ..conversion.calibration.calibrate import CalibrationSettings
+from ..conversion.healing.heal import HealSettings
+from ..conversion.output.hub import HubSettings
 from ..portable.schemes import QKNormConfig
 from .fields import add_fields, from_args, given_fields
 
@@ -88,7 +88,7 @@ def add_convert(sub):
     )
     add_fields(g, CalibrationSettings)
     g = p.add_argument_group(
-        "healing (hf_qknorm.conversion.heal.HealSettings; after calibration, streamed like it: each attention "
+        "healing (hf_qknorm.conversion.healing.heal.HealSettings; after calibration, streamed like it: each attention "
         "layer's projections and norms distilled from the original's)"
     )
     g.add_argument(
@@ -126,19 +126,19 @@ def add_convert(sub):
 
 def _add_hub_options(p, convert: bool):
     add_fields(
-        p.add_argument_group("Hugging Face Hub (hf_qknorm.conversion.hub.HubSettings)"),
+        p.add_argument_group("Hugging Face Hub (hf_qknorm.conversion.output.hub.HubSettings)"),
         HubSettings,
         exclude=() if convert else ("repo_id",),
     )
 
 
 def run_convert(args) -> int:
-    from ..conversion.converter import convert
-    from ..conversion.ranks import FirstRankFailed, launched_rank
+    from ..conversion.orchestration.converter import convert
+    from ..conversion.orchestration.ranks import FirstRankFailed, launched_rank
 
     if args.output is not None and args.dst is not None:
         raise ValueError("give the output folder once: as DST or as --output, not both")
-    from ..conversion.progress import show_progress_logs
+    from ..conversion.orchestration.progress import show_progress_logs
 
     first = launched_rank() == 0  # under torchrun / accelerate launch rank 0 alone speaks
     show_progress_logs(not args.quiet and first)
@@ -222,7 +222,7 @@ def add_push(sub):
 
 
 def run_push(args) -> int:
-    from ..conversion.hub import card_for_repo, card_metadata, check_folder, check_repo_id, push, upload_files
+    from ..conversion.output.hub import card_for_repo, card_metadata, check_folder, check_repo_id, push, upload_files
 
     if args.dry_run:
         check_folder(args.dir)

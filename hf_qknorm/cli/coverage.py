@@ -61,7 +61,7 @@ def run(args) -> int:
 
     import functools
 
-    from ..conversion.coverage import VARIANTS, add_conversions
+    from ..conversion.orchestration.coverage import VARIANTS, add_conversions
 
     variants = cov.variants() if args.conversion_variants == "all" else VARIANTS
     hook = None if args.no_conversion else functools.partial(add_conversions, variants=variants)

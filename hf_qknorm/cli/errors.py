@@ -46,8 +46,8 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 def describe(exc: BaseException) -> tuple[str | None, str]:
     """``(kind, one-line message)`` for ``exc``; kind ``None`` means: let it propagate (``SystemExit``)."""
-    from ..conversion.checks import ConversionCheckError
-    from ..conversion.tempdirs import Terminated
+    from ..conversion.orchestration.checks import ConversionCheckError
+    from ..conversion.orchestration.tempdirs import Terminated
 
     if isinstance(exc, Terminated):
         return "terminated", f"{exc}; stopped cleanly (nothing half-written was left)"

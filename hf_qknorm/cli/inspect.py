@@ -26,7 +26,7 @@ def norm_statistics(folder: Path) -> list[dict]:
     import torch
     from safetensors import safe_open
 
-    from ..conversion.shards import check_safetensors
+    from ..conversion.output.shards import check_safetensors
 
     rows = []
     for path in sorted(Path(folder).glob("*.safetensors")):

@@ -181,7 +181,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``hf-qknorm`` with ``argv``; returns the exit status. Never raises (but ``SystemExit`` from ``--help``)."""
-    from ..conversion.tempdirs import stop_signals_raise
+    from ..conversion.orchestration.tempdirs import stop_signals_raise
     from ..upstream import untested_version_note
 
     parser, runners = build_parser()
@@ -214,7 +214,7 @@ def entry() -> None:
     the output is flushed: by then the conversion has written, checked and closed everything, and gloo's threads
     can abort the interpreter's teardown on a loaded machine ("terminate called without an active exception",
     signal 6), which would turn a finished conversion into a failed rank."""
-    from ..conversion.ranks import launched_world
+    from ..conversion.orchestration.ranks import launched_world
 
     status = main()
     try:

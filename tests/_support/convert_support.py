@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hf_qknorm.conversion.calibrate import CalibrationSettings
+from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
 from hf_qknorm.data import bundled_model_dir, bundled_text
 from tests._support.tiny_models import tiny_model
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import hf_qknorm.conversion.converter as converter
+import hf_qknorm.conversion.orchestration.converter as converter
 from hf_qknorm import QKNormConfig
 from hf_qknorm.cli.main import main
 from tests._support.convert_support import leftovers, save_source
@@ -419,7 +419,7 @@ def test_convert_without_a_tokenizer_says_so(src, tmp_path, capsys):
     """A source without tokenizer files (weights-only checkpoints are legitimate sources) used to give a folder
     without one, silently, and a model card whose snippet loads a tokenizer. Now a WARNING line (also with --quiet)
     and a card that says the folder has none (issue 22; the choice is explained in docs/conversion.md)."""
-    from hf_qknorm.conversion.export import has_tokenizer
+    from hf_qknorm.conversion.output.export import has_tokenizer
     from tests._support.convert_support import bundled_copy
 
     code, out, _ = run(capsys, "convert", src, tmp_path / "o", *QUICK)

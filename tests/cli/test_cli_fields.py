@@ -102,7 +102,7 @@ def test_convert_flags_are_the_settings_fields():
 
 def test_convert_takes_config_objects_only(tmp_path):
     from hf_qknorm import CalibrationSettings, HubSettings, QKNormConfig, convert
-    from hf_qknorm.conversion.converter import settings_objects
+    from hf_qknorm.conversion.orchestration.converter import settings_objects
 
     cfg, cal, hub = settings_objects("qk_norm", None, None)
     assert cfg == QKNormConfig("qk_norm") and cal == CalibrationSettings() and hub == HubSettings()

@@ -1,5 +1,5 @@
-"""Answer agreement (hf_qknorm.conversion.agreement): checked against Transformers' own greedy ``generate`` and a
-one-position-at-a-time teacher-forced loop, never against the module's own shortcuts."""
+"""Answer agreement (hf_qknorm.conversion.orchestration.agreement): checked against Transformers' own greedy
+``generate`` and a one-position-at-a-time teacher-forced loop, never against the module's own shortcuts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_qknorm.conversion.agreement import (
+from hf_qknorm.conversion.orchestration.agreement import (
     Prompt,
     _greedy_batch,
     agreement,
@@ -178,7 +178,7 @@ def test_conversion_reports_the_written_models_agreement(tmp_path, bundled):
     """convert() measures the folder it writes: its figure is the one computed here from the reloaded folder, and
     the JSON report, the model card and the printed summary carry it."""
     import hf_qknorm
-    from hf_qknorm.conversion.calibrate import CalibrationSettings
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
     from tests._support.convert_support import SHORT_TEXT, quiet
 
     settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=5, agreement_tokens=N)
@@ -205,7 +205,7 @@ def test_conversion_reports_the_written_models_agreement(tmp_path, bundled):
 
 def test_agreement_tokens_zero_skips_the_check(tmp_path):
     import hf_qknorm
-    from hf_qknorm.conversion.calibrate import CalibrationSettings
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
     from tests._support.convert_support import SHORT_TEXT, quiet
 
     settings = CalibrationSettings(block_len=64, calibration_blocks=4, eval_blocks=4, local_steps=0, agreement_tokens=0)

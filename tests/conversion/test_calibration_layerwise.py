@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM
 
 import hf_qknorm
 from hf_qknorm import convert
-from hf_qknorm.conversion import progress as progress_mod
-from hf_qknorm.conversion.calibrate import CalibrationSettings, new_norm_parameters
-from hf_qknorm.conversion.layerwise import calibrate_checkpoint
-from hf_qknorm.conversion.source import inspect_source
-from hf_qknorm.conversion.streaming import StreamedCheckpoint
+from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings, new_norm_parameters
+from hf_qknorm.conversion.calibration.layerwise import calibrate_checkpoint
+from hf_qknorm.conversion.calibration.streaming import StreamedCheckpoint
+from hf_qknorm.conversion.orchestration import progress as progress_mod
+from hf_qknorm.conversion.orchestration.source import inspect_source
 from hf_qknorm.data import perplexity
 from hf_qknorm.portable.schemes import QKNormConfig
 from tests._support.convert_support import SHORT_TEXT, bundled_copy, quiet, save_source
@@ -142,7 +142,7 @@ def test_bundled_model_recovers_without_distillation(tmp_path):
     assert r.ppl_calibrated < r.ppl_least_squares < r.ppl_identity
     from transformers import AutoTokenizer
 
-    from hf_qknorm.conversion.texts import text_blocks
+    from hf_qknorm.conversion.orchestration.texts import text_blocks
     from hf_qknorm.data import split_text
 
     model = AutoModelForCausalLM.from_pretrained(result.path)  # a plain qwen3 folder
@@ -218,7 +218,7 @@ def test_bf16_source_calibrates_against_the_written_bits(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32)
     from transformers import AutoTokenizer
 
-    from hf_qknorm.conversion.texts import text_blocks
+    from hf_qknorm.conversion.orchestration.texts import text_blocks
     from hf_qknorm.data import split_text
 
     blocks = text_blocks(split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(result.path), 64, 4, "held")

@@ -4,7 +4,7 @@ the plugin a FAIL."""
 
 from __future__ import annotations
 
-from hf_qknorm.conversion import coverage as conversions
+from hf_qknorm.conversion.orchestration import coverage as conversions
 from hf_qknorm.verification import coverage as cov
 from hf_qknorm.verification import plain
 

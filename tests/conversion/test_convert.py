@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_qknorm
 from hf_qknorm import QKNormConfig, convert
-from hf_qknorm.conversion.calibrate import CalibrationSettings
-from hf_qknorm.conversion.texts import text_blocks
+from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
+from hf_qknorm.conversion.orchestration.texts import text_blocks
 from hf_qknorm.data import bundled_model_dir, split_text
 from tests._support.convert_support import SHORT_TEXT, SMALL, bundled_copy, leftovers, quiet, save_source, tree_hash
 from tests._support.tiny_models import VOCAB, tiny_model
@@ -224,7 +224,7 @@ def test_existing_destination_refused_then_overwritten(tmp_path):
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
-    import hf_qknorm.conversion.export as export
+    import hf_qknorm.conversion.output.export as export
 
     save_source(tmp_path / "src")
 
@@ -377,9 +377,9 @@ def test_patched_and_converted_models_start_from_the_same_norms(tmp_path, norm):
     from types import SimpleNamespace
 
     from hf_qknorm import get_family
-    from hf_qknorm.conversion.layerwise import identity_values
-    from hf_qknorm.conversion.source import inspect_source
-    from hf_qknorm.conversion.streaming import StreamedCheckpoint
+    from hf_qknorm.conversion.calibration.layerwise import identity_values
+    from hf_qknorm.conversion.calibration.streaming import StreamedCheckpoint
+    from hf_qknorm.conversion.orchestration.source import inspect_source
     from hf_qknorm.portable.families import DEFAULT_TRAINING_LENGTH
     from hf_qknorm.portable.norms import henry_logit_scale
 

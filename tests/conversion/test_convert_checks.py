@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import hf_qknorm
-import hf_qknorm.conversion.converter as converter
-import hf_qknorm.conversion.writing as writing
+import hf_qknorm.conversion.orchestration.converter as converter
+import hf_qknorm.conversion.output.writing as writing
 from hf_qknorm import QKNormConfig
-from hf_qknorm.conversion.checks import ConversionCheckError, check_report_finite
+from hf_qknorm.conversion.orchestration.checks import ConversionCheckError, check_report_finite
 from hf_qknorm.modeling import remote
 from tests._support.convert_support import (
     SHORT_TEXT,
@@ -109,7 +109,7 @@ def test_a_dropped_norm_weight_fails_the_conversion(tmp_path, monkeypatch, layer
 
 
 def test_a_config_that_lost_its_cap_fails_the_conversion(tmp_path, monkeypatch):
-    import hf_qknorm.conversion.export as export
+    import hf_qknorm.conversion.output.export as export
 
     save_source(tmp_path / "src", "llama")
     real = export.write_config
@@ -184,7 +184,7 @@ def test_a_converted_model_that_computes_nan_fails_the_conversion(tmp_path, monk
 
 
 def test_report_checks_every_number():
-    from hf_qknorm.conversion.calibrate import CalibrationReport, LayerStats
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationReport, LayerStats
 
     def report(**changes):
         base = dict(

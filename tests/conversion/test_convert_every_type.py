@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_qknorm
 from hf_qknorm import QKNormConfig, UnsupportedModelError, convert
-from hf_qknorm.conversion import coverage as conversions
-from hf_qknorm.conversion.calibrate import new_norm_parameters
-from hf_qknorm.conversion.texts import text_blocks
+from hf_qknorm.conversion.calibration.calibrate import new_norm_parameters
+from hf_qknorm.conversion.orchestration import coverage as conversions
+from hf_qknorm.conversion.orchestration.texts import text_blocks
 from hf_qknorm.data import perplexity, split_text
 from tests.modeling.test_coverage import SAMPLE
 from tests.modeling.test_export import run_without_plugin
@@ -185,7 +185,8 @@ def test_a_model_whose_own_qk_norms_are_the_scheme_converts_to_itself(tmp_path, 
 def test_a_refused_scheme_is_refused_before_any_work(tmp_path, monkeypatch):
     """A parallel block (Phi) cannot lose its pre-norm: qkv_norm is refused with patching's reason before the
     calibration text is read or the checkpoint streamed; a model type patching refuses is refused the same way."""
-    from hf_qknorm.conversion import converter, layerwise
+    from hf_qknorm.conversion.calibration import layerwise
+    from hf_qknorm.conversion.orchestration import converter
 
     def never(*args, **kwargs):
         raise AssertionError("work started before the refusal")
@@ -206,7 +207,7 @@ def test_a_refused_scheme_is_refused_before_any_work(tmp_path, monkeypatch):
 def test_remote_code_that_skips_the_norm_fails_a_conversion_the_float64_reference_does_not_cover(tmp_path, monkeypatch):
     """Mixtral has no float64 reference in verify: the written folder's logits without the plugin, against the
     converted model in memory, are what catch shipped code that drops the norm (nothing is written)."""
-    from hf_qknorm.conversion.checks import ConversionCheckError
+    from hf_qknorm.conversion.orchestration.checks import ConversionCheckError
     from hf_qknorm.modeling import remote
     from tests._support.convert_support import hook_source_skipping_the_norm
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hf_qknorm.cli.main import main
-from hf_qknorm.conversion import tempdirs
+from hf_qknorm.conversion.orchestration import tempdirs
 from tests._support.convert_support import leftovers, save_source
 
 # The real command line, slowed down after the first shard is written so that the signal lands mid-write.
@@ -24,7 +24,7 @@ SLOW_CONVERT = textwrap.dedent("""
     # a shell's background job starts with SIGINT ignored, which the command respects (as under nohup): not here
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from pathlib import Path
-    import hf_qknorm.conversion.shards as shards
+    import hf_qknorm.conversion.output.shards as shards
     ready, real = Path(sys.argv[1]), shards._save
 
     def slow_save(*args):

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 import hf_qknorm
 from hf_qknorm import QKNormConfig
 from hf_qknorm.cli.main import main
-from hf_qknorm.conversion.calibrate import CalibrationSettings
-from hf_qknorm.conversion.heal import HealSettings
-from hf_qknorm.conversion.texts import text_blocks
+from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
+from hf_qknorm.conversion.healing.heal import HealSettings
+from hf_qknorm.conversion.orchestration.texts import text_blocks
 from hf_qknorm.data import split_text
 from tests._support.convert_support import SHORT_TEXT, bundled_copy, leftovers, quiet, save_source, tree_hash
 
@@ -158,7 +158,7 @@ def test_command_line_refuses_bad_heal_input_in_one_line(tmp_path, capsys, argv,
 
 
 def test_interrupted_heal_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import hf_qknorm.conversion.heal as heal
+    import hf_qknorm.conversion.healing.heal as heal
 
     src = bundled_copy(tmp_path / "src")
 
@@ -248,7 +248,7 @@ def test_an_end_to_end_stage_that_raises_the_kl_is_not_kept(tmp_path):
 
 
 def test_interrupted_end_to_end_stage_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import hf_qknorm.conversion.endtoend as endtoend
+    import hf_qknorm.conversion.healing.endtoend as endtoend
 
     src = bundled_copy(tmp_path / "src")
     calls = []
@@ -280,8 +280,8 @@ def test_heal_text_self_is_the_calibration_text_mixed_with_the_originals_own_ans
     seed, so the same samples) mixed half and half with the calibration text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_qknorm.conversion.heal import heal_text
-    from hf_qknorm.conversion.selftext import mixed_text, self_generated_text
+    from hf_qknorm.conversion.healing.heal import heal_text
+    from hf_qknorm.conversion.healing.selftext import mixed_text, self_generated_text
 
     src = bundled_copy(tmp_path / "src")
     tokenizer = AutoTokenizer.from_pretrained(src)
@@ -313,7 +313,7 @@ def test_healed_on_self_generated_text_writes_what_it_measured_and_says_so(tmp_p
 
 
 def test_interrupted_heal_text_generation_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import hf_qknorm.conversion.selftext as selftext
+    import hf_qknorm.conversion.healing.selftext as selftext
 
     src = bundled_copy(tmp_path / "src")
 

@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from hf_qknorm import QKNormConfig
-from hf_qknorm.conversion.calibrate import CalibrationSettings
-from hf_qknorm.conversion.heal import HealSettings
+from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
+from hf_qknorm.conversion.healing.heal import HealSettings
 from tests._support.convert_support import SHORT_TEXT, bundled_copy, leftovers, quiet
 from tests._support.trainer_runs import free_port, launch_env
 
@@ -63,9 +63,9 @@ SMALL_GENERATION = {"SELF_NEW_TOKENS": 16, "SELF_BATCH_SIZE": 2}
 
 def _healed(src: Path, heal: HealSettings):
     """Calibration then healing as :func:`hf_qknorm.convert` runs them: ``(new tensors, report dict)``."""
-    from hf_qknorm.conversion.converter import _calibrated
-    from hf_qknorm.conversion.source import inspect_source
-    from hf_qknorm.conversion.texts import read_texts
+    from hf_qknorm.conversion.orchestration.converter import _calibrated
+    from hf_qknorm.conversion.orchestration.source import inspect_source
+    from hf_qknorm.conversion.orchestration.texts import read_texts
 
     source = inspect_source(src)
     cfg = dataclasses.replace(SCHEME, eps=source.family.norm_eps(source.config, ""))
@@ -77,7 +77,7 @@ def _healed(src: Path, heal: HealSettings):
 def _generated(src: Path, on_batch=None) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_qknorm.conversion.selftext import self_generated_text
+    from hf_qknorm.conversion.healing.selftext import self_generated_text
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     return self_generated_text(model, AutoTokenizer.from_pretrained(src), SHORT_TEXT, on_batch=on_batch, **TEXT)
@@ -155,7 +155,7 @@ def _ranks(out: Path, name: str) -> list:
 # --------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["self", "calibration", "end_to_end"])
 def test_two_ranks_heal_exactly_as_one_process(launched, source, mode, monkeypatch):
-    import hf_qknorm.conversion.heal as heal
+    import hf_qknorm.conversion.healing.heal as heal
 
     for name, value in SMALL_GENERATION.items():
         monkeypatch.setattr(heal, name, value)
@@ -257,7 +257,7 @@ def test_a_failing_rank_stops_the_launch_and_writes_nothing(source, tmp_path, fa
 def test_a_launch_with_more_processes_than_cuda_devices_is_refused_by_name(monkeypatch, local_rank):
     """torchrun starting two processes on a machine with one GPU: the second rank's calibration on CUDA is refused
     with the way out, before any CUDA call (CUDA itself would say only "invalid device ordinal")."""
-    from hf_qknorm.conversion import ranks
+    from hf_qknorm.conversion.orchestration import ranks
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) reached"))
@@ -280,8 +280,8 @@ def _worker(out: Path, src: Path) -> None:
     import torch.distributed as dist
 
     import hf_qknorm
-    import hf_qknorm.conversion.heal as heal
-    from hf_qknorm.conversion.ranks import FirstRankFailed
+    import hf_qknorm.conversion.healing.heal as heal
+    from hf_qknorm.conversion.orchestration.ranks import FirstRankFailed
 
     for name, value in SMALL_GENERATION.items():
         setattr(heal, name, value)
@@ -301,7 +301,7 @@ def _worker(out: Path, src: Path) -> None:
         torch.save((*_healed(src, settings), list(fitted)), out / f"heal_{mode}.rank{rank}.pt")
     heal._fit = fit
     # rank 1 calibrates to other values (as another device might): every rank must heal from rank 0's
-    import hf_qknorm.conversion.layerwise as layerwise
+    import hf_qknorm.conversion.calibration.layerwise as layerwise
 
     calibrate = layerwise.calibrate_checkpoint
 
@@ -366,7 +366,7 @@ def _leave(code: int) -> None:
 
 def _cli_failing(rank: int, argv: list[str]) -> None:
     """The command line, with rank ``rank``'s first layer fit raising."""
-    import hf_qknorm.conversion.heal as heal
+    import hf_qknorm.conversion.healing.heal as heal
     from hf_qknorm.cli.main import main
 
     if int(os.environ["RANK"]) == rank:

@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard
 import hf_qknorm
 from hf_qknorm import HubSettings
 from hf_qknorm.cli.main import main as cli_main
-from hf_qknorm.conversion.hub import (
+from hf_qknorm.conversion.output.hub import (
     build_model_card,
     card_for_repo,
     card_metadata,
@@ -69,7 +69,7 @@ def test_card_metadata_and_content(converted):
 
 
 def test_card_with_report_and_hub_base_model(tmp_path):
-    from hf_qknorm.conversion.calibrate import CalibrationReport, LayerStats
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationReport, LayerStats
 
     report = CalibrationReport(
         scheme={},
@@ -267,7 +267,7 @@ def test_cli_convert_errors_and_success(tmp_path, capsys, monkeypatch):
 
 
 def test_soft_cap_card_says_there_is_nothing_to_initialise():
-    from hf_qknorm.conversion.calibrate import CalibrationReport, LayerStats
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationReport, LayerStats
 
     report = CalibrationReport(
         scheme={"scheme": "soft_cap"},
@@ -417,7 +417,7 @@ def test_push_of_an_older_folder_uses_its_name(converted):
 
 
 def test_convert_with_an_invalid_repo_id_fails_before_any_work(tmp_path, monkeypatch):
-    import hf_qknorm.conversion.converter as converter
+    import hf_qknorm.conversion.orchestration.converter as converter
 
     monkeypatch.setattr(converter, "inspect_source", lambda *a: pytest.fail("the source was read"))
     for repo in ("not a repo", "a/b/c", "me/x--y", "-me/x"):

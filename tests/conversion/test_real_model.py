@@ -72,7 +72,7 @@ def test_default_conversion_recovers_the_real_model(smollm2, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_qknorm
-    from hf_qknorm.conversion.texts import text_blocks
+    from hf_qknorm.conversion.orchestration.texts import text_blocks
     from hf_qknorm.data import bundled_text, perplexity, split_text
 
     result = hf_qknorm.convert(

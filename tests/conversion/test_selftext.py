@@ -1,11 +1,11 @@
-"""Calibration text written by the model itself (hf_qknorm.conversion.selftext)."""
+"""Calibration text written by the model itself (hf_qknorm.conversion.healing.selftext)."""
 
 from __future__ import annotations
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_qknorm.conversion.selftext import mixed_text, self_generated_text, topics
+from hf_qknorm.conversion.healing.selftext import mixed_text, self_generated_text, topics
 from hf_qknorm.data import bundled_model_dir
 
 
@@ -41,7 +41,7 @@ def test_self_generated_text_does_not_depend_on_which_process_generates_which_ba
     """Each batch has its own generator: two simulated ranks (batches 0, 2, ... and 1, 3, ...), each generating
     only its share, produce exactly the documents of one process's run (the real two-process gather is in
     test_heal_distributed.py)."""
-    import hf_qknorm.conversion.selftext as selftext
+    import hf_qknorm.conversion.healing.selftext as selftext
 
     tok = AutoTokenizer.from_pretrained(bundled_model_dir())
     model = AutoModelForCausalLM.from_pretrained(bundled_model_dir(), dtype=torch.float32).eval()

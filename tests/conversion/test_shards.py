@@ -1,5 +1,5 @@
-"""The safetensors checks every conversion starts with (hf_qknorm/conversion/shards.py): a whole file passes, each
-kind of damage is named with the file."""
+"""The safetensors checks every conversion starts with (hf_qknorm/conversion/output/shards.py): a whole file passes,
+each kind of damage is named with the file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_qknorm.conversion.shards import check_safetensors
+from hf_qknorm.conversion.output.shards import check_safetensors
 from tests._support.convert_support import save_source
 
 

@@ -21,7 +21,7 @@ import torch
 
 import hf_qknorm
 from hf_qknorm import get_family
-from hf_qknorm.conversion.export import qwen3_blocker, resolve_export
+from hf_qknorm.conversion.output.export import qwen3_blocker, resolve_export
 from hf_qknorm.modeling.remote import add_remote_code, remote_files
 from hf_qknorm.portable.schemes import QKNormConfig
 from tests._support.convert_support import quiet, save_source

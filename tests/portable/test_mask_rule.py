@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_qknorm.attention import tiles
-from hf_qknorm.conversion import stats
+from hf_qknorm.conversion.calibration import stats
 from hf_qknorm.modeling import telemetry
 from hf_qknorm.portable.masks import allowed_pairs, resolve_mask
 

@@ -4,10 +4,10 @@ A freshly initialised norm makes a pretrained model forget what it knew: an iden
 unit-variance queries and keys, so the logits shrink and attention goes nearly uniform. Calibration runs text
 through the original model and sets the new norm parameters so that the converted model stays close to it:
 
-1. **Layer by layer** (:mod:`hf_qknorm.conversion.layerwise`, always): the checkpoint is streamed one decoder block
-   at a time; each layer's new norms get a per-channel least-squares closed form, then a fit of the patched
-   attention layer's output to the original layer's output on the same calibration activations
-   (:mod:`hf_qknorm.conversion.localfit`). Memory: one block plus the activations.
+1. **Layer by layer** (:mod:`hf_qknorm.conversion.calibration.layerwise`, always): the checkpoint is streamed one
+   decoder block at a time; each layer's new norms get a per-channel least-squares closed form, then a fit of the
+   patched attention layer's output to the original layer's output on the same calibration activations
+   (:mod:`hf_qknorm.conversion.calibration.localfit`). Memory: one block plus the activations.
 2. **End-to-end KL polish** (:func:`polish`, ``steps > 0``, for models that fit in memory): only the new norm
    parameters are trained, with Adam, to minimise the KL divergence between the original and the converted model's
    next-token distributions on the calibration text.
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..orchestration.progress import Stage
 from .optim import cosine_adam
-from .progress import Stage
 from .stats import CalibrationReport, LayerStats, converted_max_logits
 
 __all__ = ["CalibrationReport", "CalibrationSettings", "LayerStats", "distill", "new_norm_parameters", "polish"]
@@ -226,8 +226,8 @@ def polish(
     calibrated perplexity, converted max logits) and returns the polished values."""
     from transformers import AutoModelForCausalLM
 
-    from ..data import perplexity
-    from ..modeling.patch import patch_model
+    from ...data import perplexity
+    from ...modeling.patch import patch_model
 
     t0 = time.time()
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(settings.resolved_device()).eval()

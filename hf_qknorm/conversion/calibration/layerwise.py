@@ -1,14 +1,14 @@
 """Calibration layer by layer, streaming the checkpoint: memory for one block, whatever the depth.
 
 :func:`calibrate_checkpoint` never holds the model. It embeds the calibration and held-out blocks, then for each
-decoder block in turn (:class:`hf_qknorm.conversion.streaming.StreamedCheckpoint`):
+decoder block in turn (:class:`hf_qknorm.conversion.calibration.streaming.StreamedCheckpoint`):
 
 1. materialises the original block and the patched block from the source files;
 2. runs the original block on the calibration activations that reach it, recording per-head q/k/v statistics
-   (:class:`hf_qknorm.conversion.stats.ActivationRecorder`), the original attention layer's outputs (the targets)
-   and the patched attention layer's inputs;
+   (:class:`hf_qknorm.conversion.calibration.stats.ActivationRecorder`), the original attention layer's outputs (the
+   targets) and the patched attention layer's inputs;
 3. sets the new norms to the closed-form fit, then fits them to the original attention outputs
-   (:mod:`hf_qknorm.conversion.localfit`);
+   (:mod:`hf_qknorm.conversion.calibration.localfit`);
 4. moves every stream one block on -- the calibration activations through the original block, the held-out
    activations through the original block and through the patched block with identity, closed-form and calibrated
    norms -- and releases the block.
@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from ..modeling.telemetry import LogitTap, head_max_logits
-from ..portable.schemes import QKNormConfig
+from ...modeling.telemetry import LogitTap, head_max_logits
+from ...portable.schemes import QKNormConfig
+from ..orchestration.progress import Stage
 from .localfit import closed_form, fit_attention, norm_parameters
-from .progress import Stage
 from .stats import CAP_WARN_FRACTION, ActivationRecorder, CalibrationReport, cap_warning
 from .streaming import BlockCall, StreamedCheckpoint, run_block, run_capturing
 
@@ -42,7 +42,7 @@ def identity_values(stream: StreamedCheckpoint) -> dict[str, torch.Tensor]:
     """Identity init of every new norm parameter (weight 1, bias 0; Henry et al.'s logit scale for ``l2``/``lp``),
     by state-dict name. Where a new norm takes the place of the model's own per-head norm its start is that norm's
     gain (and bias), read when its layer is materialised (:meth:`StreamedCheckpoint.native_values`)."""
-    from ..portable.norms import initial_value
+    from ...portable.norms import initial_value
     from .calibrate import new_norm_parameters
 
     return {

@@ -3,8 +3,9 @@
 Two steps per layer, on the calibration activations that reach it:
 
 1. **Closed form** (:func:`closed_form`): per channel, the least-squares fit of the original per-head q/k/v (before
-   RoPE) on the parameter-free norm of the projection, from the sums :class:`hf_qknorm.conversion.stats._Moments`
-   gathers (for ``l2``/``lp``: the logit scale ``scaling * E||q||_p * E||k||_p``).
+   RoPE) on the parameter-free norm of the projection, from the sums
+   :class:`hf_qknorm.conversion.calibration.stats._Moments` gathers (for ``l2``/``lp``: the logit scale ``scaling *
+   E||q||_p * E||k||_p``).
 2. **Local fit** (:func:`fit_attention`): Adam on the new norm parameters only, minimising the squared error of the
    patched attention layer's output (after its output projection) against the original layer's output on the same
    inputs, relative to the output's mean square. Matching q and k vectors is not what matters: a norm rescales
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
+from ...portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from .optim import cosine_adam
 from .streaming import BlockCall
 
@@ -160,9 +161,9 @@ def fit_attention(
 
 
 def fit_output(attn, calls, targets, denom: float, tensors: list, overrides, steps: int, lr: float, seed: int, on_step):
-    """The layer fit: :func:`~hf_qknorm.conversion.optim.cosine_adam` on ``tensors`` so that ``attn``'s output with
-    the parameters ``overrides()`` (``None``: its own) matches ``targets``, relative to ``denom``; one recorded call
-    per step, drawn with ``seed``. ``on_step(step)`` after each step."""
+    """The layer fit: :func:`~hf_qknorm.conversion.calibration.optim.cosine_adam` on ``tensors`` so that ``attn``'s
+    output with the parameters ``overrides()`` (``None``: its own) matches ``targets``, relative to ``denom``; one
+    recorded call per step, drawn with ``seed``. ``on_step(step)`` after each step."""
     gen = torch.Generator().manual_seed(seed)
 
     def loss(step):

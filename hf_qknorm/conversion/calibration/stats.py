@@ -2,9 +2,9 @@
 
 :class:`ActivationRecorder` records, while the original model runs, what the new norms will read and what the
 original model hands on there, per layer: the least-squares sums that
-:func:`hf_qknorm.conversion.localfit.closed_form` needs (per channel, pooled over heads and tokens), the per-head RMS
-of q, k and v before RoPE, and the largest logit. :class:`CalibrationReport` holds the perplexities and per-layer
-statistics and formats them for the command line and the model card.
+:func:`hf_qknorm.conversion.calibration.localfit.closed_form` needs (per channel, pooled over heads and tokens), the
+per-head RMS of q, k and v before RoPE, and the largest logit. :class:`CalibrationReport` holds the perplexities and
+per-layer statistics and formats them for the command line and the model card.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ..modeling.telemetry import LogitTap, head_max_logits
-from ..portable.families import Family, head_dim_of, heads_of
-from ..portable.hooks import hook_slots, install, uninstall
-from ..portable.layout import find_layers
-from ..portable.norms import HeadLpNorm, make_norm
-from ..portable.schemes import QKNormConfig
+from ...modeling.telemetry import LogitTap, head_max_logits
+from ...portable.families import Family, head_dim_of, heads_of
+from ...portable.hooks import hook_slots, install, uninstall
+from ...portable.layout import find_layers
+from ...portable.norms import HeadLpNorm, make_norm
+from ...portable.schemes import QKNormConfig
 
 CAP_WARN_FRACTION = 0.5
 
@@ -61,10 +61,10 @@ class CalibrationReport:
     cap: float | None = None
     warnings: list[str] = field(default_factory=list)
     local_steps: int = 0  # Adam steps of the layer-wise fit per layer (0: closed form only)
-    # answer agreement of the written model with the original (hf_qknorm.conversion.agreement.AgreementReport as a
-    # dict); None when not measured
+    # answer agreement of the written model with the original
+    # (hf_qknorm.conversion.orchestration.agreement.AgreementReport as a dict); None when not measured
     agreement: dict | None = None
-    # what healing did and measured (hf_qknorm.conversion.heal.HealReport as a dict); None without healing. The
+    # what healing did and measured (hf_qknorm.conversion.healing.heal.HealReport as a dict); None without healing. The
     # perplexities above are the calibrated model's before healing; the healed model's are in here
     heal: dict | None = None
 

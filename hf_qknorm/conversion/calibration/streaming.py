@@ -5,10 +5,10 @@ memory; buffers such as RoPE's ``inv_freq`` are computed for real, with ``accele
 original model and the same model patched with the scheme (:func:`hf_qknorm.patch_model` on the skeleton, as for a
 conversion without calibration). :meth:`StreamedCheckpoint.block` materialises block ``i`` of both from the source
 files -- the patched block from exactly the tensors a conversion writes for that layer (the ``qkv_norm`` fold of
-the removed pre-norm into the projections included, :mod:`hf_qknorm.conversion.shards`), plus the norm values given
--- and :meth:`StreamedCheckpoint.release` returns them to ``meta``. Every parameter is read as ``from_pretrained``
-reads it (:mod:`hf_qknorm.conversion.keys`: fused experts, renamed tensors). The embeddings, final norm and output
-head are materialised only to embed the calibration text and to score it (:meth:`StreamedCheckpoint.logits`: the
+the removed pre-norm into the projections included, :mod:`hf_qknorm.conversion.output.shards`), plus the norm values
+given -- and :meth:`StreamedCheckpoint.release` returns them to ``meta``. Every parameter is read as ``from_pretrained``
+reads it (:mod:`hf_qknorm.conversion.output.keys`: fused experts, renamed tensors). The embeddings, final norm and
+output head are materialised only to embed the calibration text and to score it (:meth:`StreamedCheckpoint.logits`: the
 model's own forward after the blocks). Both models run on the ``"qknorm"`` attention backend, which reports the q
 and k it attends over (the logit statistics) for every family. Peak memory is one block (twice: original
 and patched) plus the activations, whatever the depth -- the way GPTQ-style tools quantise models larger than memory.
@@ -28,14 +28,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..modeling.patch import patch_model
-from ..portable.families import Family
-from ..portable.layout import find_layers
-from ..portable.names import ATTN_IMPLEMENTATION
-from ..portable.schemes import QKNormConfig
-from ..upstream import CACHE_NAMES
-from .forms import native_values, prenorm_forms
-from .shards import SourceWeights, WeightPlan, plan_weights, transform_tensor
+from ...modeling.patch import patch_model
+from ...portable.families import Family
+from ...portable.layout import find_layers
+from ...portable.names import ATTN_IMPLEMENTATION
+from ...portable.schemes import QKNormConfig
+from ...upstream import CACHE_NAMES
+from ..output.forms import native_values, prenorm_forms
+from ..output.shards import SourceWeights, WeightPlan, plan_weights, transform_tensor
 
 
 class _Stop(Exception):
@@ -87,7 +87,7 @@ class StreamedCheckpoint:
 
     def native_values(self, i: int) -> dict:
         """The values the scheme's norms of layer ``i`` start from where they replace the model's own per-head norms
-        (:func:`hf_qknorm.conversion.forms.native_values`); empty for other models."""
+        (:func:`hf_qknorm.conversion.output.forms.native_values`); empty for other models."""
         return native_values(self.original, self.patched, self.family, self.weights, i)
 
     @property

@@ -1,9 +1,9 @@
 """The end-to-end stage of healing (``HealSettings.end_to_end_tokens > 0``): every attention layer trained at once.
 
-The layer-wise stage (:mod:`hf_qknorm.conversion.heal`) fits each layer on the original's activations, so the small
-error each layer keeps moves the next layer's inputs and compounds over depth. This stage distils the whole converted
-model from the original by the KL divergence of their next-token distributions. It loads both models whole; with a
-process group of more than one rank :func:`hf_qknorm.convert` runs it on rank 0 alone and broadcasts the result.
+The layer-wise stage (:mod:`hf_qknorm.conversion.healing.heal`) fits each layer on the original's activations, so the
+small error each layer keeps moves the next layer's inputs and compounds over depth. This stage distils the whole
+converted model from the original by the KL divergence of their next-token distributions. It loads both models whole;
+with a process group of more than one rank :func:`hf_qknorm.convert` runs it on rank 0 alone and broadcasts the result.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 import torch
 from torch.nn import functional as F
 
+from ..calibration.optim import cosine_adam
+from ..orchestration.progress import Stage
 from .heal import HealReport, HealSettings
-from .optim import cosine_adam
-from .progress import Stage
 
 __all__ = ["end_to_end"]
 
@@ -45,8 +45,8 @@ def end_to_end(
     the final model's) and returns ``values`` with every attention parameter of every layer."""
     from transformers import AutoModelForCausalLM
 
-    from ..modeling.patch import patch_model
-    from ..portable.layout import find_layers
+    from ...modeling.patch import patch_model
+    from ...portable.layout import find_layers
 
     t0 = time.time()
     teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()

@@ -5,7 +5,7 @@ so a calibrated conversion still differs from the original (docs/conversion.md).
 each converted attention layer's q/k/v/o projections and its new norms are fitted by Adam to the original
 attention layer's output on the original model's own inputs (layer-wise attention transfer, as LoLCATs' first
 stage trains new attention to match the old one's outputs). Like calibration it streams the checkpoint
-(:class:`hf_qknorm.conversion.streaming.StreamedCheckpoint`): one decoder block of the original and of the
+(:class:`hf_qknorm.conversion.calibration.streaming.StreamedCheckpoint`): one decoder block of the original and of the
 converted model in memory at a time, plus the activations of a fixed number of text blocks -- memory is bounded by
 the model and ``HealSettings.blocks``, never by the length of the text. The source is only read.
 
@@ -18,15 +18,15 @@ original and the healed model's hidden states after the current layer, read thro
 output head (a logit lens), pick the same token.
 
 Across processes (``torchrun`` / ``accelerate launch``, an initialised ``torch.distributed`` process group of
-``world`` ranks; :mod:`hf_qknorm.conversion.ranks`): with ``inputs == "original"`` a layer's fit depends only on the
-original model's activations, so layer ``i`` is fitted on rank ``i % world`` alone while every rank streams the
-original through every layer (each needs the activations; memory per rank is one process's). The fitted layers are
+``world`` ranks; :mod:`hf_qknorm.conversion.orchestration.ranks`): with ``inputs == "original"`` a layer's fit depends
+only on the original model's activations, so layer ``i`` is fitted on rank ``i % world`` alone while every rank streams
+the original through every layer (each needs the activations; memory per rank is one process's). The fitted layers are
 then gathered on every rank, and rank 0 streams the held-out blocks once more -- original, calibrated and healed,
 one block at a time -- to score them, and broadcasts the report: every rank returns the same ``(tensors, report)``,
 equal to one process's bit for bit (the report's ``seconds`` aside). ``inputs == "converted"`` fits each layer on
 the layers healed before it and is refused with more than one rank. The optional end-to-end stage that follows
-(:mod:`hf_qknorm.conversion.endtoend`) trains every layer at once: it runs on rank 0 only (the caller broadcasts its
-result).
+(:mod:`hf_qknorm.conversion.healing.endtoend`) trains every layer at once: it runs on rank 0 only (the caller broadcasts
+its result).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from typing import Literal
 
 import torch
 
-from . import ranks
-from .layerwise import attention_call
-from .localfit import fit_output, output_scale, relative_error
-from .progress import Stage
-from .streaming import StreamedCheckpoint, run_block, run_capturing
+from ..calibration.layerwise import attention_call
+from ..calibration.localfit import fit_output, output_scale, relative_error
+from ..calibration.streaming import StreamedCheckpoint, run_block, run_capturing
+from ..orchestration import ranks
+from ..orchestration.progress import Stage
 
 __all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal_text"]
 
@@ -163,7 +163,7 @@ class HealReport:
 
 
 def _fit(attn, calls, targets, steps: int, lr: float, seed: int, tick) -> tuple[float, float, dict | None]:
-    """The layer fit (:func:`~hf_qknorm.conversion.localfit.fit_output`) on every parameter of ``attn``
+    """The layer fit (:func:`~hf_qknorm.conversion.calibration.localfit.fit_output`) on every parameter of ``attn``
     (projections and new norms); returns (error before, error after, the new parameters by name relative to ``attn``
     or ``None`` when the fit did not lower the error)."""
     params = dict(attn.named_parameters())
@@ -356,7 +356,7 @@ def _agreement(stream, original: torch.Tensor, converted: torch.Tensor) -> float
 def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, device, progress: bool = True):
     """The text healing fits the layers on: ``(text, generated tokens, seconds)``. ``settings.text == "self"``: the
     calibration text mixed half and half (by characters) with the original model's own chat answers and
-    continuations (:mod:`hf_qknorm.conversion.selftext`), sampled with ``settings.seed`` -- a converted model is
+    continuations (:mod:`hf_qknorm.conversion.healing.selftext`), sampled with ``settings.seed`` -- a converted model is
     used the way the original was, and fitting it on what the original says in that use is what keeps its answers
     (measured: docs/conversion.md). The whole original is loaded once for it, in float32 on ``device`` (on every
     rank of a process group, each generating its share of the batches; every rank returns the same text)."""

@@ -10,8 +10,8 @@ prompts are built from the calibration text, never from the answer-agreement pro
 Each batch of prompts is sampled with its own generator, seeded from ``(seed, batch index)``
 (:func:`batch_seed`), so the text does not depend on which process generates which batch: with a
 ``torch.distributed`` process group of ``world`` processes, rank ``r`` generates batches ``r, r + world, ...`` and
-the documents are gathered in batch order (:func:`hf_qknorm.conversion.ranks.all_in_order`), so every rank returns
-the same text, identical to one process's.
+the documents are gathered in batch order (:func:`hf_qknorm.conversion.orchestration.ranks.all_in_order`), so every rank
+returns the same text, identical to one process's.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import re
 
 import torch
 
-from ..upstream import cache_kwargs, output_cache
-from . import ranks
+from ...upstream import cache_kwargs, output_cache
+from ..orchestration import ranks
 
 __all__ = ["batch_seed", "mixed_text", "self_generated_text", "topics"]
 

@@ -26,7 +26,7 @@ from importlib import resources
 
 import torch
 
-from ..upstream import cache_kwargs, output_cache
+from ...upstream import cache_kwargs, output_cache
 
 __all__ = [
     "AgreementReport",

@@ -89,7 +89,7 @@ def check_request(settings, push_to_hub: str | None, token: str | None) -> str |
         raise ValueError(f"threads (--threads) must be a positive number of CPU threads, got {threads!r}")
     if not push_to_hub:
         return token
-    from .hub import check_repo_id, resolve_token
+    from ..output.hub import check_repo_id, resolve_token
 
     check_repo_id(push_to_hub)
     return resolve_token(token)
@@ -132,8 +132,8 @@ def check_report_finite(report) -> None:
 # the written tensors
 # --------------------------------------------------------------------------------------------------------------------
 def check_written(folder: Path, plan) -> None:
-    """Every tensor ``plan`` (a :class:`~hf_qknorm.conversion.shards.WeightPlan`) adds is in ``folder``'s shards with
-    exactly the planned value, and no tensor it drops is there. Reads only the added tensors."""
+    """Every tensor ``plan`` (a :class:`~hf_qknorm.conversion.output.shards.WeightPlan`) adds is in ``folder``'s shards
+    with exactly the planned value, and no tensor it drops is there. Reads only the added tensors."""
     from safetensors import safe_open
 
     key_file = {}
@@ -164,8 +164,9 @@ def verify_output(
 ) -> None:
     """Check the written ``folder`` (see the module docstring); raise :class:`ConversionCheckError` when it fails.
     ``mode``: ``"full"``, ``"plugin"`` (in this process only) or ``"off"``. With ``source`` (the
-    :class:`~hf_qknorm.conversion.source.Source`) and ``values`` (the new norms' values by state-dict name, as the
-    scheme's norms hold them), the written model's logits are compared with the converted model in memory."""
+    :class:`~hf_qknorm.conversion.orchestration.source.Source`) and ``values`` (the new norms' values by state-dict
+    name, as the scheme's norms hold them), the written model's logits are compared with the converted model in
+    memory."""
     if mode not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode {mode!r}; choose one of {', '.join(VERIFY_MODES)}")
     say = log or (lambda *a: None)
@@ -174,10 +175,10 @@ def verify_output(
         return
     from transformers import AutoModelForCausalLM
 
-    from ..modeling.patch import qknorm_config
-    from ..portable.families import UnsupportedModelError
-    from ..verification import verify, verify_folder
-    from ..verification.loading import quiet_transformers
+    from ...modeling.patch import qknorm_config
+    from ...portable.families import UnsupportedModelError
+    from ...verification import verify, verify_folder
+    from ...verification.loading import quiet_transformers
 
     reports, skipped, agreed = [], None, None
     with quiet_transformers(), layer_view(folder, VERIFY_LAYERS) as view:
@@ -239,9 +240,9 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
     :class:`ConversionCheckError` when they differ."""
     from transformers import AutoModelForCausalLM
 
-    from ..modeling.patch import patch_model
-    from ..verification.plain import logits_without_plugin
-    from .calibrate import new_norm_parameters
+    from ...modeling.patch import patch_model
+    from ...verification.plain import logits_without_plugin
+    from ..calibration.calibrate import new_norm_parameters
 
     vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -304,7 +305,7 @@ def _layers_key(raw: dict) -> str:
     (GPT-2's ``n_layer``)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from ..portable.families import base_model_type
+    from ...portable.families import base_model_type
 
     model_type = base_model_type(raw.get("model_type", ""))
     config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None

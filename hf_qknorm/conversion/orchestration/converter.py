@@ -1,29 +1,30 @@
 """Checkpoint conversion: ``hf_qknorm.convert`` and ``hf-qknorm convert``.
 
 Takes a pretrained checkpoint, adds the scheme's norm weights initialised by calibration
-(:mod:`hf_qknorm.conversion.calibrate`), and writes a folder that loads anywhere (:mod:`hf_qknorm.conversion.export`)
-with a model card
-(:mod:`hf_qknorm.conversion.hub`). Safe by construction:
+(:mod:`hf_qknorm.conversion.calibration.calibrate`), and writes a folder that loads anywhere
+(:mod:`hf_qknorm.conversion.output.export`) with a model card
+(:mod:`hf_qknorm.conversion.output.hub`). Safe by construction:
 
 - the source is only read, never written;
 - every safetensors header is checked before any work starts, so a corrupt or truncated file is a clear error;
 - the output is written into a temporary folder beside the destination and renamed into place when complete and
-  checked (:mod:`hf_qknorm.conversion.checks`: a finite report, the added tensors as computed, the verifier on the
-  written folder); on any error, SIGINT or SIGTERM the temporary folder is removed, so nothing is left half-written,
-  and one left by a killed run is removed by the next (:mod:`hf_qknorm.conversion.tempdirs`); an existing
-  destination is refused unless ``overwrite=True``;
+  checked (:mod:`hf_qknorm.conversion.orchestration.checks`: a finite report, the added tensors as computed, the
+  verifier on the written folder); on any error, SIGINT or SIGTERM the temporary folder is removed, so nothing is left
+  half-written, and one left by a killed run is removed by the next
+  (:mod:`hf_qknorm.conversion.orchestration.tempdirs`); an existing destination is refused unless ``overwrite=True``;
 - weights are written shard by shard from the source files (read one shard, add or transform its tensors, write
   it, update the index), so writing needs about one shard of memory. Calibration streams the checkpoint one decoder
-  block at a time (:mod:`hf_qknorm.conversion.layerwise`); only the optional KL polish loads the whole model.
+  block at a time (:mod:`hf_qknorm.conversion.calibration.layerwise`); only the optional KL polish loads the whole
+  model.
 
-Under ``torchrun`` / ``accelerate launch`` (``WORLD_SIZE > 1``; :mod:`hf_qknorm.conversion.ranks`) :func:`convert`
-initialises a process group when none exists (gloo on the CPU; nccl and ``cuda:LOCAL_RANK`` when the calibration
-device is CUDA) and destroys it at the end. Only healing is split: every rank calibrates, rank 0's values are
-broadcast so that every rank heals from the same start, the heal text and the layer fits are shared out
-(:mod:`hf_qknorm.conversion.heal`), and the end-to-end stage runs on rank 0. Rank 0 alone checks the destination
+Under ``torchrun`` / ``accelerate launch`` (``WORLD_SIZE > 1``; :mod:`hf_qknorm.conversion.orchestration.ranks`)
+:func:`convert` initialises a process group when none exists (gloo on the CPU; nccl and ``cuda:LOCAL_RANK`` when the
+calibration device is CUDA) and destroys it at the end. Only healing is split: every rank calibrates, rank 0's values
+are broadcast so that every rank heals from the same start, the heal text and the layer fits are shared out
+(:mod:`hf_qknorm.conversion.healing.heal`), and the end-to-end stage runs on rank 0. Rank 0 alone checks the destination
 and writes, verifies and uploads the folder (and logs and shows progress); the others wait and return the same
-:class:`ConversionResult`, or raise :class:`~hf_qknorm.conversion.ranks.FirstRankFailed` when rank 0's work failed.
-Without healing the other ranks only wait. Without ``WORLD_SIZE`` nothing of this happens.
+:class:`ConversionResult`, or raise :class:`~hf_qknorm.conversion.orchestration.ranks.FirstRankFailed` when rank 0's
+work failed. Without healing the other ranks only wait. Without ``WORLD_SIZE`` nothing of this happens.
 """
 
 from __future__ import annotations
@@ -34,19 +35,19 @@ from pathlib import Path
 
 import torch
 
-from ..portable.names import PREFIX
-from ..portable.norms import initial_value
-from ..portable.schemes import QKNormConfig
+from ...portable.names import PREFIX
+from ...portable.norms import initial_value
+from ...portable.schemes import QKNormConfig
+from ..calibration.calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
+from ..healing.heal import HealSettings
+from ..output.hub import HubSettings
+from ..output.writing import write_folder
 from . import ranks
-from .calibrate import CalibrationReport, CalibrationSettings, new_norm_parameters
 from .checks import VERIFY_MODES, check_report_finite, check_request, check_written, verify_output
 from .destination import check_destination, default_destination
-from .heal import HealSettings
-from .hub import HubSettings
 from .source import Source, inspect_source
 from .tempdirs import check_writable, staging
 from .texts import Texts, read_texts, text_blocks
-from .writing import write_folder
 
 __all__ = ["ConversionResult", "convert"]
 
@@ -92,11 +93,11 @@ def convert(
             ``QKNormConfig()`` (``qk_norm_cap`` + layernorm). Its ``eps`` ``None`` means the model's own.
         calibration: block length, number of blocks, fit and distillation steps, device
             (:class:`~hf_qknorm.CalibrationSettings`); ``None`` for the defaults.
-        hub: where to upload the folder once written (:class:`~hf_qknorm.conversion.hub.HubSettings`); ``None``
+        hub: where to upload the folder once written (:class:`~hf_qknorm.conversion.output.hub.HubSettings`); ``None``
             or a ``repo_id`` of ``None`` uploads nothing. The repo id and the token are checked before any work.
         heal: after calibration, distil the converted model's attention layers from the original's
-            (:mod:`hf_qknorm.conversion.heal`, :class:`~hf_qknorm.conversion.heal.HealSettings`); ``None`` (the
-            default) converts exactly as without it. Needs calibration.
+            (:mod:`hf_qknorm.conversion.healing.heal`, :class:`~hf_qknorm.conversion.healing.heal.HealSettings`);
+            ``None`` (the default) converts exactly as without it. Needs calibration.
         calibrate: ``False`` keeps identity init and never loads the model (no report).
         calibration_text: text run through the original model to initialise the new norms: a path, a bundled text
             name or the text itself; ``None`` means the bundled Tiny Shakespeare.
@@ -105,9 +106,9 @@ def convert(
         export: ``"auto"`` (plain ``qwen3`` when the result is a Qwen3 model, else ``qknorm_<base>`` with remote
             code), ``"qwen3"`` (an error when impossible) or ``"qknorm"``.
         verify: how the written folder is verified before it is renamed into place
-            (:func:`hf_qknorm.conversion.checks.verify_output`): ``"full"`` (with the plugin, and a ``qknorm_<base>``
-            folder also through its remote code in a process without the plugin), ``"plugin"`` or ``"off"``. The
-            added tensors are always checked, and a report that is not finite always fails.
+            (:func:`hf_qknorm.conversion.orchestration.checks.verify_output`): ``"full"`` (with the plugin, and a
+            ``qknorm_<base>`` folder also through its remote code in a process without the plugin), ``"plugin"`` or
+            ``"off"``. The added tensors are always checked, and a report that is not finite always fails.
 
         progress: stage lines on the ``hf_qknorm.conversion`` logger (INFO; shown only where logging is
             configured) and a bar when stderr is a terminal.
@@ -115,13 +116,13 @@ def convert(
             ``None`` (the default) keeps the library quiet.
 
     Raises ``ValueError``/``OSError`` for bad input or a failed write, and
-    :class:`~hf_qknorm.conversion.checks.ConversionCheckError` when the result fails a check; in every case nothing
-    is left at ``dst`` (or an existing ``dst`` is unchanged).
+    :class:`~hf_qknorm.conversion.orchestration.checks.ConversionCheckError` when the result fails a check; in every
+    case nothing is left at ``dst`` (or an existing ``dst`` is unchanged).
 
     Under ``torchrun`` / ``accelerate launch`` (``WORLD_SIZE > 1``), or with a ``torch.distributed`` process group
     already initialised, every rank must call this with the same arguments: healing is shared out, rank 0 alone
     writes, and every rank returns the same result (module docstring); the other ranks raise
-    :class:`~hf_qknorm.conversion.ranks.FirstRankFailed` when rank 0's checks or writing fail.
+    :class:`~hf_qknorm.conversion.orchestration.ranks.FirstRankFailed` when rank 0's checks or writing fail.
     """
     cfg, settings, hub = settings_objects(config, calibration, hub)
     if heal is not None and not isinstance(heal, HealSettings):
@@ -165,8 +166,8 @@ class _Request:
 
 def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
     """:func:`convert` on every rank (one process: rank 0 of 1)."""
-    from .export import check_tokenizer_fits, has_tokenizer, resolve_export
-    from .heal import check_world
+    from ..healing.heal import check_world
+    from ..output.export import check_tokenizer_fits, has_tokenizer, resolve_export
 
     source = inspect_source(req.src, req.cfg)  # patching's refusals too, on the source's own layers, before any work
     config, family = source.config, source.family
@@ -240,7 +241,7 @@ def _write(req: _Request, source: Source, dst: Path, export, prepared, progress:
         log(f"note: written as {PREFIX}{family.model_type} (trust_remote_code) rather than qwen3: {note}")
     log(f"wrote {dst} ({kind}): {', '.join(result.files)}")
     if hub.repo_id:
-        from .hub import push
+        from ..output.hub import push
 
         try:
             result.pushed_url = push(
@@ -277,16 +278,16 @@ def settings_objects(config, calibration, hub):
 
 
 def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings, heal, device, progress: bool):
-    """Layer-by-layer calibration streamed from the source files (:mod:`hf_qknorm.conversion.layerwise`), then the
-    optional end-to-end KL polish (``settings.steps > 0``), which loads the whole model, then the optional healing,
-    on ``device``. With more than one rank every rank calibrates; healing starts from rank 0's values."""
+    """Layer-by-layer calibration streamed from the source files (:mod:`hf_qknorm.conversion.calibration.layerwise`),
+    then the optional end-to-end KL polish (``settings.steps > 0``), which loads the whole model, then the optional
+    healing, on ``device``. With more than one rank every rank calibrates; healing starts from rank 0's values."""
     import math
 
     from transformers import AutoTokenizer
 
-    from .calibrate import calibration_threads, polish
-    from .layerwise import calibrate_checkpoint
-    from .streaming import StreamedCheckpoint
+    from ..calibration.calibrate import calibration_threads, polish
+    from ..calibration.layerwise import calibrate_checkpoint
+    from ..calibration.streaming import StreamedCheckpoint
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path)
@@ -311,7 +312,7 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
                 source.path, source.family, cfg, values, calib_blocks, eval_blocks, settings, report, progress
             )
         if heal is not None:
-            from .heal import heal_checkpoint, heal_text
+            from ..healing.heal import heal_checkpoint, heal_text
 
             values = ranks.broadcast(values)  # every rank heals from rank 0's calibration
             text, generated, gen_seconds = heal_text(source.path, tokenizer, texts.calibration, heal, device, progress)
@@ -323,7 +324,7 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
             healed.generated_tokens, healed.generation_seconds = generated, gen_seconds
             healed.seconds += gen_seconds
             if heal.end_to_end_tokens:
-                from .endtoend import end_to_end
+                from ..healing.endtoend import end_to_end
 
                 def stage():  # every layer at once: rank 0 alone
                     out = end_to_end(
@@ -348,10 +349,10 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
 def _identity(source: Source, cfg):
     """The patched config and identity-initialised norm values (a model's own per-head norms carried into the
     scheme's that replace them, as :func:`hf_qknorm.patch_model` does), from models built on the meta device."""
-    from ..modeling.patch import patch_model
-    from ..portable.layout import find_layers
-    from .forms import native_values
-    from .shards import skeleton
+    from ...modeling.patch import patch_model
+    from ...portable.layout import find_layers
+    from ..output.forms import native_values
+    from ..output.shards import skeleton
 
     original, model = skeleton(source.config), skeleton(source.config)
     patch_model(model, cfg)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..verification.coverage import CONVERTED, FAIL, PATCHED, REFUSED, UNTESTED
+from ...verification.coverage import CONVERTED, FAIL, PATCHED, REFUSED, UNTESTED
 
 # scheme, norm: the default, a plain export where one exists (Qwen3 for a Llama, the type itself for a model with its
 # own RMS q/k norms), the l2/lp logit scale, the cap alone, qkv_norm's fold
@@ -44,7 +44,7 @@ PROBE_SHAPE, PROBE_PAD = (2, 12), 3
 
 def settings():
     """Calibration small enough for a table of seventy types: every stage runs, on a few tokens."""
-    from .calibrate import CalibrationSettings
+    from ..calibration.calibrate import CalibrationSettings
 
     return CalibrationSettings(
         block_len=16, calibration_blocks=2, eval_blocks=1, local_steps=2, batch_size=2, agreement_tokens=0
@@ -70,9 +70,9 @@ def tiny_source(model_type: str, folder: Path, seed: int = 0) -> Path:
     (norm gains and biases) moved off its initial value so that what a conversion folds or carries shows."""
     from transformers import AutoModelForCausalLM
 
-    from ..data import bundled_model_dir
-    from ..verification.loading import quiet_transformers
-    from ..verification.tiny import tiny_config
+    from ...data import bundled_model_dir
+    from ...verification.loading import quiet_transformers
+    from ...verification.tiny import tiny_config
 
     config = _per_layer_lists_cut(model_type, tiny_config(model_type))
     config.vocab_size = SOURCE_VOCAB
@@ -132,9 +132,9 @@ def convert_variants(model_type: str, workdir: Path, variants=VARIANTS) -> tuple
     plugin)."""
     from transformers import AutoModelForCausalLM
 
-    from ..portable.families import UnsupportedModelError
-    from ..portable.schemes import QKNormConfig
-    from ..verification.loading import quiet_transformers
+    from ...portable.families import UnsupportedModelError
+    from ...portable.schemes import QKNormConfig
+    from ...verification.loading import quiet_transformers
     from .converter import convert
 
     source = tiny_source(model_type, Path(workdir) / "source")
@@ -196,7 +196,7 @@ def _format(result, source: Path) -> str:
 def reload_without_plugin(jobs: list[dict]) -> dict[str, str]:
     """Load every job's folder without the plugin (one fresh interpreter) and compare its logits with the plugin's:
     key -> ``"ok"`` or ``"FAIL: ..."``."""
-    from ..verification.plain import logits_without_plugin
+    from ...verification.plain import logits_without_plugin
 
     if not jobs:
         return {}
@@ -274,7 +274,7 @@ _TEXT: list[str] = []
 
 def _text() -> str:
     if not _TEXT:
-        from ..data import bundled_text
+        from ...data import bundled_text
 
         _TEXT.append(bundled_text()[:4000])
     return _TEXT[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..portable.schemes import QKNormConfig
+from ...portable.schemes import QKNormConfig
 
 __all__ = ["check_destination", "default_destination"]
 

@@ -1,8 +1,8 @@
 """The processes of a conversion launched with ``torchrun`` or ``accelerate launch``: who am I, who is first, exchange.
 
 A conversion runs the same on every rank and splits only work whose result does not depend on the split: the
-self-generated heal text (batch ``b`` on rank ``b % world``, :mod:`hf_qknorm.conversion.selftext`) and the
-layer-wise healing fits (layer ``i`` on rank ``i % world``, :mod:`hf_qknorm.conversion.heal`). Results travel as
+self-generated heal text (batch ``b`` on rank ``b % world``, :mod:`hf_qknorm.conversion.healing.selftext`) and the
+layer-wise healing fits (layer ``i`` on rank ``i % world``, :mod:`hf_qknorm.conversion.healing.heal`). Results travel as
 picklable CPU objects (``all_gather_object`` / ``broadcast_object_list``), so gloo and nccl both carry them and every
 rank ends with the same values, bit for bit, as one process computes. Without an initialised process group every
 function here is the single process's no-op: rank 0 of a world of 1.

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from ..modeling.derive import get_family
-from ..modeling.saved import read_config
-from ..portable.families import Family, UnsupportedModelError
-from ..portable.layout import find_layers
-from ..portable.names import PREFIX
-from .shards import SourceWeights, check_matches_config, read_source_weights, skeleton
+from ...modeling.derive import get_family
+from ...modeling.saved import read_config
+from ...portable.families import Family, UnsupportedModelError
+from ...portable.layout import find_layers
+from ...portable.names import PREFIX
+from ..output.shards import SourceWeights, check_matches_config, read_source_weights, skeleton
 
 __all__ = ["Source", "check_patchable", "inspect_source", "resolve_source"]
 
@@ -33,7 +33,7 @@ class Source:
 def resolve_source(src) -> tuple[Path, str]:
     """A local folder, or a Hub id downloaded with ``huggingface_hub`` where the Hub is reachable."""
     if src is None:
-        from ..data import bundled_model_dir
+        from ...data import bundled_model_dir
 
         path = bundled_model_dir()
         return path, "hf_qknorm/tiny-llama (bundled)"
@@ -109,8 +109,8 @@ def check_patchable(path: Path, cfg, weights: SourceWeights | None = None) -> No
     naming it first."""
     from transformers import AutoModelForCausalLM
 
-    from ..modeling.patch import patch_model
-    from ..verification.loading import quiet_transformers
+    from ...modeling.patch import patch_model
+    from ...verification.loading import quiet_transformers
     from .checks import layer_view
 
     with quiet_transformers(), layer_view(path, PROBE_LAYERS) as view:

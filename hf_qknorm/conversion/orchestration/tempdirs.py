@@ -155,7 +155,8 @@ def staging(dst: Path, overwrite: bool = True, log=None):
     """Yield a temporary folder beside ``dst``; on success it is renamed to ``dst`` (replacing an existing one only
     with ``overwrite``), on any error -- SIGINT and SIGTERM included -- it is removed together with any parent
     folders this created. Temporary folders of earlier conversions that were killed are removed first (said in
-    ``log``); see :mod:`hf_qknorm.conversion.tempdirs`. A write error names ``dst`` and says it is unchanged."""
+    ``log``); see :mod:`hf_qknorm.conversion.orchestration.tempdirs`. A write error names ``dst`` and says it is
+    unchanged."""
     created = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)

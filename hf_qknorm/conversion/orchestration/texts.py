@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..data import TextTooShort, tokenize_blocks
+from ...data import TextTooShort, tokenize_blocks
 
 __all__ = ["Texts", "load_text", "read_texts", "text_blocks"]
 
@@ -27,7 +27,7 @@ _TEXT_SUFFIXES = (".txt", ".md", ".raw", ".text")
 
 def load_text(value, what: str) -> str | None:
     """``value`` is a path, a bundled text name (``"tinyshakespeare"``, ``"wikitext2"``) or the text itself."""
-    from ..data import read_text
+    from ...data import read_text
 
     if value is None:
         return None
@@ -45,7 +45,7 @@ def load_text(value, what: str) -> str | None:
 
 def _names_a_file(value) -> bool:
     """Whether :func:`load_text` reads ``value`` as a file (or bundled text) name rather than as the text itself."""
-    from ..data import BUNDLED_TEXTS
+    from ...data import BUNDLED_TEXTS
 
     return (
         isinstance(value, os.PathLike)
@@ -66,7 +66,7 @@ def _text_label(value, what: str) -> str:
 
 def read_texts(calibration_text, eval_text) -> Texts:
     """The calibration and held-out texts of :func:`~hf_qknorm.convert`'s arguments, and how errors name each."""
-    from ..data import split_text
+    from ...data import split_text
 
     value = calibration_text if calibration_text is not None else "tinyshakespeare"
     calib = load_text(value, "calibration text")

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..portable.families import Family, base_model_type
-from ..portable.schemes import QKNormConfig
+from ...portable.families import Family, base_model_type
+from ...portable.schemes import QKNormConfig
 
 EXPORTS = ("auto", "qwen3", "native", "qknorm")
 PLAIN = ("qwen3", "native")  # formats that load in plain Transformers
@@ -123,7 +123,7 @@ def native_form(source, cfg: QKNormConfig) -> tuple[dict | None, str | None]:
     """``(offsets, None)`` when the converted model is still a model of the source's own type -- its own per-head q
     and k norms compute exactly the scheme's norm, with the gains the conversion sets stored as ``gain - offset``
     (``offsets``: parameter name -> offset, e.g. ``{"weight": 1.0}`` for Gemma's ``1 + w``) -- else ``(None,
-    reason)``. ``source``: a :class:`~hf_qknorm.conversion.source.Source`."""
+    reason)``. ``source``: a :class:`~hf_qknorm.conversion.orchestration.source.Source`."""
     family = source.family
     if set(family.native) != {"q", "k"}:
         return None, f"model type {family.model_type!r} has no per-head q/k norms of its own the scheme's could be"
@@ -132,8 +132,8 @@ def native_form(source, cfg: QKNormConfig) -> tuple[dict | None, str | None]:
             f"the model's own q/k norms are the scheme 'qk_norm' (no cap, no value norm); this conversion is "
             f"scheme {cfg.scheme!r} with norm {cfg.norm!r}"
         )
-    from ..portable.families import head_dim_of
-    from ..portable.layout import find_layers
+    from ...portable.families import head_dim_of
+    from ...portable.layout import find_layers
     from .forms import materialised
     from .shards import skeleton
 
@@ -161,7 +161,7 @@ def _offsets(module, cfg: QKNormConfig, head_dim: int) -> dict | None:
     computes something else for some gain, bias or input scale (the epsilon shows at inputs of its size)."""
     import copy
 
-    from ..portable.norms import make_norm
+    from ...portable.norms import make_norm
 
     ref = make_norm(cfg.norm, "q", head_dim, cfg.eps).double()
     mine = copy.deepcopy(module).double()
@@ -189,8 +189,8 @@ def _offsets(module, cfg: QKNormConfig, head_dim: int) -> dict | None:
 def resolve_export(export: str, config, cfg: QKNormConfig, family: Family, source=None) -> tuple[str, str | None]:
     """``(kind, reason)``: the format to write (``"qwen3"``, ``"native"`` or ``"qknorm"``) and why a plain format
     was not taken where one was possible in principle (``None`` otherwise). ``export="qwen3"`` or ``"native"`` on a
-    model that is not one is an error. ``source`` (a :class:`~hf_qknorm.conversion.source.Source`) is needed to
-    consider ``native``."""
+    model that is not one is an error. ``source`` (a :class:`~hf_qknorm.conversion.orchestration.source.Source`) is
+    needed to consider ``native``."""
     if export not in EXPORTS:
         raise ValueError(f"unknown export {export!r}; choose one of {', '.join(EXPORTS)}")
     if export in ("auto", "native") and family.native and source is not None:
@@ -220,7 +220,8 @@ def resolve_export(export: str, config, cfg: QKNormConfig, family: Family, sourc
 def stored_values(values: dict, offsets: dict, family: Family, weights) -> dict:
     """``values`` (state-dict names) with those of the model's own q/k norms as the model stores them
     (``gain - offset``; a gain the conversion left as it was, the source's own tensor bit for bit); other tensors
-    (healed projections) unchanged. ``weights``: the source's :class:`~hf_qknorm.conversion.shards.SourceWeights`."""
+    (healed projections) unchanged. ``weights``: the source's
+    :class:`~hf_qknorm.conversion.output.shards.SourceWeights`."""
     slots = set(family.native.values())
     out = {}
     for name, value in values.items():

@@ -18,9 +18,9 @@ import copy
 import torch
 from torch import nn
 
-from ..portable.families import Family, UnsupportedModelError
-from ..portable.fold import affine_form
-from ..portable.layout import find_layers
+from ...portable.families import Family, UnsupportedModelError
+from ...portable.fold import affine_form
+from ...portable.layout import find_layers
 from .shards import SourceWeights
 
 

@@ -1,6 +1,6 @@
 """Model cards and Hub uploads for converted folders.
 
-:func:`write_model_card` fills ``conversion/templates/qknorm_model_card.md`` (shipped as package data) through
+:func:`write_model_card` fills ``conversion/output/templates/qknorm_model_card.md`` (shipped as package data) through
 ``huggingface_hub``'s ``ModelCard``/``ModelCardData``: metadata (base_model, the licence inherited from the source's
 card, library_name, tags), the scheme, how to load the folder, and the calibration report. :func:`push` creates the
 repo and uploads the folder with ``huggingface_hub.HfApi`` (token from the argument, ``HF_TOKEN`` or the cached
@@ -126,7 +126,7 @@ def check_repo_id(repo_id) -> str:
 
 
 def template_path() -> Path:
-    return Path(str(resources.files("hf_qknorm.conversion").joinpath("templates", TEMPLATE)))
+    return Path(str(resources.files("hf_qknorm.conversion.output").joinpath("templates", TEMPLATE)))
 
 
 def source_licence(source_dir: Path | None) -> dict:
@@ -210,7 +210,7 @@ def build_model_card(
     export is written as)."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from ..upstream import installed_versions
+    from ...upstream import installed_versions
 
     scheme = cfg.to_dict()
     hub_base = base_model if base_model and _is_repo_id(base_model) and not Path(base_model).exists() else None

@@ -62,7 +62,7 @@ def key_map(model, checkpoint_keys) -> KeyMap:
     """How each parameter of ``model`` (a skeleton of the source's model, any device) is read from a checkpoint
     holding ``checkpoint_keys``, by Transformers' own renaming and fusing rules for the model. Raises
     ``UnsupportedModelError`` for a fused parameter made by an operation other than :data:`FUSING_OPERATIONS`."""
-    from ..portable.families import UnsupportedModelError, base_model_type
+    from ...portable.families import UnsupportedModelError, base_model_type
 
     renamings, converters = _transforms(model)
     by_pattern = {pattern: conv for conv in converters for pattern in conv.source_patterns}

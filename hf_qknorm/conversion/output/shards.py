@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..portable.families import Family
-from ..portable.fold import bias_shift, fold_gain, shifted_bias
-from ..portable.schemes import QKNormConfig
+from ...portable.families import Family
+from ...portable.fold import bias_shift, fold_gain, shifted_bias
+from ...portable.schemes import QKNormConfig
 from .keys import KeyMap, fuse, key_map
 
 SINGLE_FILE = "model.safetensors"
@@ -274,7 +274,7 @@ def plan_weights(
 ) -> WeightPlan:
     """Plan the new tensors ``new_values`` (state-dict names; a native norm the scheme's takes the place of is
     replaced) and, for ``qkv_norm``, the pre-norm fold of every layer: ``prenorm_forms`` holds each block's
-    pre-attention norm as ``(gain, bias)`` (:func:`hf_qknorm.conversion.forms.prenorm_forms`)."""
+    pre-attention norm as ``(gain, bias)`` (:func:`hf_qknorm.conversion.output.forms.prenorm_forms`)."""
     plan = WeightPlan(conv1d=family.conv1d)
     anchor_proj = family.qkv_proj or family.q_proj
     for canonical, value in new_values.items():

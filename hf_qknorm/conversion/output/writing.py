@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..upstream import installed_versions
-from .calibrate import CalibrationSettings
+from ...upstream import installed_versions
+from ..calibration.calibrate import CalibrationSettings
+from ..orchestration.source import Source
 from .shards import WeightPlan, plan_weights, write_weights
-from .source import Source
 
 __all__ = ["REPORT_FILE", "write_folder"]
 
@@ -21,9 +21,9 @@ def _answer_agreement(source: Source, folder: Path, settings: CalibrationSetting
     model in float32 in turn, so it is skipped with ``agreement_tokens=0`` where a model does not fit."""
     import math
 
-    from .agreement import folder_agreement
-    from .calibrate import calibration_threads
-    from .progress import Stage
+    from ..calibration.calibrate import calibration_threads
+    from ..orchestration.agreement import folder_agreement
+    from ..orchestration.progress import Stage
 
     device = settings.resolved_device()
     n_params = sum(math.prod(shape) for shape in source.weights.shapes.values())
