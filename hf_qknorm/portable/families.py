@@ -44,9 +44,8 @@ EPS_ATTRS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps",
 MAX_LEN_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 
 # The model types whose attention math (Llama-style RoPE through the modelling file's apply_rotary_pos_emb or none,
-# head_dim ** -0.5 scaling, a w * n(x) pre-norm) is spelled out by the float64 verifier and the telemetry's rebuild
-# of q and k off the "qknorm" backend. Every other patched type is checked by the patch-time self-check (and converts:
-# the converter reads what it needs off the structure and the "qknorm" backend).
+# head_dim ** -0.5 scaling, a w * n(x) pre-norm) the telemetry's rebuild of q and k off the "qknorm" backend spells
+# out. (The float64 verifier derives every type from its structure: hf_qknorm/verification/derive.py.)
 SPELLED_OUT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
 CONCAT, PER_HEAD = "concat", "per_head"  # layouts of a fused q/k/v projection's output

@@ -416,7 +416,7 @@ def markdown(results, versions: str) -> str:
         "run forward and backward and decoded with dynamic and static caches against the full forward. Conversion "
         "(hf_qknorm/conversion/orchestration/coverage.py): a tiny checkpoint of each patched type converted by "
         f"`hf_qknorm.convert` with {_conversion_variants(results)}, each written folder's logits checked against the "
-        "converted model in memory (and the float64 reference where `verify` spells out the type's attention) and "
+        "converted model in memory (and the float64 reference of `verify`, for every type it does not refuse) and "
         "against the folder reloaded without the plugin (remote code, or plain Transformers for a plain export).",
         "",
         f"**{summary(results)}.**",

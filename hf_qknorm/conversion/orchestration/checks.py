@@ -12,8 +12,8 @@ Before the rename (nothing reaches the destination unless all of these pass):
   (``"full"``) in a process that cannot import ``hf_qknorm`` (a ``qknorm_<base>`` folder through its shipped remote
   code, a plain export through plain Transformers) -- and its logits must be those of the converted model in memory:
   the source loaded by Transformers, :func:`hf_qknorm.patch_model`-ed (the self-check runs on the source's own
-  weights) and given every tensor the conversion computed. Where :func:`hf_qknorm.verify`'s float64 reference spells
-  out the model's attention, it must pass too (with and without the plugin). To stay cheap on large models it loads
+  weights) and given every tensor the conversion computed. Where :func:`hf_qknorm.verify`'s float64 reference does
+  not refuse the model type, it must pass too (with and without the plugin). To stay cheap on large models it loads
   only the first :data:`VERIFY_LAYERS` layers, in float32 (:func:`layer_view`: a view of the folder whose
   ``config.json`` has fewer layers and dtype float32; the weights are links to the written ones), and checks that
   the loaded scheme (or plain class) is the one asked for and that no tensor of those layers was missing.
@@ -193,7 +193,7 @@ def verify_output(
             _fail(f"the written folder loads as {type(model).__name__} with scheme {got}, not {wanted or plain}")
         try:
             reports.append(verify(model))
-        except UnsupportedModelError as exc:  # the float64 reference does not spell out this model's attention
+        except UnsupportedModelError as exc:  # the float64 reference refuses this model type
             skipped = str(exc).splitlines()[0]
         if mode == "full" and kind == "qknorm" and skipped is None:
             reports.append(verify_folder(view, no_plugin=True))

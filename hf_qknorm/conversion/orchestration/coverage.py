@@ -7,7 +7,7 @@ vocabulary widened to the bundled tokenizer's, its norms given trained-looking g
 matter) is saved with the bundled tokenizer and converted by :func:`hf_qknorm.convert` with each variant: calibration
 streamed layer by layer, then the written folder checked before it is renamed into place -- its logits against the
 converted model in memory (:func:`hf_qknorm.patch_model` of the source with the calibrated norms), and against the
-float64 reference of :func:`hf_qknorm.verify` where that spells out the model's attention. Then every written folder
+float64 reference of :func:`hf_qknorm.verify` where that does not refuse the type. Then every written folder
 is loaded in one fresh interpreter that cannot import the plugin (:mod:`hf_qknorm.verification.plain`: remote code,
 or plain Transformers for a plain export) and its logits compared with the same folder's loaded with the plugin.
 
