@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models built from configs (no downloads) and the ``cuda`` marker."""
+"""Shared fixtures: tiny models built from configs (no downloads), the ``cuda`` marker, and the ``spawns`` marker
+checked: a test that starts a process (a subprocess, a torch.distributed worker, a fresh interpreter) must say so."""
 
 from __future__ import annotations
 
@@ -17,6 +18,74 @@ if not torch.cuda.is_available():
 
 # Tiny models: thread start-up costs more than the work, and a second thread contends badly on small machines.
 torch.set_num_threads(1)
+
+
+class _Spawns:
+    """Counts the processes this interpreter starts: subprocess and multiprocessing's ``spawn``/``forkserver`` go
+    through ``_posixsubprocess.fork_exec`` (or ``os.posix_spawn``), a ``fork`` start through ``os.fork``. A ``git``
+    call (milliseconds: the docs' checks list the repository's files) does not count; an interpreter, a shell script
+    or a torch.distributed worker (seconds: each imports torch) does."""
+
+    count = 0
+    CHEAP = frozenset({"git"})
+
+    @classmethod
+    def install(cls):
+        import _posixsubprocess
+        import subprocess
+
+        def counted(fn, argv_at):
+            def wrapper(*args, **kwargs):
+                argv = args[argv_at] if len(args) > argv_at else None
+                program = os.path.basename(os.fsdecode(argv[0])) if argv else ""
+                if program not in cls.CHEAP:
+                    cls.count += 1
+                return fn(*args, **kwargs)
+
+            return wrapper
+
+        _posixsubprocess.fork_exec = counted(_posixsubprocess.fork_exec, 0)
+        if hasattr(subprocess, "_fork_exec"):  # subprocess binds its own name for it
+            subprocess._fork_exec = counted(subprocess._fork_exec, 0)
+        os.fork = counted(os.fork, 99)
+        for name in ("posix_spawn", "posix_spawnp"):  # subprocess's other way to start a program: (path, argv, env)
+            if hasattr(os, name):
+                setattr(os, name, counted(getattr(os, name), 1))
+
+
+if os.name == "posix":
+    _Spawns.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    before = _Spawns.count
+    try:
+        return (yield)
+    finally:
+        item.stash[_STARTED] = _Spawns.count - before  # a fixture's processes count for the first test that needs it
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test that starts a process (in its body or its fixtures' set-up) without the ``spawns`` marker fails, and so
+    does a marked one that passed without starting any, unless marked ``spawns(shared=True)`` (tests that share one
+    launch, started by the first of them that runs). The marker is what lets ``-m "not spawns"`` give the quick
+    in-process suite, so it must be true both ways."""
+    before = _Spawns.count
+    result = yield  # a failing or skipped test raises here and is reported as it is
+    started = item.stash.get(_STARTED, 0) + _Spawns.count - before
+    if os.name != "posix":
+        return result
+    marker = item.get_closest_marker("spawns")
+    if started and marker is None:
+        pytest.fail(f"{item.nodeid} started {started} process(es): mark it @pytest.mark.spawns", pytrace=False)
+    if marker is not None and not started and not marker.kwargs.get("shared"):
+        pytest.fail(f"{item.nodeid} is marked spawns but started no process: drop the marker", pytrace=False)
+    return result
+
+
+_STARTED = pytest.StashKey[int]()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -486,6 +486,7 @@ def test_several_threads_keep_large_calls_on_the_aten_ops(native):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.spawns
 def test_the_environment_switch_turns_it_off():
     code = "from hf_qknorm.attention import native; print(native.NATIVE[0] is None, native.MODULE is None)"
     env = dict(os.environ, HF_QKNORM_NATIVE="0")

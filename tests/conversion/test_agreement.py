@@ -174,6 +174,7 @@ def test_mismatched_reference_is_an_error(bundled):
         reference_continuations(model, tok, PROMPTS, 0)
 
 
+@pytest.mark.spawns
 def test_conversion_reports_the_written_models_agreement(tmp_path, bundled):
     """convert() measures the folder it writes: its figure is the one computed here from the reloaded folder, and
     the JSON report, the model card and the printed summary carry it."""
@@ -203,6 +204,7 @@ def test_conversion_reports_the_written_models_agreement(tmp_path, bundled):
     assert f"prefix {100 * got['prefix']:.1f}%" in result.report.summary()
 
 
+@pytest.mark.spawns
 def test_agreement_tokens_zero_skips_the_check(tmp_path):
     import hf_qknorm
     from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings

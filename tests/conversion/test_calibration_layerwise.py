@@ -123,6 +123,7 @@ def test_a_diverging_fit_keeps_the_closed_form(tmp_path):
     assert all(s.fit_error <= s.fit_error_closed_form for s in report.layers)
 
 
+@pytest.mark.spawns
 def test_bundled_model_recovers_without_distillation(tmp_path):
     """On the bundled tiny Llama the layer-wise fit alone removes most of identity init's perplexity increase, and
     more than the closed form; the written folder is the model that was measured."""
@@ -201,6 +202,7 @@ def test_cli_defaults_are_the_library_defaults():
     assert from_args(CalibrationSettings, parser.parse_args(["--block-len", "64"])).block_len == 64
 
 
+@pytest.mark.spawns
 def test_bf16_source_calibrates_against_the_written_bits(tmp_path):
     """A bf16 source: calibration reads the tensors that are written (folds in bf16), so the written model
     reproduces the reported calibrated perplexity."""
@@ -226,6 +228,7 @@ def test_bf16_source_calibrates_against_the_written_bits(tmp_path):
     assert perplexity(model, blocks, batch_size=4) == pytest.approx(result.report.ppl_calibrated, rel=2e-2)
 
 
+@pytest.mark.spawns
 def test_cli_logs_progress_when_stderr_is_not_a_terminal(tmp_path):
     """``hf-qknorm convert`` with stderr to a pipe: no bars, one timestamped line per stage; ``--quiet``: none."""
     import os

@@ -4,11 +4,14 @@ the plugin a FAIL."""
 
 from __future__ import annotations
 
+import pytest
+
 from hf_qknorm.conversion.orchestration import coverage as conversions
 from hf_qknorm.verification import coverage as cov
 from hf_qknorm.verification import plain
 
 
+@pytest.mark.spawns
 def test_the_conversion_column_says_what_converts_and_what_is_refused():
     phi, bloom = cov.coverage(["phi", "bloom"], chunk_hook=conversions.add_conversions)
     assert phi.status == cov.PATCHED and phi.conversion == conversions.CONVERTED
@@ -22,6 +25,7 @@ def test_the_conversion_column_says_what_converts_and_what_is_refused():
     assert cov.failing([phi, bloom]) == 0 and "Conversion: 1 of 1 patched types converted" in cov.summary([phi, bloom])
 
 
+@pytest.mark.spawns
 def test_a_folder_that_computes_otherwise_without_the_plugin_fails_the_column(monkeypatch):
     real = plain.logits_without_plugin
 

@@ -29,6 +29,7 @@ def bundled_result(tmp_path_factory):
     return result, before
 
 
+@pytest.mark.spawns
 def test_bundled_conversion_report_and_files(bundled_result):
     result, _ = bundled_result
     report = result.report

@@ -33,6 +33,7 @@ def _no_output(tmp_path, dst) -> None:
     assert not dst.exists() and leftovers(tmp_path) == []
 
 
+@pytest.mark.spawns
 def test_remote_code_that_skips_the_norm_fails_the_conversion(tmp_path, monkeypatch):
     """The folder's shipped hook edited to skip the norm: the plugin computes the right thing, a user without it
     would not. Only verify="full" (the remote code in a process without hf_qknorm) can see it."""

@@ -122,6 +122,7 @@ def _close(got, want, what):
                                msg=what)  # fmt: skip
 
 
+@pytest.mark.spawns(shared=True)  # one launch for all its cases, started by the first that runs
 @pytest.mark.parametrize("model_type", SAMPLE)
 def test_every_sample_type_converts_and_reloads_without_the_plugin(converted, model_type):
     for scheme in SCHEMES:
@@ -158,6 +159,7 @@ def dataclass_eps(asked: QKNormConfig, resolved: QKNormConfig) -> QKNormConfig:
     return dataclasses.replace(asked, eps=resolved.eps)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize(
     "model_type, norm", [("gemma3_text", "rmsnorm"), ("qwen3_moe", "rmsnorm"), ("persimmon", "layernorm")]
 )
@@ -204,6 +206,7 @@ def test_a_refused_scheme_is_refused_before_any_work(tmp_path, monkeypatch):
         assert not (tmp_path / f"{model_type}-out").exists()
 
 
+@pytest.mark.spawns
 def test_remote_code_that_skips_the_norm_fails_a_conversion_the_float64_reference_does_not_cover(tmp_path, monkeypatch):
     """For a type the float64 reference in verify does not spell out (here made so: verify refuses Mixtral, whatever
     it covers today), the written folder's logits without the plugin, against the converted model in memory, are
@@ -235,6 +238,7 @@ def test_remote_code_that_skips_the_norm_fails_a_conversion_the_float64_referenc
     assert (tmp_path / "out").is_dir()  # the plugin alone cannot see what the shipped code does
 
 
+@pytest.mark.spawns
 def test_a_checkpoint_whose_qkv_transformers_splits_on_loading_converts(tmp_path):
     """Sarvam MoE stores attention.query_key_value (and query_layernorm), which Transformers renames and splits into
     q/k/v on loading: the streamed conversion reads it the same way, folds qkv_norm's pre-norm into the stored tensor

@@ -73,6 +73,7 @@ def _start(tmp_path: Path, dst: Path) -> tuple[subprocess.Popen, Path]:
     return proc, ready
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("signum,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_stop_signal_cleans_up_and_says_so(tmp_path, signum, status):
     dst = tmp_path / "out"
@@ -87,6 +88,7 @@ def test_stop_signal_cleans_up_and_says_so(tmp_path, signum, status):
     assert not dst.exists() and leftovers(tmp_path) == []
 
 
+@pytest.mark.spawns
 def test_sigkill_leftovers_are_removed_by_the_next_run(tmp_path, capsys):
     dst = tmp_path / "out"
     proc, _ = _start(tmp_path, dst)
@@ -112,6 +114,7 @@ def _dead_pid() -> int:
     return int(proc.stdout)
 
 
+@pytest.mark.spawns
 def test_remove_stale_keeps_what_may_be_running(tmp_path):
     machine = tempdirs._machine()
     me, start = os.getpid(), tempdirs._start_ticks(os.getpid()) or 0

@@ -153,6 +153,7 @@ def _ranks(out: Path, name: str) -> list:
 # --------------------------------------------------------------------------------------------------------------------
 # (a) the healed tensors and the report, (b) the generated text, (c) the refusal of inputs="converted"
 # --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.spawns(shared=True)  # one launch for all its cases, started by the first that runs
 @pytest.mark.parametrize("mode", ["self", "calibration", "end_to_end"])
 def test_two_ranks_heal_exactly_as_one_process(launched, source, mode, monkeypatch):
     import hf_qknorm.conversion.healing.heal as heal
@@ -221,6 +222,7 @@ def test_convert_returns_the_same_result_on_every_rank(launched):
 # --------------------------------------------------------------------------------------------------------------------
 # (d) the command line under torchrun, (e) a rank that fails
 # --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.spawns
 def test_command_line_under_torchrun_writes_one_folder_equal_to_one_process(source, tmp_path, capsys):
     from hf_qknorm.cli.main import main
 
@@ -243,6 +245,7 @@ def test_command_line_under_torchrun_writes_one_folder_equal_to_one_process(sour
     assert _figures(record["heal"]) == _figures(one["report"]["heal"])
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_failing_rank_stops_the_launch_and_writes_nothing(source, tmp_path, failing):
     parent = tmp_path / "dist"

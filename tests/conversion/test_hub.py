@@ -223,6 +223,7 @@ def test_cli_convert_help_explains_every_option(capsys):
         assert option in text
 
 
+@pytest.mark.spawns
 def test_cli_convert_errors_and_success(tmp_path, capsys, monkeypatch):
     save_source(tmp_path / "src")
     assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "o"), "--softcap", "0"]) == 2

@@ -389,6 +389,7 @@ def test_attention_under_torch_compile():
     assert all(_rel_err(t.grad, r) < FP32_TOL for t, r in zip(leaves, ref_grads))
 
 
+@pytest.mark.spawns
 def test_package_imports_without_triton():
     """`import hf_qknorm.kernels` must work, and explain itself, where triton is missing."""
     code = (
@@ -405,6 +406,7 @@ def test_package_imports_without_triton():
     assert res.stdout.startswith("ok") and "triton is not installed" in res.stdout
 
 
+@pytest.mark.spawns
 def test_no_gpu_means_unavailable():
     """Without a CUDA device (and without the interpreter that tests use), the kernels say they cannot run and why:
     `hf-qknorm info` and `kernels.is_available()` must not claim them on a CPU-only machine."""

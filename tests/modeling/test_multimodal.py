@@ -244,6 +244,7 @@ def test_a_saved_folder_reloads_patched_with_the_same_logits(model_type, tmp_pat
         torch.testing.assert_close(loaded(**inputs).logits, want, rtol=0, atol=0)
 
 
+@pytest.mark.spawns
 def test_a_saved_folder_never_loads_as_the_unpatched_model_without_the_plugin(tmp_path):
     """Without the plugin the folder fails loudly without ``trust_remote_code``, and with it loads the folder's own
     ``QKNorm`` classes: it never loads as the plain LLaVA (whose language model would silently lose its norms).

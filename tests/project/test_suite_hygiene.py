@@ -1,11 +1,15 @@
 """The test suite itself: a test module that defines the same name twice runs only the second definition, so the
-first test silently stops running."""
+first test silently stops running; the ``spawns`` marker is checked."""
 
 from __future__ import annotations
 
 import ast
 import collections
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -33,3 +37,28 @@ def test_tests_are_a_package_and_not_on_sys_path():
     shims = TESTS / "transformers_suite" / "shims"  # a search path of Transformers' test package, not ours
     folders = {p.parent for p in TESTS.rglob("*.py") if shims not in p.parents and "__pycache__" not in p.parts}
     assert not {f for f in folders if not (f / "__init__.py").is_file()}, "add an __init__.py"
+
+
+@pytest.mark.spawns
+def test_the_spawns_marker_is_checked_both_ways(tmp_path):
+    """tests/conftest.py fails a test that starts a process unmarked and a marked one that starts none (so that
+    ``-m "not spawns"`` is the in-process suite), and lets a ``git`` call and a shared launch pass."""
+    (tmp_path / "test_probe.py").write_text(
+        "import subprocess, sys, pytest\n"
+        "def test_unmarked():\n    subprocess.run([sys.executable, '-c', 'pass'])\n"
+        "@pytest.mark.spawns\ndef test_marked():\n    subprocess.run([sys.executable, '-c', 'pass'])\n"
+        "@pytest.mark.spawns\ndef test_marked_idle():\n    pass\n"
+        "@pytest.mark.spawns(shared=True)\ndef test_shared_idle():\n    pass\n"
+        "def test_git():\n    subprocess.run(['git', '--version'], capture_output=True)\n"
+        "def test_multiprocessing():\n"
+        "    import multiprocessing as mp\n"
+        "    p = mp.get_context('spawn').Process(target=print); p.start(); p.join()\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-q", "-rf", str(tmp_path / "test_probe.py")],
+        cwd=TESTS.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    failed = {line.split("::")[1].split(" ")[0] for line in res.stdout.splitlines() if line.startswith("FAILED")}
+    assert failed == {"test_unmarked", "test_marked_idle", "test_multiprocessing"}, res.stdout[-3000:]
+    assert "3 failed, 3 passed" in res.stdout, res.stdout[-3000:]

@@ -483,6 +483,7 @@ def _skip_the_norm(folder):
     hook_file.write_text(edited)
 
 
+@pytest.mark.spawns
 def test_command_without_the_plugin(tmp_path, capsys):
     """One subprocess that cannot import hf_qknorm loads five folders: a capped Llama through its remote code, the
     same folder with its shipped hook edited to skip the norm, a plain qwen3 export, and a bfloat16 GPT-2 whose
@@ -532,6 +533,7 @@ def _last_line(text: str) -> str:
     return text.rstrip().splitlines()[-1]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("no_plugin", [False, True], ids=["plugin", "no-plugin"])
 def test_command_fails_a_folder_whose_weights_were_edited(tmp_path, capsys, no_plugin):
     """Every q_norm tensor deleted from a saved folder, a projection deleted from a plain qwen3 export, a norm gain
