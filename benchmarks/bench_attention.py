@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     meta = {
         "device": torch.cuda.get_device_name(device),
-        "capability": "sm%d%d" % torch.cuda.get_device_capability(device),  # what delegation_table.py keys on
+        "capability": "sm{}{}".format(*torch.cuda.get_device_capability(device)),  # what delegation_table.py keys on
         **_versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
