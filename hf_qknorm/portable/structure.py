@@ -26,7 +26,7 @@ from .families import Family, UnsupportedModelError, family_of_model, head_dim_o
 from .fold import affine_form, bias_shift, fold_gain, shifted_bias
 from .hooks import hook_slots, install, is_installed, uninstall
 from .layout import find_layers
-from .names import ATTN_IMPLEMENTATION, PREFIX
+from .names import ATTN_IMPLEMENTATION, PREFIX, ROLES
 from .norms import henry_logit_scale, make_norm
 from .schemes import QKNormConfig
 from .vision import CONFIG_KEY as VISION_KEY
@@ -140,7 +140,7 @@ def install_scheme(model: nn.Module, plan: Plan) -> list:
     """Install the norms, hooks, cap and scaling of ``plan`` on every attention module (reversible: see
     :func:`uninstall_scheme`); returns what was replaced, for that. The pre-norm is removed by :func:`fold_prenorms`."""
     cfg, family = plan.cfg, plan.family
-    roles = [r for r in ("q", "k", "v") if (cfg.norms_v if r == "v" else cfg.norms_qk)]
+    roles = [r for r in ROLES if (cfg.norms_v if r == "v" else cfg.norms_qk)]
     hooked = {r for r in roles if r not in family.native}  # a native norm's forward call needs no hook
     slots = hook_slots(family, hooked)
     config = text_model(model).config

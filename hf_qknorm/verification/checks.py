@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from ..portable.names import ROLES
 from ..reference import allowed_reference, attention_layer_reference, norm_reference, rope_layout_reference
 from .layers import LayerSpec, ReferenceModel
 from .report import APPLIED, DROPPED, REMOVED, UNCLEAR, UNEXERCISED, Check, VerifyReport
@@ -101,7 +102,7 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
     multiplies the final pre-RoPE query (the stress probe's gain): folded into the query norm's gain and bias, or
     into the query projection when the layer has no query norm."""
     w = dict(spec.weights)
-    norms = {r: (None if "norms" in drop else getattr(spec, f"{r}_norm")) for r in ("q", "k", "v")}
+    norms = {r: (None if "norms" in drop else getattr(spec, f"{r}_norm")) for r in ROLES}
     q_whole = spec.q_whole
     if q_gain != 1.0:
         if norms["q"] is not None or q_whole is not None:  # the gain multiplies the last norm's output

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..portable.families import PER_HEAD, Family, UnsupportedModelError
 from ..portable.fold import affine_form
+from ..portable.names import ROLES
 from ..reference import ROPE_LAYOUTS, norm_reference, rope_layout_reference
 
 
@@ -57,7 +58,7 @@ def unmodelled_parts(attn: nn.Module, family: Family) -> list[str]:
     model's own and the scheme's), dropout, a rotary embedding and gpt-oss's ``sinks``."""
     known = {family.qkv_proj, family.q_proj, family.k_proj, family.v_proj, family.out_proj, "sinks"}
     known |= set(family.native.values()) | set(family.kept.values())
-    known |= {family.norm_slot(r) for r in ("q", "k", "v")}
+    known |= {family.norm_slot(r) for r in ROLES}
     harmless = (nn.Dropout, nn.Identity)
     parts = [
         name

@@ -20,6 +20,7 @@ from torch import nn
 from ..modeling.patch import qknorm_config
 from ..portable.families import Family, UnsupportedModelError, family_of_model, head_dim_of, heads_of
 from ..portable.layout import find_layers, unwrap
+from ..portable.names import ROLES
 from ..portable.schemes import QKNormConfig
 from . import derive
 from .probe import probe_tokens
@@ -131,7 +132,7 @@ class ReferenceModel:
         s, f = self.scheme, self.family
         if s is not None and s.norms_qk:
             norms = {}
-            for role in ("q", "k", "v"):
+            for role in ROLES:
                 if role == "v" and not s.norms_v:
                     norms[role] = None
                     continue

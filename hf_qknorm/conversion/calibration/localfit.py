@@ -31,8 +31,6 @@ from ...portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from .optim import cosine_adam
 from .streaming import BlockCall
 
-ROLES = ("q", "k", "v")
-
 
 @dataclass
 class FitResult:

@@ -19,6 +19,7 @@ from ...modeling.telemetry import LogitTap, head_max_logits
 from ...portable.families import Family, head_dim_of, heads_of
 from ...portable.hooks import hook_slots, install, uninstall
 from ...portable.layout import find_layers
+from ...portable.names import ROLES
 from ...portable.norms import HeadLpNorm, make_norm
 from ...portable.schemes import QKNormConfig
 
@@ -325,13 +326,13 @@ class ActivationRecorder:
         family = self.family
         head_dim, heads, kv_heads = self.shapes[j]
         old, norms = {}, {}
-        for role in ("q", "k", "v"):
+        for role in ROLES:
             name = family.norm_slot(role)
             inner = attn._modules.get(name) if role in family.native else None
             old[name] = attn._modules.get(name)
             setattr(attn, name, _Tap(role, inner, self._sink(j)))
             norms[role] = name
-        slots = hook_slots(family, {r for r in ("q", "k", "v") if r not in family.native})
+        slots = hook_slots(family, {r for r in ROLES if r not in family.native})
         install(attn, slots, norms, (head_dim, heads, kv_heads, family.fused_layout), None, None)
         return old
 
