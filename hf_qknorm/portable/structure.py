@@ -174,12 +174,18 @@ def install_scheme(model: nn.Module, plan: Plan) -> list:
 def uninstall_scheme(plan: Plan, replaced: list) -> None:
     """Undo :func:`install_scheme` (a patch refused by the self-check leaves the model as it was)."""
     for attn, old in zip(plan.attentions, replaced):
-        uninstall(attn)
-        for name, module in old.items():
-            if module is None:
-                delattr(attn, name)
-            else:
-                setattr(attn, name, module)
+        restore_attention(attn, old)
+
+
+def restore_attention(attn: nn.Module, old: dict) -> None:
+    """Unpatch one attention module and put back the slots an install replaced (``old``: slot -> the module that was
+    there, ``None`` where there was none)."""
+    uninstall(attn)
+    for name, module in old.items():
+        if module is None:
+            delattr(attn, name)
+        else:
+            setattr(attn, name, module)
 
 
 def apply_scheme(model: nn.Module, plan: Plan) -> None:

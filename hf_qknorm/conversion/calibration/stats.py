@@ -17,11 +17,12 @@ from torch import nn
 
 from ...modeling.telemetry import LogitTap, head_max_logits
 from ...portable.families import Family, head_dim_of, heads_of
-from ...portable.hooks import hook_slots, install, uninstall
+from ...portable.hooks import hook_slots, install
 from ...portable.layout import find_layers
 from ...portable.names import ROLES
 from ...portable.norms import HeadLpNorm, make_norm
 from ...portable.schemes import QKNormConfig
+from ...portable.structure import restore_attention
 
 CAP_WARN_FRACTION = 0.5
 
@@ -314,12 +315,7 @@ class ActivationRecorder:
         if self._tap is not None:
             self._tap.detach()
         for attn, old in zip(self.attns, self._undo):
-            uninstall(attn)
-            for name, module in old.items():
-                if module is None:
-                    delattr(attn, name)
-                else:
-                    setattr(attn, name, module)
+            restore_attention(attn, old)
         self._undo = []
 
     def _install(self, j: int, attn: nn.Module) -> dict:
