@@ -9,7 +9,8 @@
 #   bash scripts/test_version.sh 5.10.4 [pytest arguments]
 #
 # Core: patching every family and scheme against the reference, save/load, masks and caches, remote-code loading
-# without the plugin, the version gate and shims, the CLI; Transformers' common model tests on patched Llama and GPT-2.
+# without the plugin, the version gate and shims, the CLI, the derived float64 reference per kind of attention,
+# multimodal patching and export, FlashAttention routing; Transformers' common model tests on patched Llama and GPT-2.
 # Training: Trainer (checkpointing, resume; every control's state through a checkpoint), QK-Clip (under LoRA too),
 # Muon, the monitor, Q/K learning rates, and every recipe's tiny run (continued pretraining, LoRA, from-scratch DDP
 # over two processes, the LR / Lp sweeps, conversion recovery).
@@ -47,7 +48,9 @@ elif [ "$fetch_rc" -ne 0 ]; then
   exit "$fetch_rc"
 fi
 CORE=(tests/verification/test_reference.py tests/modeling/test_patching.py tests/modeling/test_save_load.py tests/modeling/test_export.py tests/modeling/test_models.py
-      tests/test_upstream.py tests/attention/test_cpu_attention.py tests/cli/test_errors.py tests/cli/test_cli.py tests/transformers_suite)
+      tests/test_upstream.py tests/attention/test_cpu_attention.py tests/cli/test_errors.py tests/cli/test_cli.py tests/transformers_suite
+      tests/verification/test_families.py tests/modeling/test_multimodal.py tests/modeling/test_multimodal_export.py
+      tests/attention/test_delegation.py)
 TRAINING=(tests/training/test_trainer.py tests/training/test_controls.py tests/training/test_qk_clip.py
           tests/training/test_qk_clip_lora.py tests/training/test_muon.py tests/training/test_monitor.py tests/training/test_qk_lr.py
           tests/training/test_training.py tests/recipes/test_lr_sweep.py tests/recipes/test_conversion_recovery.py tests/training/test_distributed.py)
