@@ -13,7 +13,7 @@
    extensions; another compiler gets a one-line refusal and no op); where it is not built, or HF_QKNORM_NATIVE=0 is
    set, every path runs its ATen ops instead. On x86-64 Linux with GCC an AVX2/FMA clone is chosen at load time.
 
-   Memory: every entry point takes each tensor's pointer with its dtype, shape, strides and storage extent, and
+   Memory: every entry point takes each tensor's pointer with its dtype, shape, strides and storage, and
    checks them all here before a loop runs (the wrappers at the end of this file), so a wrong call from Python is
    a ValueError, never a read or write outside a tensor. */
 
@@ -372,8 +372,8 @@ static void tile_backward_ds(float *dp, const float *p, const float *slope, long
         }
 }
 
-/* The wrappers below take each tensor as five arguments -- its data pointer, a dtype code, its shape and strides (in
-   elements, as tuples) and the elements its storage holds from the data pointer on -- and check them here before
+/* The wrappers below take each tensor as one tuple -- its data pointer, a dtype code, its shape and strides (in
+   elements, as tuples), its storage offset (in elements) and its storage's size in bytes -- and check them here before
    any loop runs: the dtype, the rank, every size against the others, the strides the loops assume, and that every
    index a loop will touch lies inside the storage. A check that fails raises one ValueError naming the argument;
    the caller's Python (native.py) holds no safety of its own. */
@@ -386,7 +386,8 @@ static void tile_backward_ds(float *dp, const float *p, const float *slope, long
 typedef struct {
     const char *name;
     uintptr_t ptr;
-    long long code, rank, strides, extent; /* strides: how many strides were given */
+    long long code, rank, strides, offset, nbytes; /* strides: how many strides were given */
+    long long extent; /* elements the storage holds from the pointer on: nbytes / element size - offset */
     long long size[MAX_RANK], stride[MAX_RANK];
 } tensor_arg;
 
@@ -417,8 +418,8 @@ static void *refuse(const char *op, const tensor_arg *t, int bad) {
         list_text(sizes, sizeof sizes, t->size, t->rank);
         list_text(strides, sizeof strides, t->stride, t->strides);
         PyErr_Format(PyExc_ValueError,
-                     "hf_qknorm native %s: %s %s (shape %s, strides %s, dtype code %lld, %lld elements in storage)",
-                     op, t->name, problems[bad], sizes, strides, t->code, t->extent);
+                     "hf_qknorm native %s: %s %s (shape %s, strides %s, dtype code %lld, storage offset %lld, storage %lld bytes)",
+                     op, t->name, problems[bad], sizes, strides, t->code, t->offset, t->nbytes);
     } else {
         PyErr_Format(PyExc_ValueError, "hf_qknorm native %s: %s", op, problems[bad]);
     }
@@ -438,17 +439,29 @@ static int tuple_ints(PyObject *tuple, long long *out, long long *count) {
     return 0;
 }
 
-/* One tensor's five arguments; -1 with a Python error where they are not integers and tuples. */
-static int tensor_args(PyObject *const *args, const char *name, tensor_arg *t) {
+/* One tensor's tuple (pointer, dtype code, shape, strides, storage offset, storage bytes); -1 with a Python error
+   where it is not a tuple of six of those. The extent is derived here from the storage's bytes, so that no caller
+   does the arithmetic; a negative offset or size leaves it negative, which check_tensor refuses. */
+static int tensor_args(PyObject *arg, const char *name, tensor_arg *t) {
     memset(t, 0, sizeof *t);
     t->name = name;
+    if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 6) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a tuple (pointer, dtype code, shape, strides, storage offset, storage bytes)", name);
+        return -1;
+    }
+    PyObject *const *args = &PyTuple_GET_ITEM(arg, 0);
     t->ptr = (uintptr_t)PyLong_AsUnsignedLongLong(args[0]);
     if (t->ptr == (uintptr_t)-1 && PyErr_Occurred()) return -1;
     t->code = PyLong_AsLongLong(args[1]);
     if (t->code == -1 && PyErr_Occurred()) return -1;
     if (tuple_ints(args[2], t->size, &t->rank) < 0 || tuple_ints(args[3], t->stride, &t->strides) < 0) return -1;
-    t->extent = PyLong_AsLongLong(args[4]);
-    if (t->extent == -1 && PyErr_Occurred()) return -1;
+    t->offset = PyLong_AsLongLong(args[4]);
+    if (t->offset == -1 && PyErr_Occurred()) return -1;
+    t->nbytes = PyLong_AsLongLong(args[5]);
+    if (t->nbytes == -1 && PyErr_Occurred()) return -1;
+    const long long item = t->code == CODE_FLOAT32 ? (long long)sizeof(float) : 1;
+    t->extent = (t->offset < 0 || t->nbytes < 0) ? -1 : t->nbytes / item - t->offset;
     return 0;
 }
 
@@ -517,15 +530,15 @@ static int get_float(PyObject *arg, double *out) {
 }
 
 #define TENSOR(slot, name, var)                                                                                       \
-    if (tensor_args(args + 5 * (slot), name, &var) < 0) return NULL
+    if (tensor_args(args[slot], name, &var) < 0) return NULL
 #define CHECKED(call, var)                                                                                            \
     do {                                                                                                               \
         int bad_ = (call);                                                                                             \
         if (bad_) return refuse(op, &var, bad_);                                                                       \
     } while (0)
 
-/* forward_f32(x, kept or None, sums, gain[, lo0, lo_step, hi0, hi_step, groups]), each tensor as five arguments
-   (module comment above), kept's five all None for none: x (blocks, rows, cols) contiguous, written over; kept the
+/* forward_f32(x, kept or None, sums, gain[, lo0, lo_step, hi0, hi_step, groups]), each tensor as one tuple
+   (tensor_args), None for no kept: x (blocks, rows, cols) contiguous, written over; kept the
    same; sums (blocks, rows, 1) */
 static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -533,13 +546,13 @@ static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t n
     tensor_arg x, kept, sums;
     band w;
     double gain;
-    if (nargs != 16 && nargs != 21)
-        return PyErr_Format(PyExc_TypeError, "forward_f32 takes 16 or 21 arguments, got %zd", nargs);
+    if (nargs != 4 && nargs != 9)
+        return PyErr_Format(PyExc_TypeError, "forward_f32 takes 4 or 9 arguments, got %zd", nargs);
     TENSOR(0, "x", x);
-    const int has_kept = args[5] != Py_None;
+    const int has_kept = args[1] != Py_None;
     if (has_kept) TENSOR(1, "kept", kept);
     TENSOR(2, "sums", sums);
-    if (get_float(args[15], &gain) < 0) return NULL;
+    if (get_float(args[3], &gain) < 0) return NULL;
     const long long blocks = x.size[0], rows = x.size[1], cols = x.size[2];
     CHECKED(check_tile(&x, blocks, rows, cols, 1), x);
     if (has_kept) CHECKED(check_tile(&kept, blocks, rows, cols, 1), kept);
@@ -549,7 +562,7 @@ static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t n
                      as_text(gain).text);
         return NULL;
     }
-    if (band_args(args + 16, nargs - 16, cols, &w) < 0) return NULL;
+    if (band_args(args + 4, nargs - 4, cols, &w) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS tile_forward((float *)x.ptr, blocks, rows, cols, (float)gain,
                                         has_kept ? (float *)kept.ptr : NULL, (float *)sums.ptr, w);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
@@ -563,20 +576,20 @@ static PyObject *backward_p_f32(PyObject *self, PyObject *const *args, Py_ssize_
     tensor_arg src, lse, p, slope;
     band w;
     double gain;
-    if (nargs != 22 && nargs != 27)
-        return PyErr_Format(PyExc_TypeError, "backward_p_f32 takes 22 or 27 arguments, got %zd", nargs);
+    if (nargs != 6 && nargs != 11)
+        return PyErr_Format(PyExc_TypeError, "backward_p_f32 takes 6 or 11 arguments, got %zd", nargs);
     TENSOR(0, "src", src);
-    const int recompute = PyObject_IsTrue(args[5]);
+    const int recompute = PyObject_IsTrue(args[1]);
     if (recompute < 0) return NULL;
-    if (tensor_args(args + 6, "neg_lse", &lse) < 0 || tensor_args(args + 11, "p", &p) < 0 ||
-        tensor_args(args + 16, "slope", &slope) < 0 || get_float(args[21], &gain) < 0)
+    if (tensor_args(args[2], "neg_lse", &lse) < 0 || tensor_args(args[3], "p", &p) < 0 ||
+        tensor_args(args[4], "slope", &slope) < 0 || get_float(args[5], &gain) < 0)
         return NULL;
     const long long blocks = src.size[0], rows = src.size[1], cols = src.size[2];
     CHECKED(check_tile(&src, blocks, rows, cols, 1), src);
     CHECKED(check_tile(&lse, blocks, rows, 1, 0), lse);
     CHECKED(check_tile(&p, blocks, rows, cols, 1), p);
     CHECKED(check_tile(&slope, blocks, rows, cols, 1), slope);
-    if (band_args(args + 22, nargs - 22, cols, &w) < 0) return NULL;
+    if (band_args(args + 6, nargs - 6, cols, &w) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS tile_backward_p((const float *)src.ptr, recompute, blocks, rows, cols,
                                            (const float *)lse.ptr, lse.stride[0], (float)gain, (float *)p.ptr,
                                            (float *)slope.ptr, w);
@@ -589,7 +602,7 @@ static PyObject *backward_ds_f32(PyObject *self, PyObject *const *args, Py_ssize
     (void)self;
     const char *op = "backward_ds_f32";
     tensor_arg dp, p, slope, delta;
-    if (nargs != 20) return PyErr_Format(PyExc_TypeError, "backward_ds_f32 takes 20 arguments, got %zd", nargs);
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "backward_ds_f32 takes 4 arguments, got %zd", nargs);
     TENSOR(0, "dp", dp);
     TENSOR(1, "p", p);
     TENSOR(2, "slope", slope);
@@ -631,20 +644,20 @@ static PyObject *check_capped(const tensor_arg *q, const tensor_arg *k, const te
     return Py_None; /* borrowed: checked */
 }
 
-/* capped_f32(q, k, v, mask, out, scale, cap), each tensor as five arguments (module comment above), the mask's five
-   all None for none; out written, nothing else. */
+/* capped_f32(q, k, v, mask, out, scale, cap), each tensor as one tuple (tensor_args), None for no mask; out written,
+   nothing else. */
 static PyObject *capped_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     tensor_arg q, k, v, m, out;
     double scale, cap;
-    if (nargs != 27) return PyErr_Format(PyExc_TypeError, "capped_f32 takes 27 arguments, got %zd", nargs);
+    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "capped_f32 takes 7 arguments, got %zd", nargs);
     TENSOR(0, "query", q);
     TENSOR(1, "key", k);
     TENSOR(2, "value", v);
-    const int has_mask = args[15] != Py_None;
+    const int has_mask = args[3] != Py_None;
     if (has_mask) TENSOR(3, "mask", m);
     TENSOR(4, "out", out);
-    if (get_float(args[25], &scale) < 0 || get_float(args[26], &cap) < 0) return NULL;
+    if (get_float(args[5], &scale) < 0 || get_float(args[6], &cap) < 0) return NULL;
     if (!check_capped(&q, &k, &v, has_mask ? &m : NULL, &out)) return NULL;
     if (!(cap > 0.0)) {
         PyErr_Format(PyExc_ValueError, "hf_qknorm native capped_f32: cap must be positive, got %s", as_text(cap).text);

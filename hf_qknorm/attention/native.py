@@ -4,7 +4,7 @@ Two users: the lean path's one-query capped attention (:func:`capped_decode`, th
 custom op: one call where the ATen ops are six) and the tiled path's capped elementwise passes (:mod:`.chunked`, via
 :func:`forward_tile`, :func:`backward_p` and :func:`backward_ds`: one pass over a tile where the ATen ops make six
 in forward and seven in backward). Every call hands the C code each tensor's pointer with its dtype, shape, strides
-and storage extent, and the C code checks them before it touches memory: a wrong call is a one-line ``ValueError``
+and storage, and the C code checks them before it touches memory: a wrong call is a one-line ``ValueError``
 naming the argument. Which calls take the ops is one rule, :func:`eligible`.
 
 ``NATIVE[0]`` is the module in use, or ``None``: where it was not built, or ``HF_QKNORM_NATIVE=0`` (or ``off``,
@@ -83,13 +83,10 @@ def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, logits
 
 
 def _arg(t: torch.Tensor) -> tuple:
-    """A tensor as the C code takes it: pointer, dtype code, shape, strides, elements its storage holds from the
-    pointer on."""
-    extent = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    return t.data_ptr(), _CODES.get(t.dtype, 0), t.shape, t.stride(), extent
-
-
-_NONE = (None,) * 5
+    """A tensor as the C code takes it, one tuple: pointer, dtype code, shape, strides, storage offset, storage bytes
+    (the C code derives the extent). Read afresh on every call: a storage can be resized or swapped between calls,
+    so nothing here is cached; the fewest tensor calls that say it all, since this is most of a small call's time."""
+    return t.data_ptr(), _CODES.get(t.dtype, 0), t.shape, t.stride(), t.storage_offset(), t.untyped_storage().nbytes()
 
 
 def capped_cpu(
@@ -100,10 +97,12 @@ def capped_cpu(
     kv_len)`` or ``None``; float32, last dimensions contiguous, a head dim a multiple of 8 up to 512. Returns ``(batch,
     1, heads, head_dim)``; a row with no allowed key gives zeros. The C code checks every argument."""
     shape = query.shape  # another rank: an empty out, and the C code names the query
-    out = torch.empty((shape[0], 1, shape[1], shape[3]) if len(shape) == 4 else (0,), dtype=torch.float32)
-    NATIVE[0].capped_f32(
-        *_arg(query), *_arg(key), *_arg(value), *(_NONE if mask is None else _arg(mask)), *_arg(out), scale, cap
-    )
+    if len(shape) == 4:  # the sizes as separate arguments: torch.empty parses them faster than a tuple
+        out = torch.empty(shape[0], 1, shape[1], shape[3], dtype=torch.float32)
+    else:
+        out = torch.empty(0, dtype=torch.float32)
+    masked = None if mask is None else _arg(mask)
+    NATIVE[0].capped_f32(_arg(query), _arg(key), _arg(value), masked, _arg(out), scale, cap)
     return out
 
 
@@ -130,15 +129,15 @@ def _(query, key, value, mask, scale, cap):
 def forward_tile(op, x, kept, sums, gain: float, band=()) -> None:
     """The tiled forward's pass (``forward_f32`` of ``op``): ``x`` ``(blocks, rows, cols)`` of ``2s/c`` becomes the
     exponents, ``kept`` (or ``None``) the tanh, ``sums`` ``(blocks, rows, 1)`` the row sums."""
-    op.forward_f32(*_arg(x), *(_NONE if kept is None else _arg(kept)), *_arg(sums), gain, *band)
+    op.forward_f32(_arg(x), None if kept is None else _arg(kept), _arg(sums), gain, *band)
 
 
 def backward_p(op, src, recompute: bool, neg_lse, p, slope, gain: float, band=()) -> None:
     """The tiled backward's first pass (``backward_p_f32``): the probabilities into ``p`` and the cap's slope into
     ``slope``, from ``src`` (``2s/c``, or the kept tanh) and the rows' ``neg_lse`` ``(blocks, rows, 1)``."""
-    op.backward_p_f32(*_arg(src), recompute, *_arg(neg_lse), *_arg(p), *_arg(slope), gain, *band)
+    op.backward_p_f32(_arg(src), recompute, _arg(neg_lse), _arg(p), _arg(slope), gain, *band)
 
 
 def backward_ds(op, dp, p, slope, delta) -> None:
     """The tiled backward's second pass (``backward_ds_f32``): ``dp`` becomes ``(dp - delta) * p * slope``."""
-    op.backward_ds_f32(*_arg(dp), *_arg(p), *_arg(slope), *_arg(delta))
+    op.backward_ds_f32(_arg(dp), _arg(p), _arg(slope), _arg(delta))

@@ -275,9 +275,9 @@ def test_tiled_passes_band_arguments(native):
     x, sums = torch.zeros(1, 1, 8), torch.empty(1, 1, 1)
     with pytest.raises(ValueError, match=r"^band groups must be positive, got 0$"):
         native_op.forward_tile(native, x, None, sums, 1.0, (0, 0, 8, 0, 0))
-    with pytest.raises(TypeError, match=r"^forward_f32 takes 16 or 21 arguments, got 18$"):
+    with pytest.raises(TypeError, match=r"^forward_f32 takes 4 or 9 arguments, got 6$"):
         native_op.forward_tile(native, x, None, sums, 1.0, (0, 0))
-    with pytest.raises(TypeError, match=r"^backward_p_f32 takes 22 or 27 arguments, got 23$"):
+    with pytest.raises(TypeError, match=r"^backward_p_f32 takes 6 or 11 arguments, got 7$"):
         native_op.backward_p(native, x, False, sums, x, x, 1.0, (3,))
     assert torch.equal(x, torch.zeros(1, 1, 8))  # nothing written
 
@@ -380,7 +380,23 @@ def test_the_output_is_checked_too(native):
     for out, problem in ((torch.empty(2, 1, 4, 8), "shape"), (torch.empty(2, 1, 4, 16).double(), "dtype"),
                          (_shrunk(torch.empty(2, 1, 4, 16), 100), "bounds")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"^hf_qknorm native capped_f32: out {_PROBLEMS[problem]}"):
-            native.capped_f32(*arg(q), *arg(k), *arg(v), *(None,) * 5, *arg(out), 0.25, 5.0)
+            native.capped_f32(arg(q), arg(k), arg(v), None, arg(out), 0.25, 5.0)
+
+
+def test_a_tensor_is_one_tuple_and_a_hand_made_one_is_checked(native):
+    """Each tensor reaches the C code as one tuple of six (``native._arg``); anything else is a ``TypeError`` naming
+    the argument, and a tuple whose storage offset or size does not hold the shape is refused like a real one."""
+    q, k, v = _inputs(1, 4, 2, 8, 16)
+    arg, out = native_op._arg, torch.empty(1, 1, 4, 16)
+    with pytest.raises(TypeError, match=r"^key must be a tuple \(pointer, dtype code, shape, strides"):
+        native.capped_f32(arg(q), k, arg(v), None, arg(out), 0.25, 5.0)
+    with pytest.raises(TypeError, match=r"^query must be a tuple"):
+        native.capped_f32(arg(q)[:5], arg(k), arg(v), None, arg(out), 0.25, 5.0)
+    ptr, code, shape, strides, offset, nbytes = arg(k)
+    for lie in ((offset + 1, nbytes), (-1, nbytes), (offset, -4), (offset, nbytes - 1)):
+        with pytest.raises(ValueError, match=r"^hf_qknorm native capped_f32: key reaches past the end of its storage"):
+            native.capped_f32(arg(q), (ptr, code, shape, strides, *lie), arg(v), None, arg(out), 0.25, 5.0)
+    assert native_op._arg(k[:, :, 3:])[4:] == (3 * 16, k.untyped_storage().nbytes())  # a view: its offset, all bytes
 
 
 @pytest.mark.parametrize("case", ["x_storage", "kept_dtype", "sums_rows", "x_stride", "lse_storage", "delta_rank"])
