@@ -83,46 +83,13 @@ def convert(
     progress: bool = True,
     log=None,
 ) -> ConversionResult:
-    """Convert a pretrained checkpoint to the scheme of ``config`` and write it to ``dst``.
+    """Convert the checkpoint ``src`` (a folder or Hub id; ``None``: the bundled tiny Llama) to ``config``'s scheme
+    with calibrated norm weights, and write a folder that loads without the plugin to ``dst``.
 
-    Args:
-        src: a local model folder or a Hub id; ``None`` converts the bundled tiny Llama.
-        dst: output folder; ``None`` means ``converted/<source>-<scheme>-<norm>``. An existing folder is refused
-            unless ``overwrite``.
-        config: the scheme, a :class:`~hf_qknorm.QKNormConfig` (or a scheme name for its defaults); ``None`` is
-            ``QKNormConfig()`` (``qk_norm_cap`` + layernorm). Its ``eps`` ``None`` means the model's own.
-        calibration: block length, number of blocks, fit and distillation steps, device
-            (:class:`~hf_qknorm.CalibrationSettings`); ``None`` for the defaults.
-        hub: where to upload the folder once written (:class:`~hf_qknorm.conversion.output.hub.HubSettings`); ``None``
-            or a ``repo_id`` of ``None`` uploads nothing. The repo id and the token are checked before any work.
-        heal: after calibration, distil the converted model's attention layers from the original's
-            (:mod:`hf_qknorm.conversion.healing.heal`, :class:`~hf_qknorm.conversion.healing.heal.HealSettings`);
-            ``None`` (the default) converts exactly as without it. Needs calibration.
-        calibrate: ``False`` keeps identity init and never loads the model (no report).
-        calibration_text: text run through the original model to initialise the new norms: a path, a bundled text
-            name or the text itself; ``None`` means the bundled Tiny Shakespeare.
-        eval_text: held-out text for the perplexity report; ``None`` holds out the last 10% of
-            ``calibration_text`` (which calibration then never sees).
-        export: ``"auto"`` (plain ``qwen3`` when the result is a Qwen3 model, else ``qknorm_<base>`` with remote
-            code), ``"qwen3"`` (an error when impossible) or ``"qknorm"``.
-        verify: how the written folder is verified before it is renamed into place
-            (:func:`hf_qknorm.conversion.orchestration.checks.verify_output`): ``"full"`` (with the plugin, and a
-            ``qknorm_<base>`` folder also through its remote code in a process without the plugin), ``"plugin"`` or
-            ``"off"``. The added tensors are always checked, and a report that is not finite always fails.
-
-        progress: stage lines on the ``hf_qknorm.conversion`` logger (INFO; shown only where logging is
-            configured) and a bar when stderr is a terminal.
-        log: a function given each line of the report (``log=print`` shows it, as ``hf-qknorm convert`` does);
-            ``None`` (the default) keeps the library quiet.
-
-    Raises ``ValueError``/``OSError`` for bad input or a failed write, and
-    :class:`~hf_qknorm.conversion.orchestration.checks.ConversionCheckError` when the result fails a check; in every
-    case nothing is left at ``dst`` (or an existing ``dst`` is unchanged).
-
-    Under ``torchrun`` / ``accelerate launch`` (``WORLD_SIZE > 1``), or with a ``torch.distributed`` process group
-    already initialised, every rank must call this with the same arguments: healing is shared out, rank 0 alone
-    writes, and every rank returns the same result (module docstring); the other ranks raise
-    :class:`~hf_qknorm.conversion.orchestration.ranks.FirstRankFailed` when rank 0's checks or writing fail.
+    On any failure nothing is left at ``dst`` (an existing ``dst`` is unchanged): ``ValueError``/``OSError`` for bad
+    input, :class:`~hf_qknorm.conversion.orchestration.checks.ConversionCheckError` for a result that fails a check.
+    Under ``torchrun`` every rank calls it with the same arguments and gets the same result. Every argument:
+    docs/api.md (convert).
     """
     cfg, settings, hub = settings_objects(config, calibration, hub)
     if heal is not None and not isinstance(heal, HealSettings):
