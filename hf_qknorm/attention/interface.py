@@ -138,29 +138,15 @@ def qknorm_attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with an optional logit cap, in the ``AttentionInterface`` calling convention.
+    """Attention with an optional logit cap, in the ``AttentionInterface`` calling convention: ``query`` ``(batch,
+    heads, q_len, head_dim)``, ``key``/``value`` ``(batch, kv_heads, kv_len, head_dim)``; returns ``(batch, q_len,
+    heads, head_dim)`` and the attention weights ``(batch, heads, q_len, kv_len)`` when ``output_attentions`` is set,
+    else ``None``.
 
-    Args:
-        query: ``(batch, heads, q_len, head_dim)``; key, value: ``(batch, kv_heads, kv_len, head_dim)``.
-        attention_mask: boolean ``(batch, 1, q_len, kv_len)`` from the ``"qknorm"`` mask function (True = attend)
-            or an additive 0/-inf mask -- complete: causality, padding, packing and any sliding window -- or
-            ``None``, which means what it means for sdpa (:mod:`.masks`): top-left causal, nothing masked for a
-            single query or with ``is_causal=False``.
-        scaling: logit scale, ``head_dim ** -0.5`` when ``None``. softcap: ``c`` in ``c * tanh(s / c)`` or ``None``;
-            overridden by the cap a patched module's scheme carries
-            (:func:`~hf_qknorm.portable.eager.effective_softcap`: a model's own cap, e.g. Gemma 2's, applies exactly
-            when the module carries none).
-        sliding_window: applied only when there is no mask (a mask already holds the window).
-        kwargs: ``position_ids`` (packed sequences are recognised where they restart), ``cu_seq_lens_q/k`` and
-            ``max_length_q/k`` (packed sequences in one row), ``output_attentions`` (see :func:`weights_requested`),
-            ``s_aux`` (``(heads,)`` attention-sink logits: one more logit in each row's softmax denominator,
-            uncapped, as gpt-oss's own eager attention has it; the Triton kernels have no sinks, so such calls take
-            the PyTorch path or are refused under ``kernel_policy(use_fallback=False)``). :data:`HONOURED_KWARGS`
-            lists every keyword honoured or known to be harmless; others are ignored, as sdpa ignores them.
-    Returns:
-        ``(batch, q_len, heads, head_dim)`` and the attention weights ``(batch, heads, q_len, kv_len)`` when
-        ``output_attentions`` is set (computed by :func:`.eager.capped_eager_attention`), else ``None``.
-    """
+    ``attention_mask`` is complete (boolean, True = attend, or additive 0/-inf) or ``None``, which means what it
+    means for sdpa (:mod:`.masks`); a patched module's scheme cap overrides ``softcap``
+    (:func:`~hf_qknorm.portable.eager.effective_softcap`); :data:`HONOURED_KWARGS` lists every keyword honoured or
+    known to be harmless, others are ignored as sdpa ignores them. The rest: docs/patching.md (the backend)."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if (

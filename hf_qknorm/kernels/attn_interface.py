@@ -120,20 +120,12 @@ def qknorm_attn_func(
     attn_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Capped attention over a padded batch (see the module docstring for the common arguments).
-
-    Args:
-        q: ``(batch, heads, q_len, head_dim)``; k, v: ``(batch, kv_heads, kv_len, head_dim)``.
-        attn_mask: boolean, True = attend, broadcastable to ``(batch, 1 or heads, q_len, kv_len)`` (what
-            Transformers' ``sdpa_mask`` returns); intersected with ``causal`` and ``sliding_window``.
-
-    Returns:
-        ``(batch, heads, q_len, head_dim)`` in q's dtype, contiguous.
-
-    Calls with at most 64 ``(query, head)`` rows per KV head (``q_len * heads / kv_heads <= 64``: decoding,
-    speculative verification) run the GQA-packed split-KV forward, the rest the general one; both give the same
-    output and LSE, and share the backward.
-    """
+    """Capped attention over a padded batch: ``q`` ``(batch, heads, q_len, head_dim)``, ``k``/``v`` ``(batch,
+    kv_heads, kv_len, head_dim)``, an optional boolean ``attn_mask`` (True = attend) broadcastable to ``(batch, 1 or
+    heads, q_len, kv_len)`` and intersected with ``causal`` and ``sliding_window``; returns ``(batch, heads, q_len,
+    head_dim)`` in q's dtype, contiguous (the common arguments: the module docstring). Calls of at most 64 ``(query,
+    head)`` rows per KV head run the GQA-packed split-KV forward, the rest the general one: the same output and LSE,
+    one backward."""
     return _run(
         q, k, v, scaling=scaling, softcap=softcap, causal=causal, attn_mask=attn_mask, sliding_window=sliding_window
     )
@@ -181,20 +173,12 @@ def qknorm_attn_varlen_func(
     causal: bool = True,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Capped attention over packed sequences, each attended separately (flash-attn's varlen convention).
-
-    Args:
-        q: ``(1, heads, total_q, head_dim)``; k, v: ``(1, kv_heads, total_k, head_dim)`` -- the padded layout with
-            every sequence concatenated along the sequence axis (a packed batch inside a Transformers layer).
-        cu_seqlens_q, cu_seqlens_k: int32 ``(num_seqs + 1,)`` cumulative lengths, on q's device. Rows past
-            ``cu_seqlens_q[-1]`` belong to no sequence: output 0, gradient 0.
-        max_seqlen_q, max_seqlen_k: the longest sequence; computed from ``cu_seqlens`` when ``None`` (one device
-            sync, and a graph break under ``torch.compile``: pass them there).
-        causal: causal within each sequence, bottom-right aligned per sequence.
-
-    Returns:
-        ``(1, heads, total_q, head_dim)`` in q's dtype, contiguous.
-    """
+    """Capped attention over packed sequences, each attended separately (flash-attn's varlen convention): ``q`` ``(1,
+    heads, total_q, head_dim)`` and ``k``/``v`` ``(1, kv_heads, total_k, head_dim)`` with the sequences concatenated,
+    ``cu_seqlens_q/k`` int32 ``(num_seqs + 1,)`` cumulative lengths on q's device; returns ``(1, heads, total_q,
+    head_dim)`` in q's dtype, contiguous. Rows past ``cu_seqlens_q[-1]`` get output and gradient 0; ``causal`` is
+    bottom-right per sequence. ``max_seqlen_q/k`` of ``None`` are computed from ``cu_seqlens``: a device sync, and a
+    graph break under ``torch.compile`` (pass them there)."""
     return _run(
         q,
         k,
@@ -256,25 +240,13 @@ def qknorm_attn_with_kvcache(
     sliding_window: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Capped attention of a few new queries against a KV cache, on the decoding forward: the query heads of each
-    KV group packed into one tile (the cache is read once per KV head) and the keys split across programs
-    (flash-decoding), merged exactly.
-
-    Args:
-        q: ``(batch, heads, q_len, head_dim)``, the new tokens (``q_len`` 1 when decoding; any ``q_len`` is
-            computed correctly, but beyond ``q_len * heads / kv_heads = 64`` :func:`qknorm_attn_func` is faster).
-        k_cache, v_cache: ``(batch, kv_heads, kv_len, head_dim)``, dense, already holding the new tokens' keys and
-            values as their last ``q_len`` entries (Transformers' caches update before attending). With ``causal``,
-            query ``i`` sits at ``kv_len - q_len + i``: for a preallocated (static) cache pass the filled prefix, or
-            ``causal=False`` with an ``attn_mask`` that holds causality and the filled slots.
-        attn_mask: boolean, True = attend, broadcastable to ``(batch, 1 or heads, q_len, kv_len)`` (padding).
-        num_splits: how many chunks the keys are cut into; ``None`` picks about two waves of programs on the GPU.
-
-    Returns:
-        ``(batch, heads, q_len, head_dim)`` in q's dtype, contiguous. Differentiable (the ordinary backward), though
-        decoding rarely needs it. There is no ``cache_seqlens`` nor in-place cache append (flash-attn has both):
-        the valid region is given by the cache's length or by ``attn_mask``.
-    """
+    """Capped attention of a few new queries ``q`` ``(batch, heads, q_len, head_dim)`` against a dense cache
+    ``k_cache``/``v_cache`` ``(batch, kv_heads, kv_len, head_dim)`` already holding their keys and values as its
+    last ``q_len`` entries, on the decoding forward (a KV group's query heads in one tile, the keys split into
+    ``num_splits`` chunks, merged exactly); returns ``(batch, heads, q_len, head_dim)`` in q's dtype, differentiable.
+    With ``causal`` query ``i`` sits at ``kv_len - q_len + i``: for a static cache pass the filled prefix, or
+    ``causal=False`` with an ``attn_mask`` holding causality and the filled slots. No ``cache_seqlens`` nor in-place
+    append (flash-attn has both)."""
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None (automatic), got {num_splits!r}")
     return _run(

@@ -53,36 +53,14 @@ def patch_model(
     p: float | None = None,
     vision: bool | QKNormConfig = False,
 ) -> nn.Module:
-    """Patch every attention layer of ``model`` with ``scheme``; returns the same (patched) model.
+    """Patch every attention layer of ``model`` with ``scheme`` in place; returns the same model.
 
-    Args:
-        model: a loaded decoder-only Transformers model of any model type ``hf-qknorm coverage`` lists as patched
-            (any head class: ``*ForCausalLM``, the base model, sequence/token classification, question
-            answering), in any dtype, optionally wrapped by
-            ``peft`` or ``torch.compile``; not yet wrapped by DDP or sharded (FSDP2, tensor parallelism): patch
-            first, then wrap or shard, so that the new norms are synchronised like every other parameter. A
-            multimodal model (LLaVA, Qwen2-VL, PaliGemma, ...) has its language model patched -- found from its
-            structure, checked by the same probe -- and its vision tower left as it was.
-        scheme: ``"qk_norm"``, ``"soft_cap"``, ``"qk_norm_cap"`` or ``"qkv_norm"`` -- or a :class:`QKNormConfig`
-            (then give no other settings), as ``peft.get_peft_model(model, config)`` takes one.
-        norm: ``"layernorm"`` (default), ``"rmsnorm"``, ``"l2"`` or ``"lp"`` (with ``p``); not for ``soft_cap``.
-        softcap: the cap ``c``; ``None`` means 50.0 for the capped schemes.
-        eps: the norm epsilon; ``None`` takes the model's own norm epsilon.
-        p: the exponent of the ``lp`` norm.
-        vision: a multimodal model's vision encoder: ``False`` (default) leaves it untouched; ``True`` gives its
-            attention the scheme's q/k norm kind, bidirectional and without a cap (ViT-22B's QK-norm); a
-            :class:`QKNormConfig` gives it those settings (``qk_norm`` or ``qk_norm_cap`` with ``layernorm`` or
-            ``rmsnorm``: a cap only there). Encoders whose attention is not reached exactly are refused
-            (:mod:`hf_qknorm.portable.vision`).
-
-    New norm weights start as identity (weight 1, bias 0); ``l2``/``lp`` start their logit scale at Henry et al.'s
-    ``log2(L^2 - L)`` for the model's context length ``L``. ``qkv_norm`` removes the pre-attention norm and folds
-    its gain (and bias) into the projections that read it. Before the patch is kept, a probe forward on a few
-    tokens checks that the scheme reaches the attention backend exactly (:mod:`.selfcheck`); a model on which it
-    would not is refused with :class:`~hf_qknorm.UnsupportedModelError` and left as it was. A capped scheme moves
-    a model on ``eager``/``sdpa`` (which cannot cap) to the ``"qknorm"`` attention implementation; any other backend
-    is refused.
-    """
+    The new norms start as identity (``l2``/``lp``: their logit scale at Henry et al.'s ``log2(L^2 - L)`` for the
+    context length ``L``) and sit before RoPE; ``qkv_norm`` folds the pre-attention norm into the projections that
+    read it. A probe forward (:mod:`.selfcheck`) checks that the scheme reaches the attention backend exactly: a
+    model on which it would not is refused with :class:`~hf_qknorm.UnsupportedModelError` and left as it was. A
+    capped scheme moves a model on ``eager``/``sdpa`` to the ``"qknorm"`` backend; any other backend is refused.
+    Arguments: docs/patching.md (Settings)."""
     if not isinstance(model, nn.Module):
         raise TypeError(_not_a_model(model))
     cfg = _resolve_config(scheme, norm=norm, softcap=softcap, eps=eps, p=p)

@@ -72,52 +72,35 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class Family:
-    """What :func:`hf_qknorm.patch_model` needs to know about a model, read off its structure.
+    """What :func:`hf_qknorm.patch_model` needs to know about a model, read off its structure (``derive_family``):
+    attribute names and dotted paths, each field described where it is declared."""
 
-    Attributes:
-        model_type: the (base) ``config.model_type``.
-        attention_class: class name of the attention module.
-        layers: dotted path from the ``*ForCausalLM`` module to the list of decoder blocks.
-        attention: attribute of a decoder block holding the attention module.
-        prenorm: attribute of a decoder block holding the pre-attention norm (removed by ``qkv_norm``), or ``None``.
-        q_proj, k_proj, v_proj: projection attributes of the attention module; ``None`` when fused into ``qkv_proj``.
-        qkv_proj: the fused projection attribute (GPT-2's ``c_attn``), or ``None``.
-        out_proj: the output projection attribute.
-        conv1d: projections are ``transformers.Conv1D`` (weight ``(in, out)``) rather than ``nn.Linear``.
-        rope: the model rotates q and k with RoPE.
-        native: role -> attribute of a q/k norm the model already has and calls on each head before RoPE (Qwen3's
-            ``q_norm``); the scheme's norm takes its place.
-        kept: role -> attribute of a q/k norm the model already has over the whole projection (OLMo 2's): it is
-            kept, and the scheme's per-head norm is applied to its output.
-        fused_layout: :data:`CONCAT` or :data:`PER_HEAD` for a fused projection, else ``None``.
-        eps_attr: config attribute holding the model's own norm epsilon (``None``: the pre-norm's own).
-        max_len_attr: config attribute holding the training context length, or ``None``.
-        final_norm: attribute of the base model holding the norm applied before the output head.
-        prenorm_eps: the pre-attention norm's epsilon, where the config states none.
-        text_model: in a multimodal model, the dotted path to its language model (``model.language_model``), which
-            the scheme patches and whose config holds the sizes; ``None`` for a text model. ``layers`` then runs
-            from the multimodal model, and the other facts are the language model's.
-    """
-
-    model_type: str
-    attention_class: str
-    layers: str
-    attention: str
-    prenorm: str | None
-    q_proj: str | None
+    model_type: str  # the (base) ``config.model_type``
+    attention_class: str  # class name of the attention module
+    layers: str  # dotted path from the ``*ForCausalLM`` module to the list of decoder blocks
+    attention: str  # attribute of a decoder block holding the attention module
+    prenorm: str | None  # attribute of a decoder block holding the pre-attention norm (``qkv_norm`` removes it)
+    q_proj: str | None  # q, k, v projection attributes of the attention module; ``None`` when fused into qkv_proj
     k_proj: str | None
     v_proj: str | None
-    qkv_proj: str | None
-    out_proj: str
-    conv1d: bool
-    rope: bool
+    qkv_proj: str | None  # the fused projection attribute (GPT-2's ``c_attn``), or ``None``
+    out_proj: str  # the output projection attribute
+    conv1d: bool  # projections are ``transformers.Conv1D`` (weight ``(in, out)``) rather than ``nn.Linear``
+    rope: bool  # the model rotates q and k with RoPE
+    # role -> attribute of a q/k norm the model already calls on each head before RoPE (Qwen3's ``q_norm``): the
+    # scheme's norm takes its place
     native: dict = field(default_factory=dict)
+    # role -> attribute of a q/k norm the model already has over the whole projection (OLMo 2's): kept, and the
+    # scheme's per-head norm applied to its output
     kept: dict = field(default_factory=dict)
-    fused_layout: str | None = None
-    eps_attr: str | None = None
-    max_len_attr: str | None = None
-    final_norm: str = "norm"
-    prenorm_eps: float | None = None
+    fused_layout: str | None = None  # :data:`CONCAT` or :data:`PER_HEAD` for a fused projection, else ``None``
+    eps_attr: str | None = None  # config attribute of the model's own norm epsilon (``None``: the pre-norm's own)
+    max_len_attr: str | None = None  # config attribute of the training context length, or ``None``
+    final_norm: str = "norm"  # attribute of the base model holding the norm applied before the output head
+    prenorm_eps: float | None = None  # the pre-attention norm's epsilon, where the config states none
+    # in a multimodal model, the dotted path to its language model (``model.language_model``), which the scheme
+    # patches and whose config holds the sizes; ``None`` for a text model. ``layers`` then runs from the multimodal
+    # model, and the other facts are the language model's
     text_model: str | None = None
 
     @property

@@ -77,20 +77,10 @@ class _Handles:
 
 
 class ControlCallback(TrainerCallback, ExportableState):
-    """A :class:`TrainingControl` as a ``transformers.Trainer`` callback.
-
-    Args:
-        build: ``model -> control``, called when training begins (the Trainer's model: DDP-, FSDP2- or
-            ``peft``-wrapped as it is then).
-        what: the control's name in errors (DeepSpeed and FSDP version 1 are refused with it).
-        trainer: with one, each step's record goes through ``Trainer.log`` to every reporter (TensorBoard, W&B...);
-            without, into ``state.log_history`` only.
-        args: the JSON-able constructor arguments a subclass was made with (``ExportableState``: the Trainer's
-            ``restore_callback_states_from_checkpoint`` rebuilds the callback from them).
-
-    :attr:`control` is the control once training began; :attr:`history` holds ``{"step": n, **record}`` for every
-    step whose :meth:`TrainingControl.step_end` returned a record. Both survive a checkpoint and resume.
-    """
+    """A :class:`TrainingControl` as a ``transformers.Trainer`` callback: ``build(model)`` makes the control when
+    training begins (:attr:`control`), and :attr:`history` holds ``{"step": n, **record}`` for every step whose
+    :meth:`TrainingControl.step_end` returned a record; both survive a checkpoint and resume. Arguments:
+    docs/training.md (Arguments of the controls)."""
 
     warn_without_trainer = False  # a control whose records are for the reporters says when it cannot reach them
 

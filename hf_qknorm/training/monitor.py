@@ -52,21 +52,12 @@ def attention_stats(
     tile_elements: int = TILE_ELEMENTS,
 ) -> torch.Tensor:
     """``[largest pre-cap logit, mean attention entropy (nats), rms(q), rms(k), max logit of head 0, 1, ...]`` of one
-    attention call.
+    attention call: a float tensor of ``4 + heads`` values on ``q``'s device (float64 for float64 inputs, else
+    float32).
 
-    Args:
-        q: ``(batch, heads, q_len, head_dim)``; k: ``(batch, kv_heads, kv_len, head_dim)`` -- as the attention
-            backend sees them (after any norm and RoPE). GQA: query head ``h`` reads key head ``h // (heads //
-            kv_heads)``, Transformers' ``repeat_kv`` layout.
-        attention_mask: boolean (True = attend) or additive ``(batch|1, 1|heads, q_len, kv_len)``, or ``None``
-            for the causal pattern a missing mask stands for (:mod:`hf_qknorm.portable.masks`: top-left aligned)
-            when ``causal``, else no mask.
-        scaling: the logit scale; the logit is ``scaling * q.k`` (the value the cap, if any, is applied to).
-        softcap: the cap ``c``: the entropy is that of ``softmax(c * tanh(logit / c))``, the distribution used.
-    Returns:
-        a float tensor of ``4 + heads`` values (float64 for float64 inputs, else float32), on ``q``'s device. The
-        maxima are over allowed positions; the entropy is averaged over query rows with at least one allowed key.
-    """
+    ``q`` ``(batch, heads, q_len, head_dim)`` and ``k`` ``(batch, kv_heads, kv_len, head_dim)`` as the backend sees
+    them (after the norm and RoPE); the maxima are over allowed positions, the entropy is the capped distribution's,
+    averaged over rows with an allowed key. Arguments: docs/training.md (Arguments of the controls)."""
     sums = attention_sums(
         q, k, attention_mask, scaling=scaling, softcap=softcap, causal=causal, tile_elements=tile_elements
     )
@@ -131,32 +122,13 @@ def _ratios(sums: torch.Tensor) -> torch.Tensor:
 # the monitor: attaches to attention instances for the steps it records
 # --------------------------------------------------------------------------------------------------------------------
 class QKMonitor(TrainingControl):
-    """Records attention statistics of ``model`` for the forward passes run while it is active.
-
-    Plain loop::
-
-        monitor = QKMonitor(model)
-        with monitor.record(step) as stats:      # only this step is measured
-            loss = model(**batch).loss
-        print(stats["qk/max_logit"])
-
-    ``stats`` maps ``{prefix}max_logit`` (over layers), ``{prefix}min_entropy`` and, per layer ``i``,
-    ``{prefix}layer{i}/max_logit``, ``/entropy``, ``/q_rms``, ``/k_rms`` to floats; :attr:`head_max_logits` holds
-    the largest logit of each query head of each layer measured last (kept out of the logged dict, which would grow
-    by layers x heads entries). Warnings (``logging`` and
-    :attr:`alerts`) fire when a layer's largest pre-cap logit reaches ``cap_warn_fraction`` of its cap, or passes
-    ``warn_logit`` (default 1e3, a tenth of the 1e4 at which Wortsman et al. 2023's runs diverged) or
-    ``diverge_logit`` (1e4); each fires once until the condition clears.
-
-    Several processes (``sync``; default: whenever ``torch.distributed`` runs more than one process): the statistics
-    are those of the whole step over all ranks -- maxima over ranks, entropy and RMS from the ranks' sums -- exactly
-    what one process seeing the whole batch would log, identical on every rank; one all-gather per recorded step.
-    Every rank must then record the same steps (the callback does). Under tensor parallelism each rank measures its
-    own heads and the per-head maxima land at their global head index. ``sync=False`` keeps each rank's own.
-
-    A :class:`~hf_qknorm.training.controls.TrainingControl`: ``step_begin(step)`` starts recording on steps
-    ``0, every, 2*every, ...`` and ``step_end`` returns the statistics of a recorded step.
-    """
+    """Records attention statistics of ``model`` for the forward passes run inside ``with monitor.record(step) as
+    stats:`` -- ``{prefix}max_logit``, ``{prefix}min_entropy`` and, per layer ``i``, ``{prefix}layer{i}/max_logit``,
+    ``/entropy``, ``/q_rms``, ``/k_rms`` -- and warns (``logging`` and :attr:`alerts`, once until the condition
+    clears) when a layer's largest pre-cap logit nears its cap or passes ``warn_logit``/``diverge_logit``.
+    :attr:`head_max_logits` holds each query head's largest logit of the last measured step. With several processes
+    the statistics are the whole step's over all ranks, so every rank records the same steps. Arguments:
+    docs/training.md (Arguments of the controls)."""
 
     def __init__(
         self,
@@ -355,22 +327,11 @@ def _checked_every(every) -> int:
 # Trainer integration
 # --------------------------------------------------------------------------------------------------------------------
 class QKMonitorCallback(ControlCallback):
-    """``transformers.Trainer`` callback: every ``every`` optimizer steps, measure one step and log its statistics
-    (:class:`ControlCallback` over :class:`QKMonitor`).
-
-    Use :meth:`attach`, so that the statistics go through ``Trainer.log`` to every reporter (TensorBoard, W&B, ...)
-    and into ``trainer.state.log_history``::
-
-        monitor = QKMonitorCallback.attach(trainer, every=10)
-        trainer.train()
-        monitor.history        # [{"step": 1, "qk/max_logit": ..., ...}, ...]
-
-    Added without a trainer (``Trainer(callbacks=[QKMonitorCallback()])``), it still records into
-    :attr:`history` and ``state.log_history``, but reporters do not see the values (a callback cannot reach
-    ``Trainer.log``); a warning says so once. Steps ``0, every, 2*every, ...`` are measured (the first included);
-    other steps pay nothing. Keyword arguments go to :class:`QKMonitor`. The history and the monitor's alerts are
-    saved with every checkpoint and restored on resume.
-    """
+    """``transformers.Trainer`` callback measuring one optimizer step in ``every`` (the first included; the others
+    pay nothing) with :class:`QKMonitor`. ``QKMonitorCallback.attach(trainer, every=10)`` sends the statistics
+    through ``Trainer.log`` to every reporter; added without a trainer, only :attr:`history` and
+    ``state.log_history`` get them (a warning says so once). The history and the alerts survive a checkpoint and
+    resume."""
 
     warn_without_trainer = True
 

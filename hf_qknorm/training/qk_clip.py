@@ -73,26 +73,11 @@ logger = logging.getLogger(__name__)
 
 
 class QKClip(TrainingControl):
-    """Per-head logit bound by weight rescaling. Create it once, before training; it records every forward pass (in
-    training mode) from then on, and :meth:`step` -- after each ``optimizer.step()`` -- rescales and clears.
-
-    Args:
-        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped, sharded by FSDP2 or
-            tensor-parallel is fine).
-        tau: the largest logit a head may keep (Kimi K2: 100).
-        alpha: the query's share of the rescaling (0.5: split evenly between query and key).
-
-    Plain loop::
-
-        clip = QKClip(model, tau=100.0)
-        ...
-        loss.backward()
-        optimizer.step()
-        clip.step()            # or once: clip.attach(optimizer)
-
-    :attr:`last_clipped` lists ``(layer, head, S_h, gamma_h)`` of the last step that clipped anything. A
-    :class:`~hf_qknorm.training.controls.TrainingControl`: its ``post_optimizer_step`` is :meth:`step`.
-    """
+    """Per-head logit bound by weight rescaling (Kimi K2's QK-Clip). Create it once, before training: it records
+    every forward in training mode from then on, and :meth:`step` -- after each ``optimizer.step()``, or hooked by
+    ``clip.attach(optimizer)`` -- rescales each head whose largest logit passed ``tau`` down to it (its q/k rows, or
+    the shared q/k norm gains; module docstring), and clears. :attr:`last_clipped` lists ``(layer, head, S_h,
+    gamma_h)`` of the last step that clipped anything. Arguments: docs/training.md (Arguments of the controls)."""
 
     def __init__(self, model: nn.Module, *, tau: float = 100.0, alpha: float = 0.5):
         self.tau, self.alpha = _checked(tau, alpha)

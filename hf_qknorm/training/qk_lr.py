@@ -71,27 +71,10 @@ def _layer_rows(site, config) -> tuple[_Snapshot, _Snapshot]:
 
 
 class QKLearningRate(TrainingControl):
-    """Per-head (or per-layer) learning-rate factors for ``W_Q`` and ``W_K``, applied around ``optimizer.step()``.
-
-    Args:
-        model: a supported model (patched or not; DDP-, ``torch.compile``- or ``peft``-wrapped, FSDP2-sharded or
-            tensor-parallel is fine) whose
-            ``W_Q``/``W_K`` are trainable.
-        tau: Anson & Aitchison's relative initial learning rate (``rule="norm_ratio"``), or the constant factor
-            (``rule="constant"``: ``lr(W_Q) = lr(W_K) = tau * eta``, their "ablation").
-        per_head: per-head norms (the paper) or whole-layer norms.
-        initial_norms: ``||.||_0`` from :meth:`state_dict` when resuming; ``None`` takes the current weights.
-
-    Plain loop::
-
-        qk = QKLearningRate(model, tau=1.0)
-        ...
-        loss.backward()
-        qk.step(optimizer)          # = qk.pre_step(); optimizer.step(); qk.post_step()
-
-    A :class:`~hf_qknorm.training.controls.TrainingControl`: ``pre_optimizer_step`` is :meth:`pre_step`,
-    ``post_optimizer_step`` :meth:`post_step` (``qk.attach(optimizer)`` hooks both onto ``optimizer.step()``).
-    """
+    """Per-head (or per-layer) learning-rate factors for ``W_Q`` and ``W_K`` (Anson & Aitchison 2025), applied around
+    ``optimizer.step()``: ``qk.step(optimizer)`` is ``qk.pre_step(); optimizer.step(); qk.post_step()``, and
+    ``qk.attach(optimizer)`` hooks both onto ``optimizer.step()``. ``W_Q`` and ``W_K`` must be trainable. Arguments:
+    docs/training.md (Arguments of the controls)."""
 
     def __init__(
         self,
