@@ -280,3 +280,45 @@ def test_tied_output_head_is_the_embedding(tmp_path):
     ids = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(1))
     _, report = calibrate_checkpoint(stream, cfg, ids, ids, FAST, progress=False)
     assert report.ppl_original == pytest.approx(perplexity(model, ids, batch_size=4), rel=1e-5)
+
+
+def test_score_computes_the_reference_logits_once(tmp_path, monkeypatch):
+    """Scoring several streams against one reference stream gives the figures of computing everything afresh, with
+    the reference's output head run once per row (the head of a large vocabulary is most of the cost); a reference
+    changed in place is computed again."""
+    import math
+
+    from torch.nn import functional as F
+
+    save_source(tmp_path / "src", "llama")
+    source = inspect_source(tmp_path / "src")
+    cfg = QKNormConfig("qk_norm", norm="rmsnorm", eps=1e-6)
+    stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, torch.device("cpu"))
+    blocks = torch.randint(0, VOCAB, (5, 12), generator=torch.Generator().manual_seed(0))
+    calls = []
+    logits = stream.logits
+    monkeypatch.setattr(stream, "logits", lambda x: calls.append(1) or logits(x))
+
+    def fresh(hidden, original):  # the same figures without any reuse
+        nll, same, count = 0.0, 0, 0
+        for j, h in enumerate(hidden):
+            ids = blocks[2 * j : 2 * j + 2]
+            for row in range(len(ids)):
+                a, b = logits(h[row : row + 1])[0, :-1], logits(original[j][row : row + 1])[0, :-1]
+                nll += F.cross_entropy(a, ids[row, 1:], reduction="sum").item()
+                same += int((a.argmax(-1) == b.argmax(-1)).sum())
+                count += ids.shape[1] - 1
+        return math.exp(nll / count), same / count
+
+    with stream.outer():
+        original, _ = stream.block_inputs(blocks, 2)
+        gen = torch.Generator().manual_seed(1)
+        others = [[h + 0.5 * torch.randn(h.shape, generator=gen) for h in original] for _ in range(2)]
+        for hidden in (original, *others):
+            assert stream.score(hidden, blocks, 2, original) == fresh(hidden, original)
+        assert len(calls) == 3 * len(blocks)  # each stream's own rows; the reference's reused
+        assert stream.score(others[0], blocks, 2, original)[1] < 1  # the check can tell the streams apart
+        original[0].mul_(-1.0)
+        calls.clear()
+        assert stream.score(others[0], blocks, 2, original) == fresh(others[0], original)
+        assert len(calls) == len(blocks) + 2  # the changed batch (2 rows) computed again

@@ -84,6 +84,7 @@ class StreamedCheckpoint:
         # the qkv_norm fold of every layer (tiny vectors: gains and bias shifts), and the dropped pre-norm tensors
         forms = prenorm_forms(self.original, family, weights) if cfg.removes_prenorm else None
         self.plan: WeightPlan = plan_weights(weights, family, cfg, {}, forms)
+        self._top1: dict = {}  # the reference stream's next-token choices, by (tensor id, row): _reference_top1
 
     def native_values(self, i: int) -> dict:
         """The values the scheme's norms of layer ``i`` start from where they replace the model's own per-head norms
@@ -157,6 +158,7 @@ class StreamedCheckpoint:
         try:
             yield self.original
         finally:
+            self._top1.clear()
             for n in names:
                 owner, _, leaf = n.rpartition(".")
                 module = self.original.get_submodule(owner)
@@ -201,7 +203,9 @@ class StreamedCheckpoint:
         """``(perplexity, top-1)`` of the last block's outputs ``hidden`` (per batch of ``batch_size`` rows of
         ``blocks``; the layout of :func:`hf_qknorm.data.perplexity`: every position but the last predicts the next);
         top-1 is the share of positions where the next token agrees with the one from ``original`` (``None``
-        without it). Needs :meth:`outer`."""
+        without it). Needs :meth:`outer`. Scoring several streams against the same ``original`` computes the
+        original's logits once (:meth:`_reference_top1`): with a large vocabulary the output head is most of the cost.
+        """
         nll, count, same = 0.0, 0, 0
         for j, h in enumerate(hidden):
             ids = blocks[j * batch_size : (j + 1) * batch_size].to(h.device)
@@ -209,10 +213,22 @@ class StreamedCheckpoint:
                 logits = self.logits(h[row : row + 1])[0, :-1].float()
                 nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
                 if original is not None:
-                    other = self.logits(original[j][row : row + 1])[0, :-1].float()
-                    same += (logits.argmax(-1) == other.argmax(-1)).sum().item()
+                    top = logits.argmax(-1)
+                    same += (top == self._reference_top1(original[j], row, top if original[j] is h else None)).sum()
                 count += ids.shape[1] - 1
-        return math.exp(nll / count), None if original is None else same / count
+        return math.exp(nll / count), None if original is None else int(same) / count
+
+    def _reference_top1(self, x: torch.Tensor, row: int, known: torch.Tensor | None = None) -> torch.Tensor:
+        """The next-token choices (argmax of the logits) for row ``row`` of the reference hidden states ``x``,
+        computed once per tensor while :meth:`outer` lasts (``known``: already computed by the caller). A tensor
+        changed in place since (its version counter moved) is computed again."""
+        key = (id(x), row)
+        hit = self._top1.get(key)
+        if hit is not None and hit[0] is x and hit[1] == x._version:
+            return hit[2]
+        top = known if known is not None else self.logits(x[row : row + 1])[0, :-1].float().argmax(-1)
+        self._top1[key] = (x, x._version, top)
+        return top
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor) -> torch.Tensor:
