@@ -109,7 +109,7 @@ static inline float exp_nonpositive(float x) {
    S of degree 2 and Q of degree 3 in a^2, rounded to float32 and tuned in their last bits; X the least float32 whose
    tanh rounds to 1, and |x| >= X gives exactly +-1. Checked over every positive float32 against double tanh: at most
    1.81 ulp with the products and sums fused (FMA: the x86-64-v3 clone), 1.98 without; odd to the bit, x itself
-   below 2^-12, never past 1, NaN for NaN. About half the time of Cephes' tanhf computed branch-free. */
+   below 2^-12, never past 1, NaN for NaN. Cheaper than Cephes' tanhf computed branch-free (benchmarks/results/tuning.md). */
 static inline float tanh_f(float x) {
     const float X = 9.01091385f;
     float a = x > X ? X : x; /* NaN passes */
@@ -165,7 +165,8 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
             const float *vb = v + b * v_sb + (h / groups) * v_sh;
             const unsigned char *mr = mask ? mask + b * m_sb + h * m_sh : NULL;
             /* logits, eight keys at a time (eight FMA chains in flight, and their lanes summed together: one
-               shuffle tree per eight keys, not one per key -- at head_dim 16 that tree was most of a logit's work);
+               shuffle tree per eight keys, not one per key -- at a small head dim that tree is most of a logit's
+               work);
                the last keys one at a time; capped; masked */
             long long j = 0;
             for (; j + LANES <= kv_len; j += LANES) {
@@ -267,7 +268,7 @@ static void capped_rows(const float *q, long long q_sb, long long q_sh, const fl
    values, `stride` apart. */
 
 /* The passes below go over a row CHUNK logits at a time, each step a loop of its own over the chunk: one loop doing
-   everything per element vectorised worse (3.3 ns per element against 2.0 split, AVX2). */
+   everything per element vectorises worse (figures: benchmarks/results/tuning.md). */
 #define CHUNK 256
 
 /* The pairs of a tile a causal or windowed row may see are a band of its columns, the same for every block: row i

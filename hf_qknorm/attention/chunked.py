@@ -10,8 +10,8 @@ backward. What makes it fast on a CPU:
 - every tile is one batched matmul per product, with the query heads of a GQA group packed against their shared key
   head, and keys a causal or windowed row never sees skipped rather than masked;
 - the elementwise work is a few in-place passes over a tile that sits in cache: logits in the base-2 domain so the
-  exponential is ``exp2`` (measured ~4x cheaper than ``exp`` here), and ``tanh`` through ``expm1``
-  (``expm1(2x) / (expm1(2x) + 2)``: as exact as ``torch.tanh``, which this machine computes ~3x slower; the shorter
+  exponential is ``exp2`` (cheaper than ``exp``), and ``tanh`` through ``expm1``
+  (``expm1(2x) / (expm1(2x) + 2)``: as exact as ``torch.tanh``, and cheaper per element on many; the shorter
   ``2*sigmoid(2x) - 1`` loses digits to cancellation near 0, several times the float32 reference's error at c=50);
 - backward reuses the recomputed ``t = tanh`` for the cap's derivative ``1 - t^2``, and accumulates dK and dV
   transposed, the matmul layout MKL runs fastest;
@@ -46,8 +46,8 @@ def _scratch(buf: torch.Tensor, shape) -> torch.Tensor:
 
 
 # Up to this many matrices, baddbmm_ writes straight into the strided destination (one GEMM call per matrix); beyond,
-# one batched GEMM into contiguous scratch plus one pass into the destination is cheaper (measured: at T=128, D=32
-# the per-matrix calls made the tiled path 1.6x sdpa).
+# one batched GEMM into contiguous scratch plus one pass into the destination is cheaper (figures:
+# benchmarks/results/tuning.md).
 _PER_MATRIX_MAX = 4
 
 
@@ -76,8 +76,7 @@ def _keep(shape, dropout_p, seed, index, device, dtype):
 
 # A capped call keeps the tanh of its first tiles, as many as fit this many logits, from forward for backward instead
 # of recomputing the logits' matmul and the tanh there: 2**22 float32 = 16 MiB per call at most. Keeping part of a
-# larger call's tiles beats recomputing all of them, and beats keeping all (measured, one thread, B=1, H=4, 2 KV
-# heads, D=32, T=2048 causal, 8.4M logits, forward+backward against sdpa: 1.43x with 4M kept, 1.60x none, 1.54x all).
+# larger call's tiles beats recomputing all of them, and beats keeping all (docs/kernels.md, Measured on CPU).
 KEEP_TANH_MAX = 1 << 22
 
 # exp(+-c) must stay a normal float and the row sums (up to kv_len * e^c) finite for the softmax to skip its max shift

@@ -312,11 +312,10 @@ def _lean(module, query, key, value, attention_mask, scaling, dropout, softcap, 
 def _lean_before_kernels(query: torch.Tensor) -> bool:
     """Whether a decoding call the kernels would take runs the lean path instead: on CUDA, eager, with the PyTorch
     path allowed (``kernel_policy(use_fallback=True)``, the default). Decoding there is bound by the host: the lean
-    path's few ATen launches cost it less than the Triton kernels' launches (one capped call, bf16, H100, host time:
-    224 vs 513 us at (batch, heads, kv_heads, head_dim, kv_len) = (1, 4, 2, 16, 512), 232 vs 343 at (1, 32, 8, 64,
-    512), 323 vs 514 at (8, 32, 8, 64, 512)). Compiled graphs keep the kernels (CUDA graphs remove the launch cost;
-    measured at parity with the unpatched model), as does ``use_fallback=False``, which asks for the kernels, and a
-    CUDA-graph capture in eager mode (the lean path reads a mask's rows on the host, which a capture forbids)."""
+    path's few ATen launches cost it less than the Triton kernels' launches (benchmarks/results/tuning.md).
+    Compiled graphs keep the kernels (CUDA graphs remove the launch cost; measured at parity with the unpatched
+    model), as does ``use_fallback=False``, which asks for the kernels, and a CUDA-graph capture in eager mode (the
+    lean path reads a mask's rows on the host, which a capture forbids)."""
     if not query.is_cuda or torch.compiler.is_compiling():
         return False
     return current_kernel_policy().use_fallback and not torch.cuda.is_current_stream_capturing()

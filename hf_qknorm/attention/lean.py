@@ -13,9 +13,9 @@ is empty, which alone needs the NaN clean-up -- not once per layer.
 Fewer and cheaper ops are the point: each costs one to a few microseconds of host time whatever its size, so the
 scale and the cap are applied in place by 0-d tensors made once (a Python number would be made a tensor and converted
 at every call) and one query's output needs no transpose. Where
-the logits are many, elementwise cost per element counts instead: ``torch.tanh`` runs about 2 ns per float32
-element on the CPU this was tuned on, the ``expm1`` form (:func:`~.tiles.tanh_doubled_`) about 1 ns plus three more
-ops (on an AVX2-only AMD EPYC 4.2 and 2.5 ns: break-even near 16k logits there).
+the logits are many, elementwise cost per element counts instead: the ``expm1`` form of the cap's tanh
+(:func:`~.tiles.tanh_doubled_`) costs less per element than ``torch.tanh`` but three more ops, so it takes over from
+:data:`EXPM1_TANH_MIN` logits (where the two cross depends on the CPU: benchmarks/results/tuning.md).
 
 Same semantics as the other paths (:func:`~hf_qknorm.attention.chunked.chunked_attention`): the cap before the mask,
 a row with no allowed key gives zeros, a sink (``s_aux``) joins each row's denominator uncapped; accumulation in
@@ -50,12 +50,11 @@ def fits(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> bool
     return q_len * (heads // kv_heads) <= MAX_ROWS and batch * heads * q_len * kv_len <= TILE_ELEMENTS
 
 
-# From this many logits the cap's tanh goes through expm1: torch.tanh costs ~2 ns per float32 element on this CPU,
-# the expm1 form ~1 ns plus three more ops (measured, one thread: 2,048 logits 5.9 vs 7.3 us, 16,384: 36.7 vs 20.1)
+# From this many logits the cap's tanh goes through expm1: cheaper per element than torch.tanh, but three more ops,
+# which cost more than they save on fewer logits (figures: benchmarks/results/tuning.md)
 EXPM1_TANH_MIN = 4096
-# Without a cap, one query's attention takes this path's math from this many logits, sdpa below (measured, one
-# thread, (batch, heads, kv_heads, head_dim, kv_len): (1, 4, 2, 16, 512) sdpa 12.5 us, here 16.4; (8, 4, 2, 16, 512)
-# 68 vs 57; (1, 12, 12, 64, 512) 64.8 vs 61.5; (8, 12, 12, 64, 512) 691 vs 596)
+# Without a cap, one query's attention takes this path's math from this many logits, sdpa below: sdpa's fixed cost
+# is lower on small calls, this path's packed GQA matmul cheaper on large ones (figures: benchmarks/results/tuning.md)
 MATH_MIN = 4096
 
 # (key, mask, its additive form shaped for the logits, whether every row of it lets a key through), key = the mask's
@@ -67,8 +66,8 @@ _BIAS_CACHE: tuple = (None, None, None, None)
 
 
 # (value, dtype) -> that value as a 0-d CPU tensor. An in-place op with a Python number first makes it a tensor and
-# converts it to the operand's dtype (``aten::_to_copy``): about 2 us of a 4 us ``mul_`` on few elements, per layer
-# per token (measured, one thread, 400 logits); with a 0-d tensor of the operand's dtype, none of that. CPU calls only
+# converts it to the operand's dtype (``aten::_to_copy``): most of a ``mul_``'s time on few elements, per layer per
+# token (benchmarks/results/tuning.md); with a 0-d tensor of the operand's dtype, none of that. CPU calls only
 # (a GPU takes Python numbers, see lean_attention), so the key holds no device: making ``q.device`` costs half a
 # microsecond per call.
 _CONSTANTS: dict = {}

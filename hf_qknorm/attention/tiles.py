@@ -35,8 +35,8 @@ TANH_CLAMP = 40.0
 def expm1_doubled_(x2: torch.Tensor, tmp: torch.Tensor, clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e, e + 2)`` with ``e = expm1(2x)`` written over ``x2`` (which holds ``2x``) and ``e + 2`` into ``tmp``:
     ``tanh(x) = e / (e + 2)``. The capped paths' tanh: as exact as ``torch.tanh``, and cheaper per element where the
-    elements are many (one thread: about half on the CPU it was tuned on; on an AVX2-only AMD EPYC equal at 16k
-    elements, 13% less at 512k). ``2 * sigmoid(2x) - 1`` is shorter but loses digits to cancellation near 0:
+    elements are many (by how much depends on the CPU: benchmarks/results/tuning.md). ``2 * sigmoid(2x) - 1`` is
+    shorter but loses digits to cancellation near 0:
     several times the float32 reference's error at c = 50."""
     if clamp:
         x2.clamp_(max=TANH_CLAMP)

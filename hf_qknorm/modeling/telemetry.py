@@ -244,7 +244,8 @@ def _rebuild_qk(attn: nn.Module, fam, ctx: dict):
         q, k, _ = ctx["qkv"].split(attn.split_size, dim=-1)
     else:
         q, k = ctx["q"], ctx["k"]
-    # contiguous (batch, heads, seq, head_dim): RoPE's elementwise ops on the transposed views are ~8x slower here
+    # contiguous (batch, heads, seq, head_dim): RoPE's elementwise ops on the transposed views are several times
+    # slower (benchmarks/results/tuning.md)
     q = q.reshape(*q.shape[:2], -1, d).transpose(1, 2).contiguous()
     k = k.reshape(*k.shape[:2], -1, d).transpose(1, 2).contiguous()
     if fam.rope and ctx.get("rope") is not None:

@@ -13,8 +13,8 @@ How the norm reaches the projection's output, two ways with one result:
 
 - the projection's class becomes a thin subclass (``QKNorm<Linear>``, made once per class) whose ``forward`` is the
   class's own followed by the norms. This is the default: decoding calls every projection of every layer at every
-  token, and a forward hook makes each of those calls take ``nn.Module``'s slow path (measured: about 3% of a
-  host-bound model's decoding step);
+  token, and a forward hook makes each of those calls take ``nn.Module``'s slow path, a visible share of a
+  host-bound model's decoding step (benchmarks/results/tuning.md);
 - a forward hook, where a class swap would be bypassed or come too early: a module whose ``forward`` was replaced
   on the instance (accelerate's offload hooks keep the class's forward and call it themselves), and tensor
   parallelism, whose output hook must turn the ``DTensor`` into a local tensor before the norm sees it
@@ -74,8 +74,8 @@ def _hooked(module: nn.Module) -> bool:
 def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``. When no hook is registered on the module or process-wide, ``nn.Module.__call__`` would only call
     ``module.forward``, so it is called directly: decoding calls the norms of every layer at every token, and the
-    call machinery adds about a microsecond to a norm that takes three or four on a few heads (measured on one CPU
-    thread). Any hook (FSDP, a user's) takes the full call."""
+    call machinery costs a large fraction of what a norm on a few heads takes (benchmarks/results/tuning.md). Any hook
+    (FSDP, a user's) takes the full call."""
     return module(x) if _hooked(module) else module.forward(x)
 
 

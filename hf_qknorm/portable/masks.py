@@ -28,7 +28,8 @@ def check_attention_args(query, key, mask, scaling, dropout, sliding_window) -> 
 
 def check_mask(query, key, mask) -> None:
     """Refuse a mask that is not ``(batch|1, 1|heads, q_len|1, kv_len)`` for these ``query``/``key`` (sdpa refuses
-    one too; a longer or other-batch mask was silently sliced or broadcast), or of an integer dtype."""
+    one too; slicing or broadcasting a longer or other-batch mask would silently attend by the wrong entries), or of
+    an integer dtype."""
     if mask is not None:
         batch, heads, q_len, kv_len = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
         shape = tuple(mask.shape)
