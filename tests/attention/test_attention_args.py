@@ -32,7 +32,7 @@ def _qkv(tq=TQ, tk=TK, seed=0):
 FUNCTIONS = {"qknorm": qknorm_attention_forward, "eager": capped_eager_attention}
 
 BAD_MASKS = {  # shape -> why it cannot be right for query (2, 4, 5, 8) and key (2, 2, 7, 8)
-    "longer-than-the-keys": (B, 1, TQ, TK + 3),  # used to be sliced silently by one path, broadcast-failed by another
+    "longer-than-the-keys": (B, 1, TQ, TK + 3),  # slicing it would silently pick columns; every path must refuse
     "shorter-than-the-keys": (B, 1, TQ, TK - 1),
     "another-batch": (3, 1, TQ, TK),
     "another-head-count": (B, 3, TQ, TK),

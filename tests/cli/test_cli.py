@@ -355,7 +355,7 @@ def test_short_calibration_files_are_named(tmp_path, capsys, monkeypatch):
 
 
 def test_inspect_flags_norm_weights_that_do_not_match_the_scheme(tmp_path, capsys):
-    """Rows a saved folder lacks are shown as MISSING (they used to be left out), and rows it should not have, of
+    """Rows a saved folder lacks are shown as MISSING (not left out), and rows it should not have, of
     another shape or not floating point, are flagged; exit 1 (issue 22)."""
     from safetensors.torch import load_file, save_file
 
@@ -390,9 +390,9 @@ def test_inspect_flags_norm_weights_that_do_not_match_the_scheme(tmp_path, capsy
 # a source whose config.json disagrees with its weights (issue 22)
 # --------------------------------------------------------------------------------------------------------------------
 def test_convert_names_a_config_that_disagrees_with_the_weights(src, tmp_path, capsys):
-    """hidden_size edited in config.json used to end in "internal error ... This is a bug in hf_qknorm" (exit 3)
-    after the whole conversion; a tensor missing from the source (a qkv_norm fold would silently skip a missing
-    pre-norm gain). Both: one line before any work, exit 2, nothing written."""
+    """hidden_size edited in config.json (which must not end in "internal error ... This is a bug in hf_qknorm",
+    exit 3, after the whole conversion); a tensor missing from the source (a qkv_norm fold would silently skip a
+    missing pre-norm gain). Both: one line before any work, exit 2, nothing written."""
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads((src / "config.json").read_text())
@@ -416,9 +416,9 @@ def test_convert_names_a_config_that_disagrees_with_the_weights(src, tmp_path, c
 
 
 def test_convert_without_a_tokenizer_says_so(src, tmp_path, capsys):
-    """A source without tokenizer files (weights-only checkpoints are legitimate sources) used to give a folder
-    without one, silently, and a model card whose snippet loads a tokenizer. Now a WARNING line (also with --quiet)
-    and a card that says the folder has none (issue 22; the choice is explained in docs/conversion.md)."""
+    """A source without tokenizer files (weights-only checkpoints are legitimate sources) gives a folder without one:
+    not silently, and not with a model card whose snippet loads a tokenizer, but with a WARNING line (also with
+    --quiet) and a card that says the folder has none (issue 22; the choice is explained in docs/conversion.md)."""
     from hf_qknorm.conversion.output.export import has_tokenizer
     from tests._support.convert_support import bundled_copy
 

@@ -113,7 +113,7 @@ def test_control_objects_refuse_values_out_of_range():
 
 def test_an_ill_fitting_4d_mask_through_a_whole_model():
     """A caller's own 4D mask reaches the attention function as is: one covering more keys than there are is
-    refused by the backend, naming both shapes (it used to be sliced silently on one path)."""
+    refused by the backend, naming both shapes (not sliced silently, which would attend by the wrong columns)."""
     model = hf_qknorm.patch_model(tiny_model("llama"), "qk_norm_cap").eval()
     ids = torch.randint(0, 128, (1, 6))
     ok = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
@@ -190,9 +190,9 @@ def test_a_norm_weight_of_another_rank(saved, shape):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_norm_weights_in_a_saved_folder(saved, capsys, value):
-    """A NaN/inf gain loads (Transformers does not look at values) and the model computes NaN; the verifier used to
-    say only "norms not verified: the layers are off for another reason". Now inspect flags the tensor and verify
-    fails naming it, both exit 1."""
+    """A NaN/inf gain loads (Transformers does not look at values) and the model computes NaN, which the layer
+    checks alone report only as "norms not verified: the layers are off for another reason": inspect flags the
+    tensor and verify fails naming it, both exit 1."""
     edit_weights(saved, lambda sd: sd["model.layers.0.self_attn.k_norm.weight"].__setitem__(3, value))
     code, out, _ = run(capsys, "inspect", saved)
     row = [line for line in out.splitlines() if line.startswith("| 0 | k_norm.weight")]
@@ -284,8 +284,8 @@ def test_a_patched_models_adapter_loaded_into_an_unpatched_model(tmp_path):
 )
 @pytest.mark.parametrize("verify", ["plugin", "off"])
 def test_non_finite_weights_in_a_source_checkpoint(src, tmp_path, capsys, key, where, value, verify):
-    """Used to be caught only by the written model's verification, in a multi-line report ("norms not verified"),
-    and written as is with --verify off. Now one line naming the tensor, exit 2, nothing written."""
+    """Caught before any work, not only by the written model's verification (a multi-line report, "norms not
+    verified", and nothing at all with --verify off): one line naming the tensor, exit 2, nothing written."""
     edit_weights(src, lambda sd: sd[key].__setitem__(where, value))
     before = digest(src)
     code, _, err = run(capsys, "convert", src, tmp_path / "o", "--no-calibration", "--quiet", "--verify", verify)

@@ -138,9 +138,9 @@ def test_a_config_that_lost_its_cap_fails_the_conversion(tmp_path, monkeypatch):
 
 
 def test_a_source_that_computes_nan_fails_the_conversion(tmp_path):
-    """The issue's case: a model whose logits are NaN gave a NaN report and exit 0. An inf weight in the source is
-    now refused where it is read, naming it (issue 22); a finite weight so large that the source computes inf still
-    gives a non-finite report, and the conversion must fail before writing."""
+    """A model whose logits are NaN must not give a NaN report and exit 0. An inf weight in the source is refused
+    where it is read, naming it (issue 22); a finite weight so large that the source computes inf gives a non-finite
+    report, and the conversion must fail before writing."""
     from transformers import AutoModelForCausalLM
 
     src = bundled_copy(tmp_path / "src")

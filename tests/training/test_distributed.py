@@ -114,8 +114,8 @@ def _worker(out: Path) -> None:
     dist.barrier()
     dist.destroy_process_group()
     # Everything is saved. Leave without the interpreter's teardown: on a loaded machine gloo's threads sometimes
-    # abort it ("terminate called without an active exception", exit -6; CI of stop 34 in the oldest lane), which
-    # failed the run after its results were written. Same exit as tests/training/test_sharded.py's worker.
+    # abort it ("terminate called without an active exception", exit -6, seen in CI's oldest lane), which would fail
+    # the run after its results are written. Same exit as tests/training/test_sharded.py's worker.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,10 +1,10 @@
 """QK-Clip on a peft LoRA model changes only what training changes and the adapter saves.
 
-The fault this guards (issue 27): the clip rescaled the frozen base weights (``q_proj.base_layer.weight``, the
-``original_module`` copies of the norms). The saved adapter did not hold them, so base + adapter differed from the
-trained model, and the adapter-disabled model -- the reference model of DPO, KTO, GRPO -- drifted from the base.
-Now: under LoRA the clip scales only the trained ``modules_to_save`` copies of the q/k norm gains, and refuses a
-model whose logits only frozen weights set.
+The fault this guards (issue 27): a clip that rescales the frozen base weights (``q_proj.base_layer.weight``, the
+``original_module`` copies of the norms) edits what the saved adapter does not hold, so base + adapter differs from
+the trained model, and the adapter-disabled model -- the reference model of DPO, KTO, GRPO -- drifts from the base.
+Under LoRA the clip scales only the trained ``modules_to_save`` copies of the q/k norm gains, and refuses a model
+whose logits only frozen weights set.
 """
 
 from __future__ import annotations

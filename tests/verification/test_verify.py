@@ -537,8 +537,8 @@ def _last_line(text: str) -> str:
 @pytest.mark.parametrize("no_plugin", [False, True], ids=["plugin", "no-plugin"])
 def test_command_fails_a_folder_whose_weights_were_edited(tmp_path, capsys, no_plugin):
     """Every q_norm tensor deleted from a saved folder, a projection deleted from a plain qwen3 export, a norm gain
-    stored as integers: each used to verify OK (the model loaded with fresh or cast weights and computed its scheme
-    faithfully on them). Now the report fails in one line naming the tensors, exit 1."""
+    stored as integers: each loads (with fresh or cast weights) and computes its scheme faithfully on them, so only
+    the weights' own check can fail it: one line naming the tensors, exit 1."""
     _patched("llama", "qk_norm_cap", "layernorm").save_pretrained(tmp_path / "no-q-norm")
     _edit_weights(tmp_path / "no-q-norm", lambda sd: {k: v for k, v in sd.items() if "q_norm" not in k})
     save_source(tmp_path / "src", "llama")
@@ -571,8 +571,8 @@ def test_command_fails_a_folder_whose_weights_were_edited(tmp_path, capsys, no_p
 
 
 def test_command_names_a_config_that_disagrees_with_the_weights(tmp_path, capsys):
-    """config.json's hidden_size edited: one line naming a tensor and both shapes, exit 2 (it used to say
-    "look at the above report", which the command never shows)."""
+    """config.json's hidden_size edited: one line naming a tensor and both shapes, exit 2 (not Transformers' "look
+    at the above report", which the command never shows)."""
     import json
 
     _patched("llama", "qk_norm", "layernorm").save_pretrained(tmp_path / "m")
