@@ -1,6 +1,6 @@
 """What patching needs to know about a model, derived from the model itself.
 
-There is no table of supported families. :func:`derive_family` reads a model's module tree -- the list of decoder
+Families are derived, not listed: :func:`derive_family` reads a model's module tree -- the list of decoder
 blocks, the attention module of a block, its q/k/v projections (separate or fused), its output projection, the
 pre-attention norm and any q/k norm the model already has -- and its config's names for the norm epsilon and the
 context length. What cannot be read off the structure is a :data:`QUIRKS` entry, keyed by ``model_type``: the head

@@ -108,7 +108,7 @@ def test_convert_takes_config_objects_only(tmp_path):
     assert cfg == QKNormConfig("qk_norm") and cal == CalibrationSettings() and hub == HubSettings()
     for old in ({"scheme": "qk_norm"}, {"settings": CalibrationSettings()}, {"push_to_hub": "me/x"}):
         with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(old))}'"):
-            convert(None, tmp_path / "out", **old)  # the keywords of before the first release are gone
+            convert(None, tmp_path / "out", **old)  # settings go in as objects, not as these keywords
     assert not (tmp_path / "out").exists()
     with pytest.raises(TypeError, match="calibration must be a CalibrationSettings, got dict"):
         settings_objects(None, {"block_len": 8}, None)
