@@ -16,7 +16,8 @@ machine) and wall time.
 
 ``--compile``: the same with ``generate``'s own compiled decoding (Transformers compiles the decoding step's forward
 with ``torch.compile`` when the cache is static; told to on a CPU too, ``fullgraph``), every provider compiled, the
-graphs made before the timed rounds. Rows carry ``"compiled": true``.
+graphs made before the timed rounds. Rows carry ``"compiled": true``. On the step table ``--compile`` compiles every
+model in place (``module.compile``, forward and backward; ``--compile-backend``, inductor by default).
 
 Step table: one training step (forward + backward + AdamW) at T = 512 and 2048, batch 1, of the bundled shape and
 the 12x768 shape, interleaved the same way. Besides CPU time (user + system) each row has the ratios of user time
@@ -32,6 +33,7 @@ Rows go to ``benchmarks/results/decode.jsonl`` with the machine, versions and th
     python benchmarks/bench_decode.py --table step --shapes 12x768 --seq 512
     python benchmarks/bench_decode.py --report after                   # the tables of saved rows labelled "after"
     python benchmarks/bench_decode.py --table decode --caches static --compile --shapes tiny   # compiled decoding
+    python benchmarks/bench_decode.py --table step --compile --shapes 12x768 --seq 512        # compiled training step
     python benchmarks/bench_decode.py --table token --shapes tiny bundled --rounds 30
 
 Token table (``--table token``): one decoding forward at a time against a dynamic cache of ``prompt`` tokens
@@ -394,12 +396,18 @@ def _step_fn(model, seq: int):
     return step
 
 
-def step_cell(shape, seq, rounds, schemes) -> dict:
+def step_cell(shape, seq, rounds, schemes, compiled=False, backend="inductor") -> dict:
     models = _providers(shape, False, schemes)
     steps = {}
+    if compiled:  # each provider's forward and backward graphs made in the warm-up, none left from another cell
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = 64
     for name, model in models.items():
+        if compiled:
+            model.compile(backend=backend)  # in place: the module's __call__ runs the compiled forward
         steps[name] = _step_fn(model.train(), seq)
-        steps[name]()  # warm-up
+        for _ in range(2 if compiled else 1):  # warm-up (compiled: the graphs, then a settled step)
+            steps[name]()
     times = {name: [] for name in models}
     for r in range(rounds):
         for name, step in _rotated(steps, r):
@@ -411,6 +419,8 @@ def step_cell(shape, seq, rounds, schemes) -> dict:
             user, faults = v.ru_utime - u.ru_utime, v.ru_minflt - u.ru_minflt
             times[name].append((time.process_time() - c, time.perf_counter() - w, user, faults))
     row = {"table": "step", "shape": shape, "seq": seq, "batch": 1}
+    if compiled:
+        row.update(compiled=True, compile_backend=backend)
     row["sdpa_s"] = round(statistics.median(t[_CLOCKS[_clock_name()]] for t in times["sdpa"]), 3)
     row["sdpa_faults"] = int(statistics.median(t[3] for t in times["sdpa"]))
     for name in schemes:
@@ -439,7 +449,7 @@ def _environment() -> dict:
 
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(),
+        "machine": platform.machine(),  # not platform.processor(): on Linux it starts `uname -p`
         "cpus": torch.get_num_threads(),
         "cpu_model": _cpu_model(),
         "device": str(DEVICE) if DEVICE.type == "cpu" else f"cuda: {torch.cuda.get_device_name(DEVICE)}",
@@ -499,7 +509,8 @@ def markdown(rows: list[dict]) -> str:
         out += ["", "| shape | T | sdpa step (s) | " + " | ".join(f"`{s}`" for s in schemes) + " |"]
         out += ["|---" * (3 + len(schemes)) + "|"]
         for r in steps:
-            cells = [r["shape"], r["seq"], r["sdpa_s"]] + [f"{_ratio(r, s):.3f}x" for s in schemes]
+            seq = f"{r['seq']}, compiled" if r.get("compiled") else r["seq"]
+            cells = [r["shape"], seq, r["sdpa_s"]] + [f"{_ratio(r, s):.3f}x" for s in schemes]
             out += ["| " + " | ".join(map(str, cells)) + " |"]
         if "sdpa_faults" in steps[0]:  # user time alone, and minor page faults per step (the unpatched model's first)
             names = " | ".join(f"`{s}`" for s in schemes)
@@ -507,7 +518,8 @@ def markdown(rows: list[dict]) -> str:
             out += ["|---" * (3 + len(schemes)) + "|"]
             for r in steps:
                 faults = " / ".join(str(r.get(f"{s}_faults", "?")) for s in ("sdpa", *schemes))
-                cells = [r["shape"], r["seq"]] + [f"{r.get(f'{s}_user', float('nan')):.3f}x" for s in schemes]
+                seq = f"{r['seq']}, compiled" if r.get("compiled") else r["seq"]
+                cells = [r["shape"], seq] + [f"{r.get(f'{s}_user', float('nan')):.3f}x" for s in schemes]
                 out += ["| " + " | ".join(map(str, cells + [faults])) + " |"]
     return "\n".join(out)
 
@@ -520,7 +532,8 @@ def main() -> None:
         default="both",
         help="both: decode and step; token: one decoding forward at a time (dynamic cache)",
     )
-    parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES),
+                        help="default: every shape (the step table then skips tiny)")  # fmt: skip
     parser.add_argument("--caches", nargs="+", choices=("dynamic", "static", "sliding_window"),
                         help="default: all three (decode); the token table times the dynamic cache only")  # fmt: skip
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8])
@@ -532,8 +545,11 @@ def main() -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="decode through generate's compiled forward (torch.compile, inductor; static cache only)",
+        help="decode through generate's compiled forward (static cache only); step: every model compiled "
+        "(torch.compile, forward and backward)",
     )
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="the step table's torch.compile backend (aot_eager: traces only; dry runs)")  # fmt: skip
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="default: float32 on the CPU, bfloat16 on CUDA")  # fmt: skip
@@ -553,10 +569,12 @@ def main() -> None:
     if args.table == "token" and args.caches not in (None, ["dynamic"]):
         parser.error(f"--table token times the dynamic cache only, got --caches {' '.join(args.caches)}")
     args.caches = args.caches or ["dynamic", "static", "sliding_window"]
-    if args.compile and (args.table != "decode" or args.caches != ["static"]):
+    step_shapes = args.shapes or [s for s in SHAPES if s != "tiny"]  # tiny's step times only when asked for
+    args.shapes = args.shapes or list(SHAPES)
+    if args.compile and args.table != "step" and (args.table != "decode" or args.caches != ["static"]):
         parser.error(
-            f"--compile times decoding with the static cache: add --table decode --caches static "
-            f"(got --table {args.table} --caches {' '.join(args.caches)})"
+            f"--compile times the training step (--table step) or decoding with the static cache (--table decode "
+            f"--caches static); got --table {args.table} --caches {' '.join(args.caches)}"
         )
     if args.new_tokens < 2 or args.rounds < 1:
         parser.error(f"--new-tokens must be at least 2 and --rounds at least 1, got {args.new_tokens}, {args.rounds}")
@@ -576,7 +594,7 @@ def main() -> None:
                     for prompt in args.prompt:
                         cells.append(("decode", shape, cache, batch, prompt))
     if args.table in ("step", "both"):
-        cells += [("step", shape, seq) for shape in args.shapes if shape != "tiny" for seq in args.seq]
+        cells += [("step", shape, seq) for shape in step_shapes for seq in args.seq]
     if args.table == "token":
         cells += [("token", s, b, p) for s in args.shapes for b in args.batch for p in args.prompt]
     from hf_qknorm.attention import kernel_policy
@@ -600,7 +618,7 @@ def _run(cell, args) -> dict:
         return decode_cell(*cell[1:], args.new_tokens, args.rounds, args.schemes, args.compile)
     if cell[0] == "token":
         return token_cell(*cell[1:], args.rounds, args.schemes)
-    return step_cell(*cell[1:], args.rounds, args.schemes)
+    return step_cell(*cell[1:], args.rounds, args.schemes, args.compile, args.compile_backend)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU figure of issue 50 in one command that fits one device call (under 8 minutes on an H100):
+# Every GPU figure of issue 50 in one command that fits one device call (the limits below sum to 565 s; run it with
+# the device call's timeout_s 595):
 #   bash benchmarks/run_gpu.sh [label]          # on a CUDA machine, bf16
 #   bash benchmarks/run_gpu.sh --dry-run        # every section at a tiny size on CPU, nothing saved (tests)
 # Sections, each under its own time limit (seconds, in the step lines below):
@@ -8,12 +9,14 @@
 #              (then `python3 benchmarks/delegation_table.py --apply` on the rows); fwd, bwd, fwd+bwd TFLOP/s;
 #              head_dim 64/128; T 1k, 4k, 16k; causal
 #   step       bench_decode.py --table step: the 1B-shaped training step, T 2k and 8k, every scheme and unpatched
+#   step-compiled  the same step compiled (torch.compile, inductor), T 2k, qk_norm and qk_norm_cap and unpatched
 #   token      bench_decode.py --table token: one eager decoding forward, every scheme
 #   decode     bench_decode.py --table decode: eager generations, dynamic and static cache; compiled static cache
 # Rows go to benchmarks/results/attention_gpu.jsonl and benchmarks/results/decode.jsonl as the benchmarks write them
 # (device, versions, date in each) and, at exit -- a failure included -- the rows of this run are copied to
-# benchmarks/results/gpu/<date>-run.jsonl with the command, and to $OUT where it is set. The first failing section
-# stops the run (set -e) with its name and exit status on stderr.
+# benchmarks/results/gpu/<date>-run.jsonl with the command, and to $OUT where it is set. A failing section (an error
+# or its time limit) is named with its exit status on stderr and the next one runs: device time is scarce, and a
+# broken kernel must not cost the step and decode rows. The run exits with the first failing section's status.
 # Not a section here (the limits above fill the call): the tile sweep is its own device call, 420 s by default,
 #   python3 benchmarks/sweep_tiles.py            # then --apply the .json it writes (docs/kernels.md, "Tile sizes")
 set -euo pipefail
@@ -36,29 +39,38 @@ fi
 attn_before=$(wc -l < "$attn" 2>/dev/null || echo 0)
 dec_before=$(wc -l < "$dec" 2>/dev/null || echo 0)
 
+rows_so_far() {  # this run's rows so far, each with the command and the exit status given
+  {
+    tail -n +"$((attn_before + 1))" "$attn" 2>/dev/null || true
+    tail -n +"$((dec_before + 1))" "$dec" 2>/dev/null || true
+  } | python3 -c 'import json, sys
+for line in sys.stdin:
+    if line.strip():
+        row = json.loads(line)
+        row["command"] = sys.argv[1]
+        row["run_exit"] = None if sys.argv[2] == "running" else int(sys.argv[2])
+        print(json.dumps(row))' "$command" "$1"
+}
+
+snapshot() {  # after each section: the rows so far in $OUT, in case the device call is cut off before the exit
+  if [ "$dry" = 0 ] && [ -n "${OUT:-}" ]; then rows_so_far running > "$OUT/run-partial.jsonl" || true; fi
+}
+
 collect() {  # at exit: this run's rows, with the command, in one file
   local rc=$?
   if [ "$dry" = 0 ]; then
     local dest="benchmarks/results/gpu/$(date -u +%F)-run.jsonl"
     mkdir -p benchmarks/results/gpu
-    {
-      tail -n +"$((attn_before + 1))" "$attn" 2>/dev/null || true
-      tail -n +"$((dec_before + 1))" "$dec" 2>/dev/null || true
-    } | python3 -c 'import json, sys
-for line in sys.stdin:
-    if line.strip():
-        row = json.loads(line)
-        row["command"] = sys.argv[1]
-        row["run_exit"] = int(sys.argv[2])
-        print(json.dumps(row))' "$command" "$rc" >> "$dest"
+    rows_so_far "$rc" >> "$dest"
     echo "# rows of this run appended to $dest (exit $rc)"
-    if [ -n "${OUT:-}" ]; then cp "$dest" "$OUT/"; fi
+    if [ -n "${OUT:-}" ]; then cp "$dest" "$OUT/" && rm -f "$OUT/run-partial.jsonl"; fi
   fi
   exit $rc
 }
 trap collect EXIT
 
-section() {  # section NAME SECONDS CMD...: one benchmark under a time limit; a failure stops the run, loudly
+first_failure=0
+section() {  # section NAME SECONDS CMD...: one benchmark under a time limit; a failure is named, the run goes on
   local name=$1 limit=$2
   shift 2
   echo "## $name (limit ${limit}s): $*"
@@ -67,8 +79,9 @@ section() {  # section NAME SECONDS CMD...: one benchmark under a time limit; a 
   if [ "$rc" != 0 ]; then
     if [ "$rc" = 124 ]; then echo "!! section $name ran out of its ${limit}s" >&2; fi
     echo "!! section $name ended with exit status $rc" >&2
-    exit "$rc"
+    if [ "$first_failure" = 0 ]; then first_failure=$rc; fi
   fi
+  snapshot
 }
 
 if [ "$dry" = 1 ]; then
@@ -77,11 +90,14 @@ if [ "$dry" = 1 ]; then
     --warmup 0 --reps 1 --out "$attn"
   section step 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table step --shapes 12x768 \
     --seq 16 --rounds 1 --schemes qk_norm_cap
+  section step-compiled 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table step --shapes tiny \
+    --seq 16 --rounds 1 --schemes qk_norm_cap --compile --compile-backend aot_eager
   section token 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table token --shapes tiny \
     --batch 1 --prompt 8 --rounds 1 --schemes qk_norm_cap
   section decode 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table decode --shapes tiny \
     --caches dynamic static --batch 1 --prompt 8 --new-tokens 4 --rounds 1 --schemes qk_norm_cap
   rm -f "$attn"
+  if [ "$first_failure" != 0 ]; then exit "$first_failure"; fi
   echo "# dry run: every section ran"
   exit 0
 fi
@@ -92,9 +108,12 @@ section attention 180 python3 benchmarks/bench_attention.py --head-dims 64 128 -
   --providers sdpa sdpa-cudnn sdpa-flash sdpa-efficient flex-cap flash-cap qknorm-triton qknorm-nocap --warmup 2 --reps 5
 section step 90 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table step --shapes 1b \
   --seq 2048 8192 --rounds 3
-section token 60 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table token --shapes 1b \
+section step-compiled 120 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table step --shapes 1b \
+  --seq 2048 --rounds 3 --compile --schemes qk_norm qk_norm_cap
+section token 45 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table token --shapes 1b \
   --batch 1 8 --prompt 512 --rounds 5 --schemes qk_norm soft_cap qk_norm_cap qkv_norm
 section decode 60 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table decode --shapes 1b \
   --caches dynamic static --batch 1 --prompt 512 --rounds 2 --schemes qk_norm qk_norm_cap
 section decode-compiled 70 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table decode \
   --caches static --compile --shapes 1b --batch 1 --prompt 512 --rounds 2 --schemes qk_norm_cap
+exit "$first_failure"

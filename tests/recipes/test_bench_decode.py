@@ -212,3 +212,28 @@ def test_step_rows_split_user_time_and_count_page_faults():
     text = bench_decode.markdown([row])
     assert f"| bundled | 32 | {row['soft_cap_user']:.3f}x | {row['sdpa_faults']} / {row['soft_cap_faults']} |" in text
     assert isinstance(bench_decode._environment()["allocator"], dict)
+
+
+def test_the_compiled_step_table_compiles_every_model(monkeypatch, capsys):
+    """``--table step --compile`` runs every provider's step through torch.compile (a traced graph, here the quick
+    aot_eager backend) and says so in its rows and table; ``--compile`` on the token table stays a usage error."""
+    import json
+
+    import torch
+
+    compiled = []
+    real = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(kw) or real(self, **kw))
+    base = ["bench_decode.py", "--shapes", "tiny", "--seq", "8", "--rounds", "1", "--schemes", "qk_norm_cap"]
+    base.append("--no-save")
+    monkeypatch.setattr(sys, "argv", base + ["--table", "step", "--compile", "--compile-backend", "aot_eager"])
+    bench_decode.main()
+    out = capsys.readouterr().out
+    row = json.loads(out.splitlines()[0])
+    assert row["compiled"] is True and row["compile_backend"] == "aot_eager" and row["qk_norm_cap_cpu"] > 0
+    assert compiled == [{"backend": "aot_eager"}] * 2  # the unpatched model and the scheme
+    assert "| tiny | 8, compiled |" in out
+    monkeypatch.setattr(sys, "argv", base + ["--table", "token", "--compile"])
+    with pytest.raises(SystemExit) as exit_:
+        bench_decode.main()
+    assert exit_.value.code == 2 and "--compile times the training step" in capsys.readouterr().err
