@@ -13,9 +13,10 @@
    extensions; another compiler gets a one-line refusal and no op); where it is not built, or HF_QKNORM_NATIVE=0 is
    set, every path runs its ATen ops instead. On x86-64 Linux with GCC an AVX2/FMA clone is chosen at load time.
 
-   Memory: every entry point takes each tensor's pointer with its dtype, shape, strides and storage, and
-   checks them all here before a loop runs (the wrappers at the end of this file), so a wrong call from Python is
-   a ValueError, never a read or write outside a tensor. */
+   Memory: every entry point takes the tensors themselves (plain torch.Tensor objects, no subclass), reads each one's
+   pointer, dtype, shape, strides and storage through the tensor's own methods, and checks them all here before a
+   loop runs (the wrappers at the end of this file), so a wrong call from Python is a ValueError, never a read or
+   write outside a tensor. */
 
 #if !defined(__GNUC__)
 #error "hf_qknorm's native op needs GCC or Clang (vector extensions); the package runs its ATen ops without it"
@@ -373,11 +374,13 @@ static void tile_backward_ds(float *dp, const float *p, const float *slope, long
         }
 }
 
-/* The wrappers below take each tensor as one tuple -- its data pointer, a dtype code, its shape and strides (in
-   elements, as tuples), its storage offset (in elements) and its storage's size in bytes -- and check them here before
-   any loop runs: the dtype, the rank, every size against the others, the strides the loops assume, and that every
-   index a loop will touch lies inside the storage. A check that fails raises one ValueError naming the argument;
-   the caller's Python (native.py) holds no safety of its own. */
+/* The wrappers below take each tensor as the torch.Tensor itself and read, on every call, its data pointer, dtype,
+   shape and strides (in elements), storage offset (in elements) and its storage's size in bytes through the tensor's
+   methods (tensor_args; nothing is cached: a storage can be resized or swapped between calls). Then they check them
+   before any loop runs: the dtype, the rank, every size against the others, the strides the loops assume, and that
+   every index a loop will touch lies inside the storage. A check that fails raises one ValueError naming the
+   argument; the caller's Python (native.py) holds no safety of its own. Reading the metadata here rather than in
+   Python is also what keeps a small call cheap: no Python frame or tuples per tensor. */
 
 #define CODE_FLOAT32 1
 #define CODE_BOOL 2
@@ -440,27 +443,64 @@ static int tuple_ints(PyObject *tuple, long long *out, long long *count) {
     return 0;
 }
 
-/* One tensor's tuple (pointer, dtype code, shape, strides, storage offset, storage bytes); -1 with a Python error
-   where it is not a tuple of six of those. The extent is derived here from the storage's bytes, so that no caller
-   does the arithmetic; a negative offset or size leaves it negative, which check_tensor refuses. */
-static int tensor_args(PyObject *arg, const char *name, tensor_arg *t) {
+/* torch.Tensor, torch.float32 and torch.bool (PyInit__native), and the names of the methods tensor_args calls */
+static PyObject *tensor_type, *dtype_float32, *dtype_bool;
+static PyObject *name_data_ptr, *name_dtype, *name_shape, *name_stride, *name_storage_offset, *name_untyped_storage,
+    *name_nbytes;
+
+/* `name()` of `obj`, a new reference or NULL with a Python error (a vectorcall: no bound method made; the slot
+   before `obj` is the one PY_VECTORCALL_ARGUMENTS_OFFSET lets the callee use) */
+static PyObject *call0(PyObject *obj, PyObject *name) {
+    PyObject *args[2] = {NULL, obj};
+    return PyObject_VectorcallMethod(name, args + 1, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* a long long from a new reference, which it releases; -1 with a Python error on failure */
+static int take_ll(PyObject *value, long long *out) {
+    if (!value) return -1;
+    *out = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* a tuple of integers from a new reference, which it releases */
+static int take_ints(PyObject *value, long long *out, long long *count) {
+    if (!value) return -1;
+    int rc = tuple_ints(value, out, count);
+    Py_DECREF(value);
+    return rc;
+}
+
+/* One tensor argument, read afresh: its pointer, dtype code (CODE_FLOAT32, CODE_BOOL, else 0), shape, strides,
+   storage offset and storage bytes, the extent derived from them (a negative offset or size leaves it negative,
+   which check_tensor refuses). Only a plain torch.Tensor is taken: a subclass (a DTensor, a fake tensor) may not
+   hold its values at its data pointer, and its methods could say anything. -1 with a Python error otherwise. */
+static int tensor_args(PyObject *obj, const char *name, tensor_arg *t) {
     memset(t, 0, sizeof *t);
     t->name = name;
-    if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 6) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s must be a tuple (pointer, dtype code, shape, strides, storage offset, storage bytes)", name);
+    if (!tensor_type || Py_TYPE(obj) != (PyTypeObject *)tensor_type) {
+        PyErr_Format(PyExc_TypeError, "hf_qknorm native: %s must be a torch.Tensor (not a subclass), got %s", name,
+                     Py_TYPE(obj)->tp_name);
         return -1;
     }
-    PyObject *const *args = &PyTuple_GET_ITEM(arg, 0);
-    t->ptr = (uintptr_t)PyLong_AsUnsignedLongLong(args[0]);
+    PyObject *value = call0(obj, name_data_ptr);
+    if (!value) return -1;
+    t->ptr = (uintptr_t)PyLong_AsUnsignedLongLong(value);
+    Py_DECREF(value);
     if (t->ptr == (uintptr_t)-1 && PyErr_Occurred()) return -1;
-    t->code = PyLong_AsLongLong(args[1]);
-    if (t->code == -1 && PyErr_Occurred()) return -1;
-    if (tuple_ints(args[2], t->size, &t->rank) < 0 || tuple_ints(args[3], t->stride, &t->strides) < 0) return -1;
-    t->offset = PyLong_AsLongLong(args[4]);
-    if (t->offset == -1 && PyErr_Occurred()) return -1;
-    t->nbytes = PyLong_AsLongLong(args[5]);
-    if (t->nbytes == -1 && PyErr_Occurred()) return -1;
+    if (!(value = PyObject_GetAttr(obj, name_dtype))) return -1;
+    t->code = value == dtype_float32 ? CODE_FLOAT32 : value == dtype_bool ? CODE_BOOL : 0;
+    Py_DECREF(value);
+    if (take_ints(PyObject_GetAttr(obj, name_shape), t->size, &t->rank) < 0 ||
+        take_ints(call0(obj, name_stride), t->stride, &t->strides) < 0 ||
+        take_ll(call0(obj, name_storage_offset), &t->offset) < 0)
+        return -1;
+    PyObject *storage = call0(obj, name_untyped_storage);
+    if (!storage || take_ll(call0(storage, name_nbytes), &t->nbytes) < 0) {
+        Py_XDECREF(storage);
+        return -1;
+    }
+    Py_DECREF(storage);
     const long long item = t->code == CODE_FLOAT32 ? (long long)sizeof(float) : 1;
     t->extent = (t->offset < 0 || t->nbytes < 0) ? -1 : t->nbytes / item - t->offset;
     return 0;
@@ -538,7 +578,7 @@ static int get_float(PyObject *arg, double *out) {
         if (bad_) return refuse(op, &var, bad_);                                                                       \
     } while (0)
 
-/* forward_f32(x, kept or None, sums, gain[, lo0, lo_step, hi0, hi_step, groups]), each tensor as one tuple
+/* forward_f32(x, kept or None, sums, gain[, lo0, lo_step, hi0, hi_step, groups]), the tensors as they are
    (tensor_args), None for no kept: x (blocks, rows, cols) contiguous, written over; kept the
    same; sums (blocks, rows, 1) */
 static PyObject *forward_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -645,8 +685,7 @@ static PyObject *check_capped(const tensor_arg *q, const tensor_arg *k, const te
     return Py_None; /* borrowed: checked */
 }
 
-/* capped_f32(q, k, v, mask, out, scale, cap), each tensor as one tuple (tensor_args), None for no mask; out written,
-   nothing else. */
+/* capped_f32(q, k, v, mask, out, scale, cap): tensors (tensor_args), None for no mask; out written, nothing else. */
 static PyObject *capped_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     tensor_arg q, k, v, m, out;
@@ -694,12 +733,24 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
 
+/* torch's Tensor type and dtypes, and the method names, once: every tensor argument is checked against them */
+static int init_torch(void) {
+    PyObject *torch = PyImport_ImportModule("torch");
+    if (!torch) return -1;
+    tensor_type = PyObject_GetAttrString(torch, "Tensor");
+    dtype_float32 = PyObject_GetAttrString(torch, "float32");
+    dtype_bool = PyObject_GetAttrString(torch, "bool");
+    Py_DECREF(torch);
+    if (!tensor_type || !dtype_float32 || !dtype_bool || !PyType_Check(tensor_type)) return -1;
+    const char *names[] = {"data_ptr", "dtype", "shape", "stride", "storage_offset", "untyped_storage", "nbytes"};
+    PyObject **slots[] = {&name_data_ptr,       &name_dtype,           &name_shape, &name_stride,
+                          &name_storage_offset, &name_untyped_storage, &name_nbytes};
+    for (int a = 0; a < 7; a++)
+        if (!(*slots[a] = PyUnicode_InternFromString(names[a]))) return -1;
+    return 0;
+}
+
 PyMODINIT_FUNC PyInit__native(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "FLOAT32", CODE_FLOAT32) < 0 ||
-              PyModule_AddIntConstant(m, "BOOL", CODE_BOOL) < 0)) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    if (init_torch() < 0) return NULL;
+    return PyModule_Create(&module);
 }

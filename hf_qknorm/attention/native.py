@@ -3,9 +3,10 @@
 Two users: the lean path's one-query capped attention (:func:`capped_decode`, the ``hf_qknorm::capped_decode``
 custom op: one call where the ATen ops are six) and the tiled path's capped elementwise passes (:mod:`.chunked`, via
 :func:`forward_tile`, :func:`backward_p` and :func:`backward_ds`: one pass over a tile where the ATen ops make six
-in forward and seven in backward). Every call hands the C code each tensor's pointer with its dtype, shape, strides
-and storage, and the C code checks them before it touches memory: a wrong call is a one-line ``ValueError``
-naming the argument. Which calls take the ops is one rule, :func:`eligible`.
+in forward and seven in backward). Every call hands the C code the tensors themselves; the C code reads each one's
+pointer, dtype, shape, strides and storage through its own methods on every call, takes only a plain
+``torch.Tensor``, and checks them all before it touches memory: a wrong call is a one-line ``ValueError`` naming the
+argument. Which calls take the ops is one rule, :func:`eligible`.
 
 ``NATIVE[0]`` is the module in use, or ``None``: where it was not built, or ``HF_QKNORM_NATIVE=0`` (or ``off``,
 ``false``, ``no``) is set in the environment (then every call takes the ATen ops, to compare or to rule the op out).
@@ -49,8 +50,6 @@ NATIVE = [MODULE if _switch(os.environ.get("HF_QKNORM_NATIVE")) else None]
 # benchmarks/bench_native.py --threads 2 --no-thread-limit`` shows where the two cross)
 PARALLEL_MAX = 16384
 
-# the dtype codes _native.c checks (its CODE_FLOAT32, CODE_BOOL); any other dtype is 0, which it refuses
-_CODES = {torch.float32: 1, torch.bool: 2}
 _PLAIN = torch.Tensor  # a subclass (a DTensor, a fake tensor) may not hold its values at its data pointer
 
 
@@ -82,13 +81,6 @@ def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, logits
     )
 
 
-def _arg(t: torch.Tensor) -> tuple:
-    """A tensor as the C code takes it, one tuple: pointer, dtype code, shape, strides, storage offset, storage bytes
-    (the C code derives the extent). Read afresh on every call: a storage can be resized or swapped between calls,
-    so nothing here is cached; the fewest tensor calls that say it all, since this is most of a small call's time."""
-    return t.data_ptr(), _CODES.get(t.dtype, 0), t.shape, t.stride(), t.storage_offset(), t.untyped_storage().nbytes()
-
-
 def capped_cpu(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float
 ) -> torch.Tensor:
@@ -101,8 +93,7 @@ def capped_cpu(
         out = torch.empty(shape[0], 1, shape[1], shape[3], dtype=torch.float32)
     else:
         out = torch.empty(0, dtype=torch.float32)
-    masked = None if mask is None else _arg(mask)
-    NATIVE[0].capped_f32(_arg(query), _arg(key), _arg(value), masked, _arg(out), scale, cap)
+    NATIVE[0].capped_f32(query, key, value, mask, out, scale, cap)
     return out
 
 
@@ -129,15 +120,15 @@ def _(query, key, value, mask, scale, cap):
 def forward_tile(op, x, kept, sums, gain: float, band=()) -> None:
     """The tiled forward's pass (``forward_f32`` of ``op``): ``x`` ``(blocks, rows, cols)`` of ``2s/c`` becomes the
     exponents, ``kept`` (or ``None``) the tanh, ``sums`` ``(blocks, rows, 1)`` the row sums."""
-    op.forward_f32(_arg(x), None if kept is None else _arg(kept), _arg(sums), gain, *band)
+    op.forward_f32(x, kept, sums, gain, *band)
 
 
 def backward_p(op, src, recompute: bool, neg_lse, p, slope, gain: float, band=()) -> None:
     """The tiled backward's first pass (``backward_p_f32``): the probabilities into ``p`` and the cap's slope into
     ``slope``, from ``src`` (``2s/c``, or the kept tanh) and the rows' ``neg_lse`` ``(blocks, rows, 1)``."""
-    op.backward_p_f32(_arg(src), recompute, _arg(neg_lse), _arg(p), _arg(slope), gain, *band)
+    op.backward_p_f32(src, recompute, neg_lse, p, slope, gain, *band)
 
 
 def backward_ds(op, dp, p, slope, delta) -> None:
     """The tiled backward's second pass (``backward_ds_f32``): ``dp`` becomes ``(dp - delta) * p * slope``."""
-    op.backward_ds_f32(_arg(dp), _arg(p), _arg(slope), _arg(delta))
+    op.backward_ds_f32(dp, p, slope, delta)

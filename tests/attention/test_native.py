@@ -376,27 +376,34 @@ def test_a_cap_that_is_not_positive_is_refused(native):
 def test_the_output_is_checked_too(native):
     """The C code writes only ``out``: an out too small for the call, or of another dtype, is refused."""
     q, k, v = _inputs(2, 4, 2, 9, 16)
-    arg = native_op._arg
     for out, problem in ((torch.empty(2, 1, 4, 8), "shape"), (torch.empty(2, 1, 4, 16).double(), "dtype"),
                          (_shrunk(torch.empty(2, 1, 4, 16), 100), "bounds")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"^hf_qknorm native capped_f32: out {_PROBLEMS[problem]}"):
-            native.capped_f32(arg(q), arg(k), arg(v), None, arg(out), 0.25, 5.0)
+            native.capped_f32(q, k, v, None, out, 0.25, 5.0)
 
 
-def test_a_tensor_is_one_tuple_and_a_hand_made_one_is_checked(native):
-    """Each tensor reaches the C code as one tuple of six (``native._arg``); anything else is a ``TypeError`` naming
-    the argument, and a tuple whose storage offset or size does not hold the shape is refused like a real one."""
+class _Sub(torch.Tensor):
+    """A tensor subclass: its data pointer is not the C code's to trust."""
+
+
+def test_only_a_plain_tensor_is_taken(native):
+    """The C code reads each tensor's metadata itself and takes only a plain ``torch.Tensor``: anything else -- a
+    subclass, a tuple that says where some memory is -- is a ``TypeError`` naming the argument, nothing read or
+    written, through every entry point."""
     q, k, v = _inputs(1, 4, 2, 8, 16)
-    arg, out = native_op._arg, torch.empty(1, 1, 4, 16)
-    with pytest.raises(TypeError, match=r"^key must be a tuple \(pointer, dtype code, shape, strides"):
-        native.capped_f32(arg(q), k, arg(v), None, arg(out), 0.25, 5.0)
-    with pytest.raises(TypeError, match=r"^query must be a tuple"):
-        native.capped_f32(arg(q)[:5], arg(k), arg(v), None, arg(out), 0.25, 5.0)
-    ptr, code, shape, strides, offset, nbytes = arg(k)
-    for lie in ((offset + 1, nbytes), (-1, nbytes), (offset, -4), (offset, nbytes - 1)):
-        with pytest.raises(ValueError, match=r"^hf_qknorm native capped_f32: key reaches past the end of its storage"):
-            native.capped_f32(arg(q), (ptr, code, shape, strides, *lie), arg(v), None, arg(out), 0.25, 5.0)
-    assert native_op._arg(k[:, :, 3:])[4:] == (3 * 16, k.untyped_storage().nbytes())  # a view: its offset, all bytes
+    out = torch.zeros(1, 1, 4, 16)
+    fake = (k.data_ptr(), 1, tuple(k.shape), k.stride(), 0, k.untyped_storage().nbytes())
+    for bad, name in ((k.as_subclass(_Sub), "key"), (fake, "key"), (None, "key")):
+        with pytest.raises(TypeError, match=rf"^hf_qknorm native: {name} must be a torch.Tensor \(not a subclass\)"):
+            native.capped_f32(q, bad, v, None, out, 0.25, 5.0)
+    with pytest.raises(TypeError, match=r"^hf_qknorm native: query must be a torch.Tensor"):
+        native_op.capped_cpu(q.as_subclass(_Sub), k, v, None, 0.25, 5.0)
+    x, sums = torch.zeros(1, 1, 8), torch.zeros(1, 1, 1)
+    with pytest.raises(TypeError, match=r"^hf_qknorm native: sums must be a torch.Tensor"):
+        native_op.forward_tile(native, x, None, sums.as_subclass(_Sub), 1.0)
+    with pytest.raises(TypeError, match=r"^hf_qknorm native: delta must be a torch.Tensor"):
+        native_op.backward_ds(native, x, x.clone(), x.clone(), (1, 2))
+    assert not out.any() and not x.any()
 
 
 @pytest.mark.parametrize("case", ["x_storage", "kept_dtype", "sums_rows", "x_stride", "lse_storage", "delta_rank"])
