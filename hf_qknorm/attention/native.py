@@ -3,10 +3,10 @@
 Two users: the lean path's one-query capped attention (:func:`capped_decode`, the ``hf_qknorm::capped_decode``
 custom op: one call where the ATen ops are six) and the tiled path's capped elementwise passes (:mod:`.chunked`, via
 :func:`forward_tile`, :func:`backward_p` and :func:`backward_ds`: one pass over a tile where the ATen ops make six
-in forward and seven in backward). Every call hands the C code the tensors themselves; the C code reads each one's
-pointer, dtype, shape, strides and storage through its own methods on every call, takes only a plain
-``torch.Tensor``, and checks them all before it touches memory: a wrong call is a one-line ``ValueError`` naming the
-argument. Which calls take the ops is one rule, :func:`eligible`.
+in forward and seven in backward). Every call hands the C code the tensors themselves; the C code takes only a plain
+``torch.Tensor``, reads each one's pointer, dtype, shape, strides and storage through the tensor's methods on every
+call, and checks them all before it touches memory: a wrong call is a one-line ``ValueError`` naming the argument.
+Which calls take the ops is one rule, :func:`eligible`.
 
 ``NATIVE[0]`` is the module in use, or ``None``: where it was not built, or ``HF_QKNORM_NATIVE=0`` (or ``off``,
 ``false``, ``no``) is set in the environment (then every call takes the ATen ops, to compare or to rule the op out).
