@@ -196,17 +196,29 @@ def apply_scheme(model: nn.Module, plan: Plan) -> None:
 
 
 def _carry_gain(native: nn.Module | None, new: nn.Module) -> None:
-    """A native per-head norm's gain (as ``gain * n(x)``, so Gemma's ``1 + w`` too) carried into the new norm
-    when it has a per-channel weight of the same width (``rmsnorm``: the same arithmetic, the norm is kept)."""
+    """A native per-head norm's gain and bias (as ``gain * n(x) + bias``, so Gemma's ``1 + w`` too) carried into the
+    new norm where it has a per-channel weight (and bias) of the same width: the same arithmetic, the norm is kept.
+    A bias the new norm has no parameter for is dropped with a warning."""
     if native is None or getattr(new, "weight", None) is None:
         return
     try:
-        gain, _ = affine_form(native, skip_probe=False)
+        gain, bias = affine_form(native, skip_probe=False)
     except ValueError:  # not a gain times a normalisation: the new norm starts as identity
         return
-    if gain is not None and gain.shape == new.weight.shape:
-        with torch.no_grad():
+    with torch.no_grad():
+        if gain is not None and gain.shape == new.weight.shape:
             new.weight.copy_(gain)
+        if bias is None or bias.is_meta or not torch.any(bias != 0):
+            return
+        if getattr(new, "bias", None) is not None and bias.shape == new.bias.shape:
+            new.bias.copy_(bias)
+        else:
+            logger.warning(
+                "the model's own q/k norm bias (%s) has no place in norm %s: it is dropped, so the patched model "
+                "starts from different attention. Use norm='layernorm' to keep it.",
+                type(native).__name__,
+                type(new).__name__,
+            )
 
 
 def _base(proj: nn.Module) -> nn.Module:

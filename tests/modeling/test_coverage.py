@@ -162,6 +162,32 @@ def test_a_native_one_plus_w_gain_is_carried_as_such():
     torch.testing.assert_close(attn.q_norm.weight.detach(), 1 + w)
 
 
+def test_a_native_layernorms_bias_is_carried_and_a_norm_without_one_warns(caplog):
+    """Persimmon's own per-head LayerNorms have a bias: the layernorm scheme norm takes gain and bias, so the patched
+    model computes the original's logits; rmsnorm has no bias to take it and says it is dropped."""
+    import logging
+
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    for norm in ("layernorm", "rmsnorm"):
+        model = tiny_model("persimmon")
+        with torch.no_grad():
+            for name, prm in model.named_parameters():
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    prm.add_(0.3 * torch.randn(prm.shape, generator=gen))
+            before = model(ids).logits
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_qknorm"):
+            hf_qknorm.patch_model(model, "qk_norm", norm=norm)
+        dropped = [r for r in caplog.records if "q/k norm bias" in r.getMessage()]
+        if norm == "layernorm":
+            with torch.no_grad():
+                torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+            assert not dropped
+        else:
+            assert dropped and "norm='layernorm'" in dropped[0].getMessage()
+
+
 def test_whole_projection_norms_are_kept_and_the_scheme_norm_follows():
     """OLMo 2 normalises the whole q projection: that norm stays, and the scheme's per-head norm goes after it."""
     try:
