@@ -34,6 +34,9 @@ Conventions used by every kernel
   cap that is the online softmax's running maximum ``m_i`` itself; with one, ``m_i`` is taken after the cap, so the
   pre-cap maximum is tracked beside it rather than inverted through a saturating ``tanh``.
 * Base offsets (batch, head, sequence start) are computed in int64: a large KV cache overflows int32 offsets.
+* ``TMA`` (a constexpr, the forward only) loads Q, K and V through tensor descriptors built in the kernel, one per
+  (sequence, head), bounded by that sequence's length: a load past it reads zeros, as the masked pointer loads
+  do. On Hopper and later these are TMA copies. The launcher sets it only where it applies (``attention._tma``).
 """
 
 from __future__ import annotations
@@ -218,8 +221,8 @@ def _fwd_loop(
     m_i,
     x_max,
     q,
-    k_base,
-    v_base,
+    k_src,
+    v_src,
     mask_base,
     rows,
     lo,
@@ -245,19 +248,24 @@ def _fwd_loop(
     FAST_TANH: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     RETURN_MAX: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """The online softmax over key blocks ``range(lo, hi, BLOCK_N)``; ``MASKED=False`` only for blocks that
-    ``_key_range`` found allowed for every row. Returns the updated ``(acc, l_i, m_i, x_max)``."""
+    ``_key_range`` found allowed for every row. ``k_src``/``v_src`` are the sequence's K/V base pointers, or with
+    ``TMA`` their tensor descriptors. Returns the updated ``(acc, l_i, m_i, x_max)``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
-        kt = tl.load(
-            k_base + cols[None, :] * stride_kn + offs_d[:, None],
-            mask=(cols[None, :] < k_len) & d_ok[:, None],
-            other=0.0,
-        )
+        if TMA:
+            kt = tl.trans(k_src.load([n0, 0]))
+        else:
+            kt = tl.load(
+                k_src + cols[None, :] * stride_kn + offs_d[:, None],
+                mask=(cols[None, :] < k_len) & d_ok[:, None],
+                other=0.0,
+            )
         qk = dot(q, kt, None, DOT_PRECISION)
         # z is the logit before its last factor: t = tanh(x) with a cap (times cap_log2 below), else s * log2(e).
         x = qk * qk_scale
@@ -286,11 +294,14 @@ def _fwd_loop(
             p = tl.math.exp2(z - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + cols[:, None] * stride_vn + offs_d[None, :],
-            mask=(cols[:, None] < k_len) & d_ok[None, :],
-            other=0.0,
-        )
+        if TMA:
+            v = v_src.load([n0, 0])
+        else:
+            v = tl.load(
+                v_src + cols[:, None] * stride_vn + offs_d[None, :],
+                mask=(cols[:, None] < k_len) & d_ok[None, :],
+                other=0.0,
+            )
         # P is rounded to the input dtype for the tensor-core product, as in FlashAttention-2.
         acc = dot(to_dtype(p, v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
@@ -345,6 +356,7 @@ def _attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     RETURN_MAX: tl.constexpr,
     FAST_TANH: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One program = BLOCK_M query rows of one (sequence, query head). Grid: (cdiv(max_seqlen_q, BLOCK_M),
     batch * heads). Writes O (input dtype), LSE (fp32, natural log) and, with RETURN_MAX, MX (fp32, LSE's layout)."""
@@ -364,11 +376,22 @@ def _attn_fwd_kernel(
     d_ok = offs_d < HEAD_DIM  # BLOCK_D is head_dim padded to a power of two (80 -> 128)
 
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_start * stride_qm
-    q = tl.load(
-        q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=(rows[:, None] < q_len) & d_ok[None, :], other=0.0
-    )
     k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_start * stride_kn
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_start * stride_vn
+    if TMA:
+        # Bounded by this sequence's length: rows and keys past it load as zeros, like the masked loads below.
+        q_desc = tl.make_tensor_descriptor(q_base, [q_len, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D])
+        k_src = tl.make_tensor_descriptor(k_base, [k_len, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, [k_len, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
+        q = q_desc.load([m0, 0])
+    else:
+        q = tl.load(
+            q_base + rows[:, None] * stride_qm + offs_d[None, :],
+            mask=(rows[:, None] < q_len) & d_ok[None, :],
+            other=0.0,
+        )
+        k_src = k_base
+        v_src = v_base
     mask_base = MASK + b64 * stride_mb + h.to(tl.int64) * stride_mh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -378,21 +401,21 @@ def _attn_fwd_kernel(
     lo, mid_lo, mid_hi, hi = _key_range(m0, k_len, diag, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
     if HAS_WINDOW:  # the window's left edge
         acc, l_i, m_i, x_max = _fwd_loop(
-            acc, l_i, m_i, x_max, q, k_base, v_base, mask_base, rows, lo, mid_lo, q_len, k_len, diag, window,
+            acc, l_i, m_i, x_max, q, k_src, v_src, mask_base, rows, lo, mid_lo, q_len, k_len, diag, window,
             qk_scale, cap_log2, stride_kn, stride_vn, stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-            IS_CAUSAL, HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION, RETURN_MAX,
+            IS_CAUSAL, HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION, RETURN_MAX, TMA,
         )  # fmt: skip
     # keys every row of the tile may see
     acc, l_i, m_i, x_max = _fwd_loop(
-        acc, l_i, m_i, x_max, q, k_base, v_base, mask_base, rows, mid_lo, mid_hi, q_len, k_len, diag, window, qk_scale,
+        acc, l_i, m_i, x_max, q, k_src, v_src, mask_base, rows, mid_lo, mid_hi, q_len, k_len, diag, window, qk_scale,
         cap_log2, stride_kn, stride_vn, stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL,
-        HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION, RETURN_MAX,
+        HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION, RETURN_MAX, TMA,
     )  # fmt: skip
     # the diagonal and the sequence's last keys
     acc, l_i, m_i, x_max = _fwd_loop(
-        acc, l_i, m_i, x_max, q, k_base, v_base, mask_base, rows, mid_hi, hi, q_len, k_len, diag, window, qk_scale,
+        acc, l_i, m_i, x_max, q, k_src, v_src, mask_base, rows, mid_hi, hi, q_len, k_len, diag, window, qk_scale,
         cap_log2, stride_kn, stride_vn, stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL,
-        HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION, RETURN_MAX,
+        HAS_CAP, HAS_WINDOW, HAS_MASK, FAST_TANH, DOT_PRECISION, RETURN_MAX, TMA,
     )  # fmt: skip
 
     empty = l_i == 0.0

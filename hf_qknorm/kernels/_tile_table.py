@@ -4,8 +4,9 @@ Each key is ``(arch, direction, head_dim, causal, dtype)``: ``arch`` the CUDA co
 ``direction`` one of :data:`DIRECTIONS`, ``head_dim`` the bucket (64, 128 or 256: head dims up to it), ``dtype``
 ``"bfloat16"``, ``"float16"`` or ``"float32"``. Each value holds ``block_m``, ``block_n``, ``num_warps`` and
 ``num_stages``; a "dkdv" entry may add ``mode`` ("separate": dQ in its own pass; "atomic": dQ accumulated with
-fp32 atomic adds in the dK/dV program, and the "dq" entry is then unused); a "decode" entry has no ``block_m``
-(the decoding forward sizes its rows to the call).
+fp32 atomic adds in the dK/dV program, and the "dq" entry is then unused); a "fwd" entry may add ``tma`` (True:
+load Q, K and V through tensor descriptors where the call allows it, see ``attention._tma``; absent: pointer
+loads); a "decode" entry has no ``block_m`` (the decoding forward sizes its rows to the call).
 
 Entries are written by ``python benchmarks/sweep_tiles.py --apply RESULT`` from a sweep run on that card; nothing
 is tuned at run time. A card or shape absent here falls back to ``attention._CONFIGS``; :data:`SOURCES` names the
@@ -20,6 +21,7 @@ DIRECTIONS = ("fwd", "dkdv", "dq", "decode")
 MODES = ("separate", "atomic")
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("bfloat16", "float16", "float32")
+TMA_MAX_BLOCK = 256  # the largest TMA box side, in elements
 
 # fmt: off
 TILES: dict[tuple[str, str, int, bool, str], dict[str, int | str]] = {
@@ -53,7 +55,7 @@ def check_entry(key, entry) -> None:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: value {entry!r} is not a dict")
     fields = {"block_n", "num_warps", "num_stages"} | ({"block_m"} if direction != "decode" else set())
-    allowed = fields | ({"mode"} if direction == "dkdv" else set())
+    allowed = fields | ({"mode"} if direction == "dkdv" else set()) | ({"tma"} if direction == "fwd" else set())
     if missing := fields - entry.keys():
         raise ValueError(f"{where}: missing {sorted(missing)}")
     if extra := entry.keys() - allowed:
@@ -68,6 +70,13 @@ def check_entry(key, entry) -> None:
         raise ValueError(f"{where}: num_stages={stages!r} is not in 1..5")
     if entry.get("mode", "separate") not in MODES:
         raise ValueError(f"{where}: mode={entry['mode']!r} is not one of {MODES}")
+    if not isinstance(entry.get("tma", False), bool):
+        raise ValueError(f"{where}: tma={entry['tma']!r} is not True or False")
+    if entry.get("tma") and max(entry["block_m"], entry["block_n"]) > TMA_MAX_BLOCK:
+        raise ValueError(
+            f"{where}: block_m={entry['block_m']}, block_n={entry['block_n']} with tma=True: a tensor descriptor's "
+            f"block is at most {TMA_MAX_BLOCK} rows"
+        )
 
 
 def check_table(table: dict) -> None:

@@ -26,12 +26,16 @@ Layouts
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import os
+import warnings
 
 import torch
 import triton
 
-from . import _tile_table, exact_tanh_requested
+from . import _OFF, _ON, _tile_table, exact_tanh_requested
 from ._attention_args import (  # noqa: F401 (MAX_HEAD_DIM: part of this module's interface)
     MAX_HEAD_DIM,
     _check_inputs,
@@ -123,6 +127,74 @@ def fast_tanh(dtype: torch.dtype, device: torch.device, interpreted: bool) -> bo
     return not exact_tanh_requested() and _has_tanh_approx(device)
 
 
+TMA_ENV = "HF_QKNORM_TMA"
+
+
+def tma_requested() -> bool | None:
+    """``HF_QKNORM_TMA``: one of ``1 on true yes`` asks for the forward's tensor-descriptor loads wherever they
+    apply, one of ``0 off false no`` refuses them even where the tile table asks; unset or empty leaves the table's
+    choice (None). Anything else warns, naming the valid values, and is read as off. Read at each call."""
+    value = os.environ.get(TMA_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in _ON + _OFF:
+        warnings.warn(f"{TMA_ENV}={value!r} is not one of {', '.join(_OFF + _ON)}: read as off", stacklevel=3)
+    return value in _ON
+
+
+@functools.cache
+def _tma_supported_here() -> bool:
+    """This Triton builds tensor descriptors in kernels (3.4+), and its launch-time scratch allocator is the
+    context variable that ``_descriptor_scratch`` sets for one launch."""
+    try:
+        from triton.runtime import _allocation
+    except ImportError:
+        return False
+    return hasattr(triton.language, "make_tensor_descriptor") and isinstance(
+        getattr(_allocation, "_allocator", None), contextvars.ContextVar
+    )
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """TMA exists from compute capability 9.0 on (Hopper), in NVIDIA's GPUs only."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _tma(entry, q, k, v, varlen: bool, block_m: int, block_n: int, interpreted: bool) -> bool:
+    """Whether the forward loads Q, K and V through tensor descriptors (``TMA``): asked for by the tile table's
+    ``tma`` or by ``HF_QKNORM_TMA`` (which wins), and only where it applies -- a Hopper or later GPU (or the
+    interpreter), head_dim a power of two from 16 to 256, tiles of at most 256 rows, each tensor's base address and
+    batch, head and sequence strides multiples of 16 bytes. Elsewhere the pointer loads, silently."""
+    asked = tma_requested()
+    if asked is None:
+        asked = bool(entry and entry.get("tma"))
+    if not asked or not _tma_supported_here():
+        return False
+    if not interpreted and (q.device.type != "cuda" or not _has_tma(q.device)):
+        return False
+    d = q.shape[3]
+    if d < 16 or d > 256 or d & (d - 1) or max(block_m, block_n) > _tile_table.TMA_MAX_BLOCK:
+        return False
+    for t in (q, k, v):
+        if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in _strides3(t, varlen)):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _descriptor_scratch(device: torch.device):
+    """Kernels that build tensor descriptors need global scratch memory, which Triton asks its allocator for at
+    launch. Set one for this launch only (a context variable: the caller's own allocator is put back after)."""
+    from triton.runtime import _allocation
+
+    token = _allocation._allocator.set(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
 # The decoding-shaped forward (_decode_kernels.py) handles calls with at most this many (query, head) rows per
 # KV head: decoding, speculative verification, short chunks against a long cache.
 DECODE_MAX_ROWS = 64
@@ -180,9 +252,12 @@ def attn_fwd(
     interpreted = is_interpreted(_attn_fwd_kernel)
     bm, bn, warps, stages = _config("fwd", q.shape[3], q.dtype, interpreted, causal, q.device)
     bm, bn = block_m or bm, block_n or bn
+    entry = _entry("fwd", q.shape[3], q.dtype, causal, q.device, interpreted)
+    tma = _tma(entry, q, k, v, varlen, bm, bn, interpreted)
     batch = len(cu_q) - 1 if varlen else q.shape[0]
     grid = (triton.cdiv(grid_q, bm), batch * q.shape[1])
-    with launch_context(q.device):
+    scratch = _descriptor_scratch(q.device) if tma else contextlib.nullcontext()
+    with launch_context(q.device), scratch:
         _attn_fwd_kernel[grid](
             q,
             k,
@@ -219,6 +294,7 @@ def attn_fwd(
             DOT_PRECISION=dot_precision(q.dtype),
             RETURN_MAX=return_max,
             FAST_TANH=fast_tanh(q.dtype, q.device, interpreted),
+            TMA=tma,
             num_warps=warps,
             num_stages=stages,
         )

@@ -1,0 +1,278 @@
+"""The forward's tensor-descriptor (TMA) loads: an opt-in variant, chosen by the tile table's ``tma`` or
+``HF_QKNORM_TMA``, that must compute what the pointer loads compute.
+
+Under Triton's interpreter on CPU the descriptors are emulated (a load past the descriptor's shape reads zeros, as
+a TMA copy does); on a Hopper GPU the same tests run compiled. The compile test builds the variant for sm_90
+without a GPU. Where the variant does not apply (another card, an odd head_dim, misaligned strides) the launcher
+takes the pointer loads silently; those rules are checked here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from hf_qknorm.kernels import _tile_table  # noqa: E402
+from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
+from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
+from hf_qknorm.reference import attention_reference  # noqa: E402
+
+INTERPRETED = is_interpreted(attn_mod._attn_fwd_kernel)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-4  # relative to the largest reference value (fp32 kernels against float64)
+GOOD = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+needs_descriptors = pytest.mark.skipif(
+    not attn_mod._tma_supported_here(), reason="this Triton has no tensor descriptors in kernels"
+)
+
+
+def _tma_here() -> bool:
+    """Whether a launch on this test's device can take the descriptor loads at all."""
+    if not attn_mod._tma_supported_here():
+        return False
+    return INTERPRETED or attn_mod._has_tma(torch.device("cuda"))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The ``TMA`` flag of every forward launch."""
+    kernel, seen = attn_mod._attn_fwd_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["TMA"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(attn_mod, "_attn_fwd_kernel", Spy())
+    monkeypatch.setattr(attn_mod, "is_interpreted", lambda kernel: INTERPRETED)  # the launcher asks the kernel
+    return seen
+
+
+# --- the table's field ----------------------------------------------------------------------------------------
+
+
+def test_table_takes_tma_on_fwd_rows_only():
+    _tile_table.check_entry(("sm90", "fwd", 128, True, "bfloat16"), {**GOOD, "tma": True})
+    _tile_table.check_entry(("sm90", "fwd", 128, True, "bfloat16"), {**GOOD, "tma": False})
+    with pytest.raises(ValueError, match=r"unknown fields \['tma'\]"):
+        _tile_table.check_entry(("sm90", "dq", 128, True, "bfloat16"), {**GOOD, "tma": True})
+    with pytest.raises(ValueError, match="tma=1 is not True or False"):
+        _tile_table.check_entry(("sm90", "fwd", 128, True, "bfloat16"), {**GOOD, "tma": 1})
+    with pytest.raises(ValueError, match="block_n=512 with tma=True"):
+        _tile_table.check_entry(("sm90", "fwd", 128, True, "bfloat16"), {**GOOD, "block_n": 512, "tma": True})
+    _tile_table.check_entry(("sm90", "fwd", 128, True, "bfloat16"), {**GOOD, "block_n": 512})  # pointer loads
+
+
+def test_committed_table_asks_for_no_tma():
+    # Off until a sweep on a GPU has measured it faster.
+    assert not any(entry.get("tma") for entry in _tile_table.TILES.values())
+
+
+# --- where it applies -------------------------------------------------------------------------------------------
+
+
+def _qkv(d=64, dtype=torch.float32):
+    q = torch.zeros(1, 4, 8, d, dtype=dtype, device=DEVICE)
+    k = torch.zeros(1, 2, 8, d, dtype=dtype, device=DEVICE)
+    return q, k, k.clone()
+
+
+@needs_descriptors
+@pytest.mark.skipif(not INTERPRETED, reason="the rules are checked on the interpreter's CPU tensors")
+def test_where_it_applies(monkeypatch):
+    monkeypatch.delenv(attn_mod.TMA_ENV, raising=False)
+    q, k, v = _qkv()
+    on = {"tma": True}
+    assert attn_mod._tma(on, q, k, v, False, 32, 32, True)
+    assert not attn_mod._tma(None, q, k, v, False, 32, 32, True)  # nothing asks
+    assert not attn_mod._tma({"tma": False}, q, k, v, False, 32, 32, True)
+    assert not attn_mod._tma(on, q, k, v, False, 32, 32, False)  # not a CUDA tensor
+    assert not attn_mod._tma(on, *_qkv(80), False, 32, 32, True)  # head_dim not a power of two
+    assert not attn_mod._tma(on, *_qkv(8), False, 32, 32, True)  # under 16
+    assert not attn_mod._tma(on, q, k, v, False, 32, 512, True)  # a block over TMA's 256 rows
+    shifted = torch.zeros(1 * 2 * 8 * 64 + 1, device=DEVICE)[1:].view(1, 2, 8, 64)  # base 4 bytes off
+    assert not attn_mod._tma(on, q, shifted, v, False, 32, 32, True)
+    odd = torch.zeros(1, 2, 8, 66, device=DEVICE)[..., :64]  # rows 264 bytes apart: not a multiple of 16
+    assert not attn_mod._tma(on, q, k, odd, False, 32, 32, True)
+    view = torch.zeros(1, 8, 2, 64, device=DEVICE).transpose(1, 2)  # Transformers' layout, read in place
+    assert attn_mod._tma(on, q, view, v, False, 32, 32, True)
+    monkeypatch.setenv(attn_mod.TMA_ENV, "1")
+    assert attn_mod._tma(None, q, k, v, False, 32, 32, True)
+    monkeypatch.setenv(attn_mod.TMA_ENV, "off")
+    assert not attn_mod._tma(on, q, k, v, False, 32, 32, True)  # the environment wins over the table
+    monkeypatch.setenv(attn_mod.TMA_ENV, "maybe")
+    with pytest.warns(UserWarning, match=r"HF_QKNORM_TMA='maybe' is not one of 0, off.*read as off"):
+        assert not attn_mod._tma(on, q, k, v, False, 32, 32, True)
+
+
+def test_descriptor_scratch_puts_the_callers_allocator_back():
+    from triton.runtime import _allocation
+
+    if not attn_mod._tma_supported_here():
+        pytest.skip("this Triton has no tensor descriptors in kernels")
+    before = _allocation._allocator.get()
+    with attn_mod._descriptor_scratch(torch.device("cpu")):
+        buf = _allocation._allocator.get()(256, 128, None)
+        assert buf.numel() == 256 and buf.dtype == torch.int8
+    assert _allocation._allocator.get() is before
+
+
+# --- what it computes -----------------------------------------------------------------------------------------
+
+
+def _case(b, h, hkv, tq, tk, d, seed, tail=0):
+    """Random fp32 q, k, v; with ``tail``, K and V are views of longer tensors whose extra rows are NaN, so a load
+    that reads past the sequence (instead of zeros) poisons the output."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, tq, d, generator=g)
+    k, v = (torch.randn(b, hkv, tk + tail, d, generator=g) for _ in "kv")
+    for t in (k, v):
+        t[:, :, tk:] = float("nan")
+    return q.to(DEVICE), k[:, :, :tk].to(DEVICE), v[:, :, :tk].to(DEVICE)
+
+
+def _close(got, ref):
+    err = (got.double() - ref.double()).abs().max().item()
+    assert err <= TOL * max(ref.abs().max().item(), 1.0), err
+
+
+CASES = [
+    # (b, h, hkv, tq, tk, d, causal, softcap, window, block_m, block_n)
+    (2, 4, 2, 37, 37, 64, True, 5.0, None, 32, 32),
+    (1, 2, 2, 33, 50, 32, True, None, None, 16, 32),  # q_len < kv_len: the diagonal shifted
+    (1, 4, 1, 50, 20, 16, True, 30.0, None, 32, 16),  # q_len > kv_len: empty rows; MQA
+    (1, 2, 1, 45, 45, 64, False, 2.0, None, 32, 32),
+    (1, 2, 2, 70, 70, 32, True, None, 17, 16, 16),  # a window: its left edge is a masked loop too
+    (1, 2, 2, 31, 31, 128, False, None, None, 16, 64),  # a key block longer than the sequence
+]
+
+
+@needs_descriptors
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_tma_forward_matches_reference(monkeypatch, launches, case):
+    b, h, hkv, tq, tk, d, causal, softcap, window, bm, bn = case
+    monkeypatch.setenv(attn_mod.TMA_ENV, "1")
+    q, k, v = _case(b, h, hkv, tq, tk, d, seed=tq * tk + d, tail=16)
+    kw = dict(scaling=d**-0.5, softcap=softcap, causal=causal, sliding_window=window)
+    out, lse = attn_mod.attn_fwd(q, k, v, **kw, block_m=bm, block_n=bn, decode=False)
+    assert launches == [_tma_here()]
+    ref = attention_reference(q.double(), k.double(), v.double(), **kw)
+    _close(out, ref)
+    monkeypatch.setenv(attn_mod.TMA_ENV, "0")  # the pointer loads, for the LSE (the reference has none)
+    out_ptr, lse_ptr = attn_mod.attn_fwd(q, k, v, **kw, block_m=bm, block_n=bn, decode=False)
+    assert launches[-1] is False
+    torch.testing.assert_close(out, out_ptr, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, lse_ptr, rtol=1e-5, atol=1e-5)
+
+
+@needs_descriptors
+def test_tma_forward_from_the_table_with_mask_and_max_logits(monkeypatch, launches):
+    """A table row with ``tma`` reaches the launch; a dense mask and the per-row max logits ride along."""
+    monkeypatch.delenv(attn_mod.TMA_ENV, raising=False)
+    arch = attn_mod._arch(torch.device(DEVICE), INTERPRETED)
+    key = (arch, "fwd", 64, True, "float32")
+    monkeypatch.setitem(_tile_table.TILES, key, dict(block_m=16, block_n=32, num_warps=4, num_stages=1, tma=True))
+    q, k, v = _case(2, 2, 1, 40, 40, 64, seed=3, tail=8)
+    mask = torch.rand(2, 1, 40, 40, generator=torch.Generator().manual_seed(4)).to(DEVICE) > 0.3
+    kw = dict(scaling=0.125, softcap=8.0, causal=True)
+    out, lse, row_max = attn_mod.attn_fwd(q, k, v, **kw, attn_mask=mask, decode=False, return_max=True)
+    assert launches == [_tma_here()]
+    _close(out, attention_reference(q.double(), k.double(), v.double(), **kw, mask=mask))
+    ptr = attn_mod.attn_fwd(q, k, v, **kw, attn_mask=mask, decode=False, return_max=True)  # still the table's
+    monkeypatch.setenv(attn_mod.TMA_ENV, "0")
+    ptr = attn_mod.attn_fwd(q, k, v, **kw, attn_mask=mask, decode=False, return_max=True)
+    assert launches[-1] is False
+    torch.testing.assert_close(row_max, ptr[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ptr[1], rtol=1e-5, atol=1e-5)
+
+
+@needs_descriptors
+def test_tma_forward_packed_sequences(monkeypatch, launches):
+    """Each sequence's descriptors end at that sequence: the next one's keys (and NaN rows past the last) are
+    never read."""
+    monkeypatch.setenv(attn_mod.TMA_ENV, "1")
+    lens = [5, 37, 19]
+    total = sum(lens)
+    q, k, v = _case(1, 4, 2, total + 3, total + 3, 32, seed=9)
+    q[:, :, total:] = float("nan")
+    k[:, :, total:] = float("nan")
+    v[:, :, total:] = float("nan")
+    cu = torch.tensor([0, 5, 42, 61], dtype=torch.int32, device=DEVICE)
+    kw = dict(scaling=0.2, softcap=3.0, causal=True)
+    out, _ = attn_mod.attn_fwd(q, k, v, **kw, cu_seqlens_q=cu, cu_seqlens_k=cu, block_m=16, block_n=16)
+    assert launches == [_tma_here()]
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        ref = attention_reference(*(t[:, :, s:e].double() for t in (q, k, v)), **kw)
+        _close(out[:, :, s:e], ref)
+    assert (out[:, :, total:] == 0).all()
+
+
+@needs_descriptors
+def test_head_dim_80_falls_back_to_pointer_loads(monkeypatch, launches):
+    monkeypatch.setenv(attn_mod.TMA_ENV, "1")
+    q, k, v = _case(1, 2, 2, 20, 20, 80, seed=5)
+    out, _ = attn_mod.attn_fwd(q, k, v, scaling=0.1, softcap=4.0, causal=True, decode=False)
+    assert launches == [False]
+    _close(out, attention_reference(q.double(), k.double(), v.double(), scaling=0.1, softcap=4.0, causal=True))
+
+
+# --- it compiles for Hopper -------------------------------------------------------------------------------------
+
+_COMPILE = textwrap.dedent(
+    """
+    import json, sys
+    from unittest import mock
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    import compile_kernels as ck
+    from hf_qknorm.kernels import attention
+    for d in (64, 128):
+        with mock.patch.object(attention, "_tma", lambda *a: True):  # what a Hopper GPU's launch asks for
+            calls = ck.record_launches(dict(dtype=torch.bfloat16, head_dim=d, softcap=50.0, mask=True))
+        for fn, args, kwargs in calls:
+            if fn.__name__ == "_attn_fwd_kernel":
+                row = ck.compile_launch(fn, args, kwargs, 90)
+                print(json.dumps({**row, "TMA": kwargs["TMA"]}), flush=True)
+    """
+)
+
+
+@pytest.mark.spawns
+@pytest.mark.slow
+def test_tma_forward_compiles_for_sm90():
+    pytest.importorskip("triton.backends.nvidia", reason="this triton build has no NVIDIA backend")
+    if not attn_mod._tma_supported_here():
+        pytest.skip("this Triton has no tensor descriptors in kernels")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    res = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(ROOT / "scripts")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+        check=False,
+    )
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert res.returncode == 0 and len(rows) == 2, res.stderr[-3000:]
+    for row in rows:
+        assert row["TMA"] is True and row["ok"], row
+        assert row.get("local_bytes", 0) == 0, f"register spills: {row}"
