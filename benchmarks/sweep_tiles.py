@@ -5,15 +5,18 @@
     python benchmarks/sweep_tiles.py --apply benchmarks/results/gpu/<date>-<device>-tiles.json   # into the table
     python benchmarks/sweep_tiles.py --dry-run               # CPU, TRITON_INTERPRET=1, tiny shapes, temp dir
 
-For each (head_dim, causal) case and each direction -- "fwd", "dkdv" (backward, dQ in its own pass), "dq",
-"atomic" (backward, dQ accumulated in the dK/dV program: a "dkdv" entry with mode "atomic") and "decode" -- a
-small grid of candidates, filtered by a shared-memory estimate, is put into the tile table one at a time (the
-launchers read it at every call). Each candidate is first checked against the float32 reference at a length no
-tile size divides (its error at most 2x the fallback configuration's, plus 1e-3); a wrong one, or one that fails
-to compile or launch, is recorded and skipped. The rest are timed with CUDA events at the timing shape; the
-backward directions time the whole backward with the other direction at its fallback tiles; the separate mode's
-two winners are then timed together, and the "dkdv" row written is the faster of the two modes. The fallback
-configuration is candidate 0 of every grid, so a winner is never slower than today's launch (as measured).
+For each (head_dim, causal) case and each direction -- "fwd", "fwd-tma" (the forward loading Q, K and V through
+tensor descriptors: a "fwd" entry with ``tma``; compute capability 9.0+ only), "dkdv" (backward, dQ in its own
+pass), "dq", "atomic" (backward, dQ accumulated in the dK/dV program: a "dkdv" entry with mode "atomic") and
+"decode" -- a small grid of candidates, filtered by a shared-memory estimate, is put into the tile table one at a
+time (the launchers read it at every call). Each candidate is first checked against the float32 reference at a
+length no tile size divides (its error at most 2x the fallback configuration's, plus 1e-3); a wrong one, or one that
+fails to compile or launch, is recorded and skipped. The rest are timed with CUDA events at the timing shape; the
+backward directions time the whole backward with the other direction at its fallback tiles; the separate mode's two
+winners are then timed together, and the "dkdv" row written is the faster of the two modes; likewise the "fwd" row
+is the faster of the pointer and descriptor loads. The fallback configuration is candidate 0 of every grid, so a
+winner is never slower than today's launch (as measured); "fwd-tma" candidates are held to the pointer fallback's
+error.
 ``--budget-s`` stops the sweep between candidates and writes what it has, so the sweep fits one device call.
 
 Writes ``<date>-<device>-tiles.jsonl`` (every candidate: tiles, status, error, milliseconds, TFLOP/s) and
@@ -48,6 +51,8 @@ DTYPE = "bfloat16"
 # (attention._CONFIGS) is prepended to each. dK/dV keeps keys resident (block_n large); fwd/dQ keep queries.
 GRIDS = {
     "fwd": [(128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 2), (128, 64, 8, 4)],
+    # the pointer forward's fallback (prepended), then shapes of the Triton tutorial's TMA forward on Hopper
+    "fwd-tma": [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 4)],
     "dkdv": [(64, 128, 8, 2), (32, 128, 4, 2), (16, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3)],
     "dq": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2)],
     "atomic": [(64, 128, 8, 2), (32, 128, 8, 2), (16, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2), (16, 64, 4, 3)],
@@ -55,6 +60,7 @@ GRIDS = {
 }
 DRY_GRIDS = {  # the interpreter: tiles only change which edge paths run, not speed
     "fwd": [(16, 32, 4, 1)],
+    "fwd-tma": [(16, 32, 4, 1)],
     "dkdv": [(16, 32, 4, 1)],
     "dq": [(32, 16, 4, 1)],
     "atomic": [(32, 32, 4, 1)],
@@ -77,7 +83,7 @@ def shared_estimate(direction: str, tiles, head_dim: int, elem: int = 2) -> int:
     recorded, not a wrong table."""
     bm, bn, _, stages = tiles
     d = 1 << max(4, math.ceil(math.log2(head_dim)))
-    if direction in ("fwd", "dq", "decode"):
+    if direction in ("fwd", "fwd-tma", "dq", "decode"):
         return (stages * 2 * bn + (bm or 64)) * d * elem
     return (2 * bn + stages * 2 * bm) * d * elem  # dkdv/atomic: K and V resident, Q and dO streamed
 
@@ -90,6 +96,9 @@ def _entry(direction: str, tiles) -> tuple[str, dict]:
     if direction in ("dkdv", "atomic"):
         entry["mode"] = "atomic" if direction == "atomic" else "separate"
         return "dkdv", entry
+    if direction == "fwd-tma":
+        entry["tma"] = True
+        return "fwd", entry
     return direction, entry
 
 
@@ -112,6 +121,7 @@ class Sweep:
         self.limit = None if args.dry_run else _shared_limit(self.capability)
         self.start = time.monotonic()
         self.rows, self.winners, self.stopped = [], {}, None
+        self.base_errs = {}  # (direction, head_dim, causal) -> the fallback candidate's error
 
     def left(self) -> float:
         return self.args.budget_s - (time.monotonic() - self.start)
@@ -128,14 +138,14 @@ class Sweep:
 
     def saved(self, direction, q, k, v, do, kw):
         """The forward's output and LSE (fallback tiles) that a backward direction starts from; None otherwise."""
-        if direction in ("fwd", "decode"):
+        if direction in ("fwd", "fwd-tma", "decode"):
             return None
         return self.attn.attn_fwd(q, k, v, **kw, decode=False)
 
     def run_direction(self, direction, q, k, v, do, saved, kw):
         """What a direction computes: the forward's output, or the backward's three gradients (not the forward)."""
         attn = self.attn
-        if direction in ("fwd", "decode"):
+        if direction in ("fwd", "fwd-tma", "decode"):
             return (attn.attn_fwd(q, k, v, **kw, decode=direction == "decode")[0],)
         return attn.attn_bwd(do, q, k, v, *saved, **kw)
 
@@ -144,7 +154,7 @@ class Sweep:
 
         leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
         out = attention_reference(*leaves, **kw)
-        if direction in ("fwd", "decode"):
+        if direction in ("fwd", "fwd-tma", "decode"):
             return (out.detach(),)
         out.backward(do.float())
         return tuple(t.grad for t in leaves)
@@ -175,7 +185,7 @@ class Sweep:
             if self.interpreted:
                 return (None, 32, 4, 1)
             return DECODE_FALLBACK[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
-        kernel = "dkdv" if direction == "atomic" else direction
+        kernel = {"atomic": "dkdv", "fwd-tma": "fwd"}.get(direction, direction)
         saved = dict(self.table.TILES)
         self.table.TILES.clear()  # the fallback, whatever the table holds now
         try:
@@ -207,14 +217,18 @@ class Sweep:
                 check = self.inputs(1, args.heads, args.kv_heads, args.check_len, args.check_len, head_dim, 1)
                 timing = self.inputs(args.batch, args.heads, args.kv_heads, args.seqlen, args.seqlen, head_dim, 2)
                 fwd_flops = 4 * args.batch * args.heads * args.seqlen**2 * head_dim // (2 if causal else 1)
-                flops = fwd_flops if direction == "fwd" else fwd_flops * 5 // 2  # backward: 2.5x the forward
+                flops = fwd_flops if direction in ("fwd", "fwd-tma") else fwd_flops * 5 // 2  # backward: 2.5x
             ref = self.reference(direction, *check, kw)
             check_saved, timing_saved = self.saved(direction, *check, kw), self.saved(direction, *timing, kw)
             if timing_saved is not None:
                 self.combo = (timing, timing_saved, flops)
             base = self.fallback(direction, head_dim, causal)
             candidates = [base] + [c for c in grids[direction] if c != base]
-            base_err = None
+            # TMA candidates are held to the pointer forward's error: the fallback tiles with descriptors are a
+            # candidate like the others, not the reference
+            tma = direction == "fwd-tma"
+            base_err = self.base_errs.get(("fwd", head_dim, causal)) if tma else None
+            unusable = self.tma_unusable(check[:3], kw) if tma else None
             best = None
             for i, tiles in enumerate(candidates):
                 if self.left() < args.reserve_s:
@@ -230,8 +244,12 @@ class Sweep:
                     block_n=tiles[1],
                     num_warps=tiles[2],
                     num_stages=tiles[3],
-                    fallback=i == 0,
+                    fallback=i == 0 and not tma,
                 )
+                if unusable:
+                    row.update(status="skipped", error=unusable)
+                    self.emit(row)
+                    continue
                 if self.limit is not None and shared_estimate(direction, tiles, head_dim) > self.limit:
                     row.update(status="skipped", error="shared-memory estimate over the card's limit")
                     self.emit(row)
@@ -244,8 +262,8 @@ class Sweep:
                     got = self.run_direction(direction, *check, check_saved, kw)
                     err = max(_rel_err(g, r) for g, r in zip(got, ref))
                     row["max_rel_err"] = err
-                    if i == 0:
-                        base_err = err
+                    if i == 0 and not tma:
+                        base_err = self.base_errs[(direction, head_dim, causal)] = err
                     limit = 0.05 if base_err is None else 2 * base_err + 1e-3  # 0.05: the fallback itself failed
                     if err > limit or not all(torch.isfinite(g).all() for g in got):
                         row.update(status="wrong", error=f"error {err:.3g} over {limit:.3g} (2x the fallback's)")
@@ -267,10 +285,25 @@ class Sweep:
                 bests[direction] = best
         return True
 
+    def tma_unusable(self, qkv, kw) -> str | None:
+        """Why this card or these inputs would not take the descriptor loads (the launcher would silently run the
+        pointer ones, and the sweep would time those under the TMA label), or None."""
+        if self.capability is not None and self.capability < (9, 0):
+            return f"TMA needs compute capability 9.0 or later, this card has {self.capability}"
+        q, k, v = qkv
+        if not self.attn._tma({"tma": True}, q, k, v, False, 16, 16, self.interpreted):
+            return "the launcher would not take the descriptor loads here (Triton, head_dim or strides)"
+        return None
+
     def finish(self, bests, head_dim, causal, kw):
-        """The case's table rows: each direction's fastest; for "dkdv", the faster backward of the two modes, the
-        separate one re-timed with its dK/dV and dQ winners together (each was timed with the other at fallback)."""
-        for direction in ("fwd", "dq", "decode"):
+        """The case's table rows: each direction's fastest; for "fwd", the faster of the pointer and descriptor
+        loads; for "dkdv", the faster backward of the two modes, the separate one re-timed with its dK/dV and dQ
+        winners together (each was timed with the other at fallback)."""
+        fwd = [bests[d] for d in ("fwd", "fwd-tma") if d in bests]
+        if fwd:
+            ms, key, entry = min(fwd, key=lambda c: c[0])
+            self.winners[key] = (ms, entry)
+        for direction in ("dq", "decode"):
             if direction in bests:
                 ms, key, entry = bests[direction]
                 self.winners[key] = (ms, entry)
@@ -365,9 +398,13 @@ def _key_literal(key) -> str:
     return "(" + ", ".join(json.dumps(x) if isinstance(x, str) else repr(x) for x in key) + ")"
 
 
+def _value_literal(value) -> str:
+    return repr(value) if isinstance(value, bool) else json.dumps(value)  # True, not JSON's true
+
+
 def _entry_literal(entry) -> str:
-    order = ["block_m", "block_n", "num_warps", "num_stages", "mode"]
-    return "{" + ", ".join(f'"{k}": {json.dumps(entry[k])}' for k in order if k in entry) + "}"
+    order = ["block_m", "block_n", "num_warps", "num_stages", "mode", "tma"]
+    return "{" + ", ".join(f'"{k}": {_value_literal(entry[k])}' for k in order if k in entry) + "}"
 
 
 def apply(result_path: str, table_path: Path) -> int:

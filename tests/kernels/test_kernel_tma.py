@@ -276,3 +276,88 @@ def test_tma_forward_compiles_for_sm90():
     for row in rows:
         assert row["TMA"] is True and row["ok"], row
         assert row.get("local_bytes", 0) == 0, f"register spills: {row}"
+
+
+# --- the sweep measures it against the pointer loads --------------------------------------------------------------
+
+
+def _sweep_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sweep_tiles
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return sweep_tiles
+
+
+def _sweep_object(capability=None):
+    sweep_tiles = _sweep_module()
+    args = sweep_tiles.argparse.Namespace(dry_run=True, budget_s=60.0, reserve_s=1.0)
+    s = sweep_tiles.Sweep(args)
+    s.capability = capability
+    return s
+
+
+def test_sweep_tma_candidates_are_fwd_rows_with_tma():
+    sweep_tiles = _sweep_module()
+    assert "fwd-tma" in sweep_tiles.GRIDS and "fwd-tma" in sweep_tiles.DRY_GRIDS
+    for tiles in sweep_tiles.GRIDS["fwd-tma"] + sweep_tiles.DRY_GRIDS["fwd-tma"]:
+        direction, entry = sweep_tiles._entry("fwd-tma", tiles)
+        assert direction == "fwd" and entry["tma"] is True
+        _tile_table.check_entry(("sm90", direction, 128, True, "bfloat16"), entry)
+    assert "tma" not in sweep_tiles._entry("fwd", (128, 64, 8, 3))[1]
+
+
+def test_sweep_keeps_the_faster_forward_and_skips_tma_before_hopper():
+    s = _sweep_object()
+    key = ("sm90", "fwd", 128, True, "bfloat16")
+    ptr, tma = dict(GOOD), {**GOOD, "tma": True}
+    s.finish({"fwd": (2.0, key, ptr), "fwd-tma": (1.5, key, tma)}, 128, True, {})
+    assert s.winners[key] == (1.5, tma)
+    s.finish({"fwd": (1.0, key, ptr), "fwd-tma": (1.5, key, tma)}, 128, True, {})
+    assert s.winners[key] == (1.0, ptr)
+    q, k, v = _qkv(64)
+    assert "compute capability 9.0" in _sweep_object(capability=(8, 0)).tma_unusable((q, k, v), {})
+    if attn_mod._tma_supported_here() and INTERPRETED:
+        assert s.tma_unusable((q, k, v), {}) is None
+        assert "would not take" in s.tma_unusable(_qkv(80), {})
+
+
+def test_sweep_apply_writes_the_tma_field(tmp_path):
+    sweep_tiles = _sweep_module()
+    table = tmp_path / "table.py"
+    table.write_text(Path(_tile_table.__file__).read_text())
+    row = {"key": ["sm90", "fwd", 128, True, "bfloat16"], "entry": {**GOOD, "tma": True}}
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps(dict(arch="sm90", device="H100", date="2026-11-27", dry_run=False, tiles=[row])))
+    assert sweep_tiles.apply(str(result), table) == 0
+    assert '"tma": True' in table.read_text()
+    namespace: dict = {}
+    exec(compile(table.read_text(), str(table), "exec"), namespace)  # validated at import, like the package's
+    assert namespace["TILES"] == {tuple(row["key"]): row["entry"]}
+
+
+@needs_descriptors
+@pytest.mark.spawns
+@pytest.mark.slow
+def test_sweep_dry_run_checks_and_times_tma_candidates(tmp_path):
+    script = ROOT / "benchmarks" / "sweep_tiles.py"
+    env = {k: v for k, v in os.environ.items() if k != attn_mod.TMA_ENV}
+    res = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--out", str(tmp_path), "--directions", "fwd", "fwd-tma"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (jsonl,) = tmp_path.glob("*-tiles.jsonl")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    tma = [r for r in rows if r["direction"] == "fwd-tma"]
+    assert tma and all(r["status"] == "ok" and r["max_rel_err"] < 1e-4 and not r["fallback"] for r in tma), rows
+    work = {round(r["tflops"] * r["ms"], 12) for r in rows}  # the same forward's flops under either label
+    assert len(work) == 1, rows
+    (winner,) = json.loads(jsonl.with_suffix(".json").read_text())["tiles"]
+    assert winner["key"][1] == "fwd"

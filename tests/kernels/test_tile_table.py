@@ -209,7 +209,7 @@ def test_sweep_dry_run_writes_timings_and_a_table(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (jsonl,) = tmp_path.glob("*-tiles.jsonl")
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    assert {r["direction"] for r in rows} == {"fwd", "dkdv", "dq", "atomic", "decode", "bwd-separate"}
+    assert {r["direction"] for r in rows} == {"fwd", "fwd-tma", "dkdv", "dq", "atomic", "decode", "bwd-separate"}
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows), rows
     assert all(r["max_rel_err"] < 1e-4 for r in rows if r["direction"] != "bwd-separate")
     (combined,) = [r for r in rows if r["direction"] == "bwd-separate"]  # dK/dV and dQ winners timed together
