@@ -183,6 +183,26 @@ def test_tma_forward_matches_reference(monkeypatch, launches, case):
 
 
 @needs_descriptors
+@pytest.mark.parametrize("causal", [True, False])
+def test_tma_forward_feeds_the_backward(monkeypatch, launches, causal):
+    """Training through the descriptor forward: the backward (pointer loads) starts from its output and LSE. Under
+    the interpreter the two forwards round q.k differently (numpy multiplies a transposed K tile in another order),
+    so the backward's recomputed logits no longer round exactly like the forward's: the gradients stay well within
+    the fp32 tolerance, not bitwise equal to the pointer forward's."""
+    monkeypatch.setenv(attn_mod.TMA_ENV, "1")
+    q, k, v = _case(1, 4, 2, 45, 45, 64, seed=21, tail=8)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    kw = dict(scaling=0.125, softcap=20.0, causal=causal)
+    out, lse = attn_mod.attn_fwd(q, k, v, **kw, block_m=16, block_n=32, decode=False)
+    assert launches == [_tma_here()]
+    grads = attn_mod.attn_bwd(do, q, k, v, out, lse, **kw)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    attention_reference(*leaves, **kw).backward(do.double())
+    for got, leaf in zip(grads, leaves):
+        _close(got, leaf.grad)
+
+
+@needs_descriptors
 def test_tma_forward_from_the_table_with_mask_and_max_logits(monkeypatch, launches):
     """A table row with ``tma`` reaches the launch; a dense mask and the per-row max logits ride along."""
     monkeypatch.delenv(attn_mod.TMA_ENV, raising=False)
