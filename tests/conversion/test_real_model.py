@@ -66,6 +66,7 @@ def test_built_folder_is_the_packaged_model(smollm2):
     assert "Paris" in AutoTokenizer.from_pretrained(smollm2).decode(out[0])
 
 
+@pytest.mark.spawns  # convert checks the written folder in an interpreter without the plugin
 def test_default_conversion_recovers_the_real_model(smollm2, tmp_path):
     """Default settings, WikiText-2: the calibrated Qwen3 folder removes at least 95% of identity init's perplexity
     increase, loads in plain Transformers as what was measured, and still knows what it knew."""
