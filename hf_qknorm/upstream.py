@@ -286,6 +286,14 @@ RELIANCES: tuple[Reliance, ...] = (
         "tests/modeling/test_multimodal_export.py::test_saved_multimodal_folders_load_without_the_plugin_with_the_same_logits",
     ),
     Reliance(
+        "triton.runtime._allocation._allocator",
+        "kernels/attention.py",
+        "Triton keeps the scratch allocator that in-kernel tensor descriptors use at launch in this ContextVar; the "
+        "opt-in TMA forward sets it for one launch and resets the token after (where it is missing or no "
+        "ContextVar, the TMA forward is never taken)",
+        "tests/kernels/test_kernel_tma.py::test_descriptor_scratch_puts_the_callers_allocator_back",
+    ),
+    Reliance(
         "torch.nn.modules.module._global_forward_hooks",
         "portable/hooks.py",
         "torch keeps its process-wide module hooks in four module-level dicts (_global_forward_pre_hooks, "
