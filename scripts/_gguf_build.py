@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -70,6 +71,12 @@ def staged(out: Path):
         raise
 
 
+def terminate_as_exit() -> None:
+    """SIGTERM raises SystemExit like Ctrl-C raises KeyboardInterrupt, so :func:`staged` removes its folder either
+    way (by default SIGTERM ends the process with no cleanup)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv, doc: str, build, default_out: Path, default_shard: str) -> int:
     """The build scripts' command line: ``--out``, ``--max-shard-size``, ``--force``; a missing package is one line."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -77,6 +84,7 @@ def main(argv, doc: str, build, default_out: Path, default_shard: str) -> int:
     p.add_argument("--max-shard-size", default=default_shard, help=f"safetensors shard size (default {default_shard})")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder is up to date")
     args = p.parse_args(argv)
+    terminate_as_exit()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         print(build(args.out, args.max_shard_size, args.force))
