@@ -172,6 +172,7 @@ def run_case(
         "heal_text_tokens": 0 if h is None else h["text_tokens"],
         "heal_seconds": 0.0 if h is None else h["seconds"],
         "layers_kept": None if h is None else h["layers_kept"],
+        "layer_lrs": None if h is None else h.get("layer_lrs"),
         "wikitext_original": r.ppl_original,
         "wikitext_calibrated": r.ppl_calibrated,
         "wikitext_converted": r.ppl_calibrated if h is None else h["ppl_after"],

@@ -294,6 +294,13 @@ RELIANCES: tuple[Reliance, ...] = (
         "tests/kernels/test_kernel_tma.py::test_descriptor_scratch_puts_the_callers_allocator_back",
     ),
     Reliance(
+        "torch.ops.mkldnn._is_mkldnn_bf16_supported",
+        "conversion/healing/selftext.py",
+        "true where oneDNN runs bfloat16 matrix products on this CPU; the heal text is then generated in bfloat16 "
+        "(where the op is missing or raises, float32)",
+        "tests/conversion/test_selftext.py::test_generation_dtype_is_bfloat16_only_where_it_is_fast",
+    ),
+    Reliance(
         "torch.nn.modules.module._global_forward_hooks",
         "portable/hooks.py",
         "torch keeps its process-wide module hooks in four module-level dicts (_global_forward_pre_hooks, "

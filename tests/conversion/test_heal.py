@@ -70,6 +70,7 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         "tokens": 1920,
         "blocks": 8,
         "lr": 1e-3,
+        "lr_search": True,
         "seed": 0,
         "text": "calibration",
         "self_tokens": 65_536,
@@ -78,11 +79,29 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         "end_to_end_lr": 1e-4,
     }
     assert record["heal"]["generated_tokens"] == 0
+    # every layer's step size is one of the candidates tried
+    assert len(record["heal"]["layer_lrs"]) == len(record["heal"]["layer_errors"])
+    assert {round(lr, 12) for lr in record["heal"]["layer_lrs"]} <= {1e-3, 3e-4, 1e-4}
     assert record["heal"]["end_to_end"] is None
     assert record["heal"]["ppl_after"] == h["ppl_after"] and record["heal"]["seconds"] > 0
     card = (result.path / "README.md").read_text()
     assert "Healed:" in card and f"{h['ppl_after']:.3f}" in card
     assert "healed: 30 steps per layer" in result.report.summary()
+
+
+def test_lr_search_takes_the_step_size_whose_trial_fits_best(tmp_path, monkeypatch):
+    """A step size far too large for the weights (30) ruins every layer's fit, which is then not kept; with the
+    search the same setting tries 30 and 30 x 1e-4 on short fits and heals every layer with the smaller."""
+    from hf_qknorm.conversion.healing import heal as heal_module
+
+    monkeypatch.setattr(heal_module, "LR_FACTORS", (1.0, 1e-4))
+    monkeypatch.setattr(heal_module, "TRIAL_SHARE", 3)  # 10 trial steps of the 30
+    src = bundled_copy(tmp_path / "src")
+    fixed = _convert(src, tmp_path / "fixed", heal=dataclasses.replace(HEAL, lr=30.0, lr_search=False)).report.heal
+    searched = _convert(src, tmp_path / "searched", heal=dataclasses.replace(HEAL, lr=30.0)).report.heal
+    layers = len(fixed["layer_errors"])
+    assert fixed["layer_lrs"] == [30.0] * layers and fixed["layers_kept"] < layers
+    assert searched["layer_lrs"] == [pytest.approx(3e-3)] * layers and searched["layers_kept"] == layers
 
 
 def test_without_heal_conversion_is_as_before(tmp_path):
@@ -125,6 +144,7 @@ def test_healed_qkv_norm_writes_what_it_measured(tmp_path, inputs):
         ({"end_to_end_lr": True}, "heal end to end lr must be a positive finite number, got True"),
         ({"text": "wiki"}, "heal text must be 'self' or 'calibration', got 'wiki'"),
         ({"self_tokens": 0}, "heal self tokens must be an integer >= 1, got 0"),
+        ({"lr_search": "yes"}, "heal lr search must be True or False, got 'yes'"),
     ],
 )
 def test_bad_heal_settings_are_refused(settings, message):
@@ -281,13 +301,13 @@ def test_heal_text_self_is_the_calibration_text_mixed_with_the_originals_own_ans
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_qknorm.conversion.healing.heal import heal_text
-    from hf_qknorm.conversion.healing.selftext import mixed_text, self_generated_text
+    from hf_qknorm.conversion.healing.selftext import generation_dtype, mixed_text, self_generated_text
 
     src = bundled_copy(tmp_path / "src")
     tokenizer = AutoTokenizer.from_pretrained(src)
     calibration = split_text(SHORT_TEXT, 0.1)[0]
     text, n_tokens, seconds = heal_text(src, tokenizer, calibration, SELF, torch.device("cpu"), progress=False)
-    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=generation_dtype("cpu")).eval()
     generated = self_generated_text(model, tokenizer, calibration, chats=2, openings=0, new_tokens=256, seed=0)
     assert text == mixed_text(calibration, generated, 0.5)
     assert n_tokens == len(tokenizer(generated).input_ids) > 2 * 256 and seconds > 0

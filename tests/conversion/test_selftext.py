@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_qknorm.conversion.healing.selftext import mixed_text, self_generated_text, topics
+from hf_qknorm.conversion.healing.selftext import draw, generation_dtype, mixed_text, self_generated_text, topics
 from hf_qknorm.data import bundled_model_dir
 
 
@@ -58,3 +58,31 @@ def test_self_generated_text_does_not_depend_on_which_process_generates_which_ba
     merged = {**shares[0][0], **shares[1][0]}
     assert "\n\n".join(doc for i in range(3) for doc in merged[i]) == whole
     assert seen == [4, 2, 4]  # rank 0: rounds (0, 1) and (2,); rank 1: round (0, 1)
+
+
+def test_draw_samples_the_tempered_softmax_and_never_a_token_of_probability_zero():
+    """The inverse-CDF sampler against the distribution it must follow: 100k rows of one 6-token distribution,
+    tempered, whose first and last tokens have probability 0 (the last is where rounding at the top of the CDF
+    would land)."""
+    logits = torch.tensor([float("-inf"), 0.0, 1.0, 2.0, -1.0, float("-inf")])
+    rows = 100_000
+    drawn = torch.tensor(draw(logits.expand(rows, -1), 0.5, torch.Generator().manual_seed(0)))
+    counts = torch.bincount(drawn, minlength=6).double()
+    expected = torch.softmax(logits.double() / 0.5, -1) * rows
+    assert counts[0] == 0 and counts[5] == 0
+    # each count within 5 standard deviations of its binomial expectation
+    sd = (expected * (1 - expected / rows)).sqrt()
+    assert ((counts[1:5] - expected[1:5]).abs() <= 5 * sd[1:5] + 1).all(), (counts, expected)
+    # seeded: the same generator state gives the same tokens; a one-hot row always gives its token
+    assert draw(logits.expand(8, -1), 0.5, torch.Generator().manual_seed(1)) == draw(
+        logits.expand(8, -1), 0.5, torch.Generator().manual_seed(1)
+    )
+    one_hot = torch.full((3, 262_144), float("-inf"))
+    one_hot[:, -1] = 0.0
+    assert draw(one_hot, 0.8, torch.Generator().manual_seed(2)) == [262_143] * 3
+
+
+def test_generation_dtype_is_bfloat16_only_where_it_is_fast():
+    probe = torch.ops.mkldnn._is_mkldnn_bf16_supported  # listed in hf_qknorm.upstream.RELIANCES
+    assert generation_dtype("cpu") == (torch.bfloat16 if probe() else torch.float32)
+    assert generation_dtype("meta") == torch.float32

@@ -48,7 +48,10 @@ __all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal
 
 
 SELF_NEW_TOKENS = 256  # tokens per self-generated answer or continuation (--heal-text self)
-SELF_BATCH_SIZE = 16  # answers sampled side by side (with more than one rank: batch b on rank b % world)
+SELF_BATCH_SIZE = 32  # answers sampled side by side (with more than one rank: batch b on rank b % world)
+LR_FACTORS = (1.0, 0.3, 0.1)  # --heal-lr-search: the step sizes tried per layer, as multiples of --heal-lr
+TRIAL_SHARE = 16  # --heal-lr-search: each trial takes steps // TRIAL_SHARE steps
+TRIAL_CALLS = 16  # --heal-lr-search: the recorded calls a trial's error is measured on
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,14 @@ class HealSettings:
     lr: float = field(
         default=1e-3,
         metadata={"help": "Adam step size of the projections and norms, cosine-decayed to 0 (implies --heal)"},
+    )
+    lr_search: bool = field(
+        default=True,
+        metadata={
+            "help": "per layer, try the step sizes --heal-lr x (1, 0.3, 0.1) on a short fit each (1/16 of the "
+            "steps) and heal with the one whose output error is lowest: the step size that suits a model's weights "
+            "differs between families (implies --heal)"
+        },
     )
     seed: int = field(default=0, metadata={"help": "random seed of the order of the blocks (implies --heal)"})
     text: Literal["self", "calibration"] = field(
@@ -124,6 +135,8 @@ class HealSettings:
             raise ValueError(f"heal text must be 'self' or 'calibration', got {self.text!r}")
         if self.inputs not in ("original", "converted"):
             raise ValueError(f"heal inputs must be 'original' or 'converted', got {self.inputs!r}")
+        if not isinstance(self.lr_search, bool):
+            raise ValueError(f"heal lr search must be True or False, got {self.lr_search!r}")
         for name in ("lr", "end_to_end_lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -131,6 +144,14 @@ class HealSettings:
 
     def steps(self, block_len: int) -> int:
         return max(1, self.tokens // block_len)
+
+    def trial_steps(self, block_len: int) -> int:
+        """Steps of each step-size trial per layer (0 without ``lr_search``)."""
+        return max(1, self.steps(block_len) // TRIAL_SHARE) if self.lr_search else 0
+
+    def layer_steps(self, block_len: int) -> int:
+        """Adam steps per layer, the trials included."""
+        return self.steps(block_len) + len(LR_FACTORS) * self.trial_steps(block_len)
 
 
 @dataclass
@@ -150,6 +171,7 @@ class HealReport:
     top1_after: float
     layers_kept: int
     layer_errors: list = field(default_factory=list)  # per layer: [error before, error after] (relative MSE)
+    layer_lrs: list = field(default_factory=list)  # per layer: the step size the fit used (lr_search picks it)
     # --heal-text self: the tokens the original generated (by its tokenizer) and the seconds that took
     generated_tokens: int = 0
     generation_seconds: float = 0.0
@@ -162,28 +184,57 @@ class HealReport:
         return asdict(self)
 
 
-def _fit(attn, calls, targets, steps: int, lr: float, seed: int, tick) -> tuple[float, float, dict | None]:
+def _fit(
+    attn, calls, targets, settings: HealSettings, block_len: int, seed: int, tick
+) -> tuple[float, float, dict | None, float]:
     """The layer fit (:func:`~hf_qknorm.conversion.calibration.localfit.fit_output`) on every parameter of ``attn``
-    (projections and new norms); returns (error before, error after, the new parameters by name relative to ``attn``
-    or ``None`` when the fit did not lower the error)."""
+    (projections and new norms), its step size picked by :func:`_pick_lr` under ``settings.lr_search``; returns (error
+    before, error after, the new parameters by name relative to ``attn`` or ``None`` when the fit did not lower the
+    error, the step size)."""
     params = dict(attn.named_parameters())
     denom = output_scale(targets)
     before = relative_error(attn, calls, targets, denom)
     start = {k: p.detach().clone() for k, p in params.items()}
+    steps = settings.steps(block_len)
     for p in params.values():
         p.requires_grad_(True)
     try:
+        lr = settings.lr
+        if settings.lr_search:
+            lr = _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick)
         fit_output(attn, calls, targets, denom, list(params.values()), lambda: None, steps, lr, seed, tick)
     finally:
         for p in params.values():
             p.requires_grad_(False)
     after = relative_error(attn, calls, targets, denom)
     if not after < before:
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(start[k])
-        return before, before, None
-    return before, after, {k: p.detach().float().cpu().clone() for k, p in params.items()}
+        _restore(params, start)
+        return before, before, None, lr
+    return before, after, {k: p.detach().float().cpu().clone() for k, p in params.items()}, lr
+
+
+def _restore(params: dict, start: dict) -> None:
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(start[k])
+
+
+def _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick) -> float:
+    """The step size among ``settings.lr * LR_FACTORS`` whose short fit (``settings.trial_steps``, from the layer's
+    start each time, the same blocks in the same order) leaves the lowest output error on ``TRIAL_CALLS`` of the
+    recorded calls spread over them; the layer is back at its start afterwards. Ties go to the larger step."""
+    trial = settings.trial_steps(block_len)
+    pick = sorted(set(range(0, len(calls), max(1, len(calls) // TRIAL_CALLS))))[:TRIAL_CALLS]
+    probe_calls, probe_targets = [calls[j] for j in pick], [targets[j] for j in pick]
+    best = None
+    for factor in LR_FACTORS:
+        lr = settings.lr * factor
+        fit_output(attn, calls, targets, denom, list(params.values()), lambda: None, trial, lr, seed, tick)
+        error = relative_error(attn, probe_calls, probe_targets, denom)
+        _restore(params, start)
+        if math.isfinite(error) and (best is None or error < best[0]):
+            best = (error, lr)
+    return settings.lr if best is None else best[1]
 
 
 def check_world(settings: HealSettings) -> None:
@@ -219,19 +270,19 @@ def heal_checkpoint(
         return _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0)
 
 
-def _merge(stream, values: dict, results: list) -> tuple[dict, list, int]:
+def _merge(stream, values: dict, results: list) -> tuple[dict, list, int, list]:
     """``values`` updated with the kept fits of ``results`` (per layer: error before, error after, new parameters or
-    ``None``), the per-layer errors and the number of layers kept."""
+    ``None``, step size), the per-layer errors, the number of layers kept and the per-layer step sizes."""
     out, kept = dict(values), 0
-    for i, (_, _, new) in enumerate(results):
+    for i, (_, _, new, _) in enumerate(results):
         if new is not None:
             kept += 1
             attn_prefix = f"{stream.prefix}{i}.{stream.family.attention}."
             out.update({attn_prefix + k: v for k, v in new.items()})
-    return out, [[before, after] for before, after, _ in results], kept
+    return out, [[before, after] for before, after, _, _ in results], kept, [lr for *_, lr in results]
 
 
-def _report(settings, steps, heal_blocks, t0, scores, kept, errors) -> HealReport:
+def _report(settings, steps, heal_blocks, t0, scores, kept, errors, lrs) -> HealReport:
     return HealReport(
         settings=asdict(settings),
         steps_per_layer=steps,
@@ -245,6 +296,7 @@ def _report(settings, steps, heal_blocks, t0, scores, kept, errors) -> HealRepor
         top1_after=scores["after"][1],
         layers_kept=kept,
         layer_errors=errors,
+        layer_lrs=lrs,
     )
 
 
@@ -267,7 +319,7 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
     held, eval_calls = stream.block_inputs(eval_blocks, batch_size)
     streams = {name: [h.clone() for h in held] for name in ("original", "before", "after")}
     results = []
-    n_tokens = stream.num_layers * steps * block_len
+    n_tokens = stream.num_layers * settings.layer_steps(block_len) * block_len
     with Stage("healing layer by layer", n_tokens, "tok", progress) as stage:
         for i, orig, patched in stream.layers(values):
             o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
@@ -280,19 +332,20 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
                 streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], eval_calls[i])]
                 streams["before"] = [run_block(patched, h, c) for h, c in zip(streams["before"], eval_calls[i])]
             tick = _ticker(stage, i, steps, block_len)
-            before, after, new = _fit(p_attn, attn_calls, targets, steps, settings.lr, settings.seed + i, tick)
-            results.append((before, after, new))
+            results.append(_fit(p_attn, attn_calls, targets, settings, block_len, settings.seed + i, tick))
+            before, after = results[-1][:2]
             with torch.no_grad():
                 streams["after"] = [run_block(patched, h, c) for h, c in zip(streams["after"], eval_calls[i])]
                 lens = _agreement(stream, streams["original"][0], streams["after"][0])
-            stage.update(0, note=f"layer {i}: output error {before:.4f} -> {after:.4f}, agreement {100 * lens:.1f}%")
+            note = f"layer {i}: output error {before:.4f} -> {after:.4f} (lr {results[-1][3]:.0e})"
+            stage.update(0, note=f"{note}, agreement {100 * lens:.1f}%")
             if own is not None:
                 with torch.no_grad():
                     own = [run_block(patched, h, c) for h, c in zip(own, calls[i])]
             inputs = nxt
-    out, errors, kept = _merge(stream, values, results)
+    out, errors, kept, lrs = _merge(stream, values, results)
     scores = {k: stream.score(v, eval_blocks, batch_size, streams["original"]) for k, v in streams.items()}
-    return out, _report(settings, steps, heal_blocks, t0, scores, kept, errors)
+    return out, _report(settings, steps, heal_blocks, t0, scores, kept, errors, lrs)
 
 
 def _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, progress, t0):
@@ -304,7 +357,7 @@ def _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, 
     steps = settings.steps(block_len)
     inputs, calls = stream.block_inputs(heal_blocks, 1)
     mine = {}
-    n_tokens = len(range(me, stream.num_layers, world)) * steps * block_len
+    n_tokens = len(range(me, stream.num_layers, world)) * settings.layer_steps(block_len) * block_len
     with Stage(f"healing layers {me}, {me + world}, ... (rank {me} of {world})", n_tokens, "tok", progress) as stage:
         for i, orig, patched in stream.layers(values):
             o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
@@ -314,14 +367,14 @@ def _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, 
                 with torch.no_grad():
                     attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(inputs, calls[i])]
                 tick = _ticker(stage, i, steps, block_len)
-                mine[i] = _fit(p_attn, attn_calls, targets, steps, settings.lr, settings.seed + i, tick)
+                mine[i] = _fit(p_attn, attn_calls, targets, settings, block_len, settings.seed + i, tick)
                 stage.update(0, note=f"layer {i}: output error {mine[i][0]:.4f} -> {mine[i][1]:.4f}")
             inputs = nxt
-    out, errors, kept = _merge(stream, values, ranks.all_in_order(mine, stream.num_layers))
+    out, errors, kept, lrs = _merge(stream, values, ranks.all_in_order(mine, stream.num_layers))
 
     def score():
         scores = _held_out(stream, values, out, eval_blocks, batch_size, progress)
-        return _report(settings, steps, heal_blocks, t0, scores, kept, errors)
+        return _report(settings, steps, heal_blocks, t0, scores, kept, errors, lrs)
 
     return out, ranks.first(score)
 
@@ -358,16 +411,17 @@ def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, dev
     calibration text mixed half and half (by characters) with the original model's own chat answers and
     continuations (:mod:`hf_qknorm.conversion.healing.selftext`), sampled with ``settings.seed`` -- a converted model is
     used the way the original was, and fitting it on what the original says in that use is what keeps its answers
-    (measured: docs/conversion.md). The whole original is loaded once for it, in float32 on ``device`` (on every
-    rank of a process group, each generating its share of the batches; every rank returns the same text)."""
+    (measured: docs/conversion.md). The whole original is loaded once for it, on ``device`` (on every
+    rank of a process group, each generating its share of the batches; every rank returns the same text), in
+    bfloat16 where that is fast (:func:`~hf_qknorm.conversion.healing.selftext.generation_dtype`)."""
     if settings.text == "calibration":
         return calibration_text, 0, 0.0
     from transformers import AutoModelForCausalLM
 
-    from .selftext import mixed_text, self_generated_text
+    from .selftext import generation_dtype, mixed_text, self_generated_text
 
     t0 = time.time()
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=generation_dtype(device)).to(device).eval()
     docs = max(1, settings.self_tokens // SELF_NEW_TOKENS)
     openings = docs // 4
     with Stage("generating heal text", docs, "answers", progress) as stage:

@@ -17,6 +17,7 @@ returns the same text, identical to one process's.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import re
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from ...upstream import cache_kwargs, output_cache
 from ..orchestration import ranks
 
-__all__ = ["batch_seed", "mixed_text", "self_generated_text", "topics"]
+__all__ = ["batch_seed", "draw", "generation_dtype", "mixed_text", "self_generated_text", "topics"]
 
 _QUESTIONS = (
     "Tell me about {}.",
@@ -52,22 +53,50 @@ def batch_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little")
 
 
+def generation_dtype(device) -> torch.dtype:
+    """bfloat16 where matrix products in it are fast (a CUDA device with bfloat16, a CPU that oneDNN runs it on:
+    about 3x float32's speed at a 262k vocabulary), else float32. The text only has to be what the model says; its
+    logits in bfloat16 are how most people run it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu":
+        probe = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+        try:
+            return torch.bfloat16 if probe is not None and bool(probe()) else torch.float32
+        except RuntimeError:
+            return torch.float32
+    return torch.float32
+
+
+def draw(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> list[int]:
+    """One token per row of ``logits`` (rows x vocabulary), sampled from ``softmax(logits / temperature)`` with
+    ``gen``: the inverse of the cumulative distribution at a uniform draw (a token of probability 0 is never drawn).
+    Several times faster than ``torch.multinomial`` at a large vocabulary."""
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.minimum(torch.rand(total.shape, generator=gen) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=logits.shape[-1] - 1).tolist()
+
+
 @torch.no_grad()
 def _sample(
     model, tokenizer, prompts: list[list[int]], new_tokens: int, gen: torch.Generator, temperature: float
 ) -> list[list[int]]:
-    """Sampled continuations, left-padded batch with the KV cache (as the agreement reference is generated)."""
+    """Sampled continuations, left-padded batch with the KV cache (as the agreement reference is generated); only
+    the last position's logits are computed where the model's forward takes ``logits_to_keep``."""
     device, width = next(model.parameters()).device, max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     out, past = [[] for _ in prompts], None
     for _ in range(new_tokens):
         cache = cache_kwargs(model, past)
-        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache, **last)
         past = output_cache(step)
-        probs = torch.softmax(step.logits[:, -1].float() / temperature, dim=-1).cpu()
-        tokens = torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()
+        tokens = draw(step.logits[:, -1], temperature, gen)
         for row, t in enumerate(tokens):
             out[row].append(t)
         ids = torch.tensor([[t] for t in tokens], device=device)
