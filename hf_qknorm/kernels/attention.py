@@ -30,7 +30,6 @@ import contextlib
 import contextvars
 import functools
 import os
-import warnings
 
 import torch
 import triton
@@ -133,12 +132,14 @@ TMA_ENV = "HF_QKNORM_TMA"
 def tma_requested() -> bool | None:
     """``HF_QKNORM_TMA``: one of ``1 on true yes`` asks for the forward's tensor-descriptor loads wherever they
     apply, one of ``0 off false no`` refuses them even where the tile table asks; unset or empty leaves the table's
-    choice (None). Anything else warns, naming the valid values, and is read as off. Read at each call."""
-    value = os.environ.get(TMA_ENV, "").strip().lower()
+    choice (None). Anything else raises ValueError: the switch is for measurements, which a misspelt value would
+    quietly turn into measurements of the other path. Read at each call."""
+    raw = os.environ.get(TMA_ENV, "")
+    value = raw.strip().lower()
     if not value:
         return None
     if value not in _ON + _OFF:
-        warnings.warn(f"{TMA_ENV}={value!r} is not one of {', '.join(_OFF + _ON)}: read as off", stacklevel=3)
+        raise ValueError(f"{TMA_ENV}={raw!r} is not one of {', '.join(_OFF + _ON)} (or unset: the tile table decides)")
     return value in _ON
 
 

@@ -26,6 +26,7 @@ pytest.importorskip("triton")
 
 from hf_qknorm.kernels import _tile_table  # noqa: E402
 from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
+from hf_qknorm.kernels import attn_interface as api  # noqa: E402
 from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
 from hf_qknorm.reference import attention_reference  # noqa: E402
 
@@ -118,8 +119,24 @@ def test_where_it_applies(monkeypatch):
     monkeypatch.setenv(attn_mod.TMA_ENV, "off")
     assert not attn_mod._tma(on, q, k, v, False, 32, 32, True)  # the environment wins over the table
     monkeypatch.setenv(attn_mod.TMA_ENV, "maybe")
-    with pytest.warns(UserWarning, match=r"HF_QKNORM_TMA='maybe' is not one of 0, off.*read as off"):
-        assert not attn_mod._tma(on, q, k, v, False, 32, 32, True)
+    with pytest.raises(ValueError, match="HF_QKNORM_TMA='maybe' is not one of"):
+        attn_mod._tma(on, q, k, v, False, 32, 32, True)
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", " Tru "])
+def test_a_bad_switch_value_is_refused(monkeypatch, value):
+    """A value that is neither on nor off stops the tiled forward with one line naming it and the valid ones, rather
+    than being read as one of them (a measurement of the other path, under the wrong name)."""
+    monkeypatch.setenv(attn_mod.TMA_ENV, value)
+    q, k, v = _case(1, 2, 2, 80, 80, 64, seed=6)  # above the decoding forward's rows: the tiled one
+    with pytest.raises(ValueError) as err:
+        api.qknorm_attn_func(q, k, v, scaling=0.1, softcap=4.0)
+    assert str(err.value) == (
+        f"HF_QKNORM_TMA={value!r} is not one of 0, off, false, no, 1, on, true, yes (or unset: the tile table decides)"
+    )
+    for good, want in (("", None), (" ON ", True), ("no", False)):
+        monkeypatch.setenv(attn_mod.TMA_ENV, good)
+        assert attn_mod.tma_requested() is want
 
 
 def test_descriptor_scratch_puts_the_callers_allocator_back():
