@@ -4,13 +4,14 @@ Triton's interpreter); the timing itself needs a GPU."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+from tests.kernels.conftest import needs_interpreter
+
+pytestmark = needs_interpreter
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_attention.py"
 

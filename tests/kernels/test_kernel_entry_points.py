@@ -8,23 +8,15 @@ Kernel numerics in depth are tests/kernels/test_kernels.py's job; here shapes ar
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from hf_qknorm import kernels
+from hf_qknorm.kernels import attention as attn_mod
+from hf_qknorm.kernels import attn_interface as api
+from hf_qknorm.reference import allowed_reference, attention_reference
+from tests.kernels.conftest import DEVICE
 
-pytest.importorskip("triton")
-
-from hf_qknorm import kernels  # noqa: E402
-from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
-from hf_qknorm.kernels import attn_interface as api  # noqa: E402
-from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
-from hf_qknorm.reference import allowed_reference, attention_reference  # noqa: E402
-
-DEVICE = "cpu" if is_interpreted(attn_mod._attn_fwd_kernel) else "cuda"
 TOL = 1e-4  # relative to the largest reference value (fp32 kernels against float64)
 
 

@@ -15,23 +15,17 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from hf_qknorm.kernels import attention as attn_mod
+from hf_qknorm.kernels._attention_kernels import _key_range, _query_range
+from hf_qknorm.reference import allowed_reference, attention_reference
+from tests.kernels.conftest import DEVICE
 
-triton = pytest.importorskip("triton")
-tl = triton.language
-
-from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
-from hf_qknorm.kernels._attention_kernels import _key_range, _query_range  # noqa: E402
-from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
-from hf_qknorm.reference import allowed_reference, attention_reference  # noqa: E402
-
-DEVICE = "cpu" if is_interpreted(attn_mod._attn_fwd_kernel) else "cuda"
 TOL = 1e-4  # relative to the largest reference value (fp32 kernels against float64)
 
 

@@ -19,18 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from hf_qknorm import kernels
+from hf_qknorm.kernels import attention as attn_mod
+from hf_qknorm.reference import attention_reference
+from tests.kernels.conftest import DEVICE, INTERPRETED
 
-pytest.importorskip("triton")
-
-from hf_qknorm import kernels  # noqa: E402
-from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
-from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
-from hf_qknorm.reference import attention_reference  # noqa: E402
-
-INTERPRETED = is_interpreted(attn_mod._attn_fwd_kernel)
-DEVICE = "cpu" if INTERPRETED else "cuda"
 ROOT = Path(__file__).resolve().parents[2]
 TANH_KERNELS = {"_attn_fwd_kernel", "_attn_fwd_split_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"}
 

@@ -19,19 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from hf_qknorm.kernels import _tile_table
+from hf_qknorm.kernels import attention as attn_mod
+from hf_qknorm.kernels import attn_interface as api
+from hf_qknorm.reference import attention_reference
+from tests.kernels.conftest import DEVICE, INTERPRETED
 
-pytest.importorskip("triton")
-
-from hf_qknorm.kernels import _tile_table  # noqa: E402
-from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
-from hf_qknorm.kernels import attn_interface as api  # noqa: E402
-from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
-from hf_qknorm.reference import attention_reference  # noqa: E402
-
-INTERPRETED = is_interpreted(attn_mod._attn_fwd_kernel)
-DEVICE = "cpu" if INTERPRETED else "cuda"
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4  # relative to the largest reference value (fp32 kernels against float64)
 GOOD = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)

@@ -1,10 +1,9 @@
 """Triton kernels against the float64 reference (hf_qknorm.reference).
 
-Without CUDA the kernels run on CPU under Triton's interpreter: this module sets ``TRITON_INTERPRET=1`` itself
-when it is unset and no GPU is present, before the kernel modules are imported (``triton.jit`` picks interpreted
-or compiled when a kernel is decorated). With CUDA the same tests run the compiled kernels on the GPU, and the
-``cuda``-marked tests add bf16/fp16 and larger shapes, judged by flash-attention's rule: the kernel's error against
-the fp64 reference is at most 2x (3x with a cap) that of the same-dtype PyTorch reference, plus a small atol.
+Without CUDA the kernels run on CPU under Triton's interpreter (tests/kernels/conftest.py says how it is chosen).
+With CUDA the same tests run the compiled kernels on the GPU, and the ``cuda``-marked tests add bf16/fp16 and larger
+shapes, judged by flash-attention's rule: the kernel's error against the fp64 reference is at most 2x (3x with a
+cap) that of the same-dtype PyTorch reference, plus a small atol.
 
 Shapes are small on purpose (the interpreter costs a few ms per tile pair) but cover every path: odd lengths
 (1, 17, 113, 255), tiles smaller than and misaligned with the sequence, GQA/MQA, head_dim 16/64/80/96/256,
@@ -23,23 +22,11 @@ import sys
 import pytest
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from hf_qknorm.kernels import attention as attn_mod
+from hf_qknorm.kernels import attn_interface as api
+from hf_qknorm.reference import attention_reference
+from tests.kernels.conftest import DEVICE
 
-pytest.importorskip("triton")
-
-from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
-from hf_qknorm.kernels import attn_interface as api  # noqa: E402
-from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
-from hf_qknorm.reference import attention_reference  # noqa: E402
-
-INTERPRETED = is_interpreted(attn_mod._attn_fwd_kernel)
-if not INTERPRETED and not torch.cuda.is_available():
-    raise RuntimeError(
-        "hf_qknorm.kernels was imported in compiled mode on a machine without CUDA: set "
-        "TRITON_INTERPRET=1 before anything imports the kernels (e.g. in conftest.py)"
-    )
-DEVICE = "cpu" if INTERPRETED else "cuda"
 FP32_TOL = 1e-4  # max error relative to the largest reference value; measured ~1e-6 under the interpreter
 
 

@@ -3,18 +3,11 @@ and backward, under Triton's interpreter on CPU; and their routing."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="needs CUDA or TRITON_INTERPRET=1",
-)
-
-norms_k = pytest.importorskip("hf_qknorm.kernels.norms")
-from hf_qknorm.portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm  # noqa: E402
+from hf_qknorm.kernels import norms as norms_k
+from hf_qknorm.portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

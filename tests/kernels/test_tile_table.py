@@ -15,17 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from hf_qknorm.kernels import _tile_table
+from hf_qknorm.kernels import attention as attn_mod
+from hf_qknorm.reference import attention_reference
+from tests.kernels.conftest import INTERPRETED
 
-pytest.importorskip("triton")
-
-from hf_qknorm.kernels import _tile_table  # noqa: E402
-from hf_qknorm.kernels import attention as attn_mod  # noqa: E402
-from hf_qknorm.kernels._common import is_interpreted  # noqa: E402
-from hf_qknorm.reference import attention_reference  # noqa: E402
-
-INTERPRETED = is_interpreted(attn_mod._attn_fwd_kernel)
 CPU = torch.device("cpu")
 KEY = ("sm90", "fwd", 128, True, "bfloat16")
 GOOD = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}

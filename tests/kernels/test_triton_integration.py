@@ -6,15 +6,13 @@ proves the wiring -- masks, packed sequences, GQA, caches, gradients -- against 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import hf_qknorm
-from hf_qknorm import kernels
 from hf_qknorm.attention import kernel_policy
 from tests._support.tiny_models import VOCAB, tiny_model
+from tests.kernels.conftest import needs_interpreter
 
 ON_CPU = ("cuda", "cpu")
 ENTRY_POINTS = (
@@ -25,10 +23,7 @@ ENTRY_POINTS = (
     "qknorm_attn_with_kvcache",
 )
 
-pytestmark = pytest.mark.skipif(
-    not kernels.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs triton and TRITON_INTERPRET=1 (set by conftest on machines without CUDA)",
-)
+pytestmark = needs_interpreter
 
 
 @pytest.fixture
