@@ -157,17 +157,13 @@ def attention_layer_reference(
     q_whole=None,
     k_whole=None,
 ):
-    """One patched attention layer from the formulas, on hidden states ``x`` of shape ``(batch, seq, hidden)``.
-
-    ``w*`` are ``(out, in)`` matrices as in ``nn.Linear``. ``q_norm``/``k_norm``/``v_norm`` are dicts with the norm's
-    ``weight``/``bias`` (or ``None`` for no norm on that input). Order: project -> split heads -> norm -> RoPE ->
-    attention (cap, mask, softmax) -> merge heads -> output projection.
-
-    The model's own parts, where it has them: ``q_whole``/``k_whole`` (dicts ``kind``, ``weight``, ``bias``,
-    ``eps``) normalise the whole projection before the heads are split (OLMo 2); ``rope_layout`` and a ``cos``
-    narrower than ``head_dim`` (:func:`rope_layout_reference`); ``sinks`` (:func:`attention_reference`).
-    ``cos=None``: no rotation (NoPE).
-    """
+    """One patched attention layer from the formulas, on hidden states ``x`` ``(batch, seq, hidden)``: project ->
+    split heads -> norm -> RoPE -> attention (cap, mask, softmax) -> merge heads -> output projection. ``w*`` are
+    ``(out, in)`` as in ``nn.Linear``; ``q_norm``/``k_norm``/``v_norm`` are dicts of the norm's ``weight``/``bias``
+    (``None``: no norm on that input). The model's own parts, where it has them: ``q_whole``/``k_whole`` (dicts
+    ``kind``, ``weight``, ``bias``, ``eps``) normalise the whole projection before the heads are split (OLMo 2);
+    ``rope_layout`` and a ``cos`` narrower than ``head_dim`` (:func:`rope_layout_reference`); ``sinks``
+    (:func:`attention_reference`); ``cos=None``: no rotation (NoPE)."""
     b, t, _ = x.shape
 
     def proj(w, bias, n, whole=None):

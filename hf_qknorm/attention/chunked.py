@@ -360,15 +360,12 @@ def _backward_tile_native(c: _Call, i: int, tile, qt, dot, kt, vt, neg_lse, delt
 
 class TiledAttention(torch.autograd.Function):
     """``softmax(mask(c*tanh(scaling * q k^T / c))) v`` (no cap: ``softcap=None``) over cache-sized tiles, with
-    recomputation in backward.
-
-    Inputs: ``q`` ``(B, H, Tq, D)``; ``k``, ``v`` ``(B, Hkv, Tk, D)`` with ``H % Hkv == 0`` (GQA without copying
-    K/V); ``mask`` boolean broadcastable to ``(B, H, Tq, Tk)`` or ``None``; causality and the window bottom-right
-    aligned. Accumulates in float32 for half-precision inputs (float64 stays float64). Rows with no allowed key give
-    zeros. Returns the output ``(B, H, Tq, D)`` (a view of a ``(B, Tq, H, D)`` tensor) and, when
+    recomputation in backward. ``q`` ``(B, H, Tq, D)``; ``k``, ``v`` ``(B, Hkv, Tk, D)`` with ``H % Hkv == 0`` (GQA
+    without copying K/V); ``mask`` boolean broadcastable to ``(B, H, Tq, Tk)`` or ``None``; causality and the window
+    bottom-right aligned. Accumulates in float32 for half-precision inputs (float64 stays float64); rows with no
+    allowed key give zeros. Returns the output ``(B, H, Tq, D)`` (a view of a ``(B, Tq, H, D)`` tensor) and, when
     ``return_max_logits``, the largest pre-cap logit ``scaling * q.k`` of each query head over the batch and the
-    allowed pairs, ``(H,)`` in the accumulation dtype (``-inf`` for a head with no allowed pair; no gradient).
-    """
+    allowed pairs, ``(H,)`` in the accumulation dtype (``-inf`` for a head with no allowed pair; no gradient)."""
 
     @staticmethod
     def forward(

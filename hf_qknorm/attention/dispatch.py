@@ -61,18 +61,9 @@ class KernelFallbackError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class KernelPolicy:
-    """Where the Triton kernels run and whether a call they cannot run may take the PyTorch path.
-
-    Attributes:
-        devices: device types whose tensors go to the kernels, a tuple of ``"cuda"`` / ``"cpu"``; ``()`` sends every
-            call to the PyTorch path. CPU tensors need Triton's interpreter (``TRITON_INTERPRET=1`` before the kernels
-            are imported).
-        use_fallback: on a device in ``devices``, a call the kernels cannot run takes the PyTorch path with a warning
-            (True) or raises :class:`KernelFallbackError` (False).
-        flash_attn: one of :data:`FLASH_ATTN_CHOICES`: whether a capped call the kernels would run goes to
-            FlashAttention where it fits (:mod:`.delegate`): ``"auto"`` where measured faster on this card, ``"on"``
-            always, ``"off"`` never.
-    """
+    """Where the Triton kernels run (``devices``), whether a call they cannot run may take the PyTorch path
+    (``use_fallback``; else :class:`KernelFallbackError`), and whether a capped call goes to FlashAttention
+    (``flash_attn``, one of :data:`FLASH_ATTN_CHOICES`). Fields: docs/api.md (KernelPolicy)."""
 
     devices: tuple[str, ...] = ("cuda",)
     use_fallback: bool = True

@@ -69,17 +69,10 @@ def _choices(values) -> str:
 
 @dataclass(frozen=True)
 class QKNormConfig:
-    """Validated settings of one patch.
-
-    Args:
-        scheme: one of ``SCHEMES``.
-        norm: one of ``NORMS``; ``None`` means ``"layernorm"`` for the schemes with a norm. ``soft_cap`` has no norm,
-            so giving one is an error.
-        softcap: the cap ``c`` in ``c * tanh(s / c)``; ``None`` means 50.0 for the capped schemes. A cap given to a
-            scheme without one is an error.
-        eps: the norm's epsilon; ``None`` means "the model's own norm epsilon" (resolved by :func:`patch_model`).
-        p: the exponent of the ``lp`` norm (``p >= 1``); ``l2`` is ``lp`` with ``p = 2``.
-    """
+    """Validated settings of one patch: ``scheme`` (one of ``SCHEMES``), ``norm`` (one of ``NORMS``; ``None``:
+    layernorm), ``softcap`` (``None``: 50 for the capped schemes), ``eps`` (``None``: the model's own), ``p`` (the
+    ``lp`` norm's exponent, ``>= 1``). A setting the scheme or norm has no use for is an error. Fields: docs/patching.md
+    (Settings)."""
 
     # metadata["help"]: the command line's help for each field (its flags are made from these fields)
     scheme: Scheme = field(default="qk_norm_cap", metadata={"help": "what changes in every attention layer"})

@@ -30,17 +30,10 @@ logger = logging.getLogger(__name__)
 
 
 def verify(model: nn.Module, *, tolerance: float | None = None, generate: bool = True) -> VerifyReport:
-    """Check that ``model`` -- as configured: its attention backend, its generation cache -- computes its scheme.
-
-    Runs the probes of :mod:`hf_qknorm.verification.probe` through ``model`` (a supported model, patched or not,
-    possibly
-    wrapped by ``peft`` or ``torch.compile``) and compares every attention layer's output with
-    :func:`hf_qknorm.reference.attention_layer_reference` in float64. ``tolerance`` overrides the per-dtype relative
-    tolerance (:data:`hf_qknorm.verification.checks.TOLERANCE`); ``generate=False`` skips the cached-generation probes.
-    The model is left as it was (training mode restored, no hooks left behind).
-
-    Returns a :class:`VerifyReport`; ``report.ok`` is False, and ``str(report)`` ends with ``FAILED: ...``, when an
-    error exceeds the tolerance or a cap, norm or mask is not applied."""
+    """Check that ``model`` -- as configured: its attention backend, its generation cache -- computes its scheme: every
+    attention layer's output against :func:`hf_qknorm.reference.attention_layer_reference` in float64. The model is
+    left as it was. Returns a :class:`VerifyReport` whose ``ok`` is False when an error exceeds the tolerance or a
+    cap, norm or mask is not applied. Arguments: docs/api.md (verify)."""
     tolerance = check_tolerance(tolerance)
     _refuse_multimodal(model)
     ref = ReferenceModel(model)
@@ -107,16 +100,10 @@ def verify_folder(
     generate: bool = True,
     timeout: float = 1800,
 ) -> VerifyReport:
-    """Verify a saved model folder.
-
-    ``no_plugin=False``: load it with the plugin (``AutoModelForCausalLM.from_pretrained``) and :func:`verify` it.
-    ``no_plugin=True``: load it as a user without the package would -- a ``qknorm_<base>`` folder through its
-    shipped remote code (``trust_remote_code=True``), any other folder (e.g. a plain ``qwen3`` export) through plain
-    Transformers -- in a subprocess in which ``hf_qknorm`` cannot be imported. That subprocess runs the probes and
-    saves what each layer saw and returned; the reference is computed here from the same folder's weights (loaded
-    with the plugin). A folder whose weights are not exactly its model's (a tensor missing or unexpected, a norm
-    stored as integers) gets a failed report (:mod:`.loading`). Raises ``FileNotFoundError``/``ValueError``/
-    ``RuntimeError`` when the folder cannot be verified at all."""
+    """Verify a saved model folder: loaded with the plugin and :func:`verify`-ed, or (``no_plugin=True``) loaded as a
+    user without the package would, in a subprocess that cannot import ``hf_qknorm``. A folder whose weights are not
+    exactly its model's gets a failed report; one that cannot be verified at all raises ``FileNotFoundError``,
+    ``ValueError`` or ``RuntimeError``. Arguments: docs/api.md (verify_folder)."""
     result = verify_folders(
         [path], no_plugin=no_plugin, device=device, tolerance=tolerance, generate=generate, timeout=timeout
     )[0]
