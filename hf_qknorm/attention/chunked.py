@@ -76,7 +76,8 @@ def _keep(shape, dropout_p, seed, index, device, dtype):
 
 # A capped call keeps the tanh of its first tiles, as many as fit this many logits, from forward for backward instead
 # of recomputing the logits' matmul and the tanh there: 2**22 float32 = 16 MiB per call at most. Keeping part of a
-# larger call's tiles beats recomputing all of them, and beats keeping all (docs/kernels.md, Measured on CPU).
+# larger call's tiles beats recomputing all of them, and beats keeping all (benchmarks/results/tuning.md, Measured on
+# CPU).
 KEEP_TANH_MAX = 1 << 22
 
 # exp(+-c) must stay a normal float and the row sums (up to kv_len * e^c) finite for the softmax to skip its max shift
