@@ -3,8 +3,8 @@
 ``torch.compile`` the module's own forward runs (Inductor fuses it already), and so it does where no gradient is
 taken (decoding: a Triton launch costs the host more than the ATen norm). Importing this module fills the slot
 :data:`hf_qknorm.portable.hooks.FUSED_NORM` where a kernel may run (CUDA, or ``TRITON_INTERPRET=1``) and
-``HF_QKNORM_FUSED_NORMS=1`` asks for it: opt-in until the kernels are measured against the ATen norms on a GPU
-(docs/kernels.md); under the interpreter (the tests) it is on unless set to 0."""
+``HF_QKNORM_FUSED_NORMS=1`` (or ``on``, ``true``, ``yes``) asks for it: opt-in until the kernels are measured against
+the ATen norms on a GPU (docs/kernels.md); under the interpreter (the tests) it is on unless switched off."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from ..kernels._env import switch
 from ..portable import hooks
 from .dispatch import current_kernel_policy
 
@@ -62,23 +63,35 @@ def fused_head_norm(norm: torch.nn.Module, x: torch.Tensor):
     return None
 
 
-def requested(environ=os.environ) -> bool:
-    """``HF_QKNORM_FUSED_NORMS``: ``1`` turns the fused norms on, ``0`` off; unset, on under Triton's interpreter
-    only. Any other value warns, naming the valid ones, and leaves them off."""
-    value = environ.get("HF_QKNORM_FUSED_NORMS", "").strip()
-    if value in ("0", "1"):
-        return value == "1"
-    if value:
-        import warnings
+ENV = "HF_QKNORM_FUSED_NORMS"
 
-        warnings.warn(f"HF_QKNORM_FUSED_NORMS={value!r} is not 0 or 1: the fused norms are off", stacklevel=2)
-        return False
-    return environ.get("TRITON_INTERPRET") == "1"
+
+def requested(environ=os.environ) -> bool:
+    """``HF_QKNORM_FUSED_NORMS``: on turns the fused norms on, off turns them off; unset or empty, on under Triton's
+    interpreter only. Another value raises ``ValueError`` (:func:`hf_qknorm.kernels._env.switch`)."""
+    interpreted = environ.get("TRITON_INTERPRET") == "1"
+    return switch(ENV, interpreted, "on under Triton's interpreter only", environ)
+
+
+def _refusal(message: str):
+    def refuse(norm, x):
+        raise ValueError(message)
+
+    return refuse
 
 
 def install() -> None:
-    """Fill :data:`hf_qknorm.portable.hooks.FUSED_NORM` where a kernel may run and it is asked for (idempotent)."""
-    if (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1") and requested():
+    """Fill :data:`hf_qknorm.portable.hooks.FUSED_NORM` where a kernel may run and it is asked for (idempotent).
+    Where the switch holds a value it does not know, the slot refuses the first norm call with the switch's one-line
+    ``ValueError`` instead: this runs at import, where raising would break every entry point, the CLI's included."""
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        return
+    try:
+        on = requested()
+    except ValueError as exc:
+        hooks.FUSED_NORM = _refusal(str(exc))
+        return
+    if on:
         hooks.FUSED_NORM = fused_head_norm
 
 

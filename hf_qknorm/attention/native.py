@@ -10,15 +10,15 @@ Which calls take the ops is one rule, :func:`eligible`.
 
 ``NATIVE[0]`` is the module in use, or ``None``: where it was not built, or ``HF_QKNORM_NATIVE=0`` (or ``off``,
 ``false``, ``no``) is set in the environment (then every call takes the ATen ops, to compare or to rule the op out).
+A value the switch does not know fills it with a refusal: the first call the op would take raises (:class:`_Refused`).
 Tests and benchmarks set the slot in-process.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import torch
+
+from ..kernels._env import switch
 
 try:
     from . import _native as MODULE
@@ -26,24 +26,37 @@ except ImportError:  # pragma: no cover - a build without GCC or Clang
     MODULE = None
 
 
-_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+ENV = "HF_QKNORM_NATIVE"
 
 
-def _switch(value: str | None) -> bool:
-    """``HF_QKNORM_NATIVE``: unset, empty or one of :data:`_ON` uses the op where it was built, one of :data:`_OFF`
-    turns it off. Anything else warns, naming the value and the valid ones, and turns it off (the ATen ops run every
-    call correctly; an import-time error would break every entry point, the CLI's included)."""
-    value = "1" if value is None or not value.strip() else value.strip().lower()
-    if value not in _ON + _OFF:
-        warnings.warn(
-            f"HF_QKNORM_NATIVE={value!r} is not one of {', '.join(_OFF + _ON)}: the native op is off",
-            stacklevel=2,
-        )
-        return False
-    return value in _ON
+def requested() -> bool:
+    """``HF_QKNORM_NATIVE``: on, unset or empty uses the op where it was built; off turns it off. Another value
+    raises ``ValueError`` (:func:`hf_qknorm.kernels._env.switch`)."""
+    return switch(ENV, True, "the native op where it was built")
 
 
-NATIVE = [MODULE if _switch(os.environ.get("HF_QKNORM_NATIVE")) else None]
+class _Refused:
+    """The slot's value where ``HF_QKNORM_NATIVE`` holds a value it does not know. Importing still works (an error
+    at import would break every entry point before the CLI could say what is wrong); the first call the op would
+    take raises the switch's one-line ``ValueError``, so a misspelt switch never measures the other path."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and hasattr probes: plain attribute semantics
+            raise AttributeError(name)
+        raise ValueError(self.message)
+
+
+def _initial():
+    try:
+        return MODULE if requested() else None
+    except ValueError as exc:
+        return _Refused(str(exc))
+
+
+NATIVE = [_initial()]
 
 # The ops run on one thread. With one thread they beat the ATen ops at every size measured; with more, the ATen ops
 # share large calls among the threads, so a call of more logits than this keeps them (``python

@@ -103,7 +103,10 @@ def _add_info(sub):
 
 def _cmd_info(args) -> int:
     import hf_qknorm
+    from hf_qknorm.kernels import tanh_mode
 
+    # the environment switches first: a value one does not know is the command's one-line error, before any output
+    tanh, native, fused, tma = tanh_mode(), _native_state(), _fused_norms_state(), _tma_state()
     print(
         "models:   every decoder-only softmax-attention text model type, checked at patch time "
         "(`hf-qknorm coverage` lists them)"
@@ -117,10 +120,10 @@ def _cmd_info(args) -> int:
         print("triton kernels:", "available" if reason is None else f"unavailable ({reason})")
     except Exception as exc:  # kernels are optional; say why they cannot be used
         print(f"triton kernels: unavailable ({exc})")
-    from hf_qknorm.kernels import tanh_mode
-
-    print(f"capped tanh:    {tanh_mode()} (tanh.approx.f32 for fp16/bf16 on CUDA; HF_QKNORM_EXACT_TANH=1: exact)")
-    print("native CPU op: ", _native_state())
+    print(f"capped tanh:    {tanh} (tanh.approx.f32 for fp16/bf16 on CUDA; HF_QKNORM_EXACT_TANH=1: exact)")
+    print("native CPU op: ", native)
+    print("fused norms:   ", fused)
+    print("TMA forward:   ", tma)
     from hf_qknorm.attention import delegate
 
     package, delegation = delegate.describe()
@@ -138,12 +141,36 @@ def _native_state() -> str:
     """Whether the optional native op (attention/_native.c) runs the CPU path's capped float32 calls, and if not why."""
     from hf_qknorm.attention import native
 
+    native.requested()  # a value the switch does not know: its one-line error, not a state
     if native.MODULE is None:
         return "not built (no GCC or Clang at install time): the ATen ops run"
     if native.NATIVE[0] is None:
         return "built, off (HF_QKNORM_NATIVE): the ATen ops run"
     rule = f"capped float32 CPU calls, eager, no gradient, one thread or <= {native.PARALLEL_MAX} logits"
     return f"in use ({rule}; HF_QKNORM_NATIVE=0 turns it off)"
+
+
+def _fused_norms_state() -> str:
+    """Whether the fused per-head norm kernels (attention/fused_norms.py) run the norms of eager training calls."""
+    from hf_qknorm.attention import fused_norms
+    from hf_qknorm.portable import hooks
+
+    asked = fused_norms.requested()
+    if hooks.FUSED_NORM is fused_norms.fused_head_norm:
+        return "on, for eager training calls on the kernels' devices (HF_QKNORM_FUSED_NORMS=0 turns them off)"
+    if asked:
+        return "asked for (HF_QKNORM_FUSED_NORMS), but no CUDA device: the ATen norms run"
+    return "off: the ATen norms run (HF_QKNORM_FUSED_NORMS=1 turns them on, on CUDA)"
+
+
+def _tma_state() -> str:
+    """Who decides whether the Triton forward loads through tensor descriptors (Hopper or later)."""
+    from hf_qknorm.kernels import tma_requested
+
+    asked = tma_requested()
+    if asked is None:
+        return "as the tile table says (HF_QKNORM_TMA unset)"
+    return f"{'on wherever it applies' if asked else 'off'} (HF_QKNORM_TMA)"
 
 
 # The subcommands, in the order --help lists them: (name, add_parser(subparsers) -> parser, run(args) -> exit status).

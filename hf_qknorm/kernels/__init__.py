@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import importlib
 import os
-import warnings
+
+from ._env import switch
 
 __all__ = [
     "is_available",
@@ -85,22 +86,20 @@ def is_available() -> bool:
 
 
 EXACT_TANH_ENV = "HF_QKNORM_EXACT_TANH"
-_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+TMA_ENV = "HF_QKNORM_TMA"
 
 
 def exact_tanh_requested() -> bool:
-    """``HF_QKNORM_EXACT_TANH``: one of ``1 on true yes`` asks for the exact tanh; unset, empty or one of
-    ``0 off false no`` leaves the hardware one. Anything else warns, naming the valid values, and takes the exact
-    tanh (correct everywhere, only slower). Read from the environment at each call."""
-    value = os.environ.get(EXACT_TANH_ENV, "").strip().lower()
-    if value in _OFF or not value:
-        return False
-    if value not in _ON:
-        warnings.warn(
-            f"{EXACT_TANH_ENV}={value!r} is not one of {', '.join(_OFF + _ON)}: the capped kernels use the exact tanh",
-            stacklevel=2,
-        )
-    return True
+    """``HF_QKNORM_EXACT_TANH``: on asks for the exact tanh; off, unset or empty leaves the hardware one. Another
+    value raises ``ValueError`` (:func:`._env.switch`). Read from the environment at each call."""
+    return switch(EXACT_TANH_ENV, False, "tanh.approx.f32 for fp16/bf16 on NVIDIA GPUs")
+
+
+def tma_requested() -> bool | None:
+    """``HF_QKNORM_TMA``: on asks for the forward's tensor-descriptor loads wherever they apply, off refuses them even
+    where the tile table asks; unset or empty leaves the table's choice (None). Another value raises ``ValueError``
+    (:func:`._env.switch`). Read at each call."""
+    return switch(TMA_ENV, None, "the tile table decides")
 
 
 def tanh_mode() -> str:

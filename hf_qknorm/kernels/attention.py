@@ -29,12 +29,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 
 import torch
 import triton
 
-from . import _OFF, _ON, _tile_table, exact_tanh_requested
+from . import TMA_ENV, _tile_table, exact_tanh_requested, tma_requested  # noqa: F401 (TMA_ENV: the switch's name)
 from ._attention_args import (  # noqa: F401 (MAX_HEAD_DIM: part of this module's interface)
     MAX_HEAD_DIM,
     _check_inputs,
@@ -124,23 +123,6 @@ def fast_tanh(dtype: torch.dtype, device: torch.device, interpreted: bool) -> bo
     if interpreted or dtype not in (torch.float16, torch.bfloat16) or device.type != "cuda":
         return False
     return not exact_tanh_requested() and _has_tanh_approx(device)
-
-
-TMA_ENV = "HF_QKNORM_TMA"
-
-
-def tma_requested() -> bool | None:
-    """``HF_QKNORM_TMA``: one of ``1 on true yes`` asks for the forward's tensor-descriptor loads wherever they
-    apply, one of ``0 off false no`` refuses them even where the tile table asks; unset or empty leaves the table's
-    choice (None). Anything else raises ValueError: the switch is for measurements, which a misspelt value would
-    quietly turn into measurements of the other path. Read at each call."""
-    raw = os.environ.get(TMA_ENV, "")
-    value = raw.strip().lower()
-    if not value:
-        return None
-    if value not in _ON + _OFF:
-        raise ValueError(f"{TMA_ENV}={raw!r} is not one of {', '.join(_OFF + _ON)} (or unset: the tile table decides)")
-    return value in _ON
 
 
 @functools.cache

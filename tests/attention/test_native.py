@@ -521,12 +521,43 @@ def test_the_environment_switch_turns_it_off():
     env["HF_QKNORM_NATIVE"] = " Off "
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "False"]
-    env["HF_QKNORM_NATIVE"] = "nope"  # a value it does not know: a warning naming it and the valid ones, op off
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert run.stdout.split() == ["True", "False"]
-    assert (
-        "HF_QKNORM_NATIVE='nope' is not one of 0, off, false, no, 1, on, true, yes: the native op is off" in run.stderr
+
+
+_REFUSED = (
+    "import torch\n"
+    "from hf_qknorm.attention import lean\n"
+    "q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)\n"
+    "call = dict(scaling=0.3, mask=None, causal=False, sliding_window=None)\n"
+    "print(lean.lean_attention(q, k, v, softcap=None, **call).shape)  # not the op's call: the switch is moot\n"
+    "lean.lean_attention(q, k, v, softcap=5.0, **call)\n"
+)
+
+
+@pytest.mark.spawns
+def test_an_unknown_switch_value_refuses_the_ops_first_call():
+    """A value that is neither on nor off: importing works (the command line can still say what is wrong), and the
+    first call the op would take raises one line naming the value and the valid ones -- never the ATen ops measured
+    under the op's name."""
+    env = dict(os.environ, HF_QKNORM_NATIVE="nope")
+    run = subprocess.run([sys.executable, "-c", _REFUSED], env=env, capture_output=True, text=True)
+    assert run.returncode == 1 and run.stdout.strip() == "torch.Size([1, 1, 2, 16])", run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "ValueError: HF_QKNORM_NATIVE='nope' is not one of 0, off, false, no, 1, on, true, yes "
+        "(or unset: the native op where it was built)"
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [(None, True), ("", True), (" ", True), ("1", True), ("YES", True), (" true ", True)]
+    + [("0", False), ("off", False), ("No", False)],
+)
+def test_the_switch_spellings(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv("HF_QKNORM_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("HF_QKNORM_NATIVE", value)
+    assert native_op.requested() is on
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

@@ -461,6 +461,33 @@ def test_convert_prints_answer_agreement_beside_perplexity(tmp_path, capsys):
     assert code == 0 and "answer agreement" not in out
 
 
+@pytest.mark.parametrize(
+    ("name", "unset"),
+    [
+        ("HF_QKNORM_EXACT_TANH", "tanh.approx.f32 for fp16/bf16 on NVIDIA GPUs"),
+        ("HF_QKNORM_NATIVE", "the native op where it was built"),
+        ("HF_QKNORM_FUSED_NORMS", "on under Triton's interpreter only"),
+        ("HF_QKNORM_TMA", "the tile table decides"),
+    ],
+)
+def test_info_refuses_an_unknown_switch_value_in_one_line(monkeypatch, capsys, name, unset):
+    """Every environment switch of the library: a value that is neither on nor off makes ``hf-qknorm info`` (the
+    command that says which paths run) print one line naming it and the valid ones, and nothing else; valid
+    spellings are reported as what they mean."""
+    from hf_qknorm.cli.main import main
+
+    monkeypatch.setenv(name, " Maybe")
+    assert main(["info"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"error: {name}=' Maybe' is not one of 0, off, false, no, 1, on, true, yes (or unset: {unset})\n"
+    )
+    for good in ("", " YES ", "off"):
+        monkeypatch.setenv(name, good)
+        assert main(["info"]) == 0
+    capsys.readouterr()
+
+
 def test_info_says_whether_the_native_op_runs_and_which_tanh(monkeypatch, capsys):
     """``hf-qknorm info`` names the native CPU op's state (in use, off by the switch, or not built), the capped
     tanh's mode and the Transformers version against the tested range."""

@@ -30,7 +30,8 @@ TANH_KERNELS = {"_attn_fwd_kernel", "_attn_fwd_split_kernel", "_attn_bwd_dkdv_ke
 
 @pytest.mark.parametrize(
     ("value", "exact"),
-    [(None, False), ("", False), ("0", False), ("off", False), ("1", True), ("on", True), (" TRUE ", True)],
+    [(None, False), ("", False), ("0", False), ("off", False), ("No", False), (" false ", False)]
+    + [("1", True), ("on", True), (" TRUE ", True), ("yes", True)],
 )
 def test_exact_tanh_switch(monkeypatch, value, exact):
     if value is None:
@@ -44,10 +45,23 @@ def test_exact_tanh_switch(monkeypatch, value, exact):
     assert kernels.tanh_mode() == "exact"  # the interpreter cannot run inline assembly
 
 
-def test_exact_tanh_switch_unknown_value_warns_and_is_exact(monkeypatch):
-    monkeypatch.setenv(kernels.EXACT_TANH_ENV, "fast")
-    with pytest.warns(UserWarning, match="HF_QKNORM_EXACT_TANH='fast' is not one of"):
-        assert kernels.exact_tanh_requested()
+@pytest.mark.parametrize("value", ["fast", "2", " exact "])
+def test_exact_tanh_switch_refuses_an_unknown_value(monkeypatch, value):
+    """Neither on nor off: one line naming the value and the valid ones, from the switch, ``hf-qknorm info``'s
+    report and a launch's ``FAST_TANH`` flag -- rather than a guess that measures the other tanh."""
+    monkeypatch.setenv(kernels.EXACT_TANH_ENV, value)
+    monkeypatch.setattr(attn_mod, "_has_tanh_approx", lambda device: True)
+
+    def launch():  # the launchers' flag for fp16 on a GPU with the instruction
+        return attn_mod.fast_tanh(torch.float16, torch.device("cuda", 0), interpreted=False)
+
+    for call in (kernels.exact_tanh_requested, kernels.tanh_mode, launch):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == (
+            f"HF_QKNORM_EXACT_TANH={value!r} is not one of 0, off, false, no, 1, on, true, yes "
+            "(or unset: tanh.approx.f32 for fp16/bf16 on NVIDIA GPUs)"
+        )
 
 
 @pytest.mark.parametrize("has_instruction", [True, False], ids=["sm75+", "no-instruction"])

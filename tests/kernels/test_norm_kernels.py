@@ -186,13 +186,40 @@ def test_patched_model_routes_norms(monkeypatch):
 
 
 def test_the_fused_norms_are_opt_in_outside_the_interpreter():
-    """Not measured on a GPU yet: on CUDA they run only where HF_QKNORM_FUSED_NORMS=1 asks; the interpreter (these
-    tests) takes them unless it is 0; another value warns and leaves them off."""
+    """Not measured on a GPU yet: on CUDA they run only where HF_QKNORM_FUSED_NORMS asks; the interpreter (these
+    tests) takes them unless it is switched off; the switch's spellings are the library's others."""
     from hf_qknorm.attention.fused_norms import requested
 
     assert requested({}) is False
-    assert requested({"HF_QKNORM_FUSED_NORMS": "1"}) is True
+    assert requested({"HF_QKNORM_FUSED_NORMS": " "}) is False
     assert requested({"TRITON_INTERPRET": "1"}) is True
-    assert requested({"TRITON_INTERPRET": "1", "HF_QKNORM_FUSED_NORMS": "0"}) is False
-    with pytest.warns(UserWarning, match=r"HF_QKNORM_FUSED_NORMS='yes' is not 0 or 1"):
-        assert requested({"HF_QKNORM_FUSED_NORMS": "yes"}) is False
+    for on in ("1", "on", " TRUE ", "yes"):
+        assert requested({"HF_QKNORM_FUSED_NORMS": on}) is True
+    for off in ("0", "Off", "false", " no "):
+        assert requested({"TRITON_INTERPRET": "1", "HF_QKNORM_FUSED_NORMS": off}) is False
+
+
+def test_an_unknown_fused_norms_value_refuses_the_first_norm(monkeypatch):
+    """Neither on nor off: the switch raises one line naming the value and the valid ones. It is read at import,
+    where raising would break ``import hf_qknorm`` and the command line with it, so the slot refuses instead: the
+    first norm call (a patched model's forward) raises the same line."""
+    import hf_qknorm
+    from hf_qknorm.attention import fused_norms
+    from hf_qknorm.portable import hooks
+    from tests._support.tiny_models import VOCAB, tiny_model
+
+    message = (
+        "HF_QKNORM_FUSED_NORMS='maybe' is not one of 0, off, false, no, 1, on, true, yes "
+        "(or unset: on under Triton's interpreter only)"
+    )
+    with pytest.raises(ValueError) as err:
+        fused_norms.requested({"HF_QKNORM_FUSED_NORMS": "maybe"})
+    assert str(err.value) == message
+    monkeypatch.setattr(hooks, "FUSED_NORM", None)
+    model = hf_qknorm.patch_model(tiny_model("llama"), "qk_norm", norm="rmsnorm")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # where a kernel may run
+    monkeypatch.setenv("HF_QKNORM_FUSED_NORMS", "maybe")
+    fused_norms.install()
+    with pytest.raises(ValueError) as err:
+        model(torch.randint(0, VOCAB, (1, 5)))
+    assert str(err.value) == message
