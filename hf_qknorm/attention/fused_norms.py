@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..kernels._env import switch
+from ..kernels._env import SwitchError, switch
 from ..portable import hooks
 from .dispatch import current_kernel_policy
 
@@ -75,7 +75,7 @@ def requested(environ=os.environ) -> bool:
 
 def _refusal(message: str):
     def refuse(norm, x):
-        raise ValueError(message)
+        raise SwitchError(message)
 
     return refuse
 
@@ -88,7 +88,7 @@ def install() -> None:
         return
     try:
         on = requested()
-    except ValueError as exc:
+    except SwitchError as exc:
         hooks.FUSED_NORM = _refusal(str(exc))
         return
     if on:

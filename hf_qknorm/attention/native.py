@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels._env import switch
+from ..kernels._env import SwitchError, switch
 
 try:
     from . import _native as MODULE
@@ -46,13 +46,13 @@ class _Refused:
     def __getattr__(self, name: str):
         if name.startswith("__"):  # copy, pickle and hasattr probes: plain attribute semantics
             raise AttributeError(name)
-        raise ValueError(self.message)
+        raise SwitchError(self.message)
 
 
 def _initial():
     try:
         return MODULE if requested() else None
-    except ValueError as exc:
+    except SwitchError as exc:
         return _Refused(str(exc))
 
 

@@ -38,6 +38,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ..kernels._env import SwitchError
 from ..portable.eager import effective_softcap
 from ..portable.families import UnsupportedModelError
 from ..portable.names import ATTN_IMPLEMENTATION, ROLES
@@ -292,7 +293,7 @@ def _probe_errors(name: str):
     """An error of the probe forward (or backward) as a refusal naming the model type."""
     try:
         yield
-    except UnsupportedModelError:
+    except (UnsupportedModelError, SwitchError):  # a misspelt environment switch: the user's setting, not the model's
         raise
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""

@@ -542,8 +542,8 @@ def test_an_unknown_switch_value_refuses_the_ops_first_call():
     run = subprocess.run([sys.executable, "-c", _REFUSED], env=env, capture_output=True, text=True)
     assert run.returncode == 1 and run.stdout.strip() == "torch.Size([1, 1, 2, 16])", run.stderr
     assert run.stderr.strip().splitlines()[-1] == (
-        "ValueError: HF_QKNORM_NATIVE='nope' is not one of 0, off, false, no, 1, on, true, yes "
-        "(or unset: the native op where it was built)"
+        "hf_qknorm.kernels._env.SwitchError: HF_QKNORM_NATIVE='nope' is not one of 0, off, false, no, 1, on, true, "
+        "yes (or unset: the native op where it was built)"
     )
 
 

@@ -202,7 +202,7 @@ def test_the_fused_norms_are_opt_in_outside_the_interpreter():
 def test_an_unknown_fused_norms_value_refuses_the_first_norm(monkeypatch):
     """Neither on nor off: the switch raises one line naming the value and the valid ones. It is read at import,
     where raising would break ``import hf_qknorm`` and the command line with it, so the slot refuses instead: the
-    first norm call (a patched model's forward) raises the same line."""
+    first norm call (a patched model's forward, patching's probe) raises the same line."""
     import hf_qknorm
     from hf_qknorm.attention import fused_norms
     from hf_qknorm.portable import hooks
@@ -222,4 +222,7 @@ def test_an_unknown_fused_norms_value_refuses_the_first_norm(monkeypatch):
     fused_norms.install()
     with pytest.raises(ValueError) as err:
         model(torch.randint(0, VOCAB, (1, 5)))
+    assert str(err.value) == message
+    with pytest.raises(ValueError) as err:  # the patch-time probe passes it on: the setting, not the model, is wrong
+        hf_qknorm.patch_model(tiny_model("llama"), "qk_norm")
     assert str(err.value) == message
