@@ -22,14 +22,15 @@ _RUNNER = textwrap.dedent("""
     import json, sys, traceback
     sys.modules["hf_qknorm"] = None  # any import of the plugin now fails: the folder must stand on its own
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     jobs = json.load(open(sys.argv[1]))
     torch.set_num_threads(int(sys.argv[3]))
     out = {}
     for job in jobs:
         try:
-            model = AutoModelForCausalLM.from_pretrained(job["path"], trust_remote_code=job["remote"]).eval()
+            auto = getattr(transformers, job.get("auto", "AutoModelForCausalLM"))
+            model = auto.from_pretrained(job["path"], trust_remote_code=job["remote"]).eval()
             ids, mask = torch.tensor(job["ids"]), torch.tensor(job["mask"])
             with torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=mask).logits.float()
@@ -45,8 +46,9 @@ _RUNNER = textwrap.dedent("""
 
 
 def logits_without_plugin(jobs: list[dict], *, timeout: float = 1800) -> dict:
-    """For each job (``key``, folder ``path``, ``remote``: trust_remote_code, ``ids`` and ``mask`` as nested lists),
-    the float32 logits of the folder's causal LM loaded in one fresh interpreter without the plugin, with the class
+    """For each job (``key``, folder ``path``, ``remote``: trust_remote_code, ``ids`` and ``mask`` as nested lists;
+    optional ``auto``: the Auto class to load with, ``AutoModelForCausalLM`` by default), the float32 logits of the
+    folder's model loaded in one fresh interpreter without the plugin, with the class
     it loaded as: key -> ``{"logits", "cls", "module"}`` or ``{"error", "traceback"}``. Transformers' remote-code
     module cache is private to the run. ``HF_QKNORM_PYTHON`` names another interpreter to use."""
     with tempfile.TemporaryDirectory(prefix="hf_qknorm_plain_") as tmp:

@@ -224,13 +224,12 @@ def polish(
     """End-to-end KL distillation from the layer-wise ``values``, on the whole model loaded from ``src`` in float32
     (needs the model, plus its log-probabilities on the calibration text, in memory). Updates ``report`` (KL,
     calibrated perplexity, converted max logits) and returns the polished values."""
-    from transformers import AutoModelForCausalLM
-
     from ...data import perplexity
     from ...modeling.patch import patch_model
+    from ..output.shards import load_pretrained
 
     t0 = time.time()
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(settings.resolved_device()).eval()
+    model = load_pretrained(src, dtype=torch.float32).to(settings.resolved_device()).eval()
     bs = settings.batch_size
     per_block = calib_blocks.shape[1] * model.config.get_text_config().vocab_size * 2
     n_teacher = max(1, min(len(calib_blocks), settings.teacher_budget_mb * 2**20 // per_block))

@@ -63,12 +63,13 @@ class StreamedCheckpoint:
 
     def __init__(self, config, family: Family, weights: SourceWeights, cfg: QKNormConfig, device: torch.device):
         from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
+
+        from ..output.shards import auto_class
 
         self.family, self.weights, self.cfg, self.device = family, weights, cfg, device
         with init_empty_weights(include_buffers=False):
-            self.original = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            self.patched = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.original = auto_class(config).from_config(config, dtype=torch.float32)
+            self.patched = auto_class(config).from_config(config, dtype=torch.float32)
         patch_model(self.patched, cfg)
         for model in (self.original, self.patched):
             # the backend that hands over what it attends over (the logit statistics), for every family
@@ -78,6 +79,11 @@ class StreamedCheckpoint:
                 for key, buf in list(buf_owner._buffers.items()):
                     if buf is not None and buf.device != device:
                         buf_owner._buffers[key] = buf.to(device)
+        # the head shares the embedding's weight (a multimodal model may say so in its own config, not the text one):
+        # read off the source's skeleton, which Transformers tied (init_empty_weights above leaves them apart)
+        skeleton = weights.model if weights.model is not None else self.original
+        head, embed = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
+        self._tied = head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0)
         self.blocks = find_layers(self.original, family)
         self.patched_blocks = find_layers(self.patched, family)
         self.prefix = family.layers + "."
@@ -143,9 +149,11 @@ class StreamedCheckpoint:
 
     @contextmanager
     def outer(self):
-        """Embeddings, final norm and output head of the original model, materialised while in the block."""
+        """Embeddings, final norm and output head of the original model, materialised while in the block (of a
+        multimodal model also its vision tower and projector, which its forward on text does not run, but whose
+        device it may read)."""
         names = self._names(self.original, None, outer=True)
-        tied = getattr(self.original.config.get_text_config(), "tie_word_embeddings", False)
+        tied = self._tied or getattr(self.original.config.get_text_config(), "tie_word_embeddings", False)
         head = self.original.get_output_embeddings()
         head_name = next(f"{n}.weight" for n, m in self.original.named_modules() if m is head)
         loadable = [n for n in names if self.weights.has(n)]

@@ -221,18 +221,20 @@ def folder_agreement(
 ) -> AgreementReport:
     """:func:`answer_agreement` of two model folders in float32, loading one model at a time (the original for the
     reference, then the converted one): memory for one whole model, unlike the layer-by-layer calibration."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from ..output.shards import load_pretrained
 
     prompts = load_prompts() if prompts is None else list(prompts)
     tokenizer = AutoTokenizer.from_pretrained(original_dir)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the conversion's own log says what runs; no loading bars inside it
     try:
-        model = AutoModelForCausalLM.from_pretrained(original_dir, dtype=torch.float32).to(device).eval()
+        model = load_pretrained(original_dir, dtype=torch.float32).to(device).eval()
         reference = reference_continuations(model, tokenizer, prompts, new_tokens)
         del model
-        model = AutoModelForCausalLM.from_pretrained(converted_dir, dtype=torch.float32).to(device).eval()
+        model = load_pretrained(converted_dir, dtype=torch.float32).to(device).eval()
     finally:
         if bars:
             hf_logging.enable_progress_bar()

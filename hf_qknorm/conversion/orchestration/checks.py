@@ -173,16 +173,15 @@ def verify_output(
     if mode == "off":
         say("not verified (verify='off')")
         return
-    from transformers import AutoModelForCausalLM
-
     from ...modeling.patch import qknorm_config
     from ...portable.families import UnsupportedModelError
     from ...verification import verify, verify_folder
     from ...verification.loading import quiet_transformers
+    from ..output.shards import load_pretrained
 
     reports, skipped, agreed = [], None, None
     with quiet_transformers(), layer_view(folder, VERIFY_LAYERS) as view:
-        model, info = AutoModelForCausalLM.from_pretrained(view, output_loading_info=True)
+        model, info = load_pretrained(view, output_loading_info=True)
         model.eval()
         if info.get("missing_keys"):
             _fail(f"the written folder lacks {', '.join(sorted(info['missing_keys'])[:3])}")
@@ -191,10 +190,13 @@ def verify_output(
         plain = _plain_class(kind, source)
         if got != wanted or (plain is not None and type(model).__name__ != plain):
             _fail(f"the written folder loads as {type(model).__name__} with scheme {got}, not {wanted or plain}")
-        try:
-            reports.append(verify(model))
-        except UnsupportedModelError as exc:  # the float64 reference refuses this model type
-            skipped = str(exc).splitlines()[0]
+        if source is not None and source.family.text_model:
+            skipped = "verify checks text decoders, and this is a multimodal model's language model"
+        else:
+            try:
+                reports.append(verify(model))
+            except UnsupportedModelError as exc:  # the float64 reference refuses this model type
+                skipped = str(exc).splitlines()[0]
         if mode == "full" and kind == "qknorm" and skipped is None:
             reports.append(verify_folder(view, no_plugin=True))
         for report, how in zip(reports, ("with hf_qknorm", "without hf_qknorm, through its remote code")):
@@ -219,11 +221,14 @@ def verify_output(
 
 
 def _plain_class(kind: str, source) -> str | None:
-    """The class a plain export loads as (``None`` for ``qknorm``)."""
+    """The class a plain export loads as (``None`` for ``qknorm``): a multimodal model's is the source's own class
+    whichever its language model's type."""
+    archs = (getattr(source.config, "architectures", None) or []) if source is not None else []
+    if kind != "qknorm" and source is not None and source.family.text_model:
+        return archs[0] if len(archs) == 1 else None
     if kind == "qwen3":
         return "Qwen3ForCausalLM"
-    if kind == "native" and source is not None:
-        archs = getattr(source.config, "architectures", None) or []
+    if kind == "native":
         return next((a for a in archs if a.endswith(("ForCausalLM", "LMHeadModel"))), None)
     return None
 
@@ -238,11 +243,10 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
     runs on the source's own weights), every tensor the conversion computed set to its value (the new norms; with
     healing the attention's weights too), then run in float32. Returns what was checked;
     :class:`ConversionCheckError` when they differ."""
-    from transformers import AutoModelForCausalLM
-
     from ...modeling.patch import patch_model
     from ...verification.plain import logits_without_plugin
     from ..calibration.calibrate import new_norm_parameters
+    from ..output.shards import auto_class, load_pretrained
 
     vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -251,7 +255,7 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
     mask[0, :AGREEMENT_PAD] = 0
     dtype = source.weights.dtype
     with layer_view(source.path, VERIFY_LAYERS) as src_view:
-        ref = AutoModelForCausalLM.from_pretrained(src_view, dtype=dtype)
+        ref = load_pretrained(src_view, dtype=dtype)
     patch_model(ref, cfg)
     missing = sorted(set(new_norm_parameters(ref)) - set(values))
     if missing:
@@ -268,6 +272,7 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
     how = "plain Transformers" if kind != "qknorm" else "its remote code"
     if without_plugin:
         job = {"key": "0", "path": str(view), "remote": kind == "qknorm", "ids": ids.tolist(), "mask": mask.tolist()}
+        job["auto"] = auto_class(ref.config).__name__
         try:
             row = logits_without_plugin([job])["0"]
         except RuntimeError as exc:
@@ -317,8 +322,10 @@ def layer_view(folder: Path, layers: int):
     """A folder that loads as ``folder`` with at most ``layers`` layers: its own ``config.json`` (layer count and
     per-layer lists cut), links to the weights and copies of the small files a model load reads."""
     raw = json.loads((Path(folder) / "config.json").read_text())
-    key = _layers_key(raw)
-    total = int(raw.get(key, 0))
+    # a multimodal model's layers are its language model's, counted in its text config
+    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    key = _layers_key(text)
+    total = int(text.get(key, 0))
     with tempfile.TemporaryDirectory(prefix="hf_qknorm_verify_") as tmp:
         view = Path(tmp) / "model"
         view.mkdir()
@@ -332,9 +339,9 @@ def layer_view(folder: Path, layers: int):
         raw["dtype"] = "float32"
         raw.pop("torch_dtype", None)
         if 0 < layers < total:
-            raw[key] = layers
-            for name, value in list(raw.items()):
+            text[key] = layers
+            for name, value in list(text.items()):
                 if isinstance(value, list) and len(value) == total:
-                    raw[name] = value[:layers]  # layer_types and the like
+                    text[name] = value[:layers]  # layer_types and the like
         (view / "config.json").write_text(json.dumps(raw, indent=2))
         yield view

@@ -145,6 +145,7 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
     def check():
         if req.heal is not None:
             check_world(req.heal)
+            _check_heal_loads(source, req.heal)
         dst = req.dst if req.dst is not None else default_destination(source.name, cfg)
         dst = check_destination(dst, source.path, req.overwrite)
         check_writable(dst)
@@ -162,8 +163,11 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
             "publishing it"
         )
 
+    kind_of = (
+        family.model_type if not family.text_model else f"{config.model_type} with a {family.model_type} text model"
+    )
     log(
-        f"converting {source.name} ({family.model_type}, {source.weights.dtype}, "
+        f"converting {source.name} ({kind_of}, {source.weights.dtype}, "
         f"{len(source.weights.files)} weight file(s)) to {cfg.scheme}"
         f"{'' if not cfg.norms_qk else ' / ' + cfg.norm} -> {dst} as {kind}"
     )
@@ -176,6 +180,27 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
     # healing is shared out, so every rank calibrates and heals; without it rank 0 alone does the work
     prepared = prepare() if req.heal is not None else None
     return ranks.first(lambda: _write(req, source, dst, (kind, note), prepared or prepare(), progress, log))
+
+
+def _check_heal_loads(source: Source, heal: HealSettings) -> None:
+    """Refuse, before any work, healing stages that load the whole original as a causal LM (its own heal text, the
+    end-to-end stage) for a multimodal model that has no causal-LM class (LLaVA, Qwen2-VL; Gemma 3 has one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = source.config.model_type
+    if not source.family.text_model or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    stages = [
+        s
+        for s, on in (("--heal-text self", heal.text == "self"), ("--heal-end-to-end-tokens", heal.end_to_end_tokens))
+        if on
+    ]
+    if stages:
+        raise ValueError(
+            f"healing a {model_type!r} model with {' and '.join(stages)} loads it whole as a causal LM, which "
+            f"Transformers has no class for (it is multimodal); heal it with --heal-text calibration and "
+            "--heal-end-to-end-tokens 0 (layer by layer on the calibration text)"
+        )
 
 
 def _write(req: _Request, source: Source, dst: Path, export, prepared, progress: bool, log) -> ConversionResult:
@@ -205,7 +230,8 @@ def _write(req: _Request, source: Source, dst: Path, export, prepared, progress:
     if report is not None:
         log(report.summary())
     if note and kind == "qknorm" and req.export == "auto" and family.model_type in ("llama", "mistral"):
-        log(f"note: written as {PREFIX}{family.model_type} (trust_remote_code) rather than qwen3: {note}")
+        written = PREFIX + source.config.model_type
+        log(f"note: written as {written} (trust_remote_code) rather than {_plain_name(source)}: {note}")
     log(f"wrote {dst} ({kind}): {', '.join(result.files)}")
     if hub.repo_id:
         from ..output.hub import push
@@ -226,6 +252,13 @@ def _write(req: _Request, source: Source, dst: Path, export, prepared, progress:
             ) from exc
         log(f"pushed to {result.pushed_url}")
     return result
+
+
+def _plain_name(source: Source) -> str:
+    """What a ``qwen3`` export of ``source`` is called in messages."""
+    if source.family.text_model:
+        return f"a plain {source.config.model_type} with a qwen3 text model"
+    return "qwen3"
 
 
 def settings_objects(config, calibration, hub):

@@ -2,23 +2,25 @@
 patched model type converted with every variant of :data:`VARIANTS`, and every written folder reloaded without the
 plugin.
 
-Per model type (:func:`check_conversions`) a tiny model of the type (:mod:`hf_qknorm.verification.tiny`, its
-vocabulary widened to the bundled tokenizer's, its norms given trained-looking gains so folds and carried gains
-matter) is saved with the bundled tokenizer and converted by :func:`hf_qknorm.convert` with each variant: calibration
-streamed layer by layer, then the written folder checked before it is renamed into place -- its logits against the
-converted model in memory (:func:`hf_qknorm.patch_model` of the source with the calibrated norms), and against the
-float64 reference of :func:`hf_qknorm.verify` where that does not refuse the type. Then every written folder
-is loaded in one fresh interpreter that cannot import the plugin (:mod:`hf_qknorm.verification.plain`: remote code,
-or plain Transformers for a plain export) and its logits compared with the same folder's loaded with the plugin.
+Per model type (:func:`check_conversions`) a tiny model of the type (:mod:`hf_qknorm.verification.tiny`; a
+multimodal type's whole model, of which its language model is converted; its vocabulary widened to the bundled
+tokenizer's, its norms given trained-looking gains so folds and carried gains matter) is saved with the bundled
+tokenizer and converted by :func:`hf_qknorm.convert` with each variant: calibration streamed layer by layer, then
+the written folder checked before it is renamed into place -- its logits against the converted model in memory
+(:func:`hf_qknorm.patch_model` of the source with the calibrated norms), and against the float64 reference of
+:func:`hf_qknorm.verify` where that does not refuse the type. Then every written folder is loaded in one fresh
+interpreter that cannot import the plugin (:mod:`hf_qknorm.verification.plain`: remote code, or plain Transformers
+for a plain export) and its logits compared with the same folder's loaded with the plugin.
 
 A variant is ``ok`` with the format written, ``refused`` with :func:`hf_qknorm.convert`'s one-line reason (the same
 as patching's: ``qkv_norm`` on a parallel block), or ``FAIL``. A model type is ``converted`` when every variant is ok,
-or every one but those patching refuses; ``refused`` when every variant is (a multimodal model: convert takes text
-decoders); ``FAIL`` when any variant fails; ``untested`` when no tiny checkpoint of it can be saved.
+or every one but those patching refuses; ``refused`` when every variant is; ``FAIL`` when any variant fails;
+``untested`` when no tiny checkpoint of it can be saved.
 """
 
 from __future__ import annotations
 
+import copy
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -66,19 +68,25 @@ def variant_key(scheme: str, norm: str | None) -> str:
 
 def tiny_source(model_type: str, folder: Path, seed: int = 0) -> Path:
     """A tiny checkpoint of ``model_type`` saved to ``folder`` with the bundled tokenizer: the coverage table's tiny
-    config (:func:`hf_qknorm.verification.tiny.tiny_config`) with room for the tokenizer's ids, every 1-d parameter
-    (norm gains and biases) moved off its initial value so that what a conversion folds or carries shows."""
-    from transformers import AutoModelForCausalLM
-
+    config (:func:`hf_qknorm.verification.tiny.tiny_config`; a multimodal type's:
+    :func:`~hf_qknorm.verification.tiny.tiny_multimodal_config`, its special tokens above the tokenizer's ids) with
+    room for the tokenizer's ids, every 1-d parameter (norm gains and biases) moved off its initial value so that
+    what a conversion folds or carries shows."""
     from ...data import bundled_model_dir
     from ...verification.loading import quiet_transformers
-    from ...verification.tiny import tiny_config
+    from ...verification.tiny import _fit_mrope, is_multimodal, tiny_config, tiny_multimodal_config
+    from ..output.shards import auto_class
 
-    config = _per_layer_lists_cut(model_type, tiny_config(model_type))
-    config.vocab_size = SOURCE_VOCAB
+    if is_multimodal(_default_config(model_type)):
+        config = _special_ids_on_top(tiny_multimodal_config(model_type))
+        with torch.device("meta"):  # multimodal RoPE sections sized to the tiny heads, as the patching checks do
+            _fit_mrope(auto_class(config).from_config(copy.deepcopy(config)), config)
+    else:
+        config = _per_layer_lists_cut(model_type, tiny_config(model_type))
+        config.vocab_size = SOURCE_VOCAB
     torch.manual_seed(seed)
     kwargs = {"experts_implementation": "eager"} if hasattr(config, "_experts_implementation") else {}
-    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model = auto_class(config).from_config(config, **kwargs)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for prm in model.parameters():
@@ -104,17 +112,25 @@ def _per_layer_lists_cut(model_type: str, config):
     return config
 
 
-def multimodal_reason(model_type: str) -> str | None:
-    """Why :func:`hf_qknorm.convert` does not take ``model_type`` (a multimodal model), else ``None``."""
+def _default_config(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type]()
-    if config.get_text_config() is config:
-        return None
-    return (
-        f"model type {model_type!r} is a multimodal model: hf_qknorm.convert converts text decoders; patch it "
-        "with hf_qknorm.patch_model and save it with save_pretrained"
-    )
+    return CONFIG_MAPPING[model_type]()
+
+
+def _special_ids_on_top(config):
+    """A multimodal ``config`` with the text vocabulary widened to :data:`SOURCE_VOCAB` and its special tokens'
+    ids (image, video, ...) at its top, above the tokenizer's: calibration text never holds an image token."""
+    from ...verification.tiny import SPECIAL_IDS
+
+    config.get_text_config().vocab_size = SOURCE_VOCAB
+    taken = SOURCE_VOCAB - 1
+    for names in SPECIAL_IDS:
+        for name in names:
+            if isinstance(getattr(config, name, None), int):
+                setattr(config, name, taken)
+        taken -= 1
+    return config
 
 
 def probe_inputs(vocab: int = SOURCE_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,11 +146,10 @@ def convert_variants(model_type: str, workdir: Path, variants=VARIANTS) -> tuple
     """Convert a tiny checkpoint of ``model_type`` (in ``workdir``) with each variant; returns each variant's result
     and, for those converted, a job for :func:`reload_without_plugin` (with the logits the folder gives with the
     plugin)."""
-    from transformers import AutoModelForCausalLM
-
     from ...portable.families import UnsupportedModelError
     from ...portable.schemes import QKNormConfig
     from ...verification.loading import quiet_transformers
+    from ..output.shards import auto_class, load_pretrained
     from .converter import convert
 
     source = tiny_source(model_type, Path(workdir) / "source")
@@ -167,7 +182,7 @@ def convert_variants(model_type: str, workdir: Path, variants=VARIANTS) -> tuple
         reference = "float64" if not any(m.startswith("float64 reference not run") for m in messages) else "patch"
         results[key] = f"ok ({fmt}; {reference})"
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(out).eval()
+            model = load_pretrained(out).eval()
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
         jobs.append(
@@ -175,6 +190,7 @@ def convert_variants(model_type: str, workdir: Path, variants=VARIANTS) -> tuple
                 "key": f"{model_type}:{key}",
                 "path": str(out),
                 "remote": result.export == "qknorm",
+                "auto": auto_class(model.config).__name__,
                 "ids": ids.tolist(),
                 "mask": mask.tolist(),
                 "_want": logits,
@@ -184,13 +200,15 @@ def convert_variants(model_type: str, workdir: Path, variants=VARIANTS) -> tuple
 
 
 def _format(result, source: Path) -> str:
-    if result.export == "qknorm":
-        return "remote code"
-    if result.export == "qwen3":
-        return "plain qwen3"
     import json
 
-    return "plain " + json.loads((source / "config.json").read_text())["model_type"]
+    if result.export == "qknorm":
+        return "remote code"
+    model_type = json.loads((source / "config.json").read_text())["model_type"]
+    if result.export == "qwen3":
+        written = json.loads((result.path / "config.json").read_text())
+        return "plain qwen3" if written["model_type"] == "qwen3" else f"plain {model_type} with a qwen3 text model"
+    return "plain " + model_type
 
 
 def reload_without_plugin(jobs: list[dict]) -> dict[str, str]:
@@ -247,10 +265,6 @@ def check_conversions(model_types: list[str], progress=None, variants=VARIANTS) 
     out, jobs_of, results_of = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="hf_qknorm_coverage_") as tmp:
         for model_type in model_types:
-            reason = multimodal_reason(model_type)
-            if reason:
-                out[model_type] = ConversionResult(REFUSED, reason)
-                continue
             work = Path(tmp) / model_type
             work.mkdir()
             try:

@@ -11,7 +11,7 @@ import torch
 
 from ...modeling.derive import get_family
 from ...modeling.saved import read_config
-from ...portable.families import Family, UnsupportedModelError
+from ...portable.families import Family, text_config_of
 from ...portable.layout import find_layers
 from ...portable.names import PREFIX
 from ..output.shards import SourceWeights, check_matches_config, read_source_weights, skeleton
@@ -70,21 +70,18 @@ def inspect_source(src, cfg=None) -> Source:
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type.startswith(PREFIX) or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")
+    config = AutoConfig.from_pretrained(path)
+    # a multimodal model: its language model is converted, found in the whole model as patching finds it
+    multimodal = text_config_of(config) is not config
     archs = raw.get("architectures") or []
-    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+    if not multimodal and archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise ValueError(
             f"{path} is not a causal language model (architectures {archs}); "
-            "hf_qknorm converts *ForCausalLM / *LMHeadModel checkpoints"
+            "hf_qknorm converts *ForCausalLM / *LMHeadModel checkpoints and the language model of multimodal ones"
         )
-    config = AutoConfig.from_pretrained(path)
-    family = get_family(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is not config:
-        raise UnsupportedModelError(
-            f"model type {family.model_type!r} is a multimodal model: hf_qknorm.convert converts text decoders; "
-            "patch it with hf_qknorm.patch_model and save it with save_pretrained"
-        )
+    family = None if multimodal else get_family(config)
     model = skeleton(config, path)
+    family = family or get_family(model)
     # where the causal LM holds its blocks (a head model whose base-model prefix names no attribute of it)
     blocks = find_layers(model, family)
     family = dataclasses.replace(family, layers=next(n for n, m in model.named_modules() if m is blocks))
@@ -107,14 +104,13 @@ def check_patchable(path: Path, cfg, weights: SourceWeights | None = None) -> No
     and the attention backend, ...). Raises :class:`~hf_qknorm.portable.families.UnsupportedModelError` with
     patching's one-line reason. With the source's ``weights``, a NaN or infinite weight in those layers is an error
     naming it first."""
-    from transformers import AutoModelForCausalLM
-
     from ...modeling.patch import patch_model
     from ...verification.loading import quiet_transformers
+    from ..output.shards import load_pretrained
     from .checks import layer_view
 
     with quiet_transformers(), layer_view(path, PROBE_LAYERS) as view:
-        model = AutoModelForCausalLM.from_pretrained(view)
+        model = load_pretrained(view)
     if weights is not None:  # a NaN or inf weight is named as such, not as the refusal a probe of it would give
         for name, prm in model.named_parameters():
             if prm.is_floating_point() and not bool(torch.isfinite(prm).all()) and weights.has(name):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ...portable.families import Family, base_model_type
+from ...portable.families import Family, base_model_type, text_config_of
 from ...portable.schemes import QKNormConfig
 
 EXPORTS = ("auto", "qwen3", "native", "qknorm")
@@ -62,9 +62,20 @@ SIDE_FILE_PATTERNS = (
 
 
 def qwen3_blocker(config, cfg: QKNormConfig, family: Family) -> str | None:
-    """``None`` when the patched model is exactly a Qwen3 model, else the reason it is not."""
+    """``None`` when the patched model is exactly a Qwen3 model -- for a multimodal model: its language model, in a
+    model that takes a language model of any type (LLaVA, Mistral3) -- else the reason it is not."""
     if family.model_type not in ("llama", "mistral"):
         return f"only Llama and Mistral models become Qwen3 models, this is {family.model_type!r}"
+    text = text_config_of(config)
+    if text is not config:
+        from transformers import AutoConfig
+
+        if type(config).sub_configs.get("text_config") is not AutoConfig:
+            return (
+                f"the language model of a {config.model_type!r} model is of its own fixed type "
+                f"({type(text).__name__}), not one a Qwen3 language model can take the place of"
+            )
+        config = text
     if cfg.scheme != "qk_norm" or cfg.norm != "rmsnorm":
         return (
             f"Qwen3 is scheme 'qk_norm' with norm 'rmsnorm' (no cap, no value norm); "
@@ -236,10 +247,19 @@ def stored_values(values: dict, offsets: dict, family: Family, weights) -> dict:
 
 def write_config(folder: Path, kind: str, patched_config, dtype: torch.dtype, source_config=None) -> dict:
     """Write ``config.json`` for ``kind`` (``qknorm`` also gets the remote code; ``native`` is the source's
-    ``source_config``). Returns the written dict."""
+    ``source_config``; ``qwen3`` of a multimodal model is the source's with a Qwen3 text config). Returns the written
+    dict."""
     import copy
 
     folder = Path(folder)
+    if kind == "qwen3" and text_config_of(source_config) is not source_config:
+        # a multimodal model whose language model becomes a Qwen3 model: the source's config around it
+        config = copy.deepcopy(source_config)
+        config.text_config = qwen3_config(text_config_of(patched_config), dtype)
+        config.text_config.architectures = None
+        config.dtype = dtype
+        config.save_pretrained(folder)
+        return json.loads((folder / "config.json").read_text())
     if kind == "qwen3":
         qwen3_config(patched_config, dtype).save_pretrained(folder)
         return json.loads((folder / "config.json").read_text())

@@ -147,8 +147,10 @@ def source_licence(source_dir: Path | None) -> dict:
     return kept
 
 
-def _load_snippet(export: str, name: str, tokenizer: bool = True, model_type: str | None = None) -> tuple[str, str]:
-    snippet, note = _model_snippet(export, name, model_type)
+def _load_snippet(
+    export: str, name: str, tokenizer: bool = True, model_type: str | None = None, text_type: str | None = None
+) -> tuple[str, str]:
+    snippet, note = _model_snippet(export, name, model_type, text_type)
     if tokenizer:
         return snippet, note
     snippet = snippet.replace(", AutoTokenizer", "").replace(
@@ -160,8 +162,28 @@ def _load_snippet(export: str, name: str, tokenizer: bool = True, model_type: st
     )
 
 
-def _model_snippet(export: str, name: str, model_type: str | None = None) -> tuple[str, str]:
-    name = py_str(name)
+def _model_snippet(
+    export: str, name: str, model_type: str | None = None, text_type: str | None = None
+) -> tuple[str, str]:
+    """The loading code and its note; ``text_type``: a multimodal model's language model type (``None``: a text
+    model), which loads through ``AutoModelForImageTextToText``."""
+    snippet, note = _text_model_snippet(export, py_str(name), model_type)
+    if text_type is None:
+        return snippet, note
+    snippet = snippet.replace("AutoModelForCausalLM", "AutoModelForImageTextToText")
+    if export == "qwen3":
+        snippet = snippet.replace("a plain Qwen3ForCausalLM", f"a plain {model_type} model, its language model Qwen3")
+        note = (
+            f"Its language model is exactly a Qwen3 model (per-head RMSNorm on queries and keys before RoPE) and "
+            f"`{model_type}` takes a language model of any type, so plain Transformers loads it with no plugin and "
+            "no remote code; the vision tower and projector are the source's, unchanged."
+        )
+    else:
+        note += " Only the language model changed: the vision tower and projector are the source's, unchanged."
+    return snippet, note
+
+
+def _text_model_snippet(export: str, name: str, model_type: str | None) -> tuple[str, str]:
     if export == "native":
         return (
             f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
@@ -205,9 +227,10 @@ def build_model_card(
     export_note: str | None = None,
     versions: dict | None = None,
     model_type: str | None = None,
+    text_type: str | None = None,
 ):
-    """The filled :class:`huggingface_hub.ModelCard` of a converted folder (``model_type``: the type a ``native``
-    export is written as)."""
+    """The filled :class:`huggingface_hub.ModelCard` of a converted folder (``model_type``: the type a plain export
+    is written as; ``text_type``: a multimodal model's language model type, ``None`` for a text model)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from ...upstream import installed_versions
@@ -221,14 +244,20 @@ def build_model_card(
     licence = source_licence(source_dir)
     unusable = licence.pop("unusable", False)
     data = ModelCardData(
-        base_model=hub_base, library_name="transformers", pipeline_tag="text-generation", tags=tags, **licence
+        base_model=hub_base,
+        library_name="transformers",
+        pipeline_tag="text-generation" if text_type is None else "image-text-to-text",
+        tags=tags,
+        **licence,
     )
     title, description = _SCHEMES[scheme["scheme"]]
     from .export import has_tokenizer
 
-    snippet, note = _load_snippet(export, model_name, source_dir is None or has_tokenizer(source_dir), model_type)
+    tokenizer = source_dir is None or has_tokenizer(source_dir)
+    snippet, note = _load_snippet(export, model_name, tokenizer, model_type, text_type)
+    qwen3 = "plain `qwen3`" if text_type is None else f"plain `{model_type}` with a `qwen3` language model"
     fmt = {
-        "qwen3": "plain `qwen3` (no plugin needed)",
+        "qwen3": f"{qwen3} (no plugin needed)",
         "native": f"plain `{model_type}`, the source's own model type (no plugin needed)",
     }.get(export, "`qknorm_<base>` with `trust_remote_code` modelling code")
     if export_note and export == "qknorm":
@@ -284,8 +313,10 @@ def write_model_card(
     folder = Path(folder)
     saved = json.loads((folder / "config.json").read_text())
     dtype = saved.get("dtype", "float32")
+    text = saved.get("text_config")  # a multimodal model's language model
     card = build_model_card(
         model_type=saved.get("model_type"),
+        text_type=text.get("model_type") if isinstance(text, dict) else None,
         base_model=base_model,
         cfg=cfg,
         export=export,

@@ -9,7 +9,7 @@ from pathlib import Path
 from ...upstream import installed_versions
 from ..calibration.calibrate import CalibrationSettings
 from ..orchestration.source import Source
-from .shards import WeightPlan, plan_weights, write_weights
+from .shards import WeightPlan, auto_class, plan_weights, write_weights
 
 __all__ = ["REPORT_FILE", "write_folder"]
 
@@ -72,6 +72,8 @@ def write_folder(
         "source": source.name,
         "export": kind,
         "export_note": result.export_note,
+        "load_with": auto_class(source.config).__name__,  # a multimodal model's: AutoModelForImageTextToText
+        "language_model": source.family.text_model,  # its dotted path in a multimodal model, else None
         "scheme": cfg.to_dict(),
         "calibration": None if result.report is None else result.report.to_dict(),
         "heal": None if result.report is None else result.report.heal,

@@ -1,0 +1,291 @@
+"""Conversion of multimodal checkpoints: ``hf_qknorm.convert`` on a tiny LLaVA (Llama language model) and Gemma 3
+(Gemma 3 language model) calibrates the language model's attention on text, copies the vision tower, projector and
+embeddings unchanged, and writes a folder whose logits are those of the source patched with the written norms,
+computed here in float64 from the source's own tensors. A LLaVA ``qk_norm``/``rmsnorm`` conversion is a plain LLaVA
+with a Qwen3 language model, a Gemma 3 one a plain Gemma 3 (its own ``1 + w`` q/k norms); the rest remote code."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import hf_qknorm
+from hf_qknorm import QKNormConfig
+from hf_qknorm.conversion.orchestration.converter import convert
+from hf_qknorm.conversion.orchestration.coverage import SOURCE_VOCAB, tiny_source
+from hf_qknorm.portable.families import UnsupportedModelError
+from tests._support.convert_support import SHORT_TEXT, SMALL, leftovers, quiet, tree_hash
+
+TYPES = ("llava", "gemma3")
+CAP = 2.0  # a cap that bends the tiny models' logits
+# (scheme, norm) -> the format each type is written in
+VARIANTS = {
+    ("qk_norm_cap", "layernorm"): {"llava": "qknorm", "gemma3": "qknorm"},
+    ("qk_norm", "rmsnorm"): {"llava": "qwen3", "gemma3": "native"},
+}
+FAST = dataclasses.replace(SMALL, steps=0, calibration_blocks=4, eval_blocks=2, agreement_tokens=2)
+NORM = re.compile(r"\.(q_norm|k_norm)\.")
+
+
+def _cfg(scheme, norm):
+    return QKNormConfig(scheme, norm=norm, softcap=CAP if "cap" in scheme else None)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Per type: the source folder, its tree hash before, and each variant's result."""
+    out = {}
+    for model_type in TYPES:
+        root = tmp_path_factory.mktemp(model_type)
+        src = tiny_source(model_type, root / "source")
+        before = tree_hash(src)
+        results = {}
+        for scheme, norm in VARIANTS:
+            dst = root / f"{scheme}-{norm}"
+            results[scheme, norm] = convert(
+                src,
+                dst,
+                _cfg(scheme, norm),
+                FAST,
+                calibration_text=SHORT_TEXT,
+                progress=False,
+                log=quiet,
+                verify="plugin",
+            )
+        out[model_type] = (src, before, results)
+    return out
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def _reference(src: Path, written: dict, cfg, offset: float) -> torch.nn.Module:
+    """The source in float64, patched with ``cfg``, its new norms given the written values (``offset`` added: a
+    plain Gemma 3 stores its gain ``1 + w`` as ``w``)."""
+    from transformers import AutoModelForImageTextToText
+
+    from hf_qknorm.conversion.output.keys import loaded_name
+
+    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float64).eval()
+    hf_qknorm.patch_model(model, cfg)
+    params = dict(model.named_parameters())
+    # the checkpoint's names are the model's after Transformers' renaming (Gemma 3 stores language_model.model.*)
+    values = {loaded_name(k, model): v for k, v in written.items() if NORM.search(k)}
+    new = [n for n in params if NORM.search(n)]
+    assert new and set(new) == set(values)
+    with torch.no_grad():
+        for name in new:
+            value = values[name].double()
+            params[name].copy_(value + offset if name.endswith(".weight") else value)
+    return model
+
+
+def _ids():
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 2000, (2, 14), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize("scheme, norm", list(VARIANTS))
+def test_written_folder_computes_the_patched_source(converted, model_type, scheme, norm):
+    from transformers import AutoModelForImageTextToText
+
+    src, _, results = converted[model_type]
+    result = results[scheme, norm]
+    assert result.export == VARIANTS[scheme, norm][model_type]
+    written = _tensors(result.path)
+    offset = 1.0 if result.export == "native" else 0.0
+    want_model = _reference(src, written, _cfg(scheme, norm), offset)
+    model = AutoModelForImageTextToText.from_pretrained(result.path).eval()
+    assert model.dtype == torch.float32
+    ids, mask = _ids()
+    with torch.no_grad():
+        want = want_model(input_ids=ids, attention_mask=mask).logits
+        got = model(input_ids=ids, attention_mask=mask).logits.double()
+    scale = float(want.abs().max())
+    assert float((got[1] - want[1]).abs().max()) <= 1e-5 * scale
+    assert float((got[0, 4:] - want[0, 4:]).abs().max()) <= 1e-5 * scale
+    # the scheme is in force: the source computes something else (not Gemma 3's qk_norm/rmsnorm, its own norms)
+    plain = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float64).eval()
+    with torch.no_grad():
+        moved = float((plain(input_ids=ids, attention_mask=mask).logits - want).abs().max())
+    assert (moved <= 1e-5 * scale) if result.export == "native" else (moved > 1e-3 * scale)
+    config = json.loads((result.path / "config.json").read_text())
+    report = json.loads((result.path / "qknorm_conversion.json").read_text())
+    assert report["export"] == result.export and report["load_with"] == "AutoModelForImageTextToText"
+    assert report["language_model"] == "model.language_model"
+    card = (result.path / "README.md").read_text()
+    assert "AutoModelForImageTextToText" in card and "pipeline_tag: image-text-to-text" in card
+    if result.export == "qwen3":
+        assert config["model_type"] == "llava" and config["text_config"]["model_type"] == "qwen3"
+        assert "with a `qwen3` language model" in card
+    elif result.export == "native":
+        assert config["model_type"] == "gemma3" and "auto_map" not in config
+    else:
+        assert config["model_type"] == f"qknorm_{model_type}" and "trust_remote_code=True" in card
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_everything_but_the_attention_norms_is_copied_bit_for_bit(converted, model_type):
+    src, before, results = converted[model_type]
+    source = _tensors(src)
+    vision = [k for k in source if "language_model" not in k and not k.startswith("lm_head")]
+    assert any("vision" in k for k in vision) and any("projector" in k for k in vision)
+    for result in results.values():
+        written = _tensors(result.path)
+        for key, tensor in source.items():
+            if NORM.search(key):
+                continue
+            assert key in written, key
+            assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
+        added = set(written) - set(source)
+        assert all(NORM.search(k) and "language_model." in k for k in added)
+    assert tree_hash(src) == before  # the source is only read
+
+
+@pytest.mark.spawns
+def test_folders_load_without_the_plugin(converted):
+    """One fresh interpreter that cannot import the plugin loads every written folder (remote code, or plain
+    Transformers for the plain exports) and gives the logits the plugin gives."""
+    from transformers import AutoModelForImageTextToText
+
+    from hf_qknorm.verification.plain import logits_without_plugin
+
+    ids, mask = _ids()
+    jobs, want = [], {}
+    for model_type, (_, _, results) in converted.items():
+        for (scheme, _norm), result in results.items():
+            key = f"{model_type}:{scheme}"
+            model = AutoModelForImageTextToText.from_pretrained(result.path).eval()
+            with torch.no_grad():
+                want[key] = model(input_ids=ids, attention_mask=mask).logits
+            jobs.append(
+                {
+                    "key": key,
+                    "path": str(result.path),
+                    "remote": result.export == "qknorm",
+                    "auto": "AutoModelForImageTextToText",
+                    "ids": ids.tolist(),
+                    "mask": mask.tolist(),
+                }
+            )
+    got = logits_without_plugin(jobs)
+    for key, logits in want.items():
+        row = got[key]
+        assert "error" not in row, row.get("traceback")
+        assert not row["module"].startswith("hf_qknorm")
+        scale = float(logits.abs().max())
+        assert float((row["logits"][1] - logits[1]).abs().max()) <= 1e-5 * scale, key
+        assert float((row["logits"][0, 4:] - logits[0, 4:]).abs().max()) <= 1e-5 * scale, key
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
+    import hf_qknorm.conversion.output.export as export
+
+    src = tiny_source("llava", tmp_path / "source")
+    before = tree_hash(src)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "copy_side_files", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, tmp_path / "out", "qk_norm_cap", calibrate=False, progress=False, log=quiet, verify="plugin")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+    assert tree_hash(src) == before
+
+
+def test_refused_as_patching_refuses_before_any_work(tmp_path, monkeypatch):
+    """A LLaVA whose language model is a Cohere (a parallel block): ``qkv_norm`` cannot remove its pre-norm, and
+    convert says so in patching's words, before calibrating anything."""
+    from transformers import AutoModelForImageTextToText, CohereConfig
+
+    import hf_qknorm.conversion.calibration.layerwise as layerwise
+    from hf_qknorm.verification.tiny import tiny_multimodal_config
+
+    config = tiny_multimodal_config("llava")
+    text = config.get_text_config()
+    config.text_config = CohereConfig(
+        vocab_size=SOURCE_VOCAB,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads,
+    )
+    config.image_token_id = SOURCE_VOCAB - 1
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.save_pretrained(tmp_path / "source")
+    with pytest.raises(UnsupportedModelError) as patching:
+        hf_qknorm.patch_model(model, "qkv_norm")
+    assert "parallel block" in str(patching.value)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("calibration started")
+
+    monkeypatch.setattr(layerwise, "calibrate_checkpoint", no_work)
+    with pytest.raises(UnsupportedModelError) as converting:
+        convert(tmp_path / "source", tmp_path / "out", "qkv_norm", progress=False, log=quiet)
+    assert str(converting.value) == str(patching.value)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_healing_whole_model_stages_refused_for_a_model_without_a_causal_lm_class(tmp_path):
+    """Healing's own heal text and end-to-end stage load the whole original as a causal LM, which LLaVA has no
+    class for: refused before any work, naming the way that works."""
+    from hf_qknorm.conversion.healing.heal import HealSettings
+
+    src = tiny_source("llava", tmp_path / "source")
+    with pytest.raises(ValueError, match=r"'llava'.*--heal-text self.*--heal-text calibration"):
+        convert(src, tmp_path / "out", "qk_norm_cap", FAST, heal=HealSettings(), progress=False, log=quiet)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type, text", [("llava", "calibration"), ("gemma3", "self")])
+def test_healed_conversion_changes_only_the_language_model(tmp_path, model_type, text):
+    from hf_qknorm.conversion.healing.heal import HealSettings
+
+    src = tiny_source(model_type, tmp_path / "source")
+    heal = HealSettings(tokens=128, blocks=4, text=text, self_tokens=64)
+    result = convert(
+        src,
+        tmp_path / "out",
+        _cfg("qk_norm_cap", "layernorm"),
+        FAST,
+        heal=heal,
+        calibration_text=SHORT_TEXT,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
+    assert result.report.heal is not None
+    source, written = _tensors(src), _tensors(result.path)
+    for key, tensor in source.items():
+        if "language_model." not in key or ".layers." not in key:
+            assert torch.equal(written[key], tensor), key
+
+
+@pytest.mark.spawns
+def test_the_coverage_column_converts_a_multimodal_type():
+    from hf_qknorm.conversion.orchestration import coverage
+
+    got = coverage.check_conversions(["llava"], variants=(("qk_norm", "rmsnorm"), ("qk_norm_cap", "layernorm")))
+    assert got["llava"].status == coverage.CONVERTED, got["llava"].reason
+    assert got["llava"].variants == {
+        "qk_norm/rmsnorm": "ok (plain llava with a qwen3 text model; patch)",
+        "qk_norm_cap/layernorm": "ok (remote code; patch)",
+    }
