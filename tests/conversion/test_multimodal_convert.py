@@ -289,3 +289,27 @@ def test_the_coverage_column_converts_a_multimodal_type():
         "qk_norm/rmsnorm": "ok (plain llava with a qwen3 text model; patch)",
         "qk_norm_cap/layernorm": "ok (remote code; patch)",
     }
+
+
+def test_a_head_tied_by_the_multimodal_config_converts(tmp_path):
+    """Mistral 3 ties its output head to the embedding in its own config (its text config says untied): the
+    checkpoint stores the embedding once, and the streamed calibration scores through it."""
+    from transformers import AutoModelForImageTextToText
+
+    src = tiny_source("mistral3", tmp_path / "source")
+    assert not any(k.startswith("lm_head") for k in _tensors(src))
+    result = convert(
+        src,
+        tmp_path / "out",
+        _cfg("qk_norm", "rmsnorm"),
+        FAST,
+        calibration_text=SHORT_TEXT,
+        progress=False,
+        log=quiet,
+        verify="plugin",
+    )
+    assert result.export == "qwen3" and result.report is not None
+    config = json.loads((result.path / "config.json").read_text())
+    assert config["model_type"] == "mistral3" and config["text_config"]["model_type"] == "qwen3"
+    model = AutoModelForImageTextToText.from_pretrained(result.path)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
