@@ -198,8 +198,8 @@ def _check_heal_loads(source: Source, heal: HealSettings) -> None:
     if stages:
         raise ValueError(
             f"healing a {model_type!r} model with {' and '.join(stages)} loads it whole as a causal LM, which "
-            f"Transformers has no class for (it is multimodal); heal it with --heal-text calibration and "
-            "--heal-end-to-end-tokens 0 (layer by layer on the calibration text)"
+            f"Transformers has no class for (it is multimodal); heal it layer by layer on the calibration text: "
+            "--heal-text calibration --heal-end-to-end-tokens 0 (HealSettings(text='calibration', end_to_end_tokens=0))"
         )
 
 
