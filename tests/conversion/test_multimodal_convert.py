@@ -244,18 +244,19 @@ def test_refused_as_patching_refuses_before_any_work(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
-def test_healing_whole_model_stages_refused_for_a_model_without_a_causal_lm_class(tmp_path):
-    """Healing's own heal text and end-to-end stage load the whole original as a causal LM, which LLaVA has no
-    class for: refused before any work, naming the way that works."""
+def test_the_end_to_end_stage_is_refused_for_a_model_without_a_causal_lm_class(tmp_path):
+    """The end-to-end stage trains the whole original as a causal LM, which LLaVA has no class for: refused before
+    any work, naming the way that works."""
     from hf_qknorm.conversion.healing.heal import HealSettings
 
     src = tiny_source("llava", tmp_path / "source")
-    with pytest.raises(ValueError, match=r"'llava'.*--heal-text self.*--heal-text calibration"):
-        convert(src, tmp_path / "out", "qk_norm_cap", FAST, heal=HealSettings(), progress=False, log=quiet)
+    heal = HealSettings(end_to_end_tokens=256)
+    with pytest.raises(ValueError, match=r"'llava'.*--heal-end-to-end-tokens.*--heal-end-to-end-tokens 0"):
+        convert(src, tmp_path / "out", "qk_norm_cap", FAST, heal=heal, progress=False, log=quiet)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("model_type, text", [("llava", "calibration"), ("gemma3", "self")])
+@pytest.mark.parametrize("model_type, text", [("llava", "calibration"), ("llava", "self"), ("gemma3", "self")])
 def test_healed_conversion_changes_only_the_language_model(tmp_path, model_type, text):
     from hf_qknorm.conversion.healing.heal import HealSettings
 
@@ -273,6 +274,7 @@ def test_healed_conversion_changes_only_the_language_model(tmp_path, model_type,
         verify="plugin",
     )
     assert result.report.heal is not None
+    assert (result.report.heal["generated_tokens"] > 0) == (text == "self")  # the original wrote its own heal text
     source, written = _tensors(src), _tensors(result.path)
     for key, tensor in source.items():
         if "language_model." not in key or ".layers." not in key:

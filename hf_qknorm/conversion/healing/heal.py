@@ -416,12 +416,12 @@ def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, dev
     bfloat16 where that is fast (:func:`~hf_qknorm.conversion.healing.selftext.generation_dtype`)."""
     if settings.text == "calibration":
         return calibration_text, 0, 0.0
-    from transformers import AutoModelForCausalLM
-
+    from ..output.shards import load_pretrained
     from .selftext import generation_dtype, mixed_text, self_generated_text
 
     t0 = time.time()
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=generation_dtype(device)).to(device).eval()
+    # a multimodal original (LLaVA, Qwen2-VL) through its image-text-to-text class: it generates from text alone
+    model = load_pretrained(src, dtype=generation_dtype(device)).to(device).eval()
     docs = max(1, settings.self_tokens // SELF_NEW_TOKENS)
     openings = docs // 4
     with Stage("generating heal text", docs, "answers", progress) as stage:

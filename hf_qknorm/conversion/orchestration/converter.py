@@ -183,24 +183,19 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
 
 
 def _check_heal_loads(source: Source, heal: HealSettings) -> None:
-    """Refuse, before any work, healing stages that load the whole original as a causal LM (its own heal text, the
-    end-to-end stage) for a multimodal model that has no causal-LM class (LLaVA, Qwen2-VL; Gemma 3 has one)."""
+    """Refuse, before any work, the end-to-end healing stage (which trains the whole model as a causal LM) for a
+    multimodal model that has no causal-LM class (LLaVA, Qwen2-VL; Gemma 3 has one). Its own heal text is generated
+    through the image-text-to-text class and needs no refusal."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = source.config.model_type
-    if not source.family.text_model or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if not source.family.text_model or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not heal.end_to_end_tokens:
         return
-    stages = [
-        s
-        for s, on in (("--heal-text self", heal.text == "self"), ("--heal-end-to-end-tokens", heal.end_to_end_tokens))
-        if on
-    ]
-    if stages:
-        raise ValueError(
-            f"healing a {model_type!r} model with {' and '.join(stages)} loads it whole as a causal LM, which "
-            f"Transformers has no class for (it is multimodal); heal it layer by layer on the calibration text: "
-            "--heal-text calibration --heal-end-to-end-tokens 0 (HealSettings(text='calibration', end_to_end_tokens=0))"
-        )
+    raise ValueError(
+        f"healing a {model_type!r} model with --heal-end-to-end-tokens loads it whole as a causal LM, which "
+        "Transformers has no class for (it is multimodal); heal it layer by layer: --heal-end-to-end-tokens 0 "
+        "(HealSettings(end_to_end_tokens=0))"
+    )
 
 
 def _write(req: _Request, source: Source, dst: Path, export, prepared, progress: bool, log) -> ConversionResult:
