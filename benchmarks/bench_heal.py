@@ -40,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,6 +199,9 @@ def _setting(r, runtime: bool = True) -> str:
     if not h:
         return "calibrated only"
     parts = [f"lr {h['lr']:g}", f"{h['blocks']} blocks"]
+    if h.get("lr_search"):
+        picked = Counter(f"{lr:.0e}" for lr in r.get("layer_lrs") or [])
+        parts[0] = f"lr searched ({', '.join(f'{n} x {lr}' for lr, n in sorted(picked.items(), reverse=True))})"
     if r.get("calibration_text", "wikitext2") != "wikitext2":
         parts.append("text: a mixed self-generated file")
     elif h.get("text", "calibration") == "self":
