@@ -57,8 +57,7 @@ TRIAL_CALLS = 16  # --heal-lr-search: the recorded calls a trial's error is meas
 @dataclass(frozen=True)
 class HealSettings:
     """How much healing :func:`~hf_qknorm.convert` does after calibration (``heal=HealSettings()``,
-    ``hf-qknorm convert --heal``). The defaults heal SmolLM2-135M (30 layers) in about 22 minutes on one CPU
-    thread, generating the heal text included (13 with two processes under torchrun; docs/conversion.md)."""
+    ``hf-qknorm convert --heal``). What the defaults cost and give on real models: docs/conversion.md."""
 
     # metadata["help"]: the command line's help for each field (`hf-qknorm convert --heal-...`)
     tokens: int = field(
