@@ -241,7 +241,7 @@ def tiny_multimodal_model(model_type: str, dtype=torch.float32, seed: int = 0):
     config = tiny_multimodal_config(model_type)
     with torch.device("meta"):
         skeleton = AutoModelForImageTextToText.from_config(copy.deepcopy(config))
-    if _fit_mrope(skeleton, config):
+    if fit_mrope(skeleton, config):
         with torch.device("meta"):
             skeleton = AutoModelForImageTextToText.from_config(copy.deepcopy(config))
     count = sum(p.numel() for p in skeleton.parameters())
@@ -251,7 +251,7 @@ def tiny_multimodal_model(model_type: str, dtype=torch.float32, seed: int = 0):
     return AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
 
 
-def _fit_mrope(skeleton, config) -> bool:
+def fit_mrope(skeleton, config) -> bool:
     """Multimodal RoPE (Qwen2-VL, GLM-4V, ...) splits a head's rotary frequencies into three position rows by a
     ``mrope_section`` its config may leave to the class default (sized for the real head width): scale the split to
     the tiny model's frequencies, in the default's proportions. Returns whether the config changed."""

@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+# A process started in the background by a non-interactive shell (a CI job, `cmd &`) inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler; the child restores the handler an interactive Ctrl-C meets.
 CHILD = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
 from _gguf_build import staged, terminate_as_exit
 terminate_as_exit()

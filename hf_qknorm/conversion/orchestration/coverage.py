@@ -74,13 +74,13 @@ def tiny_source(model_type: str, folder: Path, seed: int = 0) -> Path:
     what a conversion folds or carries shows."""
     from ...data import bundled_model_dir
     from ...verification.loading import quiet_transformers
-    from ...verification.tiny import _fit_mrope, is_multimodal, tiny_config, tiny_multimodal_config
+    from ...verification.tiny import fit_mrope, is_multimodal, tiny_config, tiny_multimodal_config
     from ..output.shards import auto_class
 
     if is_multimodal(_default_config(model_type)):
         config = _special_ids_on_top(tiny_multimodal_config(model_type))
         with torch.device("meta"):  # multimodal RoPE sections sized to the tiny heads, as the patching checks do
-            _fit_mrope(auto_class(config).from_config(copy.deepcopy(config)), config)
+            fit_mrope(auto_class(config).from_config(copy.deepcopy(config)), config)
     else:
         config = _per_layer_lists_cut(model_type, tiny_config(model_type))
         config.vocab_size = SOURCE_VOCAB
