@@ -210,12 +210,7 @@ def tiny_multimodal_config(model_type: str):
         _shrink_dropout(sub)
     for name, value in top.items():
         setattr(config, name, value)
-    taken = VOCAB - 1
-    for names in SPECIAL_IDS:
-        for name in names:
-            if isinstance(getattr(config, name, None), int):
-                setattr(config, name, taken)
-        taken -= 1
+    special_ids_on_top(config, VOCAB)
     if "image_seq_length" in config.to_dict() and "image_seq_length" not in top:
         config.image_seq_length = (IMAGE // PATCH) ** 2
     return config
@@ -249,6 +244,18 @@ def tiny_multimodal_model(model_type: str, dtype=torch.float32, seed: int = 0):
         raise ValueError(f"the shrunk config still has {count / 1e6:.0f}M parameters (sizes named otherwise)")
     torch.manual_seed(seed)
     return AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
+
+
+def special_ids_on_top(config, vocab: int):
+    """``config`` with its special tokens' ids (image, video, ... : one id per group of :data:`SPECIAL_IDS`) at the
+    top of a ``vocab``-token vocabulary, above any id a tokenizer gives text."""
+    taken = vocab - 1
+    for names in SPECIAL_IDS:
+        for name in names:
+            if isinstance(getattr(config, name, None), int):
+                setattr(config, name, taken)
+        taken -= 1
+    return config
 
 
 def fit_mrope(skeleton, config) -> bool:

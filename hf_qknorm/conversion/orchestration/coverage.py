@@ -129,16 +129,10 @@ def _default_config(model_type: str):
 def _special_ids_on_top(config):
     """A multimodal ``config`` with the text vocabulary widened to :data:`SOURCE_VOCAB` and its special tokens'
     ids (image, video, ...) at its top, above the tokenizer's: calibration text never holds an image token."""
-    from ...verification.tiny import SPECIAL_IDS
+    from ...verification.tiny import special_ids_on_top
 
     config.get_text_config().vocab_size = SOURCE_VOCAB
-    taken = SOURCE_VOCAB - 1
-    for names in SPECIAL_IDS:
-        for name in names:
-            if isinstance(getattr(config, name, None), int):
-                setattr(config, name, taken)
-        taken -= 1
-    return config
+    return special_ids_on_top(config, SOURCE_VOCAB)
 
 
 def probe_inputs(vocab: int = SOURCE_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
