@@ -133,15 +133,21 @@ def _add_hub_options(p, convert: bool):
 
 
 def run_convert(args) -> int:
-    from ..conversion.orchestration.converter import convert
-    from ..conversion.orchestration.ranks import FirstRankFailed, launched_rank
+    from ..conversion.orchestration.ranks import launched_rank
 
     if args.output is not None and args.dst is not None:
         raise ValueError("give the output folder once: as DST or as --output, not both")
-    from ..conversion.orchestration.progress import show_progress_logs
+    from ..conversion.orchestration.progress import progress_logs
 
     first = launched_rank() == 0  # under torchrun / accelerate launch rank 0 alone speaks
-    show_progress_logs(not args.quiet and first)
+    with progress_logs(not args.quiet and first):
+        return _run_convert(args, first)
+
+
+def _run_convert(args, first: bool) -> int:
+    from ..conversion.orchestration.converter import convert
+    from ..conversion.orchestration.ranks import FirstRankFailed
+
     if not first:  # nor Transformers' loading bars and warnings, once per rank
         from transformers.utils import logging as hf_logging
 

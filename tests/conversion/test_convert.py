@@ -428,3 +428,8 @@ def test_convert_is_quiet_by_default_and_the_cli_prints_its_report(tmp_path, cap
     assert out.startswith("converting hf_qknorm/tiny-llama (bundled) (llama, ")
     assert f"wrote {tmp_path / 'cli'} (qknorm): " in out
     assert "perplexity" in out  # the calibration report's summary
+    # the command line's progress handler lives only as long as the command: the library is quiet again after it
+    assert main([*argv[:2], str(tmp_path / "cli2"), *argv[3:], "--verify", "plugin"]) == 0
+    capsys.readouterr()
+    convert(None, tmp_path / "lib2", calibration=small, calibration_text=SHORT_TEXT, verify="plugin")
+    assert capsys.readouterr() == ("", "")

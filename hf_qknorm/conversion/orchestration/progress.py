@@ -9,6 +9,7 @@ when it is not (a log file, a CI job, a notebook cell that captures output), the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -85,12 +86,21 @@ class Stage:
         return False
 
 
-def show_progress_logs(enabled: bool = True) -> None:
-    """Send ``hf_qknorm.conversion`` INFO lines to stderr (for the command line), once."""
+@contextlib.contextmanager
+def progress_logs(enabled: bool = True):
+    """Send ``hf_qknorm.conversion`` INFO lines to stderr (for the command line) for the duration of the block, once;
+    the handler is removed after it, so a program that runs the command line in-process keeps its logger as it was."""
     if not enabled or any(getattr(h, "_hf_qknorm", False) for h in logger.handlers):
+        yield
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     handler._hf_qknorm = True
+    level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
