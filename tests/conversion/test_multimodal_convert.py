@@ -37,6 +37,13 @@ def _cfg(scheme, norm):
     return QKNormConfig(scheme, norm=norm, softcap=CAP if "cap" in scheme else None)
 
 
+def _convert(src, dst, cfg, **kwargs):
+    """``convert`` with the tests' calibration settings and text, quiet, verified with the plugin."""
+    return convert(
+        src, dst, cfg, FAST, calibration_text=SHORT_TEXT, progress=False, log=quiet, verify="plugin", **kwargs
+    )
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """Per type: the source folder, its tree hash before, and each variant's result."""
@@ -48,16 +55,7 @@ def converted(tmp_path_factory):
         results = {}
         for scheme, norm in VARIANTS:
             dst = root / f"{scheme}-{norm}"
-            results[scheme, norm] = convert(
-                src,
-                dst,
-                _cfg(scheme, norm),
-                FAST,
-                calibration_text=SHORT_TEXT,
-                progress=False,
-                log=quiet,
-                verify="plugin",
-            )
+            results[scheme, norm] = _convert(src, dst, _cfg(scheme, norm))
         out[model_type] = (src, before, results)
     return out
 
@@ -262,17 +260,7 @@ def test_healed_conversion_changes_only_the_language_model(tmp_path, model_type,
 
     src = tiny_source(model_type, tmp_path / "source")
     heal = HealSettings(tokens=128, blocks=4, text=text, self_tokens=64)
-    result = convert(
-        src,
-        tmp_path / "out",
-        _cfg("qk_norm_cap", "layernorm"),
-        FAST,
-        heal=heal,
-        calibration_text=SHORT_TEXT,
-        progress=False,
-        log=quiet,
-        verify="plugin",
-    )
+    result = _convert(src, tmp_path / "out", _cfg("qk_norm_cap", "layernorm"), heal=heal)
     assert result.report.heal is not None
     assert (result.report.heal["generated_tokens"] > 0) == (text == "self")  # the original wrote its own heal text
     source, written = _tensors(src), _tensors(result.path)
@@ -300,16 +288,7 @@ def test_a_head_tied_by_the_multimodal_config_converts(tmp_path):
 
     src = tiny_source("mistral3", tmp_path / "source")
     assert not any(k.startswith("lm_head") for k in _tensors(src))
-    result = convert(
-        src,
-        tmp_path / "out",
-        _cfg("qk_norm", "rmsnorm"),
-        FAST,
-        calibration_text=SHORT_TEXT,
-        progress=False,
-        log=quiet,
-        verify="plugin",
-    )
+    result = _convert(src, tmp_path / "out", _cfg("qk_norm", "rmsnorm"))
     assert result.export == "qwen3" and result.report is not None
     config = json.loads((result.path / "config.json").read_text())
     assert config["model_type"] == "mistral3" and config["text_config"]["model_type"] == "qwen3"
