@@ -223,7 +223,7 @@ def _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, se
     start each time, the same blocks in the same order) leaves the lowest output error on ``TRIAL_CALLS`` of the
     recorded calls spread over them; the layer is back at its start afterwards. Ties go to the larger step."""
     trial = settings.trial_steps(block_len)
-    pick = sorted(set(range(0, len(calls), max(1, len(calls) // TRIAL_CALLS))))[:TRIAL_CALLS]
+    pick = range(0, len(calls), max(1, len(calls) // TRIAL_CALLS))[:TRIAL_CALLS]
     probe_calls, probe_targets = [calls[j] for j in pick], [targets[j] for j in pick]
     best = None
     for factor in LR_FACTORS:
