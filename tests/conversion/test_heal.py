@@ -348,3 +348,42 @@ def test_interrupted_heal_text_generation_leaves_nothing(tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert code == 130 and "interrupted" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_the_l2_logit_scale_steps_relative_to_its_size():
+    """An ``l2``/``lp`` logit scale is a temperature of about 10: at the projections' step size a whole heal moves
+    it a few per cent. Its step is scaled by its size; the q/k/v/o projections and every other norm keep the step."""
+    from hf_qknorm.conversion.calibration.localfit import fit_output
+    from hf_qknorm.conversion.calibration.streaming import BlockCall
+    from hf_qknorm.conversion.healing.heal import _lr_scales
+    from tests._support.tiny_models import tiny_model
+
+    for norm, p, scaled in (("l2", None, {"q_norm.weight"}), ("lp", 4.0, {"q_norm.weight"}), ("rmsnorm", None, set())):
+        model = tiny_model("llama")
+        hf_qknorm.patch_model(model, QKNormConfig(scheme="qk_norm", norm=norm, p=p))
+        attn = model.model.layers[0].self_attn
+        if scaled:
+            with torch.no_grad():
+                attn.q_norm.weight.fill_(12.5)
+        params = dict(attn.named_parameters())
+        scales = dict(zip(params, _lr_scales(attn, params), strict=True))
+        assert {k for k, s in scales.items() if s != 1.0} == scaled
+        assert all(scales[k] == 12.5 for k in scaled)
+
+    class Scale(torch.nn.Module):  # output g * x: the target needs g from 10 to 15
+        def __init__(self):
+            super().__init__()
+            self.g = torch.nn.Parameter(torch.tensor([10.0]))
+
+        def forward(self, x):
+            return self.g * x
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    calls, targets = [BlockCall((x,), {}, True)], [15.0 * x]
+    moved = {}
+    for lr_scales in (None, [10.0]):
+        layer = Scale()
+        fit_output(layer, calls, targets, 1.0, [layer.g], lambda: None, 100, 1e-3, 0, None, lr_scales)
+        moved[lr_scales is not None] = layer.g.detach().item() - 10.0
+    assert 0 < moved[False] < 0.1  # Adam moves a parameter about lr per step: 5 stays out of reach
+    assert moved[True] > 0.4  # ten times that

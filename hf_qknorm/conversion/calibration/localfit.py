@@ -158,10 +158,23 @@ def fit_attention(
     return FitResult(error_cf, error, True)
 
 
-def fit_output(attn, calls, targets, denom: float, tensors: list, overrides, steps: int, lr: float, seed: int, on_step):
+def fit_output(
+    attn,
+    calls,
+    targets,
+    denom: float,
+    tensors: list,
+    overrides,
+    steps: int,
+    lr: float,
+    seed: int,
+    on_step,
+    lr_scales: list | None = None,
+):
     """The layer fit: :func:`~hf_qknorm.conversion.calibration.optim.cosine_adam` on ``tensors`` so that ``attn``'s
     output with the parameters ``overrides()`` (``None``: its own) matches ``targets``, relative to ``denom``; one
-    recorded call per step, drawn with ``seed``. ``on_step(step)`` after each step."""
+    recorded call per step, drawn with ``seed``. ``on_step(step)`` after each step. ``lr_scales`` (one per tensor;
+    ``None``: all 1) multiplies each tensor's step size."""
     gen = torch.Generator().manual_seed(seed)
 
     def loss(step):
@@ -169,4 +182,7 @@ def fit_output(attn, calls, targets, denom: float, tensors: list, overrides, ste
         return (attention_output(attn, calls[j], overrides()) - targets[j]).float().pow(2).mean() / denom
 
     tick = None if on_step is None else lambda step, _: on_step(step)
-    cosine_adam([{"params": tensors, "lr": lr}], steps, loss, tick)
+    groups: dict[float, list] = {}
+    for tensor, scale in zip(tensors, [1.0] * len(tensors) if lr_scales is None else lr_scales, strict=True):
+        groups.setdefault(float(scale), []).append(tensor)
+    cosine_adam([{"params": group, "lr": lr * scale} for scale, group in groups.items()], steps, loss, tick)

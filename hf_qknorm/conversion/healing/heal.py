@@ -38,6 +38,7 @@ from typing import Literal
 
 import torch
 
+from ...portable.norms import HeadLpNorm
 from ..calibration.layerwise import attention_call
 from ..calibration.localfit import fit_output, output_scale, relative_error
 from ..calibration.streaming import StreamedCheckpoint, run_block, run_capturing
@@ -198,10 +199,11 @@ def _fit(
     for p in params.values():
         p.requires_grad_(True)
     try:
+        scales = _lr_scales(attn, params)
         lr = settings.lr
         if settings.lr_search:
-            lr = _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick)
-        fit_output(attn, calls, targets, denom, list(params.values()), lambda: None, steps, lr, seed, tick)
+            lr = _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick, scales)
+        fit_output(attn, calls, targets, denom, list(params.values()), lambda: None, steps, lr, seed, tick, scales)
     finally:
         for p in params.values():
             p.requires_grad_(False)
@@ -218,7 +220,15 @@ def _restore(params: dict, start: dict) -> None:
             p.copy_(start[k])
 
 
-def _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick) -> float:
+def _lr_scales(attn, params: dict) -> list[float]:
+    """Per parameter of ``attn``, the factor on its step size: an ``l2``/``lp`` logit scale (one number, a
+    temperature of about 10 after calibration) steps relative to its size, as calibration fits it; with the
+    projections' step size it could move only a few per cent in a whole heal. Everything else: 1."""
+    logit_scales = {id(m.weight) for m in attn.modules() if isinstance(m, HeadLpNorm) and m.scale == "logit"}
+    return [max(1.0, float(p.detach().abs().max())) if id(p) in logit_scales else 1.0 for p in params.values()]
+
+
+def _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick, scales) -> float:
     """The step size among ``settings.lr * LR_FACTORS`` whose short fit (``settings.trial_steps``, from the layer's
     start each time, the same blocks in the same order) leaves the lowest output error on ``TRIAL_CALLS`` of the
     recorded calls spread over them; the layer is back at its start afterwards. Ties go to the larger step."""
@@ -228,7 +238,7 @@ def _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, se
     best = None
     for factor in LR_FACTORS:
         lr = settings.lr * factor
-        fit_output(attn, calls, targets, denom, list(params.values()), lambda: None, trial, lr, seed, tick)
+        fit_output(attn, calls, targets, denom, list(params.values()), lambda: None, trial, lr, seed, tick, scales)
         error = relative_error(attn, probe_calls, probe_targets, denom)
         _restore(params, start)
         if math.isfinite(error) and (best is None or error < best[0]):
