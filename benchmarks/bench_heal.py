@@ -298,12 +298,9 @@ def main(argv=None) -> None:
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     sys.path.insert(0, str(ROOT / "scripts"))
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
+    from hf_qknorm.conversion.orchestration.progress import progress_logs
     from hf_qknorm.conversion.orchestration.ranks import launched_rank, launched_world
-    from hf_qknorm.data import perplexity
 
     builder = importlib.import_module(MODELS[args.model][0])
     first, processes = launched_rank() == 0, launched_world()
@@ -312,10 +309,18 @@ def main(argv=None) -> None:
     if args.src.resolve() == builder.DEFAULT_OUT.resolve() and first:
         builder.build(args.src)
     torch.set_num_threads(args.threads)
-    if args.log and first:
-        from hf_qknorm.conversion.orchestration.progress import show_progress_logs
+    with progress_logs(args.log and first):
+        _run_cases(args, argv, builder, first, processes)
 
-        show_progress_logs()
+
+def _run_cases(args, argv, builder, first: bool, processes: int) -> None:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
+    from hf_qknorm.data import perplexity
+
     tokenizer = AutoTokenizer.from_pretrained(args.src)
     shakespeare_original = None
     if first:
