@@ -49,6 +49,9 @@ SIZES = {
 }
 
 
+SECTIONS = ("n_input_layers", "n_recurrent_layers", "n_output_layers")  # layer counts of a model in sections
+
+
 def tiny_config(model_type: str):
     """A small config of ``model_type`` (its config class with the sizes above), dropout off, one pad token."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -76,14 +79,21 @@ def _shrink(config):
     # A per-layer list keeps one layer of each kind it names (sliding and full attention, a hybrid's recurrent layers),
     # so the tiny model has every kind of layer the real one has.
     kinds = getattr(config, "layer_types", None)
-    keep = list(range(LAYERS))
+    # A model in sections (Dory: input layers, recurrent layers run in loops, output layers) keeps one layer in each.
+    sections = all(isinstance(getattr(config, name, None), int) for name in SECTIONS)
+    layers = max(LAYERS, len(SECTIONS)) if sections else LAYERS
+    keep = list(range(layers))
     if isinstance(kinds, (list, tuple)) and kinds:
         first = {}
         for i, kind in enumerate(kinds):
             first.setdefault(kind, i)
         keep = sorted(first.values())
-        keep += [i for i in range(len(kinds)) if i not in keep][: max(0, LAYERS - len(keep))]
+        keep += [i for i in range(len(kinds)) if i not in keep][: max(0, layers - len(keep))]
         keep.sort()
+    if sections:
+        for name, count in zip(SECTIONS, (1, len(keep) - 2, 1)):
+            setattr(config, name, count)
+    if isinstance(kinds, (list, tuple)) and kinds or sections:
         if hasattr(config, "num_hidden_layers"):
             try:
                 config.num_hidden_layers = len(keep)

@@ -42,3 +42,22 @@ def test_a_folder_that_computes_otherwise_without_the_plugin_fails_the_column(mo
     assert result.variants["qk_norm/rmsnorm"].startswith("FAIL") and result.variants[
         "qk_norm_cap/layernorm"
     ].startswith("FAIL")
+
+
+@pytest.mark.spawns
+def test_a_model_in_sections_keeps_a_layer_in_each_and_converts():
+    """Dory runs input layers, then recurrent layers in loops, then output layers: its tiny model keeps one layer in
+    each section (so the loops run), and the conversion's probe of the source's first layers cuts the sections with
+    the layer count (Dory's config refuses counts that do not add up)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_qknorm.verification.tiny import tiny_config
+
+    if "dory" not in CONFIG_MAPPING:
+        pytest.skip("no Dory in this Transformers")
+    config = tiny_config("dory")
+    assert (config.n_input_layers, config.n_recurrent_layers, config.n_output_layers) == (1, 1, 1)
+    assert config.num_hidden_layers == 3 and len(set(config.layer_types)) == 2  # sliding and full attention
+    config.validate_architecture()
+    got = conversions.check_conversions(["dory"], variants=(("qk_norm", "rmsnorm"), ("qk_norm_cap", "layernorm")))
+    assert got["dory"].status == conversions.CONVERTED, got["dory"].reason

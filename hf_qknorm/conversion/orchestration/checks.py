@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ...verification.tiny import SECTIONS
+
 __all__ = [
     "ConversionCheckError",
     "VERIFY_LAYERS",
@@ -343,5 +345,10 @@ def layer_view(folder: Path, layers: int):
             for name, value in list(text.items()):
                 if isinstance(value, list) and len(value) == total:
                     text[name] = value[:layers]  # layer_types and the like
+            if all(isinstance(text.get(name), int) for name in SECTIONS):  # Dory: input, recurrent, output layers
+                left = layers
+                for name in SECTIONS:
+                    text[name] = min(text[name], left) if name != SECTIONS[-1] else left
+                    left -= text[name]
         (view / "config.json").write_text(json.dumps(raw, indent=2))
         yield view
