@@ -77,7 +77,10 @@ class HealSettings:
     )
     lr: float = field(
         default=1e-3,
-        metadata={"help": "Adam step size of the projections and norms, cosine-decayed to 0 (implies --heal)"},
+        metadata={
+            "help": "Adam step size of the projections and norms, cosine-decayed to 0; an l2/lp logit scale steps by "
+            "this times its value (implies --heal)"
+        },
     )
     lr_search: bool = field(
         default=True,
