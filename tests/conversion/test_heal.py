@@ -355,7 +355,7 @@ def test_the_l2_logit_scale_steps_relative_to_its_size():
     it a few per cent. Its step is scaled by its size; the q/k/v/o projections and every other norm keep the step."""
     from hf_qknorm.conversion.calibration.localfit import fit_output
     from hf_qknorm.conversion.calibration.streaming import BlockCall
-    from hf_qknorm.conversion.healing.heal import _lr_scales
+    from hf_qknorm.conversion.healing.heal import lr_scales
     from tests._support.tiny_models import tiny_model
 
     for norm, p, scaled in (("l2", None, {"q_norm.weight"}), ("lp", 4.0, {"q_norm.weight"}), ("rmsnorm", None, set())):
@@ -366,7 +366,7 @@ def test_the_l2_logit_scale_steps_relative_to_its_size():
             with torch.no_grad():
                 attn.q_norm.weight.fill_(12.5)
         params = dict(attn.named_parameters())
-        scales = dict(zip(params, _lr_scales(attn, params), strict=True))
+        scales = dict(zip(params, lr_scales(attn, params), strict=True))
         assert {k for k, s in scales.items() if s != 1.0} == scaled
         assert all(scales[k] == 12.5 for k in scaled)
 
@@ -381,9 +381,29 @@ def test_the_l2_logit_scale_steps_relative_to_its_size():
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
     calls, targets = [BlockCall((x,), {}, True)], [15.0 * x]
     moved = {}
-    for lr_scales in (None, [10.0]):
+    for factors in (None, [10.0]):
         layer = Scale()
-        fit_output(layer, calls, targets, 1.0, [layer.g], lambda: None, 100, 1e-3, 0, None, lr_scales)
-        moved[lr_scales is not None] = layer.g.detach().item() - 10.0
+        fit_output(layer, calls, targets, 1.0, [layer.g], lambda: None, 100, 1e-3, 0, None, factors)
+        moved[factors is not None] = layer.g.detach().item() - 10.0
     assert 0 < moved[False] < 0.1  # Adam moves a parameter about lr per step: 5 stays out of reach
     assert moved[True] > 0.4  # ten times that
+
+
+def test_the_end_to_end_stage_steps_the_l2_logit_scale_as_the_layer_wise_stage_does(tmp_path, monkeypatch):
+    from hf_qknorm.conversion.healing import endtoend
+
+    seen = []
+    real = endtoend.cosine_adam
+    monkeypatch.setattr(endtoend, "cosine_adam", lambda groups, *a, **k: seen.append(groups) or real(groups, *a, **k))
+    result = _convert(bundled_copy(tmp_path / "src"), tmp_path / "out", norm="l2", heal=E2E)
+    record = json.loads((result.path / "qknorm_conversion.json").read_text())
+    assert record["heal"]["end_to_end"]["steps"] == 20
+    (groups,) = seen
+    base = [g for g in groups if g["base_lr"] == E2E.end_to_end_lr]
+    scaled = [g for g in groups if g["base_lr"] != E2E.end_to_end_lr]
+    layers = len(record["heal"]["layer_errors"])
+    assert len(base) == 1 and len(base[0]["params"]) >= 4 * layers  # q/k/v/o projections of every layer
+    assert sum(len(g["params"]) for g in scaled) == layers  # one logit scale per layer, each stepped by its size
+    for group in scaled:
+        (scale,) = group["params"]
+        assert group["base_lr"] > 1.0 * E2E.end_to_end_lr and scale.numel() == 1

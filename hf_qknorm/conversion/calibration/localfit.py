@@ -28,7 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ...portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
-from .optim import cosine_adam
+from .optim import cosine_adam, scaled_groups
 from .streaming import BlockCall
 
 
@@ -182,7 +182,4 @@ def fit_output(
         return (attention_output(attn, calls[j], overrides()) - targets[j]).float().pow(2).mean() / denom
 
     tick = None if on_step is None else lambda step, _: on_step(step)
-    groups: dict[float, list] = {}
-    for tensor, scale in zip(tensors, [1.0] * len(tensors) if lr_scales is None else lr_scales, strict=True):
-        groups.setdefault(float(scale), []).append(tensor)
-    cosine_adam([{"params": group, "lr": lr * scale} for scale, group in groups.items()], steps, loss, tick)
+    cosine_adam(scaled_groups(tensors, lr, lr_scales), steps, loss, tick)

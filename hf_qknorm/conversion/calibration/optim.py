@@ -27,3 +27,12 @@ def cosine_adam(groups: list[dict], steps: int, loss, on_step=None) -> None:
         opt.step()
         if on_step is not None:
             on_step(step, value)
+
+
+def scaled_groups(tensors: list, lr: float, scales: list | None = None) -> list[dict]:
+    """Adam parameter groups for ``tensors`` with step size ``lr`` times each tensor's factor in ``scales`` (one per
+    tensor; ``None``: all 1), tensors of one factor in one group."""
+    groups: dict[float, list] = {}
+    for tensor, scale in zip(tensors, [1.0] * len(tensors) if scales is None else scales, strict=True):
+        groups.setdefault(float(scale), []).append(tensor)
+    return [{"params": group, "lr": lr * scale} for scale, group in groups.items()]

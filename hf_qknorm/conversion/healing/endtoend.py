@@ -14,9 +14,9 @@ import time
 import torch
 from torch.nn import functional as F
 
-from ..calibration.optim import cosine_adam
+from ..calibration.optim import cosine_adam, scaled_groups
 from ..orchestration.progress import Stage
-from .heal import HealReport, HealSettings
+from .heal import HealReport, HealSettings, lr_scales
 
 __all__ = ["end_to_end"]
 
@@ -57,10 +57,13 @@ def end_to_end(
             student.get_parameter(name).copy_(value)
     for p in list(teacher.parameters()) + list(student.parameters()):
         p.requires_grad_(False)
-    params = {}  # by state-dict name, as the layer-wise stage and the writer name them
+    params, scales = {}, []  # by state-dict name, as the layer-wise stage and the writer name them
     for i, block in enumerate(find_layers(student, family)):
         prefix = f"{family.layers}.{i}.{family.attention}."
-        params.update({prefix + k: p for k, p in getattr(block, family.attention).named_parameters()})
+        attn = getattr(block, family.attention)
+        named = dict(attn.named_parameters())
+        params.update({prefix + k: p for k, p in named.items()})
+        scales += lr_scales(attn, named)  # as the layer-wise stage steps them
     missing = [k for k in params if k not in dict(student.named_parameters())]
     if missing:  # a model whose blocks are not at the family's path from the head model
         raise ValueError(f"end-to-end healing: the converted model has no parameter {missing[0]!r}")
@@ -87,7 +90,7 @@ def end_to_end(
 
     try:
         with Stage("end-to-end distillation", steps * block_len, "tok", progress) as stage:
-            cosine_adam([{"params": list(params.values()), "lr": settings.end_to_end_lr}], steps, loss, tick)
+            cosine_adam(scaled_groups(list(params.values()), settings.end_to_end_lr, scales), steps, loss, tick)
     finally:
         for p in params.values():
             p.requires_grad_(False)

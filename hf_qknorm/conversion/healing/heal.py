@@ -45,7 +45,7 @@ from ..calibration.streaming import StreamedCheckpoint, run_block, run_capturing
 from ..orchestration import ranks
 from ..orchestration.progress import Stage
 
-__all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal_text"]
+__all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal_text", "lr_scales"]
 
 
 SELF_NEW_TOKENS = 256  # tokens per self-generated answer or continuation (--heal-text self)
@@ -202,7 +202,7 @@ def _fit(
     for p in params.values():
         p.requires_grad_(True)
     try:
-        scales = _lr_scales(attn, params)
+        scales = lr_scales(attn, params)
         lr = settings.lr
         if settings.lr_search:
             lr = _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick, scales)
@@ -223,7 +223,7 @@ def _restore(params: dict, start: dict) -> None:
             p.copy_(start[k])
 
 
-def _lr_scales(attn, params: dict) -> list[float]:
+def lr_scales(attn, params: dict) -> list[float]:
     """Per parameter of ``attn``, the factor on its step size: an ``l2``/``lp`` logit scale (one number, a
     temperature of about 10 after calibration) steps relative to its size, as calibration fits it; with the
     projections' step size it could move only a few per cent in a whole heal. Everything else: 1."""
