@@ -350,25 +350,32 @@ def test_interrupted_heal_text_generation_leaves_nothing(tmp_path, capsys, monke
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
-def test_the_l2_logit_scale_steps_relative_to_its_size():
-    """An ``l2``/``lp`` logit scale is a temperature of about 10: at the projections' step size a whole heal moves
-    it a few per cent. Its step is scaled by its size; the q/k/v/o projections and every other norm keep the step."""
+def test_the_norms_weights_step_relative_to_their_size():
+    """An ``l2``/``lp`` logit scale is a temperature of about 10, calibrated gains reach 2-7: at the projections'
+    step size a whole heal moves them a few per cent. A norm weight's step is scaled by its RMS where above 1; the
+    q/k/v/o projections and weights of RMS at most 1 keep the step."""
     from hf_qknorm.conversion.calibration.localfit import fit_output
     from hf_qknorm.conversion.calibration.streaming import BlockCall
     from hf_qknorm.conversion.healing.heal import lr_scales
     from tests._support.tiny_models import tiny_model
 
-    for norm, p, scaled in (("l2", None, {"q_norm.weight"}), ("lp", 4.0, {"q_norm.weight"}), ("rmsnorm", None, set())):
+    cases = (
+        ("qk_norm", "l2", None, {"q_norm.weight": 12.5}),
+        ("qk_norm", "lp", 4.0, {"q_norm.weight": 12.5}),
+        ("qk_norm", "rmsnorm", None, {"q_norm.weight": 3.0, "k_norm.weight": 0.5}),
+        ("qkv_norm", "layernorm", None, {"k_norm.weight": 2.0, "v_norm.weight": 1.0, "v_norm.bias": 4.0}),
+    )
+    for scheme, norm, p, values in cases:
         model = tiny_model("llama")
-        hf_qknorm.patch_model(model, QKNormConfig(scheme="qk_norm", norm=norm, p=p))
+        hf_qknorm.patch_model(model, QKNormConfig(scheme=scheme, norm=norm, p=p))
         attn = model.model.layers[0].self_attn
-        if scaled:
-            with torch.no_grad():
-                attn.q_norm.weight.fill_(12.5)
+        with torch.no_grad():
+            for name, value in values.items():
+                attn.get_parameter(name).fill_(value)
         params = dict(attn.named_parameters())
         scales = dict(zip(params, lr_scales(attn, params), strict=True))
-        assert {k for k, s in scales.items() if s != 1.0} == scaled
-        assert all(scales[k] == 12.5 for k in scaled)
+        want = {k: v for k, v in values.items() if k.endswith("weight") and v > 1}  # a bias keeps the step
+        assert {k: s for k, s in scales.items() if s != 1.0} == pytest.approx(want), (scheme, norm)
 
     class Scale(torch.nn.Module):  # output g * x: the target needs g from 10 to 15
         def __init__(self):

@@ -38,7 +38,7 @@ from typing import Literal
 
 import torch
 
-from ...portable.norms import HeadLpNorm
+from ...portable.norms import NORM_CLASSES
 from ..calibration.layerwise import attention_call
 from ..calibration.localfit import fit_output, output_scale, relative_error
 from ..calibration.streaming import StreamedCheckpoint, run_block, run_capturing
@@ -78,8 +78,8 @@ class HealSettings:
     lr: float = field(
         default=1e-3,
         metadata={
-            "help": "Adam step size of the projections and norms, cosine-decayed to 0; an l2/lp logit scale steps by "
-            "this times its value (implies --heal)"
+            "help": "Adam step size of the projections and norms, cosine-decayed to 0; a norm weight of RMS above 1 "
+            "(an l2/lp logit scale, a large gain) steps by this times its RMS (implies --heal)"
         },
     )
     lr_search: bool = field(
@@ -224,11 +224,12 @@ def _restore(params: dict, start: dict) -> None:
 
 
 def lr_scales(attn, params: dict) -> list[float]:
-    """Per parameter of ``attn``, the factor on its step size: an ``l2``/``lp`` logit scale (one number, a
-    temperature of about 10 after calibration) steps relative to its size, as calibration fits it; with the
-    projections' step size it could move only a few per cent in a whole heal. Everything else: 1."""
-    logit_scales = {id(m.weight) for m in attn.modules() if isinstance(m, HeadLpNorm) and m.scale == "logit"}
-    return [max(1.0, float(p.detach().abs().max())) if id(p) in logit_scales else 1.0 for p in params.values()]
+    """Per parameter of ``attn``, the factor on its step size: the weight of a norm the scheme added steps relative
+    to its size (its RMS, where above 1), as calibration fits it -- an ``l2``/``lp`` logit scale is a temperature of
+    about 10, calibrated q/k gains reach 2-7, and at the projections' step size a whole heal moves them a few per
+    cent. Everything else (projections, biases, a model's own norms): 1."""
+    gains = {id(m.weight) for m in attn.modules() if isinstance(m, NORM_CLASSES) and m.weight is not None}
+    return [max(1.0, float(p.detach().pow(2).mean().sqrt())) if id(p) in gains else 1.0 for p in params.values()]
 
 
 def _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick, scales) -> float:
