@@ -79,11 +79,12 @@ def _shrink(config):
     # A per-layer list keeps one layer of each kind it names (sliding and full attention, a hybrid's recurrent layers),
     # so the tiny model has every kind of layer the real one has.
     kinds = getattr(config, "layer_types", None)
+    listed = isinstance(kinds, (list, tuple)) and bool(kinds)
     # A model in sections (Dory: input layers, recurrent layers run in loops, output layers) keeps one layer in each.
     sections = all(isinstance(getattr(config, name, None), int) for name in SECTIONS)
     layers = max(LAYERS, len(SECTIONS)) if sections else LAYERS
     keep = list(range(layers))
-    if isinstance(kinds, (list, tuple)) and kinds:
+    if listed:
         first = {}
         for i, kind in enumerate(kinds):
             first.setdefault(kind, i)
@@ -93,12 +94,11 @@ def _shrink(config):
     if sections:
         for name, count in zip(SECTIONS, (1, len(keep) - 2, 1)):
             setattr(config, name, count)
-    if isinstance(kinds, (list, tuple)) and kinds or sections:
-        if hasattr(config, "num_hidden_layers"):
-            try:
-                config.num_hidden_layers = len(keep)
-            except AttributeError:
-                pass
+    if (listed or sections) and hasattr(config, "num_hidden_layers"):
+        try:
+            config.num_hidden_layers = len(keep)
+        except AttributeError:
+            pass
     for name in ("layer_types", "attention_layer_types"):
         value = getattr(config, name, None)
         if isinstance(value, (list, tuple)) and value:
