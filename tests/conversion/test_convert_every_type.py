@@ -18,13 +18,14 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import hf_qknorm
 from hf_qknorm import QKNormConfig, UnsupportedModelError, convert
 from hf_qknorm.conversion.calibration.calibrate import new_norm_parameters
 from hf_qknorm.conversion.orchestration import coverage as conversions
 from hf_qknorm.conversion.orchestration.texts import text_blocks
+from hf_qknorm.conversion.output.shards import load_pretrained
 from hf_qknorm.data import perplexity, split_text
 from tests.modeling.test_coverage import SAMPLE
 from tests.modeling.test_export import run_without_plugin
@@ -55,7 +56,7 @@ def _logits(model) -> torch.Tensor:
 
 def _in_memory(src, cfg, written: dict) -> torch.nn.Module:
     """The converted model in memory: the source as Transformers loads it, patched, with the folder's norm values."""
-    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    model = load_pretrained(src).eval()
     hf_qknorm.patch_model(model, cfg)
     with torch.no_grad():
         for name, prm in new_norm_parameters(model).items():
@@ -74,7 +75,7 @@ def _convert_one(tmp, model_type, scheme, norm=None):
         result = convert(src, out, cfg, SETTINGS, calibration_text=TEXT, verify="plugin", progress=False, log=_quiet)
     except UnsupportedModelError as exc:
         return {"refused": str(exc), "src": src, "cfg": cfg, "out": out}
-    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    loaded = load_pretrained(out).eval()
     held = split_text(TEXT, 0.1)[1]
     blocks = text_blocks(held, AutoTokenizer.from_pretrained(src), SETTINGS.block_len, SETTINGS.eval_blocks, "held")
     row = {"result": result, "src": src, "cfg": cfg, "out": out, "plugin": _logits(loaded), "blocks": blocks}
@@ -86,7 +87,7 @@ def _convert_one(tmp, model_type, scheme, norm=None):
     converted = _in_memory(src, cfg, written)
     row["memory"] = _logits(converted)
     row["ppl_converted"] = perplexity(converted, blocks)
-    row["ppl_source"] = perplexity(AutoModelForCausalLM.from_pretrained(src).eval(), blocks)
+    row["ppl_source"] = perplexity(load_pretrained(src).eval(), blocks)
     return row
 
 
@@ -131,7 +132,7 @@ def test_every_sample_type_converts_and_reloads_without_the_plugin(converted, mo
             raise row["error"]
         if "refused" in row:  # patching refuses it too, with the same one line
             with pytest.raises(UnsupportedModelError) as patched:
-                hf_qknorm.patch_model(AutoModelForCausalLM.from_pretrained(row["src"]), row["cfg"])
+                hf_qknorm.patch_model(load_pretrained(row["src"]), row["cfg"])
             assert row["refused"] == str(patched.value) and model_type in row["refused"]
             assert scheme == "qkv_norm" and not row["out"].exists()
             continue
@@ -175,12 +176,12 @@ def test_a_model_whose_own_qk_norms_are_the_scheme_converts_to_itself(tmp_path, 
     assert config["model_type"] == model_type and "qknorm" not in config and "auto_map" not in config
     got = run_without_plugin(tmp_path, [{"name": "n", "path": str(row["out"]), "remote": False, "ids": IDS.tolist(),
                                         "mask": MASK.tolist()}])["n"]  # fmt: skip
-    plain = AutoModelForCausalLM.from_pretrained(row["src"]).eval()
+    plain = load_pretrained(row["src"]).eval()
     assert got["cls"] == type(plain).__name__ and not got["module"].startswith("transformers_modules")
     _close(got["logits"], _logits(plain), f"{model_type}: without the plugin")
     _close(row["plugin"], _logits(plain), f"{model_type}: with the plugin")
     if norm == "rmsnorm":  # patch_model carries a native gain (not a LayerNorm's bias, which it resets)
-        patched = hf_qknorm.patch_model(AutoModelForCausalLM.from_pretrained(row["src"]).eval(), row["cfg"])
+        patched = hf_qknorm.patch_model(load_pretrained(row["src"]).eval(), row["cfg"])
         _close(_logits(patched), _logits(plain), f"{model_type}: patch_model carries the gains too")
 
 
@@ -201,7 +202,7 @@ def test_a_refused_scheme_is_refused_before_any_work(tmp_path, monkeypatch):
             convert(src, tmp_path / f"{model_type}-out", QKNormConfig(scheme), SETTINGS, calibration_text=TEXT,
                     progress=False, log=_quiet)  # fmt: skip
         with pytest.raises(UnsupportedModelError) as patched:
-            hf_qknorm.patch_model(AutoModelForCausalLM.from_pretrained(src), scheme)
+            hf_qknorm.patch_model(load_pretrained(src), scheme)
         assert str(refused.value) == str(patched.value) and words in str(refused.value)
         assert not (tmp_path / f"{model_type}-out").exists()
 
@@ -260,5 +261,43 @@ def test_a_checkpoint_whose_qkv_transformers_splits_on_loading_converts(tmp_path
     for scheme, row in rows.items():
         _close(row["plugin"], row["memory"], f"sarvam_moe {scheme}: with the plugin")
         _close(got[scheme]["logits"], row["memory"], f"sarvam_moe {scheme}: without the plugin")
+        assert row["result"].report.ppl_original == pytest.approx(row["ppl_source"], rel=1e-4)
+        assert row["result"].report.ppl_calibrated == pytest.approx(row["ppl_converted"], rel=1e-4)
+
+
+@pytest.mark.spawns
+def test_a_checkpoint_whose_experts_transformers_transposes_on_loading_converts(tmp_path):
+    """Qwen3-VL-MoE checkpoints on the Hub store each expert's down projection transposed; Transformers transposes
+    it on loading where its shape is not the model's (``Transpose(1, 2, check_dims=True)``). The tiny source is
+    written in that layout: the streamed conversion reads it as ``from_pretrained`` does (the report's perplexities
+    are the loaded model's), and the written folder keeps the source's layout and loads with and without the
+    plugin."""
+    from safetensors.torch import save_file
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "qwen3_vl_moe" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("Qwen3-VL-MoE is not in this Transformers")
+    src = tmp_path / "qwen3_vl_moe" / "source"
+    conversions.tiny_source("qwen3_vl_moe", src)
+    stored = _tensors(src)
+    down = [k for k in stored if k.endswith("mlp.experts.down_proj")]
+    assert down and all(stored[k].shape[1] != stored[k].shape[2] for k in down)  # the transposed layout is telling
+    hub = {k: v.transpose(1, 2).contiguous() if k in down else v for k, v in stored.items()}
+    save_file(hub, str(src / "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_pretrained(src)
+    torch.testing.assert_close(loaded.state_dict()[down[0]], stored[down[0]], rtol=0, atol=0)  # Transformers' turn
+    jobs, rows = [], {}
+    for scheme, norm in (("qk_norm_cap", None), ("qkv_norm", None)):
+        row = rows[scheme] = _convert_one(tmp_path, "qwen3_vl_moe", scheme, norm)
+        assert "refused" not in row, row.get("refused")
+        written = _tensors(row["out"])
+        for key in down:  # the source's own layout, byte for byte
+            torch.testing.assert_close(written[key], hub[key], rtol=0, atol=0)
+        jobs.append({"name": scheme, "path": str(row["out"]), "remote": row["result"].export == "qknorm",
+                     "ids": IDS.tolist(), "mask": MASK.tolist(), "auto": "AutoModelForImageTextToText"})  # fmt: skip
+    got = run_without_plugin(tmp_path, jobs)
+    for scheme, row in rows.items():
+        _close(row["plugin"], row["memory"], f"qwen3_vl_moe {scheme}: with the plugin")
+        _close(got[scheme]["logits"], row["memory"], f"qwen3_vl_moe {scheme}: without the plugin")
         assert row["result"].report.ppl_original == pytest.approx(row["ppl_source"], rel=1e-4)
         assert row["result"].report.ppl_calibrated == pytest.approx(row["ppl_converted"], rel=1e-4)

@@ -58,11 +58,12 @@ _LOADER = textwrap.dedent("""
     import json, sys
     sys.modules["hf_qknorm"] = None  # any import of the plugin now fails
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
     jobs = json.load(open(sys.argv[1]))
     out = {}
-    for job in jobs:
-        model = AutoModelForCausalLM.from_pretrained(job["path"], trust_remote_code=job["remote"]).eval()
+    for job in jobs:  # "auto": the Auto class to load with (a multimodal model's), AutoModelForCausalLM by default
+        auto = getattr(transformers, job.get("auto", "AutoModelForCausalLM"))
+        model = auto.from_pretrained(job["path"], trust_remote_code=job["remote"]).eval()
         ids, mask = torch.tensor(job["ids"]), torch.tensor(job["mask"])
         row = {"cls": type(model).__name__, "module": type(model).__module__, "dtype": str(model.dtype),
                "backend": model.config._attn_implementation}

@@ -11,8 +11,8 @@ tests/conversion/test_convert_every_type.py fails when they change, through the 
 experts models) are read here once per conversion, so that the streamed conversion reads every parameter the way
 ``from_pretrained`` would -- one block at a time -- and writes the checkpoint back in the source's own layout, as
 ``save_pretrained`` would; the ``qkv_norm`` fold is planned on the checkpoint's own tensors (a split q/k/v
-projection is folded whole). A conversion by an operation other than stacking, concatenating and splitting is
-refused in one line, naming it.
+projection is folded whole). A conversion by an operation other than stacking, concatenating, splitting and
+transposing (Qwen3-VL-MoE's experts, stored transposed on the Hub) is refused in one line, naming it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Transformers' operations a parameter may be made with: each stacks, concatenates or splits the checkpoint's tensors.
-FUSING_OPERATIONS = ("MergeModulelist", "Concatenate", "Split")
+# Transformers' operations a parameter may be made with: each stacks, concatenates, splits or transposes the
+# checkpoint's tensors (reproduced by calling them: a transpose that checks the model's shape does so on the skeleton).
+FUSING_OPERATIONS = ("MergeModulelist", "Concatenate", "Split", "Transpose")
 
 
 def _natural(key: str):
