@@ -79,9 +79,9 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         "end_to_end_lr": 1e-4,
     }
     assert record["heal"]["generated_tokens"] == 0
-    # every layer's step size is one of the candidates tried
+    # every layer's step size is one of the candidates the search may try (the grid, two more either way)
     assert len(record["heal"]["layer_lrs"]) == len(record["heal"]["layer_errors"])
-    assert {round(lr, 12) for lr in record["heal"]["layer_lrs"]} <= {1e-3, 3e-4, 1e-4}
+    assert {round(lr, 12) for lr in record["heal"]["layer_lrs"]} <= {1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5}
     assert record["heal"]["end_to_end"] is None
     assert record["heal"]["ppl_after"] == h["ppl_after"] and record["heal"]["seconds"] > 0
     card = (result.path / "README.md").read_text()
@@ -95,6 +95,7 @@ def test_lr_search_takes_the_step_size_whose_trial_fits_best(tmp_path, monkeypat
     from hf_qknorm.conversion.healing import heal as heal_module
 
     monkeypatch.setattr(heal_module, "LR_FACTORS", (1.0, 1e-4))
+    monkeypatch.setattr(heal_module, "LR_WIDEN", 0)  # the two steps alone
     monkeypatch.setattr(heal_module, "TRIAL_SHARE", 3)  # 10 trial steps of the 30
     src = bundled_copy(tmp_path / "src")
     fixed = _convert(src, tmp_path / "fixed", heal=dataclasses.replace(HEAL, lr=30.0, lr_search=False)).report.heal
@@ -102,6 +103,33 @@ def test_lr_search_takes_the_step_size_whose_trial_fits_best(tmp_path, monkeypat
     layers = len(fixed["layer_errors"])
     assert fixed["layer_lrs"] == [30.0] * layers and fixed["layers_kept"] < layers
     assert searched["layer_lrs"] == [pytest.approx(3e-3)] * layers and searched["layers_kept"] == layers
+
+
+@pytest.mark.parametrize(
+    "best, tried, picked",
+    [
+        (2e-4, [1e-3, 3e-4, 1e-4], 3e-4),  # inside the grid: three trials
+        (3e-5, [1e-3, 3e-4, 1e-4, 3e-5, 1e-5], 3e-5),  # below it: two more, the second worse
+        (1e-1, [1e-3, 3e-4, 1e-4, 3e-3, 1e-2], 1e-2),  # far above it: two more at most
+        (None, [1e-3, 3e-4, 1e-4, 3e-5, 1e-5], 1e-3),  # every trial diverges: smaller steps, then --heal-lr
+    ],
+)
+def test_lr_search_widens_past_the_grid_while_its_end_fits_best(monkeypatch, best, tried, picked):
+    """Where the best trial is the grid's largest or smallest step size, the search tries the next of the 1-3-10
+    series beyond it (SmolLM2 takes 1e-3, the largest, in every layer; Gemma 3 at cap 10 1e-4, the smallest, in 16 of
+    18), at most LR_WIDEN more; a trial's error here is the distance of its step from ``best`` in decades."""
+    import math
+
+    from hf_qknorm.conversion.healing import heal as heal_module
+
+    seen = []
+    monkeypatch.setattr(heal_module, "fit_output", lambda *args: seen.append(args[7]))
+    errors = (lambda lr: abs(math.log10(lr / best))) if best else (lambda lr: math.nan)
+    monkeypatch.setattr(heal_module, "relative_error", lambda *args: errors(seen[-1]))
+    monkeypatch.setattr(heal_module, "_restore", lambda params, start: None)
+    settings = HealSettings(tokens=64 * 32, lr=1e-3)
+    got = heal_module._pick_lr(None, [None] * 4, [None] * 4, 1.0, {}, {}, settings, 64, 0, None, [])
+    assert seen == pytest.approx(tried) and got == pytest.approx(picked)
 
 
 def test_without_heal_conversion_is_as_before(tmp_path):
