@@ -248,19 +248,26 @@ def test_a_checkpoint_whose_qkv_transformers_splits_on_loading_converts(tmp_path
 
     if "sarvam_moe" not in CONFIG_MAPPING_NAMES:
         pytest.skip("Sarvam MoE is not in this Transformers")
-    jobs, rows = [], {}
+    rows = {}
     for scheme, norm in (("qkv_norm", None), ("qk_norm", "rmsnorm")):
         row = rows[scheme] = _convert_one(tmp_path, "sarvam_moe", scheme, norm)
         written = _tensors(row["out"])
         assert "model.layers.0.attention.query_key_value.weight" in written  # the source's own layout
         assert not any("self_attn.q_proj" in k for k in written)
-        jobs.append({"name": scheme, "path": str(row["out"]), "remote": row["result"].export == "qknorm",
-                     "ids": IDS.tolist(), "mask": MASK.tolist()})  # fmt: skip
     assert (rows["qkv_norm"]["result"].export, rows["qk_norm"]["result"].export) == ("qknorm", "native")
+    _check_as_loaded(tmp_path, "sarvam_moe", rows)
+
+
+def _check_as_loaded(tmp_path, model_type, rows, auto="AutoModelForCausalLM"):
+    """Each converted folder of ``rows`` (scheme -> :func:`_convert_one`'s row) computes the converted model in
+    memory, with the plugin and in a fresh interpreter without it (loaded by ``auto``), and the report's perplexities
+    are the source's and the converted model's own."""
+    jobs = [{"name": scheme, "path": str(row["out"]), "remote": row["result"].export == "qknorm", "ids": IDS.tolist(),
+             "mask": MASK.tolist(), "auto": auto} for scheme, row in rows.items()]  # fmt: skip
     got = run_without_plugin(tmp_path, jobs)
     for scheme, row in rows.items():
-        _close(row["plugin"], row["memory"], f"sarvam_moe {scheme}: with the plugin")
-        _close(got[scheme]["logits"], row["memory"], f"sarvam_moe {scheme}: without the plugin")
+        _close(row["plugin"], row["memory"], f"{model_type} {scheme}: with the plugin")
+        _close(got[scheme]["logits"], row["memory"], f"{model_type} {scheme}: without the plugin")
         assert row["result"].report.ppl_original == pytest.approx(row["ppl_source"], rel=1e-4)
         assert row["result"].report.ppl_calibrated == pytest.approx(row["ppl_converted"], rel=1e-4)
 
@@ -286,18 +293,11 @@ def test_a_checkpoint_whose_experts_transformers_transposes_on_loading_converts(
     save_file(hub, str(src / "model.safetensors"), metadata={"format": "pt"})
     loaded = load_pretrained(src)
     torch.testing.assert_close(loaded.state_dict()[down[0]], stored[down[0]], rtol=0, atol=0)  # Transformers' turn
-    jobs, rows = [], {}
+    rows = {}
     for scheme, norm in (("qk_norm_cap", None), ("qkv_norm", None)):
         row = rows[scheme] = _convert_one(tmp_path, "qwen3_vl_moe", scheme, norm)
         assert "refused" not in row, row.get("refused")
         written = _tensors(row["out"])
         for key in down:  # the source's own layout, byte for byte
             torch.testing.assert_close(written[key], hub[key], rtol=0, atol=0)
-        jobs.append({"name": scheme, "path": str(row["out"]), "remote": row["result"].export == "qknorm",
-                     "ids": IDS.tolist(), "mask": MASK.tolist(), "auto": "AutoModelForImageTextToText"})  # fmt: skip
-    got = run_without_plugin(tmp_path, jobs)
-    for scheme, row in rows.items():
-        _close(row["plugin"], row["memory"], f"qwen3_vl_moe {scheme}: with the plugin")
-        _close(got[scheme]["logits"], row["memory"], f"qwen3_vl_moe {scheme}: without the plugin")
-        assert row["result"].report.ppl_original == pytest.approx(row["ppl_source"], rel=1e-4)
-        assert row["result"].report.ppl_calibrated == pytest.approx(row["ppl_converted"], rel=1e-4)
+    _check_as_loaded(tmp_path, "qwen3_vl_moe", rows, auto="AutoModelForImageTextToText")
