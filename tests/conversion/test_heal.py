@@ -443,3 +443,37 @@ def test_the_end_to_end_stage_steps_the_l2_logit_scale_as_the_layer_wise_stage_d
     for group in scaled:
         (scale,) = group["params"]
         assert group["base_lr"] > 1.0 * E2E.end_to_end_lr and scale.numel() == 1
+
+
+def test_a_buffer_the_checkpoint_stores_is_read_and_kept_across_passes(tmp_path):
+    """GLM-4 MoE's router adds a trained ``e_score_correction_bias`` (a persistent buffer, zeros in a fresh model) to
+    its scores before choosing experts. The streamed model reads it from the checkpoint as ``from_pretrained`` does
+    (the report's original perplexity is the loaded model's), and it stays materialised when a block is released:
+    healing passes over the blocks a second time (both failed before: the bias read as zeros, then left on meta)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_qknorm.conversion.orchestration import coverage as conversions
+
+    if "glm4_moe" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("GLM-4 MoE is not in this Transformers")
+    src = conversions.tiny_source("glm4_moe", tmp_path / "src")
+    tensors = load_file(src / "model.safetensors")
+    biases = [k for k in tensors if k.endswith("e_score_correction_bias")]
+    assert biases and all(torch.count_nonzero(tensors[k]) == 0 for k in biases)  # zeros, as a skeleton's
+    gen = torch.Generator().manual_seed(3)
+    for k in biases:  # trained: some experts favoured, so the choice of experts differs from a zero bias's
+        tensors[k] = torch.randn(tensors[k].shape, generator=gen)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    result = _convert(src, tmp_path / "out", scheme="qk_norm_cap", norm="layernorm")
+    blocks = text_blocks(
+        split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(src), 64, FAST.eval_blocks, "held-out"
+    )
+    original = AutoModelForCausalLM.from_pretrained(src).eval()
+    assert torch.count_nonzero(original.state_dict()[biases[0]]) > 0
+    assert result.report.ppl_original == pytest.approx(hf_qknorm.data.perplexity(original, blocks), rel=1e-4)
+    healed = AutoModelForCausalLM.from_pretrained(result.path).eval()
+    assert hf_qknorm.data.perplexity(healed, blocks) == pytest.approx(result.report.heal["ppl_after"], rel=1e-4)
+    torch.testing.assert_close(load_file(result.path / "model.safetensors")[biases[0]], tensors[biases[0]])

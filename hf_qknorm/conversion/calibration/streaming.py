@@ -54,7 +54,29 @@ class BlockCall:
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     target = module.get_submodule(owner) if owner else module
-    target._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    if leaf in target._buffers:  # a buffer the checkpoint stores (DeepSeek V3's e_score_correction_bias), own dtype
+        target._buffers[leaf] = value.to(target._buffers[leaf].dtype)
+    else:
+        target._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+
+
+def _stored_buffers(model: nn.Module) -> list[str]:
+    """The names of ``model``'s persistent buffers: the ones a checkpoint may store."""
+    return [
+        f"{owner}.{leaf}" if owner else leaf
+        for owner, module in model.named_modules()
+        for leaf, buf in module._buffers.items()
+        if buf is not None and leaf not in module._non_persistent_buffers_set
+    ]
+
+
+def _release_parameters(module: nn.Module) -> None:
+    """Every parameter of ``module`` back on ``meta``; its buffers stay (the computed ones, RoPE's ``inv_freq``,
+    are not read again; the stored ones are read again with the block)."""
+    for sub in module.modules():
+        for leaf, prm in sub._parameters.items():
+            if prm is not None:
+                sub._parameters[leaf] = nn.Parameter(prm.to("meta"), requires_grad=False)
 
 
 class StreamedCheckpoint:
@@ -112,7 +134,11 @@ class StreamedCheckpoint:
             _set_tensor(model, name, tensor.to(device=self.device, dtype=torch.float32))
 
     def _names(self, model: nn.Module, prefix: str | None, outer: bool = False) -> list[str]:
+        """The parameters of a block (``prefix``) or outside every block (``outer``), and the buffers there that the
+        checkpoint stores: ``from_pretrained`` reads those too, and a block's forward may use them (a router's
+        ``e_score_correction_bias``, trained, where a skeleton holds zeros)."""
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        names += [n for n in _stored_buffers(model) if self.weights.has(n)]
         if outer:
             return [n for n in names if not n.startswith(self.prefix)]
         return [n for n in names if n.startswith(prefix)]
@@ -144,8 +170,8 @@ class StreamedCheckpoint:
                 self.patched.get_parameter(name).copy_(value)
 
     def release(self, i: int) -> None:
-        self.blocks[i].to("meta")
-        self.patched_blocks[i].to("meta")
+        _release_parameters(self.blocks[i])
+        _release_parameters(self.patched_blocks[i])
 
     @contextmanager
     def outer(self):
@@ -170,7 +196,8 @@ class StreamedCheckpoint:
             for n in names:
                 owner, _, leaf = n.rpartition(".")
                 module = self.original.get_submodule(owner)
-                module._parameters[leaf] = nn.Parameter(module._parameters[leaf].to("meta"), requires_grad=False)
+                if leaf in module._parameters:  # a stored buffer stays, like a block's
+                    module._parameters[leaf] = nn.Parameter(module._parameters[leaf].to("meta"), requires_grad=False)
 
     # --- running ------------------------------------------------------------------------------------------------
     @torch.no_grad()
