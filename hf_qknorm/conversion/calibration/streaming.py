@@ -6,8 +6,10 @@ original model and the same model patched with the scheme (:func:`hf_qknorm.patc
 conversion without calibration). :meth:`StreamedCheckpoint.block` materialises block ``i`` of both from the source
 files -- the patched block from exactly the tensors a conversion writes for that layer (the ``qkv_norm`` fold of
 the removed pre-norm into the projections included, :mod:`hf_qknorm.conversion.output.shards`), plus the norm values
-given -- and :meth:`StreamedCheckpoint.release` returns them to ``meta``. Every parameter is read as ``from_pretrained``
-reads it (:mod:`hf_qknorm.conversion.output.keys`: fused experts, renamed tensors). The embeddings, final norm and
+given -- and :meth:`StreamedCheckpoint.release` returns their parameters to ``meta`` (buffers stay: computed once,
+or small and read again). Every parameter, and every buffer the checkpoint stores (a router's trained
+``e_score_correction_bias``), is read as ``from_pretrained`` reads it (:mod:`hf_qknorm.conversion.output.keys`: fused
+experts, renamed tensors). The embeddings, final norm and
 output head are materialised only to embed the calibration text and to score it (:meth:`StreamedCheckpoint.logits`: the
 model's own forward after the blocks). Both models run on the ``"qknorm"`` attention backend, which reports the q
 and k it attends over (the logit statistics) for every family. Peak memory is one block (twice: original
