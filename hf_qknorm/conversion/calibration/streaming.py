@@ -56,20 +56,16 @@ class BlockCall:
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     target = module.get_submodule(owner) if owner else module
-    if leaf in target._buffers:  # a buffer the checkpoint stores (DeepSeek V3's e_score_correction_bias), own dtype
+    if leaf in target._buffers:  # a buffer the checkpoint stores (a router's e_score_correction_bias): its own dtype
         target._buffers[leaf] = value.to(target._buffers[leaf].dtype)
     else:
         target._parameters[leaf] = nn.Parameter(value, requires_grad=False)
 
 
 def _stored_buffers(model: nn.Module) -> list[str]:
-    """The names of ``model``'s persistent buffers: the ones a checkpoint may store."""
-    return [
-        f"{owner}.{leaf}" if owner else leaf
-        for owner, module in model.named_modules()
-        for leaf, buf in module._buffers.items()
-        if buf is not None and leaf not in module._non_persistent_buffers_set
-    ]
+    """The names of ``model``'s buffers that its state dict holds (the persistent ones): a checkpoint may store them."""
+    keys = model.state_dict().keys()
+    return [name for name, _ in model.named_buffers(remove_duplicate=False) if name in keys]
 
 
 def _release_parameters(module: nn.Module) -> None:
@@ -108,6 +104,8 @@ class StreamedCheckpoint:
         skeleton = weights.model if weights.model is not None else self.original
         head, embed = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
         self._tied = head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0)
+        # the buffers the checkpoint stores, read with the parameters (a router's trained e_score_correction_bias)
+        self._stored = {m: [n for n in _stored_buffers(m) if weights.has(n)] for m in (self.original, self.patched)}
         self.blocks = find_layers(self.original, family)
         self.patched_blocks = find_layers(self.patched, family)
         self.prefix = family.layers + "."
@@ -140,7 +138,7 @@ class StreamedCheckpoint:
         checkpoint stores: ``from_pretrained`` reads those too, and a block's forward may use them (a router's
         ``e_score_correction_bias``, trained, where a skeleton holds zeros)."""
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-        names += [n for n in _stored_buffers(model) if self.weights.has(n)]
+        names += self._stored[model]
         if outer:
             return [n for n in names if not n.startswith(self.prefix)]
         return [n for n in names if n.startswith(prefix)]

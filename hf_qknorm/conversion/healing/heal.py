@@ -260,7 +260,8 @@ def _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, se
     for factor in LR_FACTORS:
         run(settings.lr * factor)
     for _ in range(LR_WIDEN):
-        if errors[best()] < math.inf and best() != min(errors):
+        lr = best()
+        if errors[lr] < math.inf and lr != min(errors):
             break
         run(_below(min(errors)))
     return settings.lr if errors[best()] == math.inf else best()
