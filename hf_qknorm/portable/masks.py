@@ -142,8 +142,8 @@ def packed_sequence_mask(
     to which packed sequence cannot be known: refused. Under ``torch.compile`` (no data-dependent checks) the mask is
     built whenever keys and queries match, and left to Transformers otherwise."""
     global _RESTART_CACHE
-    if position_ids is None or q_len < 2 or position_ids.shape[-1] != q_len:
-        return None
+    if position_ids is None or position_ids.dim() != 2 or q_len < 2 or position_ids.shape[-1] != q_len:
+        return None  # (rows, batch, seq) multimodal RoPE positions: Transformers reads no packing from them either
     compiling = torch.compiler.is_compiling()
     if not compiling:  # eager: skip all of this when nothing restarts (one sync per forward)
         key = (id(position_ids), position_ids._version)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..modeling.saved import read_config
+from ..portable.families import auto_class
 from ..portable.names import NORM_SLOTS, PREFIX
 from .checks import build_report, check_tolerance
 from .layers import ReferenceModel
@@ -35,29 +36,11 @@ def verify(model: nn.Module, *, tolerance: float | None = None, generate: bool =
     left as it was. Returns a :class:`VerifyReport` whose ``ok`` is False when an error exceeds the tolerance or a
     cap, norm or mask is not applied. Arguments: docs/api.md (verify)."""
     tolerance = check_tolerance(tolerance)
-    _refuse_multimodal(model)
     ref = ReferenceModel(model)
     captured = run_probes(model, ref.plan(generate=generate))
     report = build_report(ref, captured, tolerance=tolerance, source="in process")
     report.checks += [Check(None, "adapter", math.nan, math.nan, note=note) for note in _adapter_problems(model)]
     return _log(report)
-
-
-def _refuse_multimodal(model: nn.Module) -> None:
-    """The verifier's probes and reference are a text decoder's: a multimodal model is refused in one line (its
-    language model was checked at patch time by the self-check, with the same probe as the text type's)."""
-    from ..portable.families import UnsupportedModelError, family_of_model
-    from ..portable.layout import unwrap
-
-    try:
-        path = family_of_model(unwrap(model)).text_model
-    except UnsupportedModelError:
-        return  # not a model patching knows: the reference side says why
-    if path:
-        raise ValueError(
-            f"verify checks text decoders; {type(unwrap(model)).__name__} is multimodal (its language model "
-            f".{path} was checked when it was patched, by the self-check); verify a text model of its type instead"
-        )
 
 
 def _adapter_problems(model) -> list[str]:
@@ -144,6 +127,7 @@ def verify_folders(
                     "key": str(i),
                     "path": str(res.path.resolve()),
                     "remote": model_type.startswith(PREFIX),
+                    "auto": auto_class(model.config).__name__,  # a multimodal model: AutoModelForImageTextToText
                     "device": device,
                     "plan": refs[i].plan(generate=generate),
                 }
@@ -194,7 +178,7 @@ _RUNNER = textwrap.dedent("""
     import importlib.util, json, sys, traceback
     sys.modules["hf_qknorm"] = None  # any import of the plugin now fails: the folder must stand on its own
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     jobs = json.load(open(sys.argv[1]))
     torch.set_num_threads(int(sys.argv[4]))  # the caller's setting: extra threads on tiny models only contend
@@ -204,7 +188,8 @@ _RUNNER = textwrap.dedent("""
     out = {}
     for job in jobs:
         try:
-            model = AutoModelForCausalLM.from_pretrained(job["path"], trust_remote_code=job["remote"])
+            auto = getattr(transformers, job.get("auto", "AutoModelForCausalLM"))
+            model = auto.from_pretrained(job["path"], trust_remote_code=job["remote"])
             out[job["key"]] = probe.run_probes(model.to(job["device"]), job["plan"])
             del model
         except Exception as exc:
@@ -218,10 +203,10 @@ _RUNNER = textwrap.dedent("""
 
 def capture_without_plugin(jobs: list[dict], *, timeout: float = 1800) -> dict:
     """Run :func:`.probe.run_probes` for each job (``key``, folder ``path``, ``remote``: trust_remote_code,
-    ``device``, ``plan``) in one fresh interpreter where ``hf_qknorm`` cannot be imported; returns key -> what it
-    recorded (or ``{"error": ...}``). Transformers' remote-code module cache is private to the run, so the code
-    executed is each folder's own, as it is now. The subprocess uses as many intra-op threads as this process.
-    ``HF_QKNORM_PYTHON`` names another interpreter to use."""
+    ``device``, ``plan``, optional ``auto``: the Auto class to load with) in one fresh interpreter where
+    ``hf_qknorm`` cannot be imported; returns key -> what it recorded (or ``{"error": ...}``). Transformers'
+    remote-code module cache is private to the run, so the code executed is each folder's own, as it is now. The
+    subprocess uses as many intra-op threads as this process. ``HF_QKNORM_PYTHON`` names another interpreter to use."""
     with tempfile.TemporaryDirectory(prefix="hf_qknorm_verify_") as tmp:
         tmp = Path(tmp)
         (tmp / "jobs.json").write_text(json.dumps(jobs))

@@ -97,6 +97,17 @@ def native_cap(config) -> float | None:
     return float(cap) if isinstance(cap, (int, float)) and cap > 0 else None
 
 
+def check_causal(config, model_type: str) -> None:
+    """Refuse a decoder whose config says ``use_bidirectional_attention`` (PaliGemma's language model): its attention
+    modules are built non-causal, while its masks are causal, so it attends both ways where Transformers passes no
+    mask (an unpadded batch on sdpa) and causally where it builds one (padding): the reference models one rule."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: verify cannot model use_bidirectional_attention (causal with a padding mask, "
+            "both ways without one; checked when it was patched, by the self-check)"
+        )
+
+
 def sinks_of(attn) -> torch.Tensor | None:
     """gpt-oss's per-head attention-sink logits ``(heads,)`` in float64, or ``None``."""
     sinks = getattr(attn, "sinks", None)

@@ -23,7 +23,7 @@ from ..portable.layout import find_layers, unwrap
 from ..portable.names import ROLES
 from ..portable.schemes import QKNormConfig
 from . import derive
-from .probe import probe_tokens
+from .probe import probe_tokens, special_ids
 
 
 @dataclass
@@ -72,13 +72,14 @@ class ReferenceModel:
     def __init__(self, model: nn.Module):
         self.outer = model
         self.inner = unwrap(model)
-        self.config = self.inner.config
+        self.config = self.inner.config.get_text_config()  # a multimodal model's: its language model's
         self.family: Family = family_of_model(self.inner)
         self.scheme: QKNormConfig | None = qknorm_config(self.inner)
         self.blocks = find_layers(self.inner, self.family)
         self.attns = [getattr(b, self.family.attention) for b in self.blocks]
         self._names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self._rope: dict[int, tuple[bool, str]] = {}
+        derive.check_causal(self.config, self.family.model_type)
         for i, attn in enumerate(self.attns):  # refused before any probe runs when a part cannot be derived
             parts = derive.unmodelled_parts(attn, self.family)
             if parts:
@@ -235,7 +236,7 @@ class ReferenceModel:
         can_generate = generate and callable(getattr(self.inner, "can_generate", None)) and self.inner.can_generate()
         return {
             "layers": layers,
-            **probe_tokens(self.config.vocab_size, seed),
+            **probe_tokens(self.config.vocab_size, seed, avoid=special_ids(self.inner.config, self.config, gen)),
             "generate": bool(can_generate),
             "pad_token_id": getattr(gen, "pad_token_id", None),
         }

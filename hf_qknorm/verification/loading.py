@@ -17,7 +17,7 @@ from ..portable.names import NORM_SLOTS
 from ..portable.weights import SchemeWeightsError, keys_text
 from .report import Check, VerifyReport
 
-_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+_WHOLE_MODEL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # head, language model (and vision)
 
 
 class FolderWeightsError(ValueError):
@@ -25,14 +25,17 @@ class FolderWeightsError(ValueError):
 
 
 def load_folder(path: Path):
-    """``AutoModelForCausalLM.from_pretrained(path)`` after checking that the weights are exactly the model's:
-    raises :class:`FolderWeightsError` (missing, unexpected or non-floating-point norm tensors) or ``ValueError``
+    """``AutoModelForCausalLM.from_pretrained(path)`` (a multimodal model's ``AutoModelForImageTextToText``:
+    :func:`~hf_qknorm.portable.families.auto_class`) after checking that the weights are exactly the model's: raises
+    :class:`FolderWeightsError` (missing, unexpected or non-floating-point norm tensors) or ``ValueError``
     (``config.json`` disagrees with the tensors' shapes)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from ..portable.families import auto_class
 
     try:  # ignore_mismatched_sizes: the mismatch comes back in the info, to be named below
         with quiet_transformers():  # its load report is multi-line and says less than the line below
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = auto_class(AutoConfig.from_pretrained(path)).from_pretrained(
                 path, output_loading_info=True, ignore_mismatched_sizes=True
             )
     except SchemeWeightsError as exc:  # the patched classes' own rule (hf_qknorm.portable.structure)
@@ -71,7 +74,7 @@ def _outside_the_head(model, missing, unexpected) -> tuple[list[str], list[str]]
     missing = sorted(missing or ())
     unexpected = sorted(k for k in unexpected or () if _has_module(model, k.rpartition(".")[0].rpartition(".")[0]))
     archs = getattr(model.config, "architectures", None) or []
-    if not archs or any(a.endswith(_CAUSAL_HEADS) for a in archs):
+    if not archs or any(a.endswith(_WHOLE_MODEL_HEADS) for a in archs):
         return missing, unexpected
     prefix = f"{model.base_model_prefix}."
     return [k for k in missing if k.startswith(prefix)], [k for k in unexpected if k.startswith(prefix)]

@@ -55,14 +55,36 @@ AMPLIFIED = {"unpadded": "amplified", "padded": "amplified-padded"}  # probe -> 
 AMPLIFY_LOGITS = 10.0  # the logit bound an amplification may reach (or 1.25 times the layer's own, when larger)
 
 
-def probe_tokens(vocab_size: int, seed: int = 0) -> dict:
-    """The probe batches as lists: ``ids`` ``(BATCH, PROBE_LEN)`` and ``prompt`` ``(BATCH, PROMPT_LEN)``."""
+def special_ids(config, text_config=None, generation_config=None) -> set[int]:
+    """The ids the probes never hold: those a multimodal ``config`` reserves for its images and videos
+    (``image_token_id``, ``boi_token_index``, ...: every integer ``*_token_id``/``*_token_index`` but the text ones),
+    or the model looks for the images they stand for; and the padding id of any of the configs given, from which
+    some models count positions (Kosmos-2.5: a padding token takes no position)."""
+    text = {"pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id", "unk_token_id"}
+    found = set()
+    for name, value in config.to_dict().items():
+        if (name.endswith("_token_id") or name.endswith("_token_index")) and name not in text:
+            found.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    for c in (config, text_config, generation_config):
+        pad = getattr(c, "pad_token_id", None)
+        found.update(v for v in (pad if isinstance(pad, list) else [pad]) if isinstance(v, int))
+    return found
+
+
+def probe_tokens(vocab_size: int, seed: int = 0, avoid: set[int] = frozenset()) -> dict:
+    """The probe batches as lists: ``ids`` ``(BATCH, PROBE_LEN)`` and ``prompt`` ``(BATCH, PROMPT_LEN)``, none of
+    them one of ``avoid`` (a multimodal model's image and video tokens: :func:`special_ids`)."""
     gen = torch.Generator().manual_seed(seed)
     # below 32000: the top ids of large vocabularies are often added tokens whose embeddings were never trained
     high = max(2, min(int(vocab_size), 32000))
+    allowed = torch.tensor([i for i in range(1, high) if i not in avoid] or [1])
+
+    def draw(shape):
+        return allowed[torch.randint(0, len(allowed), shape, generator=gen)].tolist()
+
     return {
-        "ids": torch.randint(1, high, (BATCH, PROBE_LEN), generator=gen).tolist(),
-        "prompt": torch.randint(1, high, (BATCH, PROMPT_LEN), generator=gen).tolist(),
+        "ids": draw((BATCH, PROBE_LEN)),
+        "prompt": draw((BATCH, PROMPT_LEN)),
         "pad": PAD,
         "new_tokens": NEW_TOKENS,
     }
@@ -335,6 +357,10 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
         pad_id = getattr(gen, "pad_token_id", None)
         pad_id = getattr(gen, "eos_token_id", None) if pad_id is None else pad_id
         pad_id = (pad_id[0] if isinstance(pad_id, (list, tuple)) else pad_id) or 0
+    given = []  # whether generate handed the model position ids (Kosmos-2.5 counts its own from the tokens)
+    watch = model.register_forward_pre_hook(
+        lambda m, args, kwargs: given.append(kwargs.get("position_ids") is not None), with_kwargs=True
+    )
     recorder.start()
     try:
         out = model.generate(
@@ -353,6 +379,7 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
         return
     finally:
         recorder.stop()
+        watch.remove()
     seq = out.sequences
     steps = seq.shape[1] - prompt.shape[1]
     full = torch.cat([mask, torch.ones(mask.shape[0], steps, dtype=mask.dtype, device=mask.device)], dim=1)
@@ -361,7 +388,8 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
     try:
         # the positions generate gives left-padded rows: count of real tokens so far, minus one
         pos = (full[:, :fed].long().cumsum(-1) - 1).masked_fill(full[:, :fed] == 0, 0)
-        logits = model(input_ids=seq[:, :fed], attention_mask=full[:, :fed], position_ids=pos, use_cache=False).logits
+        placed = {"position_ids": pos} if any(given) else {}  # else the model places the tokens itself, as it did
+        logits = model(input_ids=seq[:, :fed], attention_mask=full[:, :fed], use_cache=False, **placed).logits
         result["logits"][name] = {
             "cached": _cpu(torch.stack(list(out.logits), dim=1)),
             "uncached": _cpu(logits[:, prompt.shape[1] - 1 :]),

@@ -120,3 +120,14 @@ def test_cu_seq_lens_with_a_batch_is_refused(softcap):
             max_length_q=4,
             max_length_k=4,
         )
+
+
+def test_multimodal_rope_positions_are_not_read_as_packing():
+    """Multimodal RoPE hands the attention ``(rows, batch, seq)`` positions (GLM-4V-MoE: temporal, height, width),
+    which restart where a left-padded row's real tokens begin; Transformers reads packing from 2-d text positions
+    only, so the backend reads none from them (it crashed on their shape in a padded generation)."""
+    from hf_qknorm.portable.masks import packed_sequence_mask
+
+    rows = torch.tensor([[1, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]])  # row 0 left-padded by two
+    assert packed_sequence_mask(rows[None].expand(3, -1, -1), 6, 6) is None
+    assert packed_sequence_mask(rows, 6, 6) is not None  # the same positions as a (batch, seq) packing

@@ -276,8 +276,8 @@ def test_the_coverage_column_converts_a_multimodal_type():
     got = coverage.check_conversions(["llava"], variants=(("qk_norm", "rmsnorm"), ("qk_norm_cap", "layernorm")))
     assert got["llava"].status == coverage.CONVERTED, got["llava"].reason
     assert got["llava"].variants == {
-        "qk_norm/rmsnorm": "ok (plain llava with a qwen3 text model; patch)",
-        "qk_norm_cap/layernorm": "ok (remote code; patch)",
+        "qk_norm/rmsnorm": "ok (plain llava with a qwen3 text model; float64)",  # verify's reference, as a text type's
+        "qk_norm_cap/layernorm": "ok (remote code; float64)",
     }
 
 

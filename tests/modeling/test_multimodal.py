@@ -352,15 +352,68 @@ def test_patching_keeps_the_callers_config_and_the_language_models_link_to_its_o
     assert model.model.vision_tower.config is model.config.vision_config
 
 
-@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl"])
-def test_verify_refuses_a_multimodal_model_in_one_line(model_type):
-    """The verifier's probes and reference are a text decoder's: a multimodal model gets one line saying so, patched
-    or not (it crashed on the top-level config's missing head count)."""
-    _, model = _patched(model_type, dtype=torch.float32)
-    for candidate in (model, tiny_multimodal_model(model_type)):
-        with pytest.raises(ValueError, match=r"^verify checks text decoders; .* is multimodal") as info:
-            hf_qknorm.verify(candidate)
-        assert "\n" not in str(info.value)
+@pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen2_vl", "mistral3", "glm4v_moe", "kosmos-2.5"])
+def test_verify_checks_a_multimodal_models_language_model(model_type):
+    """verify runs its probes through the whole model on text (no image or video token id, no padding id) and
+    checks every layer of its language model against the float64 reference, unpatched and patched (it refused
+    multimodal models; then GLM-4V-MoE's padded generation crashed on the "qknorm" backend, which read its (3, batch,
+    seq) multimodal RoPE positions as a packed batch's, and Kosmos-2.5, which places its tokens itself, was handed
+    generate's positions by the probe's uncached forward and failed unpatched)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"{model_type} is not in this Transformers")
+    plain, model = _patched(model_type, dtype=torch.float32)
+    layers = len(attention_modules(model))
+    for candidate, scheme in ((plain, "none"), (model, "qk_norm_cap")):
+        report = hf_qknorm.verify(candidate)
+        assert report.ok, str(report)
+        assert f"scheme {scheme}" in str(report)
+        assert {c.layer for c in report.checks if c.probe == "unpadded"} == set(range(layers))
+        assert report.mechanism("padding") == "applied" and report.mechanism("causal") == "applied"
+    assert report.mechanism("cap") == "applied" and report.mechanism("norms") == "applied", str(report)
+
+
+@pytest.mark.spawns
+def test_verify_folder_checks_a_saved_multimodal_model_with_and_without_the_plugin(tmp_path):
+    """A saved patched LLaVA loads through its image-text-to-text class (with the plugin, and in a fresh interpreter
+    through the folder's remote code) and verifies; its weights are checked as a whole model's."""
+    from hf_qknorm.verification import verify_folder
+
+    _, model = _patched("llava", dtype=torch.float32)
+    model.save_pretrained(tmp_path / "saved")
+    for no_plugin in (False, True):
+        report = verify_folder(tmp_path / "saved", no_plugin=no_plugin)
+        assert report.ok and report.mechanism("cap") == "applied", str(report)
+        assert ("without hf_qknorm" in report.source) == no_plugin
+
+
+def test_verify_catches_a_multimodal_model_whose_backend_drops_the_cap():
+    """The same model, its "qknorm" attention function swapped for plain sdpa: the cap is caught dropped."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tests.verification.test_verify import qknorm_function
+
+    _, model = _patched("llava", dtype=torch.float32)
+    assert hf_qknorm.verify(model, generate=False).ok
+    with qknorm_function(sdpa_attention_forward):
+        bad = hf_qknorm.verify(model, generate=False)
+    assert not bad.ok and bad.mechanism("cap") == "DROPPED", str(bad)
+
+
+def test_verify_refuses_a_language_model_that_attends_both_ways_without_a_mask_in_one_line():
+    """PaliGemma's Gemma is built with ``use_bidirectional_attention``: Transformers' masks are causal, its
+    attention modules not, so an unpadded batch on sdpa attends both ways and a padded one causally. The reference
+    models one rule, so verify refuses it in one line rather than failing a correct model (or passing a wrong one)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "paligemma" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("PaliGemma is not in this Transformers")
+    _, model = _patched("paligemma", dtype=torch.float32)
+    assert model.config.text_config.use_bidirectional_attention
+    with pytest.raises(UnsupportedModelError, match=r"use_bidirectional_attention") as info:
+        hf_qknorm.verify(model)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("model_type", ["musicgen", "musicgen_melody"])

@@ -192,13 +192,10 @@ def verify_output(
         plain = _plain_class(kind, source)
         if got != wanted or (plain is not None and type(model).__name__ != plain):
             _fail(f"the written folder loads as {type(model).__name__} with scheme {got}, not {wanted or plain}")
-        if source is not None and source.family.text_model:
-            skipped = "verify checks text decoders, and this is a multimodal model's language model"
-        else:
-            try:
-                reports.append(verify(model))
-            except UnsupportedModelError as exc:  # the float64 reference refuses this model type
-                skipped = str(exc).splitlines()[0]
+        try:
+            reports.append(verify(model))
+        except UnsupportedModelError as exc:  # the float64 reference refuses this model type
+            skipped = str(exc).splitlines()[0]
         if mode == "full" and kind == "qknorm" and skipped is None:
             reports.append(verify_folder(view, no_plugin=True))
         for report, how in zip(reports, ("with hf_qknorm", "without hf_qknorm, through its remote code")):
@@ -246,9 +243,10 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
     healing the attention's weights too), then run in float32. Returns what was checked;
     :class:`ConversionCheckError` when they differ."""
     from ...modeling.patch import patch_model
+    from ...portable.families import auto_class
     from ...verification.plain import logits_without_plugin
     from ..calibration.calibrate import new_norm_parameters
-    from ..output.shards import auto_class, load_pretrained
+    from ..output.shards import load_pretrained
 
     vocab = int(model.config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ...portable.families import Family
+from ...portable.families import Family, auto_class
 from ...portable.fold import bias_shift, fold_gain, shifted_bias
 from ...portable.schemes import QKNormConfig
 from .keys import KeyMap, fuse, key_map
@@ -203,32 +203,18 @@ def read_source_weights(folder: Path, family: Family, config, model=None) -> Sou
     return weights
 
 
-def auto_class(config):
-    """The Auto class whose model a checkpoint of ``config`` is: ``AutoModelForCausalLM``, or for a multimodal model
-    ``AutoModelForImageTextToText`` where it has such a class (LLaVA, Gemma 3, Qwen2-VL, ...) -- the class that holds
-    its language model, its vision tower and its output head as the checkpoint stores them, and the one a saved
-    folder's remote code maps."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    from ...portable.families import base_model_type, text_config_of
-
-    model_type = base_model_type(getattr(config, "model_type", ""))
-    if text_config_of(config) is not config and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return transformers.AutoModelForImageTextToText
-    return transformers.AutoModelForCausalLM
-
-
 def load_pretrained(folder: Path, **kwargs):
-    """The model saved in ``folder``, loaded through its :func:`auto_class` (``kwargs``: ``from_pretrained``'s)."""
+    """The model saved in ``folder``, loaded through its :func:`~hf_qknorm.portable.families.auto_class`
+    (``kwargs``: ``from_pretrained``'s)."""
     from transformers import AutoConfig
 
     return auto_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder, **kwargs)
 
 
 def skeleton(config, folder: Path | None = None):
-    """``config``'s model (:func:`auto_class`) on the meta device (no memory, no initialisation); a ``ValueError``
-    naming the config when it describes no model Transformers can build (e.g. heads that do not divide the width)."""
+    """``config``'s model (:func:`~hf_qknorm.portable.families.auto_class`) on the meta device (no memory, no
+    initialisation); a ``ValueError`` naming the config when it describes no model Transformers can build (e.g. heads
+    that do not divide the width)."""
     try:
         with torch.device("meta"):
             return auto_class(config).from_config(config)

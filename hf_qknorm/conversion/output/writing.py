@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ...portable.families import auto_class
 from ...upstream import installed_versions
 from ..calibration.calibrate import CalibrationSettings
 from ..orchestration.source import Source
-from .shards import WeightPlan, auto_class, plan_weights, write_weights
+from .shards import WeightPlan, plan_weights, write_weights
 
 __all__ = ["REPORT_FILE", "write_folder"]
 
