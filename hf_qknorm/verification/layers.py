@@ -72,8 +72,8 @@ class ReferenceModel:
     def __init__(self, model: nn.Module):
         self.outer = model
         self.inner = unwrap(model)
+        self.family: Family = family_of_model(self.inner)  # first: a model patching cannot handle is refused here
         self.config = self.inner.config.get_text_config()  # a multimodal model's: its language model's
-        self.family: Family = family_of_model(self.inner)
         self.scheme: QKNormConfig | None = qknorm_config(self.inner)
         self.blocks = find_layers(self.inner, self.family)
         self.attns = [getattr(b, self.family.attention) for b in self.blocks]
