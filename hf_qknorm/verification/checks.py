@@ -33,6 +33,7 @@ import torch
 
 from ..portable.names import ROLES
 from ..reference import allowed_reference, attention_layer_reference, norm_reference, rope_layout_reference
+from .derive import run_output_stage
 from .layers import LayerSpec, ReferenceModel
 from .report import APPLIED, DROPPED, REMOVED, UNCLEAR, UNEXERCISED, Check, VerifyReport
 
@@ -117,7 +118,9 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
             w["wq"] = q_gain * w["wq"]
             w["bq"] = None if w["bq"] is None else q_gain * w["bq"]
     mask = None if "padding" in drop else tokens[:, None, None, :]
-    return attention_layer_reference(
+    if spec.stage is not None:  # the attention output, then the model's own code after it (an output gate)
+        w["wo"], w["bo"] = torch.eye(spec.heads * spec.head_dim, dtype=torch.float64), None
+    out = attention_layer_reference(
         x,
         **w,
         heads=spec.heads,
@@ -141,6 +144,9 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
         q_whole=q_whole,
         k_whole=spec.k_whole,
     )
+    if spec.stage is None:
+        return out
+    return run_output_stage(spec.stage, out.view(*out.shape[:2], spec.heads, spec.head_dim), x, cos, sin)
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None):
@@ -264,6 +270,7 @@ def build_report(
     for i in range(len(ref)):
         spec = ref.spec(i)
         _settle_rope(ref, spec, probes)
+        ref.place_parts(spec, *_first_rotation(spec, probes))
         expected |= applicable(spec, torch.zeros(1, 1, dtype=torch.bool))
         for name, probe in probes.items():
             if "error" not in probe:
@@ -313,6 +320,15 @@ def build_report(
         required=required,
         source=source,
     )
+
+
+def _first_rotation(spec: LayerSpec, probes: dict) -> tuple:
+    """The first recorded ``(cos, sin)`` of the layer, float64, or ``(None, None)``."""
+    for probe in probes.values():
+        rec = probe.get("layers", [None] * (spec.index + 1))[spec.index] if "error" not in probe else None
+        if rec is not None and rec.get("cos") is not None:
+            return _f64(rec["cos"]), _f64(rec["sin"])
+    return None, None
 
 
 def _settle_rope(ref: ReferenceModel, spec: LayerSpec, probes: dict) -> None:

@@ -23,6 +23,7 @@ import copy
 import inspect
 import math
 import sys
+import threading
 from collections import OrderedDict
 
 import torch
@@ -66,6 +67,115 @@ def unmodelled_parts(attn: nn.Module, family: Family) -> list[str]:
         if name not in known and not isinstance(child, harmless) and "Rotary" not in type(child).__name__
     ]
     return parts + [name for name, _ in attn.named_parameters(recurse=False) if name not in known]
+
+
+# what an attention module's forward may take that the reference models or a decoder leaves None (cross-attention's)
+KNOWN_ARGUMENTS = {
+    "self", "hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values", "past_key_value",
+    "layer_past", "position_ids", "cache_position", "output_attentions", "use_cache", "head_mask", "kwargs",
+    "encoder_hidden_states", "encoder_attention_mask", "key_value_states",
+}  # fmt: skip
+
+
+def unmodelled_arguments(attn: nn.Module) -> list[str]:
+    """The arguments of ``attn``'s own forward beyond :data:`KNOWN_ARGUMENTS`: inputs the reference does not model
+    (Beam's ``attention_scaling``, which scales its NoPE layers' queries by position)."""
+    return sorted(set(inspect.signature(own_class(attn).forward).parameters) - KNOWN_ARGUMENTS)
+
+
+CORE_ATTENTION = "hf_qknorm_reference_core"  # the attention function of an output stage (:func:`output_stage`)
+_CORE = threading.local()
+
+
+def _core_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention function that hands back the reference's attention output ``(batch, seq, heads, head_dim)`` set
+    for this call (:func:`run_output_stage`), whatever it is given."""
+    return _CORE.value, None
+
+
+def output_stage(attn: nn.Module, family: Family) -> nn.Module:
+    """A float64 copy of ``attn`` as its own class, every hook removed, whose attention function returns the
+    reference's attention output: the model's own code after that function -- an output gate (AFMoE's, Beam's,
+    Laguna's), a norm before the output projection (BitNet's) -- run on the reference's result. What the reference
+    does not model must act there (:func:`place_parts`)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CORE_ATTENTION, _core_attention)  # the same function each time
+    stage = copy.deepcopy(unpatched(attn)).to(device="cpu", dtype=torch.float64).eval()
+    for module in stage.modules():
+        module._forward_hooks.clear()
+        module._forward_pre_hooks.clear()
+    config = copy.copy(getattr(stage, "config", None))
+    if config is None:
+        raise UnsupportedModelError(
+            f"model type {family.model_type!r}: verify cannot run {type(stage).__name__}'s own output stage (no config)"
+        )
+    try:
+        config._attn_implementation = CORE_ATTENTION
+    except Exception:  # a config that guards the attribute: set the stored value (as rotates() does)
+        config._attn_implementation_internal = CORE_ATTENTION
+    stage.config = config
+    return stage
+
+
+def place_parts(stage: nn.Module, family: Family, parts: list[str], cos, sin) -> None:
+    """Refuse, in one line, a part of ``parts`` (what the reference does not model) that does not act on the
+    attention output: its parameters, perturbed, must change ``stage``'s output for a fixed attention output (probe
+    inputs with the recorded rotation ``cos``/``sin``, or none). One that does not -- it acts on q or k, as Dory's
+    ``sqk`` -- or has no parameters to tell by is refused."""
+    for part in parts:
+        held = getattr(stage, part)
+        tensors = [held] if isinstance(held, torch.Tensor) else list(held.parameters())
+        if not tensors or not _moves_the_output(stage, tensors, cos, sin):
+            raise UnsupportedModelError(
+                f"model type {family.model_type!r}: verify's float64 reference does not model {part} of "
+                f"{type(stage).__name__}, which does not act on the attention output alone (checked when it was "
+                "patched, by the self-check)"
+            )
+
+
+def run_output_stage(stage: nn.Module, core: torch.Tensor, x, cos, sin) -> torch.Tensor:
+    """``stage`` (:func:`output_stage`) on hidden states ``x`` with the attention output ``core`` ``(batch, seq,
+    heads, head_dim)``: the layer's output."""
+    kwargs = {"hidden_states": x, "attention_mask": None}
+    kwargs["position_embeddings"] = (cos, sin) if cos is not None else None
+    if "position_ids" in inspect.signature(type(stage).forward).parameters:
+        kwargs["position_ids"] = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    _CORE.value = core
+    try:
+        with torch.no_grad():
+            out = stage(**kwargs)
+    finally:
+        _CORE.value = None
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _moves_the_output(stage: nn.Module, tensors: list, cos, sin) -> bool:
+    """Whether perturbing ``tensors`` changes ``stage``'s output for a fixed attention output (probe inputs, the
+    first positions of the recorded rotation); ``False`` where the stage cannot run on them."""
+    gen = torch.Generator().manual_seed(3)
+    heads, out_proj = stage.config.num_attention_heads, getattr(stage, "o_proj", None)
+    if not isinstance(out_proj, nn.Linear) or out_proj.in_features % heads:
+        return False
+    head_dim, t = out_proj.in_features // heads, 4 if cos is None else min(4, cos.shape[1])
+    x = torch.randn(1, t, stage.config.hidden_size, generator=gen, dtype=torch.float64)
+    core = torch.randn(1, t, heads, head_dim, generator=gen, dtype=torch.float64)
+    if cos is not None:
+        cos, sin = cos[:1, :t].to(torch.float64), sin[:1, :t].to(torch.float64)
+    saved = [p.detach().clone() for p in tensors]
+    try:
+        before = run_output_stage(stage, core, x, cos, sin)
+        with torch.no_grad():
+            for p in tensors:
+                p.add_(0.5 + torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        after = run_output_stage(stage, core, x, cos, sin)
+    except Exception:  # a stage that cannot run on probe inputs cannot be placed
+        return False
+    finally:
+        with torch.no_grad():
+            for p, value in zip(tensors, saved):
+                p.copy_(value)
+    return not torch.allclose(before, after, rtol=1e-9, atol=1e-12)
 
 
 def base_scaling(config, family: Family, attn, index: int, head_dim: int) -> float:

@@ -59,6 +59,7 @@ class LayerSpec:
     sinks: torch.Tensor | None = None
     rotates: bool = True
     rope_layout: str = "half"
+    stage: nn.Module | None = None  # the model's own code after the attention function (:func:`.derive.output_stage`)
 
     @property
     def has_norms(self) -> bool:
@@ -80,13 +81,13 @@ class ReferenceModel:
         self._names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self._rope: dict[int, tuple[bool, str]] = {}
         derive.check_causal(self.config, self.family.model_type)
+        self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
         for i, attn in enumerate(self.attns):  # refused before any probe runs when a part cannot be derived
-            parts = derive.unmodelled_parts(attn, self.family)
-            if parts:
+            if derive.unmodelled_arguments(attn):
                 raise UnsupportedModelError(
-                    f"model type {self.family.model_type!r}: verify's float64 reference does not model "
-                    f"{', '.join(parts)} of {derive.own_class(attn).__name__} (checked when it was patched, by the "
-                    "self-check)"
+                    f"model type {self.family.model_type!r}: verify's float64 reference does not model the "
+                    f"{', '.join(derive.unmodelled_arguments(attn))} argument of {derive.own_class(attn).__name__} "
+                    "(checked when it was patched, by the self-check)"
                 )
             self.scaling(i, self.head_counts(attn)[2])
 
@@ -126,6 +127,12 @@ class ReferenceModel:
             if layout is not None:
                 self._rope[spec.index] = known
         spec.rotates, spec.rope_layout = known[0], known[1] or "half"
+
+    def place_parts(self, spec: LayerSpec, cos, sin) -> None:
+        """Refuse the layer when a part the reference does not model acts anywhere but on the attention output
+        (:func:`.derive.place_parts`; ``cos``/``sin``: a recorded rotation, or ``None``)."""
+        if spec.stage is not None:
+            derive.place_parts(spec.stage, self.family, self._parts[spec.index], cos, sin)
 
     def _norms(self, attn, index: int) -> tuple[dict, str | None, float, float]:
         """Per role the per-head norm's ``weight``/``bias`` (or ``None``), and the ``(kind, eps, p)`` they share:
@@ -183,6 +190,7 @@ class ReferenceModel:
             q_whole=whole.get("q"),
             k_whole=whole.get("k"),
             sinks=derive.sinks_of(attn),
+            stage=derive.output_stage(attn, self.family) if self._parts[index] else None,  # parts placed later
         )
         if index in self._rope:
             spec.rotates, spec.rope_layout = self._rope[index][0], self._rope[index][1]

@@ -39,6 +39,8 @@ KINDS = [
     "smollm3",  # NoPE layers (no_rope_layers)
     "gpt_oss",  # sinks, rotary with one angle per pair, sliding layers
     "olmo2",  # q/k norms over the whole projection, kept under the scheme's per-head norms
+    "afmoe",  # an output gate (sigmoid of a projection of the input, per channel), the model's own code
+    "bitnet",  # a norm between the attention and the output projection, the model's own code
 ]
 
 
@@ -220,20 +222,59 @@ def test_a_wrong_window_fails(model_type):
     assert not report.ok and report.mechanism("window") != "applied", str(report)
 
 
+@pytest.mark.parametrize("model_type, part", [("afmoe", "gate_proj"), ("bitnet", "attn_sub_norm")])
+def test_the_output_stage_reads_the_reference_models_weights(model_type, part):
+    """Past the attention function the reference runs the model's own code (an output gate, a norm before the
+    output projection) on its float64 copy of the reference model's layer: a computing model whose gate or norm
+    differs must fail, so the stage is not the computing model's own arithmetic."""
+    model = _model(model_type, "qk_norm_cap")
+    bad = copy.deepcopy(model)
+    with torch.no_grad():
+        for attn in _attns(bad)[1]:
+            for prm in getattr(attn, part).parameters():
+                prm.add_(0.5)
+    assert _judge(model, model).ok
+    report = _judge(model, bad)
+    assert not report.ok, str(report)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # refused in one line
 # --------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "model_type,part", [("afmoe", "gate_proj"), ("bitnet", "attn_sub_norm"), ("beam", "gate_proj, gate_bias")]
+    "model_type, what",
+    [
+        ("beam", "does not model the attention_scaling argument of"),  # scales NoPE layers' queries by position
+        ("dory", "does not model the cache_offset, shared_kv_states argument of"),
+        ("gptj", "cannot read the rotary layout"),
+    ],
 )
-def test_what_the_reference_does_not_model_is_refused_in_one_line(model_type, part):
+def test_what_the_reference_does_not_model_is_refused_in_one_line(model_type, what):
     _skip_unless_buildable(model_type)
     with quiet_transformers():
         model = tiny_model(model_type)
     with pytest.raises(UnsupportedModelError) as err:
         hf_qknorm.verify(model, generate=False)
     line = str(err.value)
-    assert "\n" not in line and f"model type {model_type!r}" in line and f"does not model {part} of" in line
+    assert "\n" not in line and f"model type {model_type!r}" in line and what in line
+
+
+@pytest.mark.parametrize("part, placed", [("gate_proj", True), ("q_proj", False), ("rotary_emb", False)])
+def test_a_part_the_reference_does_not_model_must_act_on_the_attention_output(part, placed):
+    """The output stage is the model's own code after the attention function; a part whose parameters do not move
+    its output for a fixed attention output (one acting on q or k) or that has none cannot be placed there."""
+    model = _model("afmoe")
+    family, attns = _attns(model)
+    stage = derive.output_stage(attns[0], family)
+    if not hasattr(stage, part):
+        stage.rotary_emb = torch.nn.Identity()  # a part without parameters
+    x = torch.zeros(1, 4, model.config.hidden_size)
+    cos, sin = model.model.rotary_emb(x, torch.arange(4)[None])  # the rotation a forward records
+    if placed:
+        derive.place_parts(stage, family, [part], cos, sin)
+    else:
+        with pytest.raises(UnsupportedModelError, match=f"does not model {part} of .*attention output alone"):
+            derive.place_parts(stage, family, [part], cos, sin)
 
 
 @pytest.mark.spawns
