@@ -324,7 +324,8 @@ def rope_layout(attn, model_type: str, cos: torch.Tensor, sin: torch.Tensor, hea
 
 def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?") -> bool:
     """Whether layer ``index`` rotates q and k with the recorded ``cos``/``sin``: a fresh float64 instance of its
-    Transformers attention class (unpatched, eager) run with that rotation and with none (NoPE layers differ)."""
+    Transformers attention class (unpatched, eager) run with that rotation and with none (NoPE layers differ); the
+    caller's random state is left as it was."""
     cls = own_class(attn)
     cfg = copy.deepcopy(config)
     try:
@@ -337,8 +338,9 @@ def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?") -> boo
     if "position_ids" in inspect.signature(cls.forward).parameters:  # Ministral 3 scales queries by position
         extra["position_ids"] = torch.arange(x.shape[1])[None]
     try:
-        torch.manual_seed(index)
-        fresh = cls(cfg, layer_idx=index).to(torch.float64).eval()
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+            torch.manual_seed(index)
+            fresh = cls(cfg, layer_idx=index).to(torch.float64).eval()
         with torch.no_grad():
             out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **extra)[0]
             identity = (torch.ones_like(cos), torch.zeros_like(sin))

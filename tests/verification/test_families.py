@@ -290,3 +290,13 @@ def test_folders_of_other_families_verify_without_the_plugin(tmp_path):
         assert result.error is None, result.error
         assert result.report.ok and "trust_remote_code=True" in result.report.source, str(result.report)
         assert result.report.mechanism("cap") == "applied" and result.report.mechanism("window") == "applied"
+
+
+def test_verify_leaves_the_global_random_state_as_it_was():
+    """The rotation check builds fresh layers from a seed of its own; the caller's random numbers do not change."""
+    model = _model("smollm3", "qk_norm_cap")  # NoPE layers: every layer's rotation is checked on a fresh instance
+    torch.manual_seed(1234)
+    want = torch.rand(3)
+    torch.manual_seed(1234)
+    assert hf_qknorm.verify(model, generate=False).ok
+    torch.testing.assert_close(torch.rand(3), want, rtol=0, atol=0)
