@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..portable.families import base_model_type
+from ..portable.families import base_model_type, text_config_of
 from ..portable.names import PREFIX
 
 _JSON_TYPES = {list: "array (list)", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
@@ -50,3 +50,17 @@ def check_saved_model_type(model_type, where) -> None:
             f"{where}: model_type {model_type!r} names a base model type this Transformers does not know "
             f"({base_model_type(model_type)!r}); was it written with a newer Transformers?"
         )
+
+
+def auto_class(config):
+    """The Auto class whose model a checkpoint of ``config`` is: ``AutoModelForCausalLM``, or for a multimodal model
+    ``AutoModelForImageTextToText`` where it has such a class (LLaVA, Gemma 3, Qwen2-VL, ...) -- the class that holds
+    its language model, its vision tower and its output head as the checkpoint stores them, and the one a saved
+    folder's remote code maps."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    model_type = base_model_type(getattr(config, "model_type", ""))
+    if text_config_of(config) is not config and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM

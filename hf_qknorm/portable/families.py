@@ -436,17 +436,3 @@ def out_of_scope(config) -> str | None:
     if getattr(config, "is_decoder", True) is False and "bert" in model_type:
         return f"model type {model_type!r} is an encoder model; hf_qknorm patches decoder-only models"
     return None
-
-
-def auto_class(config):
-    """The Auto class whose model a checkpoint of ``config`` is: ``AutoModelForCausalLM``, or for a multimodal model
-    ``AutoModelForImageTextToText`` where it has such a class (LLaVA, Gemma 3, Qwen2-VL, ...) -- the class that holds
-    its language model, its vision tower and its output head as the checkpoint stores them, and the one a saved
-    folder's remote code maps."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    model_type = base_model_type(getattr(config, "model_type", ""))
-    if text_config_of(config) is not config and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return transformers.AutoModelForImageTextToText
-    return transformers.AutoModelForCausalLM

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..modeling.saved import read_config
-from ..portable.families import auto_class
+from ..modeling.saved import auto_class, read_config
 from ..portable.names import NORM_SLOTS, PREFIX
 from .checks import build_report, check_tolerance
 from .layers import ReferenceModel

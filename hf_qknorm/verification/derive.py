@@ -83,6 +83,13 @@ def unmodelled_arguments(attn: nn.Module) -> list[str]:
     return sorted(set(inspect.signature(own_class(attn).forward).parameters) - KNOWN_ARGUMENTS)
 
 
+def rotates_itself(attn: nn.Module) -> bool:
+    """Whether ``attn`` computes its rotation from ``position_ids`` inside (its forward takes them and no
+    ``position_embeddings``: GPT-J's in Transformers 5.4): the probe records no rotation to read."""
+    params = inspect.signature(own_class(attn).forward).parameters
+    return "position_ids" in params and "position_embeddings" not in params
+
+
 CORE_ATTENTION = "hf_qknorm_reference_core"  # the attention function of an output stage (:func:`output_stage`)
 _CORE = threading.local()
 

@@ -89,6 +89,12 @@ class ReferenceModel:
                     f"{', '.join(derive.unmodelled_arguments(attn))} argument of {derive.own_class(attn).__name__} "
                     "(checked when it was patched, by the self-check)"
                 )
+            if derive.rotates_itself(attn):
+                raise UnsupportedModelError(
+                    f"model type {self.family.model_type!r}: verify cannot read the rotation "
+                    f"{derive.own_class(attn).__name__} computes itself from position_ids (checked when it was "
+                    "patched, by the self-check)"
+                )
             self.scaling(i, self.head_counts(attn)[2])
 
     def __len__(self) -> int:

@@ -26,12 +26,12 @@ class FolderWeightsError(ValueError):
 
 def load_folder(path: Path):
     """``AutoModelForCausalLM.from_pretrained(path)`` (a multimodal model's ``AutoModelForImageTextToText``:
-    :func:`~hf_qknorm.portable.families.auto_class`) after checking that the weights are exactly the model's: raises
+    :func:`~hf_qknorm.modeling.saved.auto_class`) after checking that the weights are exactly the model's: raises
     :class:`FolderWeightsError` (missing, unexpected or non-floating-point norm tensors) or ``ValueError``
     (``config.json`` disagrees with the tensors' shapes)."""
     from transformers import AutoConfig
 
-    from ..portable.families import auto_class
+    from ..modeling.saved import auto_class
 
     try:  # ignore_mismatched_sizes: the mismatch comes back in the info, to be named below
         with quiet_transformers():  # its load report is multi-line and says less than the line below

@@ -357,9 +357,9 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
         pad_id = getattr(gen, "pad_token_id", None)
         pad_id = getattr(gen, "eos_token_id", None) if pad_id is None else pad_id
         pad_id = (pad_id[0] if isinstance(pad_id, (list, tuple)) else pad_id) or 0
-    given = []  # whether generate handed the model position ids (Kosmos-2.5 counts its own from the tokens)
+    given = []  # the position ids generate handed the model at each step (Kosmos-2.5 gets none: it counts its own)
     watch = model.register_forward_pre_hook(
-        lambda m, args, kwargs: given.append(kwargs.get("position_ids") is not None), with_kwargs=True
+        lambda m, args, kwargs: given.append(kwargs.get("position_ids")), with_kwargs=True
     )
     recorder.start()
     try:
@@ -386,9 +386,7 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
     fed = seq.shape[1] - 1  # the last generated token is never fed back
     result["probes"][name] = {"mask": _cpu(full[:, :fed]), "layers": layers, "tokens": _cpu(seq)}
     try:
-        # the positions generate gives left-padded rows: count of real tokens so far, minus one
-        pos = (full[:, :fed].long().cumsum(-1) - 1).masked_fill(full[:, :fed] == 0, 0)
-        placed = {"position_ids": pos} if any(given) else {}  # else the model places the tokens itself, as it did
+        placed = _placed(given, full[:, :fed])
         logits = model(input_ids=seq[:, :fed], attention_mask=full[:, :fed], use_cache=False, **placed).logits
         result["logits"][name] = {
             "cached": _cpu(torch.stack(list(out.logits), dim=1)),
@@ -396,6 +394,20 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
         }
     except Exception as exc:
         result["logits"][name] = {"error": _error(exc)}
+
+
+def _placed(given: list, mask: torch.Tensor) -> dict:
+    """The ``position_ids`` argument of the uncached forward over the ``mask.shape[1]`` tokens generation fed: none
+    where generate gave the model none (it placed the tokens itself, as it will again), the very positions it gave
+    step by step where they cover those tokens, else those of a left-padded row (count of real tokens so far, minus
+    one)."""
+    if all(p is None for p in given):
+        return {}
+    if all(torch.is_tensor(p) for p in given):
+        joined = torch.cat(given, dim=-1)
+        if joined.shape[-1] == mask.shape[1]:
+            return {"position_ids": joined}
+    return {"position_ids": (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)}
 
 
 def _stress(plan, recorder, modules, norms, result):

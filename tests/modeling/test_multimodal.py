@@ -363,15 +363,24 @@ def test_verify_checks_a_multimodal_models_language_model(model_type):
 
     if model_type not in CONFIG_MAPPING_NAMES:
         pytest.skip(f"{model_type} is not in this Transformers")
+    import transformers
+    from packaging.version import Version
+
     plain, model = _patched(model_type, dtype=torch.float32)
     layers = len(attention_modules(model))
     for candidate, scheme in ((plain, "none"), (model, "qk_norm_cap")):
-        report = hf_qknorm.verify(candidate)
+        try:
+            report = hf_qknorm.verify(candidate)
+        except UnsupportedModelError as exc:  # older releases: Qwen2-VL's modelling file has no rotary function
+            assert Version(transformers.__version__) < Version("5.24") and "\n" not in str(exc), str(exc)
+            assert "rotary layout" in str(exc)
+            continue
         assert report.ok, str(report)
         assert f"scheme {scheme}" in str(report)
         assert {c.layer for c in report.checks if c.probe == "unpadded"} == set(range(layers))
         assert report.mechanism("padding") == "applied" and report.mechanism("causal") == "applied"
-    assert report.mechanism("cap") == "applied" and report.mechanism("norms") == "applied", str(report)
+        if scheme != "none":
+            assert report.mechanism("cap") == "applied" and report.mechanism("norms") == "applied", str(report)
 
 
 @pytest.mark.spawns

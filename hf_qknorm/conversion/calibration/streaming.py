@@ -84,7 +84,7 @@ class StreamedCheckpoint:
     def __init__(self, config, family: Family, weights: SourceWeights, cfg: QKNormConfig, device: torch.device):
         from accelerate import init_empty_weights
 
-        from ...portable.families import auto_class
+        from ...modeling.saved import auto_class
 
         self.family, self.weights, self.cfg, self.device = family, weights, cfg, device
         with init_empty_weights(include_buffers=False):

@@ -243,7 +243,7 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
     healing the attention's weights too), then run in float32. Returns what was checked;
     :class:`ConversionCheckError` when they differ."""
     from ...modeling.patch import patch_model
-    from ...portable.families import auto_class
+    from ...modeling.saved import auto_class
     from ...verification.plain import logits_without_plugin
     from ..calibration.calibrate import new_norm_parameters
     from ..output.shards import load_pretrained

@@ -73,7 +73,7 @@ def tiny_source(model_type: str, folder: Path, seed: int = 0) -> Path:
     room for the tokenizer's ids, every 1-d parameter (norm gains and biases) moved off its initial value so that
     what a conversion folds or carries shows."""
     from ...data import bundled_model_dir
-    from ...portable.families import auto_class
+    from ...modeling.saved import auto_class
     from ...verification.loading import quiet_transformers
     from ...verification.tiny import fit_mrope, is_multimodal, tiny_config, tiny_multimodal_config
 
@@ -148,7 +148,8 @@ def convert_variants(model_type: str, workdir: Path, variants=VARIANTS) -> tuple
     """Convert a tiny checkpoint of ``model_type`` (in ``workdir``) with each variant; returns each variant's result
     and, for those converted, a job for :func:`reload_without_plugin` (with the logits the folder gives with the
     plugin)."""
-    from ...portable.families import UnsupportedModelError, auto_class
+    from ...modeling.saved import auto_class
+    from ...portable.families import UnsupportedModelError
     from ...portable.schemes import QKNormConfig
     from ...verification.loading import quiet_transformers
     from ..output.shards import load_pretrained

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ...portable.families import Family, auto_class
+from ...modeling.saved import auto_class
+from ...portable.families import Family
 from ...portable.fold import bias_shift, fold_gain, shifted_bias
 from ...portable.schemes import QKNormConfig
 from .keys import KeyMap, fuse, key_map
@@ -204,7 +205,7 @@ def read_source_weights(folder: Path, family: Family, config, model=None) -> Sou
 
 
 def load_pretrained(folder: Path, **kwargs):
-    """The model saved in ``folder``, loaded through its :func:`~hf_qknorm.portable.families.auto_class`
+    """The model saved in ``folder``, loaded through its :func:`~hf_qknorm.modeling.saved.auto_class`
     (``kwargs``: ``from_pretrained``'s)."""
     from transformers import AutoConfig
 
@@ -212,7 +213,7 @@ def load_pretrained(folder: Path, **kwargs):
 
 
 def skeleton(config, folder: Path | None = None):
-    """``config``'s model (:func:`~hf_qknorm.portable.families.auto_class`) on the meta device (no memory, no
+    """``config``'s model (:func:`~hf_qknorm.modeling.saved.auto_class`) on the meta device (no memory, no
     initialisation); a ``ValueError`` naming the config when it describes no model Transformers can build (e.g. heads
     that do not divide the width)."""
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...portable.families import auto_class
+from ...modeling.saved import auto_class
 from ...upstream import installed_versions
 from ..calibration.calibrate import CalibrationSettings
 from ..orchestration.source import Source
