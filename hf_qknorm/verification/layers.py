@@ -83,10 +83,11 @@ class ReferenceModel:
         derive.check_causal(self.config, self.family.model_type)
         self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
         for i, attn in enumerate(self.attns):  # refused before any probe runs when a part cannot be derived
-            if derive.unmodelled_arguments(attn):
+            arguments = derive.unmodelled_arguments(attn)
+            if arguments:
                 raise UnsupportedModelError(
                     f"model type {self.family.model_type!r}: verify's float64 reference does not model the "
-                    f"{', '.join(derive.unmodelled_arguments(attn))} argument of {derive.own_class(attn).__name__} "
+                    f"{', '.join(arguments)} argument of {derive.own_class(attn).__name__} "
                     "(checked when it was patched, by the self-check)"
                 )
             if derive.rotates_itself(attn):
