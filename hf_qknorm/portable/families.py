@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
 from torch import nn
 
 from .names import PREFIX
@@ -406,10 +407,32 @@ def heads_of(attn: nn.Module, config) -> tuple[int, int]:
         if heads:
             break
     heads = heads or getattr(attn, "num_heads", None) or getattr(attn, "num_attention_heads", None)
+    own = getattr(attn, "num_heads", None)
+    if isinstance(own, int) and 0 < own != heads and _query_width(attn) == own * _own_head_dim(attn, config):
+        heads = own  # a per-layer head count the module was built with (Laguna's), its q projection that wide
     if getattr(config, "multi_query", False):
         return int(heads), 1
     kv = _config_int(config, "num_key_value_heads") or getattr(attn, "num_key_value_heads", None) or heads
     return int(heads), int(kv)
+
+
+QUERY_PROJECTIONS = ("q_proj", "query", "q", "wq")  # where an attention module keeps a separate q projection
+
+
+def _query_width(attn: nn.Module) -> int | None:
+    """The output width of ``attn``'s separate q projection (a peft layer's base layer; a DTensor's global width), or
+    ``None`` where it has none of :data:`QUERY_PROJECTIONS`."""
+    for name in QUERY_PROJECTIONS:
+        proj = attn._modules.get(name)
+        weight = getattr(getattr(proj, "base_layer", proj), "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            return int(weight.shape[0])
+    return None
+
+
+def _own_head_dim(attn: nn.Module, config) -> int:
+    value = getattr(attn, "head_dim", None)
+    return value if isinstance(value, int) and value > 0 else (_config_int(config, "head_dim") or 0)
 
 
 def family_of_model(model: nn.Module) -> Family:

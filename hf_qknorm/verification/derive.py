@@ -347,7 +347,7 @@ def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?") -> boo
     try:
         with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
             torch.manual_seed(index)
-            fresh = cls(cfg, layer_idx=index).to(torch.float64).eval()
+            fresh = cls(cfg, layer_idx=index, **built_arguments(attn, cls)).to(torch.float64).eval()
         with torch.no_grad():
             out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **extra)[0]
             identity = (torch.ones_like(cos), torch.zeros_like(sin))
@@ -358,6 +358,21 @@ def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?") -> boo
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
     return not torch.allclose(out, flat, rtol=1e-9, atol=1e-12)
+
+
+def built_arguments(attn, cls) -> dict:
+    """The arguments ``cls.__init__`` requires beyond the config and the layer index, read off ``attn``'s attributes of
+    the same names (Laguna's per-layer ``num_heads``); one ``attn`` lacks is left out (the call then fails, refused by
+    the caller)."""
+    params = inspect.signature(cls.__init__).parameters
+    required = [
+        name
+        for name, p in params.items()
+        if name not in ("self", "config", "layer_idx")
+        and p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    return {name: getattr(attn, name) for name in required if hasattr(attn, name)}
 
 
 def _f64(t):
