@@ -40,7 +40,7 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos[:, None] + rot * sin[:, None]
 
 
-ROPE_LAYOUTS = ("half", "interleaved", "interleaved_from_half", "half_per_pair")
+ROPE_LAYOUTS = ("half", "interleaved", "interleaved_from_half", "half_per_pair", "interleaved_per_pair")
 
 
 def rope_layout_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half") -> torch.Tensor:
@@ -48,15 +48,20 @@ def rope_layout_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     partial rotary), in one of :data:`ROPE_LAYOUTS`:
 
     - ``half``: Llama's ``x * cos + rotate_half(x) * sin``, channel ``i`` paired with ``i + r/2``;
-    - ``interleaved``: GPT-J's, channel ``2i`` paired with ``2i + 1`` (``cos`` already repeated per pair);
+    - ``interleaved``: Cohere's, channel ``2i`` paired with ``2i + 1`` (``cos`` already repeated per pair);
     - ``interleaved_from_half``: GLM's, interleaved pairs with the angles of the first half of a half-layout ``cos``;
-    - ``half_per_pair``: gpt-oss's, ``cos`` holding one angle per pair (``r = 2 * cos.shape[-1]``), half-split pairs.
+    - ``half_per_pair``: gpt-oss's, ``cos`` holding one angle per pair (``r = 2 * cos.shape[-1]``), half-split pairs;
+    - ``interleaved_per_pair``: GPT-J's (given its rotation since Transformers 5.2x), ``cos`` holding one angle per
+      pair (``r = 2 * cos.shape[-1]``), interleaved pairs.
 
     ``x`` is ``(batch, heads, seq, head_dim)``, ``cos``/``sin`` are ``(batch, seq, r)``."""
     if layout not in ROPE_LAYOUTS:
         raise ValueError(f"unknown rotary layout {layout!r}; choose one of {', '.join(ROPE_LAYOUTS)}")
-    if layout == "half_per_pair":
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    if layout in ("half_per_pair", "interleaved_per_pair"):
+        if layout == "half_per_pair":
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        else:
+            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
         if cos.shape[-1] > x.shape[-1]:
             return torch.full_like(x, float("nan"))  # no such rotation of this width: matches nothing
     r = cos.shape[-1]

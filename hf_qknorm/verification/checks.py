@@ -132,8 +132,8 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
         q_norm=norms["q"],
         k_norm=norms["k"],
         v_norm=norms["v"],
-        cos=cos if spec.rotates else None,
-        sin=sin if spec.rotates else None,
+        cos=rotation(spec, cos, sin)[0] if spec.rotates else None,
+        sin=rotation(spec, cos, sin)[1] if spec.rotates else None,
         causal="causal" not in drop,
         mask=mask,
         sliding_window=None if "window" in drop else spec.window,
@@ -147,6 +147,12 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
     if spec.stage is None:
         return out
     return run_output_stage(spec.stage, out.view(*out.shape[:2], spec.heads, spec.head_dim), x, cos, sin)
+
+
+def rotation(spec: LayerSpec, cos, sin) -> tuple:
+    """The recorded pair as the reference's ``(cos, sin)``: swapped where the model passes ``(sin, cos)`` (GPT-J's);
+    the model's own code (an output stage) takes it as recorded."""
+    return (sin, cos) if spec.rope_swapped else (cos, sin)
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None):
@@ -195,7 +201,9 @@ def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0) -> 
         if norm is not None:
             y = norm_reference(y, spec.norm or "rmsnorm", norm["weight"], norm["bias"], eps=spec.eps, p=spec.p)
         y = (gain * y).transpose(1, 2)  # the stress gain multiplies the final pre-RoPE query
-        return y if cos is None or not spec.rotates else rope_layout_reference(y, cos, sin, spec.rope_layout)
+        if cos is None or not spec.rotates:
+            return y
+        return rope_layout_reference(y, *rotation(spec, cos, sin), spec.rope_layout)
 
     q, k = heads("q", spec.heads, q_gain), heads("k", spec.kv_heads)
     s = spec.scaling * (q @ k.repeat_interleave(spec.heads // spec.kv_heads, dim=1).transpose(-1, -2))

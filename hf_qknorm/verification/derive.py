@@ -295,11 +295,12 @@ def fused_spans(role: str, heads: int, kv: int, head_dim: int, layout: str | Non
     return [[start, start + (heads if role == "q" else kv) * head_dim]]
 
 
-def rope_layout(attn, model_type: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> str | None:
-    """The rotary layout in which the modelling file of ``attn``'s class applies the recorded ``cos``/``sin``
-    ``(batch, seq, r)``: its ``apply_rotary_pos_emb`` called on probe vectors (on the first ``r`` channels when it
-    takes only those: partial rotary split by the caller) and matched against :data:`ROPE_LAYOUTS`. ``None`` when
-    several match (positions at which the layouts agree); refused when it has none or none matches."""
+def rope_layout(attn, model_type: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[str | None, bool]:
+    """The rotary layout in which the modelling file of ``attn``'s class applies the recorded pair ``cos``/``sin``
+    ``(batch, seq, r)``, and whether that pair is in fact ``(sin, cos)`` (GPT-J's order): its
+    ``apply_rotary_pos_emb`` called on probe vectors in each calling convention it may have
+    (:func:`_rotations`) and matched against :data:`ROPE_LAYOUTS` in both orders. The layout is ``None`` when
+    several match (positions at which the layouts agree); refused when the function is missing or nothing matches."""
     home = own_class(attn).__module__
     apply = getattr(sys.modules.get(home), "apply_rotary_pos_emb", None)
     where = f"model type {model_type!r}: verify cannot read the rotary layout"
@@ -308,31 +309,53 @@ def rope_layout(attn, model_type: str, cos: torch.Tensor, sin: torch.Tensor, hea
     if cos.dim() != 3 or cos.shape[-1] > head_dim:
         raise UnsupportedModelError(f"{where} (position embeddings of shape {tuple(cos.shape)}, e.g. M-RoPE)")
     c, s = cos[:1].to(torch.float64), sin[:1].to(torch.float64)
-    r = c.shape[-1]
-    q = torch.randn(1, 2, c.shape[1], head_dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    try:
-        got = apply(q, q, c, s)[0]
-    except Exception:  # partial rotary split by the caller: the function takes the rotated channels only
-        try:
-            got = torch.cat([apply(q[..., :r], q[..., :r], c, s)[0], q[..., r:]], dim=-1)
-        except Exception as exc:
-            raise UnsupportedModelError(f"{where} ({type(exc).__name__} from apply_rotary_pos_emb)") from None
-    found = [
-        layout
-        for layout in ROPE_LAYOUTS
-        if got.shape == q.shape and torch.allclose(got, rope_layout_reference(q, c, s, layout), rtol=1e-5, atol=1e-5)
-    ]
-    if not found:
-        raise UnsupportedModelError(
-            f"{where} (apply_rotary_pos_emb of {home} matches none of {', '.join(ROPE_LAYOUTS)})"
+    q = torch.randn(1, 3, c.shape[1], head_dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    results, failure = _rotations(apply, q, c, s)
+    if not results:
+        raise UnsupportedModelError(f"{where} ({type(failure).__name__} from apply_rotary_pos_emb)") from None
+    for got in results:
+        found = [
+            (layout, swapped)
+            for swapped in (False, True)
+            for layout in ROPE_LAYOUTS
+            if torch.allclose(got, rope_layout_reference(q, *((s, c) if swapped else (c, s)), layout), 1e-5, 1e-5)
+        ]
+        if found:
+            swapped = found[0][1] if len({f[1] for f in found}) == 1 else False
+            return (found[0][0] if len(found) == 1 else None), swapped
+    raise UnsupportedModelError(f"{where} (apply_rotary_pos_emb of {home} matches none of {', '.join(ROPE_LAYOUTS)})")
+
+
+def _rotations(apply, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> tuple[list, Exception | None]:
+    """``q`` ``(1, heads, seq, head_dim)`` rotated by a modelling file's ``apply`` in each calling convention that
+    runs and gives back ``q``'s shape: Llama's ``apply(q, k, cos, sin)`` on ``(batch, heads, seq, dim)``, and
+    GPT-J's ``apply(x, sin, cos)`` on one ``(batch, seq, heads, dim)`` tensor; each on every channel, or on the first
+    ``r`` or ``2r`` (``r`` = the pair's width: partial rotary split by the caller), the rest passed unchanged. The
+    pair is given as recorded; :func:`rope_layout` tries both orders against the reference. Also the last error."""
+    d, r = q.shape[-1], c.shape[-1]
+    out, failure = [], None
+    for width in dict.fromkeys(w for w in (d, r, 2 * r) if w <= d):
+        head, rest = q[..., :width], q[..., width:]
+        calls = (
+            lambda h=head: apply(h, h, c, s)[0],
+            lambda h=head: apply(h.transpose(1, 2), c, s).transpose(1, 2),
         )
-    return found[0] if len(found) == 1 else None
+        for call in calls:
+            try:
+                got = call()
+            except Exception as exc:  # another convention, or not this width
+                failure = exc
+                continue
+            if isinstance(got, torch.Tensor) and got.shape == head.shape:
+                out.append(torch.cat([got.to(torch.float64), rest], dim=-1))
+    return out, failure
 
 
-def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?") -> bool:
-    """Whether layer ``index`` rotates q and k with the recorded ``cos``/``sin``: a fresh float64 instance of its
-    Transformers attention class (unpatched, eager) run with that rotation and with none (NoPE layers differ); the
-    caller's random state is left as it was."""
+def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?", swapped: bool = False) -> bool:
+    """Whether layer ``index`` rotates q and k with the recorded pair ``cos``/``sin``: a fresh float64 instance of its
+    Transformers attention class (unpatched, eager) run with that rotation and with none (NoPE layers differ; the
+    identity given in the recorded order: ``(sin, cos)`` where ``swapped``); the caller's random state is left as
+    it was."""
     cls = own_class(attn)
     cfg = copy.deepcopy(config)
     try:
@@ -351,6 +374,7 @@ def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?") -> boo
         with torch.no_grad():
             out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **extra)[0]
             identity = (torch.ones_like(cos), torch.zeros_like(sin))
+            identity = identity[::-1] if swapped else identity
             flat = fresh(hidden_states=x, position_embeddings=identity, attention_mask=None, **extra)[0]
     except Exception as exc:
         raise UnsupportedModelError(

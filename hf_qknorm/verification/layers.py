@@ -36,7 +36,8 @@ class LayerSpec:
     ``prenorm``: a float64 copy of the block's pre-attention norm module (Transformers' own), or ``None`` when the
     scheme removes it (``qkv_norm``) or the block has none (``has_prenorm`` False). ``q_whole``/``k_whole``: the
     model's own norms over the whole projection (:func:`.derive.own_norm`). ``sinks`` ``(heads,)`` or ``None``.
-    ``rotates``/``rope_layout``: settled from the first recorded rotation (:meth:`ReferenceModel.settle_rope`)."""
+    ``rotates``/``rope_layout``/``rope_swapped``: settled from the first recorded rotation
+    (:meth:`ReferenceModel.settle_rope`); ``rope_swapped``: the recorded pair is ``(sin, cos)`` (GPT-J's)."""
 
     index: int
     weights: dict
@@ -59,6 +60,7 @@ class LayerSpec:
     sinks: torch.Tensor | None = None
     rotates: bool = True
     rope_layout: str = "half"
+    rope_swapped: bool = False
     stage: nn.Module | None = None  # the model's own code after the attention function (:func:`.derive.output_stage`)
 
     @property
@@ -79,7 +81,7 @@ class ReferenceModel:
         self.blocks = find_layers(self.inner, self.family)
         self.attns = [getattr(b, self.family.attention) for b in self.blocks]
         self._names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        self._rope: dict[int, tuple[bool, str]] = {}
+        self._rope: dict[int, tuple[bool, str, bool]] = {}  # index -> (rotates, layout, swapped)
         derive.check_causal(self.config, self.family.model_type)
         self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
         for i, attn in enumerate(self.attns):  # refused before any probe runs when a part cannot be derived
@@ -124,16 +126,18 @@ class ReferenceModel:
         return getattr(self.config, "sliding_window", None)
 
     def settle_rope(self, spec: LayerSpec, cos, sin) -> None:
-        """Set ``spec.rotates`` and ``spec.rope_layout`` from a recorded rotation (:mod:`.derive`), once per layer."""
+        """Set ``spec.rotates``, ``spec.rope_layout`` and ``spec.rope_swapped`` from a recorded rotation
+        (:mod:`.derive`), once per layer."""
         known = self._rope.get(spec.index)
         if known is None:
             attn = self.attns[spec.index]
-            layout = derive.rope_layout(attn, self.family.model_type, cos, sin, spec.head_dim)
+            layout, swapped = derive.rope_layout(attn, self.family.model_type, cos, sin, spec.head_dim)
             x = _probe_x(spec, cos)
-            known = (derive.rotates(attn, self.config, spec.index, x, cos, sin, self.family.model_type), layout)
+            turns = derive.rotates(attn, self.config, spec.index, x, cos, sin, self.family.model_type, swapped)
+            known = (turns, layout, swapped)
             if layout is not None:
                 self._rope[spec.index] = known
-        spec.rotates, spec.rope_layout = known[0], known[1] or "half"
+        spec.rotates, spec.rope_layout, spec.rope_swapped = known[0], known[1] or "half", known[2]
 
     def place_parts(self, spec: LayerSpec, cos, sin) -> None:
         """Refuse the layer when a part the reference does not model acts anywhere but on the attention output
@@ -200,7 +204,7 @@ class ReferenceModel:
             stage=derive.output_stage(attn, self.family) if self._parts[index] else None,  # parts placed later
         )
         if index in self._rope:
-            spec.rotates, spec.rope_layout = self._rope[index][0], self._rope[index][1]
+            spec.rotates, spec.rope_layout, spec.rope_swapped = self._rope[index]
         return spec
 
     def _weights(self, attn, heads: int, kv: int, head_dim: int) -> dict:

@@ -126,17 +126,47 @@ def test_the_reference_reads_gemmas_gain_as_one_plus_w():
     assert spec.scaling == model.config.query_pre_attn_scalar**-0.5
 
 
+def _skip_unless_given_its_rotation(model_type):
+    """Skip where this release's attention computes its rotation itself (GPT-J's before 5.2x, which patching
+    refuses): refused, below."""
+    _, attns = _attns(_model(model_type))
+    if derive.rotates_itself(attns[0]):
+        pytest.skip(f"transformers {transformers.__version__}'s {type(attns[0]).__name__} rotates q and k itself")
+
+
 @pytest.mark.parametrize(
-    "model_type,layout",
-    [("llama", "half"), ("cohere", "interleaved"), ("glm", "interleaved_from_half"), ("gpt_oss", "half_per_pair")],
+    "model_type,layout,swapped",
+    [
+        ("llama", "half", False),
+        ("cohere", "interleaved", False),
+        ("glm", "interleaved_from_half", False),
+        ("gpt_oss", "half_per_pair", False),
+        ("gptj", "interleaved_per_pair", True),  # (sin, cos), one angle per pair, its function takes one tensor
+    ],
 )
-def test_rotary_layout_is_read_from_the_modelling_file(model_type, layout):
+def test_rotary_layout_is_read_from_the_modelling_file(model_type, layout, swapped):
+    _skip_unless_given_its_rotation(model_type)
     model = _model(model_type)
     _, attns = _attns(model)
     x = torch.randn(1, 6, model.config.hidden_size)
-    cos, sin = model.model.rotary_emb(x, torch.arange(6)[None])
+    pair = model.base_model.rotary_emb(x, torch.arange(6)[None])  # as the model passes it to its layers
     head_dim = layers.ReferenceModel(model).head_counts(attns[0])[2]
-    assert derive.rope_layout(attns[0], model_type, cos, sin, head_dim) == layout
+    assert derive.rope_layout(attns[0], model_type, *pair, head_dim) == (layout, swapped)
+
+
+@pytest.mark.parametrize("scheme", [None, "qk_norm_cap"])
+def test_gptj_verifies_with_its_rotation_given_as_sin_and_cos(scheme):
+    """GPT-J's layers take ``(sin, cos)``, one angle per interleaved pair, over the first ``rotary_dim`` channels."""
+    _skip_unless_given_its_rotation("gptj")
+    model = _model("gptj", scheme)
+    assert model.config.rotary_dim < model.config.n_embd // model.config.n_head  # partial rotary
+    report = hf_qknorm.verify(model, generate=False)
+    assert report.ok, str(report)
+    assert report.mechanism("causal") == "applied" and report.mechanism("padding") == "applied"
+    ref = layers.ReferenceModel(model)
+    assert checks.build_report(ref, probe.run_probes(model, ref.plan(generate=False))).ok
+    spec = ref.spec(0)  # as the probes settled it
+    assert (spec.rotates, spec.rope_layout, spec.rope_swapped) == (True, "interleaved_per_pair", True)
 
 
 def test_nope_layers_are_read_from_the_attention_class():
@@ -158,6 +188,10 @@ def test_rope_layouts_agree_on_their_common_case():
     assert torch.equal(half[..., 4:], x[..., 4:])
     assert torch.allclose(half, rope_layout_reference(x, cos[..., :2], sin[..., :2], "half_per_pair"))
     assert not torch.allclose(half, rope_layout_reference(x, cos, sin, "interleaved_from_half"))
+    pairs = angles.repeat_interleave(2, -1)  # one angle per interleaved pair, as "interleaved" is given it
+    interleaved = rope_layout_reference(x, pairs.cos(), pairs.sin(), "interleaved")
+    assert torch.equal(interleaved[..., 4:], x[..., 4:]) and not torch.allclose(interleaved, half)
+    assert torch.allclose(interleaved, rope_layout_reference(x, angles.cos(), angles.sin(), "interleaved_per_pair"))
     with pytest.raises(ValueError, match="unknown rotary layout 'spiral'; choose one of half"):
         rope_layout_reference(x, cos, sin, "spiral")
 
@@ -193,16 +227,20 @@ def test_a_wrong_cap_fails(model_type):
     assert not report.ok and report.mechanism("cap") != "applied", str(report)
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_neox", "cohere", "glm", "gpt_oss", "phi", "smollm3"])
+@pytest.mark.parametrize(
+    "model_type", ["gemma3_text", "gpt_neox", "cohere", "glm", "gpt_oss", "phi", "smollm3", "gptj"]
+)
 def test_a_missing_rotation_fails(model_type):
+    _skip_unless_given_its_rotation(model_type)
     model = _model(model_type, "qk_norm_cap")
     bad = copy.deepcopy(model)
     for attn in _attns(bad)[1]:  # the forward drops the rotation it is given; the recorder sees the one given
         forward = attn.forward
 
         def unrotated(*args, _forward=forward, **kwargs):
-            cos, sin = kwargs["position_embeddings"]
-            kwargs["position_embeddings"] = (torch.ones_like(cos), torch.zeros_like(sin))
+            first, second = kwargs["position_embeddings"]
+            identity = (torch.zeros_like(first), torch.ones_like(second))  # GPT-J's order: (sin, cos)
+            kwargs["position_embeddings"] = identity if model_type == "gptj" else identity[::-1]
             return _forward(*args, **kwargs)
 
         attn.forward = unrotated
@@ -246,13 +284,15 @@ def test_the_output_stage_reads_the_reference_models_weights(model_type, part):
     [
         ("beam", "does not model the attention_scaling argument of"),  # scales NoPE layers' queries by position
         ("dory", "does not model the cache_offset, shared_kv_states argument of"),
-        ("gptj", "cannot read the rot"),  # its rotary function's signature; before 5.x, a rotation computed inside
+        ("gptj", "cannot read the rotation GPTJAttention computes itself"),  # releases before 5.2x
     ],
 )
 def test_what_the_reference_does_not_model_is_refused_in_one_line(model_type, what):
     _skip_unless_buildable(model_type)
     with quiet_transformers():
         model = tiny_model(model_type)
+    if model_type == "gptj" and not derive.rotates_itself(_attns(model)[1][0]):
+        pytest.skip(f"transformers {transformers.__version__}'s GPT-J is given its rotation: verified, above")
     with pytest.raises(UnsupportedModelError) as err:
         hf_qknorm.verify(model, generate=False)
     line = str(err.value)
