@@ -173,6 +173,7 @@ def test_two_ranks_heal_exactly_as_one_process(launched, source, mode, monkeypat
     assert (h["end_to_end"] is not None) == (mode == "end_to_end")
 
 
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_healed_tensors_are_the_fits_not_the_start(launched, source):
     """Every layer's projections moved away from the source's on every rank -- those of the layers the other rank
     fitted included (the exchange, not only the local fits)."""
@@ -183,6 +184,7 @@ def test_healed_tensors_are_the_fits_not_the_start(launched, source):
             assert not torch.equal(values[key], old[key]), (r, i)
 
 
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_every_rank_heals_from_rank_0s_calibration(launched, source):
     """Rank 1's calibration was moved (in the worker): both ranks still return one process's result."""
     values, report = _healed(source, HEAL["calibration"])
@@ -191,6 +193,7 @@ def test_every_rank_heals_from_rank_0s_calibration(launched, source):
         assert _figures(got_report["heal"]) == _figures(report["heal"]), r
 
 
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_the_generated_text_is_one_processs(launched, source):
     counts = []
     text = _generated(source, on_batch=counts.append)
@@ -201,6 +204,7 @@ def test_the_generated_text_is_one_processs(launched, source):
     assert [g["rounds"] for g in got] == [[4, 1], [4]]
 
 
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_inputs_converted_is_refused_with_more_than_one_rank(launched):
     first, other = _ranks(launched, "converted")
     assert first["type"] == "ValueError" and "\n" not in first["message"]
@@ -210,6 +214,7 @@ def test_inputs_converted_is_refused_with_more_than_one_rank(launched):
     assert not first["dst_exists"] and not other["dst_exists"]
 
 
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_convert_returns_the_same_result_on_every_rank(launched):
     a, b = _ranks(launched, "api")
     assert a["path"] == b["path"] and a["files"] == b["files"] and a["files"]

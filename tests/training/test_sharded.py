@@ -107,6 +107,7 @@ def test_sharded_training_equals_one_process(world, name, tmp_path_factory):
             assert torch.equal(other["params"][key], value), key
 
 
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_sharded_checkpoints_load_back_and_resume_identically(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
@@ -129,6 +130,7 @@ def test_sharded_checkpoints_load_back_and_resume_identically(tmp_path_factory):
         assert torch.equal(saved[key], value), key
 
 
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_non_finite_and_negative_maxima_across_ranks(tmp_path_factory):
     """Megatron-LM's QK-Clip produced NaN weights when a head's maximum was <= 0 (a negative base under a fractional
     power, their PR #7517): here rank 0 records a NaN and +inf, rank 1 negative maxima; both ranks skip the
@@ -148,6 +150,7 @@ def test_non_finite_and_negative_maxima_across_ranks(tmp_path_factory):
         torch.testing.assert_close(r0["params"][name], p.detach(), rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_unsupported_layouts_are_refused_clearly(tmp_path_factory):
     out = _launch(2, tmp_path_factory)
     refused = torch.load(out / "refused.rank0.pt", weights_only=False)
