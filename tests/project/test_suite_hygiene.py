@@ -62,3 +62,70 @@ def test_the_spawns_marker_is_checked_both_ways(tmp_path):
     failed = {line.split("::")[1].split(" ")[0] for line in res.stdout.splitlines() if line.startswith("FAILED")}
     assert failed == {"test_unmarked", "test_marked_idle", "test_multiprocessing"}, res.stdout[-3000:]
     assert "3 failed, 3 passed" in res.stdout, res.stdout[-3000:]
+
+
+LAUNCHERS = {"run", "Popen", "check_call", "check_output", "call", "start"}  # subprocess / multiprocessing calls
+
+
+def _launching_names(tree: ast.Module) -> set[str]:
+    """The module-level functions of ``tree`` that start a process, directly (a ``subprocess``/``multiprocessing``
+    call) or through another of them."""
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    def calls(node) -> set[str]:
+        out = set()
+        for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)):
+            f = call.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+                out.add(f"{f.value.id}.{f.attr}")
+            elif isinstance(f, ast.Name):
+                out.add(f.id)
+        return out
+
+    def launches(node) -> bool:  # a git call is allowed (the guard lets it pass)
+        for call in (c for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)):
+            owner = call.func.value.id if isinstance(call.func.value, ast.Name) else ""
+            if owner in ("subprocess", "mp", "multiprocessing") and call.func.attr in LAUNCHERS:
+                first = call.args[0] if call.args else None
+                words = first.elts if isinstance(first, (ast.List, ast.Tuple)) else []
+                if not (words and getattr(words[0], "value", None) == "git"):
+                    return True
+        return False
+
+    direct = {name for name, node in defs.items() if launches(node)}
+    found, grew = set(direct), True
+    while grew:
+        grew = False
+        for name, node in defs.items():
+            if name not in found and (calls(node) | {a.arg for a in node.args.args}) & found:
+                found.add(name)
+                grew = True
+    return found
+
+
+def _marked_spawns(node) -> bool:
+    for dec in node.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if isinstance(target, ast.Attribute) and target.attr == "spawns":
+            return True
+    return False
+
+
+def test_tests_that_reach_a_launch_are_marked_spawns():
+    """A test that requests a fixture or calls a helper of its module that starts processes -- a launch shared with
+    the module's other tests included -- carries the ``spawns`` marker: unmarked, it runs under ``-m "not spawns"``
+    and starts the launch itself there (which the guard in tests/conftest.py fails), while a full run, where a
+    marked test started it first, never shows it."""
+    unmarked = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        launching = _launching_names(tree)
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_") or _marked_spawns(node):
+                continue
+            used = {a.arg for a in node.args.args}
+            used |= {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+            if used & launching:
+                via = ", ".join(sorted(used & launching))
+                unmarked.append(f"{path.relative_to(TESTS.parent)}::{node.name} ({via})")
+    assert not unmarked, "reach a process launch without @pytest.mark.spawns: " + "; ".join(unmarked)
