@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--heal-inputs", default=None, help="original or converted (default: the library's)")
     p.add_argument("--heal-blocks", type=int, default=None, help="distinct heal text blocks (default: the library's)")
     p.add_argument("--heal-text", default=None, help="self or calibration (default: the library's)")
+    p.add_argument(
+        "--heal-self-tokens", type=int, default=None, help="tokens the original generates (default: the library's)"
+    )
     p.add_argument("--heal-e2e-tokens", type=int, default=None, help="end-to-end stage tokens (default: the library's)")
     p.add_argument("--heal-e2e-lr", type=float, default=None, help="end-to-end step size (default: the library's)")
     p.add_argument(
@@ -117,6 +120,7 @@ def run_case(
     heal_text=None,
     softcap=None,
     local_steps=None,
+    self_tokens=None,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,6 +136,7 @@ def run_case(
     if tokens != 0:
         given = (("tokens", tokens), ("lr", lr), ("inputs", inputs), ("blocks", heal_blocks))
         given += (("end_to_end_tokens", e2e_tokens), ("end_to_end_lr", e2e_lr), ("text", heal_text))
+        given += (("self_tokens", self_tokens),)
         given = {k: v for k, v in given if v is not None}
         heal = HealSettings(**given)
     config = hf_qknorm.QKNormConfig(scheme=scheme, norm=norm, p=4.0 if norm == "lp" else None, softcap=softcap)
@@ -361,6 +366,7 @@ def _run_cases(args, argv, builder, first: bool, processes: int) -> None:
                 args.heal_text,
                 args.softcap,
                 args.local_steps,
+                args.heal_self_tokens,
             )
             if row is None:  # not rank 0
                 continue
