@@ -243,11 +243,10 @@ def parallelize_attention(model: nn.Module, mesh) -> nn.Module:
             "(column-wise sharding of a fused Q/K/V projection would give one rank the queries "
             "and another the keys); use FSDP2 or DDP for this family"
         )
-    for site in sites:  # a layer may have a head count of its own (Laguna's)
-        heads, kv_heads = num_heads(site.module, config)
-        if heads % ranks or kv_heads % ranks:
-            break
-    if heads % ranks or kv_heads % ranks:
+    counts = ((site, *num_heads(site.module, config)) for site in sites)  # a layer may have its own (Laguna's)
+    bad = next(((site, h, kv) for site, h, kv in counts if h % ranks or kv % ranks), None)
+    if bad is not None:
+        site, heads, kv_heads = bad
         where = f"layer {site.index} of this model has" if len(sites) > 1 else "this model has"
         raise ValueError(
             f"tensor parallelism over {ranks} ranks needs heads and key/value heads divisible by "

@@ -416,13 +416,10 @@ def heads_of(attn: nn.Module, config) -> tuple[int, int]:
     return int(heads), int(kv)
 
 
-QUERY_PROJECTIONS = ("q_proj", "query", "q", "wq")  # where an attention module keeps a separate q projection
-
-
 def _query_width(attn: nn.Module) -> int | None:
     """The output width of ``attn``'s separate q projection (a peft layer's base layer; a DTensor's global width), or
-    ``None`` where it has none of :data:`QUERY_PROJECTIONS`."""
-    for name in QUERY_PROJECTIONS:
+    ``None`` where it has none of the names :data:`SEPARATE_NAMES` gives one."""
+    for name in (names[0] for names in SEPARATE_NAMES):
         proj = attn._modules.get(name)
         weight = getattr(getattr(proj, "base_layer", proj), "weight", None)
         if isinstance(weight, torch.Tensor) and weight.dim() == 2:

@@ -120,6 +120,7 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
     mask = None if "padding" in drop else tokens[:, None, None, :]
     if spec.stage is not None:  # the attention output, then the model's own code after it (an output gate)
         w["wo"], w["bo"] = torch.eye(spec.heads * spec.head_dim, dtype=torch.float64), None
+    rope_cos, rope_sin = rotation(spec, cos, sin) if spec.rotates else (None, None)
     out = attention_layer_reference(
         x,
         **w,
@@ -132,8 +133,8 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
         q_norm=norms["q"],
         k_norm=norms["k"],
         v_norm=norms["v"],
-        cos=rotation(spec, cos, sin)[0] if spec.rotates else None,
-        sin=rotation(spec, cos, sin)[1] if spec.rotates else None,
+        cos=rope_cos,
+        sin=rope_sin,
         causal="causal" not in drop,
         mask=mask,
         sliding_window=None if "window" in drop else spec.window,
