@@ -161,6 +161,7 @@ def attention_layer_reference(
     sinks=None,
     q_whole=None,
     k_whole=None,
+    q_scale=None,
 ):
     """One patched attention layer from the formulas, on hidden states ``x`` ``(batch, seq, hidden)``: project ->
     split heads -> norm -> RoPE -> attention (cap, mask, softmax) -> merge heads -> output projection. ``w*`` are
@@ -168,7 +169,8 @@ def attention_layer_reference(
     (``None``: no norm on that input). The model's own parts, where it has them: ``q_whole``/``k_whole`` (dicts
     ``kind``, ``weight``, ``bias``, ``eps``) normalise the whole projection before the heads are split (OLMo 2);
     ``rope_layout`` and a ``cos`` narrower than ``head_dim`` (:func:`rope_layout_reference`); ``sinks``
-    (:func:`attention_reference`); ``cos=None``: no rotation (NoPE)."""
+    (:func:`attention_reference`); ``cos=None``: no rotation (NoPE); ``q_scale`` (broadcast to ``(batch, heads,
+    seq, head_dim)``, e.g. ``(batch, 1, seq, 1)``): a factor by position on the rotated query (Beam's NoPE layers)."""
     b, t, _ = x.shape
 
     def proj(w, bias, n, whole=None):
@@ -192,6 +194,8 @@ def attention_layer_reference(
     q, k, v = (a.transpose(1, 2) for a in (q, k, v))
     if cos is not None:
         q, k = rope_layout_reference(q, cos, sin, rope_layout), rope_layout_reference(k, cos, sin, rope_layout)
+    if q_scale is not None:
+        q = q * q_scale
     o = attention_reference(
         q,
         k,

@@ -95,10 +95,13 @@ def _f64(t):
     return None if t is None else t.to(torch.float64)
 
 
-def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: float = 1.0) -> torch.Tensor:
+def layer_reference(
+    spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: float = 1.0, q_scale=None
+) -> torch.Tensor:
     """Reference output ``(batch, seq, hidden)`` of one layer on input ``x`` ``(batch, seq, hidden)``.
 
-    ``cos``/``sin`` ``(batch, seq, rope_dim)`` or ``None``; ``tokens`` ``(batch, seq)`` bool (False = padding).
+    ``cos``/``sin`` ``(batch, seq, rope_dim)`` or ``None``; ``tokens`` ``(batch, seq)`` bool (False = padding);
+    ``q_scale``: the recorded factor by position on the rotated query (Beam's ``attention_scaling``), or ``None``.
     ``drop``: mechanisms to leave out (``norms``, ``cap``, ``padding``, ``causal``, ``window``). ``q_gain``
     multiplies the final pre-RoPE query (the stress probe's gain): folded into the query norm's gain and bias, or
     into the query projection when the layer has no query norm."""
@@ -144,6 +147,7 @@ def layer_reference(spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: fl
         sinks=spec.sinks,
         q_whole=q_whole,
         k_whole=spec.k_whole,
+        q_scale=q_scale,
     )
     if spec.stage is None:
         return out
@@ -187,7 +191,7 @@ def applicable(spec: LayerSpec, tokens: torch.Tensor) -> set[str]:
     return out
 
 
-def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0) -> float:
+def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0, q_scale=None) -> float:
     """``max |scaling * q.k|`` (before the cap) over the real queries and the keys they may attend to, from the
     formulas (projection, norm, RoPE) in float64: the logits whose rounding a half-precision attention suffers."""
     b, t, _ = x.shape
@@ -207,6 +211,7 @@ def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0) -> 
         return rope_layout_reference(y, *rotation(spec, cos, sin), spec.rope_layout)
 
     q, k = heads("q", spec.heads, q_gain), heads("k", spec.kv_heads)
+    q = q if q_scale is None else q * q_scale
     s = spec.scaling * (q @ k.repeat_interleave(spec.heads // spec.kv_heads, dim=1).transpose(-1, -2))
     ok = allowed_reference(t, t, causal=True, sliding_window=spec.window, mask=tokens[:, None, None, :])
     ok = ok & tokens[:, None, :, None]
@@ -228,16 +233,16 @@ def check_layer(spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, to
             tol,
             note=f"recorded {tuple(x.shape[:2])} positions for a {tuple(tokens.shape)} probe",
         )
-    gain = float(rec.get("alpha", 1.0))
+    gain, scale = float(rec.get("alpha", 1.0)), _f64(rec.get("q_scale"))
     if widen:
-        tol = widened(tol, largest_logit(spec, x, cos, sin, tokens, gain))
-    ref = layer_reference(spec, x, cos, sin, tokens, q_gain=gain)
+        tol = widened(tol, largest_logit(spec, x, cos, sin, tokens, gain, scale))
+    ref = layer_reference(spec, x, cos, sin, tokens, q_gain=gain, q_scale=scale)
     e = relative_error(out, ref, tokens)
     mechanisms = {}
     for m in PROBE_MECHANISMS.get(probe, ()):
         if m not in applicable(spec, tokens):
             continue
-        ref_m = layer_reference(spec, x, cos, sin, tokens, drop=(m,), q_gain=gain)
+        ref_m = layer_reference(spec, x, cos, sin, tokens, drop=(m,), q_gain=gain, q_scale=scale)
         mechanisms[m] = mechanism_status(
             e, relative_error(out, ref_m, tokens, ref), relative_error(ref_m, ref, tokens), tol
         )

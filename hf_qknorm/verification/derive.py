@@ -78,9 +78,84 @@ KNOWN_ARGUMENTS = {
 
 
 def unmodelled_arguments(attn: nn.Module) -> list[str]:
-    """The arguments of ``attn``'s own forward beyond :data:`KNOWN_ARGUMENTS`: inputs the reference does not model
-    (Beam's ``attention_scaling``, which scales its NoPE layers' queries by position)."""
+    """The arguments of ``attn``'s own forward beyond :data:`KNOWN_ARGUMENTS`: inputs the reference models only where
+    they scale the query by position (:func:`query_scales`: Beam's ``attention_scaling``), else refused (Dory's
+    ``cache_offset`` and ``shared_kv_states``)."""
     return sorted(set(inspect.signature(own_class(attn).forward).parameters) - KNOWN_ARGUMENTS)
+
+
+CAPTURE_ATTENTION = "hf_qknorm_reference_capture"  # records what the attention function is given (:func:`query_scales`)
+_CAPTURED = threading.local()
+
+
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention function that records the ``query``, ``key`` and ``value`` it is given and returns zeros."""
+    _CAPTURED.value = (query, key, value)
+    return torch.zeros_like(query).transpose(1, 2), None
+
+
+def query_scales(attn: nn.Module, config, index: int, arguments: list[str], model_type: str = "?") -> list[str]:
+    """Of ``arguments`` (:func:`unmodelled_arguments`), those that multiply the query by a per-position factor and do
+    nothing else (Beam's ``attention_scaling``, ``(1 + position / 2048) ** 0.1`` on its NoPE layers): a fresh,
+    unpatched float64 instance of ``attn``'s Transformers class, given the argument as ``None`` and as a positive
+    ``(1, 1, seq, 1)`` tensor, must hand its attention function the first call's query times that tensor and the
+    same key and value. The reference multiplies its query by the recorded argument after the rotation. The
+    caller's random state is left as it was."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+    cls = own_class(attn)
+    cfg = copy.deepcopy(config)
+    _set_attention(cfg, CAPTURE_ATTENTION)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 4, config.hidden_size, generator=gen, dtype=torch.float64)
+    factor = 1.5 + torch.rand(1, 1, 4, 1, generator=gen, dtype=torch.float64)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(index)
+            fresh = cls(cfg, layer_idx=index, **built_arguments(attn, cls)).to(torch.float64).eval()
+    except Exception:  # a class that cannot be rebuilt: nothing is derived, the caller refuses
+        return []
+    found = []
+    for name in arguments:
+        try:
+            q0, k0, v0 = _captured(fresh, x, {})
+            q1, k1, v1 = _captured(fresh, x, {name: factor})
+        except Exception:  # not a tensor argument, or not one this call takes
+            continue
+        scaled = q0.shape[-2] == factor.shape[-2] and torch.allclose(q1, q0 * factor, rtol=1e-9, atol=1e-12)
+        if scaled and not torch.allclose(q1, q0, rtol=1e-9, atol=1e-12) and torch.equal(k1, k0) and torch.equal(v1, v0):
+            found.append(name)
+    return found
+
+
+def _captured(fresh: nn.Module, x: torch.Tensor, extra: dict) -> tuple:
+    """The query, key and value ``fresh`` hands its attention function on ``x`` with ``extra`` arguments: no rotation
+    where the class takes none, else the identity rotation (a rotation would not commute with the check)."""
+    kwargs = {"hidden_states": x, "attention_mask": None, **extra}
+    if "position_ids" in inspect.signature(type(fresh).forward).parameters:
+        kwargs["position_ids"] = torch.arange(x.shape[1])[None]
+    head_dim = getattr(fresh, "head_dim", None) or x.shape[-1] // fresh.config.num_attention_heads
+    identity = (torch.ones(1, x.shape[1], head_dim, dtype=x.dtype), torch.zeros(1, x.shape[1], head_dim, dtype=x.dtype))
+    _CAPTURED.value = None
+    with torch.no_grad():
+        try:
+            fresh(position_embeddings=None, **kwargs)
+        except Exception:  # a class that requires its rotation
+            fresh(position_embeddings=identity, **kwargs)
+    if _CAPTURED.value is None:
+        raise RuntimeError("the attention function was not called")
+    q, k, v = _CAPTURED.value
+    _CAPTURED.value = None
+    return q, k, v
+
+
+def _set_attention(config, name: str) -> None:
+    """Set ``config``'s attention implementation to ``name`` (the stored value where the config guards it)."""
+    try:
+        config._attn_implementation = name
+    except Exception:
+        config._attn_implementation_internal = name
 
 
 def rotates_itself(attn: nn.Module) -> bool:
@@ -117,10 +192,7 @@ def output_stage(attn: nn.Module, family: Family) -> nn.Module:
         raise UnsupportedModelError(
             f"model type {family.model_type!r}: verify cannot run {type(stage).__name__}'s own output stage (no config)"
         )
-    try:
-        config._attn_implementation = CORE_ATTENTION
-    except Exception:  # a config that guards the attribute: set the stored value (as rotates() does)
-        config._attn_implementation_internal = CORE_ATTENTION
+    _set_attention(config, CORE_ATTENTION)
     stage.config = config
     return stage
 
@@ -358,10 +430,7 @@ def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?", swappe
     it was."""
     cls = own_class(attn)
     cfg = copy.deepcopy(config)
-    try:
-        cfg._attn_implementation = "eager"
-    except Exception:  # a config that guards the attribute: set the stored value
-        cfg._attn_implementation_internal = "eager"
+    _set_attention(cfg, "eager")
     x = x[:1, :4].to(torch.float64)
     cos, sin = cos[:1, :4].to(torch.float64), sin[:1, :4].to(torch.float64)
     extra = {}

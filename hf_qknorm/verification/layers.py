@@ -84,13 +84,19 @@ class ReferenceModel:
         self._rope: dict[int, tuple[bool, str, bool]] = {}  # index -> (rotates, layout, swapped)
         derive.check_causal(self.config, self.family.model_type)
         self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
+        self._q_scales: list[list[str]] = []  # per layer: the arguments that scale its query by position
+        scales_of: dict[type, list[str]] = {}  # one derivation per attention class
         for i, attn in enumerate(self.attns):  # refused before any probe runs when a part cannot be derived
             arguments = derive.unmodelled_arguments(attn)
-            if arguments:
+            cls = derive.own_class(attn)
+            if arguments and cls not in scales_of:
+                scales_of[cls] = derive.query_scales(attn, self.config, i, arguments, self.family.model_type)
+            self._q_scales.append(scales_of.get(cls, []))
+            rest = [a for a in arguments if a not in self._q_scales[i]]
+            if rest:
                 raise UnsupportedModelError(
                     f"model type {self.family.model_type!r}: verify's float64 reference does not model the "
-                    f"{', '.join(arguments)} argument of {derive.own_class(attn).__name__} "
-                    "(checked when it was patched, by the self-check)"
+                    f"{', '.join(rest)} argument of {cls.__name__} (checked when it was patched, by the self-check)"
                 )
             if derive.rotates_itself(attn):
                 raise UnsupportedModelError(
@@ -236,7 +242,8 @@ class ReferenceModel:
 
     def plan(self, *, generate: bool = True, seed: int = 0) -> dict:
         """The probe plan (JSON-able): per layer the attention and block names, the modules producing the final
-        pre-RoPE query and key (for the stress gain), head_dim, scaling and cap; and the probe tokens."""
+        pre-RoPE query and key (for the stress gain), head_dim, scaling, cap and the arguments that scale the query
+        by position (recorded as ``q_scale``); and the probe tokens."""
         layers = []
         for i, (attn, block) in enumerate(zip(self.attns, self.blocks)):
             _, _, head_dim = self.head_counts(attn)
@@ -249,6 +256,7 @@ class ReferenceModel:
                     "head_dim": head_dim,
                     "scaling": self.scaling(i, head_dim),
                     "cap": self.cap(),
+                    "q_scale": self._q_scales[i],
                 }
             )
         gen = getattr(self.inner, "generation_config", None)

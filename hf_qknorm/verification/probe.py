@@ -115,6 +115,7 @@ class _Recorder:
     def __init__(self, modules: dict, plan: dict):
         self.attns = [_module(modules, layer["attn"]) for layer in plan["layers"]]
         self.blocks = [modules.get(layer["block"]) if layer.get("block") else None for layer in plan["layers"]]
+        self.q_scales = [layer.get("q_scale") or [] for layer in plan["layers"]]
         self.calls: list[list[dict]] = []
         self.block_inputs: list[list[torch.Tensor]] = []
         self.keep_call = False
@@ -145,6 +146,7 @@ class _Recorder:
                 "cos": _cpu(rope[0]) if rope is not None else None,
                 "sin": _cpu(rope[1]) if rope is not None else None,
                 "cache": None if cache is None else type(cache).__name__,
+                "q_scale": _cpu(_product(kwargs.get(n) for n in self.q_scales[i])),
             }
             if self.keep_call:
                 call["call"] = (args, dict(kwargs))
@@ -163,14 +165,26 @@ class _Recorder:
         return [_join(calls) for calls in self.calls]
 
 
+def _product(factors):
+    """The product of the tensors among ``factors`` (the arguments that scale a layer's query), or ``None``."""
+    out = None
+    for f in factors:
+        if isinstance(f, torch.Tensor):
+            out = f if out is None else out * f
+    return out
+
+
 def _join(calls: list[dict]) -> dict:
-    """One layer's calls joined along the sequence: ``x``/``out`` ``(batch, seq, hidden)``, ``cos``/``sin``."""
+    """One layer's calls joined along the sequence: ``x``/``out`` ``(batch, seq, hidden)``, ``cos``/``sin``, and
+    ``q_scale`` (the query's factor by position, ``(batch, 1 or heads, seq, 1)``)."""
     if not calls:
         raise RuntimeError("an attention module was never called")
     join = {
         k: (torch.cat([c[k] for c in calls], dim=1) if calls[0][k] is not None else None)
         for k in ("x", "out", "cos", "sin")
     }
+    scales = [c.get("q_scale") for c in calls]
+    join["q_scale"] = torch.cat(scales, dim=-2) if all(t is not None for t in scales) else None
     join["steps"] = len(calls)
     join["cache"] = calls[-1]["cache"]
     return join

@@ -41,6 +41,7 @@ KINDS = [
     "olmo2",  # q/k norms over the whole projection, kept under the scheme's per-head norms
     "afmoe",  # an output gate (sigmoid of a projection of the input, per channel), the model's own code
     "bitnet",  # a norm between the attention and the output projection, the model's own code
+    "beam",  # NoPE layers' queries scaled by position (its attention_scaling argument), an output gate
 ]
 
 
@@ -282,7 +283,6 @@ def test_the_output_stage_reads_the_reference_models_weights(model_type, part):
 @pytest.mark.parametrize(
     "model_type, what",
     [
-        ("beam", "does not model the attention_scaling argument of"),  # scales NoPE layers' queries by position
         ("dory", "does not model the cache_offset, shared_kv_states argument of"),
         ("gptj", "cannot read the rotation GPTJAttention computes itself"),  # releases before 5.2x
     ],
@@ -297,6 +297,70 @@ def test_what_the_reference_does_not_model_is_refused_in_one_line(model_type, wh
         hf_qknorm.verify(model, generate=False)
     line = str(err.value)
     assert "\n" not in line and f"model type {model_type!r}" in line and what in line
+
+
+def test_a_dropped_query_scale_fails():
+    """Beam scales its NoPE layers' queries by ``(1 + position / 2048) ** 0.1`` (its ``attention_scaling``
+    argument), which the reference reads as recorded: a computing model that is given the argument and ignores it
+    must fail (a factor of 1.0005-1.004 at the probes' positions)."""
+    model = _model("beam", "qk_norm_cap")
+    bad = copy.deepcopy(model)
+    dropped = 0
+    for attn in _attns(bad)[1]:
+        forward = attn.forward
+
+        def unscaled(*args, _forward=forward, **kwargs):
+            kwargs["attention_scaling"] = None
+            return _forward(*args, **kwargs)
+
+        attn.forward = unscaled
+        dropped += attn.config.layer_types[attn.layer_idx] != "sliding_attention"
+    assert dropped, "the tiny Beam has no NoPE layer"
+    assert _judge(model, model).ok
+    report = _judge(model, bad)
+    assert not report.ok, str(report)
+
+
+def _beam_attention(act):
+    """A Beam attention class whose forward hands ``act(attention_scaling, hidden_states)`` on (kwargs updated)."""
+    base = type(_attns(_model("beam"))[1][0])
+
+    class Acting(base):
+        def forward(self, hidden_states, position_embeddings, attention_mask, attention_scaling=None, **kwargs):
+            if attention_scaling is not None:
+                hidden_states, attention_scaling = act(hidden_states, attention_scaling)
+            return super().forward(hidden_states, position_embeddings, attention_mask, attention_scaling, **kwargs)
+
+    Acting.__module__ = base.__module__  # its modelling file's rotary function is read from there
+    return Acting
+
+
+@pytest.mark.parametrize(
+    "act, scales",
+    [
+        (lambda x, s: (x, s), True),  # Beam's own: the query times the argument
+        (lambda x, s: (x, s * s), False),  # the query times its square
+        (lambda x, s: (x * s.view(1, -1, 1), s), False),  # the input scaled too: keys and values move
+        (lambda x, s: (x, None), False),  # not used at all
+    ],
+)
+def test_only_an_argument_that_scales_the_query_by_position_is_modelled(act, scales):
+    """``derive.query_scales`` runs a fresh instance of the attention class with the argument and without: only a
+    factor on the query the attention function receives, keys and values unchanged, is modelled; any other use of
+    an argument is refused in one line before a probe runs."""
+    model = _model("beam")
+    _, attns = _attns(model)
+    cls = _beam_attention(act)
+    assert derive.query_scales(attns[0].__class__.__new__(cls), model.config, 0, ["attention_scaling"]) == (
+        ["attention_scaling"] if scales else []
+    )
+    for attn in attns:
+        attn.__class__ = cls
+    if scales:
+        assert hf_qknorm.verify(model, generate=False).ok
+    else:
+        with pytest.raises(UnsupportedModelError, match="does not model the attention_scaling argument of Acting"):
+            hf_qknorm.verify(model, generate=False)
 
 
 @pytest.mark.parametrize("part, placed", [("gate_proj", True), ("q_proj", False), ("rotary_emb", False)])
