@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 @pytest.mark.spawns
 @pytest.mark.slow
 def test_dry_run_runs_every_section():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the script calls python3: this interpreter's (the project's environment), not one without torch on the PATH
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     res = subprocess.run(
         ["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, timeout=600, check=False
     )
