@@ -94,7 +94,7 @@ def _capture_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.zeros_like(query).transpose(1, 2), None
 
 
-def query_scales(attn: nn.Module, config, index: int, arguments: list[str], model_type: str = "?") -> list[str]:
+def query_scales(attn: nn.Module, config, index: int, arguments: list[str]) -> list[str]:
     """Of ``arguments`` (:func:`unmodelled_arguments`), those that multiply the query by a per-position factor and do
     nothing else (Beam's ``attention_scaling``, ``(1 + position / 2048) ** 0.1`` on its NoPE layers): a fresh,
     unpatched float64 instance of ``attn``'s Transformers class, given the argument as ``None`` and as a positive
@@ -116,10 +116,13 @@ def query_scales(attn: nn.Module, config, index: int, arguments: list[str], mode
             fresh = cls(cfg, layer_idx=index, **built_arguments(attn, cls)).to(torch.float64).eval()
     except Exception:  # a class that cannot be rebuilt: nothing is derived, the caller refuses
         return []
+    try:
+        q0, k0, v0 = _captured(fresh, x, {})
+    except Exception:  # a class that does not run on probe inputs: nothing is derived, the caller refuses
+        return []
     found = []
     for name in arguments:
         try:
-            q0, k0, v0 = _captured(fresh, x, {})
             q1, k1, v1 = _captured(fresh, x, {name: factor})
         except Exception:  # not a tensor argument, or not one this call takes
             continue

@@ -90,7 +90,7 @@ class ReferenceModel:
             arguments = derive.unmodelled_arguments(attn)
             cls = derive.own_class(attn)
             if arguments and cls not in scales_of:
-                scales_of[cls] = derive.query_scales(attn, self.config, i, arguments, self.family.model_type)
+                scales_of[cls] = derive.query_scales(attn, self.config, i, arguments)
             self._q_scales.append(scales_of.get(cls, []))
             rest = [a for a in arguments if a not in self._q_scales[i]]
             if rest:
