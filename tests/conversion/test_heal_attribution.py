@@ -2,8 +2,8 @@
 
 What is checked against something the script did not compute: putting every converted layer into the original
 gives the converted model itself (same embeddings, MLPs and head), so the last ``upto`` row must equal the whole
-converted model's figures; no layer swapped costs nothing; and a folder that is not a conversion is refused in one
-line."""
+converted model's figures, and the first ``upto`` row is the first ``single`` one; a folder that is not a model is
+refused in one line."""
 
 from __future__ import annotations
 
