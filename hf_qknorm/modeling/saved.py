@@ -56,11 +56,28 @@ def auto_class(config):
     """The Auto class whose model a checkpoint of ``config`` is: ``AutoModelForCausalLM``, or for a multimodal model
     ``AutoModelForImageTextToText`` where it has such a class (LLaVA, Gemma 3, Qwen2-VL, ...) -- the class that holds
     its language model, its vision tower and its output head as the checkpoint stores them, and the one a saved
-    folder's remote code maps."""
+    folder's remote code maps. A type whose image-text-to-text class is another type's model while it has an
+    image-classification class (ShieldGemma 2: a classifier holding a whole Gemma 3 model) is stored as that
+    classifier: ``AutoModelForImageClassification`` (Transformers' own save and load of the other class loses its
+    weights)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     model_type = base_model_type(getattr(config, "model_type", ""))
     if text_config_of(config) is not config and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        if _wraps_another_type(model_type):
+            return transformers.AutoModelForImageClassification
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
+
+
+def _wraps_another_type(model_type: str) -> bool:
+    """Whether ``model_type``'s image-text-to-text class is built for another model type's config while it has an
+    image-classification class (ShieldGemma 2's maps to Gemma 3's model, which its classifier holds)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    if model_type not in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
+        return False
+    cls = getattr(transformers, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type], None)
+    return cls is not None and getattr(cls.config_class, "model_type", model_type) != model_type

@@ -294,3 +294,25 @@ def test_a_head_tied_by_the_multimodal_config_converts(tmp_path):
     assert config["model_type"] == "mistral3" and config["text_config"]["model_type"] == "qwen3"
     model = AutoModelForImageTextToText.from_pretrained(result.path)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_a_classifier_wrapping_a_language_model_is_refused_in_one_line(tmp_path):
+    """ShieldGemma 2's checkpoints are a classifier holding a whole Gemma 3 model (its image-text-to-text Auto class
+    is Gemma 3's, which Transformers cannot load its folders into): the tiny source is saved as that classifier, its
+    own save and load keep every tensor, and a conversion is refused before any work with the reason."""
+    from transformers import AutoConfig, ShieldGemma2ForImageClassification
+
+    from hf_qknorm.modeling.saved import auto_class
+
+    src = tiny_source("shieldgemma2", tmp_path / "source")
+    config = AutoConfig.from_pretrained(src)
+    assert auto_class(config).from_config(config).__class__ is ShieldGemma2ForImageClassification
+    _, info = ShieldGemma2ForImageClassification.from_pretrained(src, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    before = tree_hash(src)
+    with pytest.raises(UnsupportedModelError, match="'shieldgemma2'.*ShieldGemma2ForImageClassification.*classifier"):
+        _convert(src, tmp_path / "out", _cfg("qk_norm", "rmsnorm"))
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == [] and tree_hash(src) == before
+    assert auto_class(AutoConfig.from_pretrained(tiny_source("gemma3", tmp_path / "g3"))).__name__ == (
+        "AutoModelForImageTextToText"
+    )

@@ -11,7 +11,7 @@ import torch
 
 from ...modeling.derive import get_family
 from ...modeling.saved import read_config
-from ...portable.families import Family, text_config_of
+from ...portable.families import Family, UnsupportedModelError, text_config_of
 from ...portable.layout import find_layers
 from ...portable.names import PREFIX
 from ..output.shards import SourceWeights, check_matches_config, read_source_weights, skeleton
@@ -81,6 +81,12 @@ def inspect_source(src, cfg=None) -> Source:
         )
     family = None if multimodal else get_family(config)
     model = skeleton(config, path)
+    if model.get_output_embeddings() is None:  # a classifier over a language model (ShieldGemma 2)
+        raise UnsupportedModelError(
+            f"model type {raw.get('model_type')!r}: its checkpoint is a {type(model).__name__}, a classifier "
+            "without a next-token output head; hf_qknorm converts causal language models and the language model "
+            "of image-text-to-text ones (patch_model patches this model in memory)"
+        )
     family = family or get_family(model)
     # where the causal LM holds its blocks (a head model whose base-model prefix names no attribute of it)
     blocks = find_layers(model, family)
