@@ -61,13 +61,18 @@ def auto_class(config):
     classifier: ``AutoModelForImageClassification`` (Transformers' own save and load of the other class loses its
     weights)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     model_type = base_model_type(getattr(config, "model_type", ""))
     if text_config_of(config) is not config and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         if _wraps_another_type(model_type):
             return transformers.AutoModelForImageClassification
         return transformers.AutoModelForImageTextToText
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForImageTextToText  # a text model Transformers maps there alone (Mistral 4)
     return transformers.AutoModelForCausalLM
 
 

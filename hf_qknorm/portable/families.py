@@ -203,6 +203,18 @@ def _no_blocks_reason(model: nn.Module, model_type) -> str:
     kinds = [type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__]
     if any(all(isinstance(getattr(m, n, None), nn.Module) for n in ("query", "key", "value")) for m in model.modules()):
         return f"model type {model_type!r} is an encoder model (BERT-style self-attention); hf_qknorm patches decoders"
+    nested = _nested_attention(model)
+    if nested:
+        return (
+            f"model type {model_type!r}: its decoder blocks hold their attention below another module (.{nested}); "
+            "hf_qknorm patches blocks whose attention module is a child of the block"
+        )
+    if any(_attention_parts(m) for m in model.modules()) and any(_reuses_keys_or_values(m) for m in model.modules()):
+        return (
+            f"model type {model_type!r}: some of its attention layers have no key or value projection of their own "
+            "(they reuse another layer's keys and values, or use the keys as values: num_kv_shared_layers, "
+            "attention_k_eq_v); hf_qknorm patches models whose every attention layer projects its own q, k and v"
+        )
     if any(_attention_parts(m) for m in model.modules()):  # q/k/v projections, but not in every block of a stack
         return (
             f"model type {model_type!r} is a hybrid model: some of its layers are recurrent, state-space or linear "
@@ -230,6 +242,32 @@ def _config_value(config, name):
         return getattr(config, name, None)
     except Exception:
         return None
+
+
+def _nested_attention(model: nn.Module) -> str | None:
+    """The path, relative to a block, of the attention module every block of a stack holds deeper than as a child
+    (DBRX's ``norm_attn_norm.attn``), or ``None``."""
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or not len(module):
+            continue
+        paths = set()
+        for block in module:
+            found = [name for name, m in block.named_modules() if name and _attention_parts(m)]
+            if len(found) != 1 or "." not in found[0]:
+                break
+            paths.add(found[0])
+        else:
+            if len(paths) == 1:
+                return paths.pop()
+    return None
+
+
+def _reuses_keys_or_values(module) -> bool:
+    """An attention module with its own query and output projections but no key or value projection (Gemma 3n's and
+    Gemma 4's KV-shared layers; Gemma 4's ``attention_k_eq_v`` layers, whose ``v_proj`` is ``None``)."""
+    if not all(_is_projection(getattr(module, n, None)) for n in ("q_proj", "o_proj")):
+        return False
+    return not all(_is_projection(getattr(module, n, None)) for n in ("k_proj", "v_proj"))
 
 
 def _attention_parts(attn) -> dict | None:

@@ -33,6 +33,8 @@ SIZES = {
     "num_key_value_heads": KV_HEADS,
     "head_dim": HEAD_DIM,
     "vocab_size": VOCAB,
+    "vocab_size_per_layer_input": VOCAB,  # Gemma 3n / 4: a second embedding, per layer
+    "hidden_size_per_layer_input": HEAD_DIM,
     "max_position_embeddings": 128,
     "n_positions": 128,
     "n_ctx": 128,
@@ -46,6 +48,14 @@ SIZES = {
     "first_k_dense_replace": 0,
     "rotary_dim": 8,
     "kv_channels": HEAD_DIM,
+    # multi-head latent attention (DeepSeek V2/V3, Mistral 4): its head sizes, the rotary and plain parts summing
+    # to the tiny head
+    "qk_rope_head_dim": HEAD_DIM // 2,
+    "qk_nope_head_dim": HEAD_DIM // 2,
+    "qk_head_dim": HEAD_DIM,
+    "v_head_dim": HEAD_DIM,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
 }
 
 
@@ -53,14 +63,43 @@ SECTIONS = ("n_input_layers", "n_recurrent_layers", "n_output_layers")  # layer 
 
 
 def tiny_config(model_type: str):
-    """A small config of ``model_type`` (its config class with the sizes above), dropout off, one pad token."""
+    """A small config of ``model_type`` (its config class with the sizes above, and what :data:`STATED` adds),
+    dropout off, one pad token."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return _shrink(CONFIG_MAPPING[model_type]())
+    config = CONFIG_MAPPING[model_type]()
+    _state(config, model_type)
+    return _shrink(config)
+
+
+def _state(config, model_type) -> None:
+    """``config`` given what :data:`STATED` says ``model_type``'s checkpoints state."""
+    for name, value in STATED.get(model_type, {}).items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(getattr(config, owner) if owner else config, leaf, copy.deepcopy(value))
+
+
+# What a type's checkpoints state and its default config leaves unset, so that no model can be built from the
+# default (attribute, with a dot for a sub-config's -> value).
+STATED = {
+    # the attention config states no RoPE base; the experts' sizes live in a sub-config (the model's width too)
+    "dbrx": {
+        "attn_config.rope_theta": 10000.0,
+        "attn_config.clip_qkv": 8.0,  # None clamps with neither bound, which torch refuses
+        "ffn_config.hidden_size": HIDDEN,
+        "ffn_config.ffn_hidden_size": 32,
+    },
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "step3p5": {"sliding_window": 4},  # Step 3.7's language model: its mask builder needs one
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+}
 
 
 def _shrink(config):
-    """``config`` with the sizes above where it has them, one layer of each kind it names, dropout off."""
+    """``config`` with the sizes above where it has them, one layer of each kind it names, dropout off. A
+    heterogeneous config (``per_layer_config``: Gemma 4's wider heads on its full-attention layers) keeps the
+    overrides of the layers kept, their sizes scaled as the global ones are (:func:`_per_layer_overrides`)."""
+    overrides, globals_ = _per_layer_overrides(config)
     for name, value in SIZES.items():
         if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
             try:
@@ -74,6 +113,9 @@ def _shrink(config):
                 setattr(config, name, value)
             except AttributeError:
                 pass
+    kinds = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in kinds and "sliding_window" in stated and stated["sliding_window"] is None:
+        config.sliding_window = SIZES["sliding_window"]  # a checkpoint with sliding layers states their window
     if getattr(config, "multi_query", False):
         config.num_key_value_heads = 1 if hasattr(config, "num_key_value_heads") else None
     # A per-layer list keeps one layer of each kind it names (sliding and full attention, a hybrid's recurrent layers),
@@ -106,6 +148,11 @@ def _shrink(config):
     value = getattr(config, "mlp_layer_types", None)
     if isinstance(value, (list, tuple)) and value:
         config.mlp_layer_types = list(value[: len(keep)]) + [value[-1]] * max(0, len(keep) - len(value))
+    if overrides:
+        kept = {j: overrides[i] for j, i in enumerate(keep) if i in overrides}
+        config.per_layer_config = {
+            j: {k: _tiny_override(k, v, globals_.get(k)) for k, v in layer.items()} for j, layer in kept.items()
+        }
     for name in dir(config):
         if "dropout" in name or name.endswith("_pdrop"):
             value = getattr(config, name, None)
@@ -122,19 +169,45 @@ def _shrink(config):
     return config
 
 
+def _per_layer_overrides(config) -> tuple[dict, dict]:
+    """The per-layer overrides of a heterogeneous ``config`` (``{layer: {attribute: value}}``) and the global values
+    of the attributes they set, both as read before shrinking; the overrides are taken off ``config`` (its global
+    sizes can then be read and set). ``({}, {})`` for an ordinary config."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    if spec is None:
+        return {}, {}
+    overrides = copy.deepcopy(dict(spec.per_layer_overrides))
+    names = {k for layer in overrides.values() for k in layer}
+    globals_ = {k: config._getattr_without_heterogeneous_validation(k, None) for k in names}
+    config.per_layer_config = None
+    return overrides, globals_
+
+
+def _tiny_override(name: str, value, global_value):
+    """A per-layer override's tiny value: a size of :data:`SIZES` scaled by its ratio to the global value (Gemma 4's
+    512-wide heads over 256 become twice the tiny head), anything else as it is."""
+    tiny = SIZES.get(name)
+    if tiny is None or isinstance(value, bool) or not isinstance(value, int):
+        return value
+    if isinstance(global_value, int) and global_value > 0:
+        return max(1, round(tiny * value / global_value))
+    return tiny
+
+
 def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
     """A randomly initialised tiny causal LM of ``model_type`` on the CPU, in eval mode, experts run eagerly."""
-    from transformers import AutoModelForCausalLM
+    from ..modeling.saved import auto_class
 
     torch.manual_seed(seed)
     config = tiny_config(model_type)
+    cls = auto_class(config)  # AutoModelForCausalLM, or where Transformers maps a text model's class (Mistral 4)
     kwargs = {}
     if hasattr(config, "_experts_implementation"):
         kwargs["experts_implementation"] = "eager"
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        model = cls.from_config(config, dtype=dtype, **kwargs)
     except TypeError:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = cls.from_config(config, dtype=dtype)
     return model.eval()
 
 
@@ -206,7 +279,9 @@ def tiny_multimodal_config(model_type: str):
 
     config = CONFIG_MAPPING[model_type]()
     vision, top, _ = MULTIMODAL.get(model_type, ({}, {}, None))
-    text = _shrink(config.get_text_config())
+    text = config.get_text_config()
+    _state(text, getattr(text, "model_type", None))
+    text = _shrink(text)
     rope = getattr(text, "rope_parameters", None)
     if model_type in MROPE_SECTIONS and isinstance(rope, dict):
         rope.setdefault("mrope_section", list(MROPE_SECTIONS[model_type]))

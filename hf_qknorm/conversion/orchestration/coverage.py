@@ -83,7 +83,7 @@ def tiny_source(model_type: str, folder: Path, seed: int = 0) -> Path:
             fit_mrope(auto_class(config).from_config(copy.deepcopy(config)), config)
     else:
         config = _per_layer_lists_cut(model_type, tiny_config(model_type))
-        config.vocab_size = SOURCE_VOCAB
+        _widen_vocab(config)
     torch.manual_seed(seed)
     kwargs = {"experts_implementation": "eager"} if hasattr(config, "_experts_implementation") else {}
     model = auto_class(config).from_config(config, **kwargs)
@@ -131,8 +131,16 @@ def _special_ids_on_top(config):
     ids (image, video, ...) at its top, above the tokenizer's: calibration text never holds an image token."""
     from ...verification.tiny import special_ids_on_top
 
-    config.get_text_config().vocab_size = SOURCE_VOCAB
+    _widen_vocab(config.get_text_config())
     return special_ids_on_top(config, SOURCE_VOCAB)
+
+
+def _widen_vocab(text_config) -> None:
+    """The text vocabulary at :data:`SOURCE_VOCAB`, and a second one of the same tokens where the config has it
+    (Gemma 4's per-layer embeddings)."""
+    text_config.vocab_size = SOURCE_VOCAB
+    if isinstance(getattr(text_config, "vocab_size_per_layer_input", None), int):
+        text_config.vocab_size_per_layer_input = SOURCE_VOCAB
 
 
 def probe_inputs(vocab: int = SOURCE_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:

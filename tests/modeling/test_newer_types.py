@@ -1,0 +1,90 @@
+"""Model types whose default configs the tiny builder had to learn to read (Transformers 5.2x): heterogeneous
+per-layer sizes (Gemma 4), settings a checkpoint states and the default config leaves unset (DBRX, dots1, Cohere
+Compass), a text model mapped to the image-text-to-text class alone (Mistral 4); and the reasons given where a model
+cannot be patched (KV-shared layers, attention nested below the block). Each is classified from a tiny model of its
+own classes; expected logits come from the unpatched model itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_qknorm
+from hf_qknorm import UnsupportedModelError
+from hf_qknorm.verification import coverage as cov
+from hf_qknorm.verification.tiny import tiny_config, tiny_model
+
+
+def _known(model_type: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
+def _skip_unless_known(model_type: str) -> None:
+    if not _known(model_type):
+        pytest.skip(f"model type {model_type!r} is not in this Transformers")
+
+
+@pytest.mark.parametrize(
+    "model_type, status, words",
+    [
+        ("gemma4_text", cov.PATCHED, ""),  # per-layer head sizes
+        ("dots1", cov.PATCHED, ""),  # its experts' count stated
+        ("cohere_compass_text", cov.PATCHED, ""),  # its RoPE per layer kind stated
+        ("mistral4", cov.REFUSED, "multi-head latent attention"),  # mapped to the image-text-to-text class alone
+        ("dbrx", cov.REFUSED, "norm_attn_norm.attn"),  # attention below another module of the block
+        ("gemma3n_text", cov.REFUSED, "reuse another layer's keys and values"),  # KV-shared layers
+    ],
+)
+def test_newer_types_are_built_and_classified(model_type, status, words):
+    _skip_unless_known(model_type)
+    result = cov.check_model_type(model_type)
+    assert result.status == status, (result.reason, result.variants)
+    assert words in result.reason
+    if status == cov.PATCHED:
+        others = [v for k, v in result.variants.items() if not k.startswith("qkv_norm")]
+        assert len(others) >= 9 and set(others) == {"ok"}, result.variants
+
+
+def test_per_layer_sizes_are_kept_scaled_and_patched_exactly():
+    """Gemma 4's full-attention layers have heads twice as wide as its sliding ones: the tiny model keeps that
+    (one layer of each kind), and a ``qk_norm`` / rmsnorm patch, which takes over its own per-head norms, computes
+    the unpatched logits bit for bit in both."""
+    _skip_unless_known("gemma4_text")
+    model = tiny_model("gemma4_text")
+    kinds = model.config.layer_types
+    widths = [layer.self_attn.head_dim for layer in model.model.layers]
+    assert sorted(kinds) == ["full_attention", "sliding_attention"]
+    assert widths[kinds.index("full_attention")] == 2 * widths[kinds.index("sliding_attention")]
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+    hf_qknorm.patch_model(model, scheme="qk_norm", norm="rmsnorm")
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(before, after)
+
+
+def test_kv_shared_layers_are_refused_with_the_reason_and_the_model_left_as_it_was():
+    """Layers that reuse an earlier layer's keys and values have no key projection for a norm to follow: the patch
+    is refused in one line naming that, and the model computes what it computed."""
+    _skip_unless_known("gemma4_text")
+    config = tiny_config("gemma4_text")
+    config.per_layer_config = None
+    config.num_hidden_layers = 3
+    config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
+    config.num_kv_shared_layers = 1
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert not hasattr(model.model.layers[2].self_attn, "k_proj")  # the last layer reuses keys and values
+    ids = torch.randint(0, config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(UnsupportedModelError, match="'gemma4_text'.*no key or value projection of their own"):
+        hf_qknorm.patch_model(model, scheme="qk_norm_cap")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert not hf_qknorm.is_patched(model)
