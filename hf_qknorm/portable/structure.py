@@ -77,6 +77,12 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
     attentions = [getattr(block, family.attention) for block in blocks]
     forms = []
     if cfg.removes_prenorm:
+        own = family.norm_slot("v")
+        if not loading and any(isinstance(getattr(attn, own, None), nn.Module) for attn in attentions):
+            raise UnsupportedModelError(
+                f"model type {family.model_type!r}: its attention normalises v itself ({type(attentions[0]).__name__}"
+                f".{own}); qkv_norm would put a second norm in that place"
+            )
         if family.prenorm is None:
             raise UnsupportedModelError(
                 f"model type {family.model_type!r}: qkv_norm removes the pre-attention norm, and this model's "

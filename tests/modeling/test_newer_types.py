@@ -88,3 +88,14 @@ def test_kv_shared_layers_are_refused_with_the_reason_and_the_model_left_as_it_w
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
     assert not hf_qknorm.is_patched(model)
+
+
+def test_qkv_norm_is_refused_where_the_model_normalises_v_itself():
+    """Gemma 4 normalises each value head with a norm of its own (``v_norm``, no gain): ``qkv_norm`` is refused in
+    one line before anything changes, while the q/k schemes patch it."""
+    _skip_unless_known("gemma4_text")
+    model = tiny_model("gemma4_text")
+    with pytest.raises(UnsupportedModelError, match=r"normalises v itself \(Gemma4TextAttention\.v_norm\)"):
+        hf_qknorm.patch_model(model, scheme="qkv_norm")
+    assert not hf_qknorm.is_patched(model)
+    assert type(model.model.layers[0].self_attn.v_norm).__name__ == "Gemma4RMSNorm"
