@@ -209,7 +209,7 @@ def _no_blocks_reason(model: nn.Module, model_type) -> str:
             f"model type {model_type!r}: its decoder blocks hold their attention below another module (.{nested}); "
             "hf_qknorm patches blocks whose attention module is a child of the block"
         )
-    if any(_attention_parts(m) for m in model.modules()) and any(_reuses_keys_or_values(m) for m in model.modules()):
+    if _reuses_keys_or_values(model):
         return (
             f"model type {model_type!r}: some of its attention layers have no key or value projection of their own "
             "(they reuse another layer's keys and values, or use the keys as values: num_kv_shared_layers, "
@@ -262,12 +262,17 @@ def _nested_attention(model: nn.Module) -> str | None:
     return None
 
 
-def _reuses_keys_or_values(module) -> bool:
-    """An attention module with its own query and output projections but no key or value projection (Gemma 3n's and
-    Gemma 4's KV-shared layers; Gemma 4's ``attention_k_eq_v`` layers, whose ``v_proj`` is ``None``)."""
-    if not all(_is_projection(getattr(module, n, None)) for n in ("q_proj", "o_proj")):
-        return False
-    return not all(_is_projection(getattr(module, n, None)) for n in ("k_proj", "v_proj"))
+def _reuses_keys_or_values(model: nn.Module) -> bool:
+    """Whether some instances of an attention class of ``model`` have q/k/v projections and others of the same class
+    only their query and output projections (Gemma 3n's and Gemma 4's KV-shared layers; Gemma 4's
+    ``attention_k_eq_v`` layers, whose ``v_proj`` is ``None``) -- not a hybrid's other kind of layer, another class."""
+    full, partial = set(), set()
+    for module in model.modules():
+        if _attention_parts(module):
+            full.add(type(module))
+        elif all(_is_projection(getattr(module, n, None)) for n in ("q_proj", "o_proj")):
+            partial.add(type(module))
+    return bool(full & partial)
 
 
 def _attention_parts(attn) -> dict | None:
