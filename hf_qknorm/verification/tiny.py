@@ -48,8 +48,8 @@ SIZES = {
     "first_k_dense_replace": 0,
     "rotary_dim": 8,
     "kv_channels": HEAD_DIM,
-    # multi-head latent attention (DeepSeek V2/V3, Mistral 4): its head sizes, the rotary and plain parts summing
-    # to the tiny head
+    # multi-head latent attention (DeepSeek V2/V3, Mistral 4) and value heads of their own width (MiMo-V2-Flash):
+    # where the config states a head_dim these are scaled by their ratio to it (_HEAD_PARTS), else these values
     "qk_rope_head_dim": HEAD_DIM // 2,
     "qk_nope_head_dim": HEAD_DIM // 2,
     "qk_head_dim": HEAD_DIM,
@@ -57,6 +57,7 @@ SIZES = {
     "kv_lora_rank": 32,
     "q_lora_rank": 32,
 }
+_HEAD_PARTS = ("qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim", "v_head_dim")  # sizes kept in ratio to head_dim
 
 
 SECTIONS = ("n_input_layers", "n_recurrent_layers", "n_output_layers")  # layer counts of a model in sections
@@ -100,12 +101,17 @@ def _shrink(config):
     heterogeneous config (``per_layer_config``: Gemma 4's wider heads on its full-attention layers) keeps the
     overrides of the layers kept, their sizes scaled as the global ones are (:func:`_per_layer_overrides`)."""
     overrides, globals_ = _per_layer_overrides(config)
+    head = getattr(config, "head_dim", None)
+    parts = {n: getattr(config, n) for n in _HEAD_PARTS if _is_size(getattr(config, n, None))}
     for name, value in SIZES.items():
         if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
             try:
                 setattr(config, name, value)
             except AttributeError:  # a property derived from other sizes (Falcon's head_dim)
                 pass
+    if _is_size(head):  # a value head 128 wide beside 192-wide q/k heads stays two thirds as wide
+        for name, value in parts.items():
+            setattr(config, name, max(1, round(HEAD_DIM * value / head)))
     stated = config.to_dict()
     for name, value in (("head_dim", HEAD_DIM), ("num_key_value_heads", KV_HEADS)):
         if name in stated and stated[name] is None:  # a config that derives it later states it
@@ -167,6 +173,10 @@ def _shrink(config):
         elif isinstance(value, list):
             setattr(config, name, [v if v < VOCAB else 1 for v in value])
     return config
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _per_layer_overrides(config) -> tuple[dict, dict]:

@@ -99,3 +99,18 @@ def test_qkv_norm_is_refused_where_the_model_normalises_v_itself():
         hf_qknorm.patch_model(model, scheme="qkv_norm")
     assert not hf_qknorm.is_patched(model)
     assert type(model.model.layers[0].self_attn.v_norm).__name__ == "Gemma4RMSNorm"
+
+
+@pytest.mark.parametrize("model_type", ["mimo_v2_flash", "mistral4", "deepseek_v3"])
+def test_head_parts_keep_their_ratio_to_the_head(model_type):
+    """Value heads of their own width (MiMo-V2-Flash: 128 beside 192-wide q/k heads) and MLA's rotary and plain parts
+    shrink in proportion to the head: a tiny model with equal widths would hide what a real one has."""
+    _skip_unless_known(model_type)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    full, tiny = CONFIG_MAPPING[model_type](), tiny_config(model_type)
+    for name in ("v_head_dim", "qk_rope_head_dim", "qk_nope_head_dim"):
+        if getattr(full, name, None) is not None:
+            assert getattr(tiny, name) * full.head_dim == pytest.approx(getattr(full, name) * tiny.head_dim, rel=0.1)
+    if getattr(full, "qk_rope_head_dim", None) is not None:
+        assert tiny.qk_head_dim == tiny.qk_rope_head_dim + tiny.qk_nope_head_dim
