@@ -147,6 +147,12 @@ def qknorm_attention_forward(
     means for sdpa (:mod:`.masks`); a patched module's scheme cap overrides ``softcap``
     (:func:`~hf_qknorm.portable.eager.effective_softcap`); :data:`HONOURED_KWARGS` lists every keyword honoured or
     known to be harmless, others are ignored as sdpa ignores them. The rest: docs/patching.md (the backend)."""
+    if value.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"the {ATTN_IMPLEMENTATION!r} attention backend takes value heads as wide as the query and key heads; this "
+            f"call's are {value.shape[-1]} and {query.shape[-1]} wide (a value head width of the model's own, "
+            "v_head_dim: MiMo-V2-Flash's); such a model runs on 'sdpa' or 'eager', unpatched"
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if (

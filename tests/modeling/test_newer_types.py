@@ -35,6 +35,7 @@ def _skip_unless_known(model_type: str) -> None:
         ("mistral4", cov.REFUSED, "multi-head latent attention"),  # mapped to the image-text-to-text class alone
         ("dbrx", cov.REFUSED, "norm_attn_norm.attn"),  # attention below another module of the block
         ("gemma3n_text", cov.REFUSED, "reuse another layer's keys and values"),  # KV-shared layers
+        ("mimo_v2_flash", cov.REFUSED, "value heads as wide as the query and key heads"),  # v_head_dim of its own
     ],
 )
 def test_newer_types_are_built_and_classified(model_type, status, words):
@@ -114,3 +115,16 @@ def test_head_parts_keep_their_ratio_to_the_head(model_type):
             assert getattr(tiny, name) * full.head_dim == pytest.approx(getattr(full, name) * tiny.head_dim, rel=0.1)
     if getattr(full, "qk_rope_head_dim", None) is not None:
         assert tiny.qk_head_dim == tiny.qk_rope_head_dim + tiny.qk_nope_head_dim
+
+
+def test_the_backend_names_value_heads_of_another_width():
+    """A call whose value heads are narrower than its query and key heads (MiMo-V2-Flash's ``v_head_dim``) is an
+    error naming both widths, never a reshape deep in the kernel path."""
+    from types import SimpleNamespace
+
+    from hf_qknorm.attention.interface import qknorm_attention_forward
+
+    q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    v = torch.randn(1, 2, 5, 12)
+    with pytest.raises(ValueError, match="value heads as wide as the query and key heads; this call's are 12 and 16"):
+        qknorm_attention_forward(SimpleNamespace(is_causal=True), q, k, v, None)
