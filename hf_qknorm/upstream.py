@@ -208,9 +208,27 @@ class Reliance:
     used_by: str  # our module that relies on it
     what: str  # the behaviour relied on
     checked_by: str  # the test that fails when it changes
+    since: str | None = None  # the first Transformers that has it; on older ones ``used_by`` does not reach it
 
 
 RELIANCES: tuple[Reliance, ...] = (
+    Reliance(
+        "transformers.integrations.heterogeneity.configuration_utils._HeterogeneitySpec",
+        "verification/tiny.py",
+        "a heterogeneous config (per_layer_config, Transformers 5.14+) keeps its per-layer overrides as "
+        "config._heterogeneity_spec.per_layer_overrides ({layer: {attribute: value}}); setting "
+        "config.per_layer_config = None takes them off; absent on an ordinary config",
+        "tests/modeling/test_newer_types.py::test_per_layer_sizes_are_kept_scaled_and_patched_exactly",
+        since="5.14.0",
+    ),
+    Reliance(
+        "transformers.integrations.heterogeneity.HeterogeneousConfigMixin._getattr_without_heterogeneous_validation",
+        "verification/tiny.py",
+        "config._getattr_without_heterogeneous_validation(name, default) reads an attribute's global value on a "
+        "config with per-layer overrides of it (plain attribute access raises there)",
+        "tests/modeling/test_newer_types.py::test_per_layer_sizes_are_kept_scaled_and_patched_exactly",
+        since="5.14.0",
+    ),
     Reliance(
         "transformers.models.llama.modeling_llama.LlamaAttention.forward",
         "portable/hooks.py",
