@@ -76,6 +76,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--heal-seed", type=int, default=None, help="heal seed: the generated text and the blocks' order (default: 0)"
     )
+    p.add_argument(
+        "--heal-mix",
+        default=None,
+        help="interleaved or apart: how the heal blocks fall on the two texts (default: the library's)",
+    )
     p.add_argument("--heal-e2e-tokens", type=int, default=None, help="end-to-end stage tokens (default: the library's)")
     p.add_argument("--heal-e2e-lr", type=float, default=None, help="end-to-end step size (default: the library's)")
     p.add_argument(
@@ -125,6 +130,7 @@ def run_case(
     local_steps=None,
     self_tokens=None,
     seed=None,
+    mix=None,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -140,7 +146,7 @@ def run_case(
     if tokens != 0:
         given = (("tokens", tokens), ("lr", lr), ("inputs", inputs), ("blocks", heal_blocks))
         given += (("end_to_end_tokens", e2e_tokens), ("end_to_end_lr", e2e_lr), ("text", heal_text))
-        given += (("self_tokens", self_tokens), ("seed", seed))
+        given += (("self_tokens", self_tokens), ("seed", seed), ("mix", mix))
         given = {k: v for k, v in given if v is not None}
         heal = HealSettings(**given)
     config = hf_qknorm.QKNormConfig(scheme=scheme, norm=norm, p=4.0 if norm == "lp" else None, softcap=softcap)
@@ -223,6 +229,8 @@ def _setting(r, runtime: bool = True) -> str:
         parts.append(f"inputs: {h['inputs']}")
     if h.get("seed", 0):
         parts.append(f"seed {h['seed']}")
+    if h.get("mix", "interleaved") != "interleaved":
+        parts.append(f"blocks {h['mix']}")
     if runtime and (r.get("processes", 1) > 1 or r.get("threads", 1) > 1):
         parts.append(f"{r.get('processes', 1)} process(es) x {r.get('threads', 1)} thread(s)")
     return ", ".join(parts)
@@ -374,6 +382,7 @@ def _run_cases(args, argv, builder, first: bool, processes: int) -> None:
                 args.local_steps,
                 args.heal_self_tokens,
                 args.heal_seed,
+                args.heal_mix,
             )
             if row is None:  # not rank 0
                 continue

@@ -73,6 +73,7 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         "lr_search": True,
         "seed": 0,
         "text": "calibration",
+        "mix": "interleaved",
         "self_tokens": 65_536,
         "inputs": "original",
         "end_to_end_tokens": 0,
@@ -335,12 +336,62 @@ def test_heal_text_self_is_the_calibration_text_mixed_with_the_originals_own_ans
     src = bundled_copy(tmp_path / "src")
     tokenizer = AutoTokenizer.from_pretrained(src)
     calibration = split_text(SHORT_TEXT, 0.1)[0]
-    text, n_tokens, seconds = heal_text(src, tokenizer, calibration, SELF, torch.device("cpu"), progress=False)
+    parts, n_tokens, seconds = heal_text(src, tokenizer, calibration, SELF, torch.device("cpu"), progress=False)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=generation_dtype("cpu")).eval()
     generated = self_generated_text(model, tokenizer, calibration, chats=2, openings=0, new_tokens=256, seed=0)
-    assert text == mixed_text(calibration, generated, 0.5)
+    assert parts == ((mixed_text(calibration, generated, 0.5), 1.0),)
     assert n_tokens == len(tokenizer(generated).input_ids) > 2 * 256 and seconds > 0
-    assert heal_text(src, tokenizer, calibration, HEAL, torch.device("cpu"), progress=False) == (calibration, 0, 0.0)
+    apart = dataclasses.replace(SELF, mix="apart")
+    assert heal_text(src, tokenizer, calibration, apart, torch.device("cpu"), progress=False)[0] == (
+        (calibration, 0.5),
+        (generated, 0.5),
+    )
+    assert heal_text(src, tokenizer, calibration, HEAL, torch.device("cpu"), progress=False) == (
+        ((calibration, 1.0),),
+        0,
+        0.0,
+    )
+
+
+def _windows_of(block, ids) -> list[int]:
+    """Where the token ids of ``block`` (its BOS dropped) occur as a run in ``ids``."""
+    body = block[1:].tolist()
+    return [i for i in range(len(ids) - len(body) + 1) if ids[i : i + len(body)] == body]
+
+
+def test_heal_blocks_drawn_apart_come_half_from_each_text_and_none_spans_both(tmp_path):
+    """``mix="apart"``: half the blocks are windows of the calibration text alone, half of the answers alone, each
+    found whole in its own text's tokens and in neither the other's nor across the join of the two."""
+    from transformers import AutoTokenizer
+
+    from hf_qknorm.conversion.orchestration.texts import heal_text_blocks
+    from hf_qknorm.data import bundled_text
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_copy(tmp_path / "src"))
+    calibration = bundled_text()[:40_000]
+    answers = " ".join(f"Answer {i}: the sky is {['blue', 'grey', 'red'][i % 3]} today, she said." for i in range(600))
+    blocks = heal_text_blocks(((calibration, 0.5), (answers, 0.5)), tokenizer, 32, 12, "WikiText")
+    assert blocks.shape == (12, 32)
+    cal_ids, ans_ids = tokenizer(calibration).input_ids, tokenizer(answers).input_ids
+    for i, block in enumerate(blocks):
+        own, other = (cal_ids, ans_ids) if i < 6 else (ans_ids, cal_ids)
+        assert _windows_of(block, own) and not _windows_of(block, other), i
+    mixed = heal_text_blocks(((calibration + answers, 1.0),), tokenizer, 32, 12, "WikiText")
+    assert mixed.shape == (12, 32)
+    with pytest.raises(ValueError, match="the original's own answers .* too short"):
+        heal_text_blocks(((calibration, 0.5), ("Yes.", 0.5)), tokenizer, 32, 12, "WikiText")
+
+
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        ({"mix": "stacked"}, r"heal mix must be 'interleaved' or 'apart', got 'stacked'"),
+        ({"mix": "apart", "blocks": 1}, r"heal blocks must be >= 2, got 1"),
+    ],
+)
+def test_heal_mix_is_checked(given, match):
+    with pytest.raises(ValueError, match=match):
+        HealSettings(**given)
 
 
 def test_healed_on_self_generated_text_writes_what_it_measured_and_says_so(tmp_path):
@@ -348,10 +399,11 @@ def test_healed_on_self_generated_text_writes_what_it_measured_and_says_so(tmp_p
 
     src = bundled_copy(tmp_path / "src")
     before = tree_hash(src)
-    result = _convert(src, tmp_path / "out", heal=SELF)
+    result = _convert(src, tmp_path / "out", heal=dataclasses.replace(SELF, mix="apart"))
     assert tree_hash(src) == before
     h = result.report.heal
     assert h["generated_tokens"] > 2 * 256 and h["generation_seconds"] > 0 and h["settings"]["text"] == "self"
+    assert h["settings"]["mix"] == "apart" and h["text_tokens"] == SELF.blocks * 64
     blocks = text_blocks(
         split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(src), 64, FAST.eval_blocks, "held-out"
     )

@@ -102,6 +102,15 @@ class HealSettings:
             "calibration text alone (implies --heal)"
         },
     )
+    mix: Literal["interleaved", "apart"] = field(
+        default="interleaved",
+        metadata={
+            "help": "how --heal-text self's blocks are drawn: interleaved = spread over the calibration text and the "
+            "generated text interleaved in 8 slices each (as many characters of each; a block may straddle a join); "
+            "apart = half the blocks spread over the whole calibration text, half over the generated text, none "
+            "spanning both (implies --heal)"
+        },
+    )
     self_tokens: int = field(
         default=65_536,
         metadata={
@@ -138,6 +147,12 @@ class HealSettings:
                 raise ValueError(f"heal {name.replace('_', ' ')} must be an integer >= {least}, got {value!r}")
         if self.text not in ("self", "calibration"):
             raise ValueError(f"heal text must be 'self' or 'calibration', got {self.text!r}")
+        if self.mix not in ("interleaved", "apart"):
+            raise ValueError(f"heal mix must be 'interleaved' or 'apart', got {self.mix!r}")
+        if self.mix == "apart" and self.blocks < 2:
+            raise ValueError(
+                f"heal mix 'apart' draws half the blocks from each text: heal blocks must be >= 2, got {self.blocks!r}"
+            )
         if self.inputs not in ("original", "converted"):
             raise ValueError(f"heal inputs must be 'original' or 'converted', got {self.inputs!r}")
         if not isinstance(self.lr_search, bool):
@@ -446,15 +461,17 @@ def _agreement(stream, original: torch.Tensor, converted: torch.Tensor) -> float
 # the heal text
 # --------------------------------------------------------------------------------------------------------------------
 def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, device, progress: bool = True):
-    """The text healing fits the layers on: ``(text, generated tokens, seconds)``. ``settings.text == "self"``: the
-    calibration text mixed half and half (by characters) with the original model's own chat answers and
-    continuations (:mod:`hf_qknorm.conversion.healing.selftext`), sampled with ``settings.seed`` -- a converted model is
+    """The texts healing fits the layers on, each with the share of the heal blocks drawn from it: ``(((text,
+    share), ...), generated tokens, seconds)``. ``settings.text == "self"``: the calibration text mixed half and half
+    (by characters) with the original model's own chat answers and continuations
+    (:mod:`hf_qknorm.conversion.healing.selftext`), one text; with ``settings.mix == "apart"`` the two texts, half
+    the blocks each. The answers are sampled with ``settings.seed`` -- a converted model is
     used the way the original was, and fitting it on what the original says in that use is what keeps its answers
     (measured: docs/conversion.md). The whole original is loaded once for it, on ``device`` (on every
     rank of a process group, each generating its share of the batches; every rank returns the same text), in
     bfloat16 where that is fast (:func:`~hf_qknorm.conversion.healing.selftext.generation_dtype`)."""
     if settings.text == "calibration":
-        return calibration_text, 0, 0.0
+        return ((calibration_text, 1.0),), 0, 0.0
     from ..output.shards import load_pretrained
     from .selftext import generation_dtype, mixed_text, self_generated_text
 
@@ -477,4 +494,8 @@ def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, dev
         )
     del model
     n_tokens = len(tokenizer(generated).input_ids)
-    return mixed_text(calibration_text, generated, 0.5), n_tokens, time.time() - t0
+    if settings.mix == "apart":
+        texts = ((calibration_text, 0.5), (generated, 0.5))
+    else:
+        texts = ((mixed_text(calibration_text, generated, 0.5), 1.0),)
+    return texts, n_tokens, time.time() - t0

@@ -47,7 +47,7 @@ from .checks import VERIFY_MODES, check_report_finite, check_request, check_writ
 from .destination import check_destination, default_destination
 from .source import Source, inspect_source
 from .tempdirs import check_writable, staging
-from .texts import Texts, read_texts, text_blocks
+from .texts import Texts, heal_text_blocks, read_texts, text_blocks
 
 __all__ = ["ConversionResult", "convert"]
 
@@ -310,9 +310,11 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
             from ..healing.heal import heal_checkpoint, heal_text
 
             values = ranks.broadcast(values)  # every rank heals from rank 0's calibration
-            text, generated, gen_seconds = heal_text(source.path, tokenizer, texts.calibration, heal, device, progress)
-            label = texts.calibration_label + (" mixed with the original's own answers" if generated else "")
-            heal_blocks = text_blocks(text, tokenizer, block_len, heal.blocks, label)
+            parts, generated, gen_seconds = heal_text(source.path, tokenizer, texts.calibration, heal, device, progress)
+            label = texts.calibration_label + (
+                " mixed with the original's own answers" if len(parts) == 1 and generated else ""
+            )
+            heal_blocks = heal_text_blocks(parts, tokenizer, block_len, heal.blocks, label)
             values, healed = heal_checkpoint(
                 stream, values, heal_blocks, eval_blocks, heal, settings.batch_size, progress
             )

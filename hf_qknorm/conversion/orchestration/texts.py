@@ -10,7 +10,7 @@ import torch
 
 from ...data import TextTooShort, tokenize_blocks
 
-__all__ = ["Texts", "load_text", "read_texts", "text_blocks"]
+__all__ = ["Texts", "heal_text_blocks", "load_text", "read_texts", "text_blocks"]
 
 
 class Texts(NamedTuple):
@@ -94,3 +94,19 @@ def text_blocks(text: str, tokenizer, block_len: int, max_blocks: int, what: str
             f"{what} is too short: {exc.n_tokens:,} tokens, and one block of {block_len} tokens "
             f"({exc.n_text} of text{bos}) is needed; give more text or a smaller block length (--block-len)"
         ) from None
+
+
+def heal_text_blocks(parts, tokenizer, block_len: int, max_blocks: int, calibration_label: str) -> torch.Tensor:
+    """The heal blocks: up to ``max_blocks`` in all, each ``(text, share)`` of ``parts``
+    (:func:`hf_qknorm.conversion.healing.heal.heal_text`: the calibration text, alone or mixed with the original's
+    answers; or the calibration text and the answers apart) giving its share of them spread over that text alone
+    (:func:`text_blocks`), so that no block spans two parts."""
+    if len(parts) == 1:
+        return text_blocks(parts[0][0], tokenizer, block_len, max_blocks, calibration_label)
+    blocks, first = [], 0
+    for i, (text, share) in enumerate(parts):
+        last = max_blocks if i == len(parts) - 1 else first + max(1, round(share * max_blocks))
+        label = calibration_label if i == 0 else "the original's own answers (heal text)"
+        blocks.append(text_blocks(text, tokenizer, block_len, last - first, label))
+        first = last
+    return torch.cat(blocks)
