@@ -162,6 +162,7 @@ def attention_layer_reference(
     q_whole=None,
     k_whole=None,
     q_scale=None,
+    v_own=None,
 ):
     """One patched attention layer from the formulas, on hidden states ``x`` ``(batch, seq, hidden)``: project ->
     split heads -> norm -> RoPE -> attention (cap, mask, softmax) -> merge heads -> output projection. ``w*`` are
@@ -170,7 +171,8 @@ def attention_layer_reference(
     ``kind``, ``weight``, ``bias``, ``eps``) normalise the whole projection before the heads are split (OLMo 2);
     ``rope_layout`` and a ``cos`` narrower than ``head_dim`` (:func:`rope_layout_reference`); ``sinks``
     (:func:`attention_reference`); ``cos=None``: no rotation (NoPE); ``q_scale`` (broadcast to ``(batch, heads,
-    seq, head_dim)``, e.g. ``(batch, 1, seq, 1)``): a factor by position on the rotated query (Beam's NoPE layers)."""
+    seq, head_dim)``, e.g. ``(batch, 1, seq, 1)``): a factor by position on the rotated query (Beam's NoPE layers);
+    ``v_own`` (dict ``kind``, ``weight``, ``bias``, ``eps``): the model's own per-head norm of v (Gemma 4's)."""
     b, t, _ = x.shape
 
     def proj(w, bias, n, whole=None):
@@ -180,6 +182,8 @@ def attention_layer_reference(
         return y.view(b, t, n, head_dim)
 
     q, k, v = proj(wq, bq, heads, q_whole), proj(wk, bk, kv_heads, k_whole), proj(wv, bv, kv_heads)
+    if v_own is not None:
+        v = norm_reference(v, v_own["kind"], v_own.get("weight"), v_own.get("bias"), eps=v_own["eps"])
     for name, norm_params in (("q", q_norm), ("k", k_norm), ("v", v_norm)):
         if norm_params is None:
             continue

@@ -148,6 +148,7 @@ def layer_reference(
         q_whole=q_whole,
         k_whole=spec.k_whole,
         q_scale=q_scale,
+        v_own=spec.v_own,
     )
     if spec.stage is None:
         return out

@@ -24,7 +24,10 @@ import inspect
 import math
 import sys
 import threading
+import types
+import typing
 from collections import OrderedDict
+from collections.abc import MutableMapping
 
 import torch
 from torch import nn
@@ -94,13 +97,13 @@ def _capture_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.zeros_like(query).transpose(1, 2), None
 
 
-def query_scales(attn: nn.Module, config, index: int, arguments: list[str]) -> list[str]:
+def query_scales(attn: nn.Module, config, index: int, arguments: list[str], inert: dict | None = None) -> list[str]:
     """Of ``arguments`` (:func:`unmodelled_arguments`), those that multiply the query by a per-position factor and do
     nothing else (Beam's ``attention_scaling``, ``(1 + position / 2048) ** 0.1`` on its NoPE layers): a fresh,
     unpatched float64 instance of ``attn``'s Transformers class, given the argument as ``None`` and as a positive
     ``(1, 1, seq, 1)`` tensor, must hand its attention function the first call's query times that tensor and the
-    same key and value. The reference multiplies its query by the recorded argument after the rotation. The
-    caller's random state is left as it was."""
+    same key and value. The reference multiplies its query by the recorded argument after the rotation. ``inert``
+    (:func:`inert_arguments`) are given as new empty mappings. The caller's random state is left as it was."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
@@ -117,18 +120,81 @@ def query_scales(attn: nn.Module, config, index: int, arguments: list[str]) -> l
     except Exception:  # a class that cannot be rebuilt: nothing is derived, the caller refuses
         return []
     try:
-        q0, k0, v0 = _captured(fresh, x, {})
+        q0, k0, v0 = _captured(fresh, x, _new(inert))
     except Exception:  # a class that does not run on probe inputs: nothing is derived, the caller refuses
         return []
     found = []
     for name in arguments:
         try:
-            q1, k1, v1 = _captured(fresh, x, {name: factor})
+            q1, k1, v1 = _captured(fresh, x, {**_new(inert), name: factor})
         except Exception:  # not a tensor argument, or not one this call takes
             continue
         scaled = q0.shape[-2] == factor.shape[-2] and torch.allclose(q1, q0 * factor, rtol=1e-9, atol=1e-12)
         if scaled and not torch.allclose(q1, q0, rtol=1e-9, atol=1e-12) and torch.equal(k1, k0) and torch.equal(v1, v0):
             found.append(name)
+    return found
+
+
+def _mapping_class(cls: type, name: str) -> type | None:
+    """The mutable mapping class that ``cls.forward`` declares its argument ``name`` to be (``dict``, Gemma 4's
+    ``KVSharingDict``; ``X | None`` unwrapped), or ``None``."""
+    try:
+        hint = typing.get_type_hints(cls.forward).get(name)
+    except Exception:  # an annotation that does not resolve: read as written
+        hint = inspect.signature(cls.forward).parameters[name].annotation
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    for candidate in typing.get_args(hint) if union else (hint,):
+        candidate = typing.get_origin(candidate) or candidate
+        if isinstance(candidate, type) and issubclass(candidate, MutableMapping):
+            return candidate
+    return None
+
+
+def inert_arguments(attn: nn.Module, config, index: int, arguments: list[str]) -> dict[str, type]:
+    """Of ``arguments`` (:func:`unmodelled_arguments`), the mappings layer ``index`` only writes into (Gemma 4's
+    ``shared_kv_states`` on a layer that stores its keys and values or shares none), which the reference can leave
+    out, each with its mapping class: every one of ``arguments`` must be declared a mutable mapping by the forward
+    (:func:`_mapping_class`); a fresh, unpatched float64 instance of ``attn``'s class, given a new empty one for each,
+    must run; and one is inert where the instance hands its attention function the same query, key and value when
+    it comes pre-filled -- under the keys the layer wrote into it and the config's layer types -- with other tensors
+    (as a model's later layers get it from earlier ones). A layer that reads one (a layer reusing another's keys and
+    values) gives none, and the caller refuses it. The caller's random state is left as it was."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+    cls = own_class(attn)
+    cfg = copy.deepcopy(config)
+    _set_attention(cfg, CAPTURE_ATTENTION)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 4, config.hidden_size, generator=gen, dtype=torch.float64)
+
+    kinds = {name: _mapping_class(cls, name) for name in arguments}
+    if any(kind is None for kind in kinds.values()):
+        return {}
+
+    def run(filled: dict) -> tuple:
+        given = {name: filled[name] if name in filled else kinds[name]() for name in arguments}
+        return _captured(fresh, x, given), given
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(index)
+            fresh = cls(cfg, layer_idx=index, **built_arguments(attn, cls)).to(torch.float64).eval()
+        (q0, k0, v0), written = run({})
+    except Exception:  # a class that cannot be rebuilt, or does not run so: the caller refuses
+        return {}
+    layer_types = getattr(config, "layer_types", None) or []
+    found = {}
+    for name in arguments:
+        other = kinds[name]()
+        for key in [*written[name], *(t for t in layer_types if t not in written[name])]:
+            other[key] = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in (k0, v0))
+        try:
+            (q1, k1, v1), _ = run({name: other})
+        except Exception:  # it reads the mapping, in a way the other tensors do not fit
+            continue
+        if torch.equal(q1, q0) and torch.equal(k1, k0) and torch.equal(v1, v0):
+            found[name] = kinds[name]
     return found
 
 
@@ -261,8 +327,9 @@ def _moves_the_output(stage: nn.Module, tensors: list, cos, sin) -> bool:
 
 
 def base_scaling(config, family: Family, attn, index: int, head_dim: int) -> float:
-    """The logit scale of layer ``index`` before any scheme, from the config; refused when the attention module was
-    built with another one (a rule the reference does not know)."""
+    """The logit scale of layer ``index`` before any scheme, from the config; ``1`` where Transformers' own class
+    builds the layer with a scale of 1 (Gemma 4's, whose q/k norms set the logits' size: :func:`built_scaling`);
+    refused when the attention module was built with another one (a rule the reference does not know)."""
     if family.model_type == "gpt2":
         s = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
@@ -275,12 +342,34 @@ def base_scaling(config, family: Family, attn, index: int, head_dim: int) -> flo
     else:
         s = head_dim**-0.5
     built = getattr(attn, "scaling", None)
+    if (
+        isinstance(built, (int, float))
+        and float(built) == 1.0
+        and s != 1.0
+        and built_scaling(attn, config, index) == 1.0
+    ):
+        return 1.0
     if isinstance(built, (int, float)) and not math.isclose(float(built), s, rel_tol=1e-9) and float(built) != 1.0:
         raise UnsupportedModelError(
             f"model type {family.model_type!r}: verify cannot derive the logit scale of {type(attn).__name__} from "
             f"its config (the module uses {float(built):g}, the config gives {s:g})"
         )
     return s
+
+
+def built_scaling(attn, config, index: int) -> float | None:
+    """The ``scaling`` a fresh, unpatched instance of ``attn``'s Transformers class is built with for layer ``index``
+    (not the instance under test, which a scheme may have changed), or ``None`` where it cannot be rebuilt or has
+    none. The caller's random state is left as it was."""
+    cls = own_class(attn)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(index)
+            fresh = cls(copy.deepcopy(config), layer_idx=index, **built_arguments(attn, cls))
+    except Exception:
+        return None
+    built = getattr(fresh, "scaling", None)
+    return float(built) if isinstance(built, (int, float)) else None
 
 
 def native_cap(config) -> float | None:
@@ -308,9 +397,10 @@ def sinks_of(attn) -> torch.Tensor | None:
     return None
 
 
-def own_norm(module: nn.Module, what: str) -> dict:
-    """A model's own q/k norm as the reference computes it: ``kind`` (``rmsnorm``/``layernorm``), ``weight`` (the
-    gain, ``1 + w`` for Gemma's), ``bias`` and ``eps``, all float64; refused when it is not ``gain * n(x) + bias``."""
+def own_norm(module: nn.Module, what: str, width: int | None = None) -> dict:
+    """A model's own q/k(/v) norm as the reference computes it: ``kind`` (``rmsnorm``/``layernorm``), ``weight`` (the
+    gain, ``1 + w`` for Gemma's; ``None`` for a norm without parameters, of ``width`` channels: Gemma 4's v norm),
+    ``bias`` and ``eps``, all float64; refused when it is not ``gain * n(x) + bias``."""
     eps = next(
         (float(v) for v in (getattr(module, a, None) for a in ("eps", "variance_epsilon")) if v is not None), None
     )
@@ -319,11 +409,14 @@ def own_norm(module: nn.Module, what: str) -> dict:
         gain, bias = affine_form(module)
     except ValueError:
         gain = None
-    if gain is None or eps is None:
+    free = gain is None and bias is None and width is not None and not any(True for _ in module.parameters())
+    if (gain is None and not free) or eps is None:
         raise UnsupportedModelError(f"verify cannot model {what} ({type(module).__name__}): not gain * n(x) + bias")
     gain, bias = _f64(gain), _f64(bias)
-    x = torch.randn(16, gain.shape[-1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    ref = next(iter(module.parameters()))
+    x = torch.randn(
+        16, width if free else gain.shape[-1], generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
+    ref = next(iter(module.parameters()), x)
     y = module(x.to(device=ref.device, dtype=ref.dtype)).to(device="cpu", dtype=torch.float64)
     tol = 2e-2 if ref.dtype in (torch.float16, torch.bfloat16) else 1e-4
     for kind in ("rmsnorm", "layernorm"):
@@ -403,8 +496,9 @@ def rope_layout(attn, model_type: str, cos: torch.Tensor, sin: torch.Tensor, hea
 
 def _rotations(apply, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> tuple[list, Exception | None]:
     """``q`` ``(1, heads, seq, head_dim)`` rotated by a modelling file's ``apply`` in each calling convention that
-    runs and gives back ``q``'s shape: Llama's ``apply(q, k, cos, sin)`` on ``(batch, heads, seq, dim)``, and
-    GPT-J's ``apply(x, sin, cos)`` on one ``(batch, seq, heads, dim)`` tensor; each on every channel, or on the first
+    runs and gives back ``q``'s shape: Llama's ``apply(q, k, cos, sin)`` on ``(batch, heads, seq, dim)``, GPT-J's
+    ``apply(x, sin, cos)`` on one ``(batch, seq, heads, dim)`` tensor, and Gemma 4's ``apply(x, cos, sin,
+    unsqueeze_dim=2)`` on one ``(batch, seq, heads, dim)`` tensor; each on every channel, or on the first
     ``r`` or ``2r`` (``r`` = the pair's width: partial rotary split by the caller), the rest passed unchanged. The
     pair is given as recorded; :func:`rope_layout` tries both orders against the reference. Also the last error."""
     d, r = q.shape[-1], c.shape[-1]
@@ -414,6 +508,7 @@ def _rotations(apply, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> tupl
         calls = (
             lambda h=head: apply(h, h, c, s)[0],
             lambda h=head: apply(h.transpose(1, 2), c, s).transpose(1, 2),
+            lambda h=head: apply(h.transpose(1, 2), c, s, unsqueeze_dim=2).transpose(1, 2),
         )
         for call in calls:
             try:
@@ -426,11 +521,13 @@ def _rotations(apply, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> tupl
     return out, failure
 
 
-def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?", swapped: bool = False) -> bool:
+def rotates(
+    attn, config, index: int, x, cos, sin, model_type: str = "?", swapped: bool = False, inert: dict | None = None
+) -> bool:
     """Whether layer ``index`` rotates q and k with the recorded pair ``cos``/``sin``: a fresh float64 instance of its
     Transformers attention class (unpatched, eager) run with that rotation and with none (NoPE layers differ; the
     identity given in the recorded order: ``(sin, cos)`` where ``swapped``); the caller's random state is left as
-    it was."""
+    it was. ``inert`` (:func:`inert_arguments`) are given as new empty mappings."""
     cls = own_class(attn)
     cfg = copy.deepcopy(config)
     _set_attention(cfg, "eager")
@@ -444,16 +541,22 @@ def rotates(attn, config, index: int, x, cos, sin, model_type: str = "?", swappe
             torch.manual_seed(index)
             fresh = cls(cfg, layer_idx=index, **built_arguments(attn, cls)).to(torch.float64).eval()
         with torch.no_grad():
-            out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **extra)[0]
+            out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **extra, **_new(inert))
             identity = (torch.ones_like(cos), torch.zeros_like(sin))
             identity = identity[::-1] if swapped else identity
-            flat = fresh(hidden_states=x, position_embeddings=identity, attention_mask=None, **extra)[0]
+            flat = fresh(hidden_states=x, position_embeddings=identity, attention_mask=None, **extra, **_new(inert))
+            out, flat = out[0], flat[0]
     except Exception as exc:
         raise UnsupportedModelError(
             f"model type {model_type!r}: verify cannot tell whether layer {index} of {cls.__name__} rotates q and k "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
     return not torch.allclose(out, flat, rtol=1e-9, atol=1e-12)
+
+
+def _new(inert: dict | None) -> dict:
+    """A new empty mapping of its class for each inert argument (:func:`inert_arguments`)."""
+    return {name: kind() for name, kind in (inert or {}).items()}
 
 
 def built_arguments(attn, cls) -> dict:

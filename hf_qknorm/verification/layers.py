@@ -62,6 +62,7 @@ class LayerSpec:
     rope_layout: str = "half"
     rope_swapped: bool = False
     stage: nn.Module | None = None  # the model's own code after the attention function (:func:`.derive.output_stage`)
+    v_own: dict | None = None  # the model's own per-head v norm (Gemma 4's, without a gain): :func:`.derive.own_norm`
 
     @property
     def has_norms(self) -> bool:
@@ -85,14 +86,16 @@ class ReferenceModel:
         derive.check_causal(self.config, self.family.model_type)
         self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
         self._q_scales: list[list[str]] = []  # per layer: the arguments that scale its query by position
+        self._inert: list[dict] = []  # per layer: the mappings it only writes into (Gemma 4's shared_kv_states)
         scales_of: dict[type, list[str]] = {}  # one derivation per attention class
         for i, attn in enumerate(self.attns):  # refused before any probe runs when a part cannot be derived
             arguments = derive.unmodelled_arguments(attn)
             cls = derive.own_class(attn)
+            self._inert.append(derive.inert_arguments(attn, self.config, i, arguments) if arguments else {})
             if arguments and cls not in scales_of:
-                scales_of[cls] = derive.query_scales(attn, self.config, i, arguments)
+                scales_of[cls] = derive.query_scales(attn, self.config, i, arguments, self._inert[i])
             self._q_scales.append(scales_of.get(cls, []))
-            rest = [a for a in arguments if a not in self._q_scales[i]]
+            rest = [a for a in arguments if a not in self._q_scales[i] and a not in self._inert[i]]
             if rest:
                 raise UnsupportedModelError(
                     f"model type {self.family.model_type!r}: verify's float64 reference does not model the "
@@ -139,7 +142,9 @@ class ReferenceModel:
             attn = self.attns[spec.index]
             layout, swapped = derive.rope_layout(attn, self.family.model_type, cos, sin, spec.head_dim)
             x = _probe_x(spec, cos)
-            turns = derive.rotates(attn, self.config, spec.index, x, cos, sin, self.family.model_type, swapped)
+            turns = derive.rotates(
+                attn, self.config, spec.index, x, cos, sin, self.family.model_type, swapped, self._inert[spec.index]
+            )
             known = (turns, layout, swapped)
             if layout is not None:
                 self._rope[spec.index] = known
@@ -208,10 +213,22 @@ class ReferenceModel:
             k_whole=whole.get("k"),
             sinks=derive.sinks_of(attn),
             stage=derive.output_stage(attn, self.family) if self._parts[index] else None,  # parts placed later
+            v_own=self._own_v_norm(attn, head_dim),
         )
         if index in self._rope:
             spec.rotates, spec.rope_layout, spec.rope_swapped = self._rope[index]
         return spec
+
+    def _own_v_norm(self, attn, head_dim: int) -> dict | None:
+        """The model's own per-head norm of v (Gemma 4's ``v_norm``, an RMS norm without a gain) where the scheme
+        has none in its place (``qkv_norm`` on such a model is refused at patch time), else ``None``."""
+        if self.scheme is not None and self.scheme.norms_v:
+            return None
+        slot = self.family.norm_slot("v")
+        module = getattr(attn, slot, None)
+        if not isinstance(module, nn.Module):
+            return None
+        return derive.own_norm(_active_module(module), f"the v norm .{slot}", width=head_dim)
 
     def _weights(self, attn, heads: int, kv: int, head_dim: int) -> dict:
         f = self.family
