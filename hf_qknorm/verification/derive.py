@@ -378,15 +378,19 @@ def native_cap(config) -> float | None:
     return float(cap) if isinstance(cap, (int, float)) and cap > 0 else None
 
 
-def check_causal(config, model_type: str) -> None:
+def check_causal(config, model_type: str, attns=()) -> None:
     """Refuse a decoder whose config says ``use_bidirectional_attention`` (PaliGemma's language model): its attention
     modules are built non-causal, while its masks are causal, so it attends both ways where Transformers passes no
-    mask (an unpadded batch on sdpa) and causally where it builds one (padding): the reference models one rule."""
-    if getattr(config, "use_bidirectional_attention", False):
-        raise UnsupportedModelError(
-            f"model type {model_type!r}: verify cannot model use_bidirectional_attention (causal with a padding mask, "
-            "both ways without one; checked when it was patched, by the self-check)"
-        )
+    mask (an unpadded batch on sdpa) and causally where it builds one (padding): the reference models one rule.
+    ``"vision"`` (Gemma 4 Unified's: image tokens attend both ways among themselves) is checked where every module of
+    ``attns`` is built causal: on text alone, which the probes feed, its masks are causal."""
+    mode = getattr(config, "use_bidirectional_attention", False)
+    if not mode or (mode == "vision" and all(getattr(a, "is_causal", False) is True for a in attns)):
+        return
+    raise UnsupportedModelError(
+        f"model type {model_type!r}: verify cannot model use_bidirectional_attention (causal with a padding mask, "
+        "both ways without one; checked when it was patched, by the self-check)"
+    )
 
 
 def sinks_of(attn) -> torch.Tensor | None:

@@ -83,7 +83,7 @@ class ReferenceModel:
         self.attns = [getattr(b, self.family.attention) for b in self.blocks]
         self._names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self._rope: dict[int, tuple[bool, str, bool]] = {}  # index -> (rotates, layout, swapped)
-        derive.check_causal(self.config, self.family.model_type)
+        derive.check_causal(self.config, self.family.model_type, self.attns)
         self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
         self._q_scales: list[list[str]] = []  # per layer: the arguments that scale its query by position
         self._inert: list[dict] = []  # per layer: the mappings it only writes into (Gemma 4's shared_kv_states)

@@ -129,3 +129,25 @@ def test_the_one_tensor_rotary_convention_is_read():
     x = torch.zeros(1, 5, model.config.hidden_size)
     cos, sin = model.model.rotary_emb(x, torch.arange(5)[None], layer_type="sliding_attention")
     assert derive.rope_layout(attn, "gemma4_text", cos, sin, attn.head_dim) == ("half", False)
+
+
+def test_gemma4_unified_checks_text_where_only_image_tokens_attend_both_ways():
+    """Gemma 4 Unified's ``use_bidirectional_attention="vision"`` builds causal attention modules (image tokens
+    attend both ways among themselves): on text, which the probes feed, it verifies; ``"all"`` (non-causal modules)
+    is refused in one line, as PaliGemma's ``True`` is."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "gemma4_unified_text" not in CONFIG_MAPPING:
+        pytest.skip("Gemma 4 Unified is not in this Transformers")
+    model = tiny_model("gemma4_unified_text")
+    assert model.config.use_bidirectional_attention == "vision"
+    hf_qknorm.patch_model(model, scheme="qk_norm_cap", norm="rmsnorm")
+    assert hf_qknorm.verify(model, generate=False).ok
+    config = tiny_config("gemma4_unified_text")
+    config.use_bidirectional_attention = "all"
+    from transformers import AutoModelForCausalLM
+
+    both_ways = AutoModelForCausalLM.from_config(config).eval()
+    assert not both_ways.model.layers[0].self_attn.is_causal
+    with pytest.raises(hf_qknorm.UnsupportedModelError, match="cannot model use_bidirectional_attention"):
+        hf_qknorm.verify(both_ways, generate=False)
