@@ -107,16 +107,11 @@ def query_scales(attn: nn.Module, config, index: int, arguments: list[str], iner
     from transformers import AttentionInterface
 
     AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
-    cls = own_class(attn)
-    cfg = copy.deepcopy(config)
-    _set_attention(cfg, CAPTURE_ATTENTION)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1, 4, config.hidden_size, generator=gen, dtype=torch.float64)
     factor = 1.5 + torch.rand(1, 1, 4, 1, generator=gen, dtype=torch.float64)
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(index)
-            fresh = cls(cfg, layer_idx=index, **built_arguments(attn, cls)).to(torch.float64).eval()
+        fresh = fresh_instance(attn, config, index, CAPTURE_ATTENTION)
     except Exception:  # a class that cannot be rebuilt: nothing is derived, the caller refuses
         return []
     try:
@@ -162,13 +157,9 @@ def inert_arguments(attn: nn.Module, config, index: int, arguments: list[str]) -
     from transformers import AttentionInterface
 
     AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
-    cls = own_class(attn)
-    cfg = copy.deepcopy(config)
-    _set_attention(cfg, CAPTURE_ATTENTION)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(1, 4, config.hidden_size, generator=gen, dtype=torch.float64)
-
-    kinds = {name: _mapping_class(cls, name) for name in arguments}
+    kinds = {name: _mapping_class(own_class(attn), name) for name in arguments}
     if any(kind is None for kind in kinds.values()):
         return {}
 
@@ -177,9 +168,7 @@ def inert_arguments(attn: nn.Module, config, index: int, arguments: list[str]) -
         return _captured(fresh, x, given), given
 
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(index)
-            fresh = cls(cfg, layer_idx=index, **built_arguments(attn, cls)).to(torch.float64).eval()
+        fresh = fresh_instance(attn, config, index, CAPTURE_ATTENTION)
         (q0, k0, v0), written = run({})
     except Exception:  # a class that cannot be rebuilt, or does not run so: the caller refuses
         return {}
@@ -361,14 +350,10 @@ def built_scaling(attn, config, index: int) -> float | None:
     """The ``scaling`` a fresh, unpatched instance of ``attn``'s Transformers class is built with for layer ``index``
     (not the instance under test, which a scheme may have changed), or ``None`` where it cannot be rebuilt or has
     none. The caller's random state is left as it was."""
-    cls = own_class(attn)
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(index)
-            fresh = cls(copy.deepcopy(config), layer_idx=index, **built_arguments(attn, cls))
+        built = getattr(fresh_instance(attn, config, index), "scaling", None)
     except Exception:
         return None
-    built = getattr(fresh, "scaling", None)
     return float(built) if isinstance(built, (int, float)) else None
 
 
@@ -533,17 +518,13 @@ def rotates(
     identity given in the recorded order: ``(sin, cos)`` where ``swapped``); the caller's random state is left as
     it was. ``inert`` (:func:`inert_arguments`) are given as new empty mappings."""
     cls = own_class(attn)
-    cfg = copy.deepcopy(config)
-    _set_attention(cfg, "eager")
     x = x[:1, :4].to(torch.float64)
     cos, sin = cos[:1, :4].to(torch.float64), sin[:1, :4].to(torch.float64)
     extra = {}
     if "position_ids" in inspect.signature(cls.forward).parameters:  # Ministral 3 scales queries by position
         extra["position_ids"] = torch.arange(x.shape[1])[None]
     try:
-        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
-            torch.manual_seed(index)
-            fresh = cls(cfg, layer_idx=index, **built_arguments(attn, cls)).to(torch.float64).eval()
+        fresh = fresh_instance(attn, config, index, "eager")
         with torch.no_grad():
             out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **extra, **_new(inert))
             identity = (torch.ones_like(cos), torch.zeros_like(sin))
@@ -556,6 +537,20 @@ def rotates(
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
     return not torch.allclose(out, flat, rtol=1e-9, atol=1e-12)
+
+
+def fresh_instance(attn, config, index: int, attention: str | None = None) -> nn.Module:
+    """A fresh, unpatched float64 instance of ``attn``'s Transformers class for layer ``index`` of ``config``, in eval
+    mode, on the attention implementation ``attention`` (the config's where ``None``): what the model's own code
+    computes, never the instance under test. The caller's random state is left as it was; raises what the class
+    raises."""
+    cls = own_class(attn)
+    cfg = copy.deepcopy(config)
+    if attention is not None:
+        _set_attention(cfg, attention)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(index)
+        return cls(cfg, layer_idx=index, **built_arguments(attn, cls)).to(torch.float64).eval()
 
 
 def _new(inert: dict | None) -> dict:

@@ -58,3 +58,19 @@ def tiny_model(family: str, dtype=torch.float32, seed: int = 0, attn_implementat
 
 
 FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+
+def kv_shared_gemma4():
+    """A tiny Gemma 4 of three layers whose last reuses the keys and values an earlier full-attention layer stored
+    (``num_kv_shared_layers=1``): no k/v projection of its own. Random weights (seed 0), eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_qknorm.verification.tiny import tiny_config as tiny_config_of
+
+    config = tiny_config_of("gemma4_text")
+    config.per_layer_config = None
+    config.num_hidden_layers = 3
+    config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
+    config.num_kv_shared_layers = 1
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()

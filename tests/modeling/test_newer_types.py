@@ -13,6 +13,7 @@ import hf_qknorm
 from hf_qknorm import UnsupportedModelError
 from hf_qknorm.verification import coverage as cov
 from hf_qknorm.verification.tiny import tiny_config, tiny_model
+from tests._support.tiny_models import kv_shared_gemma4
 
 
 def _known(model_type: str) -> bool:
@@ -72,17 +73,9 @@ def test_kv_shared_layers_are_refused_with_the_reason_and_the_model_left_as_it_w
     """Layers that reuse an earlier layer's keys and values have no key projection for a norm to follow: the patch
     is refused in one line naming that, and the model computes what it computed."""
     _skip_unless_known("gemma4_text")
-    config = tiny_config("gemma4_text")
-    config.per_layer_config = None
-    config.num_hidden_layers = 3
-    config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
-    config.num_kv_shared_layers = 1
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = kv_shared_gemma4()
     assert not hasattr(model.model.layers[2].self_attn, "k_proj")  # the last layer reuses keys and values
-    ids = torch.randint(0, config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(ids).logits
     with pytest.raises(UnsupportedModelError, match="'gemma4_text'.*no key or value projection of their own"):

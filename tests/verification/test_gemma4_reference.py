@@ -17,6 +17,7 @@ import hf_qknorm
 from hf_qknorm.verification import derive
 from hf_qknorm.verification.layers import ReferenceModel
 from hf_qknorm.verification.tiny import tiny_config, tiny_model
+from tests._support.tiny_models import kv_shared_gemma4
 
 
 def _skip_unless_gemma4():
@@ -79,19 +80,12 @@ def test_only_a_layer_that_writes_shared_kv_states_and_never_reads_it_leaves_it_
     """In a Gemma 4 whose last layer reuses the keys and values an earlier layer stored, the storing layer only
     writes ``shared_kv_states`` (inert), the reusing layer reads it (not inert: verify would refuse it)."""
     _skip_unless_gemma4()
-    from transformers import AutoModelForCausalLM
     from transformers.cache_utils import KVSharingDict
 
-    config = tiny_config("gemma4_text")
-    config.per_layer_config = None
-    config.num_hidden_layers = 3
-    config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
-    config.num_kv_shared_layers = 1
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = kv_shared_gemma4()
     attns = [layer.self_attn for layer in model.model.layers]
     assert [a.store_full_length_kv for a in attns] == [True, True, False] and attns[2].is_kv_shared_layer
-    found = [derive.inert_arguments(a, config, i, ["shared_kv_states"]) for i, a in enumerate(attns)]
+    found = [derive.inert_arguments(a, model.config, i, ["shared_kv_states"]) for i, a in enumerate(attns)]
     assert found == [{"shared_kv_states": KVSharingDict}] * 2 + [{}]
 
 
