@@ -93,6 +93,7 @@ STATED = {
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "step3p5": {"sliding_window": 4},  # Step 3.7's language model: its mask builder needs one
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # which blocks are convolutions: left to a checkpoint
     # its sparse attention's token indexer (QSA), which the attention builds whether or not the config enables it
     "qwen4_exp_text": {
         "indexer_n_heads": 2,

@@ -38,6 +38,7 @@ def _skip_unless_known(model_type: str) -> None:
         ("gemma3n_text", cov.REFUSED, "reuse another layer's keys and values"),  # KV-shared layers
         ("mimo_v2_flash", cov.REFUSED, "value heads as wide as the query and key heads"),  # v_head_dim of its own
         ("qwen4_exp_text", cov.REFUSED, "a hybrid model"),  # its sparse attention's indexer sizes stated
+        ("lfm2_moe", cov.REFUSED, "hybrid"),  # which blocks are convolutions stated
     ],
 )
 def test_newer_types_are_built_and_classified(model_type, status, words):
