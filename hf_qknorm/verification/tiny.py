@@ -234,10 +234,11 @@ def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
 # multimodal (image-text-to-text) models: the text config shrunk as above, the vision config to VISION
 # --------------------------------------------------------------------------------------------------------------------
 IMAGE, PATCH = 32, 8  # a tiny image's side and patch side: 4 x 4 patches
+VISION_WIDTH, VISION_MLP = 32, 64
 VISION = {
-    "hidden_size": 32,
-    "embed_dim": 32,
-    "intermediate_size": 64,
+    "hidden_size": VISION_WIDTH,
+    "embed_dim": VISION_WIDTH,
+    "intermediate_size": VISION_MLP,
     "num_hidden_layers": 2,
     "depth": 2,
     "num_attention_heads": 2,
@@ -275,6 +276,8 @@ MULTIMODAL = {
     "qwen2_5_vl": ({"window_size": 2 * PATCH * 2, "fullatt_block_indexes": [1]}, {}, "patches"),
     "qwen3_vl": ({"deepstack_visual_indexes": [1]}, {}, "patches"),
     "llama4": ({"vision_output_dim": 32, "projector_input_dim": HIDDEN, "projector_output_dim": HIDDEN}, {}, None),
+    # the vision MLP's width is derived from mlp_ratio when a config is built (a saved one too): keep them one size
+    "step3p7": ({"mlp_ratio": VISION_MLP / VISION_WIDTH}, {}, None),
 }
 
 

@@ -316,3 +316,34 @@ def test_a_classifier_wrapping_a_language_model_is_refused_in_one_line(tmp_path)
     assert auto_class(AutoConfig.from_pretrained(tiny_source("gemma3", tmp_path / "g3"))).__name__ == (
         "AutoModelForImageTextToText"
     )
+
+
+def test_a_vision_tower_made_by_an_operation_not_reproduced_is_written_as_stored(tmp_path):
+    """Step 3.7's checkpoints store the vision tower's attention as one ``in_proj`` that Transformers chunks and
+    permutes on loading (an operation the streamed conversion does not reproduce). The conversion never reads the
+    vision tower, so those tensors are written bit for bit; the written folder, loaded by Transformers, computes the
+    patched source. The same operation on a language-model tensor is refused (``key_map``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_qknorm.conversion.output.keys import key_map
+    from hf_qknorm.conversion.output.shards import skeleton
+
+    if "step3p7" not in CONFIG_MAPPING:
+        pytest.skip("Step 3.7 is not in this Transformers")
+    src = tiny_source("step3p7", tmp_path / "source")
+    before = tree_hash(src)
+    source = _tensors(src)
+    in_proj = [k for k in source if "in_proj" in k]
+    assert in_proj and all("vision" in k for k in in_proj)
+    result = _convert(src, tmp_path / "out", _cfg("qk_norm_cap", "layernorm"))
+    written = _tensors(result.path)
+    for key in in_proj:
+        assert torch.equal(written[key], source[key]), key
+    assert tree_hash(src) == before
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(result.path, dtype=torch.float64).eval()
+    assert hf_qknorm.verify(model, generate=False).ok
+    keys = dict.fromkeys(source)
+    with pytest.raises(UnsupportedModelError, match=r"in_proj.*\(Chunk, PermuteForRope\).*does not reproduce"):
+        key_map(skeleton(AutoConfig.from_pretrained(src)), keys, reads=lambda name: True)

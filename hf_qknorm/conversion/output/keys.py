@@ -54,15 +54,20 @@ class KeyMap:
     fused: dict[str, Fused] = field(default_factory=dict)
     checkpoint: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model name (direct ones)
     rows: dict[str, str] = field(default_factory=dict)
+    # model name -> checkpoint key of a parameter the conversion never reads (outside a multimodal model's language
+    # model) that Transformers makes by an operation it does not reproduce: written as stored, loaded by Transformers
+    opaque: dict[str, str] = field(default_factory=dict)
 
     def __contains__(self, name: str) -> bool:
         return name in self.direct or name in self.fused
 
 
-def key_map(model, checkpoint_keys) -> KeyMap:
+def key_map(model, checkpoint_keys, reads=None) -> KeyMap:
     """How each parameter of ``model`` (a skeleton of the source's model, any device) is read from a checkpoint
     holding ``checkpoint_keys``, by Transformers' own renaming and fusing rules for the model. Raises
-    ``UnsupportedModelError`` for a fused parameter made by an operation other than :data:`FUSING_OPERATIONS`."""
+    ``UnsupportedModelError`` for a fused parameter made by an operation other than :data:`FUSING_OPERATIONS` --
+    except where ``reads`` (model name -> whether the conversion reads it; default: every one) says that none of its
+    parameters is read (a multimodal model's vision tower): those are :attr:`KeyMap.opaque`, written as stored."""
     from ...portable.families import UnsupportedModelError, base_model_type
 
     renamings, converters = _transforms(model)
@@ -79,15 +84,18 @@ def key_map(model, checkpoint_keys) -> KeyMap:
         converter = by_pattern[pattern]
         ops = [type(op).__name__ for op in getattr(converter, "operations", [])]
         unknown = [op for op in ops if op not in FUSING_OPERATIONS]
+        targets = list(converter.target_patterns)
+        names = [name.replace(targets[0], t) if t != targets[0] else name for t in targets]
+        if unknown and reads is not None and not any(reads(n) for n in names):
+            out.opaque.update({n: key for n in names if n in meta})
+            continue
         if unknown:
             model_type = base_model_type(getattr(model.config, "model_type", "?"))
             raise UnsupportedModelError(
                 f"model type {model_type!r}: its checkpoint's {key} is converted by Transformers on loading "
                 f"({', '.join(unknown)}), which the streamed conversion does not reproduce"
             )
-        targets = list(converter.target_patterns)
-        for target in targets:  # one parameter per target: a split makes several
-            tname = name.replace(targets[0], target) if target != targets[0] else name
+        for target, tname in zip(targets, names):  # one parameter per target: a split makes several
             if tname not in meta:
                 continue
             fused = out.fused.setdefault(tname, Fused(converter, target=target, first=name))

@@ -187,7 +187,7 @@ def read_source_weights(folder: Path, family: Family, config, model=None) -> Sou
                 raise ValueError(f"{folder / INDEX_FILE} maps {key!r} to {name}, which does not contain it")
     model = skeleton(config, folder) if model is None else model
     weights = SourceWeights(folder, files, key_file, shapes, index, torch.float32)
-    weights.names = key_map(model, key_file)
+    weights.names = key_map(model, key_file, reads=_read_by_conversion(family))
     weights.param_shapes = {n: list(t.shape) for n, t in model.state_dict().items()}
     weights.model = model
     anchor = _proj_key(family, 0, family.qkv_proj or family.q_proj, "weight")
@@ -202,6 +202,16 @@ def read_source_weights(folder: Path, family: Family, config, model=None) -> Sou
     weights.strip = anchor[: len(anchor) - len(key)] if anchor.endswith("." + key) else ""
     weights.dtype = _DTYPES.get(dtypes[key], (torch.float32,))[0] or torch.float32
     return weights
+
+
+def _read_by_conversion(family: Family):
+    """Model name -> whether a conversion reads that parameter: all of a text model's; of a multimodal model's, its
+    language model's and the output head (``lm_head``) -- never the vision tower's or the projector's, which are
+    written as stored. ``None`` for a text model (every parameter)."""
+    if family.text_model is None:
+        return None
+    prefix = family.text_model + "."
+    return lambda name: name.startswith(prefix) or name.split(".")[0] == "lm_head"
 
 
 def load_pretrained(folder: Path, **kwargs):
@@ -234,6 +244,8 @@ def check_matches_config(weights: SourceWeights, config) -> None:
     for name, tensor in model.state_dict(keep_vars=True).items():
         seen.setdefault(id(tensor), []).append((name, list(tensor.shape)))
     for names in seen.values():  # one entry per tensor: tied weights share it, and one copy on disk is enough
+        if any(n in weights.names.opaque for n, _ in names):
+            continue  # made on loading by Transformers alone (outside the language model): checked when reloaded
         present = [(n, shape) for n, shape in names if weights.has(n)]
         if not present:
             missing.append(weights.source_key(names[0][0]))
