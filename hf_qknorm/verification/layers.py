@@ -83,6 +83,7 @@ class ReferenceModel:
         self.attns = [getattr(b, self.family.attention) for b in self.blocks]
         self._names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self._rope: dict[int, tuple[bool, str, bool]] = {}  # index -> (rotates, layout, swapped)
+        self._base_scales: dict[int, float] = {}  # index -> the logit scale before any scheme
         derive.check_causal(self.config, self.family.model_type, self.attns)
         self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
         self._q_scales: list[list[str]] = []  # per layer: the arguments that scale its query by position
@@ -120,7 +121,9 @@ class ReferenceModel:
     def scaling(self, index: int, head_dim: int) -> float:
         if self.scheme is not None and self.scheme.learned_logit_scale:
             return 1.0  # the query norm's learnable scale replaces 1/sqrt(head_dim)
-        return derive.base_scaling(self.config, self.family, self.attns[index], index, head_dim)
+        if index not in self._base_scales:  # derived once per layer (Gemma 4's rebuilds its class to read it)
+            self._base_scales[index] = derive.base_scaling(self.config, self.family, self.attns[index], index, head_dim)
+        return self._base_scales[index]
 
     def cap(self) -> float | None:
         """The cap the attention applies: the scheme's, which replaces the model's own (Gemma 2's)."""

@@ -101,8 +101,6 @@ def heal_text_blocks(parts, tokenizer, block_len: int, max_blocks: int, calibrat
     (:func:`hf_qknorm.conversion.healing.heal.heal_text`: the calibration text, alone or mixed with the original's
     answers; or the calibration text and the answers apart) giving its share of them spread over that text alone
     (:func:`text_blocks`), so that no block spans two parts."""
-    if len(parts) == 1:
-        return text_blocks(parts[0][0], tokenizer, block_len, max_blocks, calibration_label)
     blocks, first = [], 0
     for i, (text, share) in enumerate(parts):
         last = max_blocks if i == len(parts) - 1 else first + max(1, round(share * max_blocks))
