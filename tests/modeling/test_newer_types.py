@@ -42,6 +42,15 @@ def _skip_unless_known(model_type: str) -> None:
     ],
 )
 def test_newer_types_are_built_and_classified(model_type, status, words):
+    """The classification of docs/coverage/transformers-5.24.md; older releases' configs of these types differ
+    (DBRX's and Gemma 3n's defaults on 5.4, Cohere Compass's on 5.17), and their own tables say what they give."""
+    import transformers
+    from packaging.version import Version
+
+    from hf_qknorm.upstream import NEWEST_TESTED
+
+    if Version(transformers.__version__) < Version(NEWEST_TESTED):
+        pytest.skip(f"the classification checked is Transformers {NEWEST_TESTED}'s")
     _skip_unless_known(model_type)
     result = cov.check_model_type(model_type)
     assert result.status == status, (result.reason, result.variants)

@@ -80,13 +80,14 @@ def test_only_a_layer_that_writes_shared_kv_states_and_never_reads_it_leaves_it_
     """In a Gemma 4 whose last layer reuses the keys and values an earlier layer stored, the storing layer only
     writes ``shared_kv_states`` (inert), the reusing layer reads it (not inert: verify would refuse it)."""
     _skip_unless_gemma4()
-    from transformers.cache_utils import KVSharingDict
+    from collections.abc import MutableMapping
 
     model = kv_shared_gemma4()
     attns = [layer.self_attn for layer in model.model.layers]
     assert [a.store_full_length_kv for a in attns] == [True, True, False] and attns[2].is_kv_shared_layer
     found = [derive.inert_arguments(a, model.config, i, ["shared_kv_states"]) for i, a in enumerate(attns)]
-    assert found == [{"shared_kv_states": KVSharingDict}] * 2 + [{}]
+    assert [set(f) for f in found] == [{"shared_kv_states"}] * 2 + [set()]
+    assert issubclass(found[0]["shared_kv_states"], MutableMapping)  # KVSharingDict on 5.2x, a dict before
 
 
 def test_an_argument_declared_as_no_mapping_is_never_taken_for_inert():
