@@ -29,8 +29,9 @@ Where the rows are and what else scales with them:
   projections changes nothing, since the norm divides it out; the logits are bounded by the norm's gains instead.
   Those gains are shared by all heads, so the clip scales them by the worst head's factor: ``q_norm``'s weight (and
   bias) by ``(min_h gamma_h) ** alpha``, ``k_norm``'s by ``(min_h gamma_h) ** (1 - alpha)``; ``l2``/``lp`` norms
-  carry one logit scale on ``q_norm``, which takes the whole ``min_h gamma_h``. Every head ends at or below
-  ``tau``; heads that were below it shrink too;
+  carry one logit scale on ``q_norm``, which takes the whole ``min_h gamma_h``. A gain of Gemma's form ``1 + w`` is
+  scaled as a whole (``w`` becomes ``f * w + f - 1``; the form is read off the module once). Every head ends at or
+  below ``tau``; heads that were below it shrink too;
 - several processes: the per-head maxima of all layers travel in one MAX all-reduce per step (the way torchtitan
   does it); every rank then computes the same factors. DDP: every rank rescales its whole replica. FSDP2
   (``fully_shard``, ``DTensor`` shards): every rank rescales its own shard of each head's rows -- a head whose rows
@@ -63,6 +64,7 @@ from ..modeling.sharding import (
     world_size,
 )
 from ..modeling.telemetry import LogitTap
+from ..portable.fold import affine_form
 from ..portable.layout import norm_module
 from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from .controls import ControlCallback, TrainingControl
@@ -253,14 +255,36 @@ def _normed_gains(site):
         raise NotImplementedError(
             f"layer {site.index}: q/k norm {type(inner).__name__} is not one QK-Clip knows how to scale"
         )
-    return attn, q_norm, k_norm
+    return attn, q_norm, k_norm, tuple(_gain_offset(site, norm) for norm in (q_norm, k_norm))
+
+
+def _gain_offset(site, norm: nn.Module) -> float:
+    """What a norm adds to its ``weight`` to make its gain: 0 for ``weight * n(x)``, 1 for Gemma's ``(1 + weight) *
+    n(x)`` (scaling such a weight by ``f`` would not scale the output by ``f``). Read off the module by the probe
+    :func:`hf_qknorm.portable.fold.affine_form` makes; the norms hf_qknorm makes carry their gain as it is."""
+    inner = getattr(norm, "original_module", norm)
+    weight = getattr(inner, "weight", None)
+    if isinstance(inner, _GAINED_NORMS) or not isinstance(weight, torch.Tensor) or weight.is_meta:
+        return 0.0
+    try:
+        gain, _ = affine_form(inner)
+    except ValueError:
+        gain = None
+    if gain is weight:
+        return 0.0
+    if gain is not None and torch.equal(gain.detach().float(), 1 + weight.detach().float()):
+        return 1.0
+    raise NotImplementedError(
+        f"layer {site.index}: q/k norm {type(inner).__name__}'s gain is neither its weight nor 1 + its weight; "
+        "QK-Clip does not know how to scale it"
+    )
 
 
 def _check_trained(site, rows, norms) -> None:
     """Refuse, in one line naming why and the fix, a layer whose logits QK-Clip could bound only by editing frozen
     weights."""
     if norms is not None:
-        attn, q_norm, k_norm = norms
+        attn, q_norm, k_norm, _ = norms
         lp = isinstance(getattr(k_norm, "original_module", k_norm), HeadLpNorm)  # lp: one scale, on q
         slots = attn.__dict__.get("_qknorm_norms", {})
         for role, norm in (("q", q_norm),) if lp else (("q", q_norm), ("k", k_norm)):
@@ -284,17 +308,20 @@ def _check_trained(site, rows, norms) -> None:
 
 def _scale_norm_gains(norms, gamma: float, alpha: float) -> None:
     """Scale the shared q/k norm gains so that every head's logits scale by at most ``gamma``."""
-    attn, q_norm, k_norm = norms
+    attn, q_norm, k_norm, offsets = norms
     if isinstance(getattr(k_norm, "original_module", k_norm), HeadLpNorm):  # one logit scale, on q_norm
         q_factor, k_factor = gamma, 1.0
     else:
         q_factor, k_factor = gamma**alpha, gamma ** (1.0 - alpha)
-    for norm, factor in ((q_norm, q_factor), (k_norm, k_factor)):
+    for norm, factor, offset in ((q_norm, q_factor, offsets[0]), (k_norm, k_factor, offsets[1])):
         for module in _trained_copies(norm) if factor != 1.0 else ():
             for name in ("weight", "bias"):
                 param = getattr(module, name, None)
                 if param is not None:  # this rank's block (FSDP2 shards even a (head_dim,) gain): no collective
-                    local_part(param, f"{name} of {type(module).__name__}").tensor.mul_(factor)
+                    local = local_part(param, f"{name} of {type(module).__name__}").tensor
+                    local.mul_(factor)
+                    if name == "weight" and offset:  # (1 + w) -> factor * (1 + w): w -> factor * w + factor - 1
+                        local.add_((factor - 1.0) * offset)
 
 
 def _trained_copies(norm: nn.Module) -> list[nn.Module]:
