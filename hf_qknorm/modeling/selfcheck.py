@@ -94,6 +94,7 @@ def self_check(model: nn.Module, plan) -> None:
     ids = _probe_ids(model)
     with _probe_mode(model, plan, roles) as (probes, recorder, inputs, feeds):
         _record_forward(model, name, ids)
+        whole = list(recorder.calls)  # the forward's backend calls, in order: what a layer reusing keys reads
         if cfg.removes_prenorm and feeds:
             raise UnsupportedModelError(
                 f"{name}: qkv_norm removes the pre-attention norm, whose output also feeds "
@@ -114,7 +115,7 @@ def self_check(model: nn.Module, plan) -> None:
                         lambda m, a, out, role=role, seen=projected: seen.setdefault(role, out.detach())
                     )
                     for role in family.native
-                    if role in roles
+                    if role in probes[i]
                 ]
                 try:
                     with torch.no_grad():
@@ -128,7 +129,8 @@ def self_check(model: nn.Module, plan) -> None:
                         "expected): the model computes attention in its own code, which hf_qknorm cannot reach"
                     )
                 seen[on] = (recorder.calls[0], {r: list(p.inputs) for r, p in probes[i].items()}, projected)
-            _check_layer(name, i, attn, plan, roles, seen)
+            _check_layer(name, i, attn, plan, [r for r in roles if r in probes[i]], seen)
+            _check_reused(name, i, attn, [r for r in roles if r not in probes[i]], whole)
     # The real norms, forward and backward, on the backend the patched model will run on.
     config = model.config
     old_impl = config._attn_implementation
@@ -156,7 +158,7 @@ def _probe_mode(model, plan, roles):
     try:
         for i, attn in enumerate(plan.attentions):
             layer = {}
-            for role in roles:
+            for role in (r for r in roles if r in attn.__dict__["_qknorm_norms"]):  # a KV-reusing layer: q alone
                 slot = attn.__dict__["_qknorm_norms"][role]
                 saved.append((attn, slot, attn._modules[slot]))
                 layer[role] = attn._modules[slot] = _ProbeNorm(role)
@@ -355,6 +357,22 @@ def _check_layer(name, i, attn, plan, roles, seen) -> None:
         _check_rows(where, role, a, b, x)
         if role in family.native:
             _check_native_place(where, role, x, projected.get(role))
+
+
+def _check_reused(name, i, attn, roles, calls) -> None:
+    """A layer without a norm of its own for ``roles`` (a layer that reuses an earlier layer's keys, Gemma 4's KV-shared
+    layers) hands the backend, in the probe forward, exactly the tensor an earlier layer that normalises them handed
+    it: what that layer's checks proved normalised."""
+    mine = [n for n, call in enumerate(calls) if call["module"] is attn]
+    if not roles or len(mine) != 1:
+        return  # no reused role, or a layer called other than once (its own check refuses that)
+    earlier = [c for c in calls[: mine[0]] if all(r in c["module"].__dict__.get("_qknorm_norms", {}) for r in roles)]
+    for role in roles:
+        if not any(torch.equal(calls[mine[0]][role], c[role]) for c in earlier):
+            raise UnsupportedModelError(
+                f"{name}: layer {i} has no {role} norm of its own, and the {role} it hands the attention backend is "
+                f"not the one an earlier layer normalised (it would reach the backend unnormalised)"
+            )
 
 
 def _check_rows(where, role, a, b, x) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from .names import PREFIX
+from .names import PREFIX, ROLES
 from .schemes import check_eps
 
 DEFAULT_EPS = 1e-6  # a new norm's epsilon when neither the scheme nor the model's config states one
@@ -172,7 +172,9 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList, str]:
             continue
         attrs = {_first(block, ATTENTION_NAMES) for block in module}
         attrs.discard(None)
-        if attrs and all(_attention_parts(getattr(b, a, None)) for b in module for a in attrs if hasattr(b, a)):
+        attns = [getattr(b, a, None) for b in module for a in attrs if hasattr(b, a)]
+        whole = [bool(_attention_parts(x)) for x in attns]
+        if attrs and any(whole) and all(w or _partial_attention(x) for w, x in zip(whole, attns)):
             found.append((path, module, attrs))
     model_type = getattr(model.config, "model_type", "?")
     if not found:
@@ -210,11 +212,7 @@ def _no_blocks_reason(model: nn.Module, model_type) -> str:
             "hf_qknorm patches blocks whose attention module is a child of the block"
         )
     if _reuses_keys_or_values(model):
-        return (
-            f"model type {model_type!r}: some of its attention layers have no key or value projection of their own "
-            "(they reuse another layer's keys and values, or use the keys as values: num_kv_shared_layers, "
-            "attention_k_eq_v); hf_qknorm patches models whose every attention layer projects its own q, k and v"
-        )
+        return _reuse_reason(model_type)
     if any(_attention_parts(m) for m in model.modules()):  # q/k/v projections, but not in every block of a stack
         return (
             f"model type {model_type!r} is a hybrid model: some of its layers are recurrent, state-space or linear "
@@ -260,6 +258,34 @@ def _nested_attention(model: nn.Module) -> str | None:
             if len(paths) == 1:
                 return paths.pop()
     return None
+
+
+def _reuse_reason(model_type) -> str:
+    return (
+        f"model type {model_type!r}: some of its attention layers have no key or value projection of their own "
+        "(they reuse another layer's keys and values, or use the keys as values: num_kv_shared_layers, "
+        "attention_k_eq_v), and its attention does not normalise q and k per head itself; hf_qknorm patches such "
+        "layers only where the model's own q/k norms can be replaced (Gemma 3n, Gemma 4)"
+    )
+
+
+def _partial_attention(attn) -> bool:
+    """Whether ``attn`` has a q and an output projection but not every one of k and v: a layer that reuses another
+    layer's keys and values (Gemma 3n's and Gemma 4's KV-shared layers) or takes its values from its keys (Gemma 4's
+    ``attention_k_eq_v`` layers, whose ``v_proj`` is ``None``)."""
+    return (
+        attn is not None
+        and _attention_parts(attn) is None
+        and all(_is_projection(getattr(attn, n, None)) for n in ("q_proj", "o_proj"))
+    )
+
+
+def own_roles(attn: nn.Module, family: Family) -> tuple[str, ...]:
+    """The roles (``"q"``, ``"k"``, ``"v"``) ``attn`` projects itself: all three, except in a layer that reuses
+    another layer's keys and values (q alone) or takes its values from its keys (q and k)."""
+    if family.fused_qkv:
+        return ROLES
+    return tuple(r for r, name in family.projections.items() if _is_projection(getattr(attn, name, None)))
 
 
 def _reuses_keys_or_values(model: nn.Module) -> bool:
@@ -310,7 +336,8 @@ def derive_family(model: nn.Module) -> Family:
     if prefix and getattr(model, "base_model", None) is model:
         path = f"{prefix}.{path}"  # a bare base model: name the blocks as the head model does
     block = blocks[0]
-    attn = getattr(block, attention)
+    attentions = [getattr(b, attention) for b in blocks]
+    attn = next(a for a in attentions if _attention_parts(a))  # a layer with q/k/v projections of its own
     for other in blocks:
         if type(getattr(other, attention)) is not type(attn):
             raise UnsupportedModelError(
@@ -340,6 +367,8 @@ def derive_family(model: nn.Module) -> Family:
             kept[role] = name  # over the whole projection (OLMo 2): kept, the scheme's norm goes after it
         else:
             native[role] = name
+    if any(not _attention_parts(a) for a in attentions) and (fused or kept or not {"q", "k"} <= native.keys()):
+        raise UnsupportedModelError(_reuse_reason(model_type))
     if fused and kept:
         raise UnsupportedModelError(
             f"model type {model_type!r}: a fused q/k/v projection with a q/k norm over the whole projection"

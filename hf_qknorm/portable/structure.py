@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .families import Family, UnsupportedModelError, family_of_model, head_dim_of, heads_of
+from .families import Family, UnsupportedModelError, family_of_model, head_dim_of, heads_of, own_roles
 from .fold import affine_form, bias_shift, fold_gain, shifted_bias
 from .hooks import hook_slots, install, is_installed, uninstall
 from .layout import find_layers
@@ -76,13 +76,19 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
     blocks = find_layers(model, family)
     attentions = [getattr(block, family.attention) for block in blocks]
     forms = []
+    own = family.norm_slot("v")
+    if cfg.removes_prenorm and not loading and any(isinstance(getattr(a, own, None), nn.Module) for a in attentions):
+        raise UnsupportedModelError(
+            f"model type {family.model_type!r}: its attention normalises v itself ({type(attentions[0]).__name__}"
+            f".{own}); qkv_norm would put a second norm in that place"
+        )
+    lacking = [i for i, attn in enumerate(attentions) if "v" not in own_roles(attn, family)]
+    if cfg.norms_v and lacking:
+        raise UnsupportedModelError(
+            f"model type {family.model_type!r}: attention layer {lacking[0]} has no value projection of its own (it "
+            f"reuses another layer's values or takes them from its keys); scheme {cfg.scheme!r} normalises v"
+        )
     if cfg.removes_prenorm:
-        own = family.norm_slot("v")
-        if not loading and any(isinstance(getattr(attn, own, None), nn.Module) for attn in attentions):
-            raise UnsupportedModelError(
-                f"model type {family.model_type!r}: its attention normalises v itself ({type(attentions[0]).__name__}"
-                f".{own}); qkv_norm would put a second norm in that place"
-            )
         if family.prenorm is None:
             raise UnsupportedModelError(
                 f"model type {family.model_type!r}: qkv_norm removes the pre-attention norm, and this model's "
@@ -152,12 +158,13 @@ def install_scheme(model: nn.Module, plan: Plan) -> list:
     config = text_model(model).config
     replaced = []
     for attn in plan.attentions:
+        own = own_roles(attn, family)  # a layer reusing another's keys and values has only its q norm to replace
         head_dim = head_dim_of(attn, config)
         heads, kv_heads = heads_of(attn, config)
         ref = _base(getattr(attn, family.qkv_proj or family.q_proj)).weight
         factory = dict(device=ref.device, dtype=ref.dtype if ref.dtype.is_floating_point else torch.float32)
         norms, old = {}, {}
-        for role in roles:
+        for role in (r for r in roles if r in own):
             name = family.norm_slot(role)
             existing = attn._modules.get(name) if role in family.native else None
             new = make_norm(cfg.norm, role, head_dim, cfg.eps, cfg.p, plan.logit_scale).to(**factory)

@@ -167,8 +167,9 @@ def head_norms(rows: list[HeadRows]) -> list[torch.Tensor]:
     return out
 
 
-def layer_rows(site, config) -> tuple[HeadRows, HeadRows]:
-    """``(W_Q rows, W_K rows)`` of one attention site."""
+def layer_rows(site, config) -> tuple[HeadRows, HeadRows | None]:
+    """``(W_Q rows, W_K rows)`` of one attention site; ``W_K rows`` is ``None`` for a layer that reuses an earlier
+    layer's keys (Gemma 3n's and Gemma 4's KV-shared layers: no key projection of its own)."""
     attn, fam = site.module, site.family
     heads, kv_heads = num_heads(attn, config)
     d = attn.head_dim
@@ -186,5 +187,7 @@ def layer_rows(site, config) -> tuple[HeadRows, HeadRows]:
         )
     return (
         HeadRows(getattr(attn, fam.q_proj), 0, heads, d, fam.conv1d, where + " W_Q"),
-        HeadRows(getattr(attn, fam.k_proj), 0, kv_heads, d, fam.conv1d, where + " W_K"),
+        None
+        if getattr(attn, fam.k_proj, None) is None
+        else HeadRows(getattr(attn, fam.k_proj), 0, kv_heads, d, fam.conv1d, where + " W_K"),
     )

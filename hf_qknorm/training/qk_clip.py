@@ -64,6 +64,7 @@ from ..modeling.sharding import (
     world_size,
 )
 from ..modeling.telemetry import LogitTap
+from ..portable.families import own_roles
 from ..portable.fold import affine_form
 from ..portable.layout import norm_module
 from ..portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
@@ -91,6 +92,11 @@ class QKClip(TrainingControl):
         self.rows = [layer_rows(site, config) for site in self.sites]
         self.norms = [_normed_gains(site) for site in self.sites]
         for site, rows, norms in zip(self.sites, self.rows, self.norms):
+            if rows[1] is None and norms is None:
+                raise NotImplementedError(
+                    f"QK-Clip: layer {site.index} reuses an earlier layer's keys and does not normalise its queries: "
+                    "its logits could be bounded only through the other layer's keys"
+                )
             _check_trained(site, rows, norms)
         self.heads = [q.heads for q, _ in self.rows]
         self.maxima: list[torch.Tensor | None] = [None] * len(self.sites)  # this rank's, its own heads only
@@ -203,8 +209,8 @@ class QKClip(TrainingControl):
 
     def _check_at_rest(self) -> None:
         for owned, (q_rows, k_rows) in zip(fsdp_owned(self.model, [s.module for s in self.sites]), self.rows):
-            q_rows.check_at_rest(owned)
-            k_rows.check_at_rest(owned)
+            for rows in (q_rows, k_rows) if k_rows is not None else (q_rows,):
+                rows.check_at_rest(owned)
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -248,14 +254,15 @@ def _normed_gains(site):
     logits and the norms' gains are what to clip), else ``None``."""
     attn = site.module
     q_norm, k_norm = (norm_module(attn, site.family, role) for role in ("q", "k"))
-    if q_norm is None or k_norm is None:
+    reused = "k" not in own_roles(attn, site.family)  # the keys of an earlier layer: their gain is that layer's
+    if q_norm is None or (k_norm is None and not reused):
         return None
     inner = getattr(q_norm, "original_module", q_norm)  # peft modules_to_save
     if not (isinstance(inner, _GAINED_NORMS) or type(inner).__name__.endswith("RMSNorm")):
         raise NotImplementedError(
             f"layer {site.index}: q/k norm {type(inner).__name__} is not one QK-Clip knows how to scale"
         )
-    return attn, q_norm, k_norm, tuple(_gain_offset(site, norm) for norm in (q_norm, k_norm))
+    return attn, q_norm, k_norm, tuple(_gain_offset(site, norm) for norm in (q_norm, k_norm) if norm is not None)
 
 
 def _gain_offset(site, norm: nn.Module) -> float:
@@ -287,7 +294,7 @@ def _check_trained(site, rows, norms) -> None:
         attn, q_norm, k_norm, _ = norms
         lp = isinstance(getattr(k_norm, "original_module", k_norm), HeadLpNorm)  # lp: one scale, on q
         slots = attn.__dict__.get("_qknorm_norms", {})
-        for role, norm in (("q", q_norm),) if lp else (("q", q_norm), ("k", k_norm)):
+        for role, norm in (("q", q_norm),) if lp or k_norm is None else (("q", q_norm), ("k", k_norm)):
             name = slots.get(role, f"{role}_norm")
             if not _trained_copies(norm):
                 raise ValueError(
@@ -309,19 +316,23 @@ def _check_trained(site, rows, norms) -> None:
 def _scale_norm_gains(norms, gamma: float, alpha: float) -> None:
     """Scale the shared q/k norm gains so that every head's logits scale by at most ``gamma``."""
     attn, q_norm, k_norm, offsets = norms
-    if isinstance(getattr(k_norm, "original_module", k_norm), HeadLpNorm):  # one logit scale, on q_norm
-        q_factor, k_factor = gamma, 1.0
-    else:
-        q_factor, k_factor = gamma**alpha, gamma ** (1.0 - alpha)
-    for norm, factor, offset in ((q_norm, q_factor, offsets[0]), (k_norm, k_factor, offsets[1])):
-        for module in _trained_copies(norm) if factor != 1.0 else ():
-            for name in ("weight", "bias"):
-                param = getattr(module, name, None)
-                if param is not None:  # this rank's block (FSDP2 shards even a (head_dim,) gain): no collective
-                    local = local_part(param, f"{name} of {type(module).__name__}").tensor
-                    local.mul_(factor)
-                    if name == "weight" and offset:  # (1 + w) -> factor * (1 + w): w -> factor * w + factor - 1
-                        local.add_((factor - 1.0) * offset)
+    if k_norm is None or isinstance(getattr(k_norm, "original_module", k_norm), HeadLpNorm):
+        # one logit scale, on q_norm; or a layer reusing an earlier layer's keys, whose gain the q norm alone has
+        return _scale_gain(q_norm, gamma, offsets[0])
+    _scale_gain(q_norm, gamma**alpha, offsets[0])
+    _scale_gain(k_norm, gamma ** (1.0 - alpha), offsets[1])
+
+
+def _scale_gain(norm: nn.Module, factor: float, offset: float) -> None:
+    """Scale a norm's output by ``factor``: its gain (``offset``: 1 for a ``1 + w`` gain) and bias."""
+    for module in _trained_copies(norm) if factor != 1.0 else ():
+        for name in ("weight", "bias"):
+            param = getattr(module, name, None)
+            if param is not None:  # this rank's block (FSDP2 shards even a (head_dim,) gain): no collective
+                local = local_part(param, f"{name} of {type(module).__name__}").tensor
+                local.mul_(factor)
+                if name == "weight" and offset:  # (1 + w) -> factor * (1 + w): w -> factor * w + factor - 1
+                    local.add_((factor - 1.0) * offset)
 
 
 def _trained_copies(norm: nn.Module) -> list[nn.Module]:

@@ -67,6 +67,11 @@ class _Snapshot:
 
 def _layer_rows(site, config) -> tuple[_Snapshot, _Snapshot]:
     q, k = layer_rows(site, config)
+    if k is None:
+        raise NotImplementedError(
+            f"layer {site.index} reuses an earlier layer's keys (no W_K of its own): per-head Q/K learning rates "
+            "need both projections in every layer"
+        )
     return _Snapshot(q), _Snapshot(k)
 
 
@@ -236,7 +241,9 @@ def qk_param_groups(model: nn.Module, lr: float, *, weight_decay: float = 0.0, q
     qk_ids = set()
     for site in sites:
         for name in (site.family.q_proj, site.family.k_proj):
-            proj = getattr(site.module, name)
+            proj = getattr(site.module, name, None)
+            if proj is None:  # a layer that reuses an earlier layer's keys has no W_K
+                continue
             qk_ids.add(id(getattr(proj, "base_layer", proj).weight))
     decay, no_decay, qk = [], [], []
     for param in model.parameters():

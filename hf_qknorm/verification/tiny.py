@@ -148,6 +148,12 @@ def _shrink(config):
         keep = sorted(first.values())
         keep += [i for i in range(len(kinds)) if i not in keep][: max(0, layers - len(keep))]
         keep.sort()
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if listed and isinstance(shared, int) and not isinstance(shared, bool) and 0 < shared < len(kinds):
+        # layers that reuse an earlier layer's keys and values (Gemma 3n, Gemma 4's E sizes): each kind kept twice,
+        # once storing its keys and values and once, in the shared tail, reusing them
+        config.num_kv_shared_layers = len(keep)
+        keep = keep + keep
     if sections:
         for name, count in zip(SECTIONS, (1, len(keep) - 2, 1)):
             setattr(config, name, count)
@@ -160,6 +166,10 @@ def _shrink(config):
         value = getattr(config, name, None)
         if isinstance(value, (list, tuple)) and value:
             setattr(config, name, [value[min(i, len(value) - 1)] for i in keep])
+    for name in ("activation_sparsity_pattern", "intermediate_size"):  # a value per layer (Gemma 3n's)
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)) and value and getattr(config, "num_hidden_layers", None) == len(keep):
+            setattr(config, name, [SIZES.get(name, value[min(i, len(value) - 1)]) for i in keep])
     value = getattr(config, "mlp_layer_types", None)
     if isinstance(value, (list, tuple)) and value:
         config.mlp_layer_types = list(value[: len(keep)]) + [value[-1]] * max(0, len(keep) - len(value))

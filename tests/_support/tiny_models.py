@@ -68,9 +68,10 @@ def kv_shared_gemma4():
     from hf_qknorm.verification.tiny import tiny_config as tiny_config_of
 
     config = tiny_config_of("gemma4_text")
-    config.per_layer_config = None
+    wide = next(iter(config.to_dict()["per_layer_config"].values()))  # the full-attention layers' own sizes
     config.num_hidden_layers = 3
     config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
+    config.per_layer_config = {1: dict(wide), 2: dict(wide)}  # stated, so that a saved copy loads as this one
     config.num_kv_shared_layers = 1
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()

@@ -13,7 +13,6 @@ import hf_qknorm
 from hf_qknorm import UnsupportedModelError
 from hf_qknorm.verification import coverage as cov
 from hf_qknorm.verification.tiny import tiny_config, tiny_model
-from tests._support.tiny_models import kv_shared_gemma4
 
 
 def _known(model_type: str) -> bool:
@@ -35,7 +34,7 @@ def _skip_unless_known(model_type: str) -> None:
         ("cohere_compass_text", cov.PATCHED, ""),  # its RoPE per layer kind stated
         ("mistral4", cov.REFUSED, "multi-head latent attention"),  # mapped to the image-text-to-text class alone
         ("dbrx", cov.REFUSED, "norm_attn_norm.attn"),  # attention below another module of the block
-        ("gemma3n_text", cov.REFUSED, "reuse another layer's keys and values"),  # KV-shared layers
+        ("gemma3n_text", cov.PATCHED, "normalises v itself"),  # KV-shared layers (qkv_norm refused)
         ("mimo_v2_flash", cov.REFUSED, "value heads as wide as the query and key heads"),  # v_head_dim of its own
         ("qwen4_exp_text", cov.REFUSED, "a hybrid model"),  # its sparse attention's indexer sizes stated
         ("lfm2_moe", cov.REFUSED, "hybrid"),  # which blocks are convolutions stated
@@ -77,22 +76,6 @@ def test_per_layer_sizes_are_kept_scaled_and_patched_exactly():
     with torch.no_grad():
         after = model(ids).logits
     assert torch.equal(before, after)
-
-
-def test_kv_shared_layers_are_refused_with_the_reason_and_the_model_left_as_it_was():
-    """Layers that reuse an earlier layer's keys and values have no key projection for a norm to follow: the patch
-    is refused in one line naming that, and the model computes what it computed."""
-    _skip_unless_known("gemma4_text")
-    model = kv_shared_gemma4()
-    assert not hasattr(model.model.layers[2].self_attn, "k_proj")  # the last layer reuses keys and values
-    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(ids).logits
-    with pytest.raises(UnsupportedModelError, match="'gemma4_text'.*no key or value projection of their own"):
-        hf_qknorm.patch_model(model, scheme="qk_norm_cap")
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, before)
-    assert not hf_qknorm.is_patched(model)
 
 
 def test_qkv_norm_is_refused_where_the_model_normalises_v_itself():
