@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..modeling.patch import qknorm_config
-from ..portable.families import Family, UnsupportedModelError, family_of_model, head_dim_of, heads_of
+from ..portable.families import Family, UnsupportedModelError, family_of_model, head_dim_of, heads_of, own_roles
 from ..portable.layout import find_layers, unwrap
 from ..portable.names import ROLES
 from ..portable.schemes import QKNormConfig
@@ -241,6 +241,11 @@ class ReferenceModel:
         else:
             out = {}
             for role, name in f.projections.items():
+                if role == "v" and getattr(attn, name, None) is None and "k" in own_roles(attn, f):
+                    # values taken from the keys' projection (Gemma 4's attention_k_eq_v layers); had the model done
+                    # anything else, the probes' comparison with the model would show it
+                    out["wv"], out["bv"] = out["wk"], out["bk"]
+                    continue
                 out[f"w{role}"], out[f"b{role}"] = _effective(getattr(attn, name), f.conv1d)
         out["wo"], out["bo"] = _effective(getattr(attn, f.out_proj), f.conv1d)
         return out

@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from ...modeling.telemetry import LogitTap, head_max_logits
-from ...portable.families import Family, head_dim_of, heads_of
+from ...portable.families import Family, head_dim_of, heads_of, own_roles
 from ...portable.hooks import hook_slots, install
 from ...portable.layout import find_layers
-from ...portable.names import ROLES
 from ...portable.norms import HeadLpNorm, make_norm
 from ...portable.schemes import QKNormConfig
 from ...portable.structure import restore_attention
@@ -300,7 +299,8 @@ class ActivationRecorder:
         self.scaling: list[float | None] = [None for _ in self.attns]
         config = model.config
         self.shapes = [(head_dim_of(a, config), *heads_of(a, config)) for a in self.attns]
-        self.norm = _parameter_free(cfg, self.shapes[0][0]).to(device) if cfg.norms_qk else None
+        # per layer: a model's layers may have heads of their own width (Gemma 4's full-attention layers)
+        self.norms = [_parameter_free(cfg, shape[0]).to(device) if cfg.norms_qk else None for shape in self.shapes]
         self._undo = []
         self._tap = None
 
@@ -322,13 +322,15 @@ class ActivationRecorder:
         family = self.family
         head_dim, heads, kv_heads = self.shapes[j]
         old, norms = {}, {}
-        for role in ROLES:
+        for role in own_roles(attn, family):  # a layer reusing another's keys and values records its queries alone
             name = family.norm_slot(role)
+            if role not in family.native and isinstance(attn._modules.get(name), nn.Module):
+                name = f"qknorm_{role}_norm"  # a norm of the model's own the scheme does not replace (Gemma's v_norm)
             inner = attn._modules.get(name) if role in family.native else None
             old[name] = attn._modules.get(name)
             setattr(attn, name, _Tap(role, inner, self._sink(j)))
             norms[role] = name
-        slots = hook_slots(family, {r for r in ROLES if r not in family.native})
+        slots = hook_slots(family, {r for r in norms if r not in family.native})
         install(attn, slots, norms, (head_dim, heads, kv_heads, family.fused_layout), None, None)
         return old
 
@@ -336,13 +338,13 @@ class ActivationRecorder:
         heads = {"q": self.shapes[j][1], "k": self.shapes[j][2], "v": self.shapes[j][2]}
 
         def sink(role, x, y):
-            if self.norm is None:
+            if self.norms[j] is None:
                 return
             if x.dim() == 4 and x.shape[-2] != heads[role] and x.shape[1] == heads[role]:
                 x, y = x.transpose(1, 2), y.transpose(1, 2)  # a model that normalises (batch, heads, seq, dim)
             p = self.cfg.p if self.cfg.learned_logit_scale else None
             with torch.no_grad():
-                self.moments[j][role].add(self.norm(x.detach().double()), y.detach(), p)
+                self.moments[j][role].add(self.norms[j](x.detach().double()), y.detach(), p)
 
         return sink
 

@@ -343,10 +343,37 @@ def layer_view(folder: Path, layers: int):
             for name, value in list(text.items()):
                 if isinstance(value, list) and len(value) == total:
                     text[name] = value[:layers]  # layer_types and the like
+            shared = text.get("num_kv_shared_layers")
+            if isinstance(shared, int) and shared > 0:  # the last layers reuse keys and values: those of them kept
+                text["num_kv_shared_layers"] = max(0, shared - (total - layers))
+            if isinstance(text.get("per_layer_config"), dict):  # a heterogeneous config's overrides, by layer index
+                text["per_layer_config"] = {k: v for k, v in text["per_layer_config"].items() if int(k) < layers}
             if all(isinstance(text.get(name), int) for name in SECTIONS):  # Dory: input, recurrent, output layers
                 left = layers
                 for name in SECTIONS:
                     text[name] = min(text[name], left) if name != SECTIONS[-1] else left
                     left -= text[name]
         (view / "config.json").write_text(json.dumps(raw, indent=2))
+        if 0 < layers < total:
+            _refuse_layer_count_tensors(folder, view, layers)
         yield view
+
+
+def _refuse_layer_count_tensors(folder: Path, view: Path, layers: int) -> None:
+    """Refuse a source with a tensor outside its layers whose size depends on the number of layers (Gemma 3n's
+    and Gemma 4's per-layer input embeddings): a view of its first ``layers`` layers cannot load its weights. Read off
+    two skeletons on the ``meta`` device (the source's and the view's configs), nothing loaded."""
+    from transformers import AutoConfig
+
+    from ...portable.families import UnsupportedModelError
+    from ..output.shards import skeleton
+
+    full = skeleton(AutoConfig.from_pretrained(folder), folder).state_dict()
+    cut = skeleton(AutoConfig.from_pretrained(view), view).state_dict()
+    grown = [k for k, t in cut.items() if k in full and tuple(full[k].shape) != tuple(t.shape)]
+    if grown:
+        raise UnsupportedModelError(
+            f"{folder}: {grown[0]} has a size that depends on the number of layers (per-layer input embeddings, as "
+            f"Gemma 3n's and Gemma 4's); the conversion's checks load the first {layers} layers of the source, "
+            "which such a tensor does not allow: converting this model is not supported"
+        )

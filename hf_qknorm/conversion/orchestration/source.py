@@ -11,7 +11,7 @@ import torch
 
 from ...modeling.derive import get_family
 from ...modeling.saved import read_config
-from ...portable.families import Family, UnsupportedModelError, text_config_of
+from ...portable.families import Family, UnsupportedModelError, own_roles, text_config_of
 from ...portable.layout import find_layers
 from ...portable.names import PREFIX
 from ..output.shards import SourceWeights, check_matches_config, read_source_weights, skeleton
@@ -90,6 +90,14 @@ def inspect_source(src, cfg=None) -> Source:
     family = family or get_family(model)
     # where the causal LM holds its blocks (a head model whose base-model prefix names no attribute of it)
     blocks = find_layers(model, family)
+    reusing = [i for i, b in enumerate(blocks) if "k" not in own_roles(getattr(b, family.attention), family)]
+    if reusing:
+        raise UnsupportedModelError(
+            f"model type {raw.get('model_type')!r}: layer {reusing[0]} reuses an earlier layer's keys and values "
+            "(num_kv_shared_layers: Gemma 3n, Gemma 4's E sizes); converting such layers is not supported (their "
+            "calibration and healing would need the keys of the layer they read). patch_model patches this model "
+            "in memory"
+        )
     family = dataclasses.replace(family, layers=next(n for n, m in model.named_modules() if m is blocks))
     weights = read_source_weights(path, family, config, model)
     check_matches_config(weights, config)
