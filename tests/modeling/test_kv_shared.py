@@ -104,11 +104,13 @@ KINDS = ["gemma4_kv_shared", "gemma4_k_eq_v", "gemma3n_text"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_tiny_models_have_the_layers_in_question(kind):
-    lacks = _lacks(_build(kind))
+    model = _build(kind)
+    lacks = _lacks(model)
     if kind == "gemma4_k_eq_v":
         assert (True, False) in lacks and (True, True) in lacks  # global layers take their values from their keys
-    else:
-        assert (False, False) in lacks and (True, True) in lacks  # the shared tail has no k/v projections
+    else:  # a shared tail (older releases' Gemma 3n builds k/v projections there and reads the cache instead)
+        assert any(getattr(layer.self_attn, "is_kv_shared_layer", False) for layer in model.model.layers)
+        assert not getattr(model.model.layers[0].self_attn, "is_kv_shared_layer", True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -137,7 +139,11 @@ def test_own_norms_kept_change_nothing(kind):
         before = model(ids).logits
     hf_qknorm.patch_model(model, scheme="qk_norm", norm="rmsnorm")
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, before)
+        after = model(ids).logits
+    if any(map(all, _lacks(model))) and not all(map(all, _lacks(model))):
+        assert torch.equal(after, before)
+    else:  # older releases' Gemma 3n norm divides by the root where the scheme's multiplies: float32's rounding
+        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     attns = [layer.self_attn for layer in model.model.layers]
     assert all(sorted(a.__dict__["_qknorm_norms"]) == (["k", "q"] if k else ["q"]) for a, (k, _) in
                zip(attns, _lacks(model)))  # fmt: skip
@@ -146,8 +152,8 @@ def test_own_norms_kept_change_nothing(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_cap_reaches_every_layer(kind):
     """``qk_norm_cap``: every layer, KV-shared or not, computes capped attention over the keys its store layer
-    normalised -- the reference model with the cap in its attention function, to float64 precision; with a cache,
-    greedy decoding gives what full forwards give."""
+    normalised -- the reference model with the cap in its attention function, to float64 precision; and greedy
+    decoding with a cache gives the reference's."""
     model, reference = _build(kind), _build(kind)
     reference.set_attn_implementation(REFERENCE)
     hf_qknorm.patch_model(model, scheme="qk_norm_cap", norm="rmsnorm", softcap=CAP)
@@ -155,7 +161,7 @@ def test_the_cap_reaches_every_layer(kind):
     with torch.no_grad():  # Gemma's own norms in the reference compute in float32: float32's resolution
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
         cached = model.generate(ids, max_new_tokens=6, do_sample=False)
-        expected = reference.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+        expected = reference.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(cached, expected)
 
 
