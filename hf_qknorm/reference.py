@@ -163,6 +163,7 @@ def attention_layer_reference(
     k_whole=None,
     q_scale=None,
     v_own=None,
+    kv=None,
 ):
     """One patched attention layer from the formulas, on hidden states ``x`` ``(batch, seq, hidden)``: project ->
     split heads -> norm -> RoPE -> attention (cap, mask, softmax) -> merge heads -> output projection. ``w*`` are
@@ -172,34 +173,40 @@ def attention_layer_reference(
     ``rope_layout`` and a ``cos`` narrower than ``head_dim`` (:func:`rope_layout_reference`); ``sinks``
     (:func:`attention_reference`); ``cos=None``: no rotation (NoPE); ``q_scale`` (broadcast to ``(batch, heads,
     seq, head_dim)``, e.g. ``(batch, 1, seq, 1)``): a factor by position on the rotated query (Beam's NoPE layers);
-    ``v_own`` (dict ``kind``, ``weight``, ``bias``, ``eps``): the model's own per-head norm of v (Gemma 4's)."""
+    ``v_own`` (dict ``kind``, ``weight``, ``bias``, ``eps``): the model's own per-head norm of v (Gemma 4's).
+    ``kv``: the keys and values ``(batch, kv_heads, seq, head_dim)`` as the attention reads them, where the layer
+    reuses another layer's (:func:`keys_values_reference` of that layer); ``wk``/``wv`` and the k/v settings are then
+    not read."""
     b, t, _ = x.shape
-
-    def proj(w, bias, n, whole=None):
-        y = x @ w.T + (bias if bias is not None else 0)
-        if whole is not None:
-            y = norm_reference(y, whole["kind"], whole.get("weight"), whole.get("bias"), eps=whole["eps"])
-        return y.view(b, t, n, head_dim)
-
-    q, k, v = proj(wq, bq, heads, q_whole), proj(wk, bk, kv_heads, k_whole), proj(wv, bv, kv_heads)
-    if v_own is not None:
-        v = norm_reference(v, v_own["kind"], v_own.get("weight"), v_own.get("bias"), eps=v_own["eps"])
-    for name, norm_params in (("q", q_norm), ("k", k_norm), ("v", v_norm)):
-        if norm_params is None:
-            continue
-        t_ = {"q": q, "k": k, "v": v}[name]
-        t_ = norm_reference(t_, norm, norm_params.get("weight"), norm_params.get("bias"), eps=eps, p=p)
-        if name == "q":
-            q = t_
-        elif name == "k":
-            k = t_
-        else:
-            v = t_
-    q, k, v = (a.transpose(1, 2) for a in (q, k, v))
+    q = _heads(x, wq, bq, heads, head_dim, q_whole)
+    if q_norm is not None:
+        q = norm_reference(q, norm, q_norm.get("weight"), q_norm.get("bias"), eps=eps, p=p)
+    q = q.transpose(1, 2)
     if cos is not None:
-        q, k = rope_layout_reference(q, cos, sin, rope_layout), rope_layout_reference(k, cos, sin, rope_layout)
+        q = rope_layout_reference(q, cos, sin, rope_layout)
     if q_scale is not None:
         q = q * q_scale
+    if kv is None:
+        kv = keys_values_reference(
+            x,
+            wk=wk,
+            wv=wv,
+            bk=bk,
+            bv=bv,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            norm=norm,
+            k_norm=k_norm,
+            v_norm=v_norm,
+            cos=cos,
+            sin=sin,
+            eps=eps,
+            p=p,
+            rope_layout=rope_layout,
+            k_whole=k_whole,
+            v_own=v_own,
+        )
+    k, v = kv
     o = attention_reference(
         q,
         k,
@@ -213,3 +220,49 @@ def attention_layer_reference(
     )
     o = o.transpose(1, 2).reshape(b, t, heads * head_dim)
     return o @ wo.T + (bo if bo is not None else 0)
+
+
+def _heads(x, w, bias, n: int, head_dim: int, whole=None):
+    """``x`` projected by ``w`` (and ``bias``), normalised whole where the model does (``whole``), split into ``n``
+    heads: ``(batch, seq, n, head_dim)``."""
+    b, t, _ = x.shape
+    y = x @ w.T + (bias if bias is not None else 0)
+    if whole is not None:
+        y = norm_reference(y, whole["kind"], whole.get("weight"), whole.get("bias"), eps=whole["eps"])
+    return y.view(b, t, n, head_dim)
+
+
+def keys_values_reference(
+    x,
+    *,
+    wk,
+    wv,
+    bk=None,
+    bv=None,
+    kv_heads: int,
+    head_dim: int,
+    norm=None,
+    k_norm=None,
+    v_norm=None,
+    cos=None,
+    sin=None,
+    eps=1e-6,
+    p=2.0,
+    rope_layout="half",
+    k_whole=None,
+    v_own=None,
+):
+    """The keys and values ``(batch, kv_heads, seq, head_dim)`` one layer's attention reads, from the formulas
+    (projection, the model's own norms, the scheme's norms, RoPE on the keys); the arguments as
+    :func:`attention_layer_reference`'s."""
+    k, v = _heads(x, wk, bk, kv_heads, head_dim, k_whole), _heads(x, wv, bv, kv_heads, head_dim)
+    if v_own is not None:
+        v = norm_reference(v, v_own["kind"], v_own.get("weight"), v_own.get("bias"), eps=v_own["eps"])
+    if k_norm is not None:
+        k = norm_reference(k, norm, k_norm.get("weight"), k_norm.get("bias"), eps=eps, p=p)
+    if v_norm is not None:
+        v = norm_reference(v, norm, v_norm.get("weight"), v_norm.get("bias"), eps=eps, p=p)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if cos is not None:
+        k = rope_layout_reference(k, cos, sin, rope_layout)
+    return k, v

@@ -32,7 +32,13 @@ import math
 import torch
 
 from ..portable.names import ROLES
-from ..reference import allowed_reference, attention_layer_reference, norm_reference, rope_layout_reference
+from ..reference import (
+    allowed_reference,
+    attention_layer_reference,
+    keys_values_reference,
+    norm_reference,
+    rope_layout_reference,
+)
 from .derive import run_output_stage
 from .layers import LayerSpec, ReferenceModel
 from .report import APPLIED, DROPPED, REMOVED, UNCLEAR, UNEXERCISED, Check, VerifyReport
@@ -95,8 +101,39 @@ def _f64(t):
     return None if t is None else t.to(torch.float64)
 
 
+def source_kv(source, drop=()) -> tuple | None:
+    """The keys and values a KV-shared layer attends over: those of its source layer (``source``: that layer's
+    spec and its record on the same probe, or ``None`` for a layer with keys of its own), from the formulas on the
+    source's recorded input. ``drop``: as :func:`layer_reference`'s (only ``norms`` acts here)."""
+    if source is None:
+        return None
+    spec, rec = source
+    x, cos, sin = _f64(rec["x"]), _f64(rec["cos"]), _f64(rec["sin"])
+    rope_cos, rope_sin = rotation(spec, cos, sin) if spec.rotates and cos is not None else (None, None)
+    w = spec.weights
+    return keys_values_reference(
+        x,
+        wk=w["wk"],
+        wv=w["wv"],
+        bk=w["bk"],
+        bv=w["bv"],
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        norm=spec.norm or "rmsnorm",
+        k_norm=None if "norms" in drop else spec.k_norm,
+        v_norm=None if "norms" in drop else spec.v_norm,
+        cos=rope_cos,
+        sin=rope_sin,
+        eps=spec.eps,
+        p=spec.p,
+        rope_layout=spec.rope_layout,
+        k_whole=spec.k_whole,
+        v_own=spec.v_own,
+    )
+
+
 def layer_reference(
-    spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: float = 1.0, q_scale=None
+    spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: float = 1.0, q_scale=None, source=None
 ) -> torch.Tensor:
     """Reference output ``(batch, seq, hidden)`` of one layer on input ``x`` ``(batch, seq, hidden)``.
 
@@ -104,7 +141,8 @@ def layer_reference(
     ``q_scale``: the recorded factor by position on the rotated query (Beam's ``attention_scaling``), or ``None``.
     ``drop``: mechanisms to leave out (``norms``, ``cap``, ``padding``, ``causal``, ``window``). ``q_gain``
     multiplies the final pre-RoPE query (the stress probe's gain): folded into the query norm's gain and bias, or
-    into the query projection when the layer has no query norm."""
+    into the query projection when the layer has no query norm. ``source``: a KV-shared layer's source
+    (:func:`source_kv`)."""
     w = dict(spec.weights)
     norms = {r: (None if "norms" in drop else getattr(spec, f"{r}_norm")) for r in ROLES}
     q_whole = spec.q_whole
@@ -149,6 +187,7 @@ def layer_reference(
         k_whole=spec.k_whole,
         q_scale=q_scale,
         v_own=spec.v_own,
+        kv=source_kv(source, drop),
     )
     if spec.stage is None:
         return out
@@ -192,7 +231,7 @@ def applicable(spec: LayerSpec, tokens: torch.Tensor) -> set[str]:
     return out
 
 
-def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0, q_scale=None) -> float:
+def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0, q_scale=None, source=None) -> float:
     """``max |scaling * q.k|`` (before the cap) over the real queries and the keys they may attend to, from the
     formulas (projection, norm, RoPE) in float64: the logits whose rounding a half-precision attention suffers."""
     b, t, _ = x.shape
@@ -211,22 +250,33 @@ def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0, q_s
             return y
         return rope_layout_reference(y, *rotation(spec, cos, sin), spec.rope_layout)
 
-    q, k = heads("q", spec.heads, q_gain), heads("k", spec.kv_heads)
+    q = heads("q", spec.heads, q_gain)
+    k = heads("k", spec.kv_heads) if source is None else source_kv(source)[0]
     q = q if q_scale is None else q * q_scale
     s = spec.scaling * (q @ k.repeat_interleave(spec.heads // spec.kv_heads, dim=1).transpose(-1, -2))
-    ok = allowed_reference(t, t, causal=True, sliding_window=spec.window, mask=tokens[:, None, None, :])
-    ok = ok & tokens[:, None, :, None]
+    n = k.shape[2]  # the keys: every position (a KV-shared layer's queries may be the last ones only)
+    ok = allowed_reference(t, n, causal=True, sliding_window=spec.window, mask=tokens[:, None, None, :])
+    ok = ok & tokens[:, None, n - t :, None]
     return float(s.abs().masked_fill(~ok, 0.0).max()) if bool(ok.any()) else 0.0
 
 
-def check_layer(spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, tol: float, widen: bool = False) -> Check:
+def check_layer(
+    spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, tol: float, widen: bool = False, source=None
+) -> Check:
     """Compare one layer's recorded output on one probe with the reference (and the references without each
     mechanism the probe judges). ``rec``: ``x``, ``out``, ``cos``, ``sin`` (and ``alpha`` for the stress probe).
-    ``widen``: a half-precision check, whose tolerance grows with the largest logit (:func:`widened`)."""
+    ``widen``: a half-precision check, whose tolerance grows with the largest logit (:func:`widened`). ``source``:
+    a KV-shared layer's source layer and its record (:func:`source_kv`)."""
     x, out = _f64(rec["x"]), _f64(rec["out"])
     cos, sin = _f64(rec["cos"]), _f64(rec["sin"])
     tokens = tokens.to(torch.bool)
-    if x.shape[:2] != tokens.shape:
+    rows = tokens  # the query positions recorded: every position, or (a KV-shared layer) the last ones
+    whole = source is not None and tuple(source[1]["x"].shape[:2]) == tuple(tokens.shape)
+    if whole and x.shape[0] == tokens.shape[0] and x.shape[1] < tokens.shape[1]:
+        # a cached generation computes a KV-shared layer at the last positions only (Gemma 4's prefill: the last
+        # prompt token); its queries are the sequence's last ones, its keys its source's over the whole sequence
+        rows = tokens[:, tokens.shape[1] - x.shape[1] :]
+    elif x.shape[:2] != tokens.shape:
         return Check(
             spec.index,
             probe,
@@ -236,24 +286,27 @@ def check_layer(spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, to
         )
     gain, scale = float(rec.get("alpha", 1.0)), _f64(rec.get("q_scale"))
     if widen:
-        tol = widened(tol, largest_logit(spec, x, cos, sin, tokens, gain, scale))
-    ref = layer_reference(spec, x, cos, sin, tokens, q_gain=gain, q_scale=scale)
-    e = relative_error(out, ref, tokens)
+        tol = widened(tol, largest_logit(spec, x, cos, sin, tokens, gain, scale, source))
+    ref = layer_reference(spec, x, cos, sin, tokens, q_gain=gain, q_scale=scale, source=source)
+    e = relative_error(out, ref, rows)
     mechanisms = {}
     for m in PROBE_MECHANISMS.get(probe, ()):
         if m not in applicable(spec, tokens):
             continue
-        ref_m = layer_reference(spec, x, cos, sin, tokens, drop=(m,), q_gain=gain, q_scale=scale)
-        mechanisms[m] = mechanism_status(
-            e, relative_error(out, ref_m, tokens, ref), relative_error(ref_m, ref, tokens), tol
-        )
+        ref_m = layer_reference(spec, x, cos, sin, tokens, drop=(m,), q_gain=gain, q_scale=scale, source=source)
+        dropped = relative_error(out, ref_m, rows, ref)
+        mechanisms[m] = mechanism_status(e, dropped, relative_error(ref_m, ref, rows), tol)
     return Check(spec.index, probe, e, tol, mechanisms)
 
 
-def check_prenorm(spec: LayerSpec, rec: dict, tol: float) -> Check:
+def check_prenorm(spec: LayerSpec, rec: dict, tol: float) -> Check | None:
     """The attention's input against the block's input through the pre-attention norm -- or, for ``qkv_norm``, the
-    block's input itself (the norm removed). The other case (no norm; a unit-gain norm) is the ablation."""
+    block's input itself (the norm removed). The other case (no norm; a unit-gain norm) is the ablation. ``None``
+    where the block's input is not of the attention input's shape (Gemma 3n's blocks take a stack of predictions
+    and normalise one of them): there is no one tensor the norm reads to check it against."""
     block, got = _f64(rec["block"]), _f64(rec["attn"])
+    if block.shape != got.shape:
+        return None
     rows = torch.ones(got.shape[:2], dtype=torch.bool)
     pn = spec.prenorm
     if pn is None:
@@ -287,17 +340,20 @@ def build_report(
         _settle_rope(ref, spec, probes)
         ref.place_parts(spec, *_first_rotation(spec, probes))
         expected |= applicable(spec, torch.zeros(1, 1, dtype=torch.bool))
+        kv_source = _kv_sources(ref, spec, probes)  # a KV-shared layer's source, per probe
+
         for name, probe in probes.items():
             if "error" not in probe:
-                checks.append(check_layer(spec, name, probe["layers"][i], probe["mask"], tol, widen))
+                checks.append(check_layer(spec, name, probe["layers"][i], probe["mask"], tol, widen, kv_source(name)))
         if i in captured["prenorm"] and spec.has_prenorm:
-            checks.append(check_prenorm(spec, captured["prenorm"][i], tol))
+            checks += [c for c in (check_prenorm(spec, captured["prenorm"][i], tol),) if c is not None]
         for name, amplified in captured.get("amplified", {}).items():
             rec = amplified["layers"].get(i)
             if rec is not None and "error" in rec:
                 checks.append(Check(i, name, math.nan, tol, note=f"the amplified probe failed: {rec['error']}"))
-            elif rec is not None:
-                checks.append(check_layer(spec, name, rec, amplified["mask"], tol, widen))
+            elif rec is not None:  # a re-call on amplified inputs: a KV-shared layer's keys are its probe's
+                base = "padded" if name.endswith("padded") else "unpadded"
+                checks.append(check_layer(spec, name, rec, amplified["mask"], tol, widen, kv_source(base)))
         if i in captured["stress"]:
             rec = captured["stress"][i]
             if "error" in rec:
@@ -305,7 +361,7 @@ def build_report(
             else:  # a half-precision model's stress probe runs in float32 (see .probe): float32's tolerance
                 stress_tokens = torch.ones(rec["x"].shape[:2], dtype=torch.bool)
                 stress_tol = tolerance if tolerance is not None else tolerance_for(rec["x"].dtype)
-                checks.append(check_layer(spec, "stress", rec, stress_tokens, stress_tol))
+                checks.append(check_layer(spec, "stress", rec, stress_tokens, stress_tol, source=kv_source("unpadded")))
     for name, logits in captured["logits"].items():
         if "error" in logits:
             checks.append(
@@ -335,6 +391,20 @@ def build_report(
         required=required,
         source=source,
     )
+
+
+def _kv_sources(ref: ReferenceModel, spec: LayerSpec, probes: dict):
+    """For a KV-shared layer, a function of a probe's name giving its source layer's spec and its record on that
+    probe (the probe whose forward a re-call reuses); else a function giving ``None``."""
+    source_spec = None if spec.kv_from is None else ref.spec(spec.kv_from)
+
+    def kv_source(probe_name: str):
+        base = probes.get(probe_name, {})
+        if source_spec is None or "error" in base or "layers" not in base:
+            return None
+        return source_spec, base["layers"][spec.kv_from]
+
+    return kv_source
 
 
 def _first_rotation(spec: LayerSpec, probes: dict) -> tuple:

@@ -187,6 +187,51 @@ def inert_arguments(attn: nn.Module, config, index: int, arguments: list[str]) -
     return found
 
 
+def written_keys(attn: nn.Module, config, index: int, name: str) -> set:
+    """The keys layer ``index`` writes into its mapping argument ``name`` (a layer of Gemma 3n or Gemma 4 that stores
+    its keys and values for later layers: its layer type), read off a fresh, unpatched float64 instance of its class
+    given a new empty mapping; an empty set where it writes none or does not run so."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+    kind = _mapping_class(own_class(attn), name)
+    if kind is None:
+        return set()
+    x = torch.randn(1, 4, config.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    given = kind()
+    try:
+        _captured(fresh_instance(attn, config, index, CAPTURE_ATTENTION), x, {name: given})
+    except Exception:
+        return set()
+    return set(given)
+
+
+def reused_entry(attn: nn.Module, config, index: int, name: str, kv_heads: int, head_dim: int):
+    """The key of the mapping argument ``name`` whose keys and values layer ``index`` attends over instead of its
+    own (a KV-shared layer of Gemma 3n or Gemma 4), or ``None``: a fresh, unpatched float64 instance of its class is
+    given the mapping filled, under each of the config's layer types, with keys and values of its own; the key is the
+    one whose two tensors reach its attention function unchanged. The caller's random state is left as it was."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+    kind = _mapping_class(own_class(attn), name)
+    types_ = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    if kind is None or not types_:
+        return None
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 4, config.hidden_size, generator=gen, dtype=torch.float64)
+    filled = kind()
+    for key in types_:
+        filled[key] = tuple(torch.randn(1, kv_heads, 4, head_dim, generator=gen, dtype=torch.float64) for _ in "kv")
+    entries = dict(filled)
+    try:
+        _, k, v = _captured(fresh_instance(attn, config, index, CAPTURE_ATTENTION), x, {name: filled})
+    except Exception:
+        return None
+    found = [key for key, (kk, vv) in entries.items() if torch.equal(k, kk) and torch.equal(v, vv)]
+    return found[0] if len(found) == 1 else None
+
+
 def _captured(fresh: nn.Module, x: torch.Tensor, extra: dict) -> tuple:
     """The query, key and value ``fresh`` hands its attention function on ``x`` with ``extra`` arguments: no rotation
     where the class takes none, else the identity rotation (a rotation would not commute with the check)."""
@@ -511,16 +556,33 @@ def _rotations(apply, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> tupl
 
 
 def rotates(
-    attn, config, index: int, x, cos, sin, model_type: str = "?", swapped: bool = False, inert: dict | None = None
+    attn,
+    config,
+    index: int,
+    x,
+    cos,
+    sin,
+    model_type: str = "?",
+    swapped: bool = False,
+    inert: dict | None = None,
+    reused: tuple | None = None,
 ) -> bool:
     """Whether layer ``index`` rotates q and k with the recorded pair ``cos``/``sin``: a fresh float64 instance of its
     Transformers attention class (unpatched, eager) run with that rotation and with none (NoPE layers differ; the
     identity given in the recorded order: ``(sin, cos)`` where ``swapped``); the caller's random state is left as
-    it was. ``inert`` (:func:`inert_arguments`) are given as new empty mappings."""
+    it was. ``inert`` (:func:`inert_arguments`) are given as new empty mappings; ``reused`` ``(argument, key,
+    kv_heads, head_dim)``, a KV-shared layer's (:func:`reused_entry`), as a mapping holding random keys and values
+    under that key (then only its query can turn)."""
     cls = own_class(attn)
     x = x[:1, :4].to(torch.float64)
     cos, sin = cos[:1, :4].to(torch.float64), sin[:1, :4].to(torch.float64)
     extra = {}
+    if reused is not None:
+        name, key, kv_heads, head_dim = reused
+        filled = _mapping_class(cls, name)()
+        gen = torch.Generator().manual_seed(7)
+        filled[key] = tuple(torch.randn(1, kv_heads, x.shape[1], head_dim, generator=gen, dtype=x.dtype) for _ in "kv")
+        extra[name] = filled
     if "position_ids" in inspect.signature(cls.forward).parameters:  # Ministral 3 scales queries by position
         extra["position_ids"] = torch.arange(x.shape[1])[None]
     try:

@@ -63,6 +63,7 @@ class LayerSpec:
     rope_swapped: bool = False
     stage: nn.Module | None = None  # the model's own code after the attention function (:func:`.derive.output_stage`)
     v_own: dict | None = None  # the model's own per-head v norm (Gemma 4's, without a gain): :func:`.derive.own_norm`
+    kv_from: int | None = None  # the earlier layer whose keys and values this one attends over (Gemma 3n's KV sharing)
 
     @property
     def has_norms(self) -> bool:
@@ -88,6 +89,9 @@ class ReferenceModel:
         self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
         self._q_scales: list[list[str]] = []  # per layer: the arguments that scale its query by position
         self._inert: list[dict] = []  # per layer: the mappings it only writes into (Gemma 4's shared_kv_states)
+        self._writes: list[dict] = []  # per layer: mapping argument -> the keys it writes there
+        self._kv_from: dict[int, int] = {}  # a layer reusing an earlier layer's keys and values -> that layer
+        self._reused: dict[int, tuple] = {}  # such a layer -> (argument, key, kv_heads, head_dim) it reads them by
         scales_of: dict[type, list[str]] = {}  # one derivation per attention class
         for i, attn in enumerate(self.attns):  # refused before any probe runs when a part cannot be derived
             arguments = derive.unmodelled_arguments(attn)
@@ -97,6 +101,12 @@ class ReferenceModel:
                 scales_of[cls] = derive.query_scales(attn, self.config, i, arguments, self._inert[i])
             self._q_scales.append(scales_of.get(cls, []))
             rest = [a for a in arguments if a not in self._q_scales[i] and a not in self._inert[i]]
+            self._writes.append({a: derive.written_keys(attn, self.config, i, a) for a in self._inert[i]})
+            if len(rest) == 1 and "k" not in own_roles(attn, self.family):  # keys and values of an earlier layer
+                found = self._reused_source(i, attn, rest[0])
+                if found is not None:
+                    self._kv_from[i], self._reused[i] = found
+                    rest = []
             if rest:
                 raise UnsupportedModelError(
                     f"model type {self.family.model_type!r}: verify's float64 reference does not model the "
@@ -112,6 +122,17 @@ class ReferenceModel:
 
     def __len__(self) -> int:
         return len(self.attns)
+
+    def _reused_source(self, index: int, attn, name: str) -> tuple | None:
+        """``(source layer, (name, key, kv_heads, head_dim))`` for a layer that attends over an earlier layer's keys
+        and values (Gemma 3n's and Gemma 4's KV-shared layers): the source is the last earlier layer that writes,
+        into the mapping argument ``name``, the key whose entry reaches this layer's attention function (both
+        derived from fresh instances: :func:`.derive.reused_entry`, :func:`.derive.written_keys`); ``None`` where
+        there is none."""
+        _, kv, head_dim = self.head_counts(attn)
+        key = derive.reused_entry(attn, self.config, index, name, kv, head_dim)
+        writers = [j for j in range(index) if key is not None and key in self._writes[j].get(name, ())]
+        return (writers[-1], (name, key, kv, head_dim)) if writers else None
 
     # ---------------------------------------------------------------------------------------------------------------
     def head_counts(self, attn) -> tuple[int, int, int]:
@@ -146,7 +167,16 @@ class ReferenceModel:
             layout, swapped = derive.rope_layout(attn, self.family.model_type, cos, sin, spec.head_dim)
             x = _probe_x(spec, cos)
             turns = derive.rotates(
-                attn, self.config, spec.index, x, cos, sin, self.family.model_type, swapped, self._inert[spec.index]
+                attn,
+                self.config,
+                spec.index,
+                x,
+                cos,
+                sin,
+                self.family.model_type,
+                swapped,
+                self._inert[spec.index],
+                self._reused.get(spec.index),
             )
             known = (turns, layout, swapped)
             if layout is not None:
@@ -165,8 +195,9 @@ class ReferenceModel:
         s, f = self.scheme, self.family
         if s is not None and s.norms_qk:
             norms = {}
+            own = own_roles(attn, f)
             for role in ROLES:
-                if role == "v" and not s.norms_v:
+                if (role == "v" and not s.norms_v) or role not in own:  # a role another layer projects: its norm
                     norms[role] = None
                     continue
                 module = getattr(attn, f.norm_slot(role), None)
@@ -179,7 +210,11 @@ class ReferenceModel:
             return norms, s.norm, float(s.eps), float(s.p or 2.0)
         if not f.native:
             return {"q": None, "k": None, "v": None}, None, 1e-6, 2.0
-        own = {r: derive.own_norm(_active_module(getattr(attn, n)), f"the {r} norm .{n}") for r, n in f.native.items()}
+        own = {
+            r: derive.own_norm(_active_module(getattr(attn, n)), f"the {r} norm .{n}")
+            for r, n in f.native.items()
+            if r in own_roles(attn, f)  # a KV-shared layer has only its query norm
+        }
         first = next(iter(own.values()))
         if any((o["kind"], o["eps"]) != (first["kind"], first["eps"]) for o in own.values()):
             raise UnsupportedModelError(f"model type {f.model_type!r}: its q and k norms differ in kind or epsilon")
@@ -217,6 +252,7 @@ class ReferenceModel:
             sinks=derive.sinks_of(attn),
             stage=derive.output_stage(attn, self.family) if self._parts[index] else None,  # parts placed later
             v_own=self._own_v_norm(attn, head_dim),
+            kv_from=self._kv_from.get(index),
         )
         if index in self._rope:
             spec.rotates, spec.rope_layout, spec.rope_swapped = self._rope[index]
@@ -245,6 +281,9 @@ class ReferenceModel:
                     # values taken from the keys' projection (Gemma 4's attention_k_eq_v layers); had the model done
                     # anything else, the probes' comparison with the model would show it
                     out["wv"], out["bv"] = out["wk"], out["bk"]
+                    continue
+                if getattr(attn, name, None) is None:  # a KV-shared layer: another layer's keys and values
+                    out[f"w{role}"] = out[f"b{role}"] = None
                     continue
                 out[f"w{role}"], out[f"b{role}"] = _effective(getattr(attn, name), f.conv1d)
         out["wo"], out["bo"] = _effective(getattr(attn, f.out_proj), f.conv1d)
@@ -277,7 +316,7 @@ class ReferenceModel:
                     "attn": self.name(attn),
                     "block": self.name(block),
                     "q": self._producer(attn, "q"),
-                    "k": self._producer(attn, "k"),
+                    "k": self._producer(self.attns[self._kv_from.get(i, i)], "k"),  # a KV-shared layer's: its source's
                     "head_dim": head_dim,
                     "scaling": self.scaling(i, head_dim),
                     "cap": self.cap(),

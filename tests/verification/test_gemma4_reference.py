@@ -78,7 +78,7 @@ def test_a_scale_of_1_is_taken_from_the_class_never_from_the_instance():
 
 def test_only_a_layer_that_writes_shared_kv_states_and_never_reads_it_leaves_it_out():
     """In a Gemma 4 whose last layer reuses the keys and values an earlier layer stored, the storing layer only
-    writes ``shared_kv_states`` (inert), the reusing layer reads it (not inert: verify would refuse it)."""
+    writes ``shared_kv_states`` (inert), the reusing layer reads it (not inert: its source layer is derived)."""
     _skip_unless_gemma4()
     from collections.abc import MutableMapping
 
