@@ -322,3 +322,16 @@ def test_score_computes_the_reference_logits_once(tmp_path, monkeypatch):
         calls.clear()
         assert stream.score(others[0], blocks, 2, original) == fresh(others[0], original)
         assert len(calls) == len(blocks) + 2  # the changed batch (2 rows) computed again
+
+
+def test_the_streamed_models_leave_the_source_config_as_it_was(tmp_path):
+    """The streamed original and patched models run on the ``"qknorm"`` backend; the source's config, which the
+    conversion goes on reading (a ``qkv_norm`` fold rebuilds a skeleton from it), keeps its own backend -- a vision
+    tower whose classes know no ``"qknorm"`` (DeepSeek-VL hybrid's SAM encoder) could not be built from it else."""
+    save_source(tmp_path / "src", "llama")
+    source = inspect_source(tmp_path / "src")
+    before = source.config.to_dict(), source.config._attn_implementation
+    cfg = QKNormConfig("qk_norm_cap", norm="rmsnorm", eps=1e-6)
+    stream = StreamedCheckpoint(source.config, source.family, source.weights, cfg, torch.device("cpu"))
+    assert stream.original.config._attn_implementation == "qknorm"
+    assert (source.config.to_dict(), source.config._attn_implementation) == before

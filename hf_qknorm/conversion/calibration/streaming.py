@@ -22,6 +22,7 @@ RoPE position embeddings, position ids), for every family, without re-implementi
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,9 +88,9 @@ class StreamedCheckpoint:
         from ...modeling.saved import auto_class
 
         self.family, self.weights, self.cfg, self.device = family, weights, cfg, device
-        with init_empty_weights(include_buffers=False):
-            self.original = auto_class(config).from_config(config, dtype=torch.float32)
-            self.patched = auto_class(config).from_config(config, dtype=torch.float32)
+        with init_empty_weights(include_buffers=False):  # each its own copy: the backend set below is not the source's
+            self.original = auto_class(config).from_config(copy.deepcopy(config), dtype=torch.float32)
+            self.patched = auto_class(config).from_config(copy.deepcopy(config), dtype=torch.float32)
         patch_model(self.patched, cfg)
         for model in (self.original, self.patched):
             # the backend that hands over what it attends over (the logit statistics), for every family
