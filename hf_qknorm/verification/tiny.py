@@ -288,6 +288,9 @@ MULTIMODAL = {
     "llama4": ({"vision_output_dim": 32, "projector_input_dim": HIDDEN, "projector_output_dim": HIDDEN}, {}, None),
     # the vision MLP's width is derived from mlp_ratio when a config is built (a saved one too): keep them one size
     "step3p7": ({"mlp_ratio": VISION_MLP / VISION_WIDTH}, {}, None),
+    # the thinker's positions read the id its checkpoints state (its class has no default)
+    "qwen2_5_omni_thinker": ({}, {"vision_start_token_id": 0}, None),
+    "qwen3_omni_moe_thinker": ({}, {"vision_start_token_id": 0}, None),
 }
 
 
@@ -325,12 +328,57 @@ def tiny_multimodal_config(model_type: str):
             if name in sub.to_dict():
                 setattr(sub, name, value)
         _shrink_dropout(sub)
+    _shrink_other_parts(config, text)
     for name, value in top.items():
         setattr(config, name, value)
     special_ids_on_top(config, VOCAB)
     if "image_seq_length" in config.to_dict() and "image_seq_length" not in top:
         config.image_seq_length = (IMAGE // PATCH) ** 2
     return config
+
+
+# The sizes of a multimodal config's other parts (an audio encoder, a Q-Former, a perceiver resampler, ...), where
+# they have these attributes: none of them is patched, so they are only made small.
+OTHER_PARTS = {
+    "hidden_size": VISION_WIDTH,
+    "embed_dim": VISION_WIDTH,
+    "d_model": VISION_WIDTH,
+    "intermediate_size": VISION_MLP,
+    "encoder_ffn_dim": VISION_MLP,
+    "decoder_ffn_dim": VISION_MLP,
+    "num_hidden_layers": 1,
+    "num_layers": 1,
+    "encoder_layers": 1,
+    "decoder_layers": 1,
+    "depth": 1,
+    "num_attention_heads": 2,
+    "num_heads": 2,
+    "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": VOCAB,
+    "output_dim": VISION_WIDTH,
+}
+
+
+def _shrink_other_parts(config, text) -> None:
+    """Every sub-config of ``config`` but its text and vision configs (and, below them, theirs) given the sizes of
+    :data:`OTHER_PARTS` where it has those attributes, its dropout off."""
+    from transformers import PretrainedConfig
+
+    for name in list(config.to_dict()):
+        sub = getattr(config, name, None)
+        if not isinstance(sub, PretrainedConfig) or sub is text or name in ("vision_config", "text_config"):
+            continue
+        for key, value in OTHER_PARTS.items():
+            if _is_size(getattr(sub, key, None)):
+                try:
+                    setattr(sub, key, value)
+                except AttributeError:  # a property derived from other sizes
+                    pass
+        _shrink_dropout(sub)
+        _shrink_other_parts(sub, text)
 
 
 def _shrink_dropout(config) -> None:

@@ -38,6 +38,8 @@ def _skip_unless_known(model_type: str) -> None:
         ("mimo_v2_flash", cov.REFUSED, "value heads as wide as the query and key heads"),  # v_head_dim of its own
         ("qwen4_exp_text", cov.REFUSED, "a hybrid model"),  # its sparse attention's indexer sizes stated
         ("lfm2_moe", cov.REFUSED, "hybrid"),  # which blocks are convolutions stated
+        ("deepseek_vl_hybrid", cov.PATCHED, "text inputs only"),  # its second vision tower (SAM) shrunk too
+        ("qwen2_5_omni_thinker", cov.PATCHED, "text inputs only"),  # its audio encoder shrunk, its id stated
     ],
 )
 def test_newer_types_are_built_and_classified(model_type, status, words):
