@@ -55,6 +55,10 @@ def affine_form(norm, skip_probe: bool = False):
     bias = bias if isinstance(bias, torch.Tensor) else None
     if skip_probe or (weight is not None and weight.is_meta):
         return weight, bias
+    if weight is not None and weight.dim() == 0:  # a scalar, no per-channel gain (Gemma 3n's v norm on 5.4: 1.0)
+        if bias is None and float(weight) == 1.0:
+            return None, None
+        raise ValueError(f"{type(norm).__name__} has a scalar weight {float(weight):g}, not a per-channel gain")
     width = weight.shape[-1] if weight is not None else None
     if width is None:
         return None, None  # a parameter-free norm: nothing to fold, nothing to carry

@@ -206,16 +206,17 @@ def written_keys(attn: nn.Module, config, index: int, name: str) -> set:
     return set(given)
 
 
-def reused_entry(attn: nn.Module, config, index: int, name: str, kv_heads: int, head_dim: int):
+def reused_entry(attn: nn.Module, config, index: int, name: str, kv_heads: int, head_dim: int, keys=()):
     """The key of the mapping argument ``name`` whose keys and values layer ``index`` attends over instead of its
     own (a KV-shared layer of Gemma 3n or Gemma 4), or ``None``: a fresh, unpatched float64 instance of its class is
-    given the mapping filled, under each of the config's layer types, with keys and values of its own; the key is the
-    one whose two tensors reach its attention function unchanged. The caller's random state is left as it was."""
+    given the mapping filled, under each of ``keys`` (what earlier layers write there: a layer type, or a layer's
+    index on Transformers 5.17) and the config's layer types, with keys and values of its own; the key is the one
+    whose two tensors reach its attention function unchanged. The caller's random state is left as it was."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
     kind = _mapping_class(own_class(attn), name)
-    types_ = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    types_ = list(dict.fromkeys([*keys, *(getattr(config, "layer_types", None) or [])]))
     if kind is None or not types_:
         return None
     gen = torch.Generator().manual_seed(6)

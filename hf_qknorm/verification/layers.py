@@ -102,7 +102,7 @@ class ReferenceModel:
             self._q_scales.append(scales_of.get(cls, []))
             rest = [a for a in arguments if a not in self._q_scales[i] and a not in self._inert[i]]
             self._writes.append({a: derive.written_keys(attn, self.config, i, a) for a in self._inert[i]})
-            if len(rest) == 1 and "k" not in own_roles(attn, self.family):  # keys and values of an earlier layer
+            if len(rest) == 1:  # a mapping it reads: the keys and values of an earlier layer?
                 found = self._reused_source(i, attn, rest[0])
                 if found is not None:
                     self._kv_from[i], self._reused[i] = found
@@ -130,7 +130,8 @@ class ReferenceModel:
         derived from fresh instances: :func:`.derive.reused_entry`, :func:`.derive.written_keys`); ``None`` where
         there is none."""
         _, kv, head_dim = self.head_counts(attn)
-        key = derive.reused_entry(attn, self.config, index, name, kv, head_dim)
+        written = [key for j in range(index) for key in sorted(self._writes[j].get(name, ()), key=repr)]
+        key = derive.reused_entry(attn, self.config, index, name, kv, head_dim, written)
         writers = [j for j in range(index) if key is not None and key in self._writes[j].get(name, ())]
         return (writers[-1], (name, key, kv, head_dim)) if writers else None
 

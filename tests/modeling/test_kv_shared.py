@@ -266,3 +266,32 @@ def test_qk_clip_bounds_a_kv_shared_layer_through_its_query_gain():
     assert all(value <= tau * (1 + 1e-9) for value in after.values())
     with pytest.raises(NotImplementedError, match="layer 2 reuses an earlier layer's keys"):
         hf_qknorm.QKLearningRate(model)
+
+
+def test_the_language_model_of_a_multimodal_gemma4_with_kv_shared_layers():
+    """Gemma 4 E2B/E4B are multimodal: their language model's KV-shared tail is patched as a text model's is, the
+    logits kept to the bit by ``qk_norm`` / rmsnorm, and verify follows it."""
+    _known("gemma4")
+    from transformers import AutoModelForImageTextToText
+
+    from hf_qknorm.verification.tiny import tiny_multimodal_config
+
+    config = tiny_multimodal_config("gemma4")
+    text = config.get_text_config()
+    wide = next(iter(text.to_dict()["per_layer_config"].values()))
+    text.num_hidden_layers = 4
+    text.layer_types = ["sliding_attention", "full_attention"] * 2
+    text.per_layer_config = {1: dict(wide), 3: dict(wide)}
+    text.num_kv_shared_layers = 2
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    layers = model.model.language_model.layers
+    own_keys = [isinstance(getattr(layer.self_attn, "k_proj", None), nn.Module) for layer in layers]
+    assert own_keys == [True, True, False, False]
+    ids = _ids(model)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    hf_qknorm.patch_model(model, scheme="qk_norm", norm="rmsnorm")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+    assert hf_qknorm.verify(model, generate=False).ok

@@ -6,6 +6,8 @@ A layer whose values are its keys' projection (``attention_k_eq_v``) has them so
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -39,6 +41,11 @@ def _build(kind: str):
     model = AutoModelForCausalLM.from_config(config).eval()
     if kind == "gemma3n_text" and not any(getattr(a, "is_kv_shared_layer", False) for a in _attns(model)):
         pytest.skip("this Transformers' tiny Gemma 3n has no KV-shared layer")
+    forward = inspect.signature(type(_attns(model)[0]).forward)
+    if kind == "gemma3n_text" and "shared_kv_states" not in forward.parameters:
+        # Transformers 5.4's reads the shared keys from the cache alone: it computes one thing with a cache and
+        # another without (its own tests' business), so there is no one model to verify
+        pytest.skip("this Transformers' Gemma 3n shares keys and values through its cache only")
     return model
 
 
