@@ -260,12 +260,15 @@ def parallelize_attention(model: nn.Module, mesh) -> nn.Module:
     }
     for site in sites:
         attn = site.module
-        if any(hasattr(getattr(attn, name), "base_layer") for name in plan):
+        # the projections the layer has: a KV-shared layer (Gemma 3n, Gemma 4) reads its store layer's keys and
+        # values, whose heads that layer's sharding splits as its own queries' are; a k_eq_v layer has no v_proj
+        own = {name: style for name, style in plan.items() if isinstance(getattr(attn, name, None), nn.Module)}
+        if any(hasattr(getattr(attn, name), "base_layer") for name in own):
             raise NotImplementedError(
                 f"layer {site.index}: a peft-wrapped projection cannot be tensor-parallelised "
                 "here; apply LoRA under FSDP2 or DDP instead"
             )
-        parallelize_module(attn, mesh, plan)
+        parallelize_module(attn, mesh, own)
         hooks.use_forward_hooks(attn)  # the norms must see the local tensor TP's output hooks make of the DTensor
         attn.__dict__[_TP_MARK] = mesh
     sync_norm_grads(model, mesh.get_group())

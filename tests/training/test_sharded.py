@@ -151,6 +151,23 @@ def test_non_finite_and_negative_maxima_across_ranks(tmp_path_factory):
 
 
 @pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
+@pytest.mark.spawns(shared=True)
+def test_a_kv_shared_layer_under_tensor_parallelism(tmp_path_factory):
+    """Tensor parallelism of a model whose last layer reuses an earlier layer's keys and values (no k/v projection to
+    shard): each rank's KV-shared layer reads the key heads its store layer's rank holds, which are the ones its own
+    query heads attend to -- the logits and the norms' gradients are the one process's."""
+    out = _launch(2, tmp_path_factory)
+    path = out / "kv_shared_tp.rank0.pt"
+    if not path.exists():
+        pytest.skip("gemma4_text is not in this Transformers")
+    results = torch.load(path, weights_only=False)
+    (single, g1), (sharded, g2) = results[False], results[True]
+    torch.testing.assert_close(sharded, single, rtol=1e-10, atol=1e-10)
+    assert g1.keys() == g2.keys() and any("layers.2.self_attn.q_norm" in n for n in g1)
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-9, atol=1e-10)
+
+
 def test_unsupported_layouts_are_refused_clearly(tmp_path_factory):
     out = _launch(2, tmp_path_factory)
     refused = torch.load(out / "refused.rank0.pt", weights_only=False)
@@ -368,6 +385,37 @@ def _refusals(out: Path, rank: int, world: int) -> None:
         torch.save(refused, out / "refused.rank0.pt")
 
 
+def _kv_shared_tp(out: Path, rank: int, world: int) -> None:
+    """A capped Gemma 4 whose last layer reuses an earlier layer's keys and values, in one process and tensor-
+    parallel: logits and the norms' gradients (float64)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "gemma4_text" not in CONFIG_MAPPING:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hf_qknorm
+    from tests._support.tiny_models import kv_shared_gemma4
+
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for sharded in (False, True):
+        model = kv_shared_gemma4().to(torch.float64)
+        hf_qknorm.patch_model(model, scheme="qk_norm_cap", norm="layernorm", softcap=2.0)
+        if sharded:
+            hf_qknorm.parallelize_attention(model, init_device_mesh("cpu", (world,)))
+        logits = model(ids).logits
+        logits.square().mean().backward()
+        grads = {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for n, p in model.named_parameters()
+            if "_norm" in n and p.grad is not None
+        }
+        results[sharded] = (logits.detach(), grads)
+    if rank == 0:
+        torch.save(results, out / "kv_shared_tp.rank0.pt")
+
+
 def _worker(out: Path) -> None:
     import torch.distributed as dist
 
@@ -383,6 +431,7 @@ def _worker(out: Path) -> None:
         _checkpoint(out, rank, world)
         _nonfinite(out, rank, world)
         _refusals(out, rank, world)
+        _kv_shared_tp(out, rank, world)
     dist.destroy_process_group()
     # Everything is saved. Leave without the interpreter's teardown: on a loaded machine gloo's threads sometimes
     # abort it ("terminate called without an active exception", exit -6, seen on the previous release's code too),
