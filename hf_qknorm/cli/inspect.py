@@ -1,7 +1,8 @@
 """``hf-qknorm inspect DIR``: what a saved folder is, and the per-layer statistics of its q/k/v norm weights.
 
 Everything is read from ``config.json`` and the safetensors files (headers checked first, then only the norm tensors
-loaded), so a folder of any size is inspected in a moment and without building the model. The rows are checked
+loaded), so a folder of any size is inspected in a moment: the model is built on the ``meta`` device only, to know
+each layer's norm tensors. The rows are checked
 against the norm weights the folder's scheme needs (:func:`expected_norms`): a tensor that is missing, not part of
 the scheme, of another shape or not floating point is flagged, and ``inspect`` exits 1 -- the same folder fails
 ``hf-qknorm verify`` and does not load.
@@ -62,10 +63,12 @@ def _row_order(r: dict):
     return r["layer"], "qkv".index(r["name"][0]), r["name"].endswith("bias")
 
 
-def expected_norms(cfg: dict) -> tuple[str, dict[tuple[int, str], list[int]]] | None:
+def expected_norms(cfg: dict, folder: Path | None = None) -> tuple[str, dict[tuple[int, str], list[int]]] | None:
     """``(what, {(layer, "q_norm.weight"): shape})``: the norm tensors a folder with config ``cfg`` must hold (a
     ``qknorm_<base>`` folder: its scheme's; a plain Qwen3: its own q/k norms); ``None`` when nothing is known (a plain
-    folder of another family, or sizes config.json does not give)."""
+    folder of another family, or sizes config.json does not give). With the ``folder``, the tensors are those of
+    the model its config builds, on the ``meta`` device (:func:`_built_norms`: a layer's own head width, a layer
+    with no key norm of its own); else, or where that model cannot be built, one shape for every layer."""
     from ..modeling.derive import get_family
     from ..portable.families import base_model_type
     from ..portable.names import PREFIX
@@ -105,7 +108,33 @@ def expected_norms(cfg: dict) -> tuple[str, dict[tuple[int, str], list[int]]] | 
             for role in roles
             for name, prm in make_norm(scheme.norm, role, head_dim, 1e-6, scheme.p).named_parameters()
         }
+    built = _built_norms(folder) if folder is not None else None
+    if built is not None:
+        return what, built
     return what, {(i, name): shape for i in range(layers) for name, shape in params.items()}
+
+
+def _built_norms(folder: Path) -> dict[tuple[int, str], list[int]] | None:
+    """The q/k/v norm tensors, by layer, of the model ``folder``'s config builds as loading builds it (a patched
+    class applies its scheme), on the ``meta`` device: no weight is read. ``None`` where it cannot be built."""
+    import torch
+    from transformers import AutoConfig
+
+    from ..modeling.saved import auto_class
+    from ..verification.loading import quiet_transformers
+
+    try:
+        with quiet_transformers(), torch.device("meta"):
+            config = AutoConfig.from_pretrained(folder)
+            names = auto_class(config).from_config(config).state_dict()
+    except Exception:
+        return None
+    out = {}
+    for name, tensor in names.items():
+        m = _NORM_KEY.search(name)
+        if m:
+            out[(int(m.group(1)), f"{m.group(2)}.{m.group(3)}")] = list(tensor.shape)
+    return out
 
 
 def check_rows(rows: list[dict], expected) -> list[dict]:
@@ -172,7 +201,7 @@ def folder_summary(folder: Path) -> tuple[str, int]:
         f"qknorm: {json.dumps(cfg.get('qknorm'))}",
         *_remote_code_line(folder),
     ]
-    rows = check_rows(norm_statistics(folder), expected_norms(cfg))
+    rows = check_rows(norm_statistics(folder), expected_norms(cfg, Path(folder)))
     if not rows:
         lines.append("norm weights: none (no q_norm / k_norm / v_norm tensors in the safetensors files)")
         return "\n".join(lines), 0

@@ -510,3 +510,35 @@ def test_info_says_whether_the_native_op_runs_and_which_tanh(monkeypatch, capsys
     assert "in use" in states["in use"]
     assert "built, off" in states["off"]
     assert "not built" in states["not built"]
+
+
+def test_inspect_reads_each_layers_own_norms(tmp_path, capsys):
+    """Gemma 4's full-attention layers have heads twice as wide as its sliding ones, and a KV-shared layer has a
+    query norm alone: a patched folder of it is all ``ok`` (each layer's norms are the built model's, on ``meta``),
+    while a key norm put into that layer, or one of the sliding width on a wide layer, is still flagged."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "gemma4_text" not in CONFIG_MAPPING:
+        pytest.skip("gemma4_text is not in this Transformers")
+    from safetensors.torch import load_file, save_file
+
+    import hf_qknorm
+    from tests._support.tiny_models import kv_shared_gemma4
+
+    model = kv_shared_gemma4()
+    hf_qknorm.patch_model(model, "qk_norm_cap", norm="layernorm", softcap=5.0)
+    model.save_pretrained(tmp_path / "m")
+    code, out, _ = run(capsys, "inspect", tmp_path / "m")
+    assert code == 0, out
+    assert "| 1 | q_norm.weight | (32,) |" in out and "| 0 | q_norm.weight | (16,) |" in out
+    assert "| 2 | k_norm" not in out
+    path = tmp_path / "m" / "model.safetensors"
+    sd = load_file(path)
+    sd["model.layers.2.self_attn.k_norm.weight"] = torch.ones(32)
+    sd["model.layers.1.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(sd, str(path), metadata={"format": "pt"})
+    code, out, _ = run(capsys, "inspect", tmp_path / "m")
+    rows = {tuple(line.split(" | ")[:2]): line for line in out.splitlines() if line.startswith("| ")}
+    assert code == 1
+    assert rows[("| 2", "k_norm.weight")].endswith("| UNEXPECTED: not a weight of qk_norm_cap / layernorm |")
+    assert rows[("| 1", "q_norm.weight")].endswith("| shape (16,), the scheme needs (32,) |")
