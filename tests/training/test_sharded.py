@@ -151,7 +151,6 @@ def test_non_finite_and_negative_maxima_across_ranks(tmp_path_factory):
 
 
 @pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
-@pytest.mark.spawns(shared=True)
 def test_a_kv_shared_layer_under_tensor_parallelism(tmp_path_factory):
     """Tensor parallelism of a model whose last layer reuses an earlier layer's keys and values (no k/v projection to
     shard): each rank's KV-shared layer reads the key heads its store layer's rank holds, which are the ones its own
@@ -168,6 +167,7 @@ def test_a_kv_shared_layer_under_tensor_parallelism(tmp_path_factory):
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_unsupported_layouts_are_refused_clearly(tmp_path_factory):
     out = _launch(2, tmp_path_factory)
     refused = torch.load(out / "refused.rank0.pt", weights_only=False)
