@@ -259,6 +259,14 @@ VISION = {
     "projection_dim": HIDDEN,  # PaliGemma's projector writes the vision config's projection_dim
     "out_hidden_size": HIDDEN,  # Qwen-VL's merger writes the text model's width
     "num_position_embeddings": (IMAGE // PATCH) ** 2,
+    "projection_hidden_dim": VISION_MLP,  # Inkling 2's merger: its hidden width, then the text model's
+    "text_hidden_size": HIDDEN,
+}
+# A multimodal config's own sizes of the parts between its towers, where it has them.
+PROJECTOR = {
+    "projector_hidden_size": VISION_MLP,
+    "out_hidden_size": HIDDEN,  # the text model's width, where a projector writes it
+    "vision_hidden_size": VISION_WIDTH,
 }
 # The ids a multimodal config gives its special tokens, set to the top of the tiny vocabulary (in this order).
 SPECIAL_IDS = (
@@ -329,6 +337,9 @@ def tiny_multimodal_config(model_type: str):
                 setattr(sub, name, value)
         _shrink_dropout(sub)
     _shrink_other_parts(config, text)
+    for name, value in PROJECTOR.items():
+        if _is_size(getattr(config, name, None)):
+            setattr(config, name, value)
     for name, value in top.items():
         setattr(config, name, value)
     special_ids_on_top(config, VOCAB)

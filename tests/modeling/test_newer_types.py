@@ -40,6 +40,7 @@ def _skip_unless_known(model_type: str) -> None:
         ("lfm2_moe", cov.REFUSED, "hybrid"),  # which blocks are convolutions stated
         ("deepseek_vl_hybrid", cov.PATCHED, "text inputs only"),  # its second vision tower (SAM) shrunk too
         ("qwen2_5_omni_thinker", cov.PATCHED, "text inputs only"),  # its audio encoder shrunk, its id stated
+        ("minimax_m3_vl", cov.PATCHED, "text inputs only"),  # its projector's width shrunk
     ],
 )
 def test_newer_types_are_built_and_classified(model_type, status, words):
