@@ -89,7 +89,7 @@ class ReferenceModel:
         self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
         self._q_scales: list[list[str]] = []  # per layer: the arguments that scale its query by position
         self._inert: list[dict] = []  # per layer: the mappings it only writes into (Gemma 4's shared_kv_states)
-        self._writes: list[dict] = []  # per layer: mapping argument -> the keys it writes there
+        self._writes: dict[tuple[int, str], set] = {}  # (layer, mapping argument) -> the keys it writes, as asked
         self._kv_from: dict[int, int] = {}  # a layer reusing an earlier layer's keys and values -> that layer
         self._reused: dict[int, tuple] = {}  # such a layer -> (argument, key, kv_heads, head_dim) it reads them by
         scales_of: dict[type, list[str]] = {}  # one derivation per attention class
@@ -101,7 +101,6 @@ class ReferenceModel:
                 scales_of[cls] = derive.query_scales(attn, self.config, i, arguments, self._inert[i])
             self._q_scales.append(scales_of.get(cls, []))
             rest = [a for a in arguments if a not in self._q_scales[i] and a not in self._inert[i]]
-            self._writes.append({a: derive.written_keys(attn, self.config, i, a) for a in self._inert[i]})
             if len(rest) == 1:  # a mapping it reads: the keys and values of an earlier layer?
                 found = self._reused_source(i, attn, rest[0])
                 if found is not None:
@@ -130,10 +129,19 @@ class ReferenceModel:
         derived from fresh instances: :func:`.derive.reused_entry`, :func:`.derive.written_keys`); ``None`` where
         there is none."""
         _, kv, head_dim = self.head_counts(attn)
-        written = [key for j in range(index) for key in sorted(self._writes[j].get(name, ()), key=repr)]
+        written = [key for j in range(index) for key in sorted(self._written(j, name), key=repr)]
         key = derive.reused_entry(attn, self.config, index, name, kv, head_dim, written)
-        writers = [j for j in range(index) if key is not None and key in self._writes[j].get(name, ())]
+        writers = [j for j in range(index) if key is not None and key in self._written(j, name)]
         return (writers[-1], (name, key, kv, head_dim)) if writers else None
+
+    def _written(self, index: int, name: str) -> set:
+        """The keys layer ``index`` writes into its mapping argument ``name`` (none where it does not only write
+        into it), derived once, and only where a later layer reads the mapping."""
+        if (index, name) not in self._writes:
+            inert = name in self._inert[index]
+            found = derive.written_keys(self.attns[index], self.config, index, name) if inert else set()
+            self._writes[index, name] = found
+        return self._writes[index, name]
 
     # ---------------------------------------------------------------------------------------------------------------
     def head_counts(self, attn) -> tuple[int, int, int]:
