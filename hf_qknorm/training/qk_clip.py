@@ -50,6 +50,7 @@ and the PyTorch path's row maxima); on other backends they cost one chunked ``q 
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -59,6 +60,7 @@ from ..modeling.sharding import (
     check_tensor_parallel,
     collective_device,
     fsdp_owned,
+    is_dtensor,
     local_part,
     refuse_engines,
     world_size,
@@ -269,7 +271,7 @@ def _gain_offset(site, norm: nn.Module) -> float:
     """What a norm adds to its ``weight`` to make its gain: 0 for ``weight * n(x)``, 1 for Gemma's ``(1 + weight) *
     n(x)`` (scaling such a weight by ``f`` would not scale the output by ``f``). Read off the module by the probe
     :func:`hf_qknorm.portable.fold.affine_form` makes; the norms hf_qknorm makes carry their gain as it is."""
-    inner = getattr(norm, "original_module", norm)
+    inner = _whole(getattr(norm, "original_module", norm))
     weight = getattr(inner, "weight", None)
     if isinstance(inner, _GAINED_NORMS) or not isinstance(weight, torch.Tensor) or weight.is_meta:
         return 0.0
@@ -285,6 +287,20 @@ def _gain_offset(site, norm: nn.Module) -> float:
         f"layer {site.index}: q/k norm {type(inner).__name__}'s gain is neither its weight nor 1 + its weight; "
         "QK-Clip does not know how to scale it"
     )
+
+
+def _whole(norm: nn.Module) -> nn.Module:
+    """``norm``, or where its own parameters are ``DTensor`` shards (FSDP2) a shallow copy holding them whole (one
+    all-gather each, made by every rank alike), which its form can be read off."""
+    own = norm._parameters
+    if not any(p is not None and is_dtensor(p) for p in own.values()):
+        return norm
+    whole = copy.copy(norm)
+    whole._parameters = {
+        k: None if p is None else nn.Parameter(p.full_tensor().detach() if is_dtensor(p) else p.detach(), False)
+        for k, p in own.items()
+    }
+    return whole
 
 
 def _check_trained(site, rows, norms) -> None:

@@ -168,6 +168,17 @@ def test_a_kv_shared_layer_under_tensor_parallelism(tmp_path_factory):
 
 
 @pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
+def test_qk_clip_scales_sharded_one_plus_w_gains_as_one_process_does(tmp_path_factory):
+    """Gemma's own norms keep a gain of ``1 + w``; under FSDP2 their weights are shards, whose form QK-Clip reads off
+    a whole copy: the clipped gains equal the one process's."""
+    out = _launch(2, tmp_path_factory)
+    (n1, g1), (n2, g2) = (torch.load(out / "gemma_norms_fsdp.rank0.pt", weights_only=False)[k] for k in (False, True))
+    assert n1 > 0 and n1 == n2 and g1.keys() == g2.keys() and g1
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.spawns(shared=True)  # the launch the first of these tests starts
 def test_unsupported_layouts_are_refused_clearly(tmp_path_factory):
     out = _launch(2, tmp_path_factory)
     refused = torch.load(out / "refused.rank0.pt", weights_only=False)
@@ -416,6 +427,41 @@ def _kv_shared_tp(out: Path, rank: int, world: int) -> None:
         torch.save(results, out / "kv_shared_tp.rank0.pt")
 
 
+def _gemma_norms_fsdp(out: Path, rank: int, world: int) -> None:
+    """QK-Clip on an unpatched Gemma 3, its own ``1 + w`` q/k norms sharded by FSDP2: the gains after one clipped
+    step, in one process and sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import hf_qknorm
+    from hf_qknorm.verification.tiny import tiny_config
+
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(4))
+    results = {}
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("gemma3_text")).to(torch.float64)
+        model.set_attn_implementation("qknorm")
+        if sharded:
+            mesh = init_device_mesh("cpu", (world,))
+            for block in model.model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        clip = hf_qknorm.QKClip(model, tau=0.05)
+        model.train()
+        model(ids)
+        clipped = clip.step()
+        gains = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()
+            if "q_norm" in n or "k_norm" in n
+        }
+        results[sharded] = (len(clipped), gains)
+    if rank == 0:
+        torch.save(results, out / "gemma_norms_fsdp.rank0.pt")
+
+
 def _worker(out: Path) -> None:
     import torch.distributed as dist
 
@@ -432,6 +478,7 @@ def _worker(out: Path) -> None:
         _nonfinite(out, rank, world)
         _refusals(out, rank, world)
         _kv_shared_tp(out, rank, world)
+        _gemma_norms_fsdp(out, rank, world)
     dist.destroy_process_group()
     # Everything is saved. Leave without the interpreter's teardown: on a loaded machine gloo's threads sometimes
     # abort it ("terminate called without an active exception", exit -6, seen on the previous release's code too),
