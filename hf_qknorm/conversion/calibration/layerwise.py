@@ -31,7 +31,7 @@ from ...portable.schemes import QKNormConfig
 from ..orchestration.progress import Stage
 from .localfit import closed_form, fit_attention, norm_parameters
 from .stats import CAP_WARN_FRACTION, ActivationRecorder, CalibrationReport, cap_warning
-from .streaming import BlockCall, StreamedCheckpoint, run_block, run_capturing
+from .streaming import FIT, BlockCall, StreamedCheckpoint, run_block, run_blocks, run_capturing, store_shared
 
 logger = logging.getLogger("hf_qknorm.conversion")
 
@@ -157,7 +157,7 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
     o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
     recorder = ActivationRecorder(stream.original, family, cfg, stream.device, indices=[i])
     with torch.no_grad(), recorder:
-        targets, out = run_capturing(orig, o_attn, calib, calls)
+        targets, out = run_capturing(orig, o_attn, calib, calls, "original")
         attn_calls = [attention_call(patched, p_attn, h, call) for h, call in zip(calib, calls)]
     stage.update(0, note=f"layer {i}: statistics")
     layer = recorder.layer_stats()[0]
@@ -179,6 +179,7 @@ def _fit_layer(stream, i, orig, patched, calib, calls: list[BlockCall], cfg, set
         ),
     )
     layer.fit_error_closed_form, layer.fit_error = fit.error_closed_form, fit.error
+    store_shared(p_attn, attn_calls)
     layer.max_logit_converted = _max_logit(stream, p_attn, attn_calls)
     return {"layer": layer, "least_squares": ls}, out
 
@@ -188,7 +189,8 @@ class _Stop(Exception):
 
 
 def attention_call(block, attn, hidden, call: BlockCall) -> BlockCall:
-    """The arguments ``block``'s forward hands its attention module for ``hidden`` (the block stops there)."""
+    """The arguments ``block``'s forward hands its attention module for ``hidden`` (the block stops there), in the
+    fits' stream (:data:`~hf_qknorm.conversion.calibration.streaming.FIT`)."""
     seen = {}
 
     def pre(module, args, kwargs):
@@ -197,7 +199,7 @@ def attention_call(block, attn, hidden, call: BlockCall) -> BlockCall:
 
     handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
     try:
-        run_block(block, hidden, call)
+        run_block(block, hidden, call, FIT)
     except _Stop:
         pass
     finally:
@@ -232,9 +234,9 @@ def _max_logit(stream, attn, calls: list[BlockCall]) -> float:
 def _advance_eval(stream, orig, patched, streams, calls: list[BlockCall], versions: dict, tick) -> None:
     """Move the held-out streams one block on: the original block, and the patched block with each version of the
     new norms (``tick(name)`` after each: a heartbeat for the log)."""
-    streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], calls)]
+    streams["original"] = run_blocks(orig, streams["original"], calls, "original")
     tick("original")
     for name, vals in versions.items():
         stream.set_values(vals)
-        streams[name] = [run_block(patched, h, c) for h, c in zip(streams[name], calls)]
+        streams[name] = run_blocks(patched, streams[name], calls, name)
         tick(name)

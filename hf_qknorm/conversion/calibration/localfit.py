@@ -65,6 +65,8 @@ def _init_norm(norm: nn.Module, role: str, moments: dict, scaling: float) -> Non
         norm.weight.copy_(moments[role].fit(intercept=False)[0])
     elif isinstance(norm, HeadLpNorm) and norm.scale == "logit":
         mq, mk = moments["q"], moments["k"]
+        if not mk.count:  # a layer attending over an earlier layer's keys: its own init, fitted next
+            return
         norm.weight.fill_(scaling * (mq.norm_p_sum / mq.count) * (mk.norm_p_sum / mk.count))
 
 

@@ -108,7 +108,7 @@ class CalibrationReport:
         for s in self.layers:
             conv = "-" if s.max_logit_converted is None else f"{s.max_logit_converted:.2f}"
             lines.append(
-                f"| {s.layer} | {_mean(s.q_rms):.3f} | {_mean(s.k_rms):.3f} | {_mean(s.v_rms):.3f} | "
+                f"| {s.layer} | {_rms(s.q_rms)} | {_rms(s.k_rms)} | {_rms(s.v_rms)} | "
                 f"{s.max_logit_original:.2f} | {conv} | {_fmt(s.fit_error_closed_form)} | "
                 f"{_fmt(s.fit_error)} |"
             )
@@ -200,6 +200,11 @@ class CalibrationReport:
 
 def _mean(values) -> float:
     return sum(values) / max(1, len(values))
+
+
+def _rms(values) -> str:
+    """The mean of per-head RMS values, or ``-`` for a role the layer does not project (a KV-shared layer's k, v)."""
+    return f"{_mean(values):.3f}" if values else "-"
 
 
 def _fmt(x) -> str:

@@ -18,12 +18,24 @@ and patched) plus the activations, whatever the depth -- the way GPTQ-style tool
 :meth:`StreamedCheckpoint.block_inputs` runs the skeleton's own forward with every block replaced by a recorder, so
 each block later receives exactly the arguments the model's forward gives it (attention masks per layer type,
 RoPE position embeddings, position ids), for every family, without re-implementing any model's forward.
+
+**Streams.** A block may be handed a mutable mapping that every block of one forward shares (Gemma 3n's and Gemma
+4's ``shared_kv_states``: a layer stores its keys and values there and a later layer attends over them instead of
+its own). The streams a conversion moves through the blocks side by side -- the original model, the converted one
+with each version of the new norms, the inputs a layer is fitted on -- are separate forwards, so each needs its own
+copy: a recorded call holds a :class:`PerStream` in the mapping's place, and running a block names its stream
+(:func:`run_block`), which hands it that stream's copy of the mapping (the same copy to every block of the stream).
+A call run without a stream while it holds such a mapping is refused, never run on a mapping another stream
+wrote. The fits run in the stream :data:`FIT`; after a layer's fit, :func:`store_shared` runs it once more with
+its final parameters, so that a later layer reading what it stored is fitted on the keys the written model has.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections import UserDict
+from collections.abc import MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -45,6 +57,36 @@ class _Stop(Exception):
     """Raised by the last block's recorder: nothing after the blocks needs to run."""
 
 
+FIT = "fit"  # the stream of the layer fits: each patched attention layer on the inputs it is fitted on
+
+
+class StreamMapping(UserDict):
+    """One stream's copy of a mapping the blocks of a forward share. Tensors stored in it are detached: a layer fit
+    stores its keys on every step, and a graph kept in the mapping would outlive the step."""
+
+    def __setitem__(self, key, value):
+        if torch.is_tensor(value):
+            value = value.detach()
+        elif isinstance(value, tuple):
+            value = tuple(v.detach() if torch.is_tensor(v) else v for v in value)
+        super().__setitem__(key, value)
+
+
+class PerStream:
+    """A mutable mapping recorded in a block's arguments (module docstring): each stream gets its own copy of it,
+    made from what it held when recorded, on the first block run in that stream."""
+
+    def __init__(self, recorded: MutableMapping):
+        self.recorded = recorded  # held: keeps its id unique while the recording's memo lives
+        self.initial = dict(recorded)
+        self.copies: dict[str, StreamMapping] = {}
+
+    def get(self, stream: str) -> StreamMapping:
+        if stream not in self.copies:
+            self.copies[stream] = StreamMapping(self.initial)
+        return self.copies[stream]
+
+
 @dataclass
 class BlockCall:
     """The arguments one block receives in one forward (the hidden states are passed separately)."""
@@ -52,6 +94,30 @@ class BlockCall:
     args: tuple
     kwargs: dict
     hidden_in_args: bool
+
+    def bind(self, stream: str | None) -> BlockCall:
+        """The call as stream ``stream`` runs it: each :class:`PerStream` replaced by that stream's copy."""
+        if not any(isinstance(v, PerStream) for v in (*self.args, *self.kwargs.values())):
+            return self
+        if stream is None:
+            raise RuntimeError(
+                "a block call holding a mapping its forward's blocks share (shared_kv_states) was run without naming "
+                "its stream"
+            )
+        pick = lambda v: v.get(stream) if isinstance(v, PerStream) else v  # noqa: E731
+        return BlockCall(
+            tuple(pick(a) for a in self.args), {k: pick(v) for k, v in self.kwargs.items()}, self.hidden_in_args
+        )
+
+
+def _per_stream(value, memo: dict):
+    """``value``, or the :class:`PerStream` standing for it where it is a mutable mapping (one per recorded
+    mapping: every block of a forward gets the same)."""
+    if isinstance(value, MutableMapping):
+        if id(value) not in memo:
+            memo[id(value)] = PerStream(value)
+        return memo[id(value)]
+    return value
 
 
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -123,6 +189,15 @@ class StreamedCheckpoint:
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
+
+    @property
+    def reusing(self) -> tuple[int, ...]:
+        """The layers with no key projection of their own (attending over an earlier layer's keys)."""
+        from ...portable.families import own_roles
+
+        return tuple(
+            i for i, b in enumerate(self.blocks) if "k" not in own_roles(getattr(b, self.family.attention), self.family)
+        )
 
     # --- loading ------------------------------------------------------------------------------------------------
     def _load(self, model: nn.Module, names, transform: bool = False, values: dict | None = None) -> None:
@@ -212,8 +287,8 @@ class StreamedCheckpoint:
     def block_inputs(self, ids: torch.Tensor, batch_size: int) -> tuple[list[torch.Tensor], list[list[BlockCall]]]:
         """The first block's input hidden states for ``ids`` in batches of ``batch_size``, and every block's other
         arguments per batch: ``(hidden per batch, calls[layer][batch])``. Needs :meth:`outer`."""
-        hidden, calls = [], [[] for _ in self.blocks]
-        with _block_forwards(self.blocks, [self._recorder(i, calls, hidden) for i in range(len(self.blocks))]):
+        hidden, calls, memo = [], [[] for _ in self.blocks], {}
+        with _block_forwards(self.blocks, [self._recorder(i, calls, hidden, memo) for i in range(len(self.blocks))]):
             base = self.original.get_decoder() if hasattr(self.original, "get_decoder") else self.original
             for start in range(0, len(ids), batch_size):
                 try:
@@ -222,17 +297,20 @@ class StreamedCheckpoint:
                     pass
         return hidden, calls
 
-    def _recorder(self, index: int, calls, hidden):
+    def _recorder(self, index: int, calls, hidden, memo: dict):
         last = index == len(self.blocks) - 1
 
         def forward(*args, **kwargs):
             in_args = bool(args)
             x = args[0] if in_args else kwargs.pop("hidden_states")
             rest = args[1:] if in_args else ()
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", *CACHE_NAMES, "past_key_value")}
-            calls[index].append(
-                BlockCall(tuple(None if a is not None and _is_cache(a) else a for a in rest), kwargs, in_args)
-            )
+            kwargs = {
+                k: _per_stream(v, memo)
+                for k, v in kwargs.items()
+                if k not in ("use_cache", *CACHE_NAMES, "past_key_value")
+            }
+            rest = tuple(None if a is not None and _is_cache(a) else _per_stream(a, memo) for a in rest)
+            calls[index].append(BlockCall(rest, kwargs, in_args))
             if index == 0:
                 hidden.append(x.detach().clone())
             if last:
@@ -253,7 +331,7 @@ class StreamedCheckpoint:
         for j, h in enumerate(hidden):
             ids = blocks[j * batch_size : (j + 1) * batch_size].to(h.device)
             for row in range(len(ids)):  # one block at a time: the logits of a large vocabulary dominate memory
-                logits = self.logits(h[row : row + 1])[0, :-1].float()
+                logits = self.logits(rows(h, row))[0, :-1].float()
                 nll += F.cross_entropy(logits, ids[row, 1:], reduction="sum").item()
                 if original is not None:
                     top = logits.argmax(-1)
@@ -269,7 +347,7 @@ class StreamedCheckpoint:
         hit = self._top1.get(key)
         if hit is not None and hit[0] is x and hit[1] == x._version:
             return hit[2]
-        top = known if known is not None else self.logits(x[row : row + 1])[0, :-1].float().argmax(-1)
+        top = known if known is not None else self.logits(rows(x, row))[0, :-1].float().argmax(-1)
         self._top1[key] = (x, x._version, top)
         return top
 
@@ -280,8 +358,14 @@ class StreamedCheckpoint:
         with the first block handing on ``x`` and the others passing it through (needs :meth:`outer`)."""
         forwards = [_replay(x)] + [_passthrough] * (len(self.blocks) - 1)
         with _block_forwards(self.blocks, forwards):
-            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+            ids = torch.zeros(x.shape[-3:-1], dtype=torch.long, device=x.device)
             return self.original(input_ids=ids, use_cache=False).logits
+
+
+def rows(hidden: torch.Tensor, row: int, count: int = 1) -> torch.Tensor:
+    """Rows ``row .. row + count`` of a block's hidden states ``(..., batch, seq, width)``: the batch is the third
+    dimension from the end (Gemma 3n's blocks pass a stack of AltUp predictions in front of it)."""
+    return hidden.narrow(-3, row, count)
 
 
 @contextmanager
@@ -318,22 +402,43 @@ def _is_cache(value) -> bool:
     return isinstance(value, Cache)
 
 
-def run_capturing(block: nn.Module, module: nn.Module, inputs: list, calls: list) -> tuple[list, list]:
-    """``block`` on each of ``inputs`` with its recorded ``calls``: ``(captured, outputs)``, where ``captured`` holds
-    the outputs of ``module`` inside it (an attention layer's: the targets its converted twin is fitted to)."""
+def run_capturing(block: nn.Module, module: nn.Module, inputs: list, calls: list, stream: str) -> tuple[list, list]:
+    """``block`` on each of ``inputs`` with its recorded ``calls`` in stream ``stream``: ``(captured, outputs)``,
+    where ``captured`` holds the outputs of ``module`` inside it (an attention layer's: the targets its converted
+    twin is fitted to)."""
     captured = []
     hook = module.register_forward_hook(lambda m, a, o: captured.append((o[0] if isinstance(o, tuple) else o).detach()))
     try:
-        out = [run_block(block, h, call) for h, call in zip(inputs, calls)]
+        out = run_blocks(block, inputs, calls, stream)
     finally:
         hook.remove()
     return captured, out
 
 
-def run_block(block: nn.Module, hidden: torch.Tensor, call: BlockCall) -> torch.Tensor:
-    """``block`` on ``hidden`` with the arguments the model's forward gave it."""
+def run_blocks(block: nn.Module, inputs: list, calls: list, stream: str) -> list:
+    """:func:`run_block` on each of ``inputs`` with the matching recorded call."""
+    return [run_block(block, h, call, stream) for h, call in zip(inputs, calls)]
+
+
+def run_block(block: nn.Module, hidden: torch.Tensor, call: BlockCall, stream: str) -> torch.Tensor:
+    """``block`` on ``hidden`` with the arguments the model's forward gave it, as stream ``stream`` (module
+    docstring: the copy of a shared mapping it reads and writes)."""
+    call = call.bind(stream)
     if call.hidden_in_args:
         out = block(hidden, *call.args, **call.kwargs)
     else:
         out = block(hidden_states=hidden, **call.kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def store_shared(attn: nn.Module, calls: list) -> None:
+    """Run ``attn`` once on each of its recorded ``calls`` (stream :data:`FIT`) where they hold a mapping the
+    blocks share: what it stores there is then what its final parameters make (a fit's last step, or a trial's,
+    or the parameters a rejected fit left behind, would be there otherwise), and a later layer reading it is fitted
+    on the keys the written model has."""
+    from .localfit import attention_output
+
+    if any(isinstance(v, StreamMapping) for c in calls for v in (*c.args, *c.kwargs.values())):
+        for call in calls:
+            attention_output(attn, call)

@@ -41,7 +41,7 @@ import torch
 from ...portable.norms import NORM_CLASSES
 from ..calibration.layerwise import attention_call
 from ..calibration.localfit import fit_output, output_scale, relative_error
-from ..calibration.streaming import StreamedCheckpoint, run_block, run_capturing
+from ..calibration.streaming import StreamedCheckpoint, rows, run_blocks, run_capturing, store_shared
 from ..orchestration import ranks
 from ..orchestration.progress import Stage
 
@@ -291,13 +291,22 @@ def _below(lr: float) -> float:
     return float(f"{step:.3g}")  # 3e-5, not 3.0000000000000004e-05
 
 
-def check_world(settings: HealSettings) -> None:
-    """Refuse ``inputs == "converted"`` with more than one process: each layer is fitted on the layers healed before
-    it, so the fits cannot run side by side."""
-    if settings.inputs == "converted" and ranks.world() > 1:
+def check_world(settings: HealSettings, reusing: tuple[int, ...] = ()) -> None:
+    """Refuse, with more than one process, fits that depend on the layers healed before them: ``inputs ==
+    "converted"`` (each layer is fitted on the healed layers' activations) and a model whose layers ``reusing``
+    attend over an earlier layer's keys (fitted on the keys that layer's fit kept)."""
+    if ranks.world() == 1:
+        return
+    if settings.inputs == "converted":
         raise ValueError(
             f"heal inputs 'converted' fits each layer after the ones before it and cannot be split over "
             f"{ranks.world()} processes; use heal inputs 'original' (--heal-inputs original) or one process"
+        )
+    if reusing:
+        raise ValueError(
+            f"layer {reusing[0]} attends over an earlier layer's keys and values (num_kv_shared_layers) and is healed "
+            f"on the keys that layer's fit kept, so the heal cannot be split over {ranks.world()} processes; heal "
+            "in one process"
         )
 
 
@@ -316,7 +325,7 @@ def heal_checkpoint(
     changed; float32 on the CPU) and the :class:`HealReport`. With an initialised process group of more than one
     rank the layers are fitted side by side (module docstring); every rank must call this with the same arguments
     and returns the same result."""
-    check_world(settings)
+    check_world(settings, stream.reusing)
     t0 = time.time()
     with stream.outer():  # embeddings, final norm and head stay for the logit lens and the scores
         if ranks.world() == 1:
@@ -378,24 +387,25 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
         for i, orig, patched in stream.layers(values):
             o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
             with torch.no_grad():
-                targets, nxt = run_capturing(orig, o_attn, inputs, calls[i])
+                targets, nxt = run_capturing(orig, o_attn, inputs, calls[i], "original")
                 fit_inputs = inputs if own is None else own
                 attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(fit_inputs, calls[i])]
                 if own is not None:  # reach the original residual stream after attention: x' + a' = x + a
                     targets = [t + (x - y) for t, x, y in zip(targets, inputs, own)]
-                streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], eval_calls[i])]
-                streams["before"] = [run_block(patched, h, c) for h, c in zip(streams["before"], eval_calls[i])]
+                streams["original"] = run_blocks(orig, streams["original"], eval_calls[i], "original")
+                streams["before"] = run_blocks(patched, streams["before"], eval_calls[i], "before")
             tick = _ticker(stage, i, steps, block_len)
             results.append(_fit(p_attn, attn_calls, targets, settings, block_len, settings.seed + i, tick))
+            store_shared(p_attn, attn_calls)  # a later layer reading its keys is fitted on the kept ones
             before, after = results[-1][:2]
             with torch.no_grad():
-                streams["after"] = [run_block(patched, h, c) for h, c in zip(streams["after"], eval_calls[i])]
+                streams["after"] = run_blocks(patched, streams["after"], eval_calls[i], "after")
                 lens = _agreement(stream, streams["original"][0], streams["after"][0])
             note = f"layer {i}: output error {before:.4f} -> {after:.4f} (lr {results[-1][3]:.0e})"
             stage.update(0, note=f"{note}, agreement {100 * lens:.1f}%")
             if own is not None:
                 with torch.no_grad():
-                    own = [run_block(patched, h, c) for h, c in zip(own, calls[i])]
+                    own = run_blocks(patched, own, calls[i], "own")
             inputs = nxt
     out, errors, kept, lrs = _merge(stream, values, results)
     scores = {k: stream.score(v, eval_blocks, batch_size, streams["original"]) for k, v in streams.items()}
@@ -416,7 +426,7 @@ def _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, 
         for i, orig, patched in stream.layers(values):
             o_attn, p_attn = getattr(orig, family.attention), getattr(patched, family.attention)
             with torch.no_grad():
-                targets, nxt = run_capturing(orig, o_attn, inputs, calls[i])
+                targets, nxt = run_capturing(orig, o_attn, inputs, calls[i], "original")
             if i % world == me:
                 with torch.no_grad():
                     attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(inputs, calls[i])]
@@ -440,10 +450,10 @@ def _held_out(stream, values, healed, eval_blocks, batch_size, progress) -> dict
     streams = {name: [h.clone() for h in held] for name in ("original", "before", "after")}
     with Stage("scoring the healed model", stream.num_layers, "layers", progress) as stage, torch.no_grad():
         for i, orig, patched in stream.layers(values):
-            streams["original"] = [run_block(orig, h, c) for h, c in zip(streams["original"], eval_calls[i])]
-            streams["before"] = [run_block(patched, h, c) for h, c in zip(streams["before"], eval_calls[i])]
+            streams["original"] = run_blocks(orig, streams["original"], eval_calls[i], "original")
+            streams["before"] = run_blocks(patched, streams["before"], eval_calls[i], "before")
             stream.set_values(stream.layer_values(healed, i))
-            streams["after"] = [run_block(patched, h, c) for h, c in zip(streams["after"], eval_calls[i])]
+            streams["after"] = run_blocks(patched, streams["after"], eval_calls[i], "after")
             lens = _agreement(stream, streams["original"][0], streams["after"][0])
             stage.update(1, note=f"layer {i}: agreement {100 * lens:.1f}%")
     return {k: stream.score(v, eval_blocks, batch_size, streams["original"]) for k, v in streams.items()}
@@ -452,8 +462,8 @@ def _held_out(stream, values, healed, eval_blocks, batch_size, progress) -> dict
 @torch.no_grad()
 def _agreement(stream, original: torch.Tensor, converted: torch.Tensor) -> float:
     """Logit-lens top-1 agreement of one held-out batch (the first block of it: a cheap heartbeat)."""
-    a = stream.logits(original[:1]).float().argmax(-1)
-    b = stream.logits(converted[:1]).float().argmax(-1)
+    a = stream.logits(rows(original, 0)).float().argmax(-1)
+    b = stream.logits(rows(converted, 0)).float().argmax(-1)
     return (a == b).float().mean().item()
 
 

@@ -44,6 +44,12 @@ __all__ = [
 ]
 
 VERIFY_LAYERS = 2  # layers loaded for the verification probe: every layer runs the same code
+# ... except a KV-shared tail (Gemma 3n, Gemma 4's E sizes): the view then reaches its first layer (checked_layers)
+
+# tensors outside the layers packed layer-major along one dimension (``layers * width`` entries, layer 0's first):
+# Gemma 3n's and Gemma 4's per-layer input embeddings and their projection from the hidden states. A view of the
+# first ``n`` layers holds their first ``n * width`` entries (tested against the whole model's hidden states).
+LAYER_PACKED = {"embed_tokens_per_layer.weight": 1, "per_layer_model_projection.weight": 0}
 VERIFY_MODES = ("full", "plugin", "off")
 
 
@@ -182,7 +188,8 @@ def verify_output(
     from ..output.shards import load_pretrained
 
     reports, skipped, agreed = [], None, None
-    with quiet_transformers(), layer_view(folder, VERIFY_LAYERS) as view:
+    layers = checked_layers(folder)
+    with quiet_transformers(), layer_view(folder, layers) as view:
         model, info = load_pretrained(view, output_loading_info=True)
         model.eval()
         if info.get("missing_keys"):
@@ -212,7 +219,7 @@ def verify_output(
     if reports:
         ways = "with and without the plugin" if len(reports) == 2 else "with the plugin"
         say(
-            f"verified the written model ({ways}, first {VERIFY_LAYERS} layers in float32, float64 reference): "
+            f"verified the written model ({ways}, first {layers} layers in float32, float64 reference): "
             f"{reports[0].summary()}"
         )
     elif skipped:
@@ -238,7 +245,7 @@ AGREEMENT_SHAPE, AGREEMENT_PAD = (2, 20), 5  # probe batch (one row left-padded 
 def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_plugin: bool) -> str:
     """Compare the logits of the written model (``model``, loaded from ``view`` with the plugin; and without it, in
     a fresh interpreter, when ``without_plugin``) with the converted model in memory: the source's first
-    :data:`VERIFY_LAYERS` layers loaded in its own dtype, :func:`hf_qknorm.patch_model` with ``cfg`` (its self-check
+    :func:`checked_layers` layers loaded in its own dtype, :func:`hf_qknorm.patch_model` with ``cfg`` (its self-check
     runs on the source's own weights), every tensor the conversion computed set to its value (the new norms; with
     healing the attention's weights too), then run in float32. Returns what was checked;
     :class:`ConversionCheckError` when they differ."""
@@ -254,7 +261,8 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
     mask = torch.ones_like(ids)
     mask[0, :AGREEMENT_PAD] = 0
     dtype = source.weights.dtype
-    with layer_view(source.path, VERIFY_LAYERS) as src_view:
+    layers = checked_layers(source.path)
+    with layer_view(source.path, layers) as src_view:
         ref = load_pretrained(src_view, dtype=dtype)
     patch_model(ref, cfg)
     missing = sorted(set(new_norm_parameters(ref)) - set(values))
@@ -297,7 +305,7 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
             )
     return (
         f"logits {', '.join(got)} equal the converted model's (patch_model of the source with the new norms, "
-        f"first {VERIFY_LAYERS} layers, float32; largest difference {worst:.1e} of the largest logit)"
+        f"first {layers} layers, float32; largest difference {worst:.1e} of the largest logit)"
     )
 
 
@@ -317,13 +325,29 @@ def _layers_key(raw: dict) -> str:
     return getattr(config_class, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
 
 
+def _text_config(raw: dict) -> dict:
+    """The part of a config.json that counts the layers: a multimodal model's text config, else the whole."""
+    return raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+
+
+def checked_layers(folder: Path) -> int:
+    """The layers the written model's checks load: :data:`VERIFY_LAYERS`, or up to the first layer of a KV-shared
+    tail (``num_kv_shared_layers``: those layers attend over keys an earlier layer stored, through code the layers
+    before them never run)."""
+    text = _text_config(json.loads((Path(folder) / "config.json").read_text()))
+    total = int(text.get(_layers_key(text), 0))
+    shared = text.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < total:
+        return min(total, max(VERIFY_LAYERS, total - shared + 1))
+    return VERIFY_LAYERS
+
+
 @contextmanager
 def layer_view(folder: Path, layers: int):
     """A folder that loads as ``folder`` with at most ``layers`` layers: its own ``config.json`` (layer count and
     per-layer lists cut), links to the weights and copies of the small files a model load reads."""
     raw = json.loads((Path(folder) / "config.json").read_text())
-    # a multimodal model's layers are its language model's, counted in its text config
-    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    text = _text_config(raw)  # a multimodal model's layers are its language model's
     key = _layers_key(text)
     total = int(text.get(key, 0))
     with tempfile.TemporaryDirectory(prefix="hf_qknorm_verify_") as tmp:
@@ -355,25 +379,68 @@ def layer_view(folder: Path, layers: int):
                     left -= text[name]
         (view / "config.json").write_text(json.dumps(raw, indent=2))
         if 0 < layers < total:
-            _refuse_layer_count_tensors(folder, view, layers)
+            _cut_layer_count_tensors(folder, view, layers)
         yield view
 
 
-def _refuse_layer_count_tensors(folder: Path, view: Path, layers: int) -> None:
-    """Refuse a source with a tensor outside its layers whose size depends on the number of layers (Gemma 3n's
-    and Gemma 4's per-layer input embeddings): a view of its first ``layers`` layers cannot load its weights. Read off
-    two skeletons on the ``meta`` device (the source's and the view's configs), nothing loaded."""
+def _cut_layer_count_tensors(folder: Path, view: Path, layers: int) -> None:
+    """Give the view of the first ``layers`` layers the tensors outside the layers whose size depends on the layer
+    count: those of :data:`LAYER_PACKED` cut to their first entries, written into the view in place of the links to
+    the shards that hold them (with the other tensors of those shards the view's model loads); any other such
+    tensor is refused in one line. Read off two skeletons on the ``meta`` device (the source's and the view's
+    configs)."""
     from transformers import AutoConfig
 
     from ...portable.families import UnsupportedModelError
+    from ..output.keys import loaded_name
     from ..output.shards import skeleton
 
-    full = skeleton(AutoConfig.from_pretrained(folder), folder).state_dict()
+    full_model = skeleton(AutoConfig.from_pretrained(folder), folder)
+    full = full_model.state_dict()
     cut = skeleton(AutoConfig.from_pretrained(view), view).state_dict()
-    grown = [k for k, t in cut.items() if k in full and tuple(full[k].shape) != tuple(t.shape)]
+    grown = {k: tuple(t.shape) for k, t in cut.items() if k in full and tuple(full[k].shape) != tuple(t.shape)}
+    for name, shape in grown.items():
+        dim = next((d for suffix, d in LAYER_PACKED.items() if name.endswith(suffix)), None)
+        if dim is None or [i for i, (a, b) in enumerate(zip(full[name].shape, shape)) if a != b] != [dim]:
+            raise UnsupportedModelError(
+                f"{folder}: {name} has a size that depends on the number of layers in a way hf_qknorm does not "
+                f"know; the conversion's checks load the first {layers} layers of the source, which such a tensor "
+                "does not allow: converting this model is not supported"
+            )
     if grown:
-        raise UnsupportedModelError(
-            f"{folder}: {grown[0]} has a size that depends on the number of layers (per-layer input embeddings, as "
-            f"Gemma 3n's and Gemma 4's); the conversion's checks load the first {layers} layers of the source, "
-            "which such a tensor does not allow: converting this model is not supported"
-        )
+        _write_cut_shards(view, grown, cut, lambda key: loaded_name(key, full_model))
+
+
+def _write_cut_shards(view: Path, grown: dict, wanted: dict, name_of) -> None:
+    """Rewrite, in ``view``, each linked shard holding a tensor of ``grown`` (model name -> the view's shape): the
+    tensors of it the view's model loads (``wanted``: its state dict; ``name_of``: checkpoint key -> model name),
+    those of ``grown`` cut to their first entries; the weight index, where there is one, follows."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    changed: dict[str, list[str]] = {}
+    for link in sorted(view.glob("*.safetensors")):
+        with safe_open(str(link), framework="pt") as f:
+            keys = list(f.keys())
+            if not any(name_of(k) in grown for k in keys):
+                continue
+            tensors = {}
+            for key in keys:
+                name = name_of(key)
+                if name not in wanted:
+                    continue
+                tensor = f.get_tensor(key)
+                if name in grown:
+                    tensor = tensor[tuple(slice(0, n) for n in grown[name])].contiguous()
+                tensors[key] = tensor
+            metadata = f.metadata() or {"format": "pt"}
+        link.unlink()
+        save_file(tensors, str(link), metadata=metadata)
+        changed[link.name] = list(tensors)
+    for index in view.glob("*.safetensors.index.json"):
+        data = json.loads(index.resolve().read_text())
+        data["weight_map"] = {
+            k: f for k, f in data.get("weight_map", {}).items() if f not in changed or k in changed[f]
+        }
+        index.unlink(missing_ok=True)
+        index.write_text(json.dumps(data, indent=2))

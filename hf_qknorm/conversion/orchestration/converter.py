@@ -144,7 +144,7 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
 
     def check():
         if req.heal is not None:
-            check_world(req.heal)
+            check_world(req.heal, source.reusing)
             _check_heal_loads(source, req.heal)
         dst = req.dst if req.dst is not None else default_destination(source.name, cfg)
         dst = check_destination(dst, source.path, req.overwrite)

@@ -28,6 +28,9 @@ class Source:
     config: object
     family: Family
     weights: SourceWeights
+    # layers with no key projection of their own, attending over an earlier layer's keys and values (Gemma 3n's and
+    # Gemma 4's KV-shared tail): fitted after the layer they read, so their heal cannot be split over processes
+    reusing: tuple[int, ...] = ()
 
 
 def resolve_source(src) -> tuple[Path, str]:
@@ -90,21 +93,14 @@ def inspect_source(src, cfg=None) -> Source:
     family = family or get_family(model)
     # where the causal LM holds its blocks (a head model whose base-model prefix names no attribute of it)
     blocks = find_layers(model, family)
-    reusing = [i for i, b in enumerate(blocks) if "k" not in own_roles(getattr(b, family.attention), family)]
-    if reusing:
-        raise UnsupportedModelError(
-            f"model type {raw.get('model_type')!r}: layer {reusing[0]} reuses an earlier layer's keys and values "
-            "(num_kv_shared_layers: Gemma 3n, Gemma 4's E sizes); converting such layers is not supported (their "
-            "calibration and healing would need the keys of the layer they read). patch_model patches this model "
-            "in memory"
-        )
+    reusing = tuple(i for i, b in enumerate(blocks) if "k" not in own_roles(getattr(b, family.attention), family))
     family = dataclasses.replace(family, layers=next(n for n, m in model.named_modules() if m is blocks))
     weights = read_source_weights(path, family, config, model)
     check_matches_config(weights, config)
     if cfg is not None:
         eps = family.norm_eps(config, "; pass --eps") if cfg.eps is None else cfg.eps
         check_patchable(path, dataclasses.replace(cfg, eps=eps), weights)
-    return Source(path=path, name=name, config=config, family=family, weights=weights)
+    return Source(path=path, name=name, config=config, family=family, weights=weights, reusing=reusing)
 
 
 PROBE_LAYERS = 2  # layers of the source that the patch's self-check runs on before a conversion starts
