@@ -94,6 +94,16 @@ def inspect_source(src, cfg=None) -> Source:
     # where the causal LM holds its blocks (a head model whose base-model prefix names no attribute of it)
     blocks = find_layers(model, family)
     reusing = tuple(i for i, b in enumerate(blocks) if "k" not in own_roles(getattr(b, family.attention), family))
+    shared = getattr(text_config_of(config), "num_kv_shared_layers", 0)
+    if isinstance(shared, int) and shared > 0 and not reusing:
+        import transformers
+
+        raise UnsupportedModelError(
+            f"model type {raw.get('model_type')!r}: its last {shared} layers reuse earlier layers' keys and values "
+            f"(num_kv_shared_layers), which Transformers {transformers.__version__} does only through a cache (each "
+            "layer computes its own without one, so the model computes two things); converting it needs a newer "
+            "Transformers (5.17 and later share them in every forward)"
+        )
     family = dataclasses.replace(family, layers=next(n for n, m in model.named_modules() if m is blocks))
     weights = read_source_weights(path, family, config, model)
     check_matches_config(weights, config)
