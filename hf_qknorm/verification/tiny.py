@@ -345,7 +345,16 @@ def tiny_multimodal_config(model_type: str):
     special_ids_on_top(config, VOCAB)
     if "image_seq_length" in config.to_dict() and "image_seq_length" not in top:
         config.image_seq_length = (IMAGE // PATCH) ** 2
-    return config
+    return _as_loaded(config)
+
+
+def _as_loaded(config):
+    """``config`` as its own save and load gives it back: a config that derives a part's sizes from another part's
+    when it is built (Idefics2's perceiver takes the text model's width, MiniMax-M3-VL's merger its own) would
+    otherwise describe a model whose saved checkpoint does not load into the model its saved config describes."""
+    import json
+
+    return type(config).from_dict(json.loads(config.to_json_string(use_diff=False)))
 
 
 # The sizes of a multimodal config's other parts (an audio encoder, a Q-Former, a perceiver resampler, ...), where

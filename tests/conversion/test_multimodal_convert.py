@@ -347,3 +347,24 @@ def test_a_vision_tower_made_by_an_operation_not_reproduced_is_written_as_stored
     keys = dict.fromkeys(source)
     with pytest.raises(UnsupportedModelError, match=r"in_proj.*\(Chunk, PermuteForRope\).*does not reproduce"):
         key_map(skeleton(AutoConfig.from_pretrained(src)), keys, reads=lambda name: True)
+
+
+def test_a_tiny_multimodal_config_is_the_one_its_save_and_load_gives(tmp_path):
+    """Idefics2's config gives its perceiver the text model's width when it is built: a tiny config that shrank the
+    perceiver on its own saved a checkpoint that its own saved config could not load. The tiny config is built as a
+    save and load gives it back, and its checkpoint loads with every tensor in place."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_qknorm.modeling.saved import auto_class
+    from hf_qknorm.verification.tiny import tiny_multimodal_config
+
+    if "idefics2" not in CONFIG_MAPPING:
+        pytest.skip("idefics2 is not in this Transformers")
+    config = tiny_multimodal_config("idefics2")
+    assert config.perceiver_config.hidden_size == config.text_config.hidden_size
+    src = tiny_source("idefics2", tmp_path / "src")
+    again = AutoConfig.from_pretrained(src)
+    assert again.to_dict()["perceiver_config"] == config.to_dict()["perceiver_config"]
+    _, info = auto_class(again).from_pretrained(src, output_loading_info=True)
+    assert not info.get("missing_keys") and not info.get("mismatched_keys")
