@@ -368,3 +368,15 @@ def test_a_tiny_multimodal_config_is_the_one_its_save_and_load_gives(tmp_path):
     assert again.to_dict()["perceiver_config"] == config.to_dict()["perceiver_config"]
     _, info = auto_class(again).from_pretrained(src, output_loading_info=True)
     assert not info.get("missing_keys") and not info.get("mismatched_keys")
+
+
+def test_a_tiny_config_its_class_accepts_only_once_fitted_is_built_as_is():
+    """Cosmos 3 Edge's RoPE sections are fitted to the tiny heads once its model is built: before that its own class
+    refuses the config, so the round trip above leaves it as built (its checkpoint's load is checked where saved)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_qknorm.verification.tiny import tiny_multimodal_config
+
+    if "cosmos3_edge" not in CONFIG_MAPPING:
+        pytest.skip("cosmos3_edge is not in this Transformers")
+    assert tiny_multimodal_config("cosmos3_edge").model_type == "cosmos3_edge"
