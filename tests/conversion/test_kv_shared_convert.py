@@ -160,6 +160,18 @@ def test_kv_shared_layers_convert_heal_and_verify(tmp_path, kind, scheme, norm, 
     assert len(heal["layer_errors"]) == layers
 
 
+def _three_layers_with_per_layer_inputs():
+    """A tiny Gemma 4 of three layers with per-layer input embeddings (whose width is layers x width)."""
+    config = _gemma4_config()
+    if not getattr(config, "hidden_size_per_layer_input", 0):
+        pytest.skip("this Transformers' Gemma 4 has no per-layer input embeddings")
+    wide = next(iter(config.to_dict()["per_layer_config"].values()))  # the full-attention layers' own sizes
+    config.num_hidden_layers = 3
+    config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
+    config.per_layer_config = {1: dict(wide), 2: dict(wide)}
+    return config
+
+
 def test_a_view_of_the_first_layers_cuts_the_per_layer_inputs_exactly(tmp_path):
     """The checks' view of the first two layers of a three-layer Gemma 4 with per-layer input embeddings (stored in
     shards, with an index): its hidden states after those layers are the whole model's, computed by Transformers
@@ -169,13 +181,7 @@ def test_a_view_of_the_first_layers_cuts_the_per_layer_inputs_exactly(tmp_path):
     from hf_qknorm.conversion.orchestration.checks import layer_view
     from tests._support.convert_support import tree_hash
 
-    config = _gemma4_config()
-    if not getattr(config, "hidden_size_per_layer_input", 0):
-        pytest.skip("this Transformers' Gemma 4 has no per-layer input embeddings")
-    wide = next(iter(config.to_dict()["per_layer_config"].values()))
-    config.num_hidden_layers = 3
-    config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
-    config.per_layer_config = {1: dict(wide), 2: dict(wide)}
+    config = _three_layers_with_per_layer_inputs()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     src = tmp_path / "src"
@@ -208,13 +214,7 @@ def test_an_unknown_tensor_sized_by_the_layer_count_is_refused_in_one_line(tmp_p
     from hf_qknorm.conversion.orchestration import checks
 
     monkeypatch.setattr(checks, "LAYER_PACKED", {})
-    config = _gemma4_config()
-    if not getattr(config, "hidden_size_per_layer_input", 0):
-        pytest.skip("this Transformers' Gemma 4 has no per-layer input embeddings")
-    wide = next(iter(config.to_dict()["per_layer_config"].values()))
-    config.num_hidden_layers = 3
-    config.layer_types = ["sliding_attention", "full_attention", "full_attention"]
-    config.per_layer_config = {1: dict(wide), 2: dict(wide)}
+    config = _three_layers_with_per_layer_inputs()
     src = _source(tmp_path, config)
     with pytest.raises(UnsupportedModelError, match="depends on the number of layers") as info:
         hf_qknorm.convert(src, tmp_path / "out", "qk_norm_cap", calibration_text="wikitext2", progress=False)
