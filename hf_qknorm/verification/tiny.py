@@ -299,6 +299,18 @@ MULTIMODAL = {
     # the thinker's positions read the id its checkpoints state (its class has no default)
     "qwen2_5_omni_thinker": ({}, {"vision_start_token_id": 0}, None),
     "qwen3_omni_moe_thinker": ({}, {"vision_start_token_id": 0}, None),
+    # its Q-Former takes one head per 64 channels of the vision width; its checkpoints state which vision layers
+    # feed which language-model layers (no default): the last vision layer into the first layer
+    "granite4_vision": (
+        {"hidden_size": 64},
+        {
+            "deepstack_layer_map": [[-1, 0]],
+            "spatial_target_layers": [0, 1, 0, 1],
+            "downsample_rate": "1/2",
+            "image_grid_pinpoints": [[IMAGE, IMAGE]],
+        },
+        None,
+    ),
 }
 
 
