@@ -316,7 +316,8 @@ MULTIMODAL = {
 
 # M-RoPE sections of types whose default config leaves them to a checkpoint (Transformers 5.4 reads them in the
 # attention, with no class default): HEAD_DIM // 2 frequencies over the time, height and width rows.
-MROPE_SECTIONS = {"qwen2_vl": [2, 3, 3], "qwen2_5_vl": [2, 3, 3]}
+# HunYuan-VL's rotary module reads its checkpoints' four sections (position, width, height, image index) always.
+MROPE_SECTIONS = {"qwen2_vl": [2, 3, 3], "qwen2_5_vl": [2, 3, 3], "hunyuan_vl": [2, 2, 2, 2]}
 
 
 def is_multimodal(config) -> bool:
