@@ -130,7 +130,18 @@ class CalibrationReport:
             if self.kl_start is not None
             else ""
         )
-        return f"calibrated init removes {100 * self.recovered:.1f}% of identity init's perplexity increase{kl}"
+        return f"{self.recovery()}{kl}"
+
+    def recovery(self, bold: bool = False) -> str:
+        """What calibration removed of identity init's perplexity increase, or that there was none to remove (the
+        model's own norms are kept, or new norms at identity change little: ``recovered`` is then NaN)."""
+        if not self.ppl_identity > self.ppl_original:
+            return (
+                f"identity init does not raise held-out perplexity ({self.ppl_original:.3f} original, "
+                f"{self.ppl_identity:.3f} identity, {self.ppl_calibrated:.3f} calibrated): no increase to remove"
+            )
+        mark = "**" if bold else ""
+        return f"calibrated init removes {mark}{100 * self.recovered:.1f}%{mark} of identity init's perplexity increase"
 
     def agreement_lines(self) -> list[str]:
         """The answer-agreement line beside the perplexities (none when it was not measured)."""

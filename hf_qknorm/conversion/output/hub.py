@@ -277,10 +277,14 @@ def build_model_card(
         report=report,
         perplexity_table=report.perplexity_table() if report else "",
         layer_table=report.layer_table() if report else "",
-        recovered=f"{100 * report.recovered:.1f}%" if report else "",
+        recovery=_capitalised(report.recovery(bold=True)) if report else "",
         versions=versions or installed_versions(),
         licence_note=_licence_note(licence, unusable),
     )
+
+
+def _capitalised(sentence: str) -> str:
+    return sentence[:1].upper() + sentence[1:]
 
 
 def _licence_note(licence: dict, unusable: bool) -> str:
