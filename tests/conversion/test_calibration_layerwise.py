@@ -359,6 +359,9 @@ def test_the_verdict_and_card_say_what_calibration_removed_or_that_there_was_not
         layers=[],
     )
     assert says in report.verdict() and "nan" not in report.verdict()
+    import json
+
+    json.dumps(report.to_dict(), allow_nan=False)  # qknorm_conversion.json stays strict JSON
     card = str(
         build_model_card(base_model=None, cfg=QKNormConfig("qk_norm", norm="rmsnorm"), export="qknorm", report=report)
     )

@@ -76,7 +76,8 @@ class CalibrationReport:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["recovered"] = self.recovered
+        # strict JSON has no NaN: none where there was no increase to remove
+        d["recovered"] = self.recovered if self.ppl_identity > self.ppl_original else None
         return d
 
     def perplexity_table(self) -> str:
