@@ -29,9 +29,9 @@ import torch
 from ...modeling.telemetry import LogitTap, head_max_logits
 from ...portable.schemes import QKNormConfig
 from ..orchestration.progress import Stage
-from .localfit import closed_form, fit_attention, norm_parameters
+from .localfit import closed_form, fit_attention, norm_parameters, store_shared
 from .stats import CAP_WARN_FRACTION, ActivationRecorder, CalibrationReport, cap_warning
-from .streaming import FIT, BlockCall, StreamedCheckpoint, run_block, run_blocks, run_capturing, store_shared
+from .streaming import FIT, BlockCall, StreamedCheckpoint, run_block, run_blocks, run_capturing
 
 logger = logging.getLogger("hf_qknorm.conversion")
 

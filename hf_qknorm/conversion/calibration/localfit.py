@@ -29,7 +29,7 @@ from torch.func import functional_call
 
 from ...portable.norms import HeadLayerNorm, HeadLpNorm, HeadRMSNorm
 from .optim import cosine_adam, scaled_groups
-from .streaming import BlockCall
+from .streaming import BlockCall, StreamMapping
 
 
 @dataclass
@@ -83,6 +83,18 @@ def attention_output(attn: nn.Module, call: BlockCall, overrides: dict | None = 
     args, kwargs = call.args, call.kwargs
     out = functional_call(attn, overrides or {}, args, kwargs, strict=False) if overrides else attn(*args, **kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def store_shared(attn: nn.Module, calls: list) -> None:
+    """Run ``attn`` once on each of its recorded ``calls`` (in the fits' stream,
+    :data:`~hf_qknorm.conversion.calibration.streaming.FIT`) where they hold a mapping the blocks share: what it
+    stores there is then what its final parameters make (a fit's last step, or a trial's, or the parameters a
+    rejected fit left behind, would be there otherwise), and a later layer reading it is fitted on the keys the
+    written model has."""
+    if any(isinstance(v, StreamMapping) for c in calls for v in (*c.args, *c.kwargs.values())):
+        for call in calls:
+            attention_output(attn, call)
 
 
 def output_scale(targets: list[torch.Tensor]) -> float:

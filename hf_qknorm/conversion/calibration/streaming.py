@@ -26,8 +26,9 @@ with each version of the new norms, the inputs a layer is fitted on -- are separ
 copy: a recorded call holds a :class:`PerStream` in the mapping's place, and running a block names its stream
 (:func:`run_block`), which hands it that stream's copy of the mapping (the same copy to every block of the stream).
 A call run without a stream while it holds such a mapping is refused, never run on a mapping another stream
-wrote. The fits run in the stream :data:`FIT`; after a layer's fit, :func:`store_shared` runs it once more with
-its final parameters, so that a later layer reading what it stored is fitted on the keys the written model has.
+wrote. The fits run in the stream :data:`FIT`; after a layer's fit,
+:func:`~hf_qknorm.conversion.calibration.localfit.store_shared` runs it once more with its final parameters, so
+that a later layer reading what it stored is fitted on the keys the written model has.
 """
 
 from __future__ import annotations
@@ -429,16 +430,3 @@ def run_block(block: nn.Module, hidden: torch.Tensor, call: BlockCall, stream: s
     else:
         out = block(hidden_states=hidden, **call.kwargs)
     return out[0] if isinstance(out, tuple) else out
-
-
-@torch.no_grad()
-def store_shared(attn: nn.Module, calls: list) -> None:
-    """Run ``attn`` once on each of its recorded ``calls`` (stream :data:`FIT`) where they hold a mapping the
-    blocks share: what it stores there is then what its final parameters make (a fit's last step, or a trial's,
-    or the parameters a rejected fit left behind, would be there otherwise), and a later layer reading it is fitted
-    on the keys the written model has."""
-    from .localfit import attention_output
-
-    if any(isinstance(v, StreamMapping) for c in calls for v in (*c.args, *c.kwargs.values())):
-        for call in calls:
-            attention_output(attn, call)

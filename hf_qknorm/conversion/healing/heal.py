@@ -40,8 +40,8 @@ import torch
 
 from ...portable.norms import NORM_CLASSES
 from ..calibration.layerwise import attention_call
-from ..calibration.localfit import fit_output, output_scale, relative_error
-from ..calibration.streaming import StreamedCheckpoint, rows, run_blocks, run_capturing, store_shared
+from ..calibration.localfit import fit_output, output_scale, relative_error, store_shared
+from ..calibration.streaming import StreamedCheckpoint, rows, run_blocks, run_capturing
 from ..orchestration import ranks
 from ..orchestration.progress import Stage
 
