@@ -267,10 +267,11 @@ def test_cli_convert_errors_and_success(tmp_path, capsys, monkeypatch):
     assert os.listdir(tmp_path / "converted") == ["src-qk_norm-rmsnorm"]
 
 
-def test_soft_cap_card_says_there_is_nothing_to_initialise():
+def _report(**changes):
+    """A calibration report of a one-layer model (perplexities 10 -> 10.2), ``changes`` applied."""
     from hf_qknorm.conversion.calibration.calibrate import CalibrationReport, LayerStats
 
-    report = CalibrationReport(
+    fields = dict(
         scheme={"scheme": "soft_cap"},
         ppl_original=10.0,
         ppl_identity=10.2,
@@ -285,6 +286,11 @@ def test_soft_cap_card_says_there_is_nothing_to_initialise():
         layers=[LayerStats(0, [1.0], [1.0], [1.0], 30.0, 30.0)],
         cap=50.0,
     )
+    return CalibrationReport(**{**fields, **changes})
+
+
+def test_soft_cap_card_says_there_is_nothing_to_initialise():
+    report = _report()
     card = build_model_card(base_model=None, cfg=QKNormConfig("soft_cap"), export="qknorm", report=report)
     assert "adds no weights" in card.text and "10.000" in card.text and "least-squares" not in card.text
     assert "nothing to calibrate" in report.summary() and "identity init" not in report.summary()
@@ -427,3 +433,23 @@ def test_convert_with_an_invalid_repo_id_fails_before_any_work(tmp_path, monkeyp
     with pytest.raises(ValueError, match="invalid Hub repo id ''"):
         check_repo_id("")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("identity, says", [(12.0, "removes 50.0%"), (9.5, "no increase to remove")])
+def test_the_verdict_and_card_say_what_calibration_removed_or_that_there_was_nothing(identity, says):
+    """Where the new norms at identity do not raise perplexity (a model whose own norms they start from) there is
+    no increase to remove: said in words, never as ``nan%``, in the verdict and the model card alike."""
+    report = _report(
+        scheme={"scheme": "qk_norm", "norm": "rmsnorm"},
+        ppl_identity=identity,
+        ppl_calibrated=11.0 if identity > 10 else 9.9,
+        cap=None,
+    )
+    assert says in report.verdict() and "nan" not in report.verdict()
+    import json
+
+    json.dumps(report.to_dict(), allow_nan=False)  # qknorm_conversion.json stays strict JSON
+    card = str(
+        build_model_card(base_model=None, cfg=QKNormConfig("qk_norm", norm="rmsnorm"), export="qknorm", report=report)
+    )
+    assert says.replace("50.0%", "**50.0%**") in card and "nan%" not in card
