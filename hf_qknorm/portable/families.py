@@ -288,6 +288,12 @@ def own_roles(attn: nn.Module, family: Family) -> tuple[str, ...]:
     return tuple(r for r, name in family.projections.items() if _is_projection(getattr(attn, name, None)))
 
 
+def reusing_layers(blocks, family: Family) -> tuple[int, ...]:
+    """The indices of ``blocks`` whose attention has no key projection of its own (it attends over the keys and
+    values an earlier layer stored: Gemma 3n's and Gemma 4's KV-shared layers)."""
+    return tuple(i for i, block in enumerate(blocks) if "k" not in own_roles(getattr(block, family.attention), family))
+
+
 def _reuses_keys_or_values(model: nn.Module) -> bool:
     """Whether some instances of an attention class of ``model`` have q/k/v projections and others of the same class
     only their query and output projections (Gemma 3n's and Gemma 4's KV-shared layers; Gemma 4's

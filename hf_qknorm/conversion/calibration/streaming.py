@@ -194,11 +194,9 @@ class StreamedCheckpoint:
     @property
     def reusing(self) -> tuple[int, ...]:
         """The layers with no key projection of their own (attending over an earlier layer's keys)."""
-        from ...portable.families import own_roles
+        from ...portable.families import reusing_layers
 
-        return tuple(
-            i for i, b in enumerate(self.blocks) if "k" not in own_roles(getattr(b, self.family.attention), self.family)
-        )
+        return reusing_layers(self.blocks, self.family)
 
     # --- loading ------------------------------------------------------------------------------------------------
     def _load(self, model: nn.Module, names, transform: bool = False, values: dict | None = None) -> None:

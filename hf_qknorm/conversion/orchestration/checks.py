@@ -392,7 +392,7 @@ def _cut_layer_count_tensors(folder: Path, view: Path, layers: int) -> None:
     from transformers import AutoConfig
 
     from ...portable.families import UnsupportedModelError
-    from ..output.keys import loaded_name
+    from ..output.keys import loaded_names
     from ..output.shards import skeleton
 
     full_model = skeleton(AutoConfig.from_pretrained(folder), folder)
@@ -408,7 +408,7 @@ def _cut_layer_count_tensors(folder: Path, view: Path, layers: int) -> None:
                 "does not allow: converting this model is not supported"
             )
     if grown:
-        _write_cut_shards(view, grown, cut, lambda key: loaded_name(key, full_model))
+        _write_cut_shards(view, grown, cut, loaded_names(full_model))
 
 
 def _write_cut_shards(view: Path, grown: dict, wanted: dict, name_of) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from ...modeling.derive import get_family
 from ...modeling.saved import read_config
-from ...portable.families import Family, UnsupportedModelError, own_roles, text_config_of
+from ...portable.families import Family, UnsupportedModelError, reusing_layers, text_config_of
 from ...portable.layout import find_layers
 from ...portable.names import PREFIX
 from ..output.shards import SourceWeights, check_matches_config, read_source_weights, skeleton
@@ -93,7 +93,7 @@ def inspect_source(src, cfg=None) -> Source:
     family = family or get_family(model)
     # where the causal LM holds its blocks (a head model whose base-model prefix names no attribute of it)
     blocks = find_layers(model, family)
-    reusing = tuple(i for i, b in enumerate(blocks) if "k" not in own_roles(getattr(b, family.attention), family))
+    reusing = reusing_layers(blocks, family)
     shared = getattr(text_config_of(config), "num_kv_shared_layers", 0)
     if isinstance(shared, int) and shared > 0 and not reusing:
         import transformers

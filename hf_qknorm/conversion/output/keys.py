@@ -130,8 +130,14 @@ def _rename(key: str, renamings, converters, model, meta) -> tuple[str, str | No
 
 def loaded_name(key: str, model) -> str:
     """The model name Transformers loads the checkpoint key ``key`` under (renamings and base-model prefix)."""
+    return loaded_names(model)(key)
+
+
+def loaded_names(model):
+    """:func:`loaded_name` for many keys of one ``model``: its rules and state dict read once."""
     renamings, converters = _transforms(model)
-    return _rename(key, renamings, converters, model, model.state_dict())[0]
+    meta = model.state_dict()
+    return lambda key: _rename(key, renamings, converters, model, meta)[0]
 
 
 @torch.no_grad()
