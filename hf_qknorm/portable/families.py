@@ -59,6 +59,9 @@ QUIRKS: dict[str, dict] = {
     "persimmon": {"layout": PER_HEAD},
     "fuyu": {"layout": PER_HEAD},
     "codegen": {"refuse": "its fused qkv_proj interleaves q, k and v over model-parallel groups"},
+    # its text layers' attention (query/key/value) is not one read off the structure; the only q/k/v stack found
+    # would be its image encoder's
+    "git": {"refuse": "its text decoder's attention (BERT-style query/key/value layers) is not one hf_qknorm patches"},
     "olmo": {"refuse_if": ("clip_qkv", "clamps q, k and v after the projections (config.clip_qkv)")},
     # attention by name only: out of scope
     "rwkv": {"scope": "no softmax self-attention (RWKV's time mixing is recurrent)"},
@@ -333,8 +336,6 @@ def derive_family(model: nn.Module) -> Family:
     quirk = QUIRKS.get(model_type, {})
     if "refuse" in quirk:
         raise UnsupportedModelError(f"model type {model_type!r}: {quirk['refuse']}")
-    if "scope" in quirk:
-        raise UnsupportedModelError(f"model type {model_type!r}: {quirk['scope']}")
     if "refuse_if" in quirk and getattr(config, quirk["refuse_if"][0], None):
         raise UnsupportedModelError(f"model type {model_type!r}: {quirk['refuse_if'][1]}")
     path, blocks, attention = _blocks(model)
@@ -369,6 +370,12 @@ def derive_family(model: nn.Module) -> Family:
             continue
         weight = getattr(getattr(attn, name), "weight", None)
         width = None if weight is None else weight.shape[-1]
+        if weight is not None and weight.dim() > 1:  # Chameleon's: a gain per head, (heads, head_dim)
+            raise UnsupportedModelError(
+                f"model type {model_type!r}: its own {role} norm ({type(attn).__name__}.{name}) has a gain per head "
+                f"(weight {tuple(weight.shape)}), which the scheme's per-head norm (one gain shared by the heads) "
+                "cannot take the place of"
+            )
         if width is not None and width != head_dim_of(attn, config):
             kept[role] = name  # over the whole projection (OLMo 2): kept, the scheme's norm goes after it
         else:
@@ -437,6 +444,29 @@ def text_model_path(model: nn.Module) -> str | None:
             "holds the text config"
         )
     return outer[0]
+
+
+def text_forward_path(model: nn.Module) -> str | None:
+    """Where a forward on text alone runs in ``model``: ``None`` for the model itself, or the path of a multimodal
+    model's language model that is a causal LM of its own whose output head is the whole model's (BLIP-2's and
+    InstructBLIP's OPT, Kosmos-2's text model). Such a model's logits are its language model's, and its own forward
+    may need images (BLIP-2's takes no text alone), so text is run on the language model."""
+    try:
+        path = text_model_path(model)
+    except UnsupportedModelError:
+        return None
+    if path is None:
+        return None
+    inner = model.get_submodule(path)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    whole = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return path if head is not None and head is whole else None
+
+
+def text_runner(model: nn.Module) -> nn.Module:
+    """The module a forward on text alone is run on: ``model``, or its language model (:func:`text_forward_path`)."""
+    path = text_forward_path(model)
+    return model if path is None else model.get_submodule(path)
 
 
 def _multimodal_family(model: nn.Module, path: str) -> Family:
@@ -524,6 +554,8 @@ def out_of_scope(config) -> str | None:
     model_type = base_model_type(getattr(config, "model_type", "?"))
     if getattr(config, "is_encoder_decoder", False):
         return f"model type {model_type!r} is an encoder-decoder model; hf_qknorm patches decoder-only models"
+    if "scope" in QUIRKS.get(model_type, {}):  # attention by name only: known from the type, before any model
+        return f"model type {model_type!r}: {QUIRKS[model_type]['scope']}"
     text = text_config_of(config)
     if text is not config:  # a model in hand is patched through its language model (derive_family); a config is not
         return (

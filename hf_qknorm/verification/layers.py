@@ -18,7 +18,15 @@ import torch
 from torch import nn
 
 from ..modeling.patch import qknorm_config
-from ..portable.families import Family, UnsupportedModelError, family_of_model, head_dim_of, heads_of, own_roles
+from ..portable.families import (
+    Family,
+    UnsupportedModelError,
+    family_of_model,
+    head_dim_of,
+    heads_of,
+    own_roles,
+    text_runner,
+)
 from ..portable.layout import find_layers, unwrap
 from ..portable.names import ROLES
 from ..portable.schemes import QKNormConfig
@@ -332,13 +340,15 @@ class ReferenceModel:
                     "q_scale": self._q_scales[i],
                 }
             )
+        runner = text_runner(self.inner)  # BLIP-2 runs text on its language model (its own forward needs images)
         gen = getattr(self.inner, "generation_config", None)
-        can_generate = generate and callable(getattr(self.inner, "can_generate", None)) and self.inner.can_generate()
+        can_generate = generate and callable(getattr(runner, "can_generate", None)) and runner.can_generate()
         return {
             "layers": layers,
             **probe_tokens(self.config.vocab_size, seed, avoid=special_ids(self.inner.config, self.config, gen)),
             "generate": bool(can_generate),
             "pad_token_id": getattr(gen, "pad_token_id", None),
+            "text_forward": None if runner is self.inner else self.name(runner),
         }
 
     def _producer(self, attn, role: str) -> list:

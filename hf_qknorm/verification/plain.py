@@ -31,9 +31,11 @@ _RUNNER = textwrap.dedent("""
         try:
             auto = getattr(transformers, job.get("auto", "AutoModelForCausalLM"))
             model = auto.from_pretrained(job["path"], trust_remote_code=job["remote"]).eval()
+            # a multimodal model whose text runs on its language model (BLIP-2's forward needs images)
+            run = model.get_submodule(job["text_forward"]) if job.get("text_forward") else model
             ids, mask = torch.tensor(job["ids"]), torch.tensor(job["mask"])
             with torch.no_grad():
-                logits = model(input_ids=ids, attention_mask=mask).logits.float()
+                logits = run(input_ids=ids, attention_mask=mask).logits.float()
             out[job["key"]] = {"logits": logits, "cls": type(model).__name__, "module": type(model).__module__}
             del model
         except Exception as exc:
@@ -47,7 +49,8 @@ _RUNNER = textwrap.dedent("""
 
 def logits_without_plugin(jobs: list[dict], *, timeout: float = 1800) -> dict:
     """For each job (``key``, folder ``path``, ``remote``: trust_remote_code, ``ids`` and ``mask`` as nested lists;
-    optional ``auto``: the Auto class to load with, ``AutoModelForCausalLM`` by default), the float32 logits of the
+    optional ``auto``: the Auto class to load with, ``AutoModelForCausalLM`` by default; optional ``text_forward``:
+    the submodule text is run on, :func:`hf_qknorm.portable.families.text_forward_path`), the float32 logits of the
     folder's model loaded in one fresh interpreter without the plugin, with the class
     it loaded as: key -> ``{"logits", "cls", "module"}`` or ``{"error", "traceback"}``. Transformers' remote-code
     module cache is private to the run. ``HF_QKNORM_PYTHON`` names another interpreter to use."""

@@ -302,15 +302,16 @@ def run_probes(model, plan: dict) -> dict:
     }
     was_training = model.training
     model.eval()
+    runner = modules[plan["text_forward"]] if plan.get("text_forward") else model  # where text alone runs
     try:
         with torch.no_grad():
-            norms = _forward_probes(model, plan, recorder, modules, ids, pad, result)
+            norms = _forward_probes(runner, plan, recorder, modules, ids, pad, result)
             if plan.get("generate", True):
                 for name, mask in (
                     ("cache-unpadded", torch.ones_like(prompt)),
                     ("cache-padded", left_padding(*prompt.shape, pad).to(device)),
                 ):
-                    _cache_probe(model, plan, recorder, name, prompt, mask, new, result)
+                    _cache_probe(runner, plan, recorder, name, prompt, mask, new, result)
             if next(model.parameters()).dtype in _HALF:
                 _amplify(plan, recorder, modules, norms, result)
             _stress(plan, recorder, modules, norms, result)

@@ -94,6 +94,16 @@ STATED = {
     "step3p5": {"sliding_window": 4},  # Step 3.7's language model: its mask builder needs one
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # which blocks are convolutions: left to a checkpoint
+    # the state-space mixer beside each attention: its own sizes (1024 channels, 128 heads, state 256 by default)
+    "falcon_h1": {
+        "mamba_d_ssm": 64,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 8,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+    },
+    # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
+    "chameleon": {"vocabulary_map": {"<image>": VOCAB - 1}},
     # its sparse attention's token indexer (QSA), which the attention builds whether or not the config enables it
     "qwen4_exp_text": {
         "indexer_n_heads": 2,
@@ -165,7 +175,10 @@ def _shrink(config):
     for name in ("layer_types", "attention_layer_types"):
         value = getattr(config, name, None)
         if isinstance(value, (list, tuple)) and value:
-            setattr(config, name, [value[min(i, len(value) - 1)] for i in keep])
+            try:
+                setattr(config, name, [value[min(i, len(value) - 1)] for i in keep])
+            except AttributeError:  # derived from the layer count (Falcon-H1's)
+                pass
     for name in ("activation_sparsity_pattern", "intermediate_size"):  # a value per layer (Gemma 3n's)
         value = getattr(config, name, None)
         if isinstance(value, (list, tuple)) and value and getattr(config, "num_hidden_layers", None) == len(keep):
@@ -298,6 +311,8 @@ MULTIMODAL = {
     "step3p7": ({"mlp_ratio": VISION_MLP / VISION_WIDTH}, {}, None),
     # the thinker's positions read the id its checkpoints state (its class has no default)
     "qwen2_5_omni_thinker": ({}, {"vision_start_token_id": 0}, None),
+    # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
+    "emu3": ({}, {"vocabulary_map": {"<image>": VOCAB - 1, "<|extra_200|>": VOCAB - 2}}, None),
     "qwen3_omni_moe_thinker": ({}, {"vision_start_token_id": 0}, None),
     # its Q-Former takes one head per 64 channels of the vision width; its checkpoints state which vision layers
     # feed which language-model layers (no default): the last vision layer into the first layer

@@ -281,6 +281,41 @@ def test_the_coverage_column_converts_a_multimodal_type():
     }
 
 
+@pytest.mark.spawns
+def test_a_model_whose_forward_needs_images_converts_through_its_language_model(tmp_path):
+    """BLIP-2's forward takes no text alone: calibration, the checks and the reload run text on its OPT (a causal LM
+    whose head is the whole model's). The written folder's language model computes the source's patched with the
+    written norms (float64, here), with the plugin and without it; the source is untouched."""
+    from transformers import AutoModelForImageTextToText
+
+    from hf_qknorm.conversion.output.shards import load_pretrained
+    from hf_qknorm.verification.plain import logits_without_plugin
+
+    src = tiny_source("blip-2", tmp_path / "source")
+    before = tree_hash(src)
+    cfg = _cfg("qk_norm_cap", "layernorm")
+    result = _convert(src, tmp_path / "out", cfg)
+    assert result.export == "qknorm" and tree_hash(src) == before
+    report = json.loads((result.path / "qknorm_conversion.json").read_text())
+    assert report["language_model"] == "language_model" and report["load_with"] == "AutoModelForImageTextToText"
+    want_model = _reference(src, _tensors(result.path), cfg, 0.0)
+    ids, mask = _ids()
+    with torch.no_grad():
+        want = want_model.language_model(input_ids=ids, attention_mask=mask).logits
+        got = load_pretrained(result.path).eval().language_model(input_ids=ids, attention_mask=mask).logits.double()
+        plain = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float64).eval()
+        moved = float((plain.language_model(input_ids=ids, attention_mask=mask).logits - want).abs().max())
+    job = {"key": "0", "path": str(result.path), "remote": True, "ids": ids.tolist(), "mask": mask.tolist()}
+    job.update(auto="AutoModelForImageTextToText", text_forward="language_model")
+    row = logits_without_plugin([job])["0"]
+    assert "error" not in row and row["module"].startswith("transformers_modules"), row.get("error")
+    scale = float(want.abs().max())
+    for logits in (got, row["logits"].double()):
+        assert float((logits[1] - want[1]).abs().max()) <= 1e-5 * scale
+        assert float((logits[0, 4:] - want[0, 4:]).abs().max()) <= 1e-5 * scale
+    assert moved > 1e-4 * scale  # the scheme is in force (ten times the tolerance above)
+
+
 def test_a_head_tied_by_the_multimodal_config_converts(tmp_path):
     """Mistral 3 ties its output head to the embedding in its own config (its text config says untied): the
     checkpoint stores the embedding once, and the streamed calibration scores through it."""

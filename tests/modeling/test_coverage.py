@@ -37,6 +37,7 @@ SAMPLE = (
     "granite",
     "cohere",
     "gpt_oss",
+    "falcon_h1",  # attention and a state-space mixer side by side in every block; blocks returning tuples
 )
 
 
@@ -57,12 +58,18 @@ def test_sample_model_types_are_patched_with_every_variant(model_type):
         ("nanochat", cov.REFUSED, "after RoPE"),  # its own q/k norm sits after RoPE
         ("bloom", cov.REFUSED, "computes attention in its own code"),  # ALiBi, no attention interface
         ("codegen", cov.REFUSED, "model-parallel groups"),
+        ("chameleon", cov.REFUSED, "a gain per head"),  # its own q/k norms' weights are (heads, head_dim)
+        ("git", cov.REFUSED, "BERT-style"),  # its forward needs images for a loss; refused before that matters
+        ("reformer", cov.OUT_OF_SCOPE, "locality-sensitive hashing"),  # no causal LM from its default config
+        ("idefics", cov.OUT_OF_SCOPE, "several stacks"),  # its forward needs images; the structure says it first
         ("mamba", cov.OUT_OF_SCOPE, "no softmax self-attention"),
         ("bart", cov.OUT_OF_SCOPE, "encoder-decoder"),
     ],
 )
 def test_what_cannot_be_patched_exactly_is_refused_with_the_reason(model_type, status, words):
     result = cov.check_model_type(model_type)
+    if result.status == cov.UNTESTED and result.reason.startswith("its config cannot be built"):
+        pytest.skip(f"{model_type}: {result.reason} in this Transformers")  # 5.4's Chameleon config
     assert result.status == status and words in result.reason and model_type in result.reason
 
 

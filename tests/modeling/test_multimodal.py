@@ -13,7 +13,7 @@ import hf_qknorm
 from hf_qknorm import UnsupportedModelError
 from hf_qknorm.portable.layout import attention_modules
 from hf_qknorm.reference import attention_reference, norm_reference, rope_reference
-from hf_qknorm.verification.tiny import image_text_inputs, tiny_multimodal_model
+from hf_qknorm.verification.tiny import image_text_inputs, tiny_model, tiny_multimodal_model
 
 # Tiny models of these types build, take image inputs and are patched (their language model: Llama, Mistral,
 # Qwen2, Gemma, Gemma 3, Qwen2-VL / Qwen2.5-VL with multimodal RoPE, Qwen3-VL).
@@ -335,6 +335,40 @@ def test_coverage_patches_or_refuses_multimodal_types(monkeypatch):
     assert results["llama4"].status == cov.REFUSED and "llama4_text" in results["llama4"].reason
 
 
+def test_coverage_checks_the_language_model_alone_where_the_whole_model_needs_images(monkeypatch):
+    """BLIP-2's forward takes no text alone (pixel values are required): its text checks run on its OPT, a causal LM
+    whose head is the whole model's, and they are made there -- a patch that left that language model's output head
+    NaN fails the table."""
+    from hf_qknorm.verification import coverage as cov
+
+    monkeypatch.setattr(cov, "variants", lambda: [("qk_norm", "layernorm"), ("qk_norm_cap", "rmsnorm")])
+    result = cov.check_model_type("blip-2")
+    assert result.status == cov.PATCHED and set(result.variants.values()) == {"ok"}, result
+    assert "its language model .language_model alone" in result.reason and "pixel_values" in result.reason
+    real = hf_qknorm.patch_model
+
+    def broken(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        with torch.no_grad():
+            model.language_model.get_output_embeddings().weight.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(hf_qknorm, "patch_model", broken)
+    bad = cov.check_model_type("blip-2")
+    assert bad.status == cov.FAIL and "not finite" in bad.reason, bad
+
+
+def test_text_runs_on_the_language_model_only_where_the_whole_models_head_is_its_own():
+    """Where a forward on text alone runs: BLIP-2's and Kosmos-2's language models (causal LMs whose heads are the
+    whole models'); LLaVA's language model has no head of its own, so LLaVA runs text itself."""
+    from hf_qknorm.portable.families import text_forward_path
+
+    assert text_forward_path(tiny_multimodal_model("blip-2")) == "language_model"
+    assert text_forward_path(tiny_multimodal_model("kosmos-2")) == "text_model"
+    assert text_forward_path(tiny_multimodal_model("llava")) is None
+    assert text_forward_path(tiny_model("llama")) is None
+
+
 def test_patching_keeps_the_callers_config_and_the_language_models_link_to_its_own():
     """The model gets its own copy of the config, sub-configs included: the caller's text config keeps its backend,
     and the language model and vision tower hold the copy's sub-configs (so the saved config is what they run)."""
@@ -397,13 +431,14 @@ def test_verify_folder_checks_a_saved_multimodal_model_with_and_without_the_plug
         assert ("without hf_qknorm" in report.source) == no_plugin
 
 
-def test_verify_catches_a_multimodal_model_whose_backend_drops_the_cap():
+@pytest.mark.parametrize("model_type", ["llava", "blip-2"])  # BLIP-2: probed on its OPT, its forward needs images
+def test_verify_catches_a_multimodal_model_whose_backend_drops_the_cap(model_type):
     """The same model, its "qknorm" attention function swapped for plain sdpa: the cap is caught dropped."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from tests.verification.test_verify import qknorm_function
 
-    _, model = _patched("llava", dtype=torch.float32)
+    _, model = _patched(model_type, dtype=torch.float32)
     assert hf_qknorm.verify(model, generate=False).ok
     with qknorm_function(sdpa_attention_forward):
         bad = hf_qknorm.verify(model, generate=False)

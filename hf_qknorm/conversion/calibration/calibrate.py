@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ...portable.families import text_runner
 from ..orchestration.progress import Stage
 from .optim import cosine_adam
 from .stats import CalibrationReport, LayerStats, converted_max_logits
@@ -186,7 +187,7 @@ def _device(model) -> torch.device:
 def _kl(model, ids, teacher, grad: bool = False):
     device = _device(model)
     with torch.set_grad_enabled(grad):
-        logq = F.log_softmax(model(input_ids=ids.to(device)).logits.float(), dim=-1)
+        logq = F.log_softmax(text_runner(model)(input_ids=ids.to(device)).logits.float(), dim=-1)
         logp = teacher.to(device).float()
         kl = (logp.exp() * (logp - logq)).sum(-1).mean()
     return kl if grad else kl.item()
@@ -201,10 +202,10 @@ def teacher_log_probs(
     desc: str = "running the original model",
 ) -> torch.Tensor:
     """Float16 next-token log-probabilities ``(n_blocks, seq, vocab)`` of ``model`` on ``blocks``."""
-    out = []
+    out, run = [], text_runner(model)
     with Stage(desc, len(blocks), "blocks", progress) as stage:
         for start in range(0, len(blocks), batch_size):
-            logits = model(input_ids=blocks[start : start + batch_size].to(_device(model))).logits.float()
+            logits = run(input_ids=blocks[start : start + batch_size].to(_device(model))).logits.float()
             out.append(F.log_softmax(logits, dim=-1).to(torch.float16).cpu())  # the cache lives in host memory
             stage.update(min(batch_size, len(blocks) - start))
     return torch.cat(out)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ...modeling.telemetry import LogitTap, head_max_logits
-from ...portable.families import Family, head_dim_of, heads_of, own_roles
+from ...portable.families import Family, head_dim_of, heads_of, own_roles, text_runner
 from ...portable.hooks import hook_slots, install
 from ...portable.layout import find_layers
 from ...portable.norms import HeadLpNorm, make_norm
@@ -396,7 +396,7 @@ def converted_max_logits(model, family, blocks, report: CalibrationReport, batch
     tap.attach()
     try:
         for start in range(0, len(blocks), batch_size):
-            model(input_ids=blocks[start : start + batch_size].to(next(model.parameters()).device))
+            text_runner(model)(input_ids=blocks[start : start + batch_size].to(next(model.parameters()).device))
     finally:
         tap.detach()
     for stats, value in zip(report.layers, seen):

@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...modeling.patch import patch_model
-from ...portable.families import Family
+from ...portable.families import Family, text_runner
 from ...portable.layout import find_layers
 from ...portable.names import ATTN_IMPLEMENTATION
 from ...portable.schemes import QKNormConfig
@@ -176,6 +176,9 @@ class StreamedCheckpoint:
         self._stored = {m: [n for n in _stored_buffers(m) if weights.has(n)] for m in (self.original, self.patched)}
         self.blocks = find_layers(self.original, family)
         self.patched_blocks = find_layers(self.patched, family)
+        # the model's forward takes a block's output as a tuple and reads its first entry (Falcon-H1's): seen by
+        # :meth:`block_inputs` when the second block is handed the first entry of what the first one returned
+        self._tuple_outputs = False
         self.prefix = family.layers + "."
         # the qkv_norm fold of every layer (tiny vectors: gains and bias shifts), and the dropped pre-norm tensors
         forms = prenorm_forms(self.original, family, weights) if cfg.removes_prenorm else None
@@ -312,6 +315,8 @@ class StreamedCheckpoint:
             calls[index].append(BlockCall(rest, kwargs, in_args))
             if index == 0:
                 hidden.append(x.detach().clone())
+            elif index == 1:  # the first block returned its input: a tuple-reading model handed on its first row
+                self._tuple_outputs = x.dim() < hidden[-1].dim()
             if last:
                 raise _Stop
             return x
@@ -356,9 +361,11 @@ class StreamedCheckpoint:
         forward -- whatever it does after the blocks (final norm, an output projection, a logit scale or cap) --
         with the first block handing on ``x`` and the others passing it through (needs :meth:`outer`)."""
         forwards = [_replay(x)] + [_passthrough] * (len(self.blocks) - 1)
+        if self._tuple_outputs:
+            forwards = [lambda *a, _f=f, **k: (_f(*a, **k),) for f in forwards]
         with _block_forwards(self.blocks, forwards):
             ids = torch.zeros(x.shape[-3:-1], dtype=torch.long, device=x.device)
-            return self.original(input_ids=ids, use_cache=False).logits
+            return text_runner(self.original)(input_ids=ids, use_cache=False).logits
 
 
 def rows(hidden: torch.Tensor, row: int, count: int = 1) -> torch.Tensor:

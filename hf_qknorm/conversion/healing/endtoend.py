@@ -14,6 +14,7 @@ import time
 import torch
 from torch.nn import functional as F
 
+from ...portable.families import text_runner
 from ..calibration.optim import cosine_adam, scaled_groups
 from ..orchestration.progress import Stage
 from .heal import HealReport, HealSettings, lr_scales
@@ -68,9 +69,10 @@ def end_to_end(
     if missing:  # a model whose blocks are not at the family's path from the head model
         raise ValueError(f"end-to-end healing: the converted model has no parameter {missing[0]!r}")
     start = {k: p.detach().clone() for k, p in params.items()}
+    teacher_run, student_run = text_runner(teacher), text_runner(student)  # BLIP-2: on its language model
     steps = max(1, settings.end_to_end_tokens // blocks.shape[1])
     monitor = blocks[: min(4, len(blocks))]
-    before = _kl(teacher, student, monitor, device)
+    before = _kl(teacher_run, student_run, monitor, device)
     for p in params.values():
         p.requires_grad_(True)
     gen = torch.Generator().manual_seed(settings.seed)
@@ -79,8 +81,8 @@ def end_to_end(
     def loss(step):
         ids = blocks[int(torch.randint(0, len(blocks), (1,), generator=gen))][None].to(device)
         with torch.no_grad():
-            target = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
-        logq = F.log_softmax(student(input_ids=ids).logits.float(), dim=-1)
+            target = F.log_softmax(teacher_run(input_ids=ids).logits.float(), dim=-1)
+        logq = F.log_softmax(student_run(input_ids=ids).logits.float(), dim=-1)
         return F.kl_div(logq, target, log_target=True, reduction="none").sum(-1).mean()
 
     def tick(step, value):
@@ -94,13 +96,13 @@ def end_to_end(
     finally:
         for p in params.values():
             p.requires_grad_(False)
-    after = _kl(teacher, student, monitor, device)
+    after = _kl(teacher_run, student_run, monitor, device)
     kept = after < before
     if not kept:
         with torch.no_grad():
             for k, p in params.items():
                 p.copy_(start[k])
-    ppl, top1 = _full_score(teacher, student, eval_blocks, device)
+    ppl, top1 = _full_score(teacher_run, student_run, eval_blocks, device)
     report.end_to_end = {
         "tokens": steps * block_len,
         "steps": steps,

@@ -22,6 +22,7 @@ import re
 
 import torch
 
+from ...portable.families import text_runner
 from ...upstream import cache_kwargs, output_cache
 from ..orchestration import ranks
 
@@ -87,6 +88,7 @@ def _sample(
     """Sampled continuations, left-padded batch with the KV cache (as the agreement reference is generated); only
     the last position's logits are computed where the model's forward takes ``logits_to_keep``."""
     device, width = next(model.parameters()).device, max(len(p) for p in prompts)
+    model = text_runner(model)  # BLIP-2's language model: its own forward needs images
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)

@@ -26,6 +26,7 @@ from importlib import resources
 
 import torch
 
+from ...portable.families import text_runner
 from ...upstream import cache_kwargs, output_cache
 
 __all__ = [
@@ -145,7 +146,7 @@ def _greedy_batch(model, encoded: list[list[int]], new_tokens: int, ends: set[in
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     conts: list[list[int]] = [[] for _ in encoded]
     done = [False] * len(encoded)
-    past = None
+    past, model = None, text_runner(model)
     for _ in range(new_tokens):
         cache = cache_kwargs(model, past)
         step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
@@ -174,7 +175,7 @@ def agreement(
         raise ValueError(f"{len(prompts)} prompts and {len(reference)} reference continuations: need one per prompt")
     if any(not c for c in reference):
         raise ValueError("a reference continuation is empty")
-    rows = []
+    rows, run = [], text_runner(model)
     for start in range(0, len(prompts), batch_size):
         encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
         conts = reference[start : start + batch_size]
@@ -182,7 +183,7 @@ def agreement(
         x = torch.tensor(
             [e + c + [0] * (width - len(e) - len(c)) for e, c in zip(encoded, conts)], device=_device(model)
         )
-        argmax = model(input_ids=x, use_cache=False).logits.float().argmax(-1).tolist()
+        argmax = run(input_ids=x, use_cache=False).logits.float().argmax(-1).tolist()
         for prompt, e, cont, row in zip(prompts[start : start + batch_size], encoded, conts, argmax):
             hits = [int(p == r) for p, r in zip(row[len(e) - 1 : len(e) - 1 + len(cont)], cont)]
             first_miss = hits.index(0) if 0 in hits else len(hits)

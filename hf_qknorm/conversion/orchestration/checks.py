@@ -251,6 +251,7 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
     :class:`ConversionCheckError` when they differ."""
     from ...modeling.patch import patch_model
     from ...modeling.saved import auto_class
+    from ...portable.families import text_forward_path, text_runner
     from ...verification.plain import logits_without_plugin
     from ..calibration.calibrate import new_norm_parameters
     from ..output.shards import load_pretrained
@@ -275,12 +276,12 @@ def _agreement(model, view: Path, source, cfg, kind: str, values: dict, without_
                 params[name].copy_(value)
     ref = ref.float().eval()
     with torch.no_grad():
-        want = ref(input_ids=ids, attention_mask=mask).logits.float()
-        got = {"with the plugin": model(input_ids=ids, attention_mask=mask).logits.float()}
+        want = text_runner(ref)(input_ids=ids, attention_mask=mask).logits.float()
+        got = {"with the plugin": text_runner(model)(input_ids=ids, attention_mask=mask).logits.float()}
     how = "plain Transformers" if kind != "qknorm" else "its remote code"
     if without_plugin:
         job = {"key": "0", "path": str(view), "remote": kind == "qknorm", "ids": ids.tolist(), "mask": mask.tolist()}
-        job["auto"] = auto_class(ref.config).__name__
+        job["auto"], job["text_forward"] = auto_class(ref.config).__name__, text_forward_path(ref)
         try:
             row = logits_without_plugin([job])["0"]
         except RuntimeError as exc:

@@ -157,7 +157,7 @@ def convert_variants(model_type: str, workdir: Path, variants=VARIANTS) -> tuple
     and, for those converted, a job for :func:`reload_without_plugin` (with the logits the folder gives with the
     plugin)."""
     from ...modeling.saved import auto_class
-    from ...portable.families import UnsupportedModelError
+    from ...portable.families import UnsupportedModelError, text_forward_path, text_runner
     from ...portable.schemes import QKNormConfig
     from ...verification.loading import quiet_transformers
     from ..output.shards import load_pretrained
@@ -195,13 +195,14 @@ def convert_variants(model_type: str, workdir: Path, variants=VARIANTS) -> tuple
         with quiet_transformers():
             model = load_pretrained(out).eval()
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            logits = text_runner(model)(input_ids=ids, attention_mask=mask).logits.float()
         jobs.append(
             {
                 "key": f"{model_type}:{key}",
                 "path": str(out),
                 "remote": result.export == "qknorm",
                 "auto": auto_class(model.config).__name__,
+                "text_forward": text_forward_path(model),
                 "ids": ids.tolist(),
                 "mask": mask.tolist(),
                 "_want": logits,
