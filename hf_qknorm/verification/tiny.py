@@ -104,6 +104,7 @@ STATED = {
     },
     # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
     "chameleon": {"vocabulary_map": {"<image>": VOCAB - 1}},
+    "muse_spark_text": {"moe_hidden_size": 32},  # its experts' width, named otherwise
     # its sparse attention's token indexer (QSA), which the attention builds whether or not the config enables it
     "qwen4_exp_text": {
         "indexer_n_heads": 2,
@@ -290,6 +291,8 @@ SPECIAL_IDS = (
     ("boi_token_index", "boi_token_id"),
     ("eoi_token_index", "eoi_token_id"),
 )
+# An image tokenizer's (VQ-VAE's) convolution widths: 32 channels (its group norms take groups of 32), one block each.
+VQ = {"base_channels": 32, "num_res_blocks": 1}
 # What the generic sizes do not say, per type: (vision config, top-level config) settings, and the form of the
 # pixel input (``square``: (batch, 3, side, side); ``tiles``: one tile per image with a pixel mask, Idefics3;
 # ``anyres``: base image plus tiles with image_sizes, LLaVA-NeXT; ``sized``: with image_sizes, Pixtral;
@@ -312,7 +315,31 @@ MULTIMODAL = {
     # the thinker's positions read the id its checkpoints state (its class has no default)
     "qwen2_5_omni_thinker": ({}, {"vision_start_token_id": 0}, None),
     # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
-    "emu3": ({}, {"vocabulary_map": {"<image>": VOCAB - 1, "<|extra_200|>": VOCAB - 2}}, None),
+    "emu3": (
+        {},
+        {
+            "vocabulary_map": {"<image>": VOCAB - 1, "<|extra_200|>": VOCAB - 2},
+            **{f"vq_config.{k}": v for k, v in VQ.items()},
+            "vq_config.codebook_size": 64,
+            "vq_config.hidden_size": 32,
+        },
+        None,
+    ),
+    # sizes its parts name otherwise: a visual vocabulary and its embedding width (Ovis 2), the audio tower's output
+    # (Muse Spark), the image generation head and codebook (Janus)
+    "ovis2": ({"vocab_size": 64}, {"hidden_size": HIDDEN}, None),
+    "muse_spark": ({}, {"audio_config.out_hidden_size": HIDDEN}, None),
+    "janus": (
+        {},
+        {
+            **{f"vq_config.{k}": v for k, v in VQ.items()},
+            "vq_config.num_embeddings": 64,
+            "vq_config.latent_channels": 32,
+            "vq_config.projection_dim": HIDDEN,
+            "vq_config.image_token_embed_dim": 32,
+        },
+        None,
+    ),
     "qwen3_omni_moe_thinker": ({}, {"vision_start_token_id": 0}, None),
     # its Q-Former takes one head per 64 channels of the vision width; its checkpoints state which vision layers
     # feed which language-model layers (no default): the last vision layer into the first layer
@@ -368,8 +395,9 @@ def tiny_multimodal_config(model_type: str):
     for name, value in PROJECTOR.items():
         if _is_size(getattr(config, name, None)):
             setattr(config, name, value)
-    for name, value in top.items():
-        setattr(config, name, value)
+    for name, value in top.items():  # a dotted name sets a sub-config's attribute
+        owner, _, leaf = name.rpartition(".")
+        setattr(getattr(config, owner) if owner else config, leaf, value)
     special_ids_on_top(config, VOCAB)
     if "image_seq_length" in config.to_dict() and "image_seq_length" not in top:
         config.image_seq_length = (IMAGE // PATCH) ** 2

@@ -358,6 +358,20 @@ def test_coverage_checks_the_language_model_alone_where_the_whole_model_needs_im
     assert bad.status == cov.FAIL and "not finite" in bad.reason, bad
 
 
+@pytest.mark.parametrize("model_type", ["ovis2", "janus", "emu3"])
+def test_types_whose_parts_name_their_sizes_otherwise_build_tiny_and_verify(model_type):
+    """Ovis 2's visual vocabulary, Janus's and Emu3's image tokenizers (VQ-VAEs) and generation head are shrunk
+    through their sub-configs' own names (``tiny.MULTIMODAL``, dotted): the tiny model is small, and patched it
+    verifies against the float64 reference."""
+    from hf_qknorm.verification.tiny import MAX_TINY_PARAMETERS
+
+    model = tiny_multimodal_model(model_type)
+    assert sum(p.numel() for p in model.parameters()) <= MAX_TINY_PARAMETERS
+    hf_qknorm.patch_model(model, "qk_norm_cap", softcap=CAP)
+    report = hf_qknorm.verify(model, generate=False)
+    assert report.ok and report.mechanism("cap") == "applied", str(report)
+
+
 def test_text_runs_on_the_language_model_only_where_the_whole_models_head_is_its_own():
     """Where a forward on text alone runs: BLIP-2's and Kosmos-2's language models (causal LMs whose heads are the
     whole models'); LLaVA's language model has no head of its own, so LLaVA runs text itself."""
