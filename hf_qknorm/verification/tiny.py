@@ -328,6 +328,29 @@ MULTIMODAL = {
     # sizes its parts name otherwise: a visual vocabulary and its embedding width (Ovis 2), the audio tower's output
     # (Muse Spark), the image generation head and codebook (Janus)
     "ovis2": ({"vocab_size": 64}, {"hidden_size": HIDDEN}, None),
+    # its vision config is an image tokenizer (a VQ-VAE); the image and audio codebooks' token ranges, one after the
+    # other, end inside the tiny vocabulary (below its special tokens)
+    "apertus1p5": (
+        {**VQ, "codebook_size": 32, "embed_dim": 32, "latent_channels": 32},
+        {
+            "audio_config.codebook_size": 32,
+            "audio_config.codebook_dim": VISION_WIDTH,  # its quantizer works at the audio width
+            "image_token_offset": VOCAB - 80,
+            "audio_token_offset": VOCAB - 48,
+        },
+        None,
+    ),
+    # the adapters from its vision and audio towers into the text model, and the audio tower's convolution stem
+    "dots3_note": (
+        {"adapter_in_dim": VISION_WIDTH, "adapter_out_dim": HIDDEN, "mlp_layer_types": ["dense", "dense"]},
+        {
+            "audio_config.adapter_input_size": VISION_WIDTH,
+            "audio_config.adapter_out_dim": HIDDEN,
+            "audio_config.downsample_hidden_size": 32,
+            "audio_config.conv_output_size": 32 * 16,
+        },
+        None,
+    ),
     "muse_spark": ({}, {"audio_config.out_hidden_size": HIDDEN}, None),
     "janus": (
         {},
