@@ -67,6 +67,10 @@ QUIRKS: dict[str, dict] = {
     "rwkv": {"scope": "no softmax self-attention (RWKV's time mixing is recurrent)"},
     "reformer": {"scope": "no softmax self-attention over the sequence (locality-sensitive hashing attention)"},
     "xlnet": {"scope": "no softmax self-attention of a causal decoder (a permutation language model)"},
+    "diffusion_gemma_text": {
+        "scope": "no softmax self-attention of a causal decoder (a block-diffusion language model: its decoder "
+        "attends both ways)"
+    },
 }
 
 

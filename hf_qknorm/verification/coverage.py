@@ -110,6 +110,8 @@ def check_model_type(model_type: str) -> TypeResult:
         if key == "qk_norm/layernorm" and results[key].startswith("refused"):
             break  # refused as a model type: the other variants say the same
     result = _summarise(model_type, results)
+    if result.status == REFUSED and _refusal(result.reason) == OUT_OF_SCOPE:
+        result.status = OUT_OF_SCOPE  # a hybrid model, refused when its layers were found: not what the table covers
     if baseline and result.status == PATCHED:  # checks the unpatched model fails too: say which were not made
         note = f"not checked (the unpatched model fails them too): {', '.join(sorted(baseline))}"
         result.reason = f"{result.reason}; {note}" if result.reason else note
@@ -132,10 +134,12 @@ def _structure(model_type: str, config) -> tuple[str, str] | None:
     return None
 
 
-def _refusal(text: str) -> str:
+def _refusal(text: str, multimodal: bool = False) -> str:
     """The status of a type ``patch_model`` refuses for the reason ``text``: out of scope where the reason says the
-    model is not a decoder-only softmax-attention text model, else refused."""
-    return OUT_OF_SCOPE if any(r in text for r in _SCOPE_REASONS) else REFUSED
+    model is not a decoder-only softmax-attention text model (of a ``multimodal`` type: its language model), else
+    refused."""
+    scope = [r for r in _SCOPE_REASONS if not (multimodal and r == "multimodal")]
+    return OUT_OF_SCOPE if any(r in text for r in scope) else REFUSED
 
 
 def _check_variant(model_type: str, scheme: str, norm: str | None, skip=(), exercise=True) -> str:
@@ -184,7 +188,7 @@ def _check_multimodal(model_type: str, config, start: float) -> TypeResult:
     if "train" in baseline:  # nothing to compare against; a refusal of the structure still says why
         said = _check_multimodal_variant(model_type, "qk_norm", "layernorm", exercise=False)
         if said.startswith("refused: ") and "probe forward failed" not in said:
-            return TypeResult(model_type, REFUSED, said[len("refused: ") :])
+            return TypeResult(model_type, _refusal(said, multimodal=True), said[len("refused: ") :])
         alone = _language_model_alone(base)
         if alone is None:
             return TypeResult(model_type, UNTESTED, f"the unpatched tiny model fails itself ({baseline['train']})")
@@ -203,7 +207,7 @@ def _check_multimodal(model_type: str, config, start: float) -> TypeResult:
         if key == "qk_norm/layernorm" and results[key].startswith("refused"):
             break
     result = _summarise(model_type, results)
-    if result.status == REFUSED and any(r in result.reason for r in _SCOPE_REASONS if r != "multimodal"):
+    if result.status == REFUSED and _refusal(result.reason, multimodal=True) == OUT_OF_SCOPE:
         result.status = OUT_OF_SCOPE  # a hybrid or encoder language model, as the text table says of its type
     notes = [result.reason] if result.reason else []
     if alone is not None and result.status == PATCHED:

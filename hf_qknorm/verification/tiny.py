@@ -105,6 +105,9 @@ STATED = {
     # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
     "chameleon": {"vocabulary_map": {"<image>": VOCAB - 1}},
     "muse_spark_text": {"moe_hidden_size": 32},  # its experts' width, named otherwise
+    # which layers' MLPs are experts, and how many experts a token takes: left to a checkpoint
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2},
+    "diffusion_gemma_text": {"num_experts": 4, "moe_intermediate_size": 32, "top_k_experts": 2},
     # its sparse attention's token indexer (QSA), which the attention builds whether or not the config enables it
     "qwen4_exp_text": {
         "indexer_n_heads": 2,
@@ -328,6 +331,24 @@ MULTIMODAL = {
     # sizes its parts name otherwise: a visual vocabulary and its embedding width (Ovis 2), the audio tower's output
     # (Muse Spark), the image generation head and codebook (Janus)
     "ovis2": ({"vocab_size": 64}, {"hidden_size": HIDDEN}, None),
+    "molmo2": ({"image_size": [IMAGE, IMAGE]}, {}, None),  # its vision config takes the sides as a pair
+    # its vision tower: a SAM encoder feeding a Qwen2-like encoder, each a sub-config of the vision config
+    "deepseek_ocr2": (
+        {},
+        {
+            "vision_config.encoder_config.hidden_size": VISION_WIDTH,
+            "vision_config.encoder_config.intermediate_size": VISION_MLP,
+            "vision_config.encoder_config.num_hidden_layers": 1,
+            "vision_config.encoder_config.layer_types": ["full_attention"],
+            "vision_config.encoder_config.num_attention_heads": 2,
+            "vision_config.encoder_config.num_key_value_heads": 2,
+            "vision_config.sam_config.hidden_size": VISION_WIDTH,
+            "vision_config.sam_config.mlp_dim": VISION_MLP,
+            "vision_config.sam_config.num_hidden_layers": 1,
+            "vision_config.sam_config.num_attention_heads": 2,
+        },
+        None,
+    ),
     # its vision config is an image tokenizer (a VQ-VAE); the image and audio codebooks' token ranges, one after the
     # other, end inside the tiny vocabulary (below its special tokens)
     "apertus1p5": (
@@ -382,7 +403,12 @@ MULTIMODAL = {
 # M-RoPE sections of types whose default config leaves them to a checkpoint (Transformers 5.4 reads them in the
 # attention, with no class default): HEAD_DIM // 2 frequencies over the time, height and width rows.
 # HunYuan-VL's rotary module reads its checkpoints' four sections (position, width, height, image index) always.
-MROPE_SECTIONS = {"qwen2_vl": [2, 3, 3], "qwen2_5_vl": [2, 3, 3], "hunyuan_vl": [2, 2, 2, 2]}
+MROPE_SECTIONS = {
+    "qwen2_vl": [2, 3, 3],
+    "qwen2_5_vl": [2, 3, 3],
+    "hunyuan_vl": [2, 2, 2, 2],
+    "ernie4_5_vl_moe": [3, 3, 2],  # height, width, time: its default sections (22, 22, 20) fit 128-wide heads only
+}
 
 
 def is_multimodal(config) -> bool:
@@ -418,9 +444,12 @@ def tiny_multimodal_config(model_type: str):
     for name, value in PROJECTOR.items():
         if _is_size(getattr(config, name, None)):
             setattr(config, name, value)
-    for name, value in top.items():  # a dotted name sets a sub-config's attribute
-        owner, _, leaf = name.rpartition(".")
-        setattr(getattr(config, owner) if owner else config, leaf, value)
+    for name, value in top.items():  # a dotted name sets a sub-config's attribute (or a sub-config's sub-config's)
+        *owners, leaf = name.split(".")
+        target = config
+        for owner in owners:
+            target = getattr(target, owner)
+        setattr(target, leaf, value)
     special_ids_on_top(config, VOCAB)
     if "image_seq_length" in config.to_dict() and "image_seq_length" not in top:
         config.image_seq_length = (IMAGE // PATCH) ** 2

@@ -358,17 +358,17 @@ def test_coverage_checks_the_language_model_alone_where_the_whole_model_needs_im
     assert bad.status == cov.FAIL and "not finite" in bad.reason, bad
 
 
-@pytest.mark.parametrize("model_type", ["ovis2", "janus", "emu3", "apertus1p5"])
+@pytest.mark.parametrize("model_type", ["ovis2", "janus", "emu3", "apertus1p5", "deepseek_ocr2"])
 def test_types_whose_parts_name_their_sizes_otherwise_build_tiny_and_verify(model_type):
-    """Ovis 2's visual vocabulary, Janus's and Emu3's image tokenizers (VQ-VAEs) and generation head are shrunk
-    through their sub-configs' own names (``tiny.MULTIMODAL``, dotted): the tiny model is small, and patched it
-    verifies against the float64 reference."""
+    """Ovis 2's visual vocabulary, Janus's and Emu3's image tokenizers (VQ-VAEs) and generation head, DeepSeek-OCR
+    2's encoders inside its vision config are shrunk through their sub-configs' own names (``tiny.MULTIMODAL``,
+    dotted): the tiny model is small, and patched it verifies against the float64 reference."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from hf_qknorm.verification.tiny import MAX_TINY_PARAMETERS
 
     if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"{model_type} is not in this Transformers")  # Apertus 1.5 is newer than 5.17
+        pytest.skip(f"{model_type} is not in this Transformers")  # Apertus 1.5, DeepSeek-OCR 2: newer than 5.17
     model = tiny_multimodal_model(model_type)
     assert sum(p.numel() for p in model.parameters()) <= MAX_TINY_PARAMETERS
     hf_qknorm.patch_model(model, "qk_norm_cap", softcap=CAP)
