@@ -294,6 +294,17 @@ SPECIAL_IDS = (
     ("boi_token_index", "boi_token_id"),
     ("eoi_token_index", "eoi_token_id"),
 )
+# A vision tower of a SAM encoder and a transformer encoder, sub-configs of its vision config (DeepSeek-OCR 2's).
+SAM = {
+    "vision_config.encoder_config.hidden_size": VISION_WIDTH,
+    "vision_config.encoder_config.intermediate_size": VISION_MLP,
+    "vision_config.encoder_config.num_hidden_layers": 1,
+    "vision_config.encoder_config.num_attention_heads": 2,
+    "vision_config.sam_config.hidden_size": VISION_WIDTH,
+    "vision_config.sam_config.mlp_dim": VISION_MLP,
+    "vision_config.sam_config.num_hidden_layers": 1,
+    "vision_config.sam_config.num_attention_heads": 2,
+}
 # An image tokenizer's (VQ-VAE's) convolution widths: 32 channels (its group norms take groups of 32), one block each.
 VQ = {"base_channels": 32, "num_res_blocks": 1}
 # What the generic sizes do not say, per type: (vision config, top-level config) settings, and the form of the
@@ -336,16 +347,19 @@ MULTIMODAL = {
     "deepseek_ocr2": (
         {},
         {
-            "vision_config.encoder_config.hidden_size": VISION_WIDTH,
-            "vision_config.encoder_config.intermediate_size": VISION_MLP,
-            "vision_config.encoder_config.num_hidden_layers": 1,
+            **SAM,
             "vision_config.encoder_config.layer_types": ["full_attention"],
-            "vision_config.encoder_config.num_attention_heads": 2,
             "vision_config.encoder_config.num_key_value_heads": 2,
-            "vision_config.sam_config.hidden_size": VISION_WIDTH,
-            "vision_config.sam_config.mlp_dim": VISION_MLP,
-            "vision_config.sam_config.num_hidden_layers": 1,
-            "vision_config.sam_config.num_attention_heads": 2,
+        },
+        None,
+    ),
+    # the same two encoders (a CLIP-like one after SAM)
+    "unlimited_ocr": (
+        {},
+        {
+            **SAM,
+            "vision_config.sam_config.global_attn_indexes": [0],
+            "vision_config.sam_config.downsample_channels": [32, 64],
         },
         None,
     ),
