@@ -59,7 +59,8 @@ def auto_class(config):
     folder's remote code maps. A type whose image-text-to-text class is another type's model while it has an
     image-classification class (ShieldGemma 2: a classifier holding a whole Gemma 3 model) is stored as that
     classifier: ``AutoModelForImageClassification`` (Transformers' own save and load of the other class loses its
-    weights)."""
+    weights). A multimodal model with no image-text-to-text class but a multimodal-LM one (an audio model) is
+    ``AutoModelForMultimodalLM``."""
     import transformers
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -71,9 +72,19 @@ def auto_class(config):
         if _wraps_another_type(model_type):
             return transformers.AutoModelForImageClassification
         return transformers.AutoModelForImageTextToText
+    if text_config_of(config) is not config and model_type in _multimodal_lm_names():
+        return transformers.AutoModelForMultimodalLM  # an audio model (MOSS Transcribe-Diarize): the class its remote
+        # code maps, as any multimodal head's
     if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return transformers.AutoModelForImageTextToText  # a text model Transformers maps there alone (Mistral 4)
     return transformers.AutoModelForCausalLM
+
+
+def _multimodal_lm_names() -> dict:
+    """Transformers' multimodal-LM model types (empty in a release without ``AutoModelForMultimodalLM``)."""
+    from transformers.models.auto import modeling_auto
+
+    return getattr(modeling_auto, "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {})
 
 
 def _wraps_another_type(model_type: str) -> bool:

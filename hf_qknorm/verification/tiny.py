@@ -545,20 +545,27 @@ MAX_TINY_PARAMETERS = 20_000_000  # a config whose sizes go by other names stays
 def tiny_multimodal_model(model_type: str, dtype=torch.float32, seed: int = 0):
     """A randomly initialised tiny image-text-to-text model of ``model_type`` on the CPU, in eval mode. A config
     the sizes above do not shrink (its sub-models name their sizes otherwise) is measured on the ``meta`` device
-    first and refused with ``ValueError`` rather than built."""
+    first and refused with ``ValueError`` rather than built. A type Transformers maps to no image-text-to-text class
+    (an audio model: MOSS Transcribe-Diarize) is built with the class its checkpoints load with
+    (:func:`hf_qknorm.modeling.saved.auto_class`)."""
     from transformers import AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from ..modeling.saved import auto_class
 
     config = tiny_multimodal_config(model_type)
+    image_text = model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    cls = AutoModelForImageTextToText if image_text else auto_class(config)
     with torch.device("meta"):
-        skeleton = AutoModelForImageTextToText.from_config(copy.deepcopy(config))
+        skeleton = cls.from_config(copy.deepcopy(config))
     if fit_mrope(skeleton, config):
         with torch.device("meta"):
-            skeleton = AutoModelForImageTextToText.from_config(copy.deepcopy(config))
+            skeleton = cls.from_config(copy.deepcopy(config))
     count = sum(p.numel() for p in skeleton.parameters())
     if count > MAX_TINY_PARAMETERS:
         raise ValueError(f"the shrunk config still has {count / 1e6:.0f}M parameters (sizes named otherwise)")
     torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
+    return cls.from_config(config, dtype=dtype).eval()
 
 
 def special_ids_on_top(config, vocab: int):

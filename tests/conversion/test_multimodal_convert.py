@@ -316,6 +316,28 @@ def test_a_model_whose_forward_needs_images_converts_through_its_language_model(
     assert moved > 1e-4 * scale  # the scheme is in force (ten times the tolerance above)
 
 
+@pytest.mark.spawns
+def test_an_audio_model_loads_with_its_own_auto_class(tmp_path):
+    """MOSS Transcribe-Diarize (audio in, text out) has no image-text-to-text class: its tiny checkpoint is saved,
+    converted, described (report, card) and reloaded without the plugin as ``AutoModelForMultimodalLM``, the class
+    its remote code maps -- its card says nothing of images."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_qknorm.conversion.orchestration import coverage
+
+    if "moss_transcribe_diarize" not in CONFIG_MAPPING:
+        pytest.skip("MOSS Transcribe-Diarize is not in this Transformers")
+    got = coverage.check_conversions(["moss_transcribe_diarize"], variants=(("qk_norm_cap", "layernorm"),))
+    row = got["moss_transcribe_diarize"]
+    assert row.status == coverage.CONVERTED, row.reason  # reloaded without the plugin with the plugin's logits
+    src = tiny_source("moss_transcribe_diarize", tmp_path / "source")
+    result = _convert(src, tmp_path / "out", _cfg("qk_norm_cap", "layernorm"))
+    report = json.loads((result.path / "qknorm_conversion.json").read_text())
+    assert report["load_with"] == "AutoModelForMultimodalLM"
+    card = (result.path / "README.md").read_text()
+    assert "AutoModelForMultimodalLM" in card and "image-text-to-text" not in card and "ImageTextToText" not in card
+
+
 def test_a_head_tied_by_the_multimodal_config_converts(tmp_path):
     """Mistral 3 ties its output head to the embedding in its own config (its text config says untied): the
     checkpoint stores the embedding once, and the streamed calibration scores through it."""

@@ -27,6 +27,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 TEMPLATE = "qknorm_model_card.md"
+IMAGE_TEXT = "AutoModelForImageTextToText"  # the Auto class of a multimodal model, unless it has another
+# A multimodal model's Auto class -> its card's pipeline tag (an audio model's, AutoModelForMultimodalLM: none said)
+PIPELINES = {IMAGE_TEXT: "image-text-to-text"}
 REQUIRED_FILES = ("config.json", "README.md")
 
 _SCHEMES = {
@@ -148,9 +151,14 @@ def source_licence(source_dir: Path | None) -> dict:
 
 
 def _load_snippet(
-    export: str, name: str, tokenizer: bool = True, model_type: str | None = None, text_type: str | None = None
+    export: str,
+    name: str,
+    tokenizer: bool = True,
+    model_type: str | None = None,
+    text_type: str | None = None,
+    load_with: str = IMAGE_TEXT,
 ) -> tuple[str, str]:
-    snippet, note = _model_snippet(export, name, model_type, text_type)
+    snippet, note = _model_snippet(export, name, model_type, text_type, load_with)
     if tokenizer:
         return snippet, note
     snippet = snippet.replace(", AutoTokenizer", "").replace(
@@ -163,14 +171,15 @@ def _load_snippet(
 
 
 def _model_snippet(
-    export: str, name: str, model_type: str | None = None, text_type: str | None = None
+    export: str, name: str, model_type: str | None = None, text_type: str | None = None, load_with: str = IMAGE_TEXT
 ) -> tuple[str, str]:
     """The loading code and its note; ``text_type``: a multimodal model's language model type (``None``: a text
-    model), which loads through ``AutoModelForImageTextToText``."""
+    model), which loads through ``load_with`` (``AutoModelForImageTextToText``; an audio model's
+    ``AutoModelForMultimodalLM``)."""
     snippet, note = _text_model_snippet(export, py_str(name), model_type)
     if text_type is None:
         return snippet, note
-    snippet = snippet.replace("AutoModelForCausalLM", "AutoModelForImageTextToText")
+    snippet = snippet.replace("AutoModelForCausalLM", load_with)
     if export == "qwen3":
         snippet = snippet.replace("a plain Qwen3ForCausalLM", f"a plain {model_type} model, its language model Qwen3")
         note = (
@@ -228,9 +237,11 @@ def build_model_card(
     versions: dict | None = None,
     model_type: str | None = None,
     text_type: str | None = None,
+    load_with: str = IMAGE_TEXT,
 ):
     """The filled :class:`huggingface_hub.ModelCard` of a converted folder (``model_type``: the type a plain export
-    is written as; ``text_type``: a multimodal model's language model type, ``None`` for a text model)."""
+    is written as; ``text_type``: a multimodal model's language model type, ``None`` for a text model; ``load_with``:
+    the Auto class a multimodal one loads with)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from ...upstream import installed_versions
@@ -246,7 +257,7 @@ def build_model_card(
     data = ModelCardData(
         base_model=hub_base,
         library_name="transformers",
-        pipeline_tag="text-generation" if text_type is None else "image-text-to-text",
+        pipeline_tag="text-generation" if text_type is None else PIPELINES.get(load_with),
         tags=tags,
         **licence,
     )
@@ -254,7 +265,7 @@ def build_model_card(
     from .export import has_tokenizer
 
     tokenizer = source_dir is None or has_tokenizer(source_dir)
-    snippet, note = _load_snippet(export, model_name, tokenizer, model_type, text_type)
+    snippet, note = _load_snippet(export, model_name, tokenizer, model_type, text_type, load_with)
     qwen3 = "plain `qwen3`" if text_type is None else f"plain `{model_type}` with a `qwen3` language model"
     fmt = {
         "qwen3": f"{qwen3} (no plugin needed)",
@@ -309,9 +320,18 @@ def _is_repo_id(name: str) -> bool:
 
 
 def write_model_card(
-    folder: Path, *, model_name: str, source_dir, base_model, cfg, export, report, export_note=None
+    folder: Path,
+    *,
+    model_name: str,
+    source_dir,
+    base_model,
+    cfg,
+    export,
+    report,
+    export_note=None,
+    load_with=IMAGE_TEXT,
 ) -> Path:
-    """Write ``README.md`` (the model card) into ``folder``."""
+    """Write ``README.md`` (the model card) into ``folder`` (``load_with``: a multimodal model's Auto class)."""
     import json
 
     folder = Path(folder)
@@ -329,6 +349,7 @@ def write_model_card(
         model_name=model_name,
         source_dir=source_dir,
         export_note=export_note,
+        load_with=load_with,
     )
     card.save(folder / "README.md")
     return folder / "README.md"

@@ -73,7 +73,7 @@ def write_folder(
         "source": source.name,
         "export": kind,
         "export_note": result.export_note,
-        "load_with": auto_class(source.config).__name__,  # a multimodal model's: AutoModelForImageTextToText
+        "load_with": auto_class(source.config).__name__,  # a multimodal model's: AutoModelForImageTextToText, ...
         "language_model": source.family.text_model,  # its dotted path in a multimodal model, else None
         "scheme": cfg.to_dict(),
         "calibration": None if result.report is None else result.report.to_dict(),
@@ -91,5 +91,6 @@ def write_folder(
         export=kind,
         report=result.report,
         export_note=result.export_note,
+        load_with=report["load_with"],
     )
     return plan
