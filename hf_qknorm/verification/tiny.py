@@ -342,7 +342,8 @@ MULTIMODAL = {
     # sizes its parts name otherwise: a visual vocabulary and its embedding width (Ovis 2), the audio tower's output
     # (Muse Spark), the image generation head and codebook (Janus)
     "ovis2": ({"vocab_size": 64}, {"hidden_size": HIDDEN}, None),
-    "molmo2": ({"image_size": [IMAGE, IMAGE]}, {}, None),  # its vision config takes the sides as a pair
+    # its vision config takes the sides as a pair; its adapter reads two of the vision layers (of 2, here)
+    "molmo2": ({"image_size": [IMAGE, IMAGE]}, {"adapter_config.vision_feature_layer": [-1, -2]}, None),
     # its vision tower: a SAM encoder feeding a Qwen2-like encoder, each a sub-config of the vision config
     "deepseek_ocr2": (
         {},

@@ -376,6 +376,20 @@ def test_types_whose_parts_name_their_sizes_otherwise_build_tiny_and_verify(mode
     assert report.ok and report.mechanism("cap") == "applied", str(report)
 
 
+def test_coverage_trains_a_model_that_requires_the_kinds_of_its_tokens(monkeypatch):
+    """Molmo 2's forward refuses to train without ``mm_token_type_ids``: the table's training check marks every token
+    as text (zeros) where the forward takes their kinds, so it is checked, not left untested."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_qknorm.verification import coverage as cov
+
+    if "molmo2" not in CONFIG_MAPPING:
+        pytest.skip("Molmo 2 is not in this Transformers")
+    monkeypatch.setattr(cov, "variants", lambda: [("qk_norm", "layernorm"), ("qk_norm_cap", "rmsnorm")])
+    result = cov.check_model_type("molmo2")
+    assert result.status == cov.PATCHED and set(result.variants.values()) == {"ok"}, result
+
+
 def test_text_runs_on_the_language_model_only_where_the_whole_models_head_is_its_own():
     """Where a forward on text alone runs: BLIP-2's and Kosmos-2's language models (causal LMs whose heads are the
     whole models'); LLaVA's language model has no head of its own, so LLaVA runs text itself."""
