@@ -67,6 +67,10 @@ QUIRKS: dict[str, dict] = {
     "rwkv": {"scope": "no softmax self-attention (RWKV's time mixing is recurrent)"},
     "reformer": {"scope": "no softmax self-attention over the sequence (locality-sensitive hashing attention)"},
     "xlnet": {"scope": "no softmax self-attention of a causal decoder (a permutation language model)"},
+    "pi0": {
+        "scope": "not a language model (a vision-language-action model: its forward denoises robot actions with an "
+        "action transformer attending to its language model's keys)"
+    },
     "diffusion_gemma_text": {
         "scope": "no softmax self-attention of a causal decoder (a block-diffusion language model: its decoder "
         "attends both ways)"
@@ -331,6 +335,8 @@ def derive_family(model: nn.Module) -> Family:
     and what is missing."""
     config = model.config
     model_type = base_model_type(getattr(config, "model_type", "?"))
+    if "scope" in QUIRKS.get(model_type, {}):  # before its language model is looked for (pi0's is patchable alone)
+        raise UnsupportedModelError(f"model type {model_type!r}: {QUIRKS[model_type]['scope']}")
     path = None if getattr(config, "is_encoder_decoder", False) else text_model_path(model)
     if path is not None:
         return _multimodal_family(model, path)

@@ -46,7 +46,14 @@ PATCHED, REFUSED, FAIL, OUT_OF_SCOPE, UNTESTED = "patched", "refused", "FAIL", "
 CONVERTED = "converted"  # the conversion column's status of a type that converts
 
 # Not decoder-only softmax attention, read off the structure by derive_family's refusals.
-_SCOPE_REASONS = ("no softmax self-attention", "several stacks", "hybrid model", "encoder", "multimodal")
+_SCOPE_REASONS = (
+    "no softmax self-attention",
+    "several stacks",
+    "hybrid model",
+    "encoder",
+    "multimodal",
+    "not a language model",
+)
 
 
 def variants() -> list[tuple[str, str | None]]:

@@ -64,6 +64,7 @@ def test_sample_model_types_are_patched_with_every_variant(model_type):
         ("idefics", cov.OUT_OF_SCOPE, "several stacks"),  # its forward needs images; the structure says it first
         ("lfm2_moe", cov.OUT_OF_SCOPE, "hybrid model"),  # refused once its layers are found: out of scope all the same
         ("diffusion_gemma", cov.OUT_OF_SCOPE, "block-diffusion"),  # a multimodal type whose decoder attends both ways
+        ("pi0", cov.OUT_OF_SCOPE, "vision-language-action"),  # refused before its (patchable) language model is sought
         ("mamba", cov.OUT_OF_SCOPE, "no softmax self-attention"),
         ("bart", cov.OUT_OF_SCOPE, "encoder-decoder"),
     ],
