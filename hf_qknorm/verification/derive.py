@@ -309,7 +309,7 @@ def place_parts(stage: nn.Module, family: Family, parts: list[str], cos, sin) ->
     for part in parts:
         held = getattr(stage, part)
         tensors = [held] if isinstance(held, torch.Tensor) else list(held.parameters())
-        if not tensors or not _moves_the_output(stage, tensors, cos, sin):
+        if not tensors or not _moves_the_output(stage, tensors, cos, sin, family.out_proj):
             raise UnsupportedModelError(
                 f"model type {family.model_type!r}: verify's float64 reference does not model {part} of "
                 f"{type(stage).__name__}, which does not act on the attention output alone (checked when it was "
@@ -333,11 +333,12 @@ def run_output_stage(stage: nn.Module, core: torch.Tensor, x, cos, sin) -> torch
     return out[0] if isinstance(out, tuple) else out
 
 
-def _moves_the_output(stage: nn.Module, tensors: list, cos, sin) -> bool:
+def _moves_the_output(stage: nn.Module, tensors: list, cos, sin, out_name: str = "o_proj") -> bool:
     """Whether perturbing ``tensors`` changes ``stage``'s output for a fixed attention output (probe inputs, the
-    first positions of the recorded rotation); ``False`` where the stage cannot run on them."""
+    first positions of the recorded rotation); ``False`` where the stage cannot run on them. ``out_name``: the
+    stage's output projection (the family's: Kosmos-2's ``out_proj``)."""
     gen = torch.Generator().manual_seed(3)
-    heads, out_proj = stage.config.num_attention_heads, getattr(stage, "o_proj", None)
+    heads, out_proj = stage.config.num_attention_heads, getattr(stage, out_name, None)
     if not isinstance(out_proj, nn.Linear) or out_proj.in_features % heads:
         return False
     head_dim, t = out_proj.in_features // heads, 4 if cos is None else min(4, cos.shape[1])

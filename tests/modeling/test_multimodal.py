@@ -463,7 +463,9 @@ def test_verify_folder_checks_a_saved_multimodal_model_with_and_without_the_plug
         assert ("without hf_qknorm" in report.source) == no_plugin
 
 
-@pytest.mark.parametrize("model_type", ["llava", "blip-2"])  # BLIP-2: probed on its OPT, its forward needs images
+@pytest.mark.parametrize(
+    "model_type", ["llava", "blip-2", "kosmos-2"]
+)  # BLIP-2: probed on its OPT (its forward needs images)
 def test_verify_catches_a_multimodal_model_whose_backend_drops_the_cap(model_type):
     """The same model, its "qknorm" attention function swapped for plain sdpa: the cap is caught dropped."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
