@@ -68,11 +68,12 @@ def auto_class(config):
     )
 
     model_type = base_model_type(getattr(config, "model_type", ""))
-    if text_config_of(config) is not config and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    multimodal = text_config_of(config) is not config
+    if multimodal and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         if _wraps_another_type(model_type):
             return transformers.AutoModelForImageClassification
         return transformers.AutoModelForImageTextToText
-    if text_config_of(config) is not config and model_type in _multimodal_lm_names():
+    if multimodal and model_type in _multimodal_lm_names():
         return transformers.AutoModelForMultimodalLM  # an audio model (MOSS Transcribe-Diarize): the class its remote
         # code maps, as any multimodal head's
     if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:

@@ -100,14 +100,11 @@ def check_model_type(model_type: str) -> TypeResult:
         base = tiny_model(model_type)
     except Exception as exc:
         return TypeResult(model_type, UNTESTED, f"no tiny model could be built ({type(exc).__name__}: {_line(exc)})")
-    try:
-        baseline = _failures(base, strict=True)
-    except Exception as exc:
-        baseline = {"train": f"{type(exc).__name__}: {_line(exc)}"}
+    baseline = _baseline(base)
     if "train" in baseline:  # the checks cannot tell the patch from the model itself; a refusal still says why
-        said = _check_variant(model_type, "qk_norm", "layernorm", exercise=False)
-        if said.startswith("refused: ") and "probe forward failed" not in said:
-            return TypeResult(model_type, _refusal(said), said[len("refused: ") :])
+        refused = _refused(model_type, _check_variant(model_type, "qk_norm", "layernorm", exercise=False))
+        if refused is not None:
+            return refused
         return TypeResult(model_type, UNTESTED, f"the unpatched tiny model fails itself ({baseline['train']})")
     del base
     results = {}
@@ -139,6 +136,15 @@ def _structure(model_type: str, config) -> tuple[str, str] | None:
             return None  # the skeleton cannot say; the tiny model will
         return _refusal(text), text
     return None
+
+
+def _refused(model_type: str, said: str, multimodal: bool = False) -> TypeResult | None:
+    """The result of a type whose unpatched tiny model fails itself, where patching it (``said``: a variant's
+    result, unexercised) refuses it for its structure; ``None`` where it does not."""
+    if not said.startswith("refused: ") or "probe forward failed" in said:
+        return None
+    reason = said[len("refused: ") :]
+    return TypeResult(model_type, _refusal(reason, multimodal), reason)
 
 
 def _refusal(text: str, multimodal: bool = False) -> str:
@@ -194,8 +200,9 @@ def _check_multimodal(model_type: str, config, start: float) -> TypeResult:
     baseline, alone = _baseline(base), None
     if "train" in baseline:  # nothing to compare against; a refusal of the structure still says why
         said = _check_multimodal_variant(model_type, "qk_norm", "layernorm", exercise=False)
-        if said.startswith("refused: ") and "probe forward failed" not in said:
-            return TypeResult(model_type, _refusal(said, multimodal=True), said[len("refused: ") :])
+        refused = _refused(model_type, said, multimodal=True)
+        if refused is not None:
+            return refused
         alone = _language_model_alone(base)
         if alone is None:
             return TypeResult(model_type, UNTESTED, f"the unpatched tiny model fails itself ({baseline['train']})")

@@ -148,22 +148,23 @@ def distill(
         p.requires_grad_(True)
     gen = torch.Generator().manual_seed(settings.seed)
     monitor = torch.arange(min(len(blocks), settings.batch_size))
+    run = text_runner(model)  # where text runs (BLIP-2: its language model), found once
     try:
         groups = [
             {"params": [p], "lr": settings.lr * max(p.detach().pow(2).mean().sqrt().item(), 1e-2)}
             for p in params.values()
         ]
-        kl_start = _kl(model, blocks[monitor], teacher[monitor])
+        kl_start = _kl(run, blocks[monitor], teacher[monitor])
         best = [kl_start, {k: p.detach().clone() for k, p in params.items()}]  # the monitor KL and its parameters
         model.train(False)  # dropout off: distillation matches the deterministic model
 
         def loss(step):
             idx = torch.randint(0, len(blocks), (min(settings.batch_size, len(blocks)),), generator=gen)
-            return _kl(model, blocks[idx], teacher[idx], grad=True)
+            return _kl(run, blocks[idx], teacher[idx], grad=True)
 
         def tick(step, _):
             if (step + 1) % 25 == 0 or step + 1 == settings.steps:
-                current = _kl(model, blocks[monitor], teacher[monitor])
+                current = _kl(run, blocks[monitor], teacher[monitor])
                 if current < best[0]:
                     best[:] = current, {k: p.detach().clone() for k, p in params.items()}
                 stage.update(0, note=f"monitor KL {current:.4f} (start {kl_start:.4f})")
@@ -187,7 +188,7 @@ def _device(model) -> torch.device:
 def _kl(model, ids, teacher, grad: bool = False):
     device = _device(model)
     with torch.set_grad_enabled(grad):
-        logq = F.log_softmax(text_runner(model)(input_ids=ids.to(device)).logits.float(), dim=-1)
+        logq = F.log_softmax(model(input_ids=ids.to(device)).logits.float(), dim=-1)
         logp = teacher.to(device).float()
         kl = (logp.exp() * (logp - logq)).sum(-1).mean()
     return kl if grad else kl.item()

@@ -392,11 +392,11 @@ def converted_max_logits(model, family, blocks, report: CalibrationReport, batch
         top = head_max_logits(q, k, mask, scaling=float(scaling), causal=getattr(attn, "is_causal", True)).max()
         seen[index] = max(seen[index], float(top))
 
-    tap = LogitTap(model, consume)
+    tap, run = LogitTap(model, consume), text_runner(model)
     tap.attach()
     try:
         for start in range(0, len(blocks), batch_size):
-            text_runner(model)(input_ids=blocks[start : start + batch_size].to(next(model.parameters()).device))
+            run(input_ids=blocks[start : start + batch_size].to(next(model.parameters()).device))
     finally:
         tap.detach()
     for stats, value in zip(report.layers, seen):
