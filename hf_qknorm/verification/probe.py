@@ -311,7 +311,7 @@ def run_probes(model, plan: dict) -> dict:
                     ("cache-unpadded", torch.ones_like(prompt)),
                     ("cache-padded", left_padding(*prompt.shape, pad).to(device)),
                 ):
-                    _cache_probe(runner, plan, recorder, name, prompt, mask, new, result)
+                    _cache_probe(runner, plan, recorder, name, prompt, mask, new, result, model)
             if next(model.parameters()).dtype in _HALF:
                 _amplify(plan, recorder, modules, norms, result)
             _stress(plan, recorder, modules, norms, result)
@@ -364,9 +364,13 @@ def _forward_probes(model, plan, recorder, modules, ids, pad, result) -> dict:
     return norms
 
 
-def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
-    """Greedy generation with the model's configured cache; then the same tokens through an uncached forward."""
-    gen = getattr(model, "generation_config", None)
+def _cache_probe(model, plan, recorder, name, prompt, mask, new, result, outer=None):
+    """Greedy generation with the model's configured cache; then the same tokens through an uncached forward.
+    ``outer``: the model whose generation settings hold where ``model`` is its language model (BLIP-2's OPT runs
+    the text; the cache a user configured is the whole model's)."""
+    gen = getattr(outer if outer is not None else model, "generation_config", None)
+    kind = getattr(gen, "cache_implementation", None) if outer is not model else None
+    settings = {"cache_implementation": kind} if kind is not None else {}
     pad_id = plan.get("pad_token_id")
     if pad_id is None:
         pad_id = getattr(gen, "pad_token_id", None)
@@ -387,6 +391,7 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result):
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=pad_id,
+            **settings,
         )
         layers = recorder.layers()
     except Exception as exc:

@@ -390,6 +390,15 @@ def test_coverage_trains_a_model_that_requires_the_kinds_of_its_tokens(monkeypat
     assert result.status == cov.PATCHED and set(result.variants.values()) == {"ok"}, result
 
 
+def test_verify_generates_with_the_cache_the_whole_model_is_configured_with():
+    """BLIP-2's text runs on its OPT, but the cache a user configures is the whole model's: set to static there, the
+    cached probes run a static cache (they ran the OPT's own default, a dynamic one, while the report said static)."""
+    _, model = _patched("blip-2", dtype=torch.float32)
+    model.generation_config.cache_implementation = "static"
+    report = hf_qknorm.verify(model)
+    assert report.ok and report.cache == "static (StaticCache)", str(report)
+
+
 def test_text_runs_on_the_language_model_only_where_the_whole_models_head_is_its_own():
     """Where a forward on text alone runs: BLIP-2's and Kosmos-2's language models (causal LMs whose heads are the
     whole models'); LLaVA's language model has no head of its own, so LLaVA runs text itself."""
