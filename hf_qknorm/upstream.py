@@ -298,7 +298,8 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance(
         "transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING",
-        "portable/autoclasses.py (MULTIMODAL_HEADS)",
+        "portable/autoclasses.py (MULTIMODAL_HEADS); modeling/saved.py (auto_class: the Auto class of a multimodal "
+        "model with no image-text-to-text head, MOSS Transcribe-Diarize's, read from the multimodal-LM mapping)",
         "config class -> image-text-to-text head class (and MODEL_FOR_MULTIMODAL_LM_MAPPING where the release has "
         "it): the Auto classes a saved multimodal folder's auto_map names, so it loads without the plugin",
         "tests/modeling/test_multimodal_export.py::test_saved_multimodal_folders_load_without_the_plugin_with_the_same_logits",
