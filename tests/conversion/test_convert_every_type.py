@@ -17,6 +17,8 @@ import json
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
@@ -301,3 +303,95 @@ def test_a_checkpoint_whose_experts_transformers_transposes_on_loading_converts(
         for key in down:  # the source's own layout, byte for byte
             torch.testing.assert_close(written[key], hub[key], rtol=0, atol=0)
     _check_as_loaded(tmp_path, "qwen3_vl_moe", rows, auto="AutoModelForImageTextToText")
+
+
+FUSED_QKV = {"sarvam_moe": "attention.query_key_value.weight", "molmo2": "self_attn.att_proj.weight"}
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("model_type", sorted(FUSED_QKV))
+def test_a_healed_projection_split_off_a_stored_tensor_is_written_back_into_it(tmp_path, model_type, monkeypatch):
+    """Sarvam MoE and Molmo 2 store q, k and v as one tensor that Transformers splits by rows on loading (Molmo 2
+    also its MLP's up and gate, ``ff_proj``, by ``Chunk``). A heal fits q, k and v apart; the written checkpoint
+    holds them joined again in the source's layout, so that Transformers' own split of the written folder gives back
+    exactly the healed values the conversion wrote (recorded on their way to the writer), with and without the
+    plugin (``verify="full"``); a tensor the heal does not touch (Molmo 2's ``ff_proj``) is the source's, byte for
+    byte. (Before: the last healed piece was written in place of the whole tensor, and the folder did not load.)"""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_qknorm.conversion.healing.heal import HealSettings
+    from hf_qknorm.conversion.output import writing
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"{model_type} is not in this Transformers")
+    src = conversions.tiny_source(model_type, tmp_path / "source")
+    stored = _tensors(src)
+    fused = sorted(k for k in stored if k.endswith(FUSED_QKV[model_type]))
+    assert fused, sorted(stored)[:8]
+    written_values = {}
+    plan = writing.plan_weights
+
+    def spy(weights, family, cfg, new_values, forms=None):
+        written_values.update({k: v.detach().clone() for k, v in new_values.items()})
+        return plan(weights, family, cfg, new_values, forms)
+
+    monkeypatch.setattr(writing, "plan_weights", spy)
+    heal = HealSettings(tokens=2048, blocks=4, text="calibration", lr_search=False)
+    result = convert(src, tmp_path / "out", QKNormConfig("qk_norm", norm="l2"), SETTINGS, calibration_text=TEXT,
+                     heal=heal, verify="full", progress=False, log=_quiet)  # fmt: skip
+    assert result.report.heal["layers_kept"] > 0
+    written = _tensors(tmp_path / "out")
+    assert [k for k in written if k.endswith(FUSED_QKV[model_type])] == fused  # the source's own layout
+    assert not any(".q_proj." in k for k in written if ("blocks." in k or "layers." in k) and "vision" not in k)
+    assert any(not torch.equal(written[k], stored[k]) for k in fused)  # the heal was written
+    for key in (k for k in stored if k.endswith("ff_proj.weight")):
+        assert torch.equal(written[key], stored[key]), key
+    loaded = load_pretrained(tmp_path / "out").eval().state_dict()
+    healed = [n for n in written_values if n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj")]
+    assert len(healed) >= 3, sorted(written_values)
+    for name in healed:
+        torch.testing.assert_close(loaded[name], written_values[name].to(loaded[name].dtype), rtol=0, atol=0)
+
+
+def test_healing_refuses_attention_weights_it_could_not_write_back(tmp_path, monkeypatch):
+    """An attention parameter made on loading by anything but a split of rows (here: a Llama whose q projection
+    is declared made by a transpose) cannot take a healed value in the source's layout: the heal is refused in one
+    line before any work, naming the tensor and the operation; without --heal the same model converts."""
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    from hf_qknorm.conversion.healing.heal import HealSettings
+
+    src = conversions.tiny_source("llama", tmp_path / "source")
+    original = conversion_mapping.get_model_conversion_mapping
+
+    def mapping(model, *args, **kwargs):
+        rules = list(original(model, *args, **kwargs))
+        q = "self_attn.q_proj.weight"
+        return [*rules, WeightConverter(source_patterns=q, target_patterns=q, operations=[Transpose(0, 1)])]
+
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", mapping)
+    with pytest.raises(UnsupportedModelError, match=r"q_proj\.weight on loading .* Transpose.* without --heal"):
+        convert(src, tmp_path / "out", QKNormConfig("qk_norm"), SETTINGS, calibration_text=TEXT,
+                heal=HealSettings(tokens=1024, blocks=2, text="calibration"), progress=False, log=_quiet)  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("model_type", ["molmo2", "ernie4_5_vl_moe"])
+def test_a_checkpoint_whose_tensors_transformers_chunks_on_loading_converts(tmp_path, model_type):
+    """Molmo 2's MLP (``ff_proj``: up and gate, by ``Chunk``) and ERNIE 4.5-VL-MoE's experts (split between text and
+    vision experts by an operation that reads the config) are made on loading from tensors stored otherwise: the
+    streamed conversion reads them as ``from_pretrained`` does (the report's perplexities are the loaded model's) and
+    the written folder computes the converted model with and without the plugin. (Both were refused before.)"""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"{model_type} is not in this Transformers")
+    if model_type == "ernie4_5_vl_moe" and Version(transformers.__version__) < Version("5.17"):
+        pytest.skip("ERNIE 4.5-VL-MoE's config of this Transformers rejects its own defaults (use_bias) when saved")
+    rows = {}
+    for scheme in ("qk_norm_cap", "qkv_norm"):
+        row = rows[scheme] = _convert_one(tmp_path, model_type, scheme)
+        assert "refused" not in row, row.get("refused")
+    _check_as_loaded(tmp_path, model_type, rows, auto="AutoModelForImageTextToText")

@@ -146,6 +146,7 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
         if req.heal is not None:
             check_world(req.heal, source.reusing)
             _check_heal_loads(source, req.heal)
+            _check_heal_writes(source)
         dst = req.dst if req.dst is not None else default_destination(source.name, cfg)
         dst = check_destination(dst, source.path, req.overwrite)
         check_writable(dst)
@@ -196,6 +197,25 @@ def _check_heal_loads(source: Source, heal: HealSettings) -> None:
         "Transformers has no class for (it is multimodal); heal it layer by layer: --heal-end-to-end-tokens 0 "
         "(HealSettings(end_to_end_tokens=0))"
     )
+
+
+def _check_heal_writes(source: Source) -> None:
+    """Refuse, before any work, healing a model whose attention parameters the checkpoint stores in a form a healed
+    value cannot be written back into: made on loading by an operation other than a split of one tensor's rows (a
+    fused q/k/v projection, written back joined; :mod:`hf_qknorm.conversion.output.keys`)."""
+    from ...portable.families import UnsupportedModelError
+
+    names, family = source.weights.names, source.family
+    prefix = f"{family.layers}."
+    for name, fused in names.fused.items():
+        layer_part = name[len(prefix) :].split(".", 2) if name.startswith(prefix) else []
+        if len(layer_part) == 3 and layer_part[1] == family.attention and name not in names.rows:
+            key = next(k for keys in fused.sources.values() for k in keys)
+            raise UnsupportedModelError(
+                f"model type {family.model_type!r}: its checkpoint makes {name} on loading from {key} by "
+                f"{', '.join(type(op).__name__ for op in fused.converter.operations)}, into which a healed value "
+                "cannot be written back; convert it without --heal"
+            )
 
 
 def _write(req: _Request, source: Source, dst: Path, export, prepared, progress: bool, log) -> ConversionResult:

@@ -11,8 +11,9 @@ tests/conversion/test_convert_every_type.py fails when they change, through the 
 experts models) are read here once per conversion, so that the streamed conversion reads every parameter the way
 ``from_pretrained`` would -- one block at a time -- and writes the checkpoint back in the source's own layout, as
 ``save_pretrained`` would; the ``qkv_norm`` fold is planned on the checkpoint's own tensors (a split q/k/v
-projection is folded whole). A conversion by an operation other than stacking, concatenating, splitting and
-transposing (Qwen3-VL-MoE's experts, stored transposed on the Hub) is refused in one line, naming it.
+projection is folded whole; a healed projection split off such a tensor is written back into it). A conversion by an
+operation other than those of :data:`FUSING_OPERATIONS` -- each stacks, concatenates, splits, chunks, interleaves
+or transposes tensors, read by calling it as Transformers' loader does -- is refused in one line, naming it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Transformers' operations a parameter may be made with: each stacks, concatenates, splits or transposes the
-# checkpoint's tensors (reproduced by calling them: a transpose that checks the model's shape does so on the skeleton).
-FUSING_OPERATIONS = ("MergeModulelist", "Concatenate", "Split", "Transpose")
+# Transformers' operations a parameter may be made with: each stacks, concatenates, splits, chunks, interleaves or
+# transposes the checkpoint's tensors (reproduced by calling them with what its loader passes: a transpose that checks
+# the model's shape does so on the skeleton; ERNIE 4.5-VL's experts, split between text and vision, read the config).
+FUSING_OPERATIONS = (
+    "MergeModulelist",
+    "Concatenate",
+    "Split",
+    "Chunk",
+    "Interleave",
+    "Transpose",
+    "ErnieFuseAndSplitTextVisionExperts",
+)
+# operations that split one checkpoint tensor along its rows into the parameters in the converter's target order
+ROW_SPLITS = ("Split", "Chunk")
 
 
 def _natural(key: str):
@@ -82,8 +94,10 @@ def key_map(model, checkpoint_keys, reads=None) -> KeyMap:
                 out.checkpoint[key] = name
             continue
         converter = by_pattern[pattern]
-        ops = [type(op).__name__ for op in getattr(converter, "operations", [])]
-        unknown = [op for op in ops if op not in FUSING_OPERATIONS]
+        operations = getattr(converter, "operations", [])
+        ops = [type(op).__name__ for op in operations]
+        # a chunk into as many pieces as a config field says names its targets by that field: not reproduced
+        unknown = [n for n, op in zip(ops, operations) if n not in FUSING_OPERATIONS or _counted(op)]
         targets = list(converter.target_patterns)
         names = [name.replace(targets[0], t) if t != targets[0] else name for t in targets]
         if unknown and reads is not None and not any(reads(n) for n in names):
@@ -100,10 +114,21 @@ def key_map(model, checkpoint_keys, reads=None) -> KeyMap:
                 continue
             fused = out.fused.setdefault(tname, Fused(converter, target=target, first=name))
             fused.sources.setdefault(pattern, []).append(key)
-            if len(targets) > 1 and ops and all(o == "Split" for o in ops):
-                if all(getattr(op, "dim", None) == 0 for op in converter.operations):
-                    out.rows[tname] = key
+            if len(targets) > 1 and ops and all(o in ROW_SPLITS and op.dim == 0 for o, op in zip(ops, operations)):
+                out.rows[tname] = key
     return out
+
+
+def _counted(op) -> bool:
+    return getattr(op, "num_shards_attribute", None) is not None
+
+
+def row_pieces(key_map: KeyMap, key: str) -> list[str]:
+    """The model parameters split off the rows of the checkpoint tensor ``key``, in the order the tensor holds them
+    (the converter's targets: Molmo 2's ``ff_proj`` holds up before gate)."""
+    names = [n for n, k in key_map.rows.items() if k == key]
+    order = {t: i for i, t in enumerate(key_map.fused[names[0]].converter.target_patterns)} if names else {}
+    return sorted(names, key=lambda n: order[key_map.fused[n].target])
 
 
 def _transforms(model):
@@ -149,7 +174,15 @@ def fuse(name: str, fused: Fused, read, shape, model) -> torch.Tensor:
     tensors: dict = {p: [read(k) for k in fused.sources[p]] for p in converter.source_patterns if p in fused.sources}
     targets = converter.target_patterns
     for op in converter.operations:
-        tensors = op.convert(tensors, converter.source_patterns, targets, full_layer_name=fused.first, model=model)
+        tensors = op.convert(
+            tensors,
+            converter.source_patterns,
+            targets,
+            full_layer_name=fused.first,
+            model=model,
+            config=model.config,
+            missing_keys=None,
+        )
     if len(tensors) > 1 and fused.target in tensors:
         tensors = {fused.target: tensors[fused.target]}
     if len(tensors) != 1:

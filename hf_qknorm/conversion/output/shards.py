@@ -23,7 +23,7 @@ from ...modeling.saved import auto_class
 from ...portable.families import Family
 from ...portable.fold import bias_shift, fold_gain, shifted_bias
 from ...portable.schemes import QKNormConfig
-from .keys import KeyMap, fuse, key_map
+from .keys import KeyMap, fuse, key_map, row_pieces
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -298,6 +298,13 @@ def plan_weights(
     plan = WeightPlan(conv1d=family.conv1d)
     anchor_proj = family.qkv_proj or family.q_proj
     for canonical, value in new_values.items():
+        if canonical in weights.names.rows:  # written below, into the tensor it is split off
+            continue
+        if canonical in weights.names.fused:
+            raise ValueError(
+                f"{canonical} is made on loading from {sum(map(len, weights.names.fused[canonical].sources.values()))}"
+                " checkpoint tensor(s) by an operation other than a split of rows; a new value for it cannot be written"
+            )
         key = weights.source_key(canonical)
         plan.new[key] = value.detach().to(weights.dtype).contiguous()
         anchor = weights.source_key(f"{canonical.rsplit('.', 2)[0]}.{anchor_proj}.weight")
@@ -311,7 +318,27 @@ def plan_weights(
             raise ValueError("qkv_norm needs the pre-attention norms' forms to fold them")
         for layer, form in enumerate(prenorm_forms):
             _plan_fold(plan, weights, family, layer, form)
+    _plan_rows(plan, weights, new_values)
     return plan
+
+
+def _plan_rows(plan: WeightPlan, weights: SourceWeights, new_values: dict) -> None:
+    """A checkpoint tensor Transformers splits by its rows into several parameters (Sarvam's ``query_key_value``,
+    Molmo 2's ``att_proj``) of which ``new_values`` holds some (healed projections): written as its parameters
+    joined again in the order it holds them, each one not in ``new_values`` read as the converted checkpoint holds
+    it (the planned fold applied)."""
+    keys = dict.fromkeys(weights.names.rows[n] for n in new_values if n in weights.names.rows)
+    for key in keys:
+        pieces = []
+        for name in row_pieces(weights.names, key):
+            value = new_values.get(name)
+            if value is None:
+                value = weights.read_param(name, lambda k, t: transform_tensor(k, t, plan))
+            pieces.append(value.detach().to(weights.dtype))
+        plan.new[key] = torch.cat(pieces, dim=0).contiguous()
+        plan.new_file[key] = weights.key_file[key]
+        if list(plan.new[key].shape) != list(weights.shapes[key]):
+            raise ValueError(f"{key}: its pieces join into {tuple(plan.new[key].shape)}, stored {weights.shapes[key]}")
 
 
 def _plan_fold(plan: WeightPlan, weights: SourceWeights, family: Family, layer: int, form: tuple) -> None:
