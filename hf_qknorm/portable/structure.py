@@ -48,7 +48,7 @@ class Plan:
     blocks: nn.ModuleList
     attentions: list[nn.Module]
     logit_scale: float  # l2/lp initial logit scale
-    switch_backend: bool  # a capped scheme on eager/sdpa moves to "qknorm"
+    switch_backend: bool  # a capped scheme on eager/sdpa, or a model's own cap on sdpa, moves to "qknorm"
     prenorm_forms: list  # qkv_norm: (gain, bias) of each block's pre-attention norm, as ``gain * n(x) + bias``
 
 
@@ -107,6 +107,9 @@ def plan_scheme(model: nn.Module, cfg: QKNormConfig, *, loading: bool = False) -
                 f"which patch_model switches to {ATTN_IMPLEMENTATION!r})"
             )
         switch = impl != ATTN_IMPLEMENTATION
+    elif getattr(config, "attn_logit_softcapping", None) is not None and config._attn_implementation == "sdpa":
+        # the model's own cap (Gemma 2): sdpa cannot apply it (Transformers before 5.24 dropped it without a word)
+        switch = True
     if family.native_qk_norm and cfg.norms_qk and cfg.learned_logit_scale and not loading:
         _warn_dropped_native_gain(attentions[0], family, cfg)
     scale = henry_logit_scale(family.training_length(config))

@@ -41,11 +41,39 @@ def test_llama_rmsnorm_qk_norm_is_qwen3():
     torch.testing.assert_close(llama(ids).logits, qwen(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_qknorm_attention_on_gemma2_matches_eager():
-    """The "qknorm" backend applies Gemma 2's own softcap exactly like Gemma 2's eager attention."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+@pytest.mark.parametrize("scheme", ["qk_norm", "qkv_norm"])
+def test_a_gemma2_on_sdpa_keeps_its_own_cap_when_patched(scheme):
+    """sdpa cannot apply Gemma 2's own logit cap (``attn_logit_softcapping``): Transformers before 5.24 dropped it
+    without a word, later ones raise. A scheme without a cap of its own patched onto a Gemma 2 on sdpa moves it to
+    the "qknorm" backend, which applies the model's cap: the patched model computes what the same model patched on
+    eager computes (Gemma 2's own attention), and verify's float64 reference finds the cap applied. (Before, on 5.4
+    to 5.23, the patched model kept sdpa and dropped the cap: verify reported it, the self-check did not.)"""
+    from transformers import Gemma2ForCausalLM
 
-    cfg = Gemma2Config(
+    eager = Gemma2ForCausalLM._from_config(_gemma2_config(2.0), attn_implementation="eager").eval()
+    with torch.no_grad():  # q/k weights large enough that the cap of 2 bites
+        for name, prm in eager.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                prm.mul_(8)
+    try:
+        sdpa = Gemma2ForCausalLM._from_config(_gemma2_config(2.0), attn_implementation="sdpa").eval()
+    except ValueError as exc:  # Transformers 5.24 and later refuse sdpa for Gemma 2 outright
+        pytest.skip(f"this Transformers builds no Gemma 2 on sdpa ({str(exc)[:60]})")
+    sdpa.load_state_dict(eager.state_dict())
+    hf_qknorm.patch_model(eager, scheme)
+    hf_qknorm.patch_model(sdpa, scheme)
+    assert sdpa.config._attn_implementation == "qknorm"
+    ids = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(sdpa(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4)
+    report = hf_qknorm.verify(sdpa)
+    assert report.ok, str(report)
+
+
+def _gemma2_config(cap: float):
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -55,9 +83,16 @@ def test_qknorm_attention_on_gemma2_matches_eager():
         head_dim=16,
         max_position_embeddings=128,
         sliding_window=8,
-        attn_logit_softcapping=5.0,
+        attn_logit_softcapping=cap,
         query_pre_attn_scalar=16,
     )
+
+
+def test_qknorm_attention_on_gemma2_matches_eager():
+    """The "qknorm" backend applies Gemma 2's own softcap exactly like Gemma 2's eager attention."""
+    from transformers import Gemma2ForCausalLM
+
+    cfg = _gemma2_config(5.0)
     torch.manual_seed(0)
     eager = Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():  # large q/k weights so that the cap of 5 really bites
