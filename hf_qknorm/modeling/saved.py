@@ -81,6 +81,30 @@ def auto_class(config):
     return transformers.AutoModelForCausalLM
 
 
+def unbuildable_reason(config) -> str | None:
+    """Why :func:`auto_class` cannot build or load a model of ``config`` (``None`` where it can): Transformers'
+    Auto classes find a model by the config's class, through the model type that class maps back to, and a config
+    class two model types share can map back to one its Auto class does not hold (Evolla's ``EvollaConfig``, whose
+    model types are ``evolla`` and ``EvollaModel``). Its own class still builds it (:func:`own_class`)."""
+    cls = auto_class(config)
+    if type(config) in cls._model_mapping:
+        return None
+    model_type = getattr(config, "model_type", "?")
+    return (
+        f"Transformers' {cls.__name__} cannot build or load a {type(config).__name__} (the config class maps back "
+        f"to another model type than {model_type!r}), so a checkpoint of it does not load through the Auto classes"
+    )
+
+
+def own_class(config):
+    """The model class ``config``'s :func:`auto_class` names for its model type, found by name (where the Auto class
+    itself cannot resolve the config: :func:`unbuildable_reason`)."""
+    import transformers
+
+    names = auto_class(config)._model_mapping._model_mapping  # model type -> class name
+    return getattr(transformers, names[base_model_type(getattr(config, "model_type", ""))])
+
+
 def _multimodal_lm_names() -> dict:
     """Transformers' multimodal-LM model types (empty in a release without ``AutoModelForMultimodalLM``)."""
     from transformers.models.auto import modeling_auto

@@ -5,8 +5,9 @@ tokens; :func:`run_probes` runs the model through
 
 - ``unpadded``: one forward of an unpadded batch, no cache;
 - ``padded``: one forward of a left-padded batch, no cache;
-- ``cache-unpadded`` / ``cache-padded``: greedy ``generate`` with the model's own generation settings -- so with its
-  configured cache (``generation_config.cache_implementation``, e.g. ``"static"``; dynamic otherwise) --
+- ``cache-unpadded`` / ``cache-padded``: greedy ``generate`` with the cache on (Evolla's generation settings turn it
+  off) and the model's own other generation settings -- so with its configured cache
+  (``generation_config.cache_implementation``, e.g. ``"static"``; dynamic otherwise) --
   recording every step's layer inputs and outputs, so the whole sequence's layer input can be reassembled; plus the
   generated logits and those of an uncached forward over the same tokens;
 - ``stress`` (layers with a cap): each attention module called again on the ``unpadded`` probe's own inputs, with
@@ -388,6 +389,7 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result, outer=N
             max_new_tokens=new,
             min_new_tokens=new,
             do_sample=False,
+            use_cache=True,  # a cached probe: whatever the model's generation settings say (Evolla's: no cache)
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=pad_id,

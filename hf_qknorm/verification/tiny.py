@@ -102,6 +102,17 @@ STATED = {
         "mamba_d_state": 16,
         "mamba_chunk_size": 16,
     },
+    # its protein encoder (ESM-sized by default: 650M parameters) and the resampler after it, sized otherwise
+    "evolla": {
+        "protein_encoder_config.hidden_size": 32,
+        "protein_encoder_config.num_hidden_layers": 1,
+        "protein_encoder_config.intermediate_size": 64,
+        "protein_encoder_config.num_attention_heads": 2,
+        "resampler_depth": 1,
+        "resampler_heads": 2,
+        "resampler_dim_head": 16,
+        "resampler_num_latents": 8,
+    },
     # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
     "chameleon": {"vocabulary_map": {"<image>": VOCAB - 1}},
     "muse_spark_text": {"moe_hidden_size": 32},  # its experts' width, named otherwise
@@ -246,7 +257,8 @@ def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
 
     torch.manual_seed(seed)
     config = tiny_config(model_type)
-    cls = auto_class(config)  # AutoModelForCausalLM, or where Transformers maps a text model's class (Mistral 4)
+    # AutoModelForCausalLM, or where Transformers maps a text model's class (Mistral 4)
+    cls = builder(config, auto_class(config))
     kwargs = {}
     if hasattr(config, "_experts_implementation"):
         kwargs["experts_implementation"] = "eager"
@@ -328,6 +340,17 @@ MULTIMODAL = {
     "step3p7": ({"mlp_ratio": VISION_MLP / VISION_WIDTH}, {}, None),
     # the thinker's positions read the id its checkpoints state (its class has no default)
     "qwen2_5_omni_thinker": ({}, {"vision_start_token_id": 0}, None),
+    # its protein encoder (ESM-sized by default: 650M parameters) and the resampler after it, sized otherwise
+    "evolla": {
+        "protein_encoder_config.hidden_size": 32,
+        "protein_encoder_config.num_hidden_layers": 1,
+        "protein_encoder_config.intermediate_size": 64,
+        "protein_encoder_config.num_attention_heads": 2,
+        "resampler_depth": 1,
+        "resampler_heads": 2,
+        "resampler_dim_head": 16,
+        "resampler_num_latents": 8,
+    },
     # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
     "emu3": (
         {},
@@ -556,7 +579,7 @@ def tiny_multimodal_model(model_type: str, dtype=torch.float32, seed: int = 0):
 
     config = tiny_multimodal_config(model_type)
     image_text = model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    cls = AutoModelForImageTextToText if image_text else auto_class(config)
+    cls = builder(config, AutoModelForImageTextToText if image_text else auto_class(config))
     with torch.device("meta"):
         skeleton = cls.from_config(copy.deepcopy(config))
     if fit_mrope(skeleton, config):
@@ -567,6 +590,24 @@ def tiny_multimodal_model(model_type: str, dtype=torch.float32, seed: int = 0):
         raise ValueError(f"the shrunk config still has {count / 1e6:.0f}M parameters (sizes named otherwise)")
     torch.manual_seed(seed)
     return cls.from_config(config, dtype=dtype).eval()
+
+
+class _FromConfig:
+    """A model class with the Auto classes' ``from_config`` (``_from_config``: the class's own)."""
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    def from_config(self, config, **kwargs):
+        return self.cls._from_config(config, **kwargs)
+
+
+def builder(config, cls):
+    """``cls`` (an Auto class), or where it cannot build ``config``'s model (Evolla:
+    :func:`hf_qknorm.modeling.saved.unbuildable_reason`) the model's own class, with the same ``from_config``."""
+    from ..modeling.saved import own_class, unbuildable_reason
+
+    return _FromConfig(own_class(config)) if unbuildable_reason(config) is not None else cls
 
 
 def special_ids_on_top(config, vocab: int):

@@ -41,6 +41,7 @@ def _skip_unless_known(model_type: str) -> None:
         ("deepseek_vl_hybrid", cov.PATCHED, "text inputs only"),  # its second vision tower (SAM) shrunk too
         ("qwen2_5_omni_thinker", cov.PATCHED, "text inputs only"),  # its audio encoder shrunk, its id stated
         ("minimax_m3_vl", cov.PATCHED, "text inputs only"),  # its projector's width shrunk
+        ("evolla", cov.PATCHED, ""),  # built by its own class: the Auto classes cannot resolve its config
     ],
 )
 def test_newer_types_are_built_and_classified(model_type, status, words):
@@ -118,3 +119,26 @@ def test_the_backend_names_value_heads_of_another_width():
     v = torch.randn(1, 2, 5, 12)
     with pytest.raises(ValueError, match="value heads as wide as the query and key heads; this call's are 12 and 16"):
         qknorm_attention_forward(SimpleNamespace(is_causal=True), q, k, v, None)
+
+
+def test_a_model_the_auto_classes_cannot_build_is_patched_verified_and_its_conversion_refused(tmp_path):
+    """Evolla's config class maps back to another model type (``EvollaModel``) than the one Transformers' Auto
+    classes hold it under, so ``AutoModelForImageTextToText`` neither builds nor loads it: the tiny builder uses its
+    own class, ``verify`` passes on it patched (its generation settings turn the cache off; the cached probes turn it
+    on, where they recorded every step's whole sequence and failed), and a conversion -- whose folder could not be
+    loaded -- is refused in one line before any work, naming why."""
+    _skip_unless_known("evolla")
+    from hf_qknorm.conversion.orchestration.source import inspect_source
+    from hf_qknorm.modeling.saved import unbuildable_reason
+
+    model = tiny_model("evolla")
+    assert unbuildable_reason(model.config) is not None
+    assert model.generation_config.use_cache is False
+    hf_qknorm.patch_model(model, "qk_norm_cap", softcap=2.0)
+    report = hf_qknorm.verify(model)
+    assert report.ok, str(report)
+    assert any(c.probe.startswith("cache") for c in report.checks)
+    source = tmp_path / "plain"
+    tiny_model("evolla").save_pretrained(source)
+    with pytest.raises(UnsupportedModelError, match="does not load through the Auto classes"):
+        inspect_source(source)

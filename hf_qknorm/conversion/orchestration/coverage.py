@@ -75,7 +75,7 @@ def tiny_source(model_type: str, folder: Path, seed: int = 0) -> Path:
     from ...data import bundled_model_dir
     from ...modeling.saved import auto_class
     from ...verification.loading import quiet_transformers
-    from ...verification.tiny import fit_mrope, is_multimodal, tiny_config, tiny_multimodal_config
+    from ...verification.tiny import builder, fit_mrope, is_multimodal, tiny_config, tiny_multimodal_config
 
     if is_multimodal(_default_config(model_type)):
         config = _special_ids_on_top(tiny_multimodal_config(model_type))
@@ -86,7 +86,7 @@ def tiny_source(model_type: str, folder: Path, seed: int = 0) -> Path:
         _widen_vocab(config)
     torch.manual_seed(seed)
     kwargs = {"experts_implementation": "eager"} if hasattr(config, "_experts_implementation") else {}
-    model = auto_class(config).from_config(config, **kwargs)
+    model = builder(config, auto_class(config)).from_config(config, **kwargs)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for prm in model.parameters():

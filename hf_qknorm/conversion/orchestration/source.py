@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ...modeling.derive import get_family
-from ...modeling.saved import read_config
+from ...modeling.saved import read_config, unbuildable_reason
 from ...portable.families import Family, UnsupportedModelError, reusing_layers, text_config_of
 from ...portable.layout import find_layers
 from ...portable.names import PREFIX
@@ -74,6 +74,12 @@ def inspect_source(src, cfg=None) -> Source:
     if isinstance(model_type, str) and model_type.startswith(PREFIX) or raw.get("qknorm") is not None:
         raise ValueError(f"{path} is already converted (model_type {model_type!r}); convert the original model")
     config = AutoConfig.from_pretrained(path)
+    unbuildable = unbuildable_reason(config)
+    if unbuildable is not None:  # its written folder could not be loaded either (Evolla)
+        raise UnsupportedModelError(
+            f"model type {raw.get('model_type')!r}: {unbuildable}; patch_model patches the model loaded with its own "
+            "class in memory"
+        )
     # a multimodal model: its language model is converted, found in the whole model as patching finds it
     multimodal = text_config_of(config) is not config
     archs = raw.get("architectures") or []
