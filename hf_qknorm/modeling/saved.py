@@ -87,8 +87,11 @@ def unbuildable_reason(config) -> str | None:
     class two model types share can map back to one its Auto class does not hold (Evolla's ``EvollaConfig``, whose
     model types are ``evolla`` and ``EvollaModel``). Its own class still builds it (:func:`own_class`)."""
     cls = auto_class(config)
-    if type(config) in cls._model_mapping:
-        return None
+    try:
+        if type(config) in cls._model_mapping:
+            return None
+    except KeyError:  # Transformers 5.4's lookup raises for a model type it does not hold instead of saying no
+        pass
     model_type = getattr(config, "model_type", "?")
     return (
         f"Transformers' {cls.__name__} cannot build or load a {type(config).__name__} (the config class maps back "
@@ -100,9 +103,16 @@ def own_class(config):
     """The model class ``config``'s :func:`auto_class` names for its model type, found by name (where the Auto class
     itself cannot resolve the config: :func:`unbuildable_reason`)."""
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    names = auto_class(config)._model_mapping._model_mapping  # model type -> class name
-    return getattr(transformers, names[base_model_type(getattr(config, "model_type", ""))])
+    cls = auto_class(config)
+    names = cls._model_mapping._model_mapping  # model type -> class name
+    own = base_model_type(getattr(config, "model_type", ""))
+    kinds = [own, *(t for t, name in CONFIG_MAPPING_NAMES.items() if name == type(config).__name__)]
+    for kind in kinds:
+        if kind in names:
+            return getattr(transformers, names[kind])
+    raise ValueError(f"{cls.__name__} names no model class for {type(config).__name__} (model type {own!r})")
 
 
 def _multimodal_lm_names() -> dict:

@@ -51,6 +51,11 @@ SPELLED_OUT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
 CONCAT, PER_HEAD = "concat", "per_head"  # layouts of a fused q/k/v projection's output
 
+_DRAFTER = (
+    "a draft model for Gemma 4's speculative decoding: every layer attends, both ways, over the keys and values its "
+    "target model computed, and computes none of its own"
+)
+
 # What the structure does not say. ``layout``: a fused projection's output is per head ``[q_h k_h v_h]`` rather
 # than ``[q | k | v]``; ``refuse``: a reason no probe can see (the model would compute something else silently).
 QUIRKS: dict[str, dict] = {
@@ -71,6 +76,8 @@ QUIRKS: dict[str, dict] = {
         "scope": "not a language model (a vision-language-action model: its forward denoises robot actions with an "
         "action transformer attending to its language model's keys)"
     },
+    "gemma4_assistant": {"scope": "not a language model of its own (" + _DRAFTER + ")"},
+    "gemma4_unified_assistant": {"scope": "not a language model of its own (" + _DRAFTER + ")"},
     "diffusion_gemma_text": {
         "scope": "no softmax self-attention of a causal decoder (a block-diffusion language model: its decoder "
         "attends both ways)"
@@ -559,13 +566,22 @@ def family_of_model(model: nn.Module) -> Family:
     return cached
 
 
+def type_out_of_scope(model_type: str) -> str | None:
+    """Why every model of ``model_type`` is outside what hf_qknorm patches, known from the type alone (before any
+    config is built: a drafter's default config does not validate), or ``None``."""
+    model_type = base_model_type(model_type)
+    if "scope" in QUIRKS.get(model_type, {}):
+        return f"model type {model_type!r}: {QUIRKS[model_type]['scope']}"
+    return None
+
+
 def out_of_scope(config) -> str | None:
     """Why a config's model is outside what hf_qknorm patches (decoder-only, softmax attention, text), or ``None``."""
     model_type = base_model_type(getattr(config, "model_type", "?"))
     if getattr(config, "is_encoder_decoder", False):
         return f"model type {model_type!r} is an encoder-decoder model; hf_qknorm patches decoder-only models"
-    if "scope" in QUIRKS.get(model_type, {}):  # attention by name only: known from the type, before any model
-        return f"model type {model_type!r}: {QUIRKS[model_type]['scope']}"
+    if type_out_of_scope(model_type):  # attention by name only: known from the type, before any model
+        return type_out_of_scope(model_type)
     text = text_config_of(config)
     if text is not config:  # a model in hand is patched through its language model (derive_family); a config is not
         return (

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..portable.families import UnsupportedModelError, out_of_scope
+from ..portable.families import UnsupportedModelError, out_of_scope, type_out_of_scope
 from ..portable.schemes import NORMS, SCHEMES
 from ..upstream import cache_kwargs, output_cache
 
@@ -84,6 +84,8 @@ def check_model_type(model_type: str) -> TypeResult:
     from .tiny import is_multimodal, tiny_model
 
     start = time.perf_counter()
+    if type_out_of_scope(model_type):  # known from the type alone (a drafter, whose default config does not validate)
+        return TypeResult(model_type, OUT_OF_SCOPE, type_out_of_scope(model_type))
     try:
         config = CONFIG_MAPPING[model_type]()
     except Exception as exc:

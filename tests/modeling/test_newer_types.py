@@ -42,6 +42,8 @@ def _skip_unless_known(model_type: str) -> None:
         ("qwen2_5_omni_thinker", cov.PATCHED, "text inputs only"),  # its audio encoder shrunk, its id stated
         ("minimax_m3_vl", cov.PATCHED, "text inputs only"),  # its projector's width shrunk
         ("evolla", cov.PATCHED, ""),  # built by its own class: the Auto classes cannot resolve its config
+        ("gemma4_assistant", cov.OUT_OF_SCOPE, "draft model"),  # its default config does not validate
+        ("gemma4_unified_assistant", cov.OUT_OF_SCOPE, "draft model"),
     ],
 )
 def test_newer_types_are_built_and_classified(model_type, status, words):
@@ -127,8 +129,14 @@ def test_a_model_the_auto_classes_cannot_build_is_patched_verified_and_its_conve
     own class, ``verify`` passes on it patched (its generation settings turn the cache off; the cached probes turn it
     on, where they recorded every step's whole sequence and failed), and a conversion -- whose folder could not be
     loaded -- is refused in one line before any work, naming why."""
-    _skip_unless_known("evolla")
+    import transformers
+    from packaging.version import Version
+
     from hf_qknorm.conversion.orchestration.source import inspect_source
+    from hf_qknorm.upstream import NEWEST_TESTED
+
+    if Version(transformers.__version__) < Version(NEWEST_TESTED):  # Evolla's config and classes differ before
+        pytest.skip(f"Evolla as Transformers {NEWEST_TESTED} ships it")
     from hf_qknorm.modeling.saved import unbuildable_reason
 
     model = tiny_model("evolla")
@@ -142,3 +150,23 @@ def test_a_model_the_auto_classes_cannot_build_is_patched_verified_and_its_conve
     tiny_model("evolla").save_pretrained(source)
     with pytest.raises(UnsupportedModelError, match="does not load through the Auto classes"):
         inspect_source(source)
+
+
+def test_a_drafter_that_reads_its_target_models_keys_is_refused_when_patched():
+    """Gemma 4's assistant (a draft model for speculative decoding) attends over the keys and values its target
+    model computed: ``patch_model`` on one (its config made valid: no per-layer inputs, every layer shared) refuses
+    it in one line, leaving it as it was."""
+    _skip_unless_known("gemma4_assistant")
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    text = tiny_config("gemma4_text")
+    text.hidden_size_per_layer_input = text.vocab_size_per_layer_input = 0
+    text.enable_moe_block = text.use_double_wide_mlp = False
+    config = Gemma4AssistantConfig(
+        text_config=text.to_dict(), backbone_hidden_size=64, num_centroids=8, centroid_intermediate_top_k=2
+    )
+    model = Gemma4AssistantForCausalLM(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match="draft model for Gemma 4's speculative decoding"):
+        hf_qknorm.patch_model(model, "qk_norm")
+    assert model.state_dict().keys() == before.keys() and getattr(model.config, "qknorm", None) is None
