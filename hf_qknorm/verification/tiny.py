@@ -352,6 +352,13 @@ MULTIMODAL = {
         "resampler_num_latents": 8,
     },
     # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
+    # its vision encoder's layers follow the patch's prime factors (each layer a fold; fewer layers than folds
+    # needs scipy's assignment), widening to the text model's width
+    "inkling_mm_model": (
+        {"patch_size": 2, "temporal_patch_size": 2, "num_channels": 1, "text_hidden_size": HIDDEN},
+        {"vision_config.num_hidden_layers": 3},  # a setting its config's dict does not list
+        None,
+    ),
     "emu3": (
         {},
         {

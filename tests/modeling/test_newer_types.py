@@ -42,6 +42,7 @@ def _skip_unless_known(model_type: str) -> None:
         ("qwen2_5_omni_thinker", cov.PATCHED, "text inputs only"),  # its audio encoder shrunk, its id stated
         ("minimax_m3_vl", cov.PATCHED, "text inputs only"),  # its projector's width shrunk
         ("evolla", cov.PATCHED, ""),  # built by its own class: the Auto classes cannot resolve its config
+        ("inkling_mm_model", cov.REFUSED, "position_bias"),  # its vision layers follow its patch's prime factors
         ("gemma4_assistant", cov.OUT_OF_SCOPE, "draft model"),  # its default config does not validate
         ("gemma4_unified_assistant", cov.OUT_OF_SCOPE, "draft model"),
     ],
