@@ -340,18 +340,6 @@ MULTIMODAL = {
     "step3p7": ({"mlp_ratio": VISION_MLP / VISION_WIDTH}, {}, None),
     # the thinker's positions read the id its checkpoints state (its class has no default)
     "qwen2_5_omni_thinker": ({}, {"vision_start_token_id": 0}, None),
-    # its protein encoder (ESM-sized by default: 650M parameters) and the resampler after it, sized otherwise
-    "evolla": {
-        "protein_encoder_config.hidden_size": 32,
-        "protein_encoder_config.num_hidden_layers": 1,
-        "protein_encoder_config.intermediate_size": 64,
-        "protein_encoder_config.num_attention_heads": 2,
-        "resampler_depth": 1,
-        "resampler_heads": 2,
-        "resampler_dim_head": 16,
-        "resampler_num_latents": 8,
-    },
-    # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
     # its vision encoder's layers follow the patch's prime factors (each layer a fold; fewer layers than folds
     # needs scipy's assignment), widening to the text model's width
     "inkling_mm_model": (
@@ -359,6 +347,7 @@ MULTIMODAL = {
         {"vision_config.num_hidden_layers": 3},  # a setting its config's dict does not list
         None,
     ),
+    # its tokenizer's map of the image tokens, which the model reads when it is built (no default)
     "emu3": (
         {},
         {
