@@ -309,14 +309,18 @@ FUSED_QKV = {"sarvam_moe": "attention.query_key_value.weight", "molmo2": "self_a
 
 
 @pytest.mark.spawns
+@pytest.mark.parametrize("scheme, norm", [("qk_norm", "l2"), ("qkv_norm", "layernorm")])
 @pytest.mark.parametrize("model_type", sorted(FUSED_QKV))
-def test_a_healed_projection_split_off_a_stored_tensor_is_written_back_into_it(tmp_path, model_type, monkeypatch):
+def test_a_healed_projection_split_off_a_stored_tensor_is_written_back_into_it(
+    tmp_path, model_type, scheme, norm, monkeypatch
+):
     """Sarvam MoE and Molmo 2 store q, k and v as one tensor that Transformers splits by rows on loading (Molmo 2
     also its MLP's up and gate, ``ff_proj``, by ``Chunk``). A heal fits q, k and v apart; the written checkpoint
     holds them joined again in the source's layout, so that Transformers' own split of the written folder gives back
     exactly the healed values the conversion wrote (recorded on their way to the writer), with and without the
     plugin (``verify="full"``); a tensor the heal does not touch (Molmo 2's ``ff_proj``) is the source's, byte for
-    byte. (Before: the last healed piece was written in place of the whole tensor, and the folder did not load.)"""
+    byte; with ``qkv_norm`` the removed pre-norm's fold is in the healed values, not applied twice. (Before: the
+    last healed piece was written in place of the whole tensor, and the folder did not load.)"""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from hf_qknorm.conversion.healing.heal import HealSettings
@@ -337,7 +341,7 @@ def test_a_healed_projection_split_off_a_stored_tensor_is_written_back_into_it(t
 
     monkeypatch.setattr(writing, "plan_weights", spy)
     heal = HealSettings(tokens=2048, blocks=4, text="calibration", lr_search=False)
-    result = convert(src, tmp_path / "out", QKNormConfig("qk_norm", norm="l2"), SETTINGS, calibration_text=TEXT,
+    result = convert(src, tmp_path / "out", QKNormConfig(scheme, norm=norm), SETTINGS, calibration_text=TEXT,
                      heal=heal, verify="full", progress=False, log=_quiet)  # fmt: skip
     assert result.report.heal["layers_kept"] > 0
     written = _tensors(tmp_path / "out")
