@@ -377,9 +377,10 @@ def test_a_classifier_wrapping_a_language_model_is_refused_in_one_line(tmp_path)
 
 def test_a_vision_tower_made_by_an_operation_not_reproduced_is_written_as_stored(tmp_path):
     """Step 3.7's checkpoints store the vision tower's attention as one ``in_proj`` that Transformers chunks and
-    permutes on loading (the permutation is an operation the streamed conversion does not reproduce). The conversion never reads the
-    vision tower, so those tensors are written bit for bit; the written folder, loaded by Transformers, computes the
-    patched source. The same operation on a language-model tensor is refused (``key_map``)."""
+    permutes on loading (the permutation is an operation the streamed conversion does not reproduce). The conversion
+    never reads the vision tower, so those tensors are written bit for bit; the written folder, loaded by
+    Transformers, computes the patched source. The same operation on a language-model tensor is refused
+    (``key_map``)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from hf_qknorm.conversion.output.keys import key_map
