@@ -415,6 +415,24 @@ RELIANCES: tuple[Reliance, ...] = (
         "tests/conversion/test_convert_every_type.py::test_every_sample_type_converts_and_reloads_without_the_plugin",
     ),
     Reliance(
+        "transformers.core_model_loading.ConversionOps",
+        "conversion/output/keys.py (fuse)",
+        "an operation's convert(input_dict, source_patterns, target_patterns, full_layer_name=, model=, config=, "
+        "missing_keys=) makes a parameter from checkpoint tensors as the loader calls it (Chunk, Split, "
+        "ErnieFuseAndSplitTextVisionExperts); a Chunk or Split along dim 0 gives the targets' rows in their order",
+        "tests/conversion/test_convert_every_type.py::"
+        "test_a_healed_projection_split_off_a_stored_tensor_is_written_back_into_it",
+    ),
+    Reliance(
+        "transformers.models.auto.auto_factory._LazyAutoMapping",
+        "modeling/saved.py (unbuildable_reason, own_class)",
+        "an Auto class's _model_mapping: `config class in mapping` says whether it builds the config (through the "
+        "model type the config class maps back to; 5.4 raises KeyError instead of saying no), and its own "
+        "_model_mapping maps model type -> model class name",
+        "tests/modeling/test_newer_types.py::"
+        "test_a_model_the_auto_classes_cannot_build_is_patched_verified_and_its_conversion_refused",
+    ),
+    Reliance(
         "transformers.core_model_loading.rename_source_key",
         "conversion/output/keys.py",
         "(key, renamings, converters, prefix, meta state dict) -> (the model name a checkpoint key loads under, the "

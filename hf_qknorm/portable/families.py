@@ -342,8 +342,9 @@ def derive_family(model: nn.Module) -> Family:
     and what is missing."""
     config = model.config
     model_type = base_model_type(getattr(config, "model_type", "?"))
-    if "scope" in QUIRKS.get(model_type, {}):  # before its language model is looked for (pi0's is patchable alone)
-        raise UnsupportedModelError(f"model type {model_type!r}: {QUIRKS[model_type]['scope']}")
+    scope = type_out_of_scope(model_type)
+    if scope:  # before its language model is looked for (pi0's is patchable alone)
+        raise UnsupportedModelError(scope)
     path = None if getattr(config, "is_encoder_decoder", False) else text_model_path(model)
     if path is not None:
         return _multimodal_family(model, path)
@@ -580,8 +581,9 @@ def out_of_scope(config) -> str | None:
     model_type = base_model_type(getattr(config, "model_type", "?"))
     if getattr(config, "is_encoder_decoder", False):
         return f"model type {model_type!r} is an encoder-decoder model; hf_qknorm patches decoder-only models"
-    if type_out_of_scope(model_type):  # attention by name only: known from the type, before any model
-        return type_out_of_scope(model_type)
+    scope = type_out_of_scope(model_type)
+    if scope:  # attention by name only: known from the type, before any model
+        return scope
     text = text_config_of(config)
     if text is not config:  # a model in hand is patched through its language model (derive_family); a config is not
         return (

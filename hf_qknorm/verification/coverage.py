@@ -84,8 +84,9 @@ def check_model_type(model_type: str) -> TypeResult:
     from .tiny import is_multimodal, tiny_model
 
     start = time.perf_counter()
-    if type_out_of_scope(model_type):  # known from the type alone (a drafter, whose default config does not validate)
-        return TypeResult(model_type, OUT_OF_SCOPE, type_out_of_scope(model_type))
+    scope = type_out_of_scope(model_type)
+    if scope:  # known from the type alone (a drafter, whose default config does not validate)
+        return TypeResult(model_type, OUT_OF_SCOPE, scope)
     try:
         config = CONFIG_MAPPING[model_type]()
     except Exception as exc:
