@@ -77,12 +77,20 @@ def rope_layout_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def allowed_reference(
-    q_len: int, kv_len: int, *, causal: bool, sliding_window: int | None = None, mask: torch.Tensor | None = None
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    mask: torch.Tensor | None = None,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean ``(batch or 1, 1, q_len, kv_len)`` of the pairs a query may attend to.
 
     Causality is bottom-right aligned: query ``i`` sits at absolute position ``i + kv_len - q_len``. A sliding
-    window of ``w`` keeps keys with ``pos_q - pos_k < w``. ``mask`` (True = attend) is intersected."""
+    window of ``w`` keeps keys with ``pos_q - pos_k < w``. ``prefix`` ``(batch, kv_len)`` bool: a prefix-LM's
+    prefix (PaliGemma's): a query and a key both in it attend whatever causality and the window say. ``mask``
+    (True = attend) is intersected last."""
     qi = torch.arange(q_len)[:, None] + (kv_len - q_len)
     kj = torch.arange(kv_len)[None, :]
     ok = torch.ones(q_len, kv_len, dtype=torch.bool)
@@ -91,6 +99,9 @@ def allowed_reference(
     if sliding_window is not None:
         ok = ok & (qi - kj < sliding_window)
     ok = ok[None, None]
+    if prefix is not None:
+        prefix = prefix.to(torch.bool).cpu()
+        ok = ok | (prefix[:, None, kv_len - q_len :, None] & prefix[:, None, None, :])
     if mask is not None:
         ok = ok & mask.to(torch.bool).cpu()
     return ok
@@ -107,18 +118,20 @@ def attention_reference(
     mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax(mask(c * tanh(scaling * q k^T / c))) v``; rows with no allowed key give zeros. ``sinks``
     ``(heads,)``: one more logit per row (uncapped, attending to nothing) in each head's softmax, as gpt-oss's.
-    Returns ``(batch, heads, q_len, head_dim)``."""
+    ``prefix``: a prefix-LM's prefix (:func:`allowed_reference`). Returns ``(batch, heads, q_len, head_dim)``."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     s = scaling * (q @ k.transpose(-1, -2))
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    ok = allowed_reference(q.shape[2], k.shape[2], causal=causal, sliding_window=sliding_window, mask=mask)
-    ok = ok.to(q.device)
+    ok = allowed_reference(
+        q.shape[2], k.shape[2], causal=causal, sliding_window=sliding_window, mask=mask, prefix=prefix
+    ).to(q.device)
     s = s.masked_fill(~ok, float("-inf"))
     if sinks is not None:
         column = sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
@@ -164,6 +177,7 @@ def attention_layer_reference(
     q_scale=None,
     v_own=None,
     kv=None,
+    prefix=None,
 ):
     """One patched attention layer from the formulas, on hidden states ``x`` ``(batch, seq, hidden)``: project ->
     split heads -> norm -> RoPE -> attention (cap, mask, softmax) -> merge heads -> output projection. ``w*`` are
@@ -176,7 +190,7 @@ def attention_layer_reference(
     ``v_own`` (dict ``kind``, ``weight``, ``bias``, ``eps``): the model's own per-head norm of v (Gemma 4's).
     ``kv``: the keys and values ``(batch, kv_heads, seq, head_dim)`` as the attention reads them, where the layer
     reuses another layer's (:func:`keys_values_reference` of that layer); ``wk``/``wv`` and the k/v settings are then
-    not read."""
+    not read. ``prefix`` ``(batch, seq)`` bool: a prefix-LM's prefix, attended both ways (:func:`allowed_reference`)."""
     b, t, _ = x.shape
     q = _heads(x, wq, bq, heads, head_dim, q_whole)
     if q_norm is not None:
@@ -217,6 +231,7 @@ def attention_layer_reference(
         mask=mask,
         sliding_window=sliding_window,
         sinks=sinks,
+        prefix=prefix,
     )
     o = o.transpose(1, 2).reshape(b, t, heads * head_dim)
     return o @ wo.T + (bo if bo is not None else 0)

@@ -2,10 +2,11 @@
 
 For each layer and probe the reference output is :func:`hf_qknorm.reference.attention_layer_reference` on the
 recorded layer input, with the layer's weights (:mod:`.layers`), RoPE from the recorded ``cos``/``sin``, the cap, and
-the mask by absolute position (causal, the probe's padding, the sliding window). The error is
+the mask by absolute position (causal, the probe's padding, the sliding window; a prefix-LM's prefix attended both
+ways, as the probe marked it). The error is
 ``max|out - ref| / max|ref|`` over the real query rows (padded rows have no defined output).
 
-A mechanism ``m`` (norms, cap, padding, causal, window) is judged with a second reference without ``m``: with
+A mechanism ``m`` (norms, cap, padding, causal, window, prefix) is judged with a second reference without ``m``: with
 ``e`` the error against the reference, ``e_m`` against the one without ``m`` and ``d_m`` the distance between the
 two references (all relative to ``max|ref|``), ``m`` is
 
@@ -62,13 +63,13 @@ LOGIT_REFERENCE = 10.0
 
 # Which mechanisms each probe judges (each costs one more reference per layer).
 PROBE_MECHANISMS = {
-    "unpadded": ("norms", "cap", "causal", "window"),
-    "padded": ("padding", "window"),
-    "cache-unpadded": ("window",),
-    "cache-padded": ("padding", "window"),
+    "unpadded": ("norms", "cap", "causal", "window", "prefix"),
+    "padded": ("padding", "window", "prefix"),
+    "cache-unpadded": ("window", "prefix"),
+    "cache-padded": ("padding", "window", "prefix"),
     "stress": ("cap", "norms"),
-    "amplified": ("norms", "causal", "window"),
-    "amplified-padded": ("padding", "window"),
+    "amplified": ("norms", "causal", "window", "prefix"),
+    "amplified-padded": ("padding", "window", "prefix"),
 }
 
 
@@ -133,13 +134,14 @@ def source_kv(source, drop=()) -> tuple | None:
 
 
 def layer_reference(
-    spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: float = 1.0, q_scale=None, source=None
+    spec: LayerSpec, x, cos, sin, tokens, *, drop=(), q_gain: float = 1.0, q_scale=None, source=None, prefix=None
 ) -> torch.Tensor:
     """Reference output ``(batch, seq, hidden)`` of one layer on input ``x`` ``(batch, seq, hidden)``.
 
     ``cos``/``sin`` ``(batch, seq, rope_dim)`` or ``None``; ``tokens`` ``(batch, seq)`` bool (False = padding);
     ``q_scale``: the recorded factor by position on the rotated query (Beam's ``attention_scaling``), or ``None``.
-    ``drop``: mechanisms to leave out (``norms``, ``cap``, ``padding``, ``causal``, ``window``). ``q_gain``
+    ``prefix`` ``(batch, seq)`` bool or ``None``: a prefix-LM's prefix, attended both ways.
+    ``drop``: mechanisms to leave out (``norms``, ``cap``, ``padding``, ``causal``, ``window``, ``prefix``). ``q_gain``
     multiplies the final pre-RoPE query (the stress probe's gain): folded into the query norm's gain and bias, or
     into the query projection when the layer has no query norm. ``source``: a KV-shared layer's source
     (:func:`source_kv`)."""
@@ -188,6 +190,7 @@ def layer_reference(
         q_scale=q_scale,
         v_own=spec.v_own,
         kv=source_kv(source, drop),
+        prefix=None if "prefix" in drop else prefix,
     )
     if spec.stage is None:
         return out
@@ -218,8 +221,10 @@ def mechanism_status(e: float, e_m: float, d_m: float, tol: float) -> str:
     return UNCLEAR if d_m > EXERCISED * tol else UNEXERCISED
 
 
-def applicable(spec: LayerSpec, tokens: torch.Tensor) -> set[str]:
+def applicable(spec: LayerSpec, tokens: torch.Tensor, prefix: torch.Tensor | None = None) -> set[str]:
     out = {"causal"}
+    if prefix is not None and bool(prefix.any()):
+        out.add("prefix")
     if spec.has_norms:
         out.add("norms")
     if spec.softcap is not None:
@@ -231,7 +236,9 @@ def applicable(spec: LayerSpec, tokens: torch.Tensor) -> set[str]:
     return out
 
 
-def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0, q_scale=None, source=None) -> float:
+def largest_logit(
+    spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0, q_scale=None, source=None, prefix=None
+) -> float:
     """``max |scaling * q.k|`` (before the cap) over the real queries and the keys they may attend to, from the
     formulas (projection, norm, RoPE) in float64: the logits whose rounding a half-precision attention suffers."""
     b, t, _ = x.shape
@@ -255,18 +262,26 @@ def largest_logit(spec: LayerSpec, x, cos, sin, tokens, q_gain: float = 1.0, q_s
     q = q if q_scale is None else q * q_scale
     s = spec.scaling * (q @ k.repeat_interleave(spec.heads // spec.kv_heads, dim=1).transpose(-1, -2))
     n = k.shape[2]  # the keys: every position (a KV-shared layer's queries may be the last ones only)
-    ok = allowed_reference(t, n, causal=True, sliding_window=spec.window, mask=tokens[:, None, None, :])
+    ok = allowed_reference(t, n, causal=True, sliding_window=spec.window, mask=tokens[:, None, None, :], prefix=prefix)
     ok = ok & tokens[:, None, n - t :, None]
     return float(s.abs().masked_fill(~ok, 0.0).max()) if bool(ok.any()) else 0.0
 
 
 def check_layer(
-    spec: LayerSpec, probe: str, rec: dict, tokens: torch.Tensor, tol: float, widen: bool = False, source=None
+    spec: LayerSpec,
+    probe: str,
+    rec: dict,
+    tokens: torch.Tensor,
+    tol: float,
+    widen: bool = False,
+    source=None,
+    prefix: torch.Tensor | None = None,
 ) -> Check:
     """Compare one layer's recorded output on one probe with the reference (and the references without each
     mechanism the probe judges). ``rec``: ``x``, ``out``, ``cos``, ``sin`` (and ``alpha`` for the stress probe).
     ``widen``: a half-precision check, whose tolerance grows with the largest logit (:func:`widened`). ``source``:
-    a KV-shared layer's source layer and its record (:func:`source_kv`)."""
+    a KV-shared layer's source layer and its record (:func:`source_kv`). ``prefix``: the probe's prefix (a
+    prefix-LM's), or ``None``."""
     x, out = _f64(rec["x"]), _f64(rec["out"])
     cos, sin = _f64(rec["cos"]), _f64(rec["sin"])
     tokens = tokens.to(torch.bool)
@@ -286,14 +301,15 @@ def check_layer(
         )
     gain, scale = float(rec.get("alpha", 1.0)), _f64(rec.get("q_scale"))
     if widen:
-        tol = widened(tol, largest_logit(spec, x, cos, sin, tokens, gain, scale, source))
-    ref = layer_reference(spec, x, cos, sin, tokens, q_gain=gain, q_scale=scale, source=source)
+        tol = widened(tol, largest_logit(spec, x, cos, sin, tokens, gain, scale, source, prefix))
+    given = dict(q_gain=gain, q_scale=scale, source=source, prefix=prefix)
+    ref = layer_reference(spec, x, cos, sin, tokens, **given)
     e = relative_error(out, ref, rows)
     mechanisms = {}
     for m in PROBE_MECHANISMS.get(probe, ()):
-        if m not in applicable(spec, tokens):
+        if m not in applicable(spec, tokens, prefix):
             continue
-        ref_m = layer_reference(spec, x, cos, sin, tokens, drop=(m,), q_gain=gain, q_scale=scale, source=source)
+        ref_m = layer_reference(spec, x, cos, sin, tokens, drop=(m,), **given)
         dropped = relative_error(out, ref_m, rows, ref)
         mechanisms[m] = mechanism_status(e, dropped, relative_error(ref_m, ref, rows), tol)
     return Check(spec.index, probe, e, tol, mechanisms)
@@ -339,12 +355,16 @@ def build_report(
         spec = ref.spec(i)
         _settle_rope(ref, spec, probes)
         ref.place_parts(spec, *_first_rotation(spec, probes))
-        expected |= applicable(spec, torch.zeros(1, 1, dtype=torch.bool))
+        expected |= applicable(spec, torch.zeros(1, 1, dtype=torch.bool), _prefix(probes))
         kv_source = _kv_sources(ref, spec, probes)  # a KV-shared layer's source, per probe
 
         for name, probe in probes.items():
             if "error" not in probe:
-                checks.append(check_layer(spec, name, probe["layers"][i], probe["mask"], tol, widen, kv_source(name)))
+                checks.append(
+                    check_layer(
+                        spec, name, probe["layers"][i], probe["mask"], tol, widen, kv_source(name), probe.get("prefix")
+                    )
+                )
         if i in captured["prenorm"] and spec.has_prenorm:
             checks += [c for c in (check_prenorm(spec, captured["prenorm"][i], tol),) if c is not None]
         for name, amplified in captured.get("amplified", {}).items():
@@ -353,7 +373,11 @@ def build_report(
                 checks.append(Check(i, name, math.nan, tol, note=f"the amplified probe failed: {rec['error']}"))
             elif rec is not None:  # a re-call on amplified inputs: a KV-shared layer's keys are its probe's
                 base = "padded" if name.endswith("padded") else "unpadded"
-                checks.append(check_layer(spec, name, rec, amplified["mask"], tol, widen, kv_source(base)))
+                checks.append(
+                    check_layer(
+                        spec, name, rec, amplified["mask"], tol, widen, kv_source(base), amplified.get("prefix")
+                    )
+                )
         if i in captured["stress"]:
             rec = captured["stress"][i]
             if "error" in rec:
@@ -361,7 +385,12 @@ def build_report(
             else:  # a half-precision model's stress probe runs in float32 (see .probe): float32's tolerance
                 stress_tokens = torch.ones(rec["x"].shape[:2], dtype=torch.bool)
                 stress_tol = tolerance if tolerance is not None else tolerance_for(rec["x"].dtype)
-                checks.append(check_layer(spec, "stress", rec, stress_tokens, stress_tol, source=kv_source("unpadded")))
+                prefix = probes.get("unpadded", {}).get("prefix")
+                checks.append(
+                    check_layer(
+                        spec, "stress", rec, stress_tokens, stress_tol, source=kv_source("unpadded"), prefix=prefix
+                    )
+                )
     for name, logits in captured["logits"].items():
         if "error" in logits:
             checks.append(
@@ -379,7 +408,7 @@ def build_report(
                 note="cached generation vs uncached forward",
             )
         )
-    required = tuple(m for m in ("norms", "cap", "padding", "causal") if m in expected)
+    required = tuple(m for m in ("norms", "cap", "padding", "causal", "prefix") if m in expected)
     return VerifyReport(
         model=meta["class"],
         scheme=_scheme(ref),
@@ -391,6 +420,11 @@ def build_report(
         required=required,
         source=source,
     )
+
+
+def _prefix(probes: dict) -> torch.Tensor | None:
+    """A prefix-LM's prefix as some probe marked it (for the mechanisms expected), or ``None``."""
+    return next((p["prefix"] for p in probes.values() if p.get("prefix") is not None), None)
 
 
 def _kv_sources(ref: ReferenceModel, spec: LayerSpec, probes: dict):

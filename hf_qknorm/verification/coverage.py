@@ -310,7 +310,7 @@ def _failures(model, strict: bool = False) -> dict:
     model.train()
     try:  # text tokens marked as text where the forward takes their kinds (Molmo 2's requires them in training)
         kinds = {"mm_token_type_ids": torch.zeros_like(ids)} if "mm_token_type_ids" in _parameters(model) else {}
-        loss = model(input_ids=ids, labels=ids, use_cache=False, **kinds).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False, **kinds, **_text_types(model, ids)).loss
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not torch.isfinite(loss) or not grads or not all(torch.isfinite(g).all() for g in grads):
@@ -320,7 +320,7 @@ def _failures(model, strict: bool = False) -> dict:
     model.eval()
 
     def last(**kwargs):
-        return model(use_cache=False, **kwargs).logits[:, -1]
+        return model(use_cache=False, **kwargs, **_text_types(model, kwargs["input_ids"])).logits[:, -1]
 
     with torch.no_grad():
         full = last(input_ids=ids)
@@ -330,8 +330,9 @@ def _failures(model, strict: bool = False) -> dict:
                 if cache is False:
                     continue
                 kwargs = {} if cache is None else cache_kwargs(model, cache)
-                first = model(input_ids=ids[:, :-1], use_cache=True, **kwargs)
-                step = model(input_ids=ids[:, -1:], use_cache=True, **cache_kwargs(model, output_cache(first)))
+                first = model(input_ids=ids[:, :-1], use_cache=True, **kwargs, **_text_types(model, ids[:, :-1]))
+                given = {**cache_kwargs(model, output_cache(first)), **_text_types(model, ids[:, -1:])}
+                step = model(input_ids=ids[:, -1:], use_cache=True, **given)
                 _close(out, f"{kind}-cache", step.logits[:, -1], full, tol)
             except Exception as exc:
                 out[f"{kind}-cache"] = f"{type(exc).__name__}: {_line(exc)}"
@@ -354,6 +355,17 @@ def _failures(model, strict: bool = False) -> dict:
 
 TOLERANCE = (1e-3, 1e-4)  # (rtol, atol) of a check on a patched model
 STRICT = (1e-5, 1e-5)  # of the same check on the unpatched model: float32 rounding, two orders under TOLERANCE
+
+
+def _text_types(model, ids) -> dict:
+    """A prefix-LM's ``token_type_ids`` (PaliGemma's: ``use_bidirectional_attention`` and a forward that takes them)
+    marking every token of ``ids`` as text to predict (type 1), so that it attends causally; ``{}`` for any other
+    model. Without them such a model attends both ways on an unpadded batch and causally on a padded one, which the
+    unpatched model fails the padding, packing and cache checks by (the prefix itself is what verify checks)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "use_bidirectional_attention", None) is True and "token_type_ids" in _parameters(model):
+        return {"token_type_ids": torch.ones_like(ids)}
+    return {}
 
 
 def _parameters(model) -> set:

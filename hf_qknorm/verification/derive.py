@@ -410,18 +410,27 @@ def native_cap(config) -> float | None:
     return float(cap) if isinstance(cap, (int, float)) and cap > 0 else None
 
 
-def check_causal(config, model_type: str, attns=()) -> None:
-    """Refuse a decoder whose config says ``use_bidirectional_attention`` (PaliGemma's language model): its attention
-    modules are built non-causal, while its masks are causal, so it attends both ways where Transformers passes no
-    mask (an unpadded batch on sdpa) and causally where it builds one (padding): the reference models one rule.
-    ``"vision"`` (Gemma 4 Unified's: image tokens attend both ways among themselves) is checked where every module of
-    ``attns`` is built causal: on text alone, which the probes feed, its masks are causal."""
+def check_causal(config, model_type: str, attns=(), runner: nn.Module | None = None) -> bool:
+    """Whether the model is a prefix-LM the probes mark (True) or causal (False); refused where neither holds.
+
+    ``use_bidirectional_attention`` True (PaliGemma's language model) builds the attention modules non-causal while
+    the masks are causal, so the model attends both ways where Transformers passes no mask (an unpadded batch on
+    sdpa) and causally where it builds one (padding). Given ``token_type_ids`` -- which ``runner``'s forward must
+    take -- it always builds the mask: causal, with the tokens of type 0 (the prefix) attending both ways among
+    themselves (PaliGemma's prefix-LM, as its processor marks image and prompt); the probes pass them and the
+    reference models that rule. Without that argument the model is refused. ``"vision"`` (Gemma 4 Unified's: image
+    tokens attend both ways among themselves) is checked where every module of ``attns`` is built causal: on text
+    alone, which the probes feed, its masks are causal."""
     mode = getattr(config, "use_bidirectional_attention", False)
     if not mode or (mode == "vision" and all(getattr(a, "is_causal", False) is True for a in attns)):
-        return
+        return False
+    forward = getattr(runner, "forward", None)
+    if mode is True and forward is not None and "token_type_ids" in inspect.signature(forward).parameters:
+        return True
     raise UnsupportedModelError(
-        f"model type {model_type!r}: verify cannot model use_bidirectional_attention (causal with a padding mask, "
-        "both ways without one; checked when it was patched, by the self-check)"
+        f"model type {model_type!r}: verify cannot model use_bidirectional_attention={mode!r} without token_type_ids "
+        "to mark the prefix (causal with a padding mask, both ways without one; checked when it was patched, by the "
+        "self-check)"
     )
 
 

@@ -31,7 +31,7 @@ from ..portable.layout import find_layers, unwrap
 from ..portable.names import ROLES
 from ..portable.schemes import QKNormConfig
 from . import derive
-from .probe import probe_tokens, special_ids
+from .probe import PREFIX, probe_tokens, special_ids
 
 
 @dataclass
@@ -93,7 +93,8 @@ class ReferenceModel:
         self._names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self._rope: dict[int, tuple[bool, str, bool]] = {}  # index -> (rotates, layout, swapped)
         self._base_scales: dict[int, float] = {}  # index -> the logit scale before any scheme
-        derive.check_causal(self.config, self.family.model_type, self.attns)
+        # a prefix-LM (PaliGemma): the probes mark a prefix with token_type_ids, the reference attends it both ways
+        self.prefix_lm = derive.check_causal(self.config, self.family.model_type, self.attns, text_runner(self.inner))
         self._parts = [derive.unmodelled_parts(attn, self.family) for attn in self.attns]
         self._q_scales: list[list[str]] = []  # per layer: the arguments that scale its query by position
         self._inert: list[dict] = []  # per layer: the mappings it only writes into (Gemma 4's shared_kv_states)
@@ -324,7 +325,8 @@ class ReferenceModel:
     def plan(self, *, generate: bool = True, seed: int = 0) -> dict:
         """The probe plan (JSON-able): per layer the attention and block names, the modules producing the final
         pre-RoPE query and key (for the stress gain), head_dim, scaling, cap and the arguments that scale the query
-        by position (recorded as ``q_scale``); and the probe tokens."""
+        by position (recorded as ``q_scale``); the probe tokens; and ``prefix``, the prefix length a prefix-LM's probes
+        mark (``None`` for a causal model)."""
         layers = []
         for i, (attn, block) in enumerate(zip(self.attns, self.blocks)):
             _, _, head_dim = self.head_counts(attn)
@@ -349,6 +351,7 @@ class ReferenceModel:
             "generate": bool(can_generate),
             "pad_token_id": getattr(gen, "pad_token_id", None),
             "text_forward": None if runner is self.inner else self.name(runner),
+            "prefix": PREFIX if self.prefix_lm else None,
         }
 
     def _producer(self, attn, role: str) -> list:

@@ -27,6 +27,11 @@ tokens; :func:`run_probes` runs the model through
   deviation from its row's mean multiplied by ``s``, doubled until the output spreads :data:`AMPLIFY_SPREAD` of its
   largest entry (logit bound at most :data:`AMPLIFY_LOGITS`: larger logits are rounded more coarsely).
 
+A prefix-LM (PaliGemma: ``use_bidirectional_attention`` with ``token_type_ids``; the plan's ``prefix``) is probed as it
+is used: every forward and generation gets ``token_type_ids`` marking each row's first ``prefix`` real tokens as the
+prefix (type 0) and the rest as text to predict (type 1; generated tokens too), and each probe records that prefix.
+Without them such a model attends both ways on an unpadded batch and causally on a padded one.
+
 Nothing here computes a reference or judges a result: that is done from the formulas on the other side.
 
 This module imports nothing but ``torch`` (and reaches Transformers only through the model): it is also loaded from
@@ -48,6 +53,7 @@ BATCH = 2
 PROBE_LEN = 20  # longer than the tiny test models' sliding window (12)
 PAD = 5  # left padding of row 0 in the padded probes
 PROMPT_LEN = 8
+PREFIX = 6  # a prefix-LM's probes: each row's first 6 real tokens are its prefix (type 0), the rest type 1
 NEW_TOKENS = 6
 STRESS_TARGET = 3.0  # bound on the largest stressed logit, in caps: c*tanh(3) is 0.995 c, far from 3 c
 AMPLIFY_SPREAD = 0.25  # wanted spread of a layer's output over positions, as a fraction of its largest entry
@@ -96,6 +102,20 @@ def left_padding(batch: int, length: int, pad: int) -> torch.Tensor:
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[0, :pad] = 0
     return mask
+
+
+def prefix_types(mask: torch.Tensor, prefix: int | None) -> dict:
+    """The extra forward arguments of a prefix-LM probe (``prefix`` set): ``token_type_ids`` 0 on each row's padding
+    and first ``prefix`` real tokens (the prefix), 1 after them; ``{}`` otherwise."""
+    if prefix is None:
+        return {}
+    return {"token_type_ids": (mask.long().cumsum(-1) > prefix).long()}
+
+
+def _prefix_of(mask: torch.Tensor, extra: dict) -> dict:
+    """The prefix a probe recorded (``prefix``, ``(batch, seq)`` bool: real tokens of type 0), or ``{}``."""
+    types = extra.get("token_type_ids")
+    return {} if types is None else {"prefix": _cpu((types == 0) & mask.bool())}
 
 
 def _cpu(t):
@@ -347,8 +367,9 @@ def _forward_probes(model, plan, recorder, modules, ids, pad, result) -> dict:
             hooks += _watch_q_k(modules, layer, norms[i])
         recorder.start(keep_call=True)
         try:
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
-            result["probes"][name] = {"mask": _cpu(mask), "layers": recorder.layers()}
+            extra = prefix_types(mask, plan.get("prefix"))
+            model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
+            result["probes"][name] = {"mask": _cpu(mask), "layers": recorder.layers(), **_prefix_of(mask, extra)}
             result["_calls"][name] = ([c[0]["call"] for c in recorder.calls], mask)
             if name == "unpadded":
                 result["prenorm"] = {
@@ -381,11 +402,13 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result, outer=N
     watch = model.register_forward_pre_hook(
         lambda m, args, kwargs: given.append(kwargs.get("position_ids")), with_kwargs=True
     )
+    extra = prefix_types(mask, plan.get("prefix"))  # a prefix-LM's: the generated tokens are type 1
     recorder.start()
     try:
         out = model.generate(
             input_ids=prompt,
             attention_mask=mask,
+            **extra,
             max_new_tokens=new,
             min_new_tokens=new,
             do_sample=False,
@@ -406,9 +429,15 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result, outer=N
     steps = seq.shape[1] - prompt.shape[1]
     full = torch.cat([mask, torch.ones(mask.shape[0], steps, dtype=mask.dtype, device=mask.device)], dim=1)
     fed = seq.shape[1] - 1  # the last generated token is never fed back
-    result["probes"][name] = {"mask": _cpu(full[:, :fed]), "layers": layers, "tokens": _cpu(seq)}
+    extra = {k: torch.cat([v, torch.ones_like(full[:, v.shape[1] :])], dim=1)[:, :fed] for k, v in extra.items()}
+    result["probes"][name] = {
+        "mask": _cpu(full[:, :fed]),
+        "layers": layers,
+        "tokens": _cpu(seq),
+        **_prefix_of(full[:, :fed], extra),
+    }
     try:
-        placed = _placed(given, full[:, :fed])
+        placed = {**_placed(given, full[:, :fed]), **extra}
         logits = model(input_ids=seq[:, :fed], attention_mask=full[:, :fed], use_cache=False, **placed).logits
         result["logits"][name] = {
             "cached": _cpu(torch.stack(list(out.logits), dim=1)),
@@ -539,4 +568,5 @@ def _amplify(plan, recorder, modules, norms, result):
                 rec = {"error": _error(exc)}
             if rec is not None:
                 kept[i] = rec
-        result["amplified"][AMPLIFIED[name]] = {"mask": _cpu(mask), "layers": kept}
+        prefix = {k: v for k, v in result["probes"][name].items() if k == "prefix"}
+        result["amplified"][AMPLIFIED[name]] = {"mask": _cpu(mask), "layers": kept, **prefix}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 APPLIED, DROPPED, UNEXERCISED = "applied", "DROPPED", "not exercised"
 UNCLEAR = "?"  # the layer is off, but not by leaving out this mechanism alone
 REMOVED = "removed"  # the pre-attention norm of qkv_norm: its removal is what is applied
-MECHANISMS = ("norms", "cap", "padding", "causal", "window", "prenorm")
+MECHANISMS = ("norms", "cap", "padding", "causal", "window", "prenorm", "prefix")  # prefix: a prefix-LM's (PaliGemma)
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class VerifyReport:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        return "; ".join(f"{m} {self.mechanism(m)}" for m in MECHANISMS)
+        return "; ".join(f"{m} {self.mechanism(m)}" for m in MECHANISMS if m != "prefix" or m in self.expected)
 
     def __str__(self) -> str:
         header = (

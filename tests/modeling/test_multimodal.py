@@ -13,7 +13,7 @@ import hf_qknorm
 from hf_qknorm import UnsupportedModelError
 from hf_qknorm.portable.layout import attention_modules
 from hf_qknorm.reference import attention_reference, norm_reference, rope_reference
-from hf_qknorm.verification.tiny import image_text_inputs, tiny_model, tiny_multimodal_model
+from hf_qknorm.verification.tiny import image_text_inputs, tiny_config, tiny_model, tiny_multimodal_model
 
 # Tiny models of these types build, take image inputs and are patched (their language model: Llama, Mistral,
 # Qwen2, Gemma, Gemma 3, Qwen2-VL / Qwen2.5-VL with multimodal RoPE, Qwen3-VL).
@@ -488,17 +488,71 @@ def test_verify_catches_a_multimodal_model_whose_backend_drops_the_cap(model_typ
     assert not bad.ok and bad.mechanism("cap") == "DROPPED", str(bad)
 
 
-def test_verify_refuses_a_language_model_that_attends_both_ways_without_a_mask_in_one_line():
-    """PaliGemma's Gemma is built with ``use_bidirectional_attention``: Transformers' masks are causal, its
-    attention modules not, so an unpadded batch on sdpa attends both ways and a padded one causally. The reference
-    models one rule, so verify refuses it in one line rather than failing a correct model (or passing a wrong one)."""
+def test_verify_checks_a_prefix_lm_with_its_prefix_marked(monkeypatch):
+    """PaliGemma's Gemma is built with ``use_bidirectional_attention``: its attention modules are non-causal and
+    Transformers' masks causal, so on text alone an unpadded batch on sdpa attends both ways and a padded one
+    causally. Given ``token_type_ids`` (as its processor marks image and prompt) it is a prefix-LM: the prefix attends
+    both ways among itself, the rest causally. The probes mark a prefix and the float64 reference models that rule:
+    a correct patched model verifies with the prefix and causality both applied; a model that drops the prefix is
+    caught (prefix DROPPED), and so is the both-ways attention of unmarked text (causal DROPPED)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_qknorm.verification import probe
 
     if "paligemma" not in CONFIG_MAPPING_NAMES:
         pytest.skip("PaliGemma is not in this Transformers")
     _, model = _patched("paligemma", dtype=torch.float32)
     assert model.config.text_config.use_bidirectional_attention
-    with pytest.raises(UnsupportedModelError, match=r"use_bidirectional_attention") as info:
+    report = hf_qknorm.verify(model)
+    assert report.ok, str(report)
+    for mechanism in ("prefix", "causal", "padding", "cap", "norms"):
+        assert report.mechanism(mechanism) == "applied", (mechanism, str(report))
+    assert "prefix applied" in report.summary()
+
+    marked = probe.prefix_types
+    with monkeypatch.context() as m:  # the model is handed no prefix while the probes record one: plain causal
+        m.setattr(probe, "prefix_types", lambda mask, n: {k: torch.ones_like(v) for k, v in marked(mask, n).items()})
+        m.setattr(
+            probe,
+            "_prefix_of",
+            lambda mask, extra: {"prefix": (marked(mask, probe.PREFIX)["token_type_ids"] == 0) & mask.bool()},
+        )
+        dropped = hf_qknorm.verify(model)
+    assert not dropped.ok and dropped.mechanism("prefix") == "DROPPED", str(dropped)
+
+    with monkeypatch.context() as m:  # the probes do not mark the prefix: an unpadded batch attends both ways
+        m.setattr(probe, "prefix_types", lambda mask, prefix: {})
+        unmarked = hf_qknorm.verify(model)
+    assert not unmarked.ok and unmarked.mechanism("causal") == "DROPPED", str(unmarked)
+
+
+def test_coverage_checks_a_prefix_lm_on_text_marked_as_text():
+    """The coverage table's padding, packing and cache checks compare a patched model with itself; PaliGemma's
+    unpatched model failed them on bare text (both ways unpadded, causally padded), so they were not made. Given
+    ``token_type_ids`` marking every token as text to predict, it attends causally with every mask built, and every
+    check is made on every variant."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_qknorm.verification import coverage as cov
+
+    if "paligemma" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("PaliGemma is not in this Transformers")
+    result = cov.check_model_type("paligemma")
+    assert result.status == cov.PATCHED and "not checked" not in result.reason, result
+    assert set(result.variants.values()) == {"ok"}, result.variants
+
+
+def test_verify_refuses_a_model_built_both_ways_that_cannot_be_given_a_prefix_in_one_line():
+    """A causal LM whose config says ``use_bidirectional_attention`` but whose forward takes no ``token_type_ids``
+    (a Gemma built that way) attends both ways or causally depending on padding, with nothing to mark a prefix:
+    verify refuses it in one line rather than failing a correct model or passing a wrong one."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("gemma")
+    config.use_bidirectional_attention = True
+    model = AutoModelForCausalLM.from_config(config).eval()
+    hf_qknorm.patch_model(model, "qk_norm_cap", softcap=CAP)
+    with pytest.raises(UnsupportedModelError, match=r"use_bidirectional_attention=True without token_type_ids") as info:
         hf_qknorm.verify(model)
     assert "\n" not in str(info.value)
 
