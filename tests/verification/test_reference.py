@@ -226,3 +226,20 @@ def test_gradcheck_patched_layer(scheme, norm):
     pos = torch.arange(5)[None]
     rope = model.model.rotary_emb(x, pos)
     assert torch.autograd.gradcheck(lambda h: attn(h, position_embeddings=rope, attention_mask=None)[0], (x,))
+
+
+def test_a_prefix_attends_both_ways_over_causality_and_the_window():
+    """A prefix-LM's mask (PaliGemma's): causal within the sliding window, or both in the prefix, then the padding.
+    Worked by hand for five positions, a window of 2 and a prefix of 3, with the last key padded in row 1."""
+    prefix = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    padding = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.bool)[:, None, None, :]
+    got = allowed_reference(5, 5, causal=True, sliding_window=2, mask=padding, prefix=prefix)
+    want = torch.tensor(
+        [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool
+    )
+    assert torch.equal(got[0, 0], want)
+    want[:, 4] = False  # row 1's padded key
+    assert torch.equal(got[1, 0], want)
+    # one decoding query at position 4, outside the prefix: causal within the window only
+    step = allowed_reference(1, 5, causal=True, sliding_window=2, prefix=prefix)
+    assert torch.equal(step[0, 0, 0], torch.tensor([0, 0, 0, 1, 1], dtype=torch.bool))
