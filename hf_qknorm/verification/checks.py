@@ -29,6 +29,7 @@ factor 3 keeps the verdicts exclusive: both would need ``e + e_m < 2 d_m / 3``, 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -282,6 +283,9 @@ def check_layer(
     ``widen``: a half-precision check, whose tolerance grows with the largest logit (:func:`widened`). ``source``:
     a KV-shared layer's source layer and its record (:func:`source_kv`). ``prefix``: the probe's prefix (a
     prefix-LM's), or ``None``."""
+    if rec.get("given"):  # an argument the reference models as absent reached the layer (Dory's last_loop cache)
+        note = f"the layer was given {', '.join(rec['given'])}, which the reference does not model"
+        return Check(spec.index, probe, math.nan, tol, note=note)
     x, out = _f64(rec["x"]), _f64(rec["out"])
     cos, sin = _f64(rec["cos"]), _f64(rec["sin"])
     tokens = tokens.to(torch.bool)
@@ -300,6 +304,9 @@ def check_layer(
             note=f"recorded {tuple(x.shape[:2])} positions for a {tuple(tokens.shape)} probe",
         )
     gain, scale = float(rec.get("alpha", 1.0)), _f64(rec.get("q_scale"))
+    if spec.q_factor is not None:  # a factor per channel of the rotated query (Dory's sqk), times any by position
+        factor = spec.q_factor.view(1, spec.heads, 1, spec.head_dim)
+        scale = factor if scale is None else scale * factor
     if widen:
         tol = widened(tol, largest_logit(spec, x, cos, sin, tokens, gain, scale, source, prefix))
     given = dict(q_gain=gain, q_scale=scale, source=source, prefix=prefix)
@@ -360,11 +367,10 @@ def build_report(
 
         for name, probe in probes.items():
             if "error" not in probe:
-                checks.append(
-                    check_layer(
-                        spec, name, probe["layers"][i], probe["mask"], tol, widen, kv_source(name), probe.get("prefix")
-                    )
-                )
+                rec, given = probe["layers"][i], (probe["mask"], tol, widen, kv_source(name), probe.get("prefix"))
+                for k, loop in enumerate([rec, *rec.get("loops", ())]):  # a layer run in loops: each loop's calls
+                    check = check_layer(spec, name, loop, *given)
+                    checks.append(check if k == 0 else replace(check, probe=f"{name} loop {k}"))
         if i in captured["prenorm"] and spec.has_prenorm:
             checks += [c for c in (check_prenorm(spec, captured["prenorm"][i], tol),) if c is not None]
         for name, amplified in captured.get("amplified", {}).items():

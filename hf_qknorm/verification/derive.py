@@ -82,9 +82,21 @@ KNOWN_ARGUMENTS = {
 
 def unmodelled_arguments(attn: nn.Module) -> list[str]:
     """The arguments of ``attn``'s own forward beyond :data:`KNOWN_ARGUMENTS`: inputs the reference models only where
-    they scale the query by position (:func:`query_scales`: Beam's ``attention_scaling``), else refused (Dory's
-    ``cache_offset`` and ``shared_kv_states``)."""
+    they scale the query by position (:func:`query_scales`: Beam's ``attention_scaling``), are mappings the layer
+    only writes into (:func:`inert_arguments`), say where it keeps its cache (:func:`cache_slot_arguments`), reach
+    an earlier layer's keys and values, or default to ``None`` and are given ``None`` on every call
+    (:func:`unset_arguments`); else refused."""
     return sorted(set(inspect.signature(own_class(attn).forward).parameters) - KNOWN_ARGUMENTS)
+
+
+def unset_arguments(attn: nn.Module, arguments: list[str]) -> list[str]:
+    """Of ``arguments``, the mappings whose default is ``None`` (Dory's ``shared_kv_states``: other keys and values,
+    given only where its loops share one cache): a call given ``None`` computes what a call without them does,
+    which the reference models. The probes record each call given one (:meth:`.probe._Recorder`), and such a call's
+    check fails, naming it. Any other argument (a tensor: Beam's ``attention_scaling``) is refused before probing."""
+    cls = own_class(attn)
+    params = inspect.signature(cls.forward).parameters
+    return [a for a in arguments if params[a].default is None and _mapping_class(cls, a) is not None]
 
 
 CAPTURE_ATTENTION = "hf_qknorm_reference_capture"  # records what the attention function is given (:func:`query_scales`)
@@ -143,6 +155,52 @@ def _mapping_class(cls: type, name: str) -> type | None:
         if isinstance(candidate, type) and issubclass(candidate, MutableMapping):
             return candidate
     return None
+
+
+def cache_slot_arguments(
+    attn: nn.Module, config, index: int, arguments: list[str], inert: dict | None = None
+) -> list[str]:
+    """Of ``arguments`` (:func:`unmodelled_arguments`), the integers that only say where the layer keeps its keys and
+    values in the cache (Dory's ``cache_offset``: each loop of its recurrent layers writes its own copy): a fresh,
+    unpatched float64 instance of ``attn``'s class, given the argument at its default and at the default plus 3,
+    hands its attention function the same query, key and value without a cache, and with a new cache over a
+    prefill and a step. The reference assembles each call's keys and values from the layer's own recorded inputs
+    (loop by loop: :meth:`.probe._Recorder.layers`), so where the cache put them does not enter it; had a call read
+    another call's keys, its recorded output and the cached-versus-uncached logits would show it. The caller's
+    random state is left as it was."""
+    from transformers import AttentionInterface, DynamicCache
+
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+    params = inspect.signature(own_class(attn).forward).parameters
+    cache_name = next((n for n in ("cache", "past_key_values", "past_key_value") if n in params), None)
+    candidates = [
+        a for a in arguments if isinstance(params[a].default, int) and not isinstance(params[a].default, bool)
+    ]
+    if not candidates or cache_name is None:
+        return []
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 5, config.hidden_size, generator=gen, dtype=torch.float64)
+    try:
+        fresh = fresh_instance(attn, config, index, CAPTURE_ATTENTION)
+    except Exception:  # a class that cannot be rebuilt: nothing is derived, the caller refuses
+        return []
+
+    def run(given: dict) -> list:
+        out = [_captured(fresh, x, {**_new(inert), **given})]
+        cache = DynamicCache()
+        _captured(fresh, x[:, :3], {**_new(inert), **given, cache_name: cache})
+        out.append(_captured(fresh, x[:, 3:], {**_new(inert), **given, cache_name: cache}))
+        return [t for triple in out for t in triple]
+
+    found = []
+    for name in candidates:
+        try:
+            same = run({}), run({name: params[name].default + 3})
+        except Exception:  # not an argument the class runs with so: not derived
+            continue
+        if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(*same)):
+            found.append(name)
+    return found
 
 
 def inert_arguments(attn: nn.Module, config, index: int, arguments: list[str]) -> dict[str, type]:
@@ -254,6 +312,21 @@ def _captured(fresh: nn.Module, x: torch.Tensor, extra: dict) -> tuple:
     return q, k, v
 
 
+def _captured_rotated(fresh: nn.Module, x: torch.Tensor, rotation: tuple) -> tuple:
+    """The query, key and value ``fresh`` hands its attention function on ``x`` with the rotation ``(cos, sin)``."""
+    kwargs = {"hidden_states": x, "attention_mask": None, "position_embeddings": rotation}
+    if "position_ids" in inspect.signature(type(fresh).forward).parameters:
+        kwargs["position_ids"] = torch.arange(x.shape[1])[None]
+    _CAPTURED.value = None
+    with torch.no_grad():
+        fresh(**kwargs)
+    if _CAPTURED.value is None:
+        raise RuntimeError("the attention function was not called")
+    q, k, v = _CAPTURED.value
+    _CAPTURED.value = None
+    return q, k, v
+
+
 def _set_attention(config, name: str) -> None:
     """Set ``config``'s attention implementation to ``name`` (the stored value where the config guards it)."""
     try:
@@ -301,20 +374,74 @@ def output_stage(attn: nn.Module, family: Family) -> nn.Module:
     return stage
 
 
-def place_parts(stage: nn.Module, family: Family, parts: list[str], cos, sin) -> None:
-    """Refuse, in one line, a part of ``parts`` (what the reference does not model) that does not act on the
-    attention output: its parameters, perturbed, must change ``stage``'s output for a fixed attention output (probe
-    inputs with the recorded rotation ``cos``/``sin``, or none). One that does not -- it acts on q or k, as Dory's
-    ``sqk`` -- or has no parameters to tell by is refused."""
+def unplaced_parts(stage: nn.Module, family: Family, parts: list[str], cos, sin) -> list[str]:
+    """Of ``parts`` (what the reference does not model), those that do not act on the attention output: a part's
+    parameters, perturbed, must change ``stage``'s output for a fixed attention output (probe inputs with the
+    recorded rotation ``cos``/``sin``, or none); a module without parameters (Dory's ``attn_sub_norm``), its output
+    scaled by a hook. The caller models the rest (a factor on the rotated query: :func:`query_factor`) or refuses."""
+    out = []
     for part in parts:
         held = getattr(stage, part)
         tensors = [held] if isinstance(held, torch.Tensor) else list(held.parameters())
-        if not tensors or not _moves_the_output(stage, tensors, cos, sin, family.out_proj):
-            raise UnsupportedModelError(
-                f"model type {family.model_type!r}: verify's float64 reference does not model {part} of "
-                f"{type(stage).__name__}, which does not act on the attention output alone (checked when it was "
-                "patched, by the self-check)"
-            )
+        if tensors:
+            moves = _moves_the_output(stage, tensors, cos, sin, family.out_proj)
+        else:  # a parameter-free module: its output, scaled, must reach the stage's output
+            handle = held.register_forward_hook(lambda module, args, output: 1.5 * output)
+            try:
+                moves = _moves_the_output(stage, [], cos, sin, family.out_proj, hooked=True)
+            finally:
+                handle.remove()
+        if not moves:
+            out.append(part)
+    return out
+
+
+def query_factor(attn, config, index: int, family: Family, part: str, cos, sin, layout: str) -> torch.Tensor | None:
+    """The factor ``(heads, head_dim)`` that the parameter ``part`` of ``attn`` puts on each channel of the rotated
+    query (Dory's ``sqk``: ``(sqk * sqk_scale) ** 2`` after RoPE), or ``None`` where it is not one. A fresh, unpatched
+    float64 instance of ``attn``'s Transformers class, given ``attn``'s own value of ``part``, hands its attention
+    function a query ``q``; without a rotation, ``q`` over the instance's own query (its projection, then its own
+    query norm) must be one factor per head and channel at every position and row; with the recorded rotation
+    ``cos``/``sin``, ``q`` must be that factor times the rotated query (``layout``: :func:`rope_layout`)."""
+    from transformers import AttentionInterface
+
+    value = getattr(attn, part, None)
+    q_name, norm_name = family.q_proj, family.native.get("q")
+    if not isinstance(value, torch.Tensor) or q_name is None:
+        return None
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+    gen = torch.Generator().manual_seed(6)
+    try:
+        fresh = fresh_instance(attn, config, index, CAPTURE_ATTENTION)
+        with torch.no_grad():
+            getattr(fresh, part).copy_(_f64(value))
+        heads = fresh.config.num_attention_heads
+        t = 4 if cos is None else min(4, cos.shape[1])
+        x = torch.randn(2, t, config.hidden_size, generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            own = getattr(fresh, q_name)(x)
+            own = own.view(2, t, heads, -1)
+            if norm_name is not None:
+                own = getattr(fresh, norm_name)(own)
+            own = own.transpose(1, 2)  # (batch, heads, t, head_dim)
+        q, _, _ = _captured(fresh, x, {})
+    except Exception:  # a class that cannot be rebuilt or run so: not derived, the caller refuses
+        return None
+    if q.shape != own.shape:
+        return None
+    factor = (q * own).sum((0, 2)) / own.pow(2).sum((0, 2)).clamp_min(1e-300)  # least squares per head and channel
+    if not torch.allclose(q, factor[None, :, None] * own, rtol=1e-9, atol=1e-12 * float(q.abs().max())):
+        return None
+    if cos is not None:  # after the rotation, not before it
+        rot = (cos[:1, :t].to(torch.float64), sin[:1, :t].to(torch.float64))
+        try:
+            q_rot, _, _ = _captured_rotated(fresh, x, rot)
+        except Exception:
+            return None
+        want = factor[None, :, None] * rope_layout_reference(own, rot[0], rot[1], layout)
+        if not torch.allclose(q_rot, want, rtol=1e-9, atol=1e-12 * float(want.abs().max())):
+            return None
+    return factor
 
 
 def run_output_stage(stage: nn.Module, core: torch.Tensor, x, cos, sin) -> torch.Tensor:
@@ -333,10 +460,13 @@ def run_output_stage(stage: nn.Module, core: torch.Tensor, x, cos, sin) -> torch
     return out[0] if isinstance(out, tuple) else out
 
 
-def _moves_the_output(stage: nn.Module, tensors: list, cos, sin, out_name: str = "o_proj") -> bool:
+def _moves_the_output(
+    stage: nn.Module, tensors: list, cos, sin, out_name: str = "o_proj", hooked: bool = False
+) -> bool:
     """Whether perturbing ``tensors`` changes ``stage``'s output for a fixed attention output (probe inputs, the
     first positions of the recorded rotation); ``False`` where the stage cannot run on them. ``out_name``: the
-    stage's output projection (the family's: Kosmos-2's ``out_proj``)."""
+    stage's output projection (the family's: Kosmos-2's ``out_proj``). ``hooked``: a part's output is scaled by a
+    hook the caller placed; the output is compared with the stage run without it (the hook held off)."""
     gen = torch.Generator().manual_seed(3)
     heads, out_proj = stage.config.num_attention_heads, getattr(stage, out_name, None)
     if not isinstance(out_proj, nn.Linear) or out_proj.in_features % heads:
@@ -348,7 +478,11 @@ def _moves_the_output(stage: nn.Module, tensors: list, cos, sin, out_name: str =
         cos, sin = cos[:1, :t].to(torch.float64), sin[:1, :t].to(torch.float64)
     saved = [p.detach().clone() for p in tensors]
     try:
-        before = run_output_stage(stage, core, x, cos, sin)
+        if hooked:
+            with _hooks_off(stage):
+                before = run_output_stage(stage, core, x, cos, sin)
+        else:
+            before = run_output_stage(stage, core, x, cos, sin)
         with torch.no_grad():
             for p in tensors:
                 p.add_(0.5 + torch.randn(p.shape, generator=gen, dtype=p.dtype))
@@ -360,6 +494,21 @@ def _moves_the_output(stage: nn.Module, tensors: list, cos, sin, out_name: str =
             for p, value in zip(tensors, saved):
                 p.copy_(value)
     return not torch.allclose(before, after, rtol=1e-9, atol=1e-12)
+
+
+class _hooks_off:
+    """Every forward hook of ``stage``'s modules held off inside the ``with`` block, put back after it."""
+
+    def __init__(self, stage: nn.Module):
+        self.held = [(m, dict(m._forward_hooks)) for m in stage.modules()]
+
+    def __enter__(self):
+        for m, _ in self.held:
+            m._forward_hooks.clear()
+
+    def __exit__(self, *exc):
+        for m, hooks in self.held:
+            m._forward_hooks.update(hooks)
 
 
 def base_scaling(config, family: Family, attn, index: int, head_dim: int) -> float:
@@ -445,7 +594,9 @@ def sinks_of(attn) -> torch.Tensor | None:
 def own_norm(module: nn.Module, what: str, width: int | None = None) -> dict:
     """A model's own q/k(/v) norm as the reference computes it: ``kind`` (``rmsnorm``/``layernorm``), ``weight`` (the
     gain, ``1 + w`` for Gemma's; ``None`` for a norm without parameters, of ``width`` channels: Gemma 4's v norm),
-    ``bias`` and ``eps``, all float64; refused when it is not ``gain * n(x) + bias``."""
+    ``bias`` and ``eps``, all float64; refused when it is not ``gain * n(x) + bias``. A parameter-free norm onto the
+    unit sphere (Dory's ``DoryL2Norm``: ``x / sqrt(sum x^2 + eps)``) is an RMS norm with the gain ``1/sqrt(width)``
+    and the epsilon ``eps / width``."""
     eps = next(
         (float(v) for v in (getattr(module, a, None) for a in ("eps", "variance_epsilon")) if v is not None), None
     )
@@ -467,6 +618,10 @@ def own_norm(module: nn.Module, what: str, width: int | None = None) -> dict:
     for kind in ("rmsnorm", "layernorm"):
         if (norm_reference(x, kind, gain, bias, eps=eps) - y).abs().max() <= tol * y.abs().max():
             return {"kind": kind, "weight": gain, "bias": bias, "eps": eps}
+    if free:  # onto the unit sphere (Dory's, nGPT's): x / sqrt(sum x^2 + eps), an RMS norm with gain 1/sqrt(width)
+        unit = torch.full((width,), width**-0.5, dtype=torch.float64)
+        if (norm_reference(x, "rmsnorm", unit, None, eps=eps / width) - y).abs().max() <= tol * y.abs().max():
+            return {"kind": "rmsnorm", "weight": unit, "bias": None, "eps": eps / width}
     raise UnsupportedModelError(
         f"verify cannot model {what} ({type(module).__name__}): its output is not an RMS or mean-and-variance norm "
         f"with the gain and bias read off it and epsilon {eps:g}"

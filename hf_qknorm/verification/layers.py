@@ -72,6 +72,7 @@ class LayerSpec:
     stage: nn.Module | None = None  # the model's own code after the attention function (:func:`.derive.output_stage`)
     v_own: dict | None = None  # the model's own per-head v norm (Gemma 4's, without a gain): :func:`.derive.own_norm`
     kv_from: int | None = None  # the earlier layer whose keys and values this one attends over (Gemma 3n's KV sharing)
+    q_factor: torch.Tensor | None = None  # (heads, head_dim) on the rotated query (Dory's sqk): :meth:`place_parts`
 
     @property
     def has_norms(self) -> bool:
@@ -101,6 +102,7 @@ class ReferenceModel:
         self._writes: dict[tuple[int, str], set] = {}  # (layer, mapping argument) -> the keys it writes, as asked
         self._kv_from: dict[int, int] = {}  # a layer reusing an earlier layer's keys and values -> that layer
         self._reused: dict[int, tuple] = {}  # such a layer -> (argument, key, kv_heads, head_dim) it reads them by
+        self._unset: dict[int, list[str]] = {}  # layer -> the arguments every call must be given as None
         scales_of: dict[type, list[str]] = {}  # one derivation per attention class
         for i, attn in enumerate(self.attns):  # refused before any probe runs when a part cannot be derived
             arguments = derive.unmodelled_arguments(attn)
@@ -115,6 +117,11 @@ class ReferenceModel:
                 if found is not None:
                     self._kv_from[i], self._reused[i] = found
                     rest = []
+            if rest:  # where it keeps its cache (Dory's loops); None on every call, which the probes check
+                slots = derive.cache_slot_arguments(attn, self.config, i, rest, self._inert[i])
+                rest = [a for a in rest if a not in slots]
+                self._unset[i] = derive.unset_arguments(attn, rest)
+                rest = [a for a in rest if a not in self._unset[i]]
             if rest:
                 raise UnsupportedModelError(
                     f"model type {self.family.model_type!r}: verify's float64 reference does not model the "
@@ -202,10 +209,22 @@ class ReferenceModel:
         spec.rotates, spec.rope_layout, spec.rope_swapped = known[0], known[1] or "half", known[2]
 
     def place_parts(self, spec: LayerSpec, cos, sin) -> None:
-        """Refuse the layer when a part the reference does not model acts anywhere but on the attention output
-        (:func:`.derive.place_parts`; ``cos``/``sin``: a recorded rotation, or ``None``)."""
-        if spec.stage is not None:
-            derive.place_parts(spec.stage, self.family, self._parts[spec.index], cos, sin)
+        """Place each part the reference does not model (``cos``/``sin``: a recorded rotation, or ``None``): on the
+        attention output, run by the layer's own output stage (:func:`.derive.unplaced_parts`), or a factor on each
+        channel of the rotated query (Dory's ``sqk``: :func:`.derive.query_factor`, set as ``spec.q_factor``);
+        refuse the layer, in one line, for any other."""
+        if spec.stage is None:
+            return
+        i = spec.index
+        for part in derive.unplaced_parts(spec.stage, self.family, self._parts[i], cos, sin):
+            factor = derive.query_factor(self.attns[i], self.config, i, self.family, part, cos, sin, spec.rope_layout)
+            if factor is None:
+                raise UnsupportedModelError(
+                    f"model type {self.family.model_type!r}: verify's float64 reference does not model {part} of "
+                    f"{derive.own_class(self.attns[i]).__name__}, which acts neither on the attention output alone nor "
+                    "as a factor on the rotated query (checked when it was patched, by the self-check)"
+                )
+            spec.q_factor = factor if spec.q_factor is None else spec.q_factor * factor
 
     def _norms(self, attn, index: int) -> tuple[dict, str | None, float, float]:
         """Per role the per-head norm's ``weight``/``bias`` (or ``None``), and the ``(kind, eps, p)`` they share:
@@ -228,8 +247,9 @@ class ReferenceModel:
             return norms, s.norm, float(s.eps), float(s.p or 2.0)
         if not f.native:
             return {"q": None, "k": None, "v": None}, None, 1e-6, 2.0
+        head_dim = self.head_counts(attn)[2]  # the width of a norm without parameters (Dory's unit-sphere norm)
         own = {
-            r: derive.own_norm(_active_module(getattr(attn, n)), f"the {r} norm .{n}")
+            r: derive.own_norm(_active_module(getattr(attn, n)), f"the {r} norm .{n}", width=head_dim)
             for r, n in f.native.items()
             if r in own_roles(attn, f)  # a KV-shared layer has only its query norm
         }
@@ -340,6 +360,7 @@ class ReferenceModel:
                     "scaling": self.scaling(i, head_dim),
                     "cap": self.cap(),
                     "q_scale": self._q_scales[i],
+                    "unset": self._unset.get(i, []),
                 }
             )
         runner = text_runner(self.inner)  # BLIP-2 runs text on its language model (its own forward needs images)

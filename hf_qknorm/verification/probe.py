@@ -137,8 +137,10 @@ class _Recorder:
         self.attns = [_module(modules, layer["attn"]) for layer in plan["layers"]]
         self.blocks = [modules.get(layer["block"]) if layer.get("block") else None for layer in plan["layers"]]
         self.q_scales = [layer.get("q_scale") or [] for layer in plan["layers"]]
+        self.unset = [layer.get("unset") or [] for layer in plan["layers"]]  # arguments every call must get as None
         self.calls: list[list[dict]] = []
         self.block_inputs: list[list[torch.Tensor]] = []
+        self.loops: list[int] | None = None  # calls per layer in one forward (Dory's recurrent layers: its loops)
         self.keep_call = False
         self._handles = []
 
@@ -168,6 +170,7 @@ class _Recorder:
                 "sin": _cpu(rope[1]) if rope is not None else None,
                 "cache": None if cache is None else type(cache).__name__,
                 "q_scale": _cpu(_product(kwargs.get(n) for n in self.q_scales[i])),
+                "given": [n for n in self.unset[i] if kwargs.get(n) is not None],
             }
             if self.keep_call:
                 call["call"] = (args, dict(kwargs))
@@ -182,8 +185,18 @@ class _Recorder:
         return hook
 
     def layers(self) -> list[dict]:
-        """Per layer: the calls' inputs and outputs joined along the sequence (a cached run's steps in order)."""
-        return [_join(calls) for calls in self.calls]
+        """Per layer: the calls' inputs and outputs joined along the sequence (a cached run's steps in order). A
+        layer called ``n`` times in one forward (:attr:`loops`: Dory's recurrent layers, run in ``n`` loops) is
+        joined loop by loop -- a forward's calls come in loop order -- its first loop as the record, the others
+        under ``loops``."""
+        out = []
+        for i, calls in enumerate(self.calls):
+            n = self.loops[i] if self.loops else 1
+            if n > 1 and len(calls) % n == 0:
+                out.append({**_join(calls[0::n]), "loops": [_join(calls[k::n]) for k in range(1, n)]})
+            else:
+                out.append(_join(calls))
+        return out
 
 
 def _product(factors):
@@ -196,8 +209,9 @@ def _product(factors):
 
 
 def _join(calls: list[dict]) -> dict:
-    """One layer's calls joined along the sequence: ``x``/``out`` ``(batch, seq, hidden)``, ``cos``/``sin``, and
-    ``q_scale`` (the query's factor by position, ``(batch, 1 or heads, seq, 1)``)."""
+    """One layer's calls joined along the sequence: ``x``/``out`` ``(batch, seq, hidden)``, ``cos``/``sin``,
+    ``q_scale`` (the query's factor by position, ``(batch, 1 or heads, seq, 1)``) and ``given``: the arguments that
+    every call must get as ``None`` (the plan's ``unset``) some call was given."""
     if not calls:
         raise RuntimeError("an attention module was never called")
     join = {
@@ -208,6 +222,7 @@ def _join(calls: list[dict]) -> dict:
     join["q_scale"] = torch.cat(scales, dim=-2) if all(t is not None for t in scales) else None
     join["steps"] = len(calls)
     join["cache"] = calls[-1]["cache"]
+    join["given"] = sorted({n for c in calls for n in c.get("given", ())})
     return join
 
 
@@ -369,6 +384,8 @@ def _forward_probes(model, plan, recorder, modules, ids, pad, result) -> dict:
         try:
             extra = prefix_types(mask, plan.get("prefix"))
             model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
+            if name == "unpadded":  # one forward: how many times each layer is called in one
+                recorder.loops = [max(1, len(calls)) for calls in recorder.calls]
             result["probes"][name] = {"mask": _cpu(mask), "layers": recorder.layers(), **_prefix_of(mask, extra)}
             result["_calls"][name] = ([c[0]["call"] for c in recorder.calls], mask)
             if name == "unpadded":

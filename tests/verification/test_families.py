@@ -283,7 +283,6 @@ def test_the_output_stage_reads_the_reference_models_weights(model_type, part):
 @pytest.mark.parametrize(
     "model_type, what",
     [
-        ("dory", "does not model the cache_offset, shared_kv_states argument of"),
         ("gptj", "cannot read the rotation GPTJAttention computes itself"),  # releases before 5.2x
     ],
 )
@@ -363,22 +362,29 @@ def test_only_an_argument_that_scales_the_query_by_position_is_modelled(act, sca
             hf_qknorm.verify(model, generate=False)
 
 
-@pytest.mark.parametrize("part, placed", [("gate_proj", True), ("q_proj", False), ("rotary_emb", False)])
-def test_a_part_the_reference_does_not_model_must_act_on_the_attention_output(part, placed):
+@pytest.mark.parametrize(
+    "model_type, part, placed",
+    [
+        ("afmoe", "gate_proj", True),
+        ("afmoe", "q_proj", False),
+        ("afmoe", "rotary_emb", False),  # a module without parameters that the stage never calls
+        ("dory", "attn_sub_norm", True),  # a norm without parameters before the output projection
+        ("dory", "sqk", False),  # a factor on the rotated query: derive.query_factor models it
+    ],
+)
+def test_a_part_the_reference_does_not_model_must_act_on_the_attention_output(model_type, part, placed):
     """The output stage is the model's own code after the attention function; a part whose parameters do not move
-    its output for a fixed attention output (one acting on q or k) or that has none cannot be placed there."""
-    model = _model("afmoe")
+    its output for a fixed attention output (one acting on q or k) cannot be placed there, nor one without
+    parameters whose output, scaled, does not reach it."""
+    model = _model(model_type)
     family, attns = _attns(model)
     stage = derive.output_stage(attns[0], family)
     if not hasattr(stage, part):
         stage.rotary_emb = torch.nn.Identity()  # a part without parameters
     x = torch.zeros(1, 4, model.config.hidden_size)
-    cos, sin = model.model.rotary_emb(x, torch.arange(4)[None])  # the rotation a forward records
-    if placed:
-        derive.place_parts(stage, family, [part], cos, sin)
-    else:
-        with pytest.raises(UnsupportedModelError, match=f"does not model {part} of .*attention output alone"):
-            derive.place_parts(stage, family, [part], cos, sin)
+    layer_type = {"layer_type": model.config.layer_types[0]} if model_type == "dory" else {}
+    cos, sin = model.model.rotary_emb(x, torch.arange(4)[None], **layer_type)  # the rotation a forward records
+    assert derive.unplaced_parts(stage, family, [part], cos, sin) == ([] if placed else [part])
 
 
 @pytest.mark.spawns
