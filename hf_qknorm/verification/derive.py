@@ -734,11 +734,13 @@ def rotates(
     reused: tuple | None = None,
 ) -> bool:
     """Whether layer ``index`` rotates q and k with the recorded pair ``cos``/``sin``: a fresh float64 instance of its
-    Transformers attention class (unpatched, eager) run with that rotation and with none (NoPE layers differ; the
-    identity given in the recorded order: ``(sin, cos)`` where ``swapped``); the caller's random state is left as
-    it was. ``inert`` (:func:`inert_arguments`) are given as new empty mappings; ``reused`` ``(argument, key,
-    kv_heads, head_dim)``, a KV-shared layer's (:func:`reused_entry`), as a mapping holding random keys and values
-    under that key (then only its query can turn)."""
+    Transformers attention class (unpatched) run with that rotation and with none (NoPE layers differ; the identity
+    given in the recorded order: ``(sin, cos)`` where ``swapped``), the query and key its attention function is
+    handed compared (a capturing function: no backend of the model's runs, so one that fails under GQA, as
+    Unlimited-OCR's eager, does not matter); the caller's random state is left as it was. ``inert``
+    (:func:`inert_arguments`) are given as new empty mappings; ``reused`` ``(argument, key, kv_heads, head_dim)``, a
+    KV-shared layer's (:func:`reused_entry`), as a mapping holding random keys and values under that key (then only
+    its query can turn)."""
     cls = own_class(attn)
     x = x[:1, :4].to(torch.float64)
     cos, sin = cos[:1, :4].to(torch.float64), sin[:1, :4].to(torch.float64)
@@ -751,20 +753,30 @@ def rotates(
         extra[name] = filled
     if "position_ids" in inspect.signature(cls.forward).parameters:  # Ministral 3 scales queries by position
         extra["position_ids"] = torch.arange(x.shape[1])[None]
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+
+    def handed(rotation) -> tuple:
+        _CAPTURED.value = None
+        fresh(hidden_states=x, position_embeddings=rotation, attention_mask=None, **extra, **_new(inert))
+        if _CAPTURED.value is None:
+            raise RuntimeError("the attention function was not called")
+        q, k, _ = _CAPTURED.value
+        _CAPTURED.value = None
+        return q, k
+
     try:
-        fresh = fresh_instance(attn, config, index, "eager")
+        fresh = fresh_instance(attn, config, index, CAPTURE_ATTENTION)
         with torch.no_grad():
-            out = fresh(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **extra, **_new(inert))
             identity = (torch.ones_like(cos), torch.zeros_like(sin))
-            identity = identity[::-1] if swapped else identity
-            flat = fresh(hidden_states=x, position_embeddings=identity, attention_mask=None, **extra, **_new(inert))
-            out, flat = out[0], flat[0]
+            turned, flat = handed((cos, sin)), handed(identity[::-1] if swapped else identity)
     except Exception as exc:
         raise UnsupportedModelError(
             f"model type {model_type!r}: verify cannot tell whether layer {index} of {cls.__name__} rotates q and k "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
-    return not torch.allclose(out, flat, rtol=1e-9, atol=1e-12)
+    return not all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(turned, flat))
 
 
 def fresh_instance(attn, config, index: int, attention: str | None = None) -> nn.Module:

@@ -31,7 +31,7 @@ from ..portable.layout import find_layers, unwrap
 from ..portable.names import ROLES
 from ..portable.schemes import QKNormConfig
 from . import derive
-from .probe import PREFIX, probe_tokens, special_ids
+from .probe import NEW_TOKENS, PREFIX, probe_tokens, special_ids
 
 
 @dataclass
@@ -366,6 +366,14 @@ class ReferenceModel:
         runner = text_runner(self.inner)  # BLIP-2 runs text on its language model (its own forward needs images)
         gen = getattr(self.inner, "generation_config", None)
         can_generate = generate and callable(getattr(runner, "can_generate", None)) and runner.can_generate()
+        window = getattr(self.config, "sliding_window", None)
+        if can_generate and "reference_sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
+            if isinstance(window, int) and window < NEW_TOKENS:
+                raise UnsupportedModelError(
+                    f"model type {self.family.model_type!r}: its reference sliding-window layers keep the prompt and "
+                    f"the last {window} decoded tokens, fewer than the {NEW_TOKENS} verify's cached probes decode: "
+                    "not modelled (verify(model, generate=False) checks it uncached)"
+                )
         return {
             "layers": layers,
             **probe_tokens(self.config.vocab_size, seed, avoid=special_ids(self.inner.config, self.config, gen)),

@@ -373,11 +373,13 @@ MULTIMODAL = {
         },
         None,
     ),
-    # the same two encoders (a CLIP-like one after SAM)
+    # the same two encoders (a CLIP-like one after SAM); its reference sliding window (the prompt and the last decoded
+    # tokens) wider than verify's cached probes decode, which it would cut (not modelled: refused)
     "unlimited_ocr": (
         {},
         {
             **SAM,
+            "text_config.sliding_window": 8,
             "vision_config.sam_config.global_attn_indexes": [0],
             "vision_config.sam_config.downsample_channels": [32, 64],
         },

@@ -376,6 +376,37 @@ def test_types_whose_parts_name_their_sizes_otherwise_build_tiny_and_verify(mode
     assert report.ok and report.mechanism("cap") == "applied", str(report)
 
 
+def test_unlimited_ocr_verifies_and_a_reference_window_its_cached_probes_would_cut_is_refused():
+    """Unlimited-OCR's text layers are reference sliding-window layers: the cache keeps the prompt and the last
+    ``sliding_window`` decoded tokens. Its eager attention fails under GQA, so the rotation check reads the query and
+    key its attention function is handed (no backend runs). With a window wider than the probes decode it verifies
+    with generation, unpatched and capped, and a dropped cap is caught; a window the probes would cut is refused in
+    one line (checked uncached)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_qknorm.verification.probe import NEW_TOKENS
+    from tests.verification.test_verify import qknorm_function
+
+    if "unlimited_ocr" not in CONFIG_MAPPING:
+        pytest.skip("Unlimited-OCR is not in this Transformers")
+    plain, model = _patched("unlimited_ocr", dtype=torch.float32)
+    assert plain.config.get_text_config().sliding_window >= NEW_TOKENS
+    for m in (plain, model):
+        report = hf_qknorm.verify(m)
+        assert report.ok, str(report)
+    assert report.mechanism("cap") == "applied"
+    with qknorm_function(sdpa_attention_forward):
+        bad = hf_qknorm.verify(model, generate=False)
+    assert not bad.ok and bad.mechanism("cap") == "DROPPED", str(bad)
+
+    model.config.get_text_config().sliding_window = NEW_TOKENS - 2
+    with pytest.raises(UnsupportedModelError, match="keep the prompt and the last 4 decoded tokens") as err:
+        hf_qknorm.verify(model)
+    assert "\n" not in str(err.value)
+    assert hf_qknorm.verify(model, generate=False).ok
+
+
 def test_coverage_trains_a_model_that_requires_the_kinds_of_its_tokens(monkeypatch):
     """Molmo 2's forward refuses to train without ``mm_token_type_ids``: the table's training check marks every token
     as text (zeros) where the forward takes their kinds, so it is checked, not left untested."""
