@@ -380,6 +380,7 @@ class ReferenceModel:
             "generate": bool(can_generate),
             "pad_token_id": getattr(gen, "pad_token_id", None),
             "text_forward": None if runner is self.inner else self.name(runner),
+            "positions": self.name(runner),  # the module generate calls, inside any wrapper (peft's)
             "prefix": PREFIX if self.prefix_lm else None,
         }
 

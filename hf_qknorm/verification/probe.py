@@ -347,7 +347,7 @@ def run_probes(model, plan: dict) -> dict:
                     ("cache-unpadded", torch.ones_like(prompt)),
                     ("cache-padded", left_padding(*prompt.shape, pad).to(device)),
                 ):
-                    _cache_probe(runner, plan, recorder, name, prompt, mask, new, result, model)
+                    _cache_probe(runner, plan, recorder, name, prompt, mask, new, result, model, modules)
             if next(model.parameters()).dtype in _HALF:
                 _amplify(plan, recorder, modules, norms, result)
             _stress(plan, recorder, modules, norms, result)
@@ -403,10 +403,12 @@ def _forward_probes(model, plan, recorder, modules, ids, pad, result) -> dict:
     return norms
 
 
-def _cache_probe(model, plan, recorder, name, prompt, mask, new, result, outer=None):
+def _cache_probe(model, plan, recorder, name, prompt, mask, new, result, outer=None, modules=None):
     """Greedy generation with the model's configured cache; then the same tokens through an uncached forward.
     ``outer``: the model whose generation settings hold where ``model`` is its language model (BLIP-2's OPT runs
-    the text; the cache a user configured is the whole model's)."""
+    the text; the cache a user configured is the whole model's). The positions generate hands the model are read
+    on the plan's ``positions`` module (``modules``: the model's, by name): the model itself under a wrapper
+    (``peft``'s, whose generate calls it, not the wrapper's forward), else ``model``."""
     gen = getattr(outer if outer is not None else model, "generation_config", None)
     kind = getattr(gen, "cache_implementation", None) if outer is not model else None
     settings = {"cache_implementation": kind} if kind is not None else {}
@@ -416,7 +418,8 @@ def _cache_probe(model, plan, recorder, name, prompt, mask, new, result, outer=N
         pad_id = getattr(gen, "eos_token_id", None) if pad_id is None else pad_id
         pad_id = (pad_id[0] if isinstance(pad_id, (list, tuple)) else pad_id) or 0
     given = []  # the position ids generate handed the model at each step (Kosmos-2.5 gets none: it counts its own)
-    watch = model.register_forward_pre_hook(
+    called = (modules or {}).get(plan.get("positions"), model)  # a wrapper's generate calls the model inside it
+    watch = called.register_forward_pre_hook(
         lambda m, args, kwargs: given.append(kwargs.get("position_ids")), with_kwargs=True
     )
     extra = prefix_types(mask, plan.get("prefix"))  # a prefix-LM's: the generated tokens are type 1

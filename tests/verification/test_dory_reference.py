@@ -170,3 +170,16 @@ def test_an_integer_argument_that_changes_what_attention_sees_is_refused():
     with pytest.raises(UnsupportedModelError, match="does not model the cache_offset argument of Offsetting") as err:
         hf_qknorm.verify(model)
     assert "\n" not in str(err.value)
+
+
+def test_a_peft_wrapped_dory_verifies_with_the_positions_generate_gave_it():
+    """Dory's forward counts positions from 0 where it is given none, so the uncached forward must get the positions
+    generate gave the model. Under ``peft`` generate calls the model inside the wrapper, not the wrapper's forward:
+    the positions are read there (a left-padded row's cached logits otherwise differed from the uncached ones by
+    0.02-0.09, the unpatched model's too)."""
+    peft = pytest.importorskip("peft")
+    for scheme in (None, "qk_norm_cap"):
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        wrapped = peft.get_peft_model(_dory(scheme), config)
+        report = hf_qknorm.verify(wrapped)
+        assert report.ok, str(report)
