@@ -291,9 +291,10 @@ def reused_entry(attn: nn.Module, config, index: int, name: str, kv_heads: int, 
     return found[0] if len(found) == 1 else None
 
 
-def _captured(fresh: nn.Module, x: torch.Tensor, extra: dict) -> tuple:
-    """The query, key and value ``fresh`` hands its attention function on ``x`` with ``extra`` arguments: no rotation
-    where the class takes none, else the identity rotation (a rotation would not commute with the check)."""
+def _captured(fresh: nn.Module, x: torch.Tensor, extra: dict, rotation: tuple | None = None) -> tuple:
+    """The query, key and value ``fresh`` hands its attention function on ``x`` with ``extra`` arguments, with the
+    rotation ``(cos, sin)`` given; without one, no rotation where the class takes none, else the identity rotation
+    (a rotation would not commute with the check)."""
     kwargs = {"hidden_states": x, "attention_mask": None, **extra}
     if "position_ids" in inspect.signature(type(fresh).forward).parameters:
         kwargs["position_ids"] = torch.arange(x.shape[1])[None]
@@ -301,25 +302,13 @@ def _captured(fresh: nn.Module, x: torch.Tensor, extra: dict) -> tuple:
     identity = (torch.ones(1, x.shape[1], head_dim, dtype=x.dtype), torch.zeros(1, x.shape[1], head_dim, dtype=x.dtype))
     _CAPTURED.value = None
     with torch.no_grad():
-        try:
-            fresh(position_embeddings=None, **kwargs)
-        except Exception:  # a class that requires its rotation
-            fresh(position_embeddings=identity, **kwargs)
-    if _CAPTURED.value is None:
-        raise RuntimeError("the attention function was not called")
-    q, k, v = _CAPTURED.value
-    _CAPTURED.value = None
-    return q, k, v
-
-
-def _captured_rotated(fresh: nn.Module, x: torch.Tensor, rotation: tuple) -> tuple:
-    """The query, key and value ``fresh`` hands its attention function on ``x`` with the rotation ``(cos, sin)``."""
-    kwargs = {"hidden_states": x, "attention_mask": None, "position_embeddings": rotation}
-    if "position_ids" in inspect.signature(type(fresh).forward).parameters:
-        kwargs["position_ids"] = torch.arange(x.shape[1])[None]
-    _CAPTURED.value = None
-    with torch.no_grad():
-        fresh(**kwargs)
+        if rotation is not None:
+            fresh(position_embeddings=rotation, **kwargs)
+        else:
+            try:
+                fresh(position_embeddings=None, **kwargs)
+            except Exception:  # a class that requires its rotation
+                fresh(position_embeddings=identity, **kwargs)
     if _CAPTURED.value is None:
         raise RuntimeError("the attention function was not called")
     q, k, v = _CAPTURED.value
@@ -383,15 +372,8 @@ def unplaced_parts(stage: nn.Module, family: Family, parts: list[str], cos, sin)
     for part in parts:
         held = getattr(stage, part)
         tensors = [held] if isinstance(held, torch.Tensor) else list(held.parameters())
-        if tensors:
-            moves = _moves_the_output(stage, tensors, cos, sin, family.out_proj)
-        else:  # a parameter-free module: its output, scaled, must reach the stage's output
-            handle = held.register_forward_hook(lambda module, args, output: 1.5 * output)
-            try:
-                moves = _moves_the_output(stage, [], cos, sin, family.out_proj, hooked=True)
-            finally:
-                handle.remove()
-        if not moves:
+        perturb = _perturbing(tensors) if tensors else _scaling_output(held)  # parameter-free: its output scaled
+        if not _moves_the_output(stage, perturb, cos, sin, family.out_proj):
             out.append(part)
     return out
 
@@ -435,7 +417,7 @@ def query_factor(attn, config, index: int, family: Family, part: str, cos, sin, 
     if cos is not None:  # after the rotation, not before it
         rot = (cos[:1, :t].to(torch.float64), sin[:1, :t].to(torch.float64))
         try:
-            q_rot, _, _ = _captured_rotated(fresh, x, rot)
+            q_rot, _, _ = _captured(fresh, x, {}, rot)
         except Exception:
             return None
         want = factor[None, :, None] * rope_layout_reference(own, rot[0], rot[1], layout)
@@ -460,13 +442,11 @@ def run_output_stage(stage: nn.Module, core: torch.Tensor, x, cos, sin) -> torch
     return out[0] if isinstance(out, tuple) else out
 
 
-def _moves_the_output(
-    stage: nn.Module, tensors: list, cos, sin, out_name: str = "o_proj", hooked: bool = False
-) -> bool:
-    """Whether perturbing ``tensors`` changes ``stage``'s output for a fixed attention output (probe inputs, the
-    first positions of the recorded rotation); ``False`` where the stage cannot run on them. ``out_name``: the
-    stage's output projection (the family's: Kosmos-2's ``out_proj``). ``hooked``: a part's output is scaled by a
-    hook the caller placed; the output is compared with the stage run without it (the hook held off)."""
+def _moves_the_output(stage: nn.Module, perturb, cos, sin, out_name: str = "o_proj") -> bool:
+    """Whether ``perturb`` (:func:`_perturbing`, :func:`_scaling_output`: it changes a part and returns what undoes
+    it) changes ``stage``'s output for a fixed attention output (probe inputs, the first positions of the recorded
+    rotation); ``False`` where the stage cannot run on them. ``out_name``: the stage's output projection (the
+    family's: Kosmos-2's ``out_proj``)."""
     gen = torch.Generator().manual_seed(3)
     heads, out_proj = stage.config.num_attention_heads, getattr(stage, out_name, None)
     if not isinstance(out_proj, nn.Linear) or out_proj.in_features % heads:
@@ -476,39 +456,41 @@ def _moves_the_output(
     core = torch.randn(1, t, heads, head_dim, generator=gen, dtype=torch.float64)
     if cos is not None:
         cos, sin = cos[:1, :t].to(torch.float64), sin[:1, :t].to(torch.float64)
-    saved = [p.detach().clone() for p in tensors]
+    undo = None
     try:
-        if hooked:
-            with _hooks_off(stage):
-                before = run_output_stage(stage, core, x, cos, sin)
-        else:
-            before = run_output_stage(stage, core, x, cos, sin)
-        with torch.no_grad():
-            for p in tensors:
-                p.add_(0.5 + torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        before = run_output_stage(stage, core, x, cos, sin)
+        undo = perturb(gen)
         after = run_output_stage(stage, core, x, cos, sin)
     except Exception:  # a stage that cannot run on probe inputs cannot be placed
         return False
     finally:
-        with torch.no_grad():
-            for p, value in zip(tensors, saved):
-                p.copy_(value)
+        if undo is not None:
+            undo()
     return not torch.allclose(before, after, rtol=1e-9, atol=1e-12)
 
 
-class _hooks_off:
-    """Every forward hook of ``stage``'s modules held off inside the ``with`` block, put back after it."""
+def _perturbing(tensors: list):
+    """A perturbation of ``tensors`` (noise added in place) for :func:`_moves_the_output`."""
 
-    def __init__(self, stage: nn.Module):
-        self.held = [(m, dict(m._forward_hooks)) for m in stage.modules()]
+    def perturb(gen: torch.Generator):
+        saved = [p.detach().clone() for p in tensors]
+        with torch.no_grad():
+            for p in tensors:
+                p.add_(0.5 + torch.randn(p.shape, generator=gen, dtype=p.dtype))
 
-    def __enter__(self):
-        for m, _ in self.held:
-            m._forward_hooks.clear()
+        def undo():
+            with torch.no_grad():
+                for p, value in zip(tensors, saved):
+                    p.copy_(value)
 
-    def __exit__(self, *exc):
-        for m, hooks in self.held:
-            m._forward_hooks.update(hooks)
+        return undo
+
+    return perturb
+
+
+def _scaling_output(module: nn.Module):
+    """A perturbation of a module without parameters (its output scaled by a hook) for :func:`_moves_the_output`."""
+    return lambda gen: module.register_forward_hook(lambda m, args, output: 1.5 * output).remove
 
 
 def base_scaling(config, family: Family, attn, index: int, head_dim: int) -> float:
@@ -751,26 +733,16 @@ def rotates(
         gen = torch.Generator().manual_seed(7)
         filled[key] = tuple(torch.randn(1, kv_heads, x.shape[1], head_dim, generator=gen, dtype=x.dtype) for _ in "kv")
         extra[name] = filled
-    if "position_ids" in inspect.signature(cls.forward).parameters:  # Ministral 3 scales queries by position
-        extra["position_ids"] = torch.arange(x.shape[1])[None]
     from transformers import AttentionInterface
 
-    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
-
-    def handed(rotation) -> tuple:
-        _CAPTURED.value = None
-        fresh(hidden_states=x, position_embeddings=rotation, attention_mask=None, **extra, **_new(inert))
-        if _CAPTURED.value is None:
-            raise RuntimeError("the attention function was not called")
-        q, k, _ = _CAPTURED.value
-        _CAPTURED.value = None
-        return q, k
-
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)  # positions: _captured (Ministral 3's scale)
     try:
         fresh = fresh_instance(attn, config, index, CAPTURE_ATTENTION)
-        with torch.no_grad():
-            identity = (torch.ones_like(cos), torch.zeros_like(sin))
-            turned, flat = handed((cos, sin)), handed(identity[::-1] if swapped else identity)
+        identity = (torch.ones_like(cos), torch.zeros_like(sin))
+        turned, flat = (
+            _captured(fresh, x, {**extra, **_new(inert)}, rotation)[:2]
+            for rotation in ((cos, sin), identity[::-1] if swapped else identity)
+        )
     except Exception as exc:
         raise UnsupportedModelError(
             f"model type {model_type!r}: verify cannot tell whether layer {index} of {cls.__name__} rotates q and k "
