@@ -310,13 +310,15 @@ def test_catches_a_backend_that_ignores_padding(family, scheme, dtype, biases):
 # the cache
 # --------------------------------------------------------------------------------------------------------------------
 def _empty_slots_backend(name="qknorm"):
-    """A backend that treats a missing mask as 'attend to every key' when there are more keys than queries: what
-    a prefill into an empty static cache then reads is the cache's unused (zero) slots."""
+    """A backend that attends to every key of a prefill with more keys than queries: what a prefill into an empty
+    static cache then reads is the cache's unused (zero) slots. Newer Transformers hands such a prefill no mask (the
+    backend must infer the alignment), older ones a dense mask, which this backend drops, so the adversary bites on
+    every supported version."""
     real = _real_qknorm(name)
 
     def attends_empty_slots(module, query, key, value, attention_mask, **kwargs):
-        if attention_mask is None and key.shape[2] > query.shape[2] > 1:
-            kwargs["is_causal"] = False
+        if key.shape[2] > query.shape[2] > 1:
+            attention_mask, kwargs["is_causal"] = None, False
         return real(module, query, key, value, attention_mask, **kwargs)
 
     return attends_empty_slots
