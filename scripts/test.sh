@@ -14,6 +14,13 @@ if [ "$fetch_rc" -eq 3 ]; then
 elif [ "$fetch_rc" -ne 0 ]; then
   exit "$fetch_rc"
 fi
+# timm (FastVLM's, Gemma 3n's and PerceptionLM's vision towers) in a folder of its own, for their test; not installable
+# (exit 3): that test is skipped, saying why.
+timm_rc=0
+bash scripts/timm_env.sh || timm_rc=$?
+if [ "$timm_rc" -ne 0 ] && [ "$timm_rc" -ne 3 ]; then
+  exit "$timm_rc"
+fi
 export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX512_CORE_BF16}
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 # Test files are spread over worker processes (pytest-xdist; a module's tests stay together, so its fixtures are built

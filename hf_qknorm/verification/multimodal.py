@@ -11,13 +11,9 @@ TEXT_KEYS = ("input_ids", "token_type_ids", "mm_token_type_ids")  # the inputs t
 
 def image_features(model) -> list[torch.Tensor]:
     """The vision tower's features (after the projector) for the tiny image inputs, as a list of tensors."""
-    from .tiny import image_text_inputs
+    from .tiny import image_text_inputs, vision_features
 
-    pixels = {k: v for k, v in image_text_inputs(model).items() if k not in TEXT_KEYS}
-    with torch.no_grad():
-        out = model.get_image_features(**pixels)
-    feats = out if isinstance(out, (torch.Tensor, list, tuple)) else out.pooler_output
-    return [feats] if isinstance(feats, torch.Tensor) else list(feats)
+    return vision_features(model, {k: v for k, v in image_text_inputs(model).items() if k not in TEXT_KEYS})
 
 
 def image_failures(model, want: list[torch.Tensor]) -> dict[str, str]:

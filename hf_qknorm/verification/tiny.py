@@ -321,7 +321,8 @@ SAM = {
 VQ = {"base_channels": 32, "num_res_blocks": 1}
 # What the generic sizes do not say, per type: (vision config, top-level config) settings, and the form of the
 # pixel input (``square``: (batch, 3, side, side); ``tiles``: one tile per image with a pixel mask, Idefics3;
-# ``anyres``: base image plus tiles with image_sizes, LLaVA-NeXT; ``sized``: with image_sizes, Pixtral;
+# ``anyres``: base image plus tiles with image_sizes, LLaVA-NeXT; ``sized``: with image_sizes, Pixtral; ``crops``:
+# (batch, crops, 3, side, side), one crop per image, PerceptionLM;
 # ``patches``: flattened patches with image_grid_thw, Qwen-VL; ``None``: no image inputs, the sizes only).
 MULTIMODAL = {
     "llava": ({}, {}, "square"),
@@ -421,6 +422,32 @@ MULTIMODAL = {
         None,
     ),
     "qwen3_omni_moe_thinker": ({}, {"vision_start_token_id": 0}, None),
+    # vision towers built by timm (importable only where timm and torchvision are): a timm model's sizes are its
+    # constructor's arguments (``model_args``), and the width the projector reads is what that model gives
+    "fast_vlm": (
+        {
+            "model_args": {
+                "inference_mode": True,
+                "layers": [1, 1, 1, 1, 1],
+                "embed_dims": [16, 16, 32, 32, 32],  # its attention stages take heads of 32 channels
+                "mlp_ratios": [1, 1, 1, 1, 1],
+                "downsamples": [False, False, False, True, True],  # a 32-pixel image: 2 x 2 features
+            },
+            "hidden_size": 64,  # its last convolution doubles the last stage's width
+        },
+        {},
+        "square",
+    ),
+    # MobileNet-V5 (Gemma 3n): its blocks' widths scaled down; its multi-scale fusion writes 2,048 channels always
+    "gemma3n": ({"model_args": {"channel_multiplier": 0.05}, "hidden_size": 2048}, {}, "square"),
+    "perception_lm": (
+        {
+            "architecture": "vit_pe_core_tiny_patch16_384",
+            "model_args": {"embed_dim": VISION_WIDTH, "depth": 1, "num_heads": 2, "img_size": [IMAGE, IMAGE]},
+        },
+        {},
+        "crops",
+    ),
     # its Q-Former takes one head per 64 channels of the vision width; its checkpoints state which vision layers
     # feed which language-model layers (no default): the last vision layer into the first layer
     "granite4_vision": (
@@ -701,6 +728,8 @@ def _pixel_inputs(kind: str, config, batch: int, gen, dtype) -> dict:
         return {"pixel_values": pixels(batch, 3, side, side), "image_sizes": torch.tensor([[side, side]] * batch)}
     if kind == "anyres":
         return {"pixel_values": pixels(batch, 2, 3, side, side), "image_sizes": torch.tensor([[side, side]] * batch)}
+    if kind == "crops":
+        return {"pixel_values": pixels(batch, 1, 3, side, side)}
     if kind == "tiles":
         return {
             "pixel_values": pixels(batch, 1, 3, side, side),
@@ -719,11 +748,17 @@ def _pixel_inputs(kind: str, config, batch: int, gen, dtype) -> dict:
 
 def _image_tokens(model, pixels: dict, batch: int) -> int:
     """How many placeholder tokens one image takes: the rows of features the model's vision tower gives it."""
+    rows = sum(p.reshape(-1, p.shape[-1]).shape[0] for p in vision_features(model, pixels))
+    return rows // batch
+
+
+def vision_features(model, pixels: dict) -> list[torch.Tensor]:
+    """The features (after the projector) ``model``'s vision tower gives for ``pixels``, as a list of tensors:
+    ``get_image_features`` of the model, or of its inner model where only that has it (PerceptionLM)."""
+    owner = model if hasattr(model, "get_image_features") else model.model
     with torch.no_grad():
-        out = model.get_image_features(**pixels)
+        out = owner.get_image_features(**pixels)
     feats = out if isinstance(out, (torch.Tensor, list, tuple)) else getattr(out, "pooler_output", None)
     if feats is None:
         feats = out[0]
-    parts = [feats] if isinstance(feats, torch.Tensor) else list(feats)
-    rows = sum(p.reshape(-1, p.shape[-1]).shape[0] for p in parts)
-    return rows // batch
+    return [feats] if isinstance(feats, torch.Tensor) else list(feats)
