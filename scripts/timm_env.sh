@@ -5,8 +5,9 @@
 # index's torchvision for torch 2.13 is a CUDA build: on the CPU torch its compiled operators cannot load, and its
 # import then fails registering kernels for two operators it never declared. The folder's sitecustomize.py declares
 # their schemas (no kernels: nothing here calls them), so torchvision imports; the vision towers use none of its
-# operators. Where torchvision matches torch (a CUDA torch, or the CPU wheel beside a CPU torch) none of this is needed:
-# `pip install timm` is enough. Index unreachable: a banner, exit 3 (the tests then skip, saying why).
+# operators. The declarations are written only where timm does not import without them: where torchvision matches
+# torch (a CUDA torch, or the CPU wheel beside a CPU torch) `pip install timm` is all it takes. Index unreachable: a
+# banner, exit 3 (the tests then skip, saying why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
@@ -22,20 +23,23 @@ if ! "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$DI
     "vision towers timm builds will be skipped" >&2
   exit 3
 fi
-cat > "$DIR.part/sitecustomize.py" <<'PY'
+if ! PYTHONPATH="$DIR.part" "$PY" -c "import timm" 2>/dev/null; then
+  # torchvision's compiled operators did not load (a CUDA build on a CPU torch): declare the two it registers kernels for
+  cat > "$DIR.part/sitecustomize.py" <<'PY'
 """torchvision's CUDA build on a CPU torch (scripts/timm_env.sh): its compiled operators cannot load, and its import
 then registers fake kernels for nms and qnms, which were never declared. Declaring their schemas lets it import."""
 
 import torch
 
-if torch.version.cuda is None:  # a CPU torch: this folder's torchvision, a CUDA build, cannot load its operators
-    _LIB = torch.library.Library("torchvision", "DEF")
-    for _schema in (
-        "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    ):
-        _LIB.define(_schema)
+_LIB = torch.library.Library("torchvision", "DEF")
+for _schema in (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+):
+    _LIB.define(_schema)
 PY
+  PYTHONPATH="$DIR.part" "$PY" -c "import timm"  # fails here, with its own message, if that was not the cause
+fi
 touch "$DIR.part/.done-$TIMM-$TORCHVISION"
 rm -rf "$DIR"
 mv "$DIR.part" "$DIR"
