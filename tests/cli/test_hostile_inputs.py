@@ -227,14 +227,25 @@ def test_a_non_float_dtype_in_config(saved, capsys):
 
 def test_remote_code_of_an_older_version(saved, capsys):
     """With the plugin, the plugin's classes load a folder even with trust_remote_code=True: its shipped files
-    (here from "0.1.0", and broken) never run. inspect says which version wrote them; add_remote_code replaces them."""
+    (here from "0.1.0", and broken) never run -- from Transformers 5.5 on, which prefers a registered class to a
+    folder's code; 5.4 runs the folder's code when trust_remote_code=True is given (the plugin cannot change that).
+    inspect says which version wrote them; add_remote_code replaces them."""
+    import transformers
+    from packaging.version import Version
+
     for f in saved.glob("*qknorm*.py"):
         text = f.read_text().split("\n", 1)[1]
         f.write_text(
             f"# Written by hf_qknorm 0.1.0 from somewhere; it is regenerated on every save.\n"
             f"raise ImportError('old shipped code ran')\n{text}"
         )
-    model = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=True)
+    if Version(transformers.__version__) < Version("5.5"):
+        with pytest.raises(ImportError, match="old shipped code ran"):
+            AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=True)
+        assert type(model).__module__ == "hf_qknorm.modeling.classes"
+    model = AutoModelForCausalLM.from_pretrained(saved)  # without trust_remote_code: the plugin's, on every version
     assert type(model).__module__ == "hf_qknorm.modeling.classes"
     code, out, _ = run(capsys, "inspect", saved)
     assert code == 0 and "remote code: written by hf_qknorm 0.1.0, not this version" in out

@@ -298,8 +298,9 @@ def test_bad_inputs_name_the_problem(tmp_path):
 
 def test_calibration_needs_a_tokenizer_and_enough_text(tmp_path):
     save_source(tmp_path / "src")
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(ValueError, match="calibration needs the source's tokenizer, and .* has no tokenizer files"):
         convert(tmp_path / "src", tmp_path / "o", calibration=SMALL, progress=False, log=quiet, verify="plugin")
+    assert not (tmp_path / "o").exists()
     bundled_copy(tmp_path / "tiny")
     with pytest.raises(
         ValueError,

