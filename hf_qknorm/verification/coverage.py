@@ -406,8 +406,12 @@ def _summarise(model_type: str, results: dict) -> TypeResult:
 
 
 def _line(exc) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
+    """``exc``'s first line (with the next where the first ends in a colon: "... install it with pip:")."""
+    text = [t.strip() for t in str(exc).strip().splitlines() if t.strip()]
+    if not text:
+        return type(exc).__name__
+    line = f"{text[0]} {text[1]}" if text[0].endswith(":") and len(text) > 1 else text[0]
+    return line[:300]
 
 
 def causal_model_types() -> list[str]:

@@ -264,3 +264,13 @@ def test_coverage_command_takes_a_comma_separated_list(tmp_path, capsys):
     assert main(["coverage", ","]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no model type in ','" in err[0]
+
+
+def test_a_reason_keeps_what_a_first_line_ending_in_a_colon_announces():
+    """A missing package's error ("... You can install it with pip:" then the command) is reported with the command;
+    any other message by its first line, at most 300 characters."""
+    missing = ImportError("X requires the timm library. You can install it with pip:\n`pip install timm`.\nMore.")
+    assert cov._line(missing) == "X requires the timm library. You can install it with pip: `pip install timm`."
+    assert cov._line(ValueError("first\nsecond")) == "first"
+    assert cov._line(ValueError("x" * 400)) == "x" * 300
+    assert cov._line(ValueError("")) == "ValueError"
