@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The packages that build three multimodal types' vision towers (FastVLM, Gemma 3n, PerceptionLM: timm models), for
-# their tests (tests/modeling/test_timm_towers.py) and coverage rows, in a folder of their own (.timm-env, put on
-# PYTHONPATH by those who use it) rather than in the project's environment. timm needs torchvision, and the package
-# index's torchvision for torch 2.13 is a CUDA build: on the CPU torch its compiled operators cannot load, and its
-# import then fails registering kernels for two operators it never declared. The folder's sitecustomize.py declares
-# their schemas (no kernels: nothing here calls them), so torchvision imports; the vision towers use none of its
-# operators. The declarations are written only where timm does not import without them: where torchvision matches
-# torch (a CUDA torch, or the CPU wheel beside a CPU torch) `pip install timm` is all it takes. Index unreachable: a
-# banner, exit 3 (the tests then skip, saying why).
+# their test (tests/modeling/test_timm_towers.py) and coverage rows, in a folder of their own (.timm-env, put on
+# PYTHONPATH as an absolute path by those who use it) rather than in the project's environment. timm needs
+# torchvision, and the package index's torchvision for torch 2.13 is a CUDA build: on the CPU torch its compiled
+# operators cannot load, and its import then fails registering kernels for two operators it never declared. The
+# folder's sitecustomize.py declares their schemas (no kernels: nothing here calls them), so torchvision imports; the
+# vision towers use none of its operators. The declarations are written only where timm does not import without
+# them: where torchvision matches torch (a CUDA torch, or the CPU wheel beside a CPU torch) `pip install timm` is all
+# it takes. Index unreachable: a banner, exit 3 (the tests then skip, saying why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
@@ -24,7 +24,7 @@ if ! "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$DI
   exit 3
 fi
 if ! PYTHONPATH="$DIR.part" "$PY" -c "import timm" 2>/dev/null; then
-  # torchvision's compiled operators did not load (a CUDA build on a CPU torch): declare the two it registers kernels for
+  # torchvision's operators did not load (a CUDA build on a CPU torch): declare the two it registers kernels for
   cat > "$DIR.part/sitecustomize.py" <<'PY'
 """torchvision's CUDA build on a CPU torch (scripts/timm_env.sh): its compiled operators cannot load, and its import
 then registers fake kernels for nms and qnms, which were never declared. Declaring their schemas lets it import."""

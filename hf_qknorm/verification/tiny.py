@@ -431,7 +431,7 @@ MULTIMODAL = {
                 "layers": [1, 1, 1, 1, 1],
                 "embed_dims": [16, 16, 32, 32, 32],  # its attention stages take heads of 32 channels
                 "mlp_ratios": [1, 1, 1, 1, 1],
-                "downsamples": [False, False, False, True, True],  # a 32-pixel image: 2 x 2 features
+                "downsamples": [False, False, False, False, True],  # a 32-pixel image: 2 x 2 features
             },
             "hidden_size": 64,  # its last convolution doubles the last stage's width
         },
