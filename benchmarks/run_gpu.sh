@@ -88,10 +88,12 @@ if [ "$dry" = 1 ]; then
   # bench_attention.py says there is no CUDA device and exits 0: its arguments are checked, nothing is timed
   section attention 60 python3 benchmarks/bench_attention.py --head-dims 64 --seqlens 128 --tokens 128 \
     --warmup 0 --reps 1 --out "$attn"
-  section step 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table step --shapes 12x768 \
+  # the dry run checks this script's sections and flags, at the least cost: the tiny shape, and for the compiled
+  # step Dynamo's trace alone (tests/recipes/test_bench_decode.py compiles the step through aot_eager)
+  section step 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table step --shapes tiny \
     --seq 16 --rounds 1 --schemes qk_norm_cap
   section step-compiled 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table step --shapes tiny \
-    --seq 16 --rounds 1 --schemes qk_norm_cap --compile --compile-backend aot_eager
+    --seq 16 --rounds 1 --schemes qk_norm_cap --compile --compile-backend eager
   section token 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table token --shapes tiny \
     --batch 1 --prompt 8 --rounds 1 --schemes qk_norm_cap
   section decode 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table decode --shapes tiny \

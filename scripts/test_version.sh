@@ -13,7 +13,7 @@
 # multimodal patching and export, FlashAttention routing; Transformers' common model tests on patched Llama and GPT-2.
 # Training: Trainer (checkpointing, resume; every control's state through a checkpoint), QK-Clip (under LoRA too),
 # Muon, the monitor, Q/K learning rates, and every recipe's tiny run (continued pretraining, LoRA, from-scratch DDP
-# over two processes, the LR / Lp sweeps, conversion recovery).
+# over two processes, the LR / Lp sweeps, conversion recovery; the DDP run and conversion recovery: not on the middle lane).
 # LANE_VENV=DIR uses (or makes) that environment instead of .venv-<version>.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +53,12 @@ CORE=(tests/verification/test_reference.py tests/modeling/test_patching.py tests
       tests/attention/test_delegation.py)
 TRAINING=(tests/training/test_trainer.py tests/training/test_controls.py tests/training/test_qk_clip.py
           tests/training/test_qk_clip_lora.py tests/training/test_muon.py tests/training/test_monitor.py tests/training/test_qk_lr.py
-          tests/training/test_training.py tests/recipes/test_lr_sweep.py tests/recipes/test_conversion_recovery.py tests/training/test_distributed.py)
+          tests/training/test_training.py tests/recipes/test_lr_sweep.py)
+# The two slowest training files (a conversion recipe's tiny run; DDP and FSDP over two processes: a minute of CI's
+# two cores per lane) run on the oldest Transformers and the newest (the main suite), not on the middle one.
+if [ "$WANT" != middle ]; then
+  TRAINING+=(tests/recipes/test_conversion_recovery.py tests/training/test_distributed.py)
+fi
 LANE_ABS=$(cd "$LANE" && pwd)
 HF_QKNORM_SUITE_FAMILIES=llama,gpt2 HF_QKNORM_PYTHON="$LANE_ABS/bin/python" "$LANE/bin/python" -m pytest -q \
   -p no:cacheprovider "${CORE[@]}" "${TRAINING[@]}" "$@"

@@ -90,7 +90,23 @@ def pytest_runtest_call(item):
 _STARTED = pytest.StashKey[int]()
 
 
+# The test files that take longest (a minute or more of one worker on a 2-core machine, scripts/test.sh's
+# --durations): collected first, so that pytest-xdist's workers, which take files in collection order, start on them
+# and end on short files together instead of one waiting for the other's long file.
+LONGEST_FIRST = (
+    "tests/conversion/test_convert_every_type.py",
+    "tests/kernels/test_kernels_compile.py",
+    "tests/training/test_sharded.py",
+    "tests/conversion/test_heal_distributed.py",
+    "tests/modeling/test_telemetry.py",
+    "tests/conversion/test_multimodal_convert.py",
+    "tests/kernels/test_run_gpu.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -21,8 +21,12 @@ KINDS = {"layernorm": 0, "rmsnorm": 1, "lp": 2}
 _TINY = torch.finfo(torch.float32).tiny
 
 
+ROWS_ONE_EACH = 4096  # up to this many rows one program per row; beyond, ROWS_PER_PROGRAM rows per program
+ROWS_PER_PROGRAM = 4
+
+
 def _rows_per_program(n_rows: int) -> int:
-    return 1 if n_rows <= 4096 else 4
+    return 1 if n_rows <= ROWS_ONE_EACH else ROWS_PER_PROGRAM
 
 
 class _HeadNorm(torch.autograd.Function):

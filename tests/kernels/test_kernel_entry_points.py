@@ -146,7 +146,7 @@ def test_opcheck_forced_paths():
     """The forward ops' path arguments (decode, num_splits) keep the op contract, fake and autograd included."""
     from torch.library import opcheck
 
-    q, k, v = (t.requires_grad_() for t in _qkv(2, 4, 2, 3, 40, seed=7))
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 2, 1, 3, 40, seed=7))  # GQA 2:1
     mask = torch.ones(2, 1, 1, 40, dtype=torch.bool, device=DEVICE)
     for op in (torch.ops.hf_qknorm.attn_fwd.default, torch.ops.hf_qknorm.attn_fwd_max.default):
         opcheck(op, (q, k, v, mask, None, None, 3, 40, 0.2, 3.0, True, None, True, 2))

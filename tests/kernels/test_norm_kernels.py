@@ -101,10 +101,17 @@ def test_unit_offset_gain():
         torch.testing.assert_close(a.double(), c, atol=1e-4, rtol=1e-4)
 
 
-def test_many_rows_per_program():
-    """More rows than one program per row takes (ROWS > 1), and the partial gain sums across programs."""
+def test_many_rows_per_program(monkeypatch):
+    """More rows than one program per row takes (ROWS > 1; the last program's rows partly past the end), and the
+    partial gain sums across programs. The threshold is lowered so that the interpreter runs few programs."""
+    from hf_qknorm.kernels import norms
+
+    assert norms._rows_per_program(norms.ROWS_ONE_EACH) == 1
+    assert norms._rows_per_program(norms.ROWS_ONE_EACH + 1) == norms.ROWS_PER_PROGRAM > 1
+    monkeypatch.setattr(norms, "ROWS_ONE_EACH", 8)
     m = _module("rmsnorm", None, None, 16, torch.float32)
-    x = torch.randn(4100, 16, requires_grad=True)
+    x = torch.randn(8 + 4 * norms.ROWS_PER_PROGRAM + 2, 16, requires_grad=True)
+    assert norms._rows_per_program(x.shape[0]) == norms.ROWS_PER_PROGRAM
     y = _call("rmsnorm", m, x)
     torch.testing.assert_close(y, m(x), atol=1e-5, rtol=1e-5)
     (gw,) = torch.autograd.grad(y.sum(), [m.weight])
