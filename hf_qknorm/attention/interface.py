@@ -38,7 +38,6 @@ from ..portable.masks import (
     bool_mask,
     check_mask,
     check_scalars,
-    implicit_causal,
     packed_sequence_mask,
     resolve_mask,
 )
@@ -108,21 +107,38 @@ def weights_requested(module: torch.nn.Module, kwargs: dict) -> bool:
 
 
 def _varlen_mask(
-    cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, kv_len: int, causal: bool, mask: torch.Tensor | None
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    q_len: int,
+    kv_len: int,
+    causal: bool,
+    mask: torch.Tensor | None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Block-diagonal boolean ``(1, 1, q_len, kv_len)`` mask of packed sequences given their cumulative lengths,
-    causal within each sequence (bottom-right aligned, as the kernels' varlen mode) when ``causal``, intersected with
-    ``mask``."""
+    """Block-diagonal boolean ``(1, 1, q_len, kv_len)`` mask of packed sequences given their cumulative lengths
+    (sequence ``b``: queries ``cu_q[b]:cu_q[b + 1]``, keys ``cu_k[b]:cu_k[b + 1]``; rows past the last boundary
+    belong to the last sequence), causal within each sequence when ``causal`` -- bottom-right aligned per sequence,
+    as the kernels' varlen mode and FlashAttention's: a sequence's query ``i`` sits at its key position ``i +
+    k_len - q_len`` -- each query seeing only the ``sliding_window`` keys up to its position when one is given,
+    intersected with ``mask``."""
 
-    def seq_ids(cu, n):
-        ids = torch.zeros(n, dtype=torch.long, device=cu.device)
-        ids[cu[1:-1].long()] = 1
-        return ids.cumsum(0)
+    def where(cu, n):  # per row position: its sequence, its place in it, and the sequence's length
+        cu = cu.long()
+        pos = torch.arange(n, device=cu.device)
+        seq = torch.searchsorted(cu[1:], pos, right=True).clamp_(max=cu.numel() - 2)  # empty sequences skipped
+        return seq, pos - cu[seq], (cu[1:] - cu[:-1])[seq]
 
-    same = (seq_ids(cu_q, q_len)[:, None] == seq_ids(cu_k, kv_len)[None, :])[None, None]
+    q_seq, q_at, q_lens = where(cu_q, q_len)
+    k_seq, k_at, _ = where(cu_k, kv_len)
+    k_lens = (cu_k[1:] - cu_k[:-1]).to(torch.long)[q_seq]  # the keys of each query's own sequence
+    ok = q_seq[:, None] == k_seq[None, :]
+    at = (q_at + k_lens - q_lens)[:, None]  # each query's key position in its sequence
     if causal:
-        same = same & chunk_allowed(None, 0, q_len, q_len, kv_len, True, None, cu_q.device)
-    return same if mask is None else same & mask
+        ok = ok & (k_at[None, :] <= at)
+    if sliding_window is not None:
+        ok = ok & (at - k_at[None, :] < sliding_window)
+    ok = ok[None, None]
+    return ok if mask is None else ok & mask
 
 
 def qknorm_attention_forward(
@@ -347,8 +363,9 @@ def _attention(
     sink = check_sink(kwargs.get("s_aux"), query.shape[1])
     if weights_requested(module, kwargs):
         _use_kernels(query, dropout, weights=True, sink=sink is not None)  # raises if the policy forbids it
+        window = sliding_window
         return _with_weights(
-            module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, want_max, sink
+            module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, window, want_max, sink
         )
 
     if _use_kernels(query, dropout, weights=False, sink=sink is not None):
@@ -362,10 +379,9 @@ def _attention(
         return out.transpose(1, 2).contiguous(), None, top
 
     if cu_q is not None:  # packed sequences in one row, described by their cumulative lengths
-        mask, causal = (
-            _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, query.shape[2], key.shape[2], causal, mask),
-            False,
-        )
+        q_len, kv_len = query.shape[2], key.shape[2]
+        mask = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, q_len, kv_len, causal, mask, sliding_window)
+        causal, sliding_window = False, None  # the mask holds them now
     top = None
     if softcap is None and sink is None and (not want_max or query.shape[2] < TILED_MAX_MIN_LEN):
         out = _sdpa(module, query, key, value, mask, scaling, dropout, causal, sliding_window)
@@ -453,14 +469,18 @@ def _resolve_mask(query, key, value, attention_mask, causal, sliding_window, kwa
     return key, value, None, square, sliding_window
 
 
-def _with_weights(module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, want_max, sink):
+def _with_weights(
+    module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, sliding_window, want_max, sink
+):
     """The call that asked for attention weights: the materialising path, which returns them (and, on request, the
-    per-head max logits, computed on the side: this path is for inspection, not speed)."""
+    per-head max logits, computed on the side: this path is for inspection, not speed). ``sliding_window`` is the one
+    :func:`_resolve_mask` left standing (no mask holds it)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if cu_q is not None:
-        mask, causal = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, q_len, kv_len, causal, mask), False
-    if mask is None and causal:
-        mask = implicit_causal(q_len, kv_len, query.device)[None, None]
+        mask = _varlen_mask(cu_q, cu_k if cu_k is not None else cu_q, q_len, kv_len, causal, mask, sliding_window)
+        causal = False
+    elif mask is None and (causal or sliding_window is not None):
+        mask = chunk_allowed(None, 0, q_len, q_len, kv_len, causal, sliding_window, query.device)[None, None]
     out, weights = capped_eager_attention(
         module, query, key, value, mask, scaling=scaling, dropout=dropout, softcap=softcap, is_causal=False, s_aux=sink
     )

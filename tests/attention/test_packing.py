@@ -131,3 +131,115 @@ def test_multimodal_rope_positions_are_not_read_as_packing():
     rows = torch.tensor([[1, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]])  # row 0 left-padded by two
     assert packed_sequence_mask(rows[None].expand(3, -1, -1), 6, 6) is None
     assert packed_sequence_mask(rows, 6, 6) is not None  # the same positions as a (batch, seq) packing
+
+
+def _each_sequence(q, k, v, cu_q, cu_k, scaling, softcap, window):
+    """float64, one sequence at a time: bottom-right causal (query ``i`` of a sequence sits at key position ``i +
+    k_len - q_len``), the window counted back from there, the cap before the mask."""
+    outs, weights = [], torch.zeros(q.shape[1], q.shape[2], k.shape[2], dtype=torch.float64)
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        s = q[0, :, q0:q1].double() @ k[0, :, k0:k1].double().transpose(-1, -2) * scaling
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        at = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+        key = torch.arange(k1 - k0)[None, :]
+        ok = key <= at
+        if window is not None:
+            ok = ok & (at - key < window)
+        p = s.masked_fill(~ok, float("-inf")).softmax(-1)
+        weights[:, q0:q1, k0:k1] = p
+        outs.append(p @ v[0, :, k0:k1].double())
+    return torch.cat(outs, 1).transpose(0, 1), weights
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+@pytest.mark.parametrize("lengths", [((3, 1, 5), (5, 4, 5)), ((4, 6), (4, 6))], ids=["fewer-queries", "square"])
+@pytest.mark.parametrize("weights", [False, True], ids=["out", "weights"])
+def test_cu_seq_lens_each_sequence_its_own(lengths, softcap, window, weights):
+    """Packed sequences described by ``cu_seq_lens_*`` on the PyTorch path, against each sequence alone in float64:
+    causal per sequence, bottom-right aligned where a sequence has fewer queries than keys (a continuation with its
+    cached prefix, as FlashAttention's varlen mode and the kernels align it), a sliding window counted in the
+    sequence, the attention weights when asked -- each once computed over the whole row or the row's start."""
+    q_lens, k_lens = lengths
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, sum(q_lens), 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, sum(k_lens), 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    q = q * 3  # logits the cap bends
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, w = qknorm_attention_forward(
+        module,
+        q,
+        k,
+        v,
+        None,
+        scaling=0.35,
+        softcap=softcap,
+        sliding_window=window,
+        output_attentions=weights,
+        cu_seq_lens_q=cu_q,
+        cu_seq_lens_k=cu_k,
+        max_length_q=max(q_lens),
+        max_length_k=max(k_lens),
+    )
+    kv = lambda t: t.repeat_interleave(2, 1)  # noqa: E731 - GQA 2:1 for the reference
+    expected, expected_w = _each_sequence(q, kv(k), kv(v), cu_q, cu_k, 0.35, softcap, window)
+    torch.testing.assert_close(out[0], expected, rtol=1e-10, atol=1e-10)
+    if weights:
+        torch.testing.assert_close(w[0], expected_w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_weights_keep_the_window_without_a_mask(softcap):
+    """A call with no mask and a sliding window the keys exceed: the attention weights, when asked, are the
+    windowed ones the output was computed with (not the whole causal row)."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (3 * torch.randn(1, 2, 12, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = True
+    cu = torch.tensor([0, 12])
+    plain, _ = qknorm_attention_forward(module, q, k, v, None, scaling=0.35, softcap=softcap, sliding_window=4)
+    out, w = qknorm_attention_forward(
+        module, q, k, v, None, scaling=0.35, softcap=softcap, sliding_window=4, output_attentions=True
+    )
+    expected, expected_w = _each_sequence(q, k, v, cu, cu, 0.35, softcap, 4)
+    torch.testing.assert_close(plain[0], expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out[0], expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(w[0], expected_w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_cu_seq_lens_through_the_kernels_each_sequence_its_own(kernels_on_cpu, softcap, window):
+    """The kernels' varlen mode on the same packing (fewer queries than keys in two sequences of three): what the
+    PyTorch path computes, each sequence alone."""
+    from hf_qknorm.attention import kernel_policy
+
+    cu_q, cu_k = torch.tensor([0, 3, 4, 9], dtype=torch.int32), torch.tensor([0, 5, 9, 14], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(2)
+    q = 3 * torch.randn(1, 4, 9, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 14, 16, generator=gen) for _ in range(2))
+    module = torch.nn.Module()
+    module.is_causal = True
+    with kernel_policy(devices=("cuda", "cpu"), use_fallback=False):
+        out, _ = qknorm_attention_forward(
+            module,
+            q,
+            k,
+            v,
+            None,
+            scaling=0.25,
+            softcap=softcap,
+            sliding_window=window,
+            cu_seq_lens_q=cu_q,
+            cu_seq_lens_k=cu_k,
+            max_length_q=5,
+            max_length_k=5,
+        )
+    kv = lambda t: t.repeat_interleave(2, 1)  # noqa: E731
+    expected, _ = _each_sequence(q, kv(k), kv(v), cu_q, cu_k, 0.25, softcap, window)
+    torch.testing.assert_close(out[0].double(), expected, rtol=2e-4, atol=2e-4)
