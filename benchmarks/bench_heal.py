@@ -83,6 +83,12 @@ def parse_args(argv=None):
         default=None,
         help="interleaved or apart: how the heal blocks fall on the two texts (default: the library's)",
     )
+    p.add_argument(
+        "--heal-attention-kl",
+        type=float,
+        default=None,
+        help="weight of attention-probability distillation in the layer fits (default: the library's)",
+    )
     p.add_argument("--heal-e2e-tokens", type=int, default=None, help="end-to-end stage tokens (default: the library's)")
     p.add_argument("--heal-e2e-lr", type=float, default=None, help="end-to-end step size (default: the library's)")
     p.add_argument(
@@ -136,6 +142,7 @@ def run_case(
     self_tokens=None,
     seed=None,
     mix=None,
+    attention_kl=None,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -151,7 +158,7 @@ def run_case(
     if tokens != 0:
         given = (("tokens", tokens), ("lr", lr), ("inputs", inputs), ("blocks", heal_blocks))
         given += (("end_to_end_tokens", e2e_tokens), ("end_to_end_lr", e2e_lr), ("text", heal_text))
-        given += (("self_tokens", self_tokens), ("seed", seed), ("mix", mix))
+        given += (("self_tokens", self_tokens), ("seed", seed), ("mix", mix), ("attention_kl", attention_kl))
         given = {k: v for k, v in given if v is not None}
         heal = HealSettings(**given)
     config = hf_qknorm.QKNormConfig(scheme=scheme, norm=norm, p=4.0 if norm == "lp" else None, softcap=softcap)
@@ -236,6 +243,8 @@ def _setting(r, runtime: bool = True) -> str:
         parts.append(f"seed {h['seed']}")
     if h.get("mix", "interleaved") != "interleaved":
         parts.append(f"blocks {h['mix']}")
+    if h.get("attention_kl"):
+        parts.append(f"attention KL {h['attention_kl']:g}")
     if runtime and (r.get("processes", 1) > 1 or r.get("threads", 1) > 1):
         parts.append(f"{r.get('processes', 1)} process(es) x {r.get('threads', 1)} thread(s)")
     return ", ".join(parts)
@@ -435,6 +444,7 @@ def _run_cases(args, argv, builder, first: bool, processes: int) -> None:
                 args.heal_self_tokens,
                 args.heal_seed,
                 args.heal_mix,
+                args.heal_attention_kl,
             )
             if row is None:  # not rank 0
                 continue

@@ -30,6 +30,9 @@ own pass -- the Triton kernels' row maxima, the tiled path's -- except for uncap
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from torch.nn import functional as F
 
@@ -94,10 +97,30 @@ HONOURED_KWARGS = frozenset(
 TILED_MAX_MIN_LEN = 256
 
 
+# True inside ``returning_weights()``: every call returns its attention weights
+_WEIGHTS_ASKED: contextvars.ContextVar[bool] = contextvars.ContextVar("qknorm_weights_asked", default=False)
+
+
+@contextlib.contextmanager
+def returning_weights():
+    """Every eager call of the backend inside returns its attention weights, as with ``output_attentions=True``,
+    also through an attention module whose forward takes that argument for itself and does not pass it on (GPT-2's):
+    how conversion's healing reads a layer's attention probabilities (``--heal-attention-kl``). Not seen inside a
+    graph ``torch.compile`` traces."""
+    token = _WEIGHTS_ASKED.set(True)
+    try:
+        yield
+    finally:
+        _WEIGHTS_ASKED.reset(token)
+
+
 def weights_requested(module: torch.nn.Module, kwargs: dict) -> bool:
-    """Whether the caller wants attention weights: the forward's ``output_attentions`` where it reaches the backend;
-    else whether Transformers' output capture is collecting attentions (asked by ``output_attentions=True`` or by
-    ``config.output_attentions``; GPT-2 does not pass the argument on to its attention); else the module's config."""
+    """Whether the caller wants attention weights: inside :func:`returning_weights`, yes; else the forward's
+    ``output_attentions`` where it reaches the backend; else whether Transformers' output capture is collecting
+    attentions (asked by ``output_attentions=True`` or by ``config.output_attentions``; GPT-2 does not pass the
+    argument on to its attention); else the module's config."""
+    if not torch.compiler.is_compiling() and _WEIGHTS_ASKED.get():  # Dynamo cannot trace ContextVar.get
+        return True
     if "output_attentions" in kwargs:
         return bool(kwargs["output_attentions"])
     collecting = _active_collector.get() if _active_collector is not None else None
@@ -250,6 +273,7 @@ def _one_query(module, query, key, value, attention_mask, scaling, dropout, soft
         or kwargs.get("s_aux") is not None
         or kwargs.get("cu_seq_lens_q") is not None
         or (dropout and module.training)
+        or _WEIGHTS_ASKED.get()
         or grad_recorded(query, key, value)  # the native op's rule (.native.eligible) says the same
         or "cpu" in _POLICY.get().devices  # route() could send CPU tensors to the kernels: it decides
     ):

@@ -76,6 +76,7 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         "mix": "interleaved",
         "self_tokens": 65_536,
         "inputs": "original",
+        "attention_kl": 0.0,
         "end_to_end_tokens": 0,
         "end_to_end_lr": 1e-4,
     }
@@ -125,7 +126,7 @@ def test_lr_search_tries_smaller_steps_while_the_smallest_fits_best(monkeypatch,
     from hf_qknorm.conversion.healing import heal as heal_module
 
     seen = []
-    monkeypatch.setattr(heal_module, "fit_output", lambda *args: seen.append(args[7]))
+    monkeypatch.setattr(heal_module, "fit_output", lambda *args, **kwargs: seen.append(args[7]))
     errors = (lambda lr: abs(math.log10(lr / best))) if best else (lambda lr: math.nan)
     monkeypatch.setattr(heal_module, "relative_error", lambda *args: errors(seen[-1]))
     monkeypatch.setattr(heal_module, "_restore", lambda params, start: None)
@@ -175,6 +176,9 @@ def test_healed_qkv_norm_writes_what_it_measured(tmp_path, inputs):
         ({"text": "wiki"}, "heal text must be 'self' or 'calibration', got 'wiki'"),
         ({"self_tokens": 0}, "heal self tokens must be an integer >= 1, got 0"),
         ({"lr_search": "yes"}, "heal lr search must be True or False, got 'yes'"),
+        ({"attention_kl": -0.5}, "heal attention kl must be a finite number >= 0, got -0.5"),
+        ({"attention_kl": float("inf")}, "heal attention kl must be a finite number >= 0, got inf"),
+        ({"attention_kl": True}, "heal attention kl must be a finite number >= 0, got True"),
     ],
 )
 def test_bad_heal_settings_are_refused(settings, message):
@@ -191,6 +195,7 @@ def test_bad_heal_settings_are_refused(settings, message):
         (["--heal-inputs", "mine"], "error: heal inputs must be 'original' or 'converted', got 'mine'"),
         (["--heal-end-to-end-tokens", "-5"], "error: heal end to end tokens must be an integer >= 0, got -5"),
         (["--heal-text", "mine"], "error: heal text must be 'self' or 'calibration', got 'mine'"),
+        (["--heal-attention-kl", "-1"], "error: heal attention kl must be a finite number >= 0, got -1.0"),
     ],
 )
 def test_command_line_refuses_bad_heal_input_in_one_line(tmp_path, capsys, argv, message):

@@ -40,8 +40,11 @@ HEAL = {
     mode: HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, text=mode, self_tokens=5 * 16)
     for mode in ("self", "calibration")
 }
-# the end-to-end stage after the layer-wise one: on rank 0 alone, its result broadcast
-HEAL["end_to_end"] = dataclasses.replace(HEAL["calibration"], end_to_end_tokens=64 * 5, end_to_end_lr=3e-4)
+# the end-to-end stage after the layer-wise one: on rank 0 alone, its result broadcast; the layer fits with
+# attention-probability distillation (each rank reads the original's attention for its own layers)
+HEAL["end_to_end"] = dataclasses.replace(
+    HEAL["calibration"], end_to_end_tokens=64 * 5, end_to_end_lr=3e-4, attention_kl=1.0
+)
 SCHEME = QKNormConfig(scheme="qk_norm", norm="rmsnorm")
 TIMING = ("seconds", "generation_seconds")  # the only fields of a report that may differ between runs
 
@@ -299,9 +302,9 @@ def _worker(out: Path, src: Path) -> None:
     torch.set_num_threads(1)
     fitted, fit = [], heal._fit
 
-    def recorded(attn, calls, targets, steps, lr, seed, tick):  # the layers this rank fits (seed: heal seed + layer)
+    def recorded(attn, calls, targets, settings, block_len, seed, *rest):  # this rank's layers (seed: + layer)
         fitted.append(seed)
-        return fit(attn, calls, targets, steps, lr, seed, tick)
+        return fit(attn, calls, targets, settings, block_len, seed, *rest)
 
     heal._fit = recorded
     for mode, settings in HEAL.items():

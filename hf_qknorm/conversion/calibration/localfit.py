@@ -80,9 +80,49 @@ def norm_parameters(attn: nn.Module) -> dict[str, nn.Parameter]:
 
 def attention_output(attn: nn.Module, call: BlockCall, overrides: dict | None = None) -> torch.Tensor:
     """``attn``'s output (after its output projection) for one recorded call, with parameters ``overrides``."""
-    args, kwargs = call.args, call.kwargs
-    out = functional_call(attn, overrides or {}, args, kwargs, strict=False) if overrides else attn(*args, **kwargs)
+    out = attention_output_tuple(attn, call, overrides)
     return out[0] if isinstance(out, tuple) else out
+
+
+def attention_output_tuple(attn: nn.Module, call: BlockCall, overrides: dict | None = None):
+    """What ``attn``'s forward returns for one recorded call, with parameters ``overrides``."""
+    args, kwargs = call.args, call.kwargs
+    return functional_call(attn, overrides or {}, args, kwargs, strict=False) if overrides else attn(*args, **kwargs)
+
+
+def attention_with_weights(
+    attn: nn.Module, call: BlockCall, overrides: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn``'s output (after its output projection) and its attention probabilities ``(batch, heads, q_len,
+    kv_len)`` for one recorded call, on the ``"qknorm"`` backend (the conversion's models run on it) asked for its
+    weights (:func:`~hf_qknorm.attention.interface.returning_weights`): its materialising path, the cap, mask,
+    window and sinks applied as in its other paths (a row with a sink sums to less than 1)."""
+    from ...attention.interface import returning_weights
+
+    with returning_weights():
+        out = attention_output_tuple(attn, call, overrides)
+    weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+    if not torch.is_tensor(weights) or weights.dim() != 4:
+        raise ValueError(
+            f"{type(attn).__name__} returns no attention weights when asked, which heal attention kl needs; heal "
+            "this model with --heal-attention-kl 0"
+        )
+    return out[0], weights
+
+
+SINK_MASS_MIN = 1e-5  # a row's missing probability mass below this is rounding, not an attention sink's share
+
+
+def attention_kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """Mean over batch, heads and query positions of ``KL(teacher || student)`` between two layers' attention rows
+    ``(batch, heads, q_len, kv_len)``. A row's missing mass (an attention sink's share, gpt-oss) is one more outcome
+    where it exceeds :data:`SINK_MASS_MIN`; a row with no allowed key (all zeros in both) adds 0."""
+    t, s = teacher.float(), student.float()
+    t_rest, s_rest = (1 - t.sum(-1, keepdim=True)).clamp_min(0), (1 - s.sum(-1, keepdim=True)).clamp_min(0)
+    t_rest = torch.where(t_rest > SINK_MASS_MIN, t_rest, torch.zeros_like(t_rest))
+    t, s = torch.cat([t, t_rest], -1), torch.cat([s, s_rest], -1)
+    tiny = torch.finfo(torch.float32).tiny
+    return (torch.xlogy(t, t) - torch.xlogy(t, s.clamp_min(tiny))).sum(-1).mean()
 
 
 @torch.no_grad()
@@ -184,15 +224,24 @@ def fit_output(
     seed: int,
     on_step,
     lr_scales: list | None = None,
+    teacher=None,
+    kl_weight: float = 0.0,
 ):
     """The layer fit: :func:`~hf_qknorm.conversion.calibration.optim.cosine_adam` on ``tensors`` so that ``attn``'s
     output with the parameters ``overrides()`` (``None``: its own) matches ``targets``, relative to ``denom``; one
     recorded call per step, drawn with ``seed``. ``on_step(step)`` after each step. ``lr_scales`` (one per tensor;
-    ``None``: all 1) multiplies each tensor's step size."""
+    ``None``: all 1) multiplies each tensor's step size. ``teacher`` (``j -> attention probabilities`` of the
+    original layer for call ``j``) with ``kl_weight > 0`` adds ``kl_weight`` x :func:`attention_kl` of ``attn``'s
+    probabilities from the teacher's to each step's loss (attention-probability distillation)."""
     gen = torch.Generator().manual_seed(seed)
+    distil = teacher is not None and kl_weight > 0
 
     def loss(step):
         j = int(torch.randint(0, len(calls), (1,), generator=gen))
+        if distil:
+            out, probs = attention_with_weights(attn, calls[j], overrides())
+            error = (out - targets[j]).float().pow(2).mean() / denom
+            return error + kl_weight * attention_kl(teacher(j), probs)
         return (attention_output(attn, calls[j], overrides()) - targets[j]).float().pow(2).mean() / denom
 
     tick = None if on_step is None else lambda step, _: on_step(step)

@@ -169,7 +169,13 @@ class CalibrationReport:
                 if h.get("generated_tokens")
                 else ""
             )
-            + f"), {h['seconds']:.0f} s; held-out perplexity "
+            + ")"
+            + (
+                f", attention probabilities distilled (weight {kl:g})"
+                if (kl := h.get("settings", {}).get("attention_kl"))
+                else ""
+            )
+            + f", {h['seconds']:.0f} s; held-out perplexity "
             f"{h['ppl_before']:.3f} -> {h['ppl_after']:.3f} (original {h['ppl_original']:.3f}, "
             f"{h['ppl_after'] / h['ppl_original']:.3f}x), next-token top-1 agreement "
             f"{100 * h['top1_before']:.1f}% -> {100 * h['top1_after']:.1f}%; {h['layers_kept']}/"

@@ -40,12 +40,12 @@ import torch
 
 from ...portable.norms import NORM_CLASSES
 from ..calibration.layerwise import attention_call
-from ..calibration.localfit import fit_output, output_scale, relative_error, store_shared
+from ..calibration.localfit import attention_with_weights, fit_output, output_scale, relative_error, store_shared
 from ..calibration.streaming import StreamedCheckpoint, rows, run_blocks, run_capturing
 from ..orchestration import ranks
 from ..orchestration.progress import Stage
 
-__all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal_text", "lr_scales"]
+__all__ = ["HealReport", "HealSettings", "check_heal", "check_world", "heal_checkpoint", "heal_text", "lr_scales"]
 
 
 SELF_NEW_TOKENS = 256  # tokens per self-generated answer or continuation (--heal-text self)
@@ -126,6 +126,15 @@ class HealSettings:
             "residual stream after attention (corrects the error earlier layers left) (implies --heal)"
         },
     )
+    attention_kl: float = field(
+        default=0.0,
+        metadata={
+            "help": "weight of attention-probability distillation in each layer's fit: every step's loss is the "
+            "layer's output error plus this times the KL divergence of the converted layer's attention "
+            "probabilities (per head and query) from the original's on the same text; the fit is still kept or "
+            "rejected on the output error alone (0: output error only) (implies --heal)"
+        },
+    )
 
     end_to_end_tokens: int = field(
         default=0,
@@ -157,6 +166,9 @@ class HealSettings:
             raise ValueError(f"heal inputs must be 'original' or 'converted', got {self.inputs!r}")
         if not isinstance(self.lr_search, bool):
             raise ValueError(f"heal lr search must be True or False, got {self.lr_search!r}")
+        kl = self.attention_kl
+        if isinstance(kl, bool) or not (isinstance(kl, (int, float)) and math.isfinite(kl) and kl >= 0):
+            raise ValueError(f"heal attention kl must be a finite number >= 0, got {kl!r}")
         for name in ("lr", "end_to_end_lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -205,12 +217,13 @@ class HealReport:
 
 
 def _fit(
-    attn, calls, targets, settings: HealSettings, block_len: int, seed: int, tick
+    attn, calls, targets, settings: HealSettings, block_len: int, seed: int, tick, teacher=None
 ) -> tuple[float, float, dict | None, float]:
     """The layer fit (:func:`~hf_qknorm.conversion.calibration.localfit.fit_output`) on every parameter of ``attn``
-    (projections and new norms), its step size picked by :func:`_pick_lr` under ``settings.lr_search``; returns (error
-    before, error after, the new parameters by name relative to ``attn`` or ``None`` when the fit did not lower the
-    error, the step size)."""
+    (projections and new norms), its step size picked by :func:`_pick_lr` under ``settings.lr_search``, with
+    ``settings.attention_kl`` x the attention-probability KL from ``teacher`` (:func:`_teacher`) in the loss of both;
+    returns (error before, error after, the new parameters by name relative to ``attn`` or ``None`` when the fit did
+    not lower the error, the step size)."""
     params = dict(attn.named_parameters())
     denom = output_scale(targets)
     before = relative_error(attn, calls, targets, denom)
@@ -222,8 +235,11 @@ def _fit(
         scales = lr_scales(attn, params)
         lr = settings.lr
         if settings.lr_search:
-            lr = _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick, scales)
-        fit_output(attn, calls, targets, denom, list(params.values()), lambda: None, steps, lr, seed, tick, scales)
+            lr = _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick, scales, teacher)
+        distil = dict(teacher=teacher, kl_weight=settings.attention_kl)
+        fit_output(
+            attn, calls, targets, denom, list(params.values()), lambda: None, steps, lr, seed, tick, scales, **distil
+        )
     finally:
         for p in params.values():
             p.requires_grad_(False)
@@ -249,7 +265,9 @@ def lr_scales(attn, params: dict) -> list[float]:
     return [max(1.0, float(p.detach().pow(2).mean().sqrt())) if id(p) in gains else 1.0 for p in params.values()]
 
 
-def _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, seed, tick, scales) -> float:
+def _pick_lr(
+    attn, calls, targets, denom, params, start, settings, block_len, seed, tick, scales, teacher=None
+) -> float:
     """The step size among ``settings.lr * LR_FACTORS`` whose short fit (``settings.trial_steps``, from the layer's
     start each time, the same blocks in the same order) leaves the lowest output error on ``TRIAL_CALLS`` of the
     recorded calls spread over them. While the smallest step tried fits best (or every trial diverged), the next
@@ -263,8 +281,12 @@ def _pick_lr(attn, calls, targets, denom, params, start, settings, block_len, se
     probe_calls, probe_targets = [calls[j] for j in pick], [targets[j] for j in pick]
     errors: dict[float, float] = {}  # step size -> the trial's error (inf: diverged)
 
+    distil = dict(teacher=teacher, kl_weight=settings.attention_kl)
+
     def run(lr):
-        fit_output(attn, calls, targets, denom, list(params.values()), lambda: None, trial, lr, seed, tick, scales)
+        fit_output(
+            attn, calls, targets, denom, list(params.values()), lambda: None, trial, lr, seed, tick, scales, **distil
+        )
         error = relative_error(attn, probe_calls, probe_targets, denom)
         _restore(params, start)
         errors[lr] = error if math.isfinite(error) else math.inf
@@ -310,6 +332,35 @@ def check_world(settings: HealSettings, reusing: tuple[int, ...] = ()) -> None:
         )
 
 
+def check_heal(settings: HealSettings, reusing: tuple[int, ...] = ()) -> None:
+    """Everything refused before any work: :func:`check_world`'s refusals, and ``attention_kl`` on a model whose
+    layers ``reusing`` attend over an earlier layer's keys (the original's attention probabilities would be read
+    through the keys mapping the fits' stream holds, which is the converted model's)."""
+    check_world(settings, reusing)
+    if settings.attention_kl and reusing:
+        raise ValueError(
+            f"heal attention kl {settings.attention_kl!r} is not supported on a model whose layers attend over an "
+            f"earlier layer's keys and values (layer {reusing[0]}: num_kv_shared_layers); heal it with "
+            "--heal-attention-kl 0"
+        )
+
+
+def _teacher(orig, o_attn, inputs, layer_calls, settings: HealSettings):
+    """``j -> `` the original attention layer's probabilities for heal block ``j`` (on the original model's own
+    inputs, computed when asked: one forward of the original layer per step, memory one block's), or ``None``
+    without ``settings.attention_kl``."""
+    if not settings.attention_kl:
+        return None
+    with torch.no_grad():
+        o_calls = [attention_call(orig, o_attn, h, c) for h, c in zip(inputs, layer_calls)]
+
+    @torch.no_grad()
+    def probabilities(j: int) -> torch.Tensor:
+        return attention_with_weights(o_attn, o_calls[j])[1]
+
+    return probabilities
+
+
 def heal_checkpoint(
     stream: StreamedCheckpoint,
     values: dict,
@@ -325,7 +376,7 @@ def heal_checkpoint(
     changed; float32 on the CPU) and the :class:`HealReport`. With an initialised process group of more than one
     rank the layers are fitted side by side (module docstring); every rank must call this with the same arguments
     and returns the same result."""
-    check_world(settings, stream.reusing)
+    check_heal(settings, stream.reusing)
     t0 = time.time()
     with stream.outer():  # embeddings, final norm and head stay for the logit lens and the scores
         if ranks.world() == 1:
@@ -395,7 +446,8 @@ def _heal(stream, values, heal_blocks, eval_blocks, settings, batch_size, progre
                 streams["original"] = run_blocks(orig, streams["original"], eval_calls[i], "original")
                 streams["before"] = run_blocks(patched, streams["before"], eval_calls[i], "before")
             tick = _ticker(stage, i, steps, block_len)
-            results.append(_fit(p_attn, attn_calls, targets, settings, block_len, settings.seed + i, tick))
+            teacher = _teacher(orig, o_attn, inputs, calls[i], settings)
+            results.append(_fit(p_attn, attn_calls, targets, settings, block_len, settings.seed + i, tick, teacher))
             store_shared(p_attn, attn_calls)  # a later layer reading its keys is fitted on the kept ones
             before, after = results[-1][:2]
             with torch.no_grad():
@@ -431,7 +483,8 @@ def _heal_split(stream, values, heal_blocks, eval_blocks, settings, batch_size, 
                 with torch.no_grad():
                     attn_calls = [attention_call(patched, p_attn, h, c) for h, c in zip(inputs, calls[i])]
                 tick = _ticker(stage, i, steps, block_len)
-                mine[i] = _fit(p_attn, attn_calls, targets, settings, block_len, settings.seed + i, tick)
+                teacher = _teacher(orig, o_attn, inputs, calls[i], settings)
+                mine[i] = _fit(p_attn, attn_calls, targets, settings, block_len, settings.seed + i, tick, teacher)
                 stage.update(0, note=f"layer {i}: output error {mine[i][0]:.4f} -> {mine[i][1]:.4f}")
             inputs = nxt
     out, errors, kept, lrs = _merge(stream, values, ranks.all_in_order(mine, stream.num_layers))
