@@ -387,10 +387,8 @@ def _attention(
     sink = check_sink(kwargs.get("s_aux"), query.shape[1])
     if weights_requested(module, kwargs):
         _use_kernels(query, dropout, weights=True, sink=sink is not None)  # raises if the policy forbids it
-        window = sliding_window
-        return _with_weights(
-            module, query, key, value, mask, cu_q, cu_k, scaling, dropout, softcap, causal, window, want_max, sink
-        )
+        args = (mask, cu_q, cu_k, scaling, dropout, softcap, causal, sliding_window, want_max, sink)
+        return _with_weights(module, query, key, value, *args)
 
     if _use_kernels(query, dropout, weights=False, sink=sink is not None):
         if cu_q is not None:  # the packing is the mask: causal within each sequence as the module declares
