@@ -20,7 +20,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_qknorm
 from hf_qknorm.conversion.calibration.localfit import attention_kl, attention_output, attention_with_weights
 from hf_qknorm.conversion.calibration.streaming import BlockCall
-from hf_qknorm.conversion.healing.heal import HealSettings, check_heal
 from hf_qknorm.conversion.orchestration.texts import text_blocks
 from hf_qknorm.data import split_text
 from hf_qknorm.modeling.saved import auto_class
@@ -182,12 +181,3 @@ def test_distillation_brings_the_written_attention_closer_to_the_originals(tmp_p
     kl_plain = _attention_kl_of_folders(src, plain.path, blocks)
     kl_distilled = _attention_kl_of_folders(src, distilled.path, blocks)
     assert kl_distilled < 0.9 * kl_plain, (kl_distilled, kl_plain)
-
-
-def test_kv_shared_layers_refuse_the_term_before_any_work():
-    with pytest.raises(
-        ValueError, match=r"heal attention kl 1\.0 is not supported .* \(layer 2: num_kv_shared_layers\)"
-    ):
-        check_heal(HealSettings(attention_kl=1.0), reusing=(2,))
-    check_heal(HealSettings(attention_kl=0.0), reusing=(2,))  # without the term: healed as before
-    check_heal(HealSettings(attention_kl=1.0))

@@ -146,3 +146,38 @@ def test_a_call_holding_a_shared_store_runs_only_in_a_named_stream():
     assert "full_attention" not in b1 and not a2["full_attention"][0].requires_grad
     plain = BlockCall((1,), {"y": 2}, True)
     assert plain.bind(None) is plain
+
+
+@pytest.mark.parametrize("kind, scheme, norm", CASES[1:])
+def test_distillation_reads_the_originals_keys_and_leaves_the_fits_stream_alone(tmp_path, kind, scheme, norm):
+    """With the attention-probability term, each layer's teacher -- a layer reading keys an earlier layer stored
+    included -- gives the original model's own eager attention probabilities on the heal blocks (read through the
+    fits' store, a reading layer's teacher would attend over the converted model's keys), and the reported errors
+    are still those of the written weights (the teacher writes nothing into the fits' store)."""
+    from hf_qknorm.conversion.healing import heal as heal_module
+
+    source, cfg, stream, model, calib, held = _setup(tmp_path, kind, scheme, norm)
+    values, _ = calibrate_checkpoint(stream(), cfg, calib, held, SETTINGS, progress=False)
+    seen, fit = [], heal_module._fit
+
+    def recording(attn, calls, targets, settings, block_len, seed, tick, teacher=None):
+        seen.append(torch.cat([teacher(j) for j in range(len(calls))]))
+        return fit(attn, calls, targets, settings, block_len, seed, tick, teacher)
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(heal_module, "_fit", recording)
+    try:
+        settings = HealSettings(tokens=16 * 24, blocks=4, lr_search=False, text="calibration", attention_kl=1.0)
+        healed, heal = heal_checkpoint(stream(), values, calib, held, settings, batch_size=2, progress=False)
+    finally:
+        monkeypatch.undo()
+    original = model()
+    original.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = original(calib, output_attentions=True).attentions
+    assert len(seen) == len(eager) == original.config.num_hidden_layers
+    for i, (teacher, own) in enumerate(zip(seen, eager)):
+        torch.testing.assert_close(teacher, own, rtol=1e-4, atol=2e-5, msg=lambda m, i=i: f"layer {i}: {m}")
+    original.set_attn_implementation("sdpa")
+    after = [a for _, a in heal.layer_errors]
+    assert after == pytest.approx(_attention_errors(original, model(healed), calib), rel=1e-4)

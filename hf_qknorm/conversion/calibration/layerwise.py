@@ -188,9 +188,10 @@ class _Stop(Exception):
     pass
 
 
-def attention_call(block, attn, hidden, call: BlockCall) -> BlockCall:
-    """The arguments ``block``'s forward hands its attention module for ``hidden`` (the block stops there), in the
-    fits' stream (:data:`~hf_qknorm.conversion.calibration.streaming.FIT`)."""
+def attention_call(block, attn, hidden, call: BlockCall, stream: str = FIT) -> BlockCall:
+    """The arguments ``block``'s forward hands its attention module for ``hidden`` (the block stops there), in
+    stream ``stream`` (by default the fits', :data:`~hf_qknorm.conversion.calibration.streaming.FIT`): a mapping the
+    blocks share is that stream's copy, so a layer reading keys an earlier layer stored reads that stream's."""
     seen = {}
 
     def pre(module, args, kwargs):
@@ -199,7 +200,7 @@ def attention_call(block, attn, hidden, call: BlockCall) -> BlockCall:
 
     handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
     try:
-        run_block(block, hidden, call, FIT)
+        run_block(block, hidden, call, stream)
     except _Stop:
         pass
     finally:

@@ -45,7 +45,7 @@ from ..calibration.streaming import StreamedCheckpoint, rows, run_blocks, run_ca
 from ..orchestration import ranks
 from ..orchestration.progress import Stage
 
-__all__ = ["HealReport", "HealSettings", "check_heal", "check_world", "heal_checkpoint", "heal_text", "lr_scales"]
+__all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal_text", "lr_scales"]
 
 
 SELF_NEW_TOKENS = 256  # tokens per self-generated answer or continuation (--heal-text self)
@@ -332,27 +332,15 @@ def check_world(settings: HealSettings, reusing: tuple[int, ...] = ()) -> None:
         )
 
 
-def check_heal(settings: HealSettings, reusing: tuple[int, ...] = ()) -> None:
-    """Everything refused before any work: :func:`check_world`'s refusals, and ``attention_kl`` on a model whose
-    layers ``reusing`` attend over an earlier layer's keys (the original's attention probabilities would be read
-    through the keys mapping the fits' stream holds, which is the converted model's)."""
-    check_world(settings, reusing)
-    if settings.attention_kl and reusing:
-        raise ValueError(
-            f"heal attention kl {settings.attention_kl!r} is not supported on a model whose layers attend over an "
-            f"earlier layer's keys and values (layer {reusing[0]}: num_kv_shared_layers); heal it with "
-            "--heal-attention-kl 0"
-        )
-
-
 def _teacher(orig, o_attn, inputs, layer_calls, settings: HealSettings):
     """``j -> `` the original attention layer's probabilities for heal block ``j`` (on the original model's own
     inputs, computed when asked: one forward of the original layer per step, memory one block's), or ``None``
-    without ``settings.attention_kl``."""
+    without ``settings.attention_kl``. The calls are the original stream's: a layer reading keys an earlier layer
+    stored (Gemma 3n, Gemma 4) reads the original's, never the fits' (the converted layers')."""
     if not settings.attention_kl:
         return None
     with torch.no_grad():
-        o_calls = [attention_call(orig, o_attn, h, c) for h, c in zip(inputs, layer_calls)]
+        o_calls = [attention_call(orig, o_attn, h, c, "original") for h, c in zip(inputs, layer_calls)]
 
     @torch.no_grad()
     def probabilities(j: int) -> torch.Tensor:
@@ -376,7 +364,7 @@ def heal_checkpoint(
     changed; float32 on the CPU) and the :class:`HealReport`. With an initialised process group of more than one
     rank the layers are fitted side by side (module docstring); every rank must call this with the same arguments
     and returns the same result."""
-    check_heal(settings, stream.reusing)
+    check_world(settings, stream.reusing)
     t0 = time.time()
     with stream.outer():  # embeddings, final norm and head stay for the logit lens and the scores
         if ranks.world() == 1:

@@ -133,7 +133,7 @@ class _Request:
 
 def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
     """:func:`convert` on every rank (one process: rank 0 of 1)."""
-    from ..healing.heal import check_heal
+    from ..healing.heal import check_world
     from ..output.export import check_tokenizer_fits, has_tokenizer, resolve_export
 
     source = inspect_source(req.src, req.cfg)  # patching's refusals too, on the source's own layers, before any work
@@ -144,7 +144,7 @@ def _convert(req: _Request, device, progress: bool, log) -> ConversionResult:
 
     def check():
         if req.heal is not None:
-            check_heal(req.heal, source.reusing)
+            check_world(req.heal, source.reusing)
             _check_heal_loads(source, req.heal)
             _check_heal_writes(source)
         dst = req.dst if req.dst is not None else default_destination(source.name, cfg)
