@@ -407,10 +407,18 @@ def _run_cases(args, argv, builder, first: bool, processes: int) -> None:
         original = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.float32).eval()
         shakespeare_original = perplexity(original, _shakespeare(tokenizer, CalibrationSettings()), batch_size=4)
         del original
+    from bench_cpu import _cpu_model  # this folder's, beside the script
+
+    from hf_qknorm.conversion.healing.selftext import generation_dtype
+
     launcher = f"torchrun --nproc_per_node {processes} " if processes > 1 else "python "
     meta = {
         "time": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": platform.machine(),
+        # the heal text's generation runs in bfloat16 only where the CPU computes it fast (about 3x float32 at
+        # Gemma 3's vocabulary): rows from hosts that differ here differ in generation time
+        "cpu_model": _cpu_model(),
+        "generation_dtype": str(generation_dtype("cpu")).removeprefix("torch."),
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg()[0],
         "note": "2-core VM shared with other agents' work during the run",
