@@ -76,7 +76,7 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         "mix": "interleaved",
         "self_tokens": 65_536,
         "inputs": "original",
-        "attention_kl": 0.0,
+        "attention_kl": 1.0,
         "end_to_end_tokens": 0,
         "end_to_end_lr": 1e-4,
     }

@@ -169,7 +169,8 @@ def test_distillation_brings_the_written_attention_closer_to_the_originals(tmp_p
     model's attention probabilities on held-out text are closer to the original's, and the report records the
     weight."""
     src = bundled_copy(tmp_path / "src")
-    plain = _convert(src, tmp_path / "plain", scheme="qk_norm_cap", norm="rmsnorm")
+    without = dataclasses.replace(HEAL, attention_kl=0.0)
+    plain = _convert(src, tmp_path / "plain", scheme="qk_norm_cap", norm="rmsnorm", heal=without)
     heal = dataclasses.replace(HEAL, attention_kl=10.0)
     distilled = _convert(src, tmp_path / "kl", scheme="qk_norm_cap", norm="rmsnorm", heal=heal)
     assert distilled.report.heal["settings"]["attention_kl"] == 10.0

@@ -127,7 +127,7 @@ class HealSettings:
         },
     )
     attention_kl: float = field(
-        default=0.0,
+        default=1.0,
         metadata={
             "help": "weight of attention-probability distillation in each layer's fit: every step's loss is the "
             "layer's output error plus this times the KL divergence of the converted layer's attention "
