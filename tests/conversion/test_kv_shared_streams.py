@@ -149,7 +149,9 @@ def test_a_call_holding_a_shared_store_runs_only_in_a_named_stream():
 
 
 @pytest.mark.parametrize("kind, scheme, norm", CASES[1:])
-def test_distillation_reads_the_originals_keys_and_leaves_the_fits_stream_alone(tmp_path, kind, scheme, norm):
+def test_distillation_reads_the_originals_keys_and_leaves_the_fits_stream_alone(
+    tmp_path, monkeypatch, kind, scheme, norm
+):
     """With the attention-probability term, each layer's teacher -- a layer reading keys an earlier layer stored
     included -- gives the original model's own eager attention probabilities on the heal blocks (read through the
     fits' store, a reading layer's teacher would attend over the converted model's keys), and the reported errors
@@ -164,13 +166,9 @@ def test_distillation_reads_the_originals_keys_and_leaves_the_fits_stream_alone(
         seen.append(torch.cat([teacher(j) for j in range(len(calls))]))
         return fit(attn, calls, targets, settings, block_len, seed, tick, teacher)
 
-    monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(heal_module, "_fit", recording)
-    try:
-        settings = HealSettings(tokens=16 * 24, blocks=4, lr_search=False, text="calibration", attention_kl=1.0)
-        healed, heal = heal_checkpoint(stream(), values, calib, held, settings, batch_size=2, progress=False)
-    finally:
-        monkeypatch.undo()
+    settings = HealSettings(tokens=16 * 24, blocks=4, lr_search=False, text="calibration", attention_kl=1.0)
+    healed, heal = heal_checkpoint(stream(), values, calib, held, settings, batch_size=2, progress=False)
     original = model()
     original.set_attn_implementation("eager")
     with torch.no_grad():
