@@ -88,6 +88,7 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
     assert record["heal"]["ppl_after"] == h["ppl_after"] and record["heal"]["seconds"] > 0
     card = (result.path / "README.md").read_text()
     assert "Healed:" in card and f"{h['ppl_after']:.3f}" in card
+    assert "attention probabilities (KL divergence, weight 1.0)" in card
     assert "healed: 30 steps per layer" in result.report.summary()
 
 
@@ -160,6 +161,35 @@ def test_healed_qkv_norm_writes_what_it_measured(tmp_path, inputs):
         split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(src), 64, FAST.eval_blocks, "held-out"
     )
     assert hf_qknorm.data.perplexity(model, blocks) == pytest.approx(result.report.heal["ppl_after"], rel=1e-4)
+    # the attention term left to its default is qkv_norm's, none; the report and the card say so
+    assert heal.attention_kl is None and result.report.heal["settings"]["attention_kl"] == 0.0
+    assert "output error alone (no attention term)" in result.report.summary()
+    assert "(output error alone, no attention\nterm)" in (result.path / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "scheme, given, used",
+    [
+        ("qk_norm", None, 1.0),
+        ("qk_norm_cap", None, 1.0),
+        ("soft_cap", None, 1.0),
+        ("qkv_norm", None, 0.0),  # measured: the term cost SmolLM2's qkv_norm three points of perplexity
+        ("qkv_norm", 2.0, 2.0),  # a weight given is used as given, on every scheme
+        ("qk_norm", 0.0, 0.0),
+    ],
+)
+def test_the_attention_terms_default_is_the_schemes(scheme, given, used):
+    settings = HealSettings(attention_kl=given)
+    assert settings.for_scheme(scheme).attention_kl == used
+    assert settings.attention_kl == given  # resolving returns new settings
+
+
+def test_heal_checkpoint_refuses_settings_not_resolved_for_a_scheme():
+    """``heal_checkpoint`` is given what ``convert`` resolved; left to ``None`` the term would silently be off."""
+    from hf_qknorm.conversion.healing.heal import heal_checkpoint
+
+    with pytest.raises(ValueError, match=r"settings.attention_kl is None; pass settings.for_scheme\(scheme\)"):
+        heal_checkpoint(None, {}, None, None, HealSettings(), 1)
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,7 @@ def test_distillation_brings_the_written_attention_closer_to_the_originals(tmp_p
     assert plain.report.heal["settings"]["attention_kl"] == 0.0
     assert "attention probabilities distilled (weight 10)" in distilled.report.summary()
     assert "distilled" not in plain.report.summary()
+    assert "output error alone (no attention term)" in plain.report.summary()
     held_out = split_text(SHORT_TEXT, 0.1)[1]
     blocks = text_blocks(held_out, AutoTokenizer.from_pretrained(src), 64, FAST.eval_blocks, "held-out")
     kl_plain = _attention_kl_of_folders(src, plain.path, blocks)

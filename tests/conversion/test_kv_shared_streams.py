@@ -117,7 +117,7 @@ def test_the_heal_reports_the_errors_and_perplexities_of_the_weights_it_keeps(tm
     their calibrated weights) the reusing layers are still fitted and judged on the kept keys."""
     source, cfg, stream, model, calib, held = _setup(tmp_path, kind, scheme, norm)
     values, report = calibrate_checkpoint(stream(), cfg, calib, held, SETTINGS, progress=False)
-    settings = HealSettings(tokens=16 * 24, blocks=4, lr=lr, lr_search=False, text="calibration")
+    settings = HealSettings(tokens=16 * 24, blocks=4, lr=lr, lr_search=False, text="calibration").for_scheme(scheme)
     healed, heal = heal_checkpoint(stream(), values, calib, held, settings, batch_size=2, progress=False)
     if lr > 1:
         assert heal.layers_kept < len(source.reusing) + 2, "the diverging step size should have lost some fits"

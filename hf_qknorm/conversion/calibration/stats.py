@@ -170,17 +170,23 @@ class CalibrationReport:
                 else ""
             )
             + ")"
-            + (
-                f", attention probabilities distilled (weight {kl:g})"
-                if (kl := h.get("settings", {}).get("attention_kl"))
-                else ""
-            )
+            + self._attention_kl_text(h.get("settings", {}).get("attention_kl"))
             + f", {h['seconds']:.0f} s; held-out perplexity "
             f"{h['ppl_before']:.3f} -> {h['ppl_after']:.3f} (original {h['ppl_original']:.3f}, "
             f"{h['ppl_after'] / h['ppl_original']:.3f}x), next-token top-1 agreement "
             f"{100 * h['top1_before']:.1f}% -> {100 * h['top1_after']:.1f}%; {h['layers_kept']}/"
             f"{len(h['layer_errors'])} layers kept the healed weights"
         ] + self._end_to_end_lines()
+
+    @staticmethod
+    def _attention_kl_text(kl) -> str:
+        """What the layer fits' loss held besides the output error (nothing said for a report from before the
+        option)."""
+        if kl is None:
+            return ""
+        if not kl:
+            return ", output error alone (no attention term)"
+        return f", attention probabilities distilled (weight {kl:g})"
 
     def _end_to_end_lines(self) -> list[str]:
         e = (self.heal or {}).get("end_to_end")

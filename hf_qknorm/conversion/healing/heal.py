@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -54,6 +54,10 @@ LR_FACTORS = (1.0, 0.3, 0.1)  # --heal-lr-search: the step sizes tried per layer
 LR_WIDEN = 2  # --heal-lr-search: smaller steps tried beyond those while the smallest tried fits best
 TRIAL_SHARE = 16  # --heal-lr-search: each trial takes steps // TRIAL_SHARE steps
 TRIAL_CALLS = 16  # --heal-lr-search: the recorded calls a trial's error is measured on
+# --heal-attention-kl left to its default: measured on SmolLM2 and Gemma 3 (docs/conversion.md, healing): the term
+# raised greedy-prefix agreement for qk_norm and capped schemes and cost qkv_norm three points of perplexity
+ATTENTION_KL_DEFAULT = 1.0
+ATTENTION_KL_QKV_NORM = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,13 +130,15 @@ class HealSettings:
             "residual stream after attention (corrects the error earlier layers left) (implies --heal)"
         },
     )
-    attention_kl: float = field(
-        default=1.0,
+    attention_kl: float | None = field(
+        default=None,
         metadata={
             "help": "weight of attention-probability distillation in each layer's fit: every step's loss is the "
             "layer's output error plus this times the KL divergence of the converted layer's attention "
             "probabilities (per head and query) from the original's on the same text; the fit is still kept or "
-            "rejected on the output error alone (0: output error only) (implies --heal)"
+            "rejected on the output error alone (0: output error only). Default: the scheme's, "
+            f"{ATTENTION_KL_DEFAULT:g}, but {ATTENTION_KL_QKV_NORM:g} for qkv_norm, whose value norm the term was "
+            "measured to make worse (docs/conversion.md) (implies --heal)"
         },
     )
 
@@ -167,12 +173,22 @@ class HealSettings:
         if not isinstance(self.lr_search, bool):
             raise ValueError(f"heal lr search must be True or False, got {self.lr_search!r}")
         kl = self.attention_kl
-        if isinstance(kl, bool) or not (isinstance(kl, (int, float)) and math.isfinite(kl) and kl >= 0):
+        if kl is not None and (
+            isinstance(kl, bool) or not (isinstance(kl, (int, float)) and math.isfinite(kl) and kl >= 0)
+        ):
             raise ValueError(f"heal attention kl must be a finite number >= 0, got {kl!r}")
         for name in ("lr", "end_to_end_lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"heal {name.replace('_', ' ')} must be a positive finite number, got {value!r}")
+
+    def for_scheme(self, scheme: str) -> HealSettings:
+        """These settings with ``attention_kl`` left to its default (``None``) made the scheme's: 0 for
+        ``qkv_norm``, 1 for every other scheme. :func:`~hf_qknorm.convert` heals with this, and its report records
+        the number used."""
+        if self.attention_kl is not None:
+            return self
+        return replace(self, attention_kl=ATTENTION_KL_QKV_NORM if scheme == "qkv_norm" else ATTENTION_KL_DEFAULT)
 
     def steps(self, block_len: int) -> int:
         return max(1, self.tokens // block_len)
@@ -364,6 +380,8 @@ def heal_checkpoint(
     changed; float32 on the CPU) and the :class:`HealReport`. With an initialised process group of more than one
     rank the layers are fitted side by side (module docstring); every rank must call this with the same arguments
     and returns the same result."""
+    if settings.attention_kl is None:
+        raise ValueError("heal_checkpoint(): settings.attention_kl is None; pass settings.for_scheme(scheme)")
     check_world(settings, stream.reusing)
     t0 = time.time()
     with stream.outer():  # embeddings, final norm and head stay for the logit lens and the scores

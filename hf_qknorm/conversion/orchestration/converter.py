@@ -335,6 +335,7 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
             from ..healing.heal import heal_checkpoint, heal_text
 
             values = ranks.broadcast(values)  # every rank heals from rank 0's calibration
+            heal = heal.for_scheme(cfg.scheme)  # the attention term's default is the scheme's; the report records it
             parts, generated, gen_seconds = heal_text(source.path, tokenizer, texts.calibration, heal, device, progress)
             label = texts.calibration_label + (
                 " mixed with the original's own answers" if len(parts) == 1 and generated else ""
