@@ -17,7 +17,7 @@ import hf_qknorm
 from hf_qknorm import QKNormConfig
 from hf_qknorm.cli.main import main
 from hf_qknorm.conversion.calibration.calibrate import CalibrationSettings
-from hf_qknorm.conversion.healing.heal import HealSettings
+from hf_qknorm.conversion.healing.heal import SELF_NEW_TOKENS, HealSettings
 from hf_qknorm.conversion.orchestration.texts import text_blocks
 from hf_qknorm.data import split_text
 from tests._support.convert_support import SHORT_TEXT, bundled_copy, leftovers, quiet, save_source, tree_hash
@@ -74,7 +74,7 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         "seed": 0,
         "text": "calibration",
         "mix": "interleaved",
-        "self_tokens": 65_536,
+        "self_tokens": 32_768,
         "inputs": "original",
         "attention_kl": 1.0,
         "end_to_end_tokens": 0,
@@ -357,7 +357,7 @@ def test_interrupted_end_to_end_stage_leaves_nothing(tmp_path, capsys, monkeypat
 # --------------------------------------------------------------------------------------------------------------------
 # the heal text: the calibration text mixed with the original's own answers
 # --------------------------------------------------------------------------------------------------------------------
-SELF = HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, text="self", self_tokens=2 * 256)
+SELF = HealSettings(tokens=64 * 10, blocks=8, lr=1e-3, text="self", self_tokens=2 * SELF_NEW_TOKENS)  # two answers
 
 
 def test_heal_text_self_is_the_calibration_text_mixed_with_the_originals_own_answers(tmp_path):
@@ -373,9 +373,11 @@ def test_heal_text_self_is_the_calibration_text_mixed_with_the_originals_own_ans
     calibration = split_text(SHORT_TEXT, 0.1)[0]
     parts, n_tokens, seconds = heal_text(src, tokenizer, calibration, SELF, torch.device("cpu"), progress=False)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=generation_dtype("cpu")).eval()
-    generated = self_generated_text(model, tokenizer, calibration, chats=2, openings=0, new_tokens=256, seed=0)
+    generated = self_generated_text(
+        model, tokenizer, calibration, chats=2, openings=0, new_tokens=SELF_NEW_TOKENS, seed=0
+    )
     assert parts == ((mixed_text(calibration, generated, 0.5), 1.0),)
-    assert n_tokens == len(tokenizer(generated).input_ids) > 2 * 256 and seconds > 0
+    assert n_tokens == len(tokenizer(generated).input_ids) > 2 * SELF_NEW_TOKENS and seconds > 0
     apart = dataclasses.replace(SELF, mix="apart")
     assert heal_text(src, tokenizer, calibration, apart, torch.device("cpu"), progress=False)[0] == (
         (calibration, 0.5),
@@ -437,7 +439,7 @@ def test_healed_on_self_generated_text_writes_what_it_measured_and_says_so(tmp_p
     result = _convert(src, tmp_path / "out", heal=dataclasses.replace(SELF, mix="apart"))
     assert tree_hash(src) == before
     h = result.report.heal
-    assert h["generated_tokens"] > 2 * 256 and h["generation_seconds"] > 0 and h["settings"]["text"] == "self"
+    assert h["generated_tokens"] > 2 * SELF_NEW_TOKENS and h["generation_seconds"] > 0 and h["settings"]["text"] == "self"
     assert h["settings"]["mix"] == "apart" and h["text_tokens"] == SELF.blocks * 64
     blocks = text_blocks(
         split_text(SHORT_TEXT, 0.1)[1], AutoTokenizer.from_pretrained(src), 64, FAST.eval_blocks, "held-out"

@@ -48,7 +48,7 @@ from ..orchestration.progress import Stage
 __all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal_text", "lr_scales"]
 
 
-SELF_NEW_TOKENS = 256  # tokens per self-generated answer or continuation (--heal-text self)
+SELF_NEW_TOKENS = 128  # tokens per self-generated answer or continuation (--heal-text self)
 SELF_BATCH_SIZE = 32  # answers sampled side by side (with more than one rank: batch b on rank b % world)
 LR_FACTORS = (1.0, 0.3, 0.1)  # --heal-lr-search: the step sizes tried per layer, as multiples of --heal-lr
 LR_WIDEN = 2  # --heal-lr-search: smaller steps tried beyond those while the smallest tried fits best
@@ -116,7 +116,7 @@ class HealSettings:
         },
     )
     self_tokens: int = field(
-        default=65_536,
+        default=32_768,
         metadata={
             "help": "tokens the original model generates for --heal-text self: answers and continuations of "
             f"{SELF_NEW_TOKENS} tokens, three chat answers to one continuation (implies --heal)"
