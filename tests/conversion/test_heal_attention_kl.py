@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_qknorm
 from hf_qknorm.conversion.calibration.localfit import attention_kl, attention_output, attention_with_weights
@@ -183,3 +183,42 @@ def test_distillation_brings_the_written_attention_closer_to_the_originals(tmp_p
     kl_plain = _attention_kl_of_folders(src, plain.path, blocks)
     kl_distilled = _attention_kl_of_folders(src, distilled.path, blocks)
     assert kl_distilled < 0.9 * kl_plain, (kl_distilled, kl_plain)
+
+
+def _written(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("budget", ["none", "one block"])
+def test_keeping_the_teachers_probabilities_changes_the_time_not_the_result(tmp_path, monkeypatch, budget):
+    """The original layer's probabilities are kept between the draws of a fit (``TEACHER_CACHE_BYTES``): the healed
+    model written with every block's kept is the one written with none kept, or only the first, bit for bit, and
+    the original layer runs once per block with room for all."""
+    from hf_qknorm.conversion.calibration import localfit
+    from hf_qknorm.conversion.healing import heal as heal_module
+
+    src = bundled_copy(tmp_path / "src")
+    heal = dataclasses.replace(HEAL, attention_kl=1.0)
+    asked = []
+    real = localfit.attention_with_weights
+
+    def counted(attn, call, overrides=None):
+        asked.append(overrides is None and not torch.is_grad_enabled())
+        return real(attn, call, overrides)
+
+    monkeypatch.setattr(heal_module, "attention_with_weights", counted)
+    kept_all = _convert(src, tmp_path / "all", scheme="qk_norm_cap", norm="rmsnorm", heal=heal)
+    teacher_runs = sum(asked)
+    config = AutoConfig.from_pretrained(src)
+    assert teacher_runs == config.num_hidden_layers * HEAL.blocks, teacher_runs  # once per block and layer
+    block_bytes = 0 if budget == "none" else config.num_attention_heads * FAST.block_len**2 * 4
+    monkeypatch.setattr(heal_module, "TEACHER_CACHE_BYTES", block_bytes)
+    asked.clear()
+    kept_less = _convert(src, tmp_path / "less", scheme="qk_norm_cap", norm="rmsnorm", heal=heal)
+    assert sum(asked) > teacher_runs
+    a, b = _written(kept_all.path), _written(kept_less.path)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -58,6 +58,9 @@ TRIAL_CALLS = 16  # --heal-lr-search: the recorded calls a trial's error is meas
 # raised greedy-prefix agreement for qk_norm and capped schemes and cost qkv_norm three points of perplexity
 ATTENTION_KL_DEFAULT = 1.0
 ATTENTION_KL_QKV_NORM = 0.0
+# the original layer's attention probabilities kept for the attention term per layer fit (bytes): Gemma 3 270M's
+# 256 heal blocks take 256 MiB, SmolLM2-135M's 576 MiB; a fit draws each block about three times
+TEACHER_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -350,17 +353,28 @@ def check_world(settings: HealSettings, reusing: tuple[int, ...] = ()) -> None:
 
 def _teacher(orig, o_attn, inputs, layer_calls, settings: HealSettings):
     """``j -> `` the original attention layer's probabilities for heal block ``j`` (on the original model's own
-    inputs, computed when asked: one forward of the original layer per step, memory one block's), or ``None``
-    without ``settings.attention_kl``. The calls are the original stream's: a layer reading keys an earlier layer
-    stored (Gemma 3n, Gemma 4) reads the original's, never the fits' (the converted layers')."""
+    inputs), or ``None`` without ``settings.attention_kl``. Each is computed when first asked and kept while the kept
+    ones take at most :data:`TEACHER_CACHE_BYTES` (a fit draws each block several times, its trials the same blocks
+    again); beyond that it is computed at each ask. A kept result is what computing it again gives (the same layer on
+    the same call): the budget changes the time a fit takes, never its result. The calls are the original stream's: a
+    layer reading keys an earlier layer stored (Gemma 3n, Gemma 4) reads the original's, never the fits' (the
+    converted layers')."""
     if not settings.attention_kl:
         return None
     with torch.no_grad():
         o_calls = [attention_call(orig, o_attn, h, c, "original") for h, c in zip(inputs, layer_calls)]
+    kept: dict[int, torch.Tensor] = {}
+    room = [TEACHER_CACHE_BYTES]
 
     @torch.no_grad()
     def probabilities(j: int) -> torch.Tensor:
-        return attention_with_weights(o_attn, o_calls[j])[1]
+        if j in kept:
+            return kept[j]
+        weights = attention_with_weights(o_attn, o_calls[j])[1]
+        size = weights.numel() * weights.element_size()
+        if size <= room[0]:
+            kept[j], room[0] = weights, room[0] - size
+        return weights
 
     return probabilities
 
