@@ -73,7 +73,7 @@ def test_healed_llama_is_still_qwen3_closer_to_the_original_and_recorded(tmp_pat
         "lr_search": True,
         "seed": 0,
         "text": "calibration",
-        "mix": "interleaved",
+        "mix": "apart",
         "self_tokens": 32_768,
         "inputs": "original",
         "attention_kl": 1.0,
@@ -182,6 +182,30 @@ def test_the_attention_terms_default_is_the_schemes(scheme, given, used):
     settings = HealSettings(attention_kl=given)
     assert settings.for_scheme(scheme).attention_kl == used
     assert settings.attention_kl == given  # resolving returns new settings
+
+
+@pytest.mark.parametrize(
+    "scheme, given, used",
+    [
+        ("qk_norm", None, "apart"),
+        ("qk_norm_cap", None, "apart"),
+        ("qkv_norm", None, "interleaved"),  # measured: qkv_norm healed better on the interleaved mix
+        ("qkv_norm", "apart", "apart"),  # a mix given is used as given, on every scheme
+        ("qk_norm", "interleaved", "interleaved"),
+    ],
+)
+def test_the_mix_default_is_the_schemes(scheme, given, used):
+    settings = HealSettings(mix=given)
+    assert settings.for_scheme(scheme).mix == used
+    assert settings.mix == given
+
+
+def test_heal_text_refuses_a_mix_not_resolved_for_a_scheme(tmp_path):
+    """``heal_text`` is given what ``convert`` resolved: left to ``None`` the mix is refused, not guessed."""
+    from hf_qknorm.conversion.healing.heal import heal_text
+
+    with pytest.raises(ValueError, match=r"settings.mix is None; pass settings.for_scheme\(scheme\)"):
+        heal_text(tmp_path, None, "text", HealSettings(), torch.device("cpu"), progress=False)
 
 
 def test_heal_checkpoint_refuses_settings_not_resolved_for_a_scheme():
@@ -371,17 +395,17 @@ def test_heal_text_self_is_the_calibration_text_mixed_with_the_originals_own_ans
     src = bundled_copy(tmp_path / "src")
     tokenizer = AutoTokenizer.from_pretrained(src)
     calibration = split_text(SHORT_TEXT, 0.1)[0]
-    parts, n_tokens, seconds = heal_text(src, tokenizer, calibration, SELF, torch.device("cpu"), progress=False)
+    resolved = SELF.for_scheme("qk_norm")
+    parts, n_tokens, seconds = heal_text(src, tokenizer, calibration, resolved, torch.device("cpu"), progress=False)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=generation_dtype("cpu")).eval()
     generated = self_generated_text(
         model, tokenizer, calibration, chats=2, openings=0, new_tokens=SELF_NEW_TOKENS, seed=0
     )
-    assert parts == ((mixed_text(calibration, generated, 0.5), 1.0),)
+    assert parts == ((calibration, 0.5), (generated, 0.5))  # qk_norm's default mix: the two texts apart
     assert n_tokens == len(tokenizer(generated).input_ids) > 2 * SELF_NEW_TOKENS and seconds > 0
-    apart = dataclasses.replace(SELF, mix="apart")
-    assert heal_text(src, tokenizer, calibration, apart, torch.device("cpu"), progress=False)[0] == (
-        (calibration, 0.5),
-        (generated, 0.5),
+    interleaved = dataclasses.replace(SELF, mix="interleaved")
+    assert heal_text(src, tokenizer, calibration, interleaved, torch.device("cpu"), progress=False)[0] == (
+        (mixed_text(calibration, generated, 0.5), 1.0),
     )
     assert heal_text(src, tokenizer, calibration, HEAL, torch.device("cpu"), progress=False) == (
         ((calibration, 1.0),),
@@ -429,6 +453,16 @@ def test_heal_blocks_drawn_apart_come_half_from_each_text_and_none_spans_both(tm
 def test_heal_mix_is_checked(given, match):
     with pytest.raises(ValueError, match=match):
         HealSettings(**given)
+
+
+def test_one_heal_block_needs_one_text():
+    """One heal block is refused with the mix ``apart`` (qk_norm's default, resolved before any work), naming the mix
+    that takes one, and accepted where there is one text to draw from."""
+    with pytest.raises(ValueError, match=r"heal blocks must be >= 2, got 1 \(heal mix 'interleaved' draws one\)"):
+        HealSettings(blocks=1).for_scheme("qk_norm")
+    assert HealSettings(blocks=1).for_scheme("qkv_norm").mix == "interleaved"
+    assert HealSettings(blocks=1, mix="interleaved").blocks == 1
+    assert HealSettings(blocks=1, text="calibration").for_scheme("qk_norm").blocks == 1
 
 
 def test_healed_on_self_generated_text_writes_what_it_measured_and_says_so(tmp_path):

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from hf_qknorm.conversion.healing.selftext import draw, generation_dtype, mixed_text, self_generated_text, topics
+from hf_qknorm.conversion.healing.selftext import (
+    decode_rows,
+    draw,
+    generation_dtype,
+    mixed_text,
+    self_generated_text,
+    topics,
+)
 from hf_qknorm.data import bundled_model_dir
 
 
@@ -86,3 +94,56 @@ def test_generation_dtype_is_bfloat16_only_where_it_is_fast():
     probe = torch.ops.mkldnn._is_mkldnn_bf16_supported  # listed in hf_qknorm.upstream.RELIANCES
     assert generation_dtype("cpu") == (torch.bfloat16 if probe() else torch.float32)
     assert generation_dtype("meta") == torch.float32
+
+
+def test_several_batches_decoded_in_one_forward_give_the_same_text(monkeypatch):
+    """``rows``: batches decoded side by side, each drawing from its own generator, write the text one batch per
+    forward writes -- prompts of different lengths padded to the group's width -- also split over two simulated
+    ranks; a forward without ``logits_to_keep`` (every position's logits) is never grouped."""
+    import hf_qknorm.conversion.healing.selftext as selftext
+
+    tok = AutoTokenizer.from_pretrained(bundled_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_dir(), dtype=torch.float32).eval()
+    source = "one two three four five\nsix seven eight nine ten\nten\ntwelve thirteen fourteen fifteen\nA B C D\n"
+    kwargs = dict(chats=4, openings=4, new_tokens=6, seed=7, batch_size=2)
+    one = self_generated_text(model, tok, source, **kwargs)
+    widths = []
+    real = selftext._sample
+    monkeypatch.setattr(selftext, "_sample", lambda m, t, p, *a: widths.append(len(p)) or real(m, t, p, *a))
+    assert self_generated_text(model, tok, source, rows=6, **kwargs) == one
+    assert widths == [6, 2]  # four batches of two: three in the first forward, one in the second
+    widths.clear()
+    assert self_generated_text(model, tok, source, rows=5, **kwargs) == one  # whole batches: two per forward
+    assert widths == [4, 4]
+    shares = {}
+    for r in (0, 1):
+        monkeypatch.setattr(selftext.ranks, "world", lambda: 2)
+        monkeypatch.setattr(selftext.ranks, "rank", lambda r=r: r)
+        monkeypatch.setattr(selftext.ranks, "all_in_order", lambda mine, n, r=r: shares.update({r: mine}) or [])
+        selftext.self_generated_text(model, tok, source, rows=4, **kwargs)
+    merged = {**shares[0], **shares[1]}
+    assert "\n\n".join(doc for i in range(4) for doc in merged[i]) == one
+    widths.clear()
+    monkeypatch.setattr(selftext, "_keeps_last_logits", lambda runner: False)
+    monkeypatch.setattr(selftext.ranks, "world", lambda: 1)
+    monkeypatch.setattr(selftext.ranks, "rank", lambda: 0)
+    monkeypatch.setattr(selftext.ranks, "all_in_order", lambda mine, n: [mine[i] for i in range(n)])
+    self_generated_text(model, tok, source, rows=8, **kwargs)
+    assert widths == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="rows must be a positive int.*got 0"):
+        self_generated_text(model, tok, source, rows=0, **kwargs)
+
+
+def test_decode_rows_keeps_the_kv_cache_within_the_budget():
+    """Rows per forward from the config, computed by hand: 3 layers x 2 key/value heads x head size 8 x (keys and
+    values) x (128 prompt + 16 answer tokens) x 4 bytes = 27,648 bytes per row."""
+    config = LlamaConfig(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, head_dim=8, vocab_size=64
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    per_row = 3 * 2 * 8 * 2 * (128 + 16) * 4
+    assert decode_rows(model, 16, 2, 128, 10 * per_row) == 10
+    assert decode_rows(model, 16, 4, 128, 10 * per_row) == 8  # whole batches
+    assert decode_rows(model, 16, 2, 6, 10 * per_row) == 6  # at most ``most``
+    assert decode_rows(model, 16, 4, 128, per_row) == 4  # never less than one batch
+    assert decode_rows(model.to(torch.bfloat16), 16, 2, 128, 10 * per_row) == 20  # half the bytes per value

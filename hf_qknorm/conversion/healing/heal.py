@@ -49,7 +49,11 @@ __all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal
 
 
 SELF_NEW_TOKENS = 128  # tokens per self-generated answer or continuation (--heal-text self)
-SELF_BATCH_SIZE = 32  # answers sampled side by side (with more than one rank: batch b on rank b % world)
+SELF_BATCH_SIZE = 32  # answers sampled with one generator (with more than one rank: batch b on rank b % world)
+# answers decoded in one forward: several batches, each drawing from its own generator (the same text, faster: a large
+# output head costs about as much per step for 128 rows as for 32); fewer where their KV cache would pass the bytes
+SELF_ROWS = 128
+SELF_CACHE_BYTES = 2 << 30
 LR_FACTORS = (1.0, 0.3, 0.1)  # --heal-lr-search: the step sizes tried per layer, as multiples of --heal-lr
 LR_WIDEN = 2  # --heal-lr-search: smaller steps tried beyond those while the smallest tried fits best
 TRIAL_SHARE = 16  # --heal-lr-search: each trial takes steps // TRIAL_SHARE steps
@@ -58,6 +62,10 @@ TRIAL_CALLS = 16  # --heal-lr-search: the recorded calls a trial's error is meas
 # raised greedy-prefix agreement for qk_norm and capped schemes and cost qkv_norm three points of perplexity
 ATTENTION_KL_DEFAULT = 1.0
 ATTENTION_KL_QKV_NORM = 0.0
+# --heal-mix left to its default: with the term and answers of 128 tokens, "apart" met every goal on SmolLM2 and
+# Gemma 3 at cap 10 (interleaved: Gemma 3's WikiText on the line); qkv_norm healed better interleaved
+MIX_DEFAULT = "apart"
+MIX_QKV_NORM = "interleaved"
 # the original layer's attention probabilities kept for the attention term per layer fit (bytes): Gemma 3 270M's
 # 256 heal blocks take 256 MiB, SmolLM2-135M's 576 MiB; a fit draws each block about three times
 TEACHER_CACHE_BYTES = 1 << 30
@@ -109,13 +117,14 @@ class HealSettings:
             "calibration text alone (implies --heal)"
         },
     )
-    mix: Literal["interleaved", "apart"] = field(
-        default="interleaved",
+    mix: Literal["interleaved", "apart"] | None = field(
+        default=None,
         metadata={
             "help": "how --heal-text self's blocks are drawn: interleaved = spread over the calibration text and the "
             "generated text interleaved in 8 slices each (as many characters of each; a block may straddle a join); "
             "apart = half the blocks spread over the whole calibration text, half over the generated text, none "
-            "spanning both (implies --heal)"
+            f"spanning both. Default: the scheme's, {MIX_DEFAULT}, but {MIX_QKV_NORM} for qkv_norm (measured on "
+            "SmolLM2 and Gemma 3, docs/conversion.md) (implies --heal)"
         },
     )
     self_tokens: int = field(
@@ -165,11 +174,12 @@ class HealSettings:
                 raise ValueError(f"heal {name.replace('_', ' ')} must be an integer >= {least}, got {value!r}")
         if self.text not in ("self", "calibration"):
             raise ValueError(f"heal text must be 'self' or 'calibration', got {self.text!r}")
-        if self.mix not in ("interleaved", "apart"):
+        if self.mix is not None and self.mix not in ("interleaved", "apart"):
             raise ValueError(f"heal mix must be 'interleaved' or 'apart', got {self.mix!r}")
-        if self.mix == "apart" and self.blocks < 2:
+        if self.text == "self" and self.mix == "apart" and self.blocks < 2:
             raise ValueError(
-                f"heal mix 'apart' draws half the blocks from each text: heal blocks must be >= 2, got {self.blocks!r}"
+                f"heal mix 'apart' draws half the blocks from each text: heal blocks must be >= 2, got "
+                f"{self.blocks!r} (heal mix 'interleaved' draws one)"
             )
         if self.inputs not in ("original", "converted"):
             raise ValueError(f"heal inputs must be 'original' or 'converted', got {self.inputs!r}")
@@ -186,12 +196,18 @@ class HealSettings:
                 raise ValueError(f"heal {name.replace('_', ' ')} must be a positive finite number, got {value!r}")
 
     def for_scheme(self, scheme: str) -> HealSettings:
-        """These settings with ``attention_kl`` left to its default (``None``) made the scheme's: 0 for
-        ``qkv_norm``, 1 for every other scheme. :func:`~hf_qknorm.convert` heals with this, and its report records
-        the number used."""
-        if self.attention_kl is not None:
+        """These settings with ``attention_kl`` and ``mix`` left to their defaults (``None``) made the scheme's:
+        ``attention_kl`` 0 for ``qkv_norm``, 1 for every other scheme; ``mix`` ``"interleaved"`` for ``qkv_norm``,
+        ``"apart"`` for every other. :func:`~hf_qknorm.convert` heals with this, and its report records what was
+        used."""
+        qkv = scheme == "qkv_norm"
+        kl = self.attention_kl
+        if kl is None:
+            kl = ATTENTION_KL_QKV_NORM if qkv else ATTENTION_KL_DEFAULT
+        mix = self.mix or (MIX_QKV_NORM if qkv else MIX_DEFAULT)
+        if (kl, mix) == (self.attention_kl, self.mix):
             return self
-        return replace(self, attention_kl=ATTENTION_KL_QKV_NORM if scheme == "qkv_norm" else ATTENTION_KL_DEFAULT)
+        return replace(self, attention_kl=kl, mix=mix)
 
     def steps(self, block_len: int) -> int:
         return max(1, self.tokens // block_len)
@@ -555,8 +571,10 @@ def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, dev
     bfloat16 where that is fast (:func:`~hf_qknorm.conversion.healing.selftext.generation_dtype`)."""
     if settings.text == "calibration":
         return ((calibration_text, 1.0),), 0, 0.0
+    if settings.mix is None:
+        raise ValueError("heal_text(): settings.mix is None; pass settings.for_scheme(scheme)")
     from ..output.shards import load_pretrained
-    from .selftext import generation_dtype, mixed_text, self_generated_text
+    from .selftext import decode_rows, generation_dtype, mixed_text, self_generated_text
 
     t0 = time.time()
     # a multimodal original (LLaVA, Qwen2-VL) through its image-text-to-text class: it generates from text alone
@@ -573,6 +591,7 @@ def heal_text(src, tokenizer, calibration_text: str, settings: HealSettings, dev
             new_tokens=SELF_NEW_TOKENS,
             seed=settings.seed,
             batch_size=SELF_BATCH_SIZE,
+            rows=decode_rows(model, SELF_NEW_TOKENS, SELF_BATCH_SIZE, SELF_ROWS, SELF_CACHE_BYTES),
             on_batch=stage.update,
         )
     del model

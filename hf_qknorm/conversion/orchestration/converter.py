@@ -96,6 +96,8 @@ def convert(
         raise TypeError(f"convert(): heal must be a HealSettings or None, got {type(heal).__name__}")
     if heal is not None and not calibrate:
         raise ValueError("healing starts from the calibrated model: drop calibrate=False (--no-calibration) or heal")
+    if heal is not None:  # the defaults left to None made the scheme's (and checked) before any work
+        heal = heal.for_scheme(cfg.scheme)
     if verify not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode {verify!r}; choose one of {', '.join(VERIFY_MODES)}")
     token = check_request(settings, hub.repo_id, hub.token)  # a bad repo id or no token: fail now, not after hours
@@ -335,7 +337,7 @@ def _calibrated(source: Source, cfg, texts: Texts, settings: CalibrationSettings
             from ..healing.heal import heal_checkpoint, heal_text
 
             values = ranks.broadcast(values)  # every rank heals from rank 0's calibration
-            heal = heal.for_scheme(cfg.scheme)  # the attention term's default is the scheme's; the report records it
+            heal = heal.for_scheme(cfg.scheme)  # convert() resolved it already; the same for a direct caller
             parts, generated, gen_seconds = heal_text(source.path, tokenizer, texts.calibration, heal, device, progress)
             label = texts.calibration_label + (
                 " mixed with the original's own answers" if len(parts) == 1 and generated else ""
