@@ -115,12 +115,14 @@ def test_several_batches_decoded_in_one_forward_give_the_same_text(monkeypatch):
     widths.clear()
     assert self_generated_text(model, tok, source, rows=5, **kwargs) == one  # whole batches: two per forward
     assert widths == [4, 4]
-    shares = {}
-    for r in (0, 1):
+    shares, seen = {}, []
+    widths.clear()
+    for r in (0, 1):  # groups of two consecutive batches shared out: (0, 1) on rank 0, (2, 3) on rank 1
         monkeypatch.setattr(selftext.ranks, "world", lambda: 2)
         monkeypatch.setattr(selftext.ranks, "rank", lambda r=r: r)
         monkeypatch.setattr(selftext.ranks, "all_in_order", lambda mine, n, r=r: shares.update({r: mine}) or [])
-        selftext.self_generated_text(model, tok, source, rows=4, **kwargs)
+        selftext.self_generated_text(model, tok, source, rows=4, on_batch=seen.append, **kwargs)
+    assert sorted(shares[0]) == [0, 1] and sorted(shares[1]) == [2, 3] and widths == [4, 4] and seen == [8, 8]
     merged = {**shares[0], **shares[1]}
     assert "\n\n".join(doc for i in range(4) for doc in merged[i]) == one
     widths.clear()

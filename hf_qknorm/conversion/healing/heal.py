@@ -50,8 +50,9 @@ __all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal
 
 SELF_NEW_TOKENS = 128  # tokens per self-generated answer or continuation (--heal-text self)
 SELF_BATCH_SIZE = 32  # answers sampled with one generator (with more than one rank: batch b on rank b % world)
-# answers decoded in one forward: several batches, each drawing from its own generator (the same text, faster: a large
-# output head costs about as much per step for 128 rows as for 32); fewer where their KV cache would pass the bytes
+# answers decoded in one forward: several batches, each drawing from its own generator (faster: a large output head
+# costs about as much per step for 128 rows as for 32; the same draws, some answers rounded onto another path);
+# fewer where their KV cache would pass the bytes
 SELF_ROWS = 128
 SELF_CACHE_BYTES = 2 << 30
 LR_FACTORS = (1.0, 0.3, 0.1)  # --heal-lr-search: the step sizes tried per layer, as multiples of --heal-lr
