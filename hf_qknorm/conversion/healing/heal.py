@@ -49,10 +49,10 @@ __all__ = ["HealReport", "HealSettings", "check_world", "heal_checkpoint", "heal
 
 
 SELF_NEW_TOKENS = 128  # tokens per self-generated answer or continuation (--heal-text self)
-SELF_BATCH_SIZE = 32  # answers sampled with one generator (with more than one rank: batch b on rank b % world)
-# answers decoded in one forward: several batches, each drawing from its own generator (faster: a large output head
-# costs about as much per step for 128 rows as for 32; the same draws, some answers rounded onto another path);
-# fewer where their KV cache would pass the bytes
+SELF_BATCH_SIZE = 32  # answers sampled with one generator
+# answers decoded in one forward: several consecutive batches, each drawing from its own generator (faster: a large
+# output head costs about as much per step for 128 rows as for 32; the same draws, some answers rounded onto another
+# path); fewer where their KV cache would pass the bytes. With more than one rank: group g on rank g % world
 SELF_ROWS = 128
 SELF_CACHE_BYTES = 2 << 30
 LR_FACTORS = (1.0, 0.3, 0.1)  # --heal-lr-search: the step sizes tried per layer, as multiples of --heal-lr
@@ -63,8 +63,8 @@ TRIAL_CALLS = 16  # --heal-lr-search: the recorded calls a trial's error is meas
 # raised greedy-prefix agreement for qk_norm and capped schemes and cost qkv_norm three points of perplexity
 ATTENTION_KL_DEFAULT = 1.0
 ATTENTION_KL_QKV_NORM = 0.0
-# --heal-mix left to its default: with the term and answers of 128 tokens, "apart" met every goal on SmolLM2 and
-# Gemma 3 at cap 10 (interleaved: Gemma 3's WikiText on the line); qkv_norm healed better interleaved
+# --heal-mix left to its default: with the term, "apart" met every goal on SmolLM2 and on Gemma 3 at cap 10 (three
+# seeds), where interleaved left Gemma 3's WikiText on the line; qkv_norm healed better interleaved (docs/conversion.md)
 MIX_DEFAULT = "apart"
 MIX_QKV_NORM = "interleaved"
 # the original layer's attention probabilities kept for the attention term per layer fit (bytes): Gemma 3 270M's
