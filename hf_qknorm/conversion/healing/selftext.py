@@ -27,7 +27,7 @@ import re
 
 import torch
 
-from ...portable.families import text_config_of, text_runner
+from ...portable.families import head_dim_of, heads_of, text_config_of, text_runner
 from ...upstream import cache_kwargs, output_cache
 from ..orchestration import ranks
 
@@ -94,14 +94,12 @@ def decode_rows(model, new_tokens: int, batch_size: int, most: int, budget: int)
     prompt of :data:`PROMPT_ALLOWANCE` tokens and an answer of ``new_tokens`` stays within ``budget`` bytes (from the
     text config's layers, key/value heads and head size in the model's dtype); one batch where the config does not
     say them."""
-    cfg = text_config_of(model.config)
-    try:
-        heads = int(cfg.num_attention_heads)
-        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        per_row = int(cfg.num_hidden_layers) * kv * head_dim * 2 * (new_tokens + PROMPT_ALLOWANCE)
+    try:  # the project's readings of a config (aliases, multi-query), with no attention module to ask
+        kv, head_dim = heads_of(None, model.config)[1], head_dim_of(None, model.config)
+        per_row = int(text_config_of(model.config).num_hidden_layers) * kv * head_dim * 2
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return batch_size
+    per_row *= new_tokens + PROMPT_ALLOWANCE
     per_row *= next(model.parameters()).element_size()
     return max(batch_size, min(most, budget // max(1, per_row)) // batch_size * batch_size)
 
