@@ -65,10 +65,8 @@ ATTENTION_KL_DEFAULT = 1.0
 ATTENTION_KL_QKV_NORM = 0.0
 # --heal-mix left to its default: with the term, "apart" met every goal on SmolLM2 and on Gemma 3 at cap 10 (three
 # seeds), where interleaved left Gemma 3's WikiText on the line. qkv_norm healed better interleaved with answers of
-# 256 tokens; with today's 128 apart heals it better (1.075x / 1.186x against 1.187x / 1.212x, one seed): the next
-# default to change, with a second seed (docs/conversion.md)
+# 256 tokens; with today's 128 apart heals it better too (two seeds, docs/conversion.md)
 MIX_DEFAULT = "apart"
-MIX_QKV_NORM = "interleaved"
 # the original layer's attention probabilities kept for the attention term per layer fit (bytes): Gemma 3 270M's
 # 256 heal blocks take 256 MiB, SmolLM2-135M's 576 MiB; a fit draws each block about three times
 TEACHER_CACHE_BYTES = 1 << 30
@@ -126,8 +124,8 @@ class HealSettings:
             "help": "how --heal-text self's blocks are drawn: interleaved = spread over the calibration text and the "
             "generated text interleaved in 8 slices each (as many characters of each; a block may straddle a join); "
             "apart = half the blocks spread over the whole calibration text, half over the generated text, none "
-            f"spanning both. Default: the scheme's, {MIX_DEFAULT}, but {MIX_QKV_NORM} for qkv_norm (measured on "
-            "SmolLM2 and Gemma 3, docs/conversion.md) (implies --heal)"
+            f"spanning both. Default: {MIX_DEFAULT}, for every scheme (measured on SmolLM2 and Gemma 3, "
+            "docs/conversion.md) (implies --heal)"
         },
     )
     self_tokens: int = field(
@@ -200,14 +198,13 @@ class HealSettings:
 
     def for_scheme(self, scheme: str) -> HealSettings:
         """These settings with ``attention_kl`` and ``mix`` left to their defaults (``None``) made the scheme's:
-        ``attention_kl`` 0 for ``qkv_norm``, 1 for every other scheme; ``mix`` ``"interleaved"`` for ``qkv_norm``,
-        ``"apart"`` for every other. :func:`~hf_qknorm.convert` heals with this, and its report records what was
-        used."""
+        ``attention_kl`` 0 for ``qkv_norm``, 1 for every other scheme; ``mix`` ``"apart"`` for every scheme.
+        :func:`~hf_qknorm.convert` heals with this, and its report records what was used."""
         qkv = scheme == "qkv_norm"
         kl = self.attention_kl
         if kl is None:
             kl = ATTENTION_KL_QKV_NORM if qkv else ATTENTION_KL_DEFAULT
-        mix = self.mix or (MIX_QKV_NORM if qkv else MIX_DEFAULT)
+        mix = self.mix or MIX_DEFAULT
         if (kl, mix) == (self.attention_kl, self.mix):
             return self
         return replace(self, attention_kl=kl, mix=mix)
