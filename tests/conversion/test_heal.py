@@ -200,6 +200,31 @@ def test_the_mix_default_is_the_schemes(scheme, given, used):
     assert settings.mix == given
 
 
+@pytest.mark.parametrize(
+    "scheme, given, used",
+    [
+        ("qk_norm", None, 204_800),
+        ("qk_norm_cap", None, 204_800),
+        ("soft_cap", None, 204_800),
+        ("qkv_norm", None, 409_600),  # measured: twice the steps took qkv_norm's Tiny Shakespeare within 1.15x
+        ("qkv_norm", 1024, 1024),  # a count given is used as given, on every scheme
+        ("qk_norm", 409_600, 409_600),
+    ],
+)
+def test_the_heal_tokens_default_is_the_schemes(scheme, given, used):
+    settings = HealSettings(tokens=given)
+    resolved = settings.for_scheme(scheme)
+    assert resolved.tokens == used
+    assert resolved.steps(256) == used // 256
+    assert settings.tokens == given
+
+
+def test_heal_steps_refuse_tokens_not_resolved_for_a_scheme():
+    """Steps are counted from what ``convert`` resolved: tokens left to ``None`` are refused, not guessed."""
+    with pytest.raises(ValueError, match=r"tokens is None; pass settings.for_scheme\(scheme\)"):
+        HealSettings().steps(256)
+
+
 def test_heal_text_refuses_a_mix_not_resolved_for_a_scheme(tmp_path):
     """``heal_text`` is given what ``convert`` resolved: left to ``None`` the mix is refused, not guessed."""
     from hf_qknorm.conversion.healing.heal import heal_text
@@ -223,6 +248,8 @@ def test_heal_checkpoint_refuses_settings_not_resolved_for_a_scheme():
         ({"blocks": -2}, "heal blocks must be an integer >= 1, got -2"),
         ({"lr": float("nan")}, "heal lr must be a positive finite number, got nan"),
         ({"inputs": "teacher"}, "heal inputs must be 'original' or 'converted', got 'teacher'"),
+        ({"tokens": 2.5}, "heal tokens must be an integer >= 1, got 2.5"),
+        ({"tokens": True}, "heal tokens must be an integer >= 1, got True"),
         ({"end_to_end_tokens": -1}, "heal end to end tokens must be an integer >= 0, got -1"),
         ({"end_to_end_tokens": 2.5}, "heal end to end tokens must be an integer >= 0, got 2.5"),
         ({"end_to_end_lr": 0}, "heal end to end lr must be a positive finite number, got 0"),

@@ -67,6 +67,10 @@ ATTENTION_KL_QKV_NORM = 0.0
 # seeds), where interleaved left Gemma 3's WikiText on the line. qkv_norm healed better interleaved with answers of
 # 256 tokens; with today's 128 apart heals it better too (two seeds, docs/conversion.md)
 MIX_DEFAULT = "apart"
+# --heal-tokens left to its default: twice the layer-wise steps moved nothing on qk_norm, but took qkv_norm's Tiny
+# Shakespeare from 1.186x to 1.117x the original's perplexity, within its 1.15x goal (docs/conversion.md)
+TOKENS_DEFAULT = 204_800
+TOKENS_QKV_NORM = 409_600
 # the original layer's attention probabilities kept for the attention term per layer fit (bytes): Gemma 3 270M's
 # 256 heal blocks take 256 MiB, SmolLM2-135M's 576 MiB; a fit draws each block about three times
 TEACHER_CACHE_BYTES = 1 << 30
@@ -78,11 +82,12 @@ class HealSettings:
     ``hf-qknorm convert --heal``). What the defaults cost and give on real models: docs/conversion.md."""
 
     # metadata["help"]: the command line's help for each field (`hf-qknorm convert --heal-...`)
-    tokens: int = field(
-        default=204_800,
+    tokens: int | None = field(
+        default=None,
         metadata={
             "help": "training tokens per layer: each layer's attention takes tokens // block_len Adam steps of "
-            "one block each (implies --heal)"
+            f"one block each. Default: the scheme's, {TOKENS_DEFAULT}, but {TOKENS_QKV_NORM} for qkv_norm, whose "
+            "value norm the longer fit heals further (docs/conversion.md) (implies --heal)"
         },
     )
     blocks: int = field(
@@ -171,6 +176,8 @@ class HealSettings:
     def __post_init__(self):
         for name, least in (("tokens", 1), ("blocks", 1), ("end_to_end_tokens", 0), ("self_tokens", 1)):
             value = getattr(self, name)
+            if value is None and name == "tokens":  # the scheme's, made by for_scheme
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"heal {name.replace('_', ' ')} must be an integer >= {least}, got {value!r}")
         if self.text not in ("self", "calibration"):
@@ -197,19 +204,25 @@ class HealSettings:
                 raise ValueError(f"heal {name.replace('_', ' ')} must be a positive finite number, got {value!r}")
 
     def for_scheme(self, scheme: str) -> HealSettings:
-        """These settings with ``attention_kl`` and ``mix`` left to their defaults (``None``) made the scheme's:
-        ``attention_kl`` 0 for ``qkv_norm``, 1 for every other scheme; ``mix`` ``"apart"`` for every scheme.
-        :func:`~hf_qknorm.convert` heals with this, and its report records what was used."""
+        """These settings with ``tokens``, ``attention_kl`` and ``mix`` left to their defaults (``None``) made the
+        scheme's: ``tokens`` 409,600 for ``qkv_norm``, 204,800 for every other scheme; ``attention_kl`` 0 for
+        ``qkv_norm``, 1 for every other; ``mix`` ``"apart"`` for every scheme. :func:`~hf_qknorm.convert` heals with
+        this, and its report records what was used."""
         qkv = scheme == "qkv_norm"
         kl = self.attention_kl
         if kl is None:
             kl = ATTENTION_KL_QKV_NORM if qkv else ATTENTION_KL_DEFAULT
         mix = self.mix or MIX_DEFAULT
-        if (kl, mix) == (self.attention_kl, self.mix):
+        tokens = self.tokens
+        if tokens is None:
+            tokens = TOKENS_QKV_NORM if qkv else TOKENS_DEFAULT
+        if (tokens, kl, mix) == (self.tokens, self.attention_kl, self.mix):
             return self
-        return replace(self, attention_kl=kl, mix=mix)
+        return replace(self, tokens=tokens, attention_kl=kl, mix=mix)
 
     def steps(self, block_len: int) -> int:
+        if self.tokens is None:  # left to the scheme's: never guessed here
+            raise ValueError("HealSettings.steps(): tokens is None; pass settings.for_scheme(scheme)")
         return max(1, self.tokens // block_len)
 
     def trial_steps(self, block_len: int) -> int:
