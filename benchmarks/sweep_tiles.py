@@ -2,6 +2,7 @@
 
     python benchmarks/sweep_tiles.py                         # on a CUDA machine: bf16, head_dim 64/128, causal and not
     python benchmarks/sweep_tiles.py --head-dims 64 128 256 --budget-s 420
+    python benchmarks/sweep_tiles.py --causal causal --budget-s 160   # a short call: the masks training runs
     python benchmarks/sweep_tiles.py --apply benchmarks/results/gpu/<date>-<device>-tiles.json   # into the table
     python benchmarks/sweep_tiles.py --dry-run               # CPU, TRITON_INTERPRET=1, tiny shapes, temp dir
 
@@ -66,6 +67,7 @@ DRY_GRIDS = {  # the interpreter: tiles only change which edge paths run, not sp
     "atomic": [(32, 32, 4, 1)],
     "decode": [(None, 16, 4, 1)],
 }
+CAUSAL = {"both": (True, False), "causal": (True,), "noncausal": (False,)}  # --causal: the masks swept
 DECODE_FALLBACK = {64: (None, 64, 4, 3), 128: (None, 64, 4, 3), 256: (None, 32, 4, 2)}
 
 
@@ -372,7 +374,7 @@ def sweep(args) -> int:
     stem = out / f"{meta['date'][:10]}-{slug}-tiles"
     try:
         for head_dim in args.head_dims:
-            for causal in (True,) if args.dry_run else (True, False):  # dry run: the same code, half the time
+            for causal in (True,) if args.dry_run else CAUSAL[args.causal]:  # dry run: the same code, half the time
                 if not s.case(head_dim, causal):
                     break
             if s.stopped:
@@ -445,6 +447,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=[64, 128, 256])
     p.add_argument("--directions", nargs="+", default=list(GRIDS), choices=list(GRIDS))
+    p.add_argument(
+        "--causal", choices=list(CAUSAL), default="both",
+        help="which masks to sweep: causal (what training and prefill run), noncausal, or both (default)",
+    )
     p.add_argument("--seqlen", type=int, default=4096, help="timing length (queries = keys)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=16)
