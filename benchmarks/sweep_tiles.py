@@ -448,7 +448,9 @@ def main(argv=None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=[64, 128, 256])
     p.add_argument("--directions", nargs="+", default=list(GRIDS), choices=list(GRIDS))
     p.add_argument(
-        "--causal", choices=list(CAUSAL), default="both",
+        "--causal",
+        choices=list(CAUSAL),
+        default="both",
         help="which masks to sweep: causal (what training and prefill run), noncausal, or both (default)",
     )
     p.add_argument("--seqlen", type=int, default=4096, help="timing length (queries = keys)")
