@@ -42,7 +42,8 @@ def test_tests_are_a_package_and_not_on_sys_path():
 @pytest.mark.spawns
 def test_the_spawns_marker_is_checked_both_ways(tmp_path):
     """tests/conftest.py fails a test that starts a process unmarked and a marked one that starts none (so that
-    ``-m "not spawns"`` is the in-process suite), and lets a ``git`` call and a shared launch pass."""
+    ``-m "not spawns"`` is the in-process suite), and lets a ``git`` call, a shared launch and Triton's own toolchain
+    (a GPU compile) pass."""
     (tmp_path / "test_probe.py").write_text(
         "import subprocess, sys, pytest\n"
         "def test_unmarked():\n    subprocess.run([sys.executable, '-c', 'pass'])\n"
@@ -53,6 +54,9 @@ def test_the_spawns_marker_is_checked_both_ways(tmp_path):
         "def test_multiprocessing():\n"
         "    import multiprocessing as mp\n"
         "    p = mp.get_context('spawn').Process(target=print); p.start(); p.join()\n"
+        "def test_triton_toolchain():\n"  # ptxas and the launcher's C compiler, run from inside Triton's package
+        '    code = \'import subprocess, sys; subprocess.run([sys.executable, "-c", "pass"])\'\n'
+        "    exec(compile(code, '/site-packages/triton/backends/nvidia/compiler.py', 'exec'), {})\n"
     )
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-p", "no:xdist",
@@ -61,7 +65,7 @@ def test_the_spawns_marker_is_checked_both_ways(tmp_path):
     )  # fmt: skip
     failed = {line.split("::")[1].split(" ")[0] for line in res.stdout.splitlines() if line.startswith("FAILED")}
     assert failed == {"test_unmarked", "test_marked_idle", "test_multiprocessing"}, res.stdout[-3000:]
-    assert "3 failed, 3 passed" in res.stdout, res.stdout[-3000:]
+    assert "3 failed, 4 passed" in res.stdout, res.stdout[-3000:]
 
 
 LAUNCHERS = {"run", "Popen", "check_call", "check_output", "call", "start"}  # subprocess / multiprocessing calls
