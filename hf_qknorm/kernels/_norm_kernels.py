@@ -18,10 +18,12 @@ from ._common import to_dtype
 
 @triton.jit
 def _abs_pow(a, P: tl.constexpr, p):
-    """``|a|**p`` for ``a`` in [0, 1]; ``P`` 2 selects the square."""
+    """``|a|**p`` for ``a`` in [0, 1]; ``P`` 2 selects the square. Every float literal in these kernels is a normal
+    float32 (1.1754943508222875e-38 is float32's smallest): Triton types a smaller one as float64, and Triton 3.6 then
+    computes in float64 and refuses the kernel (tests/kernels/test_kernel_literals.py)."""
     if P == 2:
         return a * a
-    return tl.where(a > 0, tl.exp2(p * tl.log2(tl.maximum(a, 1e-38))), 0.0)
+    return tl.where(a > 0, tl.exp2(p * tl.log2(tl.maximum(a, 1.1754943508222875e-38))), 0.0)
 
 
 @triton.jit
@@ -81,7 +83,7 @@ def _head_norm_fwd(
                 if P == 2:
                     rstd = tl.sqrt(s)
                 else:
-                    rstd = tl.where(s > 0, tl.exp2(tl.log2(tl.maximum(s, 1e-38)) / p), 0.0)
+                    rstd = tl.where(s > 0, tl.exp2(tl.log2(tl.maximum(s, 1.1754943508222875e-38)) / p), 0.0)
                 y = u / tl.maximum(rstd, eps / mean)
                 if HAS_W:
                     y = y * w
@@ -154,7 +156,9 @@ def _head_norm_bwd(
                     else:
                         a = tl.abs(u)
                         s = tl.where(u < 0, -1.0, 1.0) * tl.where(
-                            a > 0, tl.exp2((p - 1.0) * (tl.log2(tl.maximum(a, 1e-38)) - tl.log2(rstd))), 0.0
+                            a > 0,
+                            tl.exp2((p - 1.0) * (tl.log2(tl.maximum(a, 1.1754943508222875e-38)) - tl.log2(rstd))),
+                            0.0,
                         )
                     gx = (g - (tl.sum(g * u, 0) / rstd) * s) / (mean * rstd)
                 else:
