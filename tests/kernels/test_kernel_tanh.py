@@ -247,5 +247,9 @@ def test_fast_tanh_attention_within_flash_rule_cuda(monkeypatch, dtype):
         out, lse = attn_mod.attn_fwd(q, k, v, **kw)
         grads = attn_mod.attn_bwd(do, q, k, v, out, lse, **kw)
         for got, r, lo in zip((out, *grads), (ref, *(x.grad for x in leaves64)), (lowp, *(x.grad for x in leaves))):
-            err, err_ref = (got.double() - r).abs().max().item(), (lo.double() - r).abs().max().item()
+            # fp16's own reference overflows in the backward at cap 1e4 (the tanh's gradient times the cap passes
+            # 65504 in some rows): its error is taken where it has an answer; the kernel's everywhere, and finite
+            finite = torch.isfinite(lo)
+            assert torch.isfinite(got).all() and finite.double().mean() > 0.5, (cap, finite.double().mean())
+            err, err_ref = (got.double() - r).abs().max().item(), (lo.double() - r)[finite].abs().max().item()
             assert err <= 3 * err_ref + 1e-3, (cap, err, err_ref)
