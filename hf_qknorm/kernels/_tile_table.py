@@ -25,11 +25,25 @@ TMA_MAX_BLOCK = 256  # the largest TMA box side, in elements
 
 # fmt: off
 TILES: dict[tuple[str, str, int, bool, str], dict[str, int | str]] = {
+    ("sm90", "decode", 64, True, "bfloat16"):
+        {"block_n": 64, "num_warps": 8, "num_stages": 3},
+    ("sm90", "decode", 128, True, "bfloat16"):
+        {"block_n": 128, "num_warps": 8, "num_stages": 3},
+    ("sm90", "dkdv", 64, True, "bfloat16"):
+        {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 3, "mode": "separate"},
+    ("sm90", "dkdv", 128, True, "bfloat16"):
+        {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 2, "mode": "separate"},
+    ("sm90", "dq", 64, True, "bfloat16"):
+        {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3},
+    ("sm90", "dq", 128, True, "bfloat16"):
+        {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
 }
 # fmt: on
 
 # arch -> the device, date and result file of the sweep its rows come from.
-SOURCES: dict[str, str] = {}
+SOURCES: dict[str, str] = {
+    "sm90": "NVIDIA H200, 2026-11-30T01:03:01+00:00, 2026-11-30-nvidia-h200-tiles.json",
+}
 
 
 def _power_of_two(n) -> bool:
