@@ -16,7 +16,8 @@ fails to compile or launch, is recorded and skipped. The rest are timed with CUD
 backward directions time the whole backward with the other direction at its fallback tiles; the separate mode's two
 winners are then timed together, and the "dkdv" row written is the faster of the two modes; likewise the "fwd" row
 is the faster of the pointer and descriptor loads. The fallback configuration is candidate 0 of every grid, so a
-winner is never slower than today's launch (as measured); "fwd-tma" candidates are held to the pointer fallback's
+winner is never slower than today's launch (as measured), and replaces it only when ``--min-gain`` (5%) faster:
+a few per cent is the card's spread between runs; "fwd-tma" candidates are held to the pointer fallback's
 error.
 ``--budget-s`` stops the sweep between candidates and writes what it has, so the sweep fits one device call.
 
@@ -124,6 +125,7 @@ class Sweep:
         self.start = time.monotonic()
         self.rows, self.winners, self.stopped = [], {}, None
         self.base_errs = {}  # (direction, head_dim, causal) -> the fallback candidate's error
+        self.base_ms = {}  # (direction, head_dim, causal) -> the fallback candidate's time
 
     def left(self) -> float:
         return self.args.budget_s - (time.monotonic() - self.start)
@@ -273,7 +275,9 @@ class Sweep:
                         continue
                     ms = self.timed(functools.partial(self.run_direction, direction, *timing, timing_saved, kw))
                     row.update(status="ok", ms=ms, tflops=flops / ms / 1e9)
-                    if best is None or ms < best[0]:
+                    if i == 0 and not tma:
+                        self.base_ms[(direction, head_dim, causal)] = ms
+                    if self.better(direction, head_dim, causal, ms, best, fallback=i == 0 and not tma):
                         best = (ms, key, entry)
                 except Exception as exc:  # a compile error, out of resources: recorded, the sweep goes on
                     row.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
@@ -286,6 +290,20 @@ class Sweep:
             if best is not None:
                 bests[direction] = best
         return True
+
+    def better(self, direction, head_dim, causal, ms, best, fallback=False) -> bool:
+        """Whether a candidate timed at ``ms`` becomes its direction's best. The fallback always does (it is timed
+        first); any other only where it beats the launch it would replace by ``--min-gain`` (a share): its own
+        direction's fallback, the pointer forward's for "fwd-tma", the separate backward's fallback for "atomic".
+        Where that launch has no time (it failed, or the budget stopped first), the fastest wins. A row the card's
+        run-to-run spread alone put ahead of the fallback would change the launch for nothing, or for worse at
+        another shape."""
+        if fallback:
+            return True
+        ref = self.base_ms.get(({"fwd-tma": "fwd", "atomic": "dkdv"}.get(direction, direction), head_dim, causal))
+        if ref is not None and ms > ref * (1 - self.args.min_gain):
+            return False
+        return best is None or ms < best[0]
 
     def tma_unusable(self, qkv, kw) -> str | None:
         """Why this card or these inputs would not take the descriptor loads (the launcher would silently run the
@@ -466,14 +484,23 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=420.0, help="stop between candidates after this many seconds")
     p.add_argument("--reserve-s", type=float, default=20.0, help="seconds kept for the last candidate and the writes")
+    p.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.05,
+        help="a candidate replaces the fallback only when this share faster (default 0.05: the card's spread)",
+    )
     p.add_argument("--out", help="result folder (default benchmarks/results/gpu; a temp dir with --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, one candidate each")
     p.add_argument("--apply", metavar="RESULT", help="merge a sweep's .json into the tile table and exit")
     p.add_argument("--table", default=str(TABLE_PATH), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not 0 <= args.min_gain < 1:
+        p.error(f"--min-gain {args.min_gain}: a share from 0 (the fastest wins) to below 1")
     if args.apply:
         return apply(args.apply, Path(args.table))
     if args.dry_run:
+        args.min_gain = 0.0  # the interpreter's times say nothing: the dry run checks that every candidate can win
         args.head_dims = [64]
         args.seqlen, args.batch, args.heads, args.kv_heads = 40, 1, 2, 1
         args.check_len, args.decode_len, args.decode_batch = 37, 70, 1  # 37: odd, edge tiles

@@ -320,9 +320,9 @@ def _sweep_module():
     return sweep_tiles
 
 
-def _sweep_object(capability=None):
+def _sweep_object(capability=None, min_gain=0.0):
     sweep_tiles = _sweep_module()
-    args = sweep_tiles.argparse.Namespace(dry_run=True, budget_s=60.0, reserve_s=1.0)
+    args = sweep_tiles.argparse.Namespace(dry_run=True, budget_s=60.0, reserve_s=1.0, min_gain=min_gain)
     s = sweep_tiles.Sweep(args)
     s.capability = capability
     return s
@@ -391,3 +391,29 @@ def test_sweep_dry_run_checks_and_times_tma_candidates(tmp_path):
     assert len(work) == 1, rows
     (winner,) = json.loads(jsonl.with_suffix(".json").read_text())["tiles"]
     assert winner["key"][1] == "fwd"
+
+
+def test_sweep_keeps_the_fallback_unless_a_candidate_beats_it_by_the_margin():
+    """--min-gain: a candidate within the margin of the launch it would replace does not win (the H200's sweep of
+    2026-11-30 put forward rows 1-4% ahead of the fallback that were slower in the attention benchmark); one past it
+    does; "fwd-tma" is held to the pointer forward's fallback and "atomic" to the separate backward's."""
+    s = _sweep_object(min_gain=0.05)
+    fallback = (1.0, "key", {"tiles": 0})
+    assert s.better("fwd", 128, True, 1.0, None, fallback=True)
+    s.base_ms[("fwd", 128, True)] = 1.0
+    assert not s.better("fwd", 128, True, 0.96, fallback)  # 4% faster: within the spread
+    assert s.better("fwd", 128, True, 0.94, fallback)
+    assert not s.better("fwd", 128, True, 0.94, (0.93, "key", {}))  # past the margin, but not the fastest
+    assert not s.better("fwd-tma", 128, True, 0.97, None)  # no TMA row unless it beats the pointer fallback
+    assert s.better("fwd-tma", 128, True, 0.90, None)
+    s.base_ms[("dkdv", 128, True)] = 2.8
+    assert not s.better("atomic", 128, True, 2.7, None) and s.better("atomic", 128, True, 2.5, None)
+    assert s.better("decode", 64, True, 0.5, None)  # its fallback has no time (failed or not reached): fastest wins
+    assert _sweep_object(min_gain=0.0).better("fwd", 64, True, 0.99, fallback)
+
+
+def test_sweep_refuses_a_margin_outside_zero_to_one():
+    sweep_tiles = _sweep_module()
+    for bad in ("-0.1", "1", "2"):
+        with pytest.raises(SystemExit):
+            sweep_tiles.main(["--min-gain", bad])
