@@ -206,7 +206,7 @@ def test_the_mix_default_is_the_schemes(scheme, given, used):
         ("qk_norm", None, 204_800),
         ("qk_norm_cap", None, 204_800),
         ("soft_cap", None, 204_800),
-        ("qkv_norm", None, 409_600),  # measured: twice the steps took qkv_norm's Tiny Shakespeare within 1.15x
+        ("qkv_norm", None, 384_000),  # measured: nearly twice the steps take qkv_norm's Shakespeare within 1.15x
         ("qkv_norm", 1024, 1024),  # a count given is used as given, on every scheme
         ("qk_norm", 409_600, 409_600),
     ],
@@ -217,6 +217,33 @@ def test_the_heal_tokens_default_is_the_schemes(scheme, given, used):
     assert resolved.tokens == used
     assert resolved.steps(256) == used // 256
     assert settings.tokens == given
+
+
+@pytest.mark.parametrize(
+    "tokens, search, trial",
+    [
+        (204_800, True, 50),  # 800 steps: a sixteenth
+        (384_000, True, 50),  # 1500 steps: trials as long as the default count's, not a sixteenth of the longer fit
+        (102_400, True, 25),
+        (256, True, 1),
+        (204_800, False, 0),
+    ],
+)
+def test_trials_rank_step_sizes_on_at_most_the_default_counts_sixteenth(tokens, search, trial):
+    settings = HealSettings(tokens=tokens, lr_search=search)
+    assert settings.trial_steps(256) == trial
+    assert settings.layer_steps(256) == tokens // 256 + 3 * trial
+
+
+def test_layer_errors_are_measured_on_calls_spread_over_the_recorded_ones():
+    from hf_qknorm.conversion.healing.heal import ERROR_CALLS, _spread
+
+    calls, targets = list(range(256)), [f"t{j}" for j in range(256)]
+    picked, their = _spread(calls, targets, ERROR_CALLS)
+    assert picked == list(range(0, 256, 4)) and their == [f"t{j}" for j in picked]  # 64 spread, targets aligned
+    assert _spread(calls[:10], targets[:10], ERROR_CALLS) == (calls[:10], targets[:10])  # few: all of them
+    spread = _spread(calls[:100], targets[:100], ERROR_CALLS)[0]
+    assert len(set(spread)) == 64 and spread[0] == 0 and spread[-1] >= 98  # over all of them, none twice
 
 
 def test_heal_steps_refuse_tokens_not_resolved_for_a_scheme():

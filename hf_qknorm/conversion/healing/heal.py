@@ -57,7 +57,7 @@ SELF_ROWS = 128
 SELF_CACHE_BYTES = 2 << 30
 LR_FACTORS = (1.0, 0.3, 0.1)  # --heal-lr-search: the step sizes tried per layer, as multiples of --heal-lr
 LR_WIDEN = 2  # --heal-lr-search: smaller steps tried beyond those while the smallest tried fits best
-TRIAL_SHARE = 16  # --heal-lr-search: each trial takes steps // TRIAL_SHARE steps
+TRIAL_SHARE = 16  # --heal-lr-search: each trial takes steps // TRIAL_SHARE steps (of at most the default's steps)
 TRIAL_CALLS = 16  # --heal-lr-search: the recorded calls a trial's error is measured on
 # --heal-attention-kl left to its default: measured on SmolLM2 and Gemma 3 (docs/conversion.md, healing): the term
 # raised greedy-prefix agreement for qk_norm and capped schemes and cost qkv_norm three points of perplexity
@@ -70,7 +70,8 @@ MIX_DEFAULT = "apart"
 # --heal-tokens left to its default: twice the layer-wise steps moved nothing on qk_norm, but took qkv_norm's Tiny
 # Shakespeare from 1.186x to 1.117x the original's perplexity, within its 1.15x goal (docs/conversion.md)
 TOKENS_DEFAULT = 204_800
-TOKENS_QKV_NORM = 409_600
+TOKENS_QKV_NORM = 384_000
+ERROR_CALLS = 64  # a layer's output error before and after its fit: on this many recorded calls, spread
 # the original layer's attention probabilities kept for the attention term per layer fit (bytes): Gemma 3 270M's
 # 256 heal blocks take 256 MiB, SmolLM2-135M's 576 MiB; a fit draws each block about three times
 TEACHER_CACHE_BYTES = 1 << 30
@@ -226,8 +227,12 @@ class HealSettings:
         return max(1, self.tokens // block_len)
 
     def trial_steps(self, block_len: int) -> int:
-        """Steps of each step-size trial per layer (0 without ``lr_search``)."""
-        return max(1, self.steps(block_len) // TRIAL_SHARE) if self.lr_search else 0
+        """Steps of each step-size trial per layer (0 without ``lr_search``): ``1 / TRIAL_SHARE`` of the layer's
+        steps, of at most the default count's (``TOKENS_DEFAULT``), so a longer heal does not lengthen the trials --
+        they rank step sizes, which SmolLM2's ``qkv_norm`` layers did alike at 50 and 100 steps."""
+        if not self.lr_search:
+            return 0
+        return max(1, min(self.steps(block_len), max(1, TOKENS_DEFAULT // block_len)) // TRIAL_SHARE)
 
     def layer_steps(self, block_len: int) -> int:
         """Adam steps per layer, the first trials included (a widened search takes up to ``LR_WIDEN`` more)."""
@@ -250,7 +255,7 @@ class HealReport:
     top1_before: float
     top1_after: float
     layers_kept: int
-    layer_errors: list = field(default_factory=list)  # per layer: [error before, error after] (relative MSE)
+    layer_errors: list = field(default_factory=list)  # per layer: [before, after] (relative MSE, ERROR_CALLS calls)
     layer_lrs: list = field(default_factory=list)  # per layer: the step size the fit used (lr_search picks it)
     # --heal-text self: the tokens the original generated (by its tokenizer) and the seconds that took
     generated_tokens: int = 0
@@ -271,10 +276,12 @@ def _fit(
     (projections and new norms), its step size picked by :func:`_pick_lr` under ``settings.lr_search``, with
     ``settings.attention_kl`` x the attention-probability KL from ``teacher`` (:func:`_teacher`) in the loss of both;
     returns (error before, error after, the new parameters by name relative to ``attn`` or ``None`` when the fit did
-    not lower the error, the step size)."""
+    not lower the error, the step size). The errors are measured on ``ERROR_CALLS`` of the recorded calls spread over
+    them (on all 256, the two passes took about a tenth of a ``qkv_norm`` layer's heal in a profile)."""
     params = dict(attn.named_parameters())
     denom = output_scale(targets)
-    before = relative_error(attn, calls, targets, denom)
+    error_calls, error_targets = _spread(calls, targets, ERROR_CALLS)
+    before = relative_error(attn, error_calls, error_targets, denom)
     start = {k: p.detach().clone() for k, p in params.items()}
     steps = settings.steps(block_len)
     for p in params.values():
@@ -291,11 +298,18 @@ def _fit(
     finally:
         for p in params.values():
             p.requires_grad_(False)
-    after = relative_error(attn, calls, targets, denom)
+    after = relative_error(attn, error_calls, error_targets, denom)
     if not after < before:
         _restore(params, start)
         return before, before, None, lr
     return before, after, {k: p.detach().float().cpu().clone() for k, p in params.items()}, lr
+
+
+def _spread(calls: list, targets: list, k: int) -> tuple[list, list]:
+    """``k`` of the recorded calls and their targets, evenly spread over them (all of them where there are few)."""
+    n = len(calls)
+    pick = [j * n // k for j in range(k)] if n > k else range(n)
+    return [calls[j] for j in pick], [targets[j] for j in pick]
 
 
 def _restore(params: dict, start: dict) -> None:
@@ -325,8 +339,7 @@ def _pick_lr(
     The layer is back at its start afterwards. Ties go to the larger step; ``settings.lr`` where every trial
     diverged."""
     trial = settings.trial_steps(block_len)
-    pick = range(0, len(calls), max(1, len(calls) // TRIAL_CALLS))[:TRIAL_CALLS]
-    probe_calls, probe_targets = [calls[j] for j in pick], [targets[j] for j in pick]
+    probe_calls, probe_targets = _spread(calls, targets, TRIAL_CALLS)
     errors: dict[float, float] = {}  # step size -> the trial's error (inf: diverged)
 
     distil = dict(teacher=teacher, kl_weight=settings.attention_kl)
