@@ -206,7 +206,7 @@ class HealSettings:
 
     def for_scheme(self, scheme: str) -> HealSettings:
         """These settings with ``tokens``, ``attention_kl`` and ``mix`` left to their defaults (``None``) made the
-        scheme's: ``tokens`` 409,600 for ``qkv_norm``, 204,800 for every other scheme; ``attention_kl`` 0 for
+        scheme's: ``tokens`` 384,000 for ``qkv_norm``, 204,800 for every other scheme; ``attention_kl`` 0 for
         ``qkv_norm``, 1 for every other; ``mix`` ``"apart"`` for every scheme. :func:`~hf_qknorm.convert` heals with
         this, and its report records what was used."""
         qkv = scheme == "qkv_norm"
