@@ -266,7 +266,7 @@ class Sweep:
                     got = self.run_direction(direction, *check, check_saved, kw)
                     err = max(_rel_err(g, r) for g, r in zip(got, ref))
                     row["max_rel_err"] = err
-                    if i == 0 and not tma:
+                    if row["fallback"]:
                         base_err = self.base_errs[(direction, head_dim, causal)] = err
                     limit = 0.05 if base_err is None else 2 * base_err + 1e-3  # 0.05: the fallback itself failed
                     if err > limit or not all(torch.isfinite(g).all() for g in got):
@@ -275,9 +275,9 @@ class Sweep:
                         continue
                     ms = self.timed(functools.partial(self.run_direction, direction, *timing, timing_saved, kw))
                     row.update(status="ok", ms=ms, tflops=flops / ms / 1e9)
-                    if i == 0 and not tma:
+                    if row["fallback"]:
                         self.base_ms[(direction, head_dim, causal)] = ms
-                    if self.better(direction, head_dim, causal, ms, best, fallback=i == 0 and not tma):
+                    if self.better(direction, head_dim, causal, ms, best, fallback=row["fallback"]):
                         best = (ms, key, entry)
                 except Exception as exc:  # a compile error, out of resources: recorded, the sweep goes on
                     row.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
