@@ -462,6 +462,8 @@ def _environment() -> dict:
         "command": "python " + " ".join(sys.argv),
         # the heap's settings change how many page faults a step takes (glibc trims and regrows its heap)
         "allocator": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))},
+        # the package's switches (HF_QKNORM_FUSED_NORMS, ...): a row measured with one set says so
+        "settings": {k: v for k, v in os.environ.items() if k.startswith("HF_QKNORM_")},
     }
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure of issue 50 in one command that fits one device call (the limits below sum to 565 s; run it with
+# Every GPU figure of issue 50 in one command that fits one device call (the limits below sum to 585 s; run it with
 # the device call's timeout_s 595):
 #   bash benchmarks/run_gpu.sh [label]          # on a CUDA machine, bf16
 #   bash benchmarks/run_gpu.sh --dry-run        # every section at a tiny size on CPU, nothing saved (tests)
@@ -8,11 +8,13 @@
 #              flash and efficient, FlexAttention with the tanh score_mod, flash-attn's softcap where installed
 #              (then `python3 benchmarks/delegation_table.py --apply` on the rows); fwd, bwd, fwd+bwd TFLOP/s;
 #              head_dim 64/128; T 1k, 4k, 16k; causal
+#   norms      bench_norms.py: the per-head norms, fused kernels (tile variants) against the modules' ATen path
 #   step       bench_decode.py --table step: the 1B-shaped training step, T 2k and 8k, every scheme and unpatched
+#   step-fused-norms  the same at T 2k with HF_QKNORM_FUSED_NORMS=1, for the schemes with head norms
 #   step-compiled  the same step compiled (torch.compile, inductor), T 2k, qk_norm and qk_norm_cap and unpatched
 #   token      bench_decode.py --table token: one eager decoding forward, every scheme
 #   decode     bench_decode.py --table decode: eager generations, dynamic and static cache; compiled static cache
-# Rows go to benchmarks/results/attention_gpu.jsonl and benchmarks/results/decode.jsonl as the benchmarks write them
+# Rows go to benchmarks/results/attention_gpu.jsonl, norms_gpu.jsonl and decode.jsonl as the benchmarks write them
 # (device, versions, date in each) and, at exit -- a failure included -- the rows of this run are copied to
 # benchmarks/results/gpu/<date>-run.jsonl with the command, and to $OUT where it is set. A failing section (an error
 # or its time limit) is named with its exit status on stderr and the next one runs: device time is scarce, and a
@@ -32,17 +34,20 @@ label=${1:-gpu}
 command="bash benchmarks/run_gpu.sh $*"
 attn=benchmarks/results/attention_gpu.jsonl
 dec=benchmarks/results/decode.jsonl
+norms=benchmarks/results/norms_gpu.jsonl
 if [ "$dry" = 1 ]; then
   attn=$(mktemp)
   : > "$attn"
 fi
 attn_before=$(wc -l < "$attn" 2>/dev/null || echo 0)
 dec_before=$(wc -l < "$dec" 2>/dev/null || echo 0)
+norms_before=$(wc -l < "$norms" 2>/dev/null || echo 0)
 
 rows_so_far() {  # this run's rows so far, each with the command and the exit status given
   {
     tail -n +"$((attn_before + 1))" "$attn" 2>/dev/null || true
     tail -n +"$((dec_before + 1))" "$dec" 2>/dev/null || true
+    tail -n +"$((norms_before + 1))" "$norms" 2>/dev/null || true
   } | python3 -c 'import json, sys
 for line in sys.stdin:
     if line.strip():
@@ -90,8 +95,12 @@ if [ "$dry" = 1 ]; then
     --warmup 0 --reps 1 --out "$attn"
   # the dry run checks this script's sections and flags, at the least cost: the tiny shape, and for the compiled
   # step Dynamo's trace alone (tests/recipes/test_bench_decode.py compiles the step through aot_eager)
+  section norms 120 python3 benchmarks/bench_norms.py --device cpu --seqlens 8 --tokens 8 --hidden 32 \
+    --head-dims 16 --kinds rmsnorm --warmup 0 --reps 1 --tiles 4096:2048:4:4 64:32:2:4
   section step 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table step --shapes tiny \
     --seq 16 --rounds 1 --schemes qk_norm_cap
+  section step-fused-norms 120 env HF_QKNORM_FUSED_NORMS=1 python3 benchmarks/bench_decode.py --device cpu \
+    --no-save --table step --shapes tiny --seq 16 --rounds 1 --schemes qk_norm
   section step-compiled 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table step --shapes tiny \
     --seq 16 --rounds 1 --schemes qk_norm_cap --compile --compile-backend eager
   section token 120 python3 benchmarks/bench_decode.py --device cpu --no-save --table token --shapes tiny \
@@ -106,11 +115,15 @@ fi
 
 python3 -c 'import torch, triton, transformers; print("#", torch.cuda.get_device_name(), "torch", torch.__version__,
 "triton", triton.__version__, "transformers", transformers.__version__)' || echo "!! could not name the device and versions" >&2
-section attention 180 python3 benchmarks/bench_attention.py --head-dims 64 128 --seqlens 1024 4096 16384 \
+section attention 140 python3 benchmarks/bench_attention.py --head-dims 64 128 --seqlens 1024 4096 16384 \
   --providers sdpa sdpa-cudnn sdpa-flash sdpa-efficient flex-cap flash-cap qknorm-triton qknorm-nocap --warmup 2 --reps 5
+section norms 40 python3 benchmarks/bench_norms.py --kinds rmsnorm layernorm --tiles 4096:2048:4:8 \
+  2048:1024:4:4 8192:4096:8:8 --warmup 3 --reps 10
 section step 90 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table step --shapes 1b \
   --seq 2048 8192 --rounds 3
-section step-compiled 120 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table step --shapes 1b \
+section step-fused-norms 30 env HF_QKNORM_FUSED_NORMS=1 python3 benchmarks/bench_decode.py --device cuda \
+  --label "$label-fused-norms" --table step --shapes 1b --seq 2048 --rounds 3 --schemes qk_norm qk_norm_cap qkv_norm
+section step-compiled 110 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table step --shapes 1b \
   --seq 2048 --rounds 3 --compile --schemes qk_norm qk_norm_cap
 section token 45 python3 benchmarks/bench_decode.py --device cuda --label "$label" --table token --shapes 1b \
   --batch 1 8 --prompt 512 --rounds 5 --schemes qk_norm soft_cap qk_norm_cap qkv_norm

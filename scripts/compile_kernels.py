@@ -160,7 +160,8 @@ def _record_norm_launches(scenario: dict) -> list:
         stack.enter_context(mock.patch.object(norms, "check_device", lambda *a, **k: None))
         for name in ("_head_norm_fwd", "_head_norm_bwd"):
             stack.enter_context(mock.patch.object(norms, name, _Recorder(getattr(norms, name), calls)))
-        x = torch.zeros(8, d, dtype=dtype, requires_grad=True)
+        # a 1B step's queries (2048 tokens x 32 heads): the tiles a GPU run takes, so spills show here
+        x = torch.zeros(65536, d, dtype=dtype, requires_grad=True)
         w = torch.ones(1 if scenario.get("logit") else d, dtype=dtype, requires_grad=True)
         b = torch.zeros(d, dtype=dtype, requires_grad=True) if kind == "layernorm" else None
         y = norms.head_norm(x, w, b, kind=kind, eps=1e-6, p=scenario.get("p", 2.0))

@@ -9,6 +9,7 @@ the package).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,12 +22,35 @@ KINDS = {"layernorm": 0, "rmsnorm": 1, "lp": 2}
 _TINY = torch.finfo(torch.float32).tiny
 
 
-ROWS_ONE_EACH = 4096  # up to this many rows one program per row; beyond, ROWS_PER_PROGRAM rows per program
-ROWS_PER_PROGRAM = 4
+# A program's tile, in elements (rows x the head dim padded to a power of two): the forward's and the backward's
+# (which holds more tensors per element). The backward runs BWD_PROGRAMS_PER_SM programs per multiprocessor (under
+# the interpreter BWD_PROGRAMS_INTERPRETED), each looping over its share of the tiles. Chosen, not yet measured
+# (benchmarks/bench_norms.py measures them and the ATen norms side by side on a GPU).
+TILE_ELEMENTS_FWD = 4096
+TILE_ELEMENTS_BWD = 2048
+NUM_WARPS = 8
+BWD_PROGRAMS_PER_SM = 4
+BWD_PROGRAMS_INTERPRETED = 4
 
 
-def _rows_per_program(n_rows: int) -> int:
-    return 1 if n_rows <= ROWS_ONE_EACH else ROWS_PER_PROGRAM
+def block_rows(n_rows: int, block_d: int, elements: int) -> int:
+    """Rows per tile: ``elements // block_d`` (a power of two, at least 1), no more than ``n_rows`` needs."""
+    return max(1, min(elements // block_d, triton.next_power_of_2(max(n_rows, 1))))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def bwd_programs(tiles: int, device: torch.device) -> int:
+    """How many programs the backward runs for ``tiles`` tiles: at most a few per multiprocessor."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cap = _multiprocessors(index) * BWD_PROGRAMS_PER_SM
+    else:
+        cap = BWD_PROGRAMS_INTERPRETED
+    return max(1, min(tiles, cap))
 
 
 class _HeadNorm(torch.autograd.Function):
@@ -39,8 +63,7 @@ class _HeadNorm(torch.autograd.Function):
         y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
         mean = torch.empty(n, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n, dtype=torch.float32, device=x.device)
-        R = _rows_per_program(n)
-        grid = (triton.cdiv(n, R),)
+        block_d = triton.next_power_of_2(D)
         meta = dict(
             OFFSET=float(offset),
             KIND=KINDS[kind],
@@ -48,12 +71,15 @@ class _HeadNorm(torch.autograd.Function):
             W_SCALAR=weight is not None and weight.numel() == 1 and D != 1,
             HAS_B=bias is not None,
             P=2 if p == 2 else 0,
-            ROWS=R,
-            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_D=block_d,
         )
         if n:
+            block_r = block_rows(n, block_d, TILE_ELEMENTS_FWD)
             with launch_context(x.device):
-                _head_norm_fwd[grid](rows, weight, bias, y, mean, rstd, n, D, float(eps), float(p), **meta)
+                _head_norm_fwd[(triton.cdiv(n, block_r),)](
+                    rows, weight, bias, y, mean, rstd, n, D, float(eps), float(p), BLOCK_R=block_r,
+                    num_warps=NUM_WARPS, **meta
+                )  # fmt: skip
         ctx.save_for_backward(rows, weight, bias, mean, rstd)
         ctx.meta, ctx.eps, ctx.p, ctx.shape = meta, float(eps), float(p), x.shape
         return y.view(*x.shape[:-1], D)
@@ -63,16 +89,20 @@ class _HeadNorm(torch.autograd.Function):
         rows, weight, bias, mean, rstd = ctx.saved_tensors
         meta = ctx.meta
         n, D = rows.shape
-        R = meta["ROWS"]
-        programs = triton.cdiv(n, R)
+        B = meta["BLOCK_D"]
+        block_r = block_rows(n, B, TILE_ELEMENTS_BWD)
+        programs = bwd_programs(triton.cdiv(n, block_r), rows.device)
         gy = gy.reshape(-1, D).contiguous()
         gx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-        B = meta["BLOCK_D"]
-        gw = torch.zeros(programs, B, dtype=torch.float32, device=rows.device) if weight is not None else None
-        gb = torch.zeros(programs, B, dtype=torch.float32, device=rows.device) if bias is not None else None
+        # one partial row per program, each written whole by its program
+        gw = torch.empty(programs, B, dtype=torch.float32, device=rows.device) if weight is not None else None
+        gb = torch.empty(programs, B, dtype=torch.float32, device=rows.device) if bias is not None else None
         if n:
             with launch_context(rows.device):
-                _head_norm_bwd[(programs,)](rows, weight, gy, gx, gw, gb, mean, rstd, n, D, ctx.eps, ctx.p, **meta)
+                _head_norm_bwd[(programs,)](
+                    rows, weight, gy, gx, gw, gb, mean, rstd, n, D, ctx.eps, ctx.p, BLOCK_R=block_r,
+                    num_warps=NUM_WARPS, **meta
+                )  # fmt: skip
         dw = db = None
         if weight is not None and ctx.needs_input_grad[1]:
             dw = gw.sum(0)[: weight.numel()].view(weight.shape) if not meta["W_SCALAR"] else gw.sum().view(weight.shape)

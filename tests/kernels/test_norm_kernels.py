@@ -101,22 +101,53 @@ def test_unit_offset_gain():
         torch.testing.assert_close(a.double(), c, atol=1e-4, rtol=1e-4)
 
 
-def test_many_rows_per_program(monkeypatch):
-    """More rows than one program per row takes (ROWS > 1; the last program's rows partly past the end), and the
-    partial gain sums across programs. The threshold is lowered so that the interpreter runs few programs."""
+def test_tile_sizes():
+    """A tile holds TILE_ELEMENTS // padded head dim rows (a power of two), no more rows than the call has, at least
+    one; the backward runs at most the tiles' count of programs."""
     from hf_qknorm.kernels import norms
 
-    assert norms._rows_per_program(norms.ROWS_ONE_EACH) == 1
-    assert norms._rows_per_program(norms.ROWS_ONE_EACH + 1) == norms.ROWS_PER_PROGRAM > 1
-    monkeypatch.setattr(norms, "ROWS_ONE_EACH", 8)
-    m = _module("rmsnorm", None, None, 16, torch.float32)
-    x = torch.randn(8 + 4 * norms.ROWS_PER_PROGRAM + 2, 16, requires_grad=True)
-    assert norms._rows_per_program(x.shape[0]) == norms.ROWS_PER_PROGRAM
-    y = _call("rmsnorm", m, x)
-    torch.testing.assert_close(y, m(x), atol=1e-5, rtol=1e-5)
-    (gw,) = torch.autograd.grad(y.sum(), [m.weight])
-    (gw_ref,) = torch.autograd.grad(m(x).sum(), [m.weight])
-    torch.testing.assert_close(gw, gw_ref, atol=1e-3, rtol=1e-4)
+    assert norms.block_rows(65536, 64, 4096) == 64
+    assert norms.block_rows(65536, 256, 2048) == 8
+    assert norms.block_rows(3, 64, 4096) == 4
+    assert norms.block_rows(1, 64, 4096) == 1
+    assert norms.block_rows(100, 8192, 4096) == 1
+    cpu = torch.device("cpu")
+    assert norms.bwd_programs(1, cpu) == 1
+    assert norms.bwd_programs(10**6, cpu) == norms.BWD_PROGRAMS_INTERPRETED
+
+
+@pytest.mark.parametrize("kind,p,scale", CASES + [("layernorm", None, "offset")])
+def test_many_tiles_and_tiles_per_program(monkeypatch, kind, p, scale):
+    """Several tiles of several rows (the last partly past the end) and more tiles than the backward's programs, so
+    that each program loops and the partial gain sums meet on the host: the same as the module, in float32."""
+    from hf_qknorm.kernels import norms
+
+    monkeypatch.setattr(norms, "TILE_ELEMENTS_FWD", 64)
+    monkeypatch.setattr(norms, "TILE_ELEMENTS_BWD", 32)
+    monkeypatch.setattr(norms, "BWD_PROGRAMS_INTERPRETED", 3)
+    D, n = 16, 8 * 4 + 5  # tiles of 4 rows forward, 2 backward: 10 and 19 tiles, the last partial; 3 programs
+    offset = 1.0 if scale == "offset" else 0.0
+    m = _module(kind, p, None if scale == "offset" else scale, D, torch.float32)
+    assert norms.block_rows(n, D, norms.TILE_ELEMENTS_FWD) == 4 and norms.block_rows(n, D, norms.TILE_ELEMENTS_BWD) == 2
+    x = torch.randn(n, D, dtype=torch.float64) * 2
+    x[5] = 0  # a row of zeros among others: an lp norm's gradient there is g / eps
+    x[n - 1] = 0  # and in the last, partial tile
+    x = x.float().requires_grad_()
+    params = list(m.parameters())
+    y = _call(kind, m, x, offset)
+    ref = _module(kind, p, None if scale == "offset" else scale, D, torch.float64)
+    with torch.no_grad():  # the reference's gain is 1 + w where the kernel is given w and offset 1
+        for (name, a), b in zip(ref.named_parameters(), params):
+            a.copy_(b.double() + (offset if name == "weight" else 0.0))
+    x64 = x.detach().double().requires_grad_()
+    y64 = ref(x64)
+    torch.testing.assert_close(y.double(), y64, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(y64)
+    got = torch.autograd.grad(y, [x, *params], g.float())
+    want = torch.autograd.grad(y64, [x64, *ref.parameters()], g)
+    for a, b in zip(got, want):
+        s = 1 + b.abs().max()
+        torch.testing.assert_close(a.double() / s, b / s, atol=1e-5, rtol=0)
 
 
 def test_routing():
