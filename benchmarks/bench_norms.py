@@ -85,23 +85,19 @@ def _grad(call, x, dy):
 
 
 def _time_ms(fn, warmup: int, reps: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` calls (CUDA events on a GPU) after ``warmup`` calls."""
+    """Median milliseconds of ``fn`` over ``reps`` calls after ``warmup`` calls: CUDA events on a GPU (as
+    bench_attention.py times), the wall clock on the CPU (the interpreter: nothing to compare)."""
+    if cuda:
+        from bench_attention import _time_ms as cuda_ms  # this folder's, beside the script
+
+        return cuda_ms(fn, warmup, reps)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
