@@ -45,13 +45,16 @@ def test_a_failing_section_is_named_and_the_run_goes_on(tmp_path):
     bench.mkdir()
     (bench / "run_gpu.sh").write_text(SCRIPT.read_text())
     (bench / "bench_attention.py").write_text("import sys\nprint('attention ran')\nsys.exit(5)\n")
+    (bench / "bench_norms.py").write_text("import sys\nprint('norms ran')\nsys.exit(4)\n")
     (bench / "bench_decode.py").write_text("import sys\nprint('decode ran', sys.argv[1:])\nsys.exit(3)\n")
     res = subprocess.run(
         ["bash", str(bench / "run_gpu.sh"), "--dry-run"], capture_output=True, text=True, timeout=60, check=False
     )
     assert res.returncode == 5, res.stderr
-    assert "attention ran" in res.stdout and res.stdout.count("decode ran") == 4  # step, compiled, token, decode
-    for name, rc in (("attention", 5), ("step", 3), ("step-compiled", 3), ("token", 3), ("decode", 3)):
+    assert "attention ran" in res.stdout and "norms ran" in res.stdout
+    assert res.stdout.count("decode ran") == 5  # step, step with fused norms, compiled, token, decode
+    sections = ("attention", 5), ("norms", 4), ("step", 3), ("step-fused-norms", 3), ("step-compiled", 3)
+    for name, rc in (*sections, ("token", 3), ("decode", 3)):
         assert f"section {name} ended with exit status {rc}" in res.stderr
     assert "every section ran" not in res.stdout
 
@@ -68,6 +71,9 @@ def test_rows_measured_before_a_failure_are_kept(tmp_path):
     (bench / "bench_attention.py").write_text(
         "open('benchmarks/results/attention_gpu.jsonl', 'a').write('{\"provider\": \"sdpa\"}\\n')\n"
     )
+    (bench / "bench_norms.py").write_text(
+        "open('benchmarks/results/norms_gpu.jsonl', 'a').write('{\"kind\": \"rmsnorm\"}\\n')\n"
+    )
     (bench / "bench_decode.py").write_text(
         "import sys\nopen('benchmarks/results/decode.jsonl', 'a').write('{\"table\": \"step\"}\\n')\nsys.exit(3)\n"
     )
@@ -77,7 +83,8 @@ def test_rows_measured_before_a_failure_are_kept(tmp_path):
     assert res.returncode == 3, res.stderr
     (run,) = (bench / "results" / "gpu").glob("*-run.jsonl")
     rows = [json.loads(line) for line in run.read_text().splitlines()]
-    assert [r.get("provider") or r.get("table") for r in rows] == ["sdpa"] + ["step"] * 5  # every section ran
+    # every section ran: attention's row, the six decode sections' and the norms'
+    assert [r.get("provider") or r.get("table") or r.get("kind") for r in rows] == ["sdpa"] + ["step"] * 6 + ["rmsnorm"]
     assert all(r["run_exit"] == 3 and r["command"] == "bash benchmarks/run_gpu.sh mylabel" for r in rows)
 
 
@@ -95,6 +102,7 @@ def test_rows_reach_out_after_every_section(tmp_path):
     (bench / "bench_attention.py").write_text(
         "open('benchmarks/results/attention_gpu.jsonl', 'a').write('{\"provider\": \"sdpa\"}\\n')\n"
     )
+    (bench / "bench_norms.py").write_text("")
     (bench / "bench_decode.py").write_text(  # what $OUT holds when the next section starts
         "import os\np = os.path.join(os.environ['OUT'], 'run-partial.jsonl')\n"
         "open('seen.txt', 'a').write(open(p).read() if os.path.exists(p) else 'none\\n')\n"
