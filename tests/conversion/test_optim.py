@@ -59,3 +59,11 @@ def test_fused_where_torch_takes_the_parameters(monkeypatch):
     assert made[-1]["fused"] is True
     assert optim._fusable([{"params": [torch.zeros(2)], "lr": 1.0}])
     assert not optim._fusable([{"params": [torch.zeros(2, device="meta")], "lr": 1.0}])
+
+
+def test_a_torch_without_cpu_fused_adam_takes_the_plain_one(monkeypatch):
+    monkeypatch.setattr(optim, "_fused_device_types", lambda: {"cuda"})
+    assert not optim._fusable([{"params": [torch.zeros(2)], "lr": 1.0}])
+    p = torch.zeros(3, requires_grad=True)
+    optim.cosine_adam([{"params": [p], "lr": 0.1}], 2, lambda step: (p - 1).pow(2).sum())
+    assert (p > 0).all()

@@ -11,13 +11,24 @@ import math
 import torch
 
 
+def _fused_device_types() -> set[str]:
+    """The device types this torch has fused Adam kernels for, of CPU and CUDA (a private helper of torch's,
+    read where it exists; else CUDA alone, which every supported torch fuses)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return {"cuda"}
+    return {"cpu", "cuda"} & set(_get_fused_kernels_supported_devices())
+
+
 def _fusable(groups: list[dict]) -> bool:
-    """Whether torch's fused Adam takes these parameters: floating point, all on one CPU or CUDA device."""
+    """Whether torch's fused Adam takes these parameters: floating point, all on one CPU or CUDA device that this
+    torch fuses on."""
     params = [p for group in groups for p in group["params"]]
     devices = {p.device for p in params}
     return (
         len(devices) == 1
-        and next(iter(devices)).type in ("cpu", "cuda")
+        and next(iter(devices)).type in _fused_device_types()
         and all(p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) for p in params)
     )
 
