@@ -320,6 +320,14 @@ RELIANCES: tuple[Reliance, ...] = (
         "tests/conversion/test_selftext.py::test_generation_dtype_is_bfloat16_only_where_it_is_fast",
     ),
     Reliance(
+        "torch.utils._foreach_utils._get_fused_kernels_supported_devices",
+        "conversion/calibration/optim.py",
+        "the device types torch's fused optimizers run on (a list of names, 'cpu' among them where torch fuses Adam "
+        "on the CPU); the conversion's fits use fused Adam only on CPU or CUDA when listed (where the helper is "
+        "missing, on CUDA alone)",
+        "tests/conversion/test_optim.py::test_fused_where_torch_takes_the_parameters",
+    ),
+    Reliance(
         "torch.nn.modules.module._global_forward_hooks",
         "portable/hooks.py",
         "torch keeps its process-wide module hooks in four module-level dicts (_global_forward_pre_hooks, "
