@@ -8,7 +8,7 @@ The input is shaped as a query projection's output, ``(batch, T, heads, head_dim
 --hidden`` and ``batch * T = --tokens``; every kind the kernels have (rmsnorm, layernorm, lp with p = 2 and a logit
 scale), weights in the input's dtype as in a model cast to it. Providers: ``aten`` (the module's forward, what a
 patched model runs without ``HF_QKNORM_FUSED_NORMS=1``) and ``fused`` at each ``--tiles`` variant
-``FWD_ELEMENTS:BWD_ELEMENTS:BWD_PROGRAMS_PER_SM:NUM_WARPS`` (the first is the committed setting). Each row gives
+``FWD_ELEMENTS:BWD_ELEMENTS:BWD_PROGRAMS_PER_SM:NUM_WARPS`` (without --tiles: the committed setting). Each row gives
 milliseconds, GB/s over the bytes the call must move (forward: x read, y written; backward: x and dy read, dx
 written) and the fused result's largest difference from the module's (forward output, input gradient).
 
@@ -34,6 +34,8 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results" / "norms_gpu.jsonl"
 KINDS = ("rmsnorm", "layernorm", "lp")
 MODES = ("fwd", "fwd+bwd")
+# the module constants of hf_qknorm.kernels.norms a --tiles variant sets, in its order
+TILE_SETTINGS = ("TILE_ELEMENTS_FWD", "TILE_ELEMENTS_BWD", "BWD_PROGRAMS_PER_SM", "NUM_WARPS")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -49,8 +51,7 @@ def tile_variant(text: str) -> dict[str, int]:
             f"tile variant {text!r} is not FWD_ELEMENTS:BWD_ELEMENTS:BWD_PROGRAMS_PER_SM:NUM_WARPS (four positive "
             "integers, e.g. 4096:2048:4:4)"
         )
-    names = ("TILE_ELEMENTS_FWD", "TILE_ELEMENTS_BWD", "BWD_PROGRAMS_PER_SM", "NUM_WARPS")
-    return dict(zip(names, values))
+    return dict(zip(TILE_SETTINGS, values))
 
 
 def make_norm(kind: str, head_dim: int, dtype: torch.dtype, device) -> torch.nn.Module:
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     out_path = args.out if args.out is not None else (RESULTS if cuda else None)
     from hf_qknorm.kernels import norms as kernels
 
-    committed = {name: getattr(kernels, name) for name in tile_variant("1:1:1:1")}
+    committed = {name: getattr(kernels, name) for name in TILE_SETTINGS}
     variants = args.tiles or [committed]
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]

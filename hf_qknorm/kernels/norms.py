@@ -19,7 +19,6 @@ from ._common import check_device, launch_context
 from ._norm_kernels import _head_norm_bwd, _head_norm_fwd
 
 KINDS = {"layernorm": 0, "rmsnorm": 1, "lp": 2}
-_TINY = torch.finfo(torch.float32).tiny
 
 
 # A program's tile, in elements (rows x the head dim padded to a power of two): the forward's and the backward's
